@@ -1,0 +1,5 @@
+import sys
+
+from gptoughts.cli import main
+
+sys.exit(main())

@@ -1,0 +1,284 @@
+"""The ``gptoughts`` command. Thin: parse argv, build a config, call :mod:`gptoughts.api`.
+
+``gptoughts train [PRESET|FILE.toml] [--section.key VALUE ...] [--alias VALUE ...]``: any dotted config key
+works; the aliases below are the spellings of the user's own scripts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from gptoughts.errors import ConfigError, UserError, closest
+
+# alias -> dotted key
+ALIASES: dict[str, str] = {
+    "model": "model.family",
+    "model_type": "model.family",
+    "size": "model.size",
+    "data": "data.sources",
+    "tokenizer": "data.tokenizer",
+    "out": "run.out",
+    "save_dir": "run.out",
+    "max_steps": "train.max_steps",
+    "epochs": "train.epochs",
+    "max_tokens": "train.max_tokens",
+    "batch_size": "train.batch_size",
+    "grad_accum": "train.grad_accum",
+    "gradient_accumulation_steps": "train.grad_accum",
+    "block_size": "train.block_size",
+    "learning_rate": "train.learning_rate",
+    "lr": "train.learning_rate",
+    "warmup_steps": "train.warmup_steps",
+    "seed": "train.seed",
+    "log_interval": "train.log_interval",
+    "eval_interval": "train.eval_interval",
+    "save_interval": "train.save_interval",
+    "device": "perf.device",
+    "precision": "perf.precision",
+    "compile": "perf.compile",
+    "overwrite": "run.overwrite",
+    "resume": "run.resume",
+    "wandb": "run.wandb",
+    "no_progress": "run.progress",
+}
+REPEATABLE = {"data.sources"}
+# Flags that take no value, and the value they set.
+FLAGS: dict[str, Any] = {"overwrite": True, "wandb": True, "no_progress": False}
+# Options whose value may be left out, and the value they then take.
+OPTIONAL_VALUE: dict[str, Any] = {"resume": "auto", "compile": True}
+OPTIONAL_CHOICES: dict[str, set[str]] = {"compile": {"true", "false", "auto", "1", "0"}}
+
+TRAIN_USAGE = """usage: gptoughts train [PRESET|FILE.toml] [--section.key VALUE ...] [options]
+
+Trains a model. With no arguments: the `quickstart` preset (a ~10M-param Llama on the Python standard library).
+
+options (aliases of config keys):
+  --model FAMILY          model.family (llama, ...)          --size SIZE        model.size (debug, 125m, 1b, ...)
+  --data PATH             data.sources (repeatable)          --tokenizer SPEC   bpe:VOCAB | bytes | HF_TOKENIZER_DIR
+  --out DIR               run.out (run directory)            --max_steps N / --epochs E / --max_tokens N
+  --batch_size N|auto     --grad_accum N                     --block_size N     --learning_rate LR
+  --device DEV            --seed N                           --precision {auto,fp32,bf16,fp16}
+  --compile [true|false|auto]                                --log_interval / --eval_interval / --save_interval N
+  --overwrite             replace the run in --out           --resume [auto|PATH] continue a run
+  --wandb                 log to Weights & Biases            --interactive      ask the INL guide's four questions
+  --section.key VALUE     any config key, e.g. --train.warmup_steps 100 --model.n_layers 4
+
+presets: {presets}
+"""
+
+
+def parse_overrides(argv: Sequence[str]) -> tuple[str | None, dict[str, Any], bool]:
+    """Split ``[PRESET] --k v ...`` into (preset, {dotted key: value}, interactive)."""
+    preset: str | None = None
+    out: dict[str, Any] = {}
+    interactive = False
+    i = 0
+    args = list(argv)
+    while i < len(args):
+        tok = args[i]
+        i += 1
+        if not tok.startswith("--"):
+            if preset is None and not out:
+                preset = tok
+                continue
+            raise ConfigError(f"unexpected argument {tok!r}; options are written --key VALUE")
+        name, eq, value = tok[2:].partition("=")
+        name = name.replace("-", "_") if "." not in name else name
+        if name == "interactive":
+            interactive = True
+            continue
+        if name in FLAGS and not eq:
+            out[ALIASES[name]] = FLAGS[name]
+            continue
+        if not eq:
+            nxt = args[i] if i < len(args) else None
+            if name in OPTIONAL_VALUE:
+                choices = OPTIONAL_CHOICES.get(name)
+                if nxt is None or nxt.startswith("--") or (choices is not None and nxt.lower() not in choices):
+                    value = OPTIONAL_VALUE[name]
+                else:
+                    value, i = nxt, i + 1
+            else:
+                if nxt is None or (nxt.startswith("--") and len(nxt) > 2):
+                    raise ConfigError(f"--{name} needs a value")
+                value, i = nxt, i + 1
+        key = ALIASES.get(name, name)
+        if "." not in key:
+            from gptoughts.config import Config
+
+            sections = {f"{s}" for s in Config.__dataclass_fields__}
+            hint = closest(name, list(ALIASES) + [f"{s}.{name}" for s in sections])
+            raise ConfigError(f"unknown option --{name}" + (f" (did you mean --{hint}?)" if hint else
+                                                             "; run `gptoughts train --help`"))
+        if key in REPEATABLE:
+            out.setdefault(key, []).append(value)
+        else:
+            out[key] = value
+    return preset, out, interactive
+
+
+def ask_interactive(overrides: dict[str, Any], ask: Callable[[str, str], str] | None = None) -> dict[str, Any]:
+    """The INL guide's four questions (size, corpus, epochs, batch size), each with a default."""
+    def default_ask(question: str, default: str) -> str:
+        answer = input(f"{question} [{default}]: ").strip()
+        return answer or default
+
+    ask = ask or default_ask
+    from gptoughts import models
+
+    family = overrides.get("model.family", "llama")
+    sizes = ", ".join(models.list_sizes(family))
+    out = dict(overrides)
+    out["model.size"] = ask(f"Model size ({sizes})", str(overrides.get("model.size", "debug")))
+    corpus = ask("Training corpus (file, folder, .jsonl, .parquet; @stdlib = Python's standard library)",
+                 ",".join(overrides.get("data.sources", ["@stdlib"])))
+    out["data.sources"] = [c.strip() for c in corpus.split(",") if c.strip()]
+    out["train.epochs"] = ask("Epochs", str(overrides.get("train.epochs", 1)))
+    out["train.batch_size"] = ask("Batch size", str(overrides.get("train.batch_size", 8)))
+    return out
+
+
+def cmd_train(argv: Sequence[str]) -> int:
+    from gptoughts.config import list_presets, load_config
+
+    if any(a in ("-h", "--help") for a in argv):
+        print(TRAIN_USAGE.format(presets=", ".join(list_presets())))
+        return 0
+    preset, overrides, interactive = parse_overrides(argv)
+    if interactive:
+        overrides = ask_interactive(overrides)
+    cfg = load_config(preset, overrides)
+    from gptoughts.api import run_training
+
+    run_training(cfg)
+    return 0
+
+
+def cmd_prepare(argv: Sequence[str]) -> int:
+    p = argparse.ArgumentParser(prog="gptoughts prepare", description="Tokenize a corpus into token shards.")
+    p.add_argument("--data", action="append", required=True, help="file, folder, .jsonl, .parquet or saved HF dataset")
+    p.add_argument("--out", required=True, help="output directory for shards + manifest.json + tokenizer/")
+    p.add_argument("--tokenizer", default="bpe:8192", help="bpe:VOCAB | bytes | HF tokenizer folder")
+    p.add_argument("--text_field", default="text")
+    p.add_argument("--val_fraction", type=float, default=0.005)
+    p.add_argument("--max_bytes", type=int, default=None)
+    p.add_argument("--seed", type=int, default=1337)
+    a = p.parse_args(argv)
+    from gptoughts.api import resolve_sources
+    from gptoughts.data.prepare import prepare
+
+    m = prepare(resolve_sources(a.data), a.out, a.tokenizer, text_field=a.text_field, val_fraction=a.val_fraction,
+                max_bytes=a.max_bytes, seed=a.seed)
+    print(f"{a.out}: {m.train_tokens:,} train tokens, {m.val_tokens:,} val tokens")
+    return 0
+
+
+def cmd_sample(argv: Sequence[str]) -> int:
+    p = argparse.ArgumentParser(prog="gptoughts sample", description="Generate text from a trained model.")
+    p.add_argument("path", help="run directory or checkpoint directory")
+    p.add_argument("--prompt", default="", help="text to continue")
+    p.add_argument("--max_new_tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top_k", type=int, default=50)
+    p.add_argument("--top_p", type=float, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--device", default="auto")
+    a = p.parse_args(argv)
+    from gptoughts.api import generate_text, load
+
+    loaded = load(a.path, device=a.device)
+    print(generate_text(loaded, a.prompt, max_new_tokens=a.max_new_tokens, temperature=a.temperature,
+                        top_k=a.top_k if a.top_k and a.top_k > 0 else None, top_p=a.top_p, seed=a.seed))
+    return 0
+
+
+def cmd_eval(argv: Sequence[str]) -> int:
+    p = argparse.ArgumentParser(prog="gptoughts eval", description="Validation loss and perplexity on a corpus.")
+    p.add_argument("path", help="run directory or checkpoint directory")
+    p.add_argument("--data", action="append", required=True)
+    p.add_argument("--batch_size", type=int, default=8)
+    p.add_argument("--block_size", type=int, default=None)
+    p.add_argument("--max_batches", type=int, default=100)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    a = p.parse_args(argv)
+    from gptoughts.api import evaluate, load
+
+    loaded = load(a.path, device=a.device)
+    res = evaluate(loaded, a.data, batch_size=a.batch_size, block_size=a.block_size, max_batches=a.max_batches)
+    if a.json:
+        print(json.dumps(res))
+    else:
+        print(f"loss {res['loss']:.4f}  perplexity {res['perplexity']:.2f}  ({int(res['tokens']):,} tokens, "
+              f"{res['split']} split)")
+    return 0
+
+
+def cmd_env(argv: Sequence[str]) -> int:
+    p = argparse.ArgumentParser(prog="gptoughts env", description="Hardware and what `auto` means on it.")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--device", default="auto")
+    a = p.parse_args(argv)
+    from gptoughts.perf.hardware import detect
+
+    prof = detect(a.device)
+    d = prof.to_dict()
+    if a.json:
+        print(json.dumps(d, default=str))
+        return 0
+    mem = f"{d['memory_bytes'] / 2**30:.1f} GiB" if d["memory_bytes"] else "unknown"
+    print(f"device     {d['device']}  ({d['name']}, {d['arch']}, {d['gpu_count']} GPU(s), {d['cpu_count']} CPU cores)")
+    print(f"memory     {mem}")
+    precisions = ["fp32"] + [p for p in ("bf16", "fp16", "fp8") if d[p]]
+    print(f"precisions {', '.join(precisions)}")
+    print(f"compile    {'available' if d['compile'] else 'unavailable'}")
+    print(f"torch      {d['torch_version']}")
+    print("recommended: " + ", ".join(f"{k}={v}" for k, v in d["recommended"].items()))
+    return 0
+
+
+COMMANDS: dict[str, tuple[Callable[[Sequence[str]], int], str]] = {
+    "train": (cmd_train, "train a model (default: the quickstart preset)"),
+    "prepare": (cmd_prepare, "tokenize a corpus into token shards"),
+    "sample": (cmd_sample, "generate text from a run or checkpoint"),
+    "eval": (cmd_eval, "val loss and perplexity of a run on a corpus"),
+    "env": (cmd_env, "hardware, supported precisions, recommended settings"),
+}
+
+
+def usage() -> str:
+    lines = ["usage: gptoughts COMMAND [ARGS]", "", "commands:"]
+    lines += [f"  {name:<9} {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += ["", "`gptoughts COMMAND --help` for details. `gptoughts` alone runs `gptoughts train` (quickstart)."]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("-h", "--help", "help"):
+        print(usage())
+        return 0
+    if not argv or argv[0].startswith("-"):
+        argv = ["train", *argv]
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        hint = closest(name, COMMANDS)
+        print(f"error: unknown command {name!r}" + (f" (did you mean {hint!r}?)" if hint else "") + "\n\n" + usage(),
+              file=sys.stderr)
+        return 2
+    try:
+        return COMMANDS[name][0](rest)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

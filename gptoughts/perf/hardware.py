@@ -1,0 +1,176 @@
+"""Hardware detection: what this machine is, what it supports, and what ``auto`` settings mean on it."""
+
+from __future__ import annotations
+
+import os
+import platform
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from gptoughts.errors import HardwareError
+
+# Dense (no sparsity) peak tensor-core throughput in FLOP/s, from the vendors' datasheets. MFU is computed
+# against the bf16 figure; fp8 runs report "MFU-equivalent" against the same bf16 peak, as torchtitan does.
+_PEAK_BF16 = {
+    "H200": 989e12,
+    "H100 SXM": 989e12,
+    "H100 NVL": 835e12,
+    "H100 PCIe": 756e12,
+    "H100": 989e12,
+    "GH200": 989e12,
+    "B200": 2250e12,
+    "A100": 312e12,
+    "A10G": 125e12,
+    "A10": 125e12,
+    "L40S": 362e12,
+    "L4": 121e12,
+    "RTX 4090": 165e12,
+    "RTX 3090": 71e12,
+    "V100": 125e12,
+    "T4": 65e12,
+}
+
+
+@dataclass
+class HardwareProfile:
+    device: str
+    """torch device string of this process (cuda:N, mps or cpu)."""
+    name: str
+    """GPU name, or the CPU's."""
+    arch: str
+    """hopper, blackwell, ada, ampere, older, mps or cpu."""
+    compute_capability: tuple[int, int] | None
+    memory_bytes: int | None
+    gpu_count: int
+    cpu_count: int
+    peak_bf16_flops: float | None
+    bf16: bool
+    fp16: bool
+    fp8: bool
+    compile: bool
+    recommended: dict[str, object] = field(default_factory=dict)
+    torch_version: str = torch.__version__
+
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def _arch(cc: tuple[int, int]) -> str:
+    major, minor = cc
+    if major >= 10:
+        return "blackwell"
+    if major == 9:
+        return "hopper"
+    if (major, minor) == (8, 9):
+        return "ada"
+    if major == 8:
+        return "ampere"
+    return "older"
+
+
+def peak_flops(name: str) -> float | None:
+    """Datasheet dense bf16 peak for a GPU name (None when unknown)."""
+    for key in sorted(_PEAK_BF16, key=len, reverse=True):
+        if key.lower() in name.lower():
+            return _PEAK_BF16[key]
+    return None
+
+
+def _compile_works() -> bool:
+    # Inductor needs a C compiler on CPU and Triton on GPU; a missing one is a common cause of crashes.
+    try:
+        import shutil
+
+        if torch.cuda.is_available():
+            import triton  # noqa: F401
+
+            return True
+        return shutil.which("cc") is not None or shutil.which("gcc") is not None
+    except Exception:
+        return False
+
+
+def resolve_device(requested: str = "auto") -> torch.device:
+    """auto -> this rank's GPU (LOCAL_RANK), else mps, else cpu. Errors when a missing device is named."""
+    if requested == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+        if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    try:
+        dev = torch.device(requested)
+    except RuntimeError:
+        raise HardwareError(f"unknown device {requested!r}; use auto, cpu, cuda, cuda:N or mps") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise HardwareError(f"--device {requested} asked for a CUDA GPU but none is visible; use --device cpu or auto")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise HardwareError(f"--device {requested}: only {torch.cuda.device_count()} GPU(s) visible")
+    if dev.type == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
+        raise HardwareError("--device mps asked for Apple's GPU but it is not available; use --device cpu")
+    return dev
+
+
+def detect(device: str | torch.device = "auto") -> HardwareProfile:
+    dev = resolve_device(device) if isinstance(device, str) else device
+    cpus = os.cpu_count() or 1
+    if dev.type == "cuda":
+        props = torch.cuda.get_device_properties(dev)
+        cc = (props.major, props.minor)
+        arch = _arch(cc)
+        prof = HardwareProfile(
+            device=str(dev), name=props.name, arch=arch, compute_capability=cc,
+            memory_bytes=props.total_memory, gpu_count=torch.cuda.device_count(), cpu_count=cpus,
+            peak_bf16_flops=peak_flops(props.name), bf16=torch.cuda.is_bf16_supported(), fp16=True,
+            fp8=cc >= (8, 9), compile=_compile_works(),
+        )
+    elif dev.type == "mps":
+        prof = HardwareProfile(
+            device="mps", name="Apple GPU", arch="mps", compute_capability=None, memory_bytes=None, gpu_count=1,
+            cpu_count=cpus, peak_bf16_flops=None, bf16=True, fp16=True, fp8=False, compile=False,
+        )
+    else:
+        prof = HardwareProfile(
+            device="cpu", name=platform.processor() or platform.machine(), arch="cpu", compute_capability=None,
+            memory_bytes=_host_memory(), gpu_count=0, cpu_count=cpus, peak_bf16_flops=None, bf16=True,
+            fp16=False, fp8=False, compile=_compile_works(),
+        )
+    prof.recommended = recommend(prof)
+    return prof
+
+
+def _host_memory() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def recommend(p: HardwareProfile) -> dict[str, object]:
+    """What each ``auto`` setting resolves to on this hardware, with the reason."""
+    if p.arch == "cpu":
+        return {"precision": "fp32", "compile": False, "fp8": False, "fused_adamw": False,
+                "batch_size": "small fixed (auto batch needs a GPU)", "activation_checkpointing": "none"}
+    if p.arch == "mps":
+        return {"precision": "fp32", "compile": False, "fp8": False, "fused_adamw": False,
+                "batch_size": "fixed", "activation_checkpointing": "none"}
+    precision = "bf16" if p.bf16 else "fp16"
+    return {
+        "precision": precision,
+        "compile": p.compile,
+        "fp8": p.arch in ("hopper", "blackwell"),  # Ada has fp8 tensor cores but small models rarely gain
+        "fused_adamw": True,
+        "batch_size": "auto",
+        "activation_checkpointing": "none unless the batch does not fit",
+    }
+
+
+def resolve_precision(requested: str, prof: HardwareProfile) -> str:
+    if requested == "auto":
+        return str(prof.recommended["precision"])
+    if requested == "bf16" and prof.arch not in ("cpu", "mps") and not prof.bf16:
+        raise HardwareError(f"{prof.name} has no bf16 support; use --precision fp16 (or auto)")
+    if requested == "fp16" and prof.arch == "cpu":
+        raise HardwareError("fp16 training on CPU is not supported; use --precision fp32 or bf16")
+    return requested

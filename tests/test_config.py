@@ -1,0 +1,78 @@
+from __future__ import annotations
+
+import pytest
+
+from gptoughts.config import Config, config_from_toml_text, list_presets, load_config, to_toml
+from gptoughts.errors import ConfigError
+
+
+def test_default_preset_is_quickstart():
+    cfg = load_config()
+    assert cfg.data.sources == ["@stdlib"]
+    assert cfg.model.family == "llama"
+    assert cfg.run.out == "runs/quickstart"
+
+
+def test_dotted_overrides_are_typed():
+    cfg = load_config("quickstart", {"train.max_steps": "7", "train.learning_rate": "1e-3", "run.overwrite": "true",
+                                     "train.batch_size": "4", "data.sources": ["a.txt", "b.txt"]})
+    assert cfg.train.max_steps == 7 and isinstance(cfg.train.max_steps, int)
+    assert cfg.train.learning_rate == pytest.approx(1e-3)
+    assert cfg.run.overwrite is True
+    assert cfg.train.batch_size == 4
+    assert cfg.data.sources == ["a.txt", "b.txt"]
+    assert load_config("quickstart", {"train.batch_size": "auto"}).train.batch_size == "auto"
+    assert load_config("quickstart", {"train.max_tokens": "1e6"}).train.max_tokens == 1_000_000
+
+
+def test_unknown_key_names_closest():
+    with pytest.raises(ConfigError, match="max_steps"):
+        load_config("quickstart", {"train.max_step": 3})
+    with pytest.raises(ConfigError, match="train"):
+        load_config("quickstart", {"trian.max_steps": 3})
+
+
+def test_unknown_model_key_names_closest():
+    with pytest.raises(ConfigError, match="n_layers"):
+        load_config("quickstart", {"model.n_layer": 3})
+
+
+def test_wrong_type_is_an_error():
+    with pytest.raises(ConfigError, match="train.max_steps must be an integer"):
+        load_config("quickstart", {"train.max_steps": "many"})
+    with pytest.raises(ConfigError, match="true or false"):
+        load_config("quickstart", {"run.overwrite": "perhaps"})
+
+
+def test_bad_choice_is_an_error():
+    with pytest.raises(ConfigError, match="cosine"):
+        load_config("quickstart", {"train.schedule": "cosin"})
+
+
+def test_unknown_preset_names_closest():
+    with pytest.raises(ConfigError, match="quickstart"):
+        load_config("quickstar")
+
+
+def test_toml_roundtrip(tmp_path):
+    cfg = load_config("quickstart", {"train.max_steps": 5, "model.n_layers": 3})
+    text = to_toml(cfg)
+    back = config_from_toml_text(text)
+    assert back == cfg
+    # and a user file with `base` inherits from a preset
+    f = tmp_path / "mine.toml"
+    f.write_text('base = "quickstart"\n[train]\nmax_steps = 11\n')
+    mine = load_config(str(f))
+    assert mine.train.max_steps == 11 and mine.data.sources == ["@stdlib"]
+
+
+def test_invalid_toml_is_a_config_error(tmp_path):
+    f = tmp_path / "bad.toml"
+    f.write_text("[train\nmax_steps = 1")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(str(f))
+
+
+@pytest.mark.parametrize("preset", list_presets())
+def test_every_preset_loads(preset):
+    assert isinstance(load_config(preset), Config)

@@ -1,0 +1,39 @@
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from gptoughts.train.optim import Schedule, param_groups
+
+
+def test_cosine_schedule_shape():
+    s = Schedule("cosine", 1.0, total_steps=110, warmup_steps=10, min_lr_ratio=0.1)
+    assert s.lr_at(0) == pytest.approx(0.1)
+    assert s.lr_at(9) == pytest.approx(1.0)
+    assert s.lr_at(10) == pytest.approx(1.0)
+    assert s.lr_at(60) == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi * 0.5)))
+    assert s.lr_at(110) == pytest.approx(0.1)
+    lrs = [s.lr_at(i) for i in range(10, 111)]
+    assert all(a >= b for a, b in zip(lrs, lrs[1:]))
+
+
+def test_wsd_and_constant():
+    w = Schedule("wsd", 1.0, total_steps=100, warmup_steps=10, min_lr_ratio=0.0, decay_fraction=0.2)
+    assert w.lr_at(50) == 1.0 and w.lr_at(79) == 1.0
+    assert w.lr_at(90) == pytest.approx(0.5)
+    assert w.lr_at(100) == pytest.approx(0.0)
+    c = Schedule("constant", 0.5, total_steps=100, warmup_steps=0)
+    assert c.lr_at(0) == c.lr_at(99) == 0.5
+
+
+def test_no_weight_decay_on_norms_biases_embeddings():
+    m = nn.ModuleDict({"emb": nn.Embedding(10, 4), "lin": nn.Linear(4, 4), "norm": nn.LayerNorm(4)})
+    decay, no_decay = param_groups(m, 0.1)
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert {id(p) for p in decay["params"]} == {id(m["lin"].weight)}
+    ids = {id(p) for p in no_decay["params"]}
+    assert ids == {id(m["emb"].weight), id(m["lin"].bias), id(m["norm"].weight), id(m["norm"].bias)}
+    assert isinstance(torch.optim.AdamW([decay, no_decay]), torch.optim.AdamW)
