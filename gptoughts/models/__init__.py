@@ -1,0 +1,176 @@
+"""The model registry: an explicit dict from family name to model class, args dataclass and size presets.
+
+Nothing registers itself at import time: adding a family means adding one line to ``FAMILIES`` below.
+The contract every model class obeys is in ``docs/internals.md`` (and ``tests/models/test_protocol.py``).
+
+    args = model_args("llama", "125m", {"vocab_size": tok.vocab_size, "max_seq_len": 4096})
+    model = build_model("llama", args, device="meta")   # then the transforms of train/setup.py
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from gptoughts.errors import ConfigError, did_you_mean
+from gptoughts.models.llama import LLAMA_SIZES, Llama, LlamaArgs
+
+__all__ = ["FAMILIES", "Family", "build_model", "get_family", "list_sizes", "model_args"]
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model family: its class, the dataclass of its hyper-parameters and its size presets."""
+
+    name: str
+    model_cls: type[nn.Module]
+    args_cls: type
+    """A dataclass of the family's architecture hyper-parameters."""
+    sizes: dict[str, dict[str, Any]]
+    """Size name -> field overrides of ``args_cls``; ``"debug"`` always exists (tiny, runs on CPU)."""
+    objective: str = "causal"
+    """``"causal"`` (next-token) or ``"diffusion"`` (masked diffusion, LLaDA)."""
+
+
+FAMILIES: dict[str, Family] = {
+    "llama": Family("llama", Llama, LlamaArgs, LLAMA_SIZES, objective="causal"),
+}
+
+
+def get_family(name: str | Family) -> Family:
+    """The registered family called ``name`` (a ``Family`` is returned as is)."""
+    if isinstance(name, Family):
+        return name
+    try:
+        return FAMILIES[name]
+    except (KeyError, TypeError):
+        raise ConfigError(f"unknown model family {name!r}{did_you_mean(str(name), FAMILIES)}") from None
+
+
+def list_sizes(family: str | Family) -> list[str]:
+    """The size presets of ``family``, in definition order (smallest first)."""
+    return list(get_family(family).sizes)
+
+
+def model_args(family: str | Family, size: str, overrides: Mapping[str, Any] | None = None) -> Any:
+    """The args dataclass of ``family`` at preset ``size``, then ``overrides`` applied field by field.
+
+    Unknown sizes and fields raise ``ConfigError`` naming the closest valid one; a value of the wrong type
+    raises ``ConfigError`` naming the field and the expected type. Ints are accepted for float fields (TOML
+    writes ``rope_theta = 500000``). The dataclass's own ``__post_init__`` then checks consistency.
+    """
+    fam = get_family(family)
+    key = size.lower() if isinstance(size, str) else size
+    if key not in fam.sizes:
+        raise ConfigError(
+            f"unknown size {size!r} for model family {fam.name!r}{did_you_mean(str(size), fam.sizes)}"
+        )
+    fields = {f.name: f for f in dataclasses.fields(fam.args_cls) if f.init}
+    hints = typing.get_type_hints(fam.args_cls)
+    values: dict[str, Any] = {}
+    for source in (fam.sizes[key], overrides or {}):
+        for name, value in source.items():
+            if name not in fields:
+                raise ConfigError(
+                    f"unknown field `{name}` for model family {fam.name!r}{did_you_mean(str(name), fields)}"
+                )
+            values[name] = _coerce(name, value, hints[name])
+    return fam.args_cls(**values)
+
+
+def build_model(family: str | Family, args: Any, device: torch.device | str | None = None) -> nn.Module:
+    """Build ``family``'s model from ``args`` on ``device`` (default: torch's default device).
+
+    The modules are always created on ``meta`` first (no memory, no wasted default init), then, unless
+    ``device`` is ``meta``, materialised with ``to_empty`` and initialised by ``init_weights()`` from the
+    current torch RNG. A ``meta`` model must go through ``to_empty`` + ``init_weights()`` before use, even
+    when a checkpoint is loaded afterwards (RoPE tables are non-persistent buffers).
+    """
+    fam = get_family(family)
+    if not isinstance(args, fam.args_cls):
+        raise TypeError(f"family {fam.name!r} expects {fam.args_cls.__name__}, got {type(args).__name__}")
+    device = torch.device(device) if device is not None else torch.get_default_device()
+    with torch.device("meta"):
+        model = fam.model_cls(args)
+    if device.type == "meta":
+        return model
+    model.to_empty(device=device)
+    model.init_weights()
+    return model
+
+
+# ------------------------------------------------------------------------------------ type checking
+
+
+def _coerce(name: str, value: Any, tp: Any) -> Any:
+    ok, out = _match(value, tp)
+    if not ok:
+        raise ConfigError(
+            f"model field `{name}` must be {_describe(tp)}, got {type(value).__name__} {value!r}"
+        )
+    return out
+
+
+def _match(value: Any, tp: Any) -> tuple[bool, Any]:
+    """(value fits tp, value converted to it). Handles the shapes args dataclasses use."""
+    if tp is Any:
+        return True, value
+    origin = typing.get_origin(tp)
+    if origin is typing.Union or (hasattr(types, "UnionType") and isinstance(tp, types.UnionType)):
+        for arm in typing.get_args(tp):
+            ok, out = _match(value, arm)
+            if ok:
+                return True, out
+        return False, value
+    if tp is type(None):
+        return value is None, value
+    if origin is typing.Literal:
+        return value in typing.get_args(tp), value
+    if tp is bool:
+        return isinstance(value, bool), value
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool), value
+    if tp is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        return ok, float(value) if ok else value
+    if tp is str:
+        return isinstance(value, str), value
+    base = origin or tp
+    if base is dict:
+        return isinstance(value, Mapping), dict(value) if isinstance(value, Mapping) else value
+    if base in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            return False, value
+        args = typing.get_args(tp)
+        if args and args[-1] is not Ellipsis and base is list:
+            items = [_match(v, args[0]) for v in value]
+            if not all(ok for ok, _ in items):
+                return False, value
+            return True, [v for _, v in items]
+        return True, base(value)
+    if isinstance(tp, type):
+        return isinstance(value, tp), value
+    return True, value
+
+
+def _describe(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is typing.Union or (hasattr(types, "UnionType") and isinstance(tp, types.UnionType)):
+        return " or ".join(_describe(a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return "None"
+    if origin is typing.Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    base = origin or tp
+    if base is dict:
+        return "a table (dict)"
+    if base in (list, tuple):
+        return "a list"
+    return getattr(base, "__name__", str(base))
