@@ -1,0 +1,36 @@
+"""Data: sources -> tokenizer -> token shards (prepare) -> batches (loader). See docs/internals.md."""
+
+from __future__ import annotations
+
+from gptoughts.data.loader import BatchLoader, Phase, TokenDataset, eval_batches
+from gptoughts.data.prepare import (
+    Manifest,
+    SourceInfo,
+    cache_key,
+    cached_prepare,
+    default_cache_dir,
+    prepare,
+    token_dtype,
+)
+from gptoughts.data.sources import DEFAULT_EXTENSIONS, SourceStats, iter_documents, source_kind
+from gptoughts.data.tokenizer import Tokenizer, build_tokenizer
+
+__all__ = [
+    "DEFAULT_EXTENSIONS",
+    "BatchLoader",
+    "Manifest",
+    "Phase",
+    "SourceInfo",
+    "SourceStats",
+    "TokenDataset",
+    "Tokenizer",
+    "build_tokenizer",
+    "cache_key",
+    "cached_prepare",
+    "default_cache_dir",
+    "eval_batches",
+    "iter_documents",
+    "prepare",
+    "source_kind",
+    "token_dtype",
+]

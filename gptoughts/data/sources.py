@@ -1,0 +1,477 @@
+"""Read documents (strings) out of the corpus formats users have on disk.
+
+Supported sources (see :func:`source_kind`):
+
+* a text file (any extension): one file is one document; files over :data:`CHUNK_BYTES` are cut into ~1 MB
+  documents at line boundaries, so that a single huge ``.txt`` still gives a held-out val split and enough
+  independent pieces for parallel tokenisation;
+* a folder: every file whose extension is in ``extensions``, recursively, in a deterministic order (sorted
+  names, depth first). Hidden folders and :data:`SKIPPED_DIRS` (``site-packages``, ``__pycache__``, ...)
+  are not entered. Binary files (a NUL byte in the first 8 KB) are skipped and counted. ``.jsonl`` and
+  ``.parquet`` files inside a folder are parsed as such when their extension is listed;
+* ``.jsonl``: one document per line, read from ``text_field``;
+* ``.parquet``: column ``text_field``, streamed by record batches with pyarrow;
+* a dataset written by ``datasets.Dataset.save_to_disk`` (``state.json`` + ``*.arrow`` IPC streams) or a
+  ``DatasetDict`` (``dataset_dict.json`` + split folders; split ``train`` is read). We read the arrow files
+  with pyarrow directly so that the ``datasets`` package is not a dependency.
+
+``@stdlib`` names the running interpreter's standard library source (the embedded default corpus).
+
+Invalid UTF-8 is decoded with ``errors="replace"``; the number of replaced sequences and of affected files
+is counted in :class:`SourceStats` so that a mis-encoded corpus is visible in the prepare summary.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sysconfig
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+from gptoughts.errors import DataError
+
+DEFAULT_EXTENSIONS: tuple[str, ...] = (
+    "txt", "md", "rst", "py", "json", "c", "h", "js", "ts", "java", "go", "rs", "toml", "yaml", "yml",
+    "html", "css", "sh", "tex",
+)  # fmt: skip
+
+# Folders never entered when walking a directory: caches, VCS metadata and installed third-party packages
+# (the stdlib folder contains site-packages, which would otherwise add GBs of other people's code).
+SKIPPED_DIRS: frozenset[str] = frozenset(
+    {"__pycache__", "site-packages", "dist-packages", "node_modules", ".git", ".hg", ".svn", ".venv", "venv"}
+)
+
+# Text files above this size are split into documents of about this size at line boundaries.
+CHUNK_BYTES = 1 << 20
+# A NUL byte in the first BINARY_PROBE bytes marks a file as binary (the heuristic git and grep use).
+BINARY_PROBE = 8192
+STDLIB_ALIAS = "@stdlib"
+# File extensions parsed structurally (not as plain text) when met inside a folder.
+_STRUCTURED = ("jsonl", "parquet")
+_PARQUET_BATCH_ROWS = 1024
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+_MISSING_MSG = "does not exist; pass a file, folder, .jsonl, .parquet or a saved HF dataset"
+
+
+@dataclass
+class SourceStats:
+    """Counters filled while reading a source (they add up across sources with :meth:`merge`)."""
+
+    files_read: int = 0
+    bytes_read: int = 0  # bytes of text consumed (file bytes for text/jsonl, UTF-8 bytes for columnar data)
+    docs: int = 0
+    skipped_binary: int = 0
+    skipped_empty: int = 0  # empty documents (empty files, empty strings, nulls): nothing to learn from
+    invalid_utf8_files: int = 0  # files (or jsonl lines / rows) that had invalid UTF-8
+    replaced_chars: int = 0  # invalid UTF-8 sequences replaced by U+FFFD
+
+    def merge(self, other: SourceStats) -> None:
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+def stdlib_path() -> Path:
+    """The running interpreter's standard library source folder."""
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def resolve_source(path: str | os.PathLike[str]) -> Path:
+    """The absolute path of a source, with ``@stdlib`` expanded; DataError when it does not exist."""
+    if str(path) == STDLIB_ALIAS:
+        return stdlib_path()
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise DataError(f"{path} {_MISSING_MSG}")
+    return p.resolve()
+
+
+def normalize_extensions(extensions: Iterable[str] | None) -> tuple[str, ...]:
+    """Lower-case extensions without the leading dot; None or empty means :data:`DEFAULT_EXTENSIONS`."""
+    if not extensions:
+        return DEFAULT_EXTENSIONS
+    if isinstance(extensions, str):  # "py,md" from a command line
+        extensions = extensions.split(",")
+    out = tuple(dict.fromkeys(e.strip().lstrip(".").lower() for e in extensions if e.strip()))
+    return out or DEFAULT_EXTENSIONS
+
+
+def _is_hf_dataset(p: Path) -> bool:
+    return (p / "dataset_dict.json").is_file() or (
+        (p / "state.json").is_file() and ((p / "dataset_info.json").is_file() or any(p.glob("*.arrow")))
+    )
+
+
+def source_kind(path: str | os.PathLike[str]) -> str:
+    """One of ``"text"``, ``"folder"``, ``"jsonl"``, ``"parquet"``, ``"hf_dataset"``."""
+    p = resolve_source(path)
+    if p.is_dir():
+        return "hf_dataset" if _is_hf_dataset(p) else "folder"
+    suffix = p.suffix.lower().lstrip(".")
+    if suffix in ("jsonl", "parquet"):
+        return suffix
+    return "text"
+
+
+def walk_files(root: Path, extensions: tuple[str, ...]) -> Iterator[Path]:
+    """Files under ``root`` with a listed extension, in a deterministic depth-first sorted order.
+
+    Deterministic order matters: document indices feed the train/val split hash and the shard layout, so
+    the same folder must give the same dataset on every machine (os.walk order is filesystem dependent).
+    """
+    wanted = {"." + e for e in extensions}
+    for dirpath, dirnames, filenames in os.walk(root):
+        if "manifest.json" in filenames and "tokenizer" in dirnames and Path(dirpath) != root:
+            # A prepared dataset inside the corpus (``prepare . --out ./data``): its JSON files are not text
+            # to learn from, and reading them would change the cache key after every prepare.
+            dirnames[:] = []
+            continue
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and d not in SKIPPED_DIRS)
+        for name in sorted(filenames):
+            if name.startswith("."):
+                continue
+            if os.path.splitext(name)[1].lower() in wanted:
+                yield Path(dirpath) / name
+
+
+def source_fingerprint(path: str | os.PathLike[str], extensions: Iterable[str] | None = None) -> dict:
+    """A cheap identity of a source's content, used in the prepare cache key.
+
+    Like ``make``, it hashes file metadata rather than content: (relative path, size, mtime_ns) of every
+    file that would be read. Hashing GBs of content on every ``train`` start would cost seconds to minutes;
+    any edit changes size or mtime. (The manifest also records a content sha256 for single files.)
+    """
+    import hashlib
+
+    p = resolve_source(path)
+    exts = normalize_extensions(extensions)
+    h = hashlib.sha256()
+    if p.is_dir():
+        if _is_hf_dataset(p):
+            files = sorted(f for f in p.rglob("*") if f.is_file())
+        else:
+            files = list(walk_files(p, exts))
+        for f in files:
+            st = f.stat()
+            h.update(f"{f.relative_to(p).as_posix()}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    else:
+        st = p.stat()
+        h.update(f"{p.name}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return {"path": str(p), "kind": source_kind(p), "stat_sha256": h.hexdigest()}
+
+
+def content_sha256(path: Path) -> str:
+    """sha256 of a file's bytes (streamed)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            h.update(block)
+    return h.hexdigest()
+
+
+# --------------------------------------------------------------------------------------------- decoding
+
+
+def _decode(raw: bytes, stats: SourceStats) -> str:
+    """UTF-8 decode; invalid sequences become U+FFFD and are counted."""
+    try:
+        return raw.decode("utf-8")  # fast path: almost every file is valid
+    except UnicodeDecodeError:
+        text = raw.decode("utf-8", errors="replace")
+        # Each invalid sequence became one U+FFFD; genuine U+FFFD already in the file (bytes EF BF BD) are
+        # not replacements, so subtract them.
+        replaced = text.count("\ufffd") - raw.count(b"\xef\xbf\xbd")
+        stats.invalid_utf8_files += 1
+        stats.replaced_chars += max(replaced, 1)
+        return text
+
+
+def _utf8_boundary(buf: bytes | bytearray, end: int) -> int:
+    """Largest cut position <= end that does not split a UTF-8 sequence (continuation bytes are 10xxxxxx)."""
+    cut = end
+    while cut > 0 and end - cut < 4 and (buf[cut] & 0xC0) == 0x80:
+        cut -= 1
+    return cut if cut > 0 else end
+
+
+# --------------------------------------------------------------------------------------------- readers
+
+
+def _read_text_file(p: Path, stats: SourceStats, *, skip_binary: bool) -> Iterator[str]:
+    with open(p, "rb") as f:
+        head = f.read(CHUNK_BYTES + 1)
+        if skip_binary and b"\0" in head[:BINARY_PROBE]:
+            stats.skipped_binary += 1
+            return
+        stats.files_read += 1
+        if len(head) <= CHUNK_BYTES:  # the common case: one file, one document
+            stats.bytes_read += len(head)
+            yield from _emit(_decode(head, stats), stats)
+            return
+        # Large file: stream it in ~1 MB documents cut after a newline (a newline byte never occurs inside
+        # a multi-byte UTF-8 sequence, so the byte-level cut is safe for decoding).
+        buf = bytearray(head)
+        while True:
+            more = f.read(CHUNK_BYTES)
+            buf += more
+            while len(buf) > CHUNK_BYTES or (not more and buf):
+                if not more and len(buf) <= CHUNK_BYTES:
+                    cut = len(buf)
+                else:
+                    nl = buf.rfind(b"\n", 0, CHUNK_BYTES)
+                    cut = nl + 1 if nl > CHUNK_BYTES // 2 else _utf8_boundary(buf, CHUNK_BYTES)
+                piece = bytes(buf[:cut])
+                del buf[:cut]
+                stats.bytes_read += len(piece)
+                yield from _emit(_decode(piece, stats), stats)
+            if not more:
+                return
+
+
+def _emit(text: str, stats: SourceStats) -> Iterator[str]:
+    if not text.strip():
+        stats.skipped_empty += 1
+        return
+    stats.docs += 1
+    yield text
+
+
+def _read_jsonl(p: Path, text_field: str, stats: SourceStats) -> Iterator[str]:
+    stats.files_read += 1
+    with open(p, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            stats.bytes_read += len(raw)
+            if not raw.strip():
+                continue
+            line = _decode(raw, stats)
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(
+                    f"{p}:{lineno} is not valid JSON ({e.msg}); fix or remove that line"
+                ) from None
+            if not isinstance(rec, dict):
+                raise DataError(
+                    f"{p}:{lineno} is a JSON {type(rec).__name__}, not an object; each line must be "
+                    f'{{"{text_field}": "..."}}'
+                )
+            if text_field not in rec:
+                keys = ", ".join(sorted(rec)) or "none"
+                raise DataError(
+                    f"{p}:{lineno} has no field '{text_field}' (available keys: {keys}); "
+                    f"pass --text_field with one of them"
+                )
+            value = rec[text_field]
+            if value is None:
+                stats.skipped_empty += 1
+                continue
+            if not isinstance(value, str):
+                raise DataError(
+                    f"{p}:{lineno} field '{text_field}' is a {type(value).__name__}, not a string; "
+                    f"pass --text_field naming a text field"
+                )
+            if b"\\ud" in raw or b"\\uD" in raw:  # JSON escapes can encode lone surrogates
+                value = _drop_surrogates(value, stats)
+            yield from _emit(value, stats)
+
+
+def _drop_surrogates(value: str, stats: SourceStats) -> str:
+    """Replace lone surrogates (invalid in UTF-8, refused by the tokenizer) by U+FFFD, counted."""
+    fixed, n = _SURROGATE.subn("\ufffd", value)
+    if n:
+        stats.invalid_utf8_files += 1
+        stats.replaced_chars += n
+    return fixed
+
+
+def _column_batches(batches: Iterable, p: Path, text_field: str, stats: SourceStats) -> Iterator[str]:
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    for batch in batches:
+        col = batch.column(text_field)
+        if not (pa.types.is_string(col.type) or pa.types.is_large_string(col.type)):
+            raise DataError(
+                f"{p}: column '{text_field}' has type {col.type}, not string; pass --text_field naming a "
+                f"text column"
+            )
+        stats.bytes_read += int(pc.sum(pc.binary_length(col)).as_py() or 0)
+        for value in col.to_pylist():
+            if value is None:
+                stats.skipped_empty += 1
+                continue
+            yield from _emit(value, stats)
+
+
+def _check_column(schema_names: list[str], p: Path, text_field: str) -> None:
+    if text_field not in schema_names:
+        raise DataError(
+            f"{p} has no column '{text_field}' (columns: {', '.join(schema_names)}); "
+            f"pass --text_field with one of them"
+        )
+
+
+def _read_parquet(p: Path, text_field: str, stats: SourceStats) -> Iterator[str]:
+    import pyarrow.parquet as pq
+
+    try:
+        pf = pq.ParquetFile(p)
+    except Exception as e:  # pyarrow raises ArrowInvalid & co. for a corrupt or non-parquet file
+        raise DataError(f"{p} is not a readable parquet file ({e}); check the file") from None
+    _check_column(pf.schema_arrow.names, p, text_field)
+    stats.files_read += 1
+    # Only the text column is read, a batch at a time: memory stays bounded for multi-GB files.
+    yield from _column_batches(
+        pf.iter_batches(batch_size=_PARQUET_BATCH_ROWS, columns=[text_field]), p, text_field, stats
+    )
+
+
+def _arrow_batches(f: Path) -> Iterator:
+    import pyarrow as pa
+    import pyarrow.ipc as ipc
+
+    # datasets.save_to_disk writes the IPC *stream* format; accept the file format too.
+    with pa.memory_map(str(f), "r") as source:
+        try:
+            reader = ipc.open_stream(source)
+        except pa.ArrowInvalid:
+            source.seek(0)
+            reader = ipc.open_file(source)
+            for i in range(reader.num_record_batches):
+                yield reader.get_batch(i)
+            return
+        yield from reader
+
+
+def _hf_arrow_files(p: Path) -> list[Path]:
+    if (p / "dataset_dict.json").is_file():
+        try:
+            splits = json.loads((p / "dataset_dict.json").read_text()).get("splits", [])
+        except (json.JSONDecodeError, AttributeError):
+            splits = []
+        splits = splits or sorted(d.name for d in p.iterdir() if d.is_dir())
+        if "train" not in splits:
+            raise DataError(
+                f"{p} is a DatasetDict without a 'train' split (splits: {', '.join(splits)}); "
+                f"pass the split folder itself, e.g. {p / splits[0]}"
+                if splits
+                else f"{p} is a DatasetDict with no splits; pass a folder holding *.arrow files"
+            )
+        p = p / "train"
+    files: list[Path] = []
+    state = p / "state.json"
+    if state.is_file():
+        try:
+            files = [p / d["filename"] for d in json.loads(state.read_text()).get("_data_files", [])]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            files = []
+    if not files:
+        files = sorted(p.glob("*.arrow"))
+    missing = [f for f in files if not f.is_file()]
+    if missing:
+        raise DataError(f"{missing[0]} listed in {state} is missing; re-save the dataset")
+    if not files:
+        raise DataError(f"{p} holds no *.arrow files; pass a folder written by datasets.save_to_disk")
+    return files
+
+
+def _read_hf_dataset(p: Path, text_field: str, stats: SourceStats) -> Iterator[str]:
+    for f in _hf_arrow_files(p):
+        batches = _arrow_batches(f)
+        first = next(batches, None)
+        if first is None:
+            continue
+        _check_column(first.schema.names, f, text_field)
+        stats.files_read += 1
+
+        def chain(first=first, batches=batches) -> Iterator:
+            yield first
+            yield from batches
+
+        yield from _column_batches(chain(), f, text_field, stats)
+
+
+def _read_folder(p: Path, text_field: str, exts: tuple[str, ...], stats: SourceStats) -> Iterator[str]:
+    for f in walk_files(p, exts):
+        suffix = f.suffix.lower().lstrip(".")
+        if suffix == "jsonl":
+            yield from _read_jsonl(f, text_field, stats)
+        elif suffix == "parquet":
+            yield from _read_parquet(f, text_field, stats)
+        else:
+            yield from _read_text_file(f, stats, skip_binary=True)
+
+
+def _nothing_found(p: Path, kind: str, exts: tuple[str, ...], stats: SourceStats) -> DataError:
+    if stats.skipped_binary:
+        return DataError(
+            f"{p}: all {stats.skipped_binary} candidate file(s) are binary (NUL bytes) and were skipped; "
+            f"pass text files or set --extensions"
+        )
+    if kind == "folder" and stats.files_read == 0:
+        others = sorted(
+            {f.suffix.lower().lstrip(".") for f in p.rglob("*.*") if f.is_file()} & set(_STRUCTURED)
+        )
+        hint = f" (found .{others[0]} files: add {others[0]} to --extensions)" if others else ""
+        return DataError(
+            f"{p} has no files with extensions {', '.join(exts)}{hint}; pass --extensions or another folder"
+        )
+    return DataError(f"{p} contains no text (all documents are empty); pass a non-empty corpus")
+
+
+def iter_documents(
+    path: str | os.PathLike[str],
+    *,
+    text_field: str = "text",
+    extensions: Iterable[str] | None = DEFAULT_EXTENSIONS,
+    stats: SourceStats | None = None,
+) -> Iterator[str]:
+    """Yield the documents of one source, in a deterministic order, updating ``stats`` as it goes.
+
+    Empty documents are skipped. Raises DataError when the path is missing, a record lacks ``text_field``,
+    or the source holds no document at all (saying how many binary files were skipped).
+    """
+    p = resolve_source(path)
+    exts = normalize_extensions(extensions)
+    kind = source_kind(p)
+    total = SourceStats()  # this source alone (the readers write into it)
+    if kind == "folder":
+        gen = _read_folder(p, text_field, exts, total)
+    elif kind == "hf_dataset":
+        gen = _read_hf_dataset(p, text_field, total)
+    elif kind == "jsonl":
+        gen = _read_jsonl(p, text_field, total)
+    elif kind == "parquet":
+        gen = _read_parquet(p, text_field, total)
+    else:
+        gen = _read_text_file(p, total, skip_binary=True)
+    published = SourceStats()
+    yielded = 0
+
+    def publish() -> None:
+        # Push the counters gathered since the last publish into the caller's stats.
+        if stats is not None:
+            for f in fields(total):
+                delta = getattr(total, f.name) - getattr(published, f.name)
+                if delta:
+                    setattr(stats, f.name, getattr(stats, f.name) + delta)
+                    setattr(published, f.name, getattr(total, f.name))
+
+    try:
+        for doc in gen:
+            # Publish before each yield so a consumer that stops early (max_bytes) has exact counters.
+            publish()
+            yielded += 1
+            yield doc
+    finally:
+        publish()
+    if yielded == 0:
+        raise _nothing_found(p, kind, exts, total)

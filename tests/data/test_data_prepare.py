@@ -1,0 +1,249 @@
+from __future__ import annotations
+
+import json
+import logging
+import re
+import sysconfig
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from gptoughts.data import BatchLoader, Manifest, TokenDataset, cached_prepare, prepare, token_dtype
+from gptoughts.data.tokenizer import bytes_tokenizer
+from gptoughts.errors import DataError
+
+
+def split_docs(out: Path, m: Manifest, split: str) -> list[str]:
+    """Decode a split's shards back into documents (they are eos-terminated)."""
+    tok = m.tokenizer()
+    docs = []
+    for s in m.sources:
+        ids = np.concatenate(
+            [np.fromfile(out / f, dtype=m.dtype) for f in getattr(s, f"{split}_shards")] or [[]]
+        )
+        bounds = np.flatnonzero(ids == m.eos_id)
+        start = 0
+        for b in bounds:
+            docs.append(tok.decode(ids[start:b].tolist()))
+            start = b + 1
+        assert start == ids.size, "every document ends with eos"
+    return docs
+
+
+def markers(docs: list[str]) -> set[str]:
+    return {re.match(r"<doc-\d+>", d).group(0) for d in docs}  # type: ignore[union-attr]
+
+
+def test_prepare_writes_shards_manifest_and_tokenizer(
+    tmp_path: Path, corpus: Path, make_docs: Callable[..., list[str]]
+) -> None:
+    out = tmp_path / "out"
+    m = prepare([corpus], out, "bytes", progress=False, val_fraction=0.1)
+    assert (out / "manifest.json").is_file() and (out / "tokenizer" / "tokenizer.json").is_file()
+    assert m.dtype == "uint16" and m.vocab_size == 259 and m.eos_id == 0 and m.bos_id is None
+    assert m.tokenizer_spec == "bytes" and m.tokenizer_fingerprint == bytes_tokenizer().fingerprint()
+    src = m.sources[0]
+    assert src.kind == "folder" and src.hash_method == "stat" and src.docs == 40 and not src.truncated
+    assert src.train_docs + src.val_docs == 40 and src.val_docs >= 1
+    assert src.train_shards == ["train_0_0.bin"] and src.val_shards == ["val_0_0.bin"]
+    assert (out / "train_0_0.bin").stat().st_size == 2 * src.train_tokens
+    raw = sum(len(d.encode()) for d in make_docs(40))
+    assert m.train_tokens + m.val_tokens == raw + 40  # one byte token per byte, one eos per document
+    assert m.totals["docs"] == 40 and m.stats["skipped_binary"] == 0
+    again = Manifest.load(out)
+    assert again.to_dict() == m.to_dict()
+    assert json.loads((out / "manifest.json").read_text())["format_version"] == 1
+
+
+def test_val_documents_are_disjoint_from_train(
+    tmp_path: Path, corpus: Path, make_docs: Callable[..., list[str]]
+) -> None:
+    out = tmp_path / "out"
+    m = prepare([corpus], out, "bytes", progress=False, val_fraction=0.2, seed=3)
+    train, val = split_docs(out, m, "train"), split_docs(out, m, "val")
+    assert len(train) + len(val) == 40 and val
+    assert markers(train).isdisjoint(markers(val))
+    assert sorted(train + val) == sorted(make_docs(40))
+    assert markers(val) == {f"<doc-{k}>" for k in m.sources[0].val_doc_indices}
+    other = prepare([corpus], tmp_path / "out2", "bytes", progress=False, val_fraction=0.2, seed=4)
+    assert other.sources[0].val_doc_indices != m.sources[0].val_doc_indices  # the seed draws the split
+
+
+def test_min_val_docs(tmp_path: Path, corpus: Path) -> None:
+    m = prepare([corpus], tmp_path / "o", "bytes", progress=False, val_fraction=0.0, min_val_docs=3)
+    assert m.sources[0].val_docs == 3 and m.val_split == "documents"
+
+
+def test_single_document_val_is_its_tail(tmp_path: Path) -> None:
+    text = "".join(f"line {i}\n" for i in range(300))
+    (tmp_path / "one.txt").write_text(text)
+    out = tmp_path / "o"
+    m = prepare([tmp_path / "one.txt"], out, "bytes", progress=False)
+    assert "single document" in m.val_split
+    head, tail = split_docs(out, m, "train"), split_docs(out, m, "val")
+    assert len(head) == 1 and len(tail) == 1 and head[0] + tail[0] == text
+    assert tail[0].startswith("line ") and 0.05 < len(tail[0]) / len(text) < 0.2
+    assert m.sources[0].hash_method == "content"
+
+
+def test_bpe_tokenizer_trained_and_saved(
+    tmp_path: Path, corpus: Path, make_docs: Callable[..., list[str]]
+) -> None:
+    out = tmp_path / "o"
+    m = prepare([corpus], out, "bpe:300", progress=False)
+    tok = m.tokenizer()
+    assert m.tokenizer_spec == "bpe:300" and tok.fingerprint() == m.tokenizer_fingerprint
+    assert 259 < m.vocab_size <= 300
+    assert sorted(split_docs(out, m, "train") + split_docs(out, m, "val")) == sorted(make_docs(40))
+
+
+def _big_vocab_folder(tmp_path: Path) -> Path:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<|endoftext|>": 0, "[UNK]": 1} | {f"w{i}": i + 2 for i in range(70_000)}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    folder = tmp_path / "bigvocab"
+    folder.mkdir()
+    tk.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    return folder
+
+
+def test_dtype_follows_vocab_size(tmp_path: Path, write_folder: Callable[..., Path]) -> None:
+    assert (
+        token_dtype(259) == np.uint16 and token_dtype(65535) == np.uint16 and token_dtype(65536) == np.uint32
+    )
+    write_folder(tmp_path / "c", ["w1 w69999 w5", "w42 w65536", "w7 w8 w9"])
+    out = tmp_path / "o"
+    m = prepare([tmp_path / "c"], out, str(_big_vocab_folder(tmp_path)), progress=False, val_fraction=0.0)
+    assert m.dtype == "uint32" and m.vocab_size == 70_002
+    ids = np.concatenate([np.fromfile(out / f, dtype=np.uint32) for s in m.sources for f in s.train_shards])
+    assert 70_001 in ids.tolist() and 65_538 in ids.tolist()
+
+
+def test_bos_is_written_before_each_document(tmp_path: Path, write_folder: Callable[..., Path]) -> None:
+    base = bytes_tokenizer()
+    base.backend.add_special_tokens(["<s>", "</s>"])
+    folder = tmp_path / "tk"
+    folder.mkdir()
+    base.backend.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    write_folder(tmp_path / "c", ["ab", "cd", "ef"])
+    out = tmp_path / "o"
+    m = prepare([tmp_path / "c"], out, str(folder), progress=False, val_fraction=0.0, min_val_docs=0)
+    ids = np.fromfile(out / "train_0_0.bin", dtype=np.uint16).tolist()
+    assert m.bos_id == 259 and m.eos_id == 260
+    assert ids == [259, 3 + 97, 3 + 98, 260, 259, 3 + 99, 3 + 100, 260, 259, 3 + 101, 3 + 102, 260]
+
+
+def test_cache_reuse_and_invalidation(tmp_path: Path, corpus: Path, caplog: pytest.LogCaptureFixture) -> None:
+    out = tmp_path / "o"
+    m1 = prepare([corpus], out, "bytes", progress=False)
+    shard = out / m1.sources[0].train_shards[0]
+    mtime = shard.stat().st_mtime_ns
+    with caplog.at_level(logging.INFO, logger="gptoughts.data"):
+        m2 = prepare([corpus], out, "bytes", progress=False)
+    assert "reusing cached shards" in caplog.text
+    assert m2.created == m1.created and m2.cache_key == m1.cache_key and shard.stat().st_mtime_ns == mtime
+    # Another setting: another key.
+    m3 = prepare([corpus], out, "bytes", progress=False, seed=1)
+    assert m3.cache_key != m1.cache_key
+    # A source edit invalidates the cache.
+    (corpus / "doc_0000.txt").write_text("<doc-0> a different and longer first document\n")
+    m4 = prepare([corpus], out, "bytes", progress=False, seed=1)
+    assert m4.cache_key != m3.cache_key
+    assert m4.train_tokens + m4.val_tokens != m3.train_tokens + m3.val_tokens
+    assert not list(tmp_path.glob(".o.tmp-*")) and not list(tmp_path.glob(".o.old-*"))
+
+
+def test_cached_prepare_picks_a_folder_per_key(tmp_path: Path, corpus: Path) -> None:
+    root = tmp_path / "cache"
+    a = cached_prepare([corpus], "bytes", cache_root=root, progress=False)
+    b = cached_prepare([corpus], "bytes", cache_root=root, progress=False)
+    c = cached_prepare([corpus], "bytes", cache_root=root, progress=False, val_fraction=0.3)
+    assert a.dir == b.dir and a.created == b.created and a.dir.parent == root
+    assert c.dir != a.dir and a.dir.name.startswith("corpus-bytes-")
+
+
+def test_cache_rebuilds_when_a_shard_is_damaged(tmp_path: Path, corpus: Path) -> None:
+    out = tmp_path / "o"
+    m1 = prepare([corpus], out, "bytes", progress=False)
+    (out / m1.sources[0].train_shards[0]).write_bytes(b"\0\0")
+    m2 = prepare([corpus], out, "bytes", progress=False)
+    assert (out / m2.sources[0].train_shards[0]).stat().st_size == 2 * m2.sources[0].train_tokens
+
+
+def test_max_bytes_caps_each_source(tmp_path: Path, corpus: Path) -> None:
+    m = prepare([corpus], tmp_path / "o", "bytes", progress=False, max_bytes=1000)
+    src = m.sources[0]
+    assert src.truncated and 1000 <= src.bytes < 1000 + 250 and src.docs == 5
+
+
+def test_multiple_sources_of_several_kinds(
+    tmp_path: Path, corpus: Path, make_docs: Callable[..., list[str]]
+) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    jl = tmp_path / "d.jsonl"
+    jl.write_text("".join(json.dumps({"text": d}) + "\n" for d in make_docs(10, seed=1)))
+    pqf = tmp_path / "d.parquet"
+    pq.write_table(pa.table({"text": make_docs(10, seed=2)}), pqf)
+    out = tmp_path / "o"
+    m = prepare([corpus, jl, pqf], out, "bytes", progress=False)
+    assert [s.kind for s in m.sources] == ["folder", "jsonl", "parquet"]
+    assert [s.docs for s in m.sources] == [40, 10, 10]
+    assert m.sources[2].train_shards == ["train_2_0.bin"]
+    ds = TokenDataset(out)
+    assert ds.num_tokens("train", 1) == m.sources[1].train_tokens
+
+
+def test_empty_corpus_and_missing_path(tmp_path: Path) -> None:
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "a.txt").write_text("")
+    (empty / "b.txt").write_text("  \n")
+    with pytest.raises(DataError, match="no text"):
+        prepare([empty], tmp_path / "o", "bytes", progress=False)
+    with pytest.raises(DataError, match="does not exist"):
+        prepare([tmp_path / "nope"], tmp_path / "o", "bytes", progress=False)
+    assert not (tmp_path / "o").exists()
+
+
+def test_failed_build_leaves_nothing(tmp_path: Path) -> None:
+    jl = tmp_path / "d.jsonl"
+    jl.write_text('{"text": "fine"}\n' * 5 + '{"body": "oops"}\n')
+    with pytest.raises(DataError, match=":6 has no field 'text'"):
+        prepare([jl], tmp_path / "o", "bytes", progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".o.lock", "d.jsonl"]
+
+
+def test_refuses_to_replace_a_foreign_folder(tmp_path: Path, corpus: Path) -> None:
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("precious")
+    with pytest.raises(DataError, match="not a prepared dataset"):
+        prepare([corpus], out, "bytes", progress=False)
+    assert (out / "notes.txt").read_text() == "precious"
+
+
+def test_stdlib_slice(tmp_path: Path) -> None:
+    stdlib = sysconfig.get_paths()["stdlib"]
+    out = tmp_path / "o"
+    m = prepare([stdlib], out, "bpe:512", progress=False, max_bytes=300_000, val_fraction=0.05)
+    src = m.sources[0]
+    assert src.truncated and src.docs > 5 and src.val_docs >= 1 and m.stats["skipped_binary"] == 0
+    assert 300_000 <= src.bytes < 300_000 + (1 << 20)
+    assert m.train_tokens < src.bytes  # BPE compresses code
+    with BatchLoader(TokenDataset(out), batch_size=2, block_size=64, prefetch=0) as loader:
+        x, y = next(loader)
+    assert x.shape == (2, 64) and int(x.max()) < m.vocab_size
+
+
+def test_dataset_prepared_inside_its_own_corpus_is_not_read(tmp_path: Path, corpus: Path) -> None:
+    m1 = prepare([corpus], corpus / "prepared", "bytes", progress=False)
+    m2 = prepare([corpus], corpus / "prepared", "bytes", progress=False)
+    assert m2.created == m1.created and m1.sources[0].docs == 40
