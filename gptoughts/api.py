@@ -123,10 +123,16 @@ def run_training(cfg: Config) -> tuple[nn.Module, Any, History]:
     from gptoughts.data.loader import BatchLoader, TokenDataset, eval_batches
     from gptoughts.data.prepare import cached_prepare
     from gptoughts.data.tokenizer import Tokenizer
+    from gptoughts.perf.autobatch import accumulation_for
     from gptoughts.train.metrics import MetricsLogger, console
-    from gptoughts.train.objectives import build_objective
-    from gptoughts.train.optim import Schedule, build_adamw, default_warmup
-    from gptoughts.train.setup import apply_transforms, build_raw_model
+    from gptoughts.train.optim import Schedule, default_warmup
+    from gptoughts.train.setup import (
+        apply_transforms,
+        auto_micro_batch,
+        build_raw_model,
+        make_objective,
+        make_optimizer,
+    )
     from gptoughts.train.trainer import Trainer
 
     device = hardware.resolve_device(cfg.perf.device)
@@ -145,8 +151,6 @@ def run_training(cfg: Config) -> tuple[nn.Module, Any, History]:
 
         # ---- data: tokenizer and token shards (rank 0 prepares, the others read the cache)
         tok_spec: Any = cfg.data.tokenizer
-        if resume_from is not None and (run_dir / "tokenizer").exists():
-            tok_spec = str(run_dir / "tokenizer")  # a resumed run keeps its own tokenizer whatever the config says
         sources = resolve_sources(cfg.data.sources)
         prep_kwargs = dict(text_field=cfg.data.text_field, extensions=cfg.data.extensions or None,
                            val_fraction=cfg.data.val_fraction, max_bytes=cfg.data.max_bytes, seed=cfg.train.seed,
@@ -157,6 +161,11 @@ def run_training(cfg: Config) -> tuple[nn.Module, Any, History]:
         if not info.is_main:
             manifest = cached_prepare(sources, tok_spec, progress=False, **prep_kwargs)
         tokenizer: Tokenizer = manifest.tokenizer()
+        if resume_from is not None and (run_dir / "tokenizer").exists():
+            saved = Tokenizer.load(run_dir / "tokenizer")
+            if saved.fingerprint() != tokenizer.fingerprint():
+                raise UserError(f"the tokenizer of {run_dir} differs from --tokenizer {cfg.data.tokenizer}; resume "
+                                f"with the run's own setting (see {run_dir}/config.toml)")
         dataset = TokenDataset(manifest.dir)
 
         # ---- model
@@ -172,10 +181,22 @@ def run_training(cfg: Config) -> tuple[nn.Module, Any, History]:
         raw = build_raw_model(family.name, args, device, cfg.train.seed)
         built = apply_transforms(raw, perf=cfg.perf, hw=hw, device=device, dist=info)
 
-        # ---- schedule length
+        # ---- batch size (auto: the largest that fits, then accumulation to reach the global batch)
         t = cfg.train
+        objective = make_objective(family, built, cfg.perf)
         if not isinstance(t.batch_size, int):
-            raise ConfigError("train.batch_size = auto is not available yet on this build; pass a number")
+            parts = {"family": family.name, "args": _jsonable(args), "block": t.block_size, "gpu": hw.name,
+                     "precision": precision, "resolved": built.resolved, "world": info.world_size}
+            micro, cached = auto_micro_batch(built, objective, vocab_size=args.vocab_size, block_size=t.block_size,
+                                             precision=precision, perf=cfg.perf, t=t, device=device, dist=info,
+                                             parts=parts)
+            accum = accumulation_for(t.global_batch_tokens, micro, t.block_size, info.world_size) \
+                if t.global_batch_tokens else t.grad_accum
+            t = replace(t, batch_size=micro, grad_accum=accum)
+            if info.is_main:
+                console.print(f"auto batch size: micro-batch {micro} x accumulation {accum}"
+                              + (" (cached)" if cached else "") + (" (no GPU: fixed default)" if
+                                                                     device.type != "cuda" else ""))
         tokens_per_step = t.batch_size * t.block_size * t.grad_accum * info.world_size
         train_tokens = manifest.train_tokens
         if t.max_steps is not None:
@@ -188,9 +209,7 @@ def run_training(cfg: Config) -> tuple[nn.Module, Any, History]:
         warmup = t.warmup_steps if t.warmup_steps is not None else default_warmup(total_steps)
         schedule = Schedule(t.schedule, t.learning_rate, total_steps, min(warmup, total_steps), t.min_lr_ratio,
                             t.decay_fraction)
-        fused = cfg.perf.fused_adamw is True or (cfg.perf.fused_adamw == "auto" and device.type == "cuda")
-        optimizer = build_adamw(built.model, lr=t.learning_rate, weight_decay=t.weight_decay,
-                                betas=(t.beta1, t.beta2), eps=t.eps, fused=fused)
+        optimizer = make_optimizer(built.model, t, cfg.perf, device)
 
         loader = BatchLoader(dataset, split="train", batch_size=t.batch_size, block_size=t.block_size, seed=t.seed,
                              rank=info.rank, world_size=info.world_size, phases=_phases(cfg), device=device)
@@ -220,10 +239,11 @@ def run_training(cfg: Config) -> tuple[nn.Module, Any, History]:
         metrics = MetricsLogger(run_dir, enabled=info.is_main, tensorboard=cfg.run.tensorboard, wandb=cfg.run.wandb,
                                 wandb_project=cfg.run.wandb_project, config=cfg.to_dict(), resume_step=resume_step)
         sample_fn = _make_sampler(raw, tokenizer, t, device, family.objective)
-        trainer = Trainer(model=built.model, objective=build_objective(family.objective), optimizer=optimizer,
+        trainer = Trainer(model=built.model, objective=objective, optimizer=optimizer,
                           schedule=schedule, loader=loader, eval_batches=eval_fn, cfg=t, run=cfg.run, run_dir=run_dir,
                           dist=info, device=device, precision=precision, metrics=metrics, total_steps=total_steps,
-                          tokens_per_step=tokens_per_step, sample_fn=sample_fn, save_weights=lambda: raw)
+                          tokens_per_step=tokens_per_step, sample_fn=sample_fn, save_weights=lambda: raw,
+                          forward_context=built.forward_context)
         if state is not None:
             trainer.load_state_dict(state)
             if info.is_main:
@@ -276,8 +296,8 @@ def _phases(cfg: Config) -> list | None:
         for s in srcs:
             if s not in known:
                 raise ConfigError(f"data.phases `{p.name}` uses {s}, which is not in data.sources; add it there")
-        weights = p.weights or [1.0] * len(srcs)
-        out.append(Phase(name=p.name, sources=list(zip(srcs, weights)), tokens=p.tokens))
+        # Bare sources are weighted by their token counts; explicit weights are used as given.
+        out.append(Phase(name=p.name, sources=list(zip(srcs, p.weights)) if p.weights else srcs, tokens=p.tokens))
     return out
 
 
@@ -289,13 +309,15 @@ def _jsonable(args: object) -> dict:
 
 def _make_sampler(model: nn.Module, tokenizer: Any, t: Any, device: torch.device, objective: str):
     from gptoughts.generate import generate
+    from gptoughts.train.setup import eager
 
     def sample(prompt: str) -> str:
         ids = tokenizer.encode(prompt) or [tokenizer.eos_id]
         x = torch.tensor([ids], dtype=torch.long, device=device)
         g = torch.Generator(device=device).manual_seed(0)
-        out = generate(model, x, t.sample_max_new_tokens, temperature=t.sample_temperature, top_k=t.sample_top_k,
-                       eos_id=tokenizer.eos_id, generator=g)
+        with eager(model):  # decode shapes change every token: no recompiles
+            out = generate(model, x, t.sample_max_new_tokens, temperature=t.sample_temperature,
+                           top_k=t.sample_top_k, eos_id=tokenizer.eos_id, generator=g)
         return tokenizer.decode(out[0].tolist())
 
     return sample

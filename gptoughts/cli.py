@@ -40,6 +40,9 @@ ALIASES: dict[str, str] = {
     "device": "perf.device",
     "precision": "perf.precision",
     "compile": "perf.compile",
+    "fp8": "perf.fp8",
+    "use_fp8": "perf.fp8",
+    "activation_checkpointing": "perf.activation_checkpointing",
     "overwrite": "run.overwrite",
     "resume": "run.resume",
     "wandb": "run.wandb",
@@ -49,8 +52,9 @@ REPEATABLE = {"data.sources"}
 # Flags that take no value, and the value they set.
 FLAGS: dict[str, Any] = {"overwrite": True, "wandb": True, "no_progress": False}
 # Options whose value may be left out, and the value they then take.
-OPTIONAL_VALUE: dict[str, Any] = {"resume": "auto", "compile": True}
-OPTIONAL_CHOICES: dict[str, set[str]] = {"compile": {"true", "false", "auto", "1", "0"}}
+OPTIONAL_VALUE: dict[str, Any] = {"resume": "auto", "compile": True, "fp8": True, "use_fp8": True}
+_BOOL_WORDS = {"true", "false", "auto", "1", "0"}
+OPTIONAL_CHOICES: dict[str, set[str]] = {"compile": _BOOL_WORDS, "fp8": _BOOL_WORDS, "use_fp8": _BOOL_WORDS}
 
 TRAIN_USAGE = """usage: gptoughts train [PRESET|FILE.toml] [--section.key VALUE ...] [options]
 
@@ -62,7 +66,8 @@ options (aliases of config keys):
   --out DIR               run.out (run directory)            --max_steps N / --epochs E / --max_tokens N
   --batch_size N|auto     --grad_accum N                     --block_size N     --learning_rate LR
   --device DEV            --seed N                           --precision {auto,fp32,bf16,fp16}
-  --compile [true|false|auto]                                --log_interval / --eval_interval / --save_interval N
+  --compile [true|false|auto]     --fp8 [true|false|auto] (alias --use_fp8)
+  --activation_checkpointing {none,selective,full}        --log_interval / --eval_interval / --save_interval N
   --overwrite             replace the run in --out           --resume [auto|PATH] continue a run
   --wandb                 log to Weights & Biases            --interactive      ask the INL guide's four questions
   --section.key VALUE     any config key, e.g. --train.warmup_steps 100 --model.n_layers 4
@@ -241,12 +246,82 @@ def cmd_env(argv: Sequence[str]) -> int:
     return 0
 
 
+def _pop_options(argv: Sequence[str], flags: set[str], valued: set[str]) -> tuple[list[str], dict[str, Any]]:
+    """Take command-specific options out of argv; the rest are config overrides."""
+    rest: list[str] = []
+    found: dict[str, Any] = {}
+    args = list(argv)
+    i = 0
+    while i < len(args):
+        name, eq, value = args[i][2:].partition("=") if args[i].startswith("--") else ("", "", "")
+        if name in flags:
+            found[name] = True
+        elif name in valued:
+            if not eq:
+                if i + 1 >= len(args):
+                    raise ConfigError(f"--{name} needs a value")
+                i += 1
+                value = args[i]
+            found[name] = value
+        else:
+            rest.append(args[i])
+        i += 1
+    return rest, found
+
+
+def cmd_bench(argv: Sequence[str]) -> int:
+    if any(a in ("-h", "--help") for a in argv):
+        print("usage: gptoughts bench [PRESET|FILE.toml] [--model F --size S --block_size T --batch_size B ...]\n"
+              "                       [--steps 20] [--warmup 5] [--compare hf] [--shards DIR] [--json]\n"
+              "Times training steps (synthetic tokens, or prepared --shards) and prints tokens/s, MFU, peak memory\n"
+              "and the step breakdown; --compare hf runs transformers' LlamaForCausalLM (eager and compiled) on the\n"
+              "same shape in the same process and prints the ratios.")
+        return 0
+    rest, opts = _pop_options(argv, {"json"}, {"steps", "warmup", "compare", "shards"})
+    preset, overrides, _ = parse_overrides(rest)
+    from gptoughts.config import load_config
+    from gptoughts.perf.bench import format_result, run_bench
+
+    cfg = load_config(preset or "default", overrides)
+    res = run_bench(cfg, steps=int(opts.get("steps", 20)), warmup=int(opts.get("warmup", 5)),
+                    compare=opts.get("compare"), data_dir=opts.get("shards"))
+    print(json.dumps(res, default=str) if opts.get("json") else format_result(res))
+    return 0
+
+
+def cmd_estimate(argv: Sequence[str]) -> int:
+    p = argparse.ArgumentParser(prog="gptoughts estimate",
+                                description="Memory, time and cost of a training run before it starts.")
+    p.add_argument("--model", default="llama", help="model family")
+    p.add_argument("--size", default="125m")
+    p.add_argument("--batch_size", type=int, default=8, help="micro-batch per GPU (sequences)")
+    p.add_argument("--block_size", type=int, default=2048)
+    p.add_argument("--activation_checkpointing", default="none", choices=["none", "selective", "full"])
+    p.add_argument("--loss", default="chunked", choices=["chunked", "plain"])
+    p.add_argument("--gpu", default="H100", help="GPU name, e.g. H100, H200, A100, RTX 4090")
+    p.add_argument("--num_gpus", type=int, default=1)
+    p.add_argument("--tokens", type=float, default=None, help="token budget, e.g. 50e9")
+    p.add_argument("--mfu", type=float, default=None, help="assumed model FLOPs utilisation (default: measured)")
+    p.add_argument("--price", type=float, default=None, help="$ per GPU-hour")
+    p.add_argument("--json", action="store_true")
+    a = p.parse_args(argv)
+    from gptoughts.perf.estimate import estimate, format_estimate
+
+    e = estimate(a.model, a.size, batch_size=a.batch_size, block_size=a.block_size,
+                 activation_checkpointing=a.activation_checkpointing, loss=a.loss, gpu=a.gpu,
+                 tokens=int(a.tokens) if a.tokens else None, mfu=a.mfu, price=a.price, num_gpus=a.num_gpus)
+    print(json.dumps(e.to_dict()) if a.json else format_estimate(e))
+    return 0
+
+
 COMMANDS: dict[str, tuple[Callable[[Sequence[str]], int], str]] = {
     "train": (cmd_train, "train a model (default: the quickstart preset)"),
     "prepare": (cmd_prepare, "tokenize a corpus into token shards"),
     "sample": (cmd_sample, "generate text from a run or checkpoint"),
     "eval": (cmd_eval, "val loss and perplexity of a run on a corpus"),
     "env": (cmd_env, "hardware, supported precisions, recommended settings"),
+    "estimate": (cmd_estimate, "memory, time and cost of a run before it starts"),
+    "bench": (cmd_bench, "time training steps: tokens/s, MFU, memory, breakdown (--compare hf)"),
 }
 
 
@@ -257,6 +332,18 @@ def usage() -> str:
     return "\n".join(lines)
 
 
+def _setup_logging() -> None:
+    import logging
+
+    from rich.logging import RichHandler
+
+    log = logging.getLogger("gptoughts")
+    if not log.handlers:
+        log.addHandler(RichHandler(show_path=False, show_time=False, markup=False))
+        log.setLevel(logging.INFO)
+        log.propagate = False
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("-h", "--help", "help"):
@@ -265,6 +352,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not argv or argv[0].startswith("-"):
         argv = ["train", *argv]
     name, rest = argv[0], argv[1:]
+    _setup_logging()
     if name not in COMMANDS:
         hint = closest(name, COMMANDS)
         print(f"error: unknown command {name!r}" + (f" (did you mean {hint!r}?)" if hint else "") + "\n\n" + usage(),

@@ -142,12 +142,28 @@ class PerfConfig:
     """auto, cpu, cuda, cuda:N or mps."""
     precision: str = "auto"
     """auto (bf16 on GPUs that support it, fp16 on older GPUs, fp32 on CPU), fp32, bf16 or fp16."""
-    compile: bool | str = False
-    """torch.compile the model: false, true or auto."""
+    compile: bool | str = "auto"
+    """torch.compile the model: true, false or auto (on for CUDA GPUs, off on CPU)."""
+    compile_mode: str = "blocks"
+    """blocks (compile each transformer block: one graph reused, fast to compile) or model (whole model)."""
+    fp8: bool | str = False
+    """FP8 matmuls through torchao float8 (Ada/Hopper+): true, false or auto (on for Hopper+ at d_model >= 2048)."""
+    fp8_recipe: str = "tensorwise"
+    """tensorwise (one scale per tensor, fastest) or rowwise (one scale per row, more robust)."""
+    activation_checkpointing: str = "none"
+    """none, selective (recompute cheap ops, keep matmul outputs) or full (recompute whole blocks)."""
+    sdpa_backend: str = "auto"
+    """Attention kernel: auto (PyTorch picks), flash, cudnn, efficient or math."""
+    loss: str = "auto"
+    """LM-head cross-entropy: auto, plain, chunked (no full fp32 logits) or liger (Liger-Kernel, if installed)."""
+    loss_chunk: int = 4096
+    """Rows per chunk for the chunked loss."""
     tf32: bool = True
     """Allow TF32 matmuls for any fp32 work left on Ampere+ GPUs."""
     fused_adamw: bool | str = "auto"
     """Use the fused CUDA AdamW (auto: on CUDA)."""
+    expandable_segments: bool = True
+    """CUDA allocator with expandable segments: less fragmentation when batch shapes vary (eval vs train)."""
 
 
 @dataclass
@@ -209,13 +225,15 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             return None
         if isinstance(value, str) and value.lower() in ("none", "null") and type(None) in args:
             return None
-        errors = []
+        members = [a for a in args if a is not type(None)]
+        if len(members) == 1:  # `X | None`: X's own message is the clearer one
+            return _coerce(value, members[0], where)
         # Try non-str members first so "8" becomes 8 for `int | str`.
-        for arg in sorted((a for a in args if a is not type(None)), key=lambda a: a is str):
+        for arg in sorted(members, key=lambda a: a is str):
             try:
                 return _coerce(value, arg, where)
-            except ConfigError as e:
-                errors.append(e)
+            except ConfigError:
+                pass
         raise ConfigError(f"{where} must be {_type_name(tp)}, got {value!r}")
     if origin is Literal:
         if value in typing.get_args(tp):
@@ -389,8 +407,20 @@ def validate(cfg: Config) -> None:
     for where, (value, allowed) in choices.items():
         if value not in allowed:
             raise ConfigError(f"{where} must be one of {', '.join(allowed)}; got {value!r}{did_you_mean(value, allowed)}")
-    if isinstance(cfg.perf.compile, str) and cfg.perf.compile != "auto":
-        raise ConfigError(f"perf.compile must be true, false or auto; got {cfg.perf.compile!r}")
+    for name in ("compile", "fp8", "fused_adamw"):
+        value = getattr(cfg.perf, name)
+        if isinstance(value, str) and value != "auto":
+            raise ConfigError(f"perf.{name} must be true, false or auto; got {value!r}")
+    perf_choices = {
+        "perf.compile_mode": (cfg.perf.compile_mode, ("blocks", "model")),
+        "perf.fp8_recipe": (cfg.perf.fp8_recipe, ("tensorwise", "rowwise")),
+        "perf.activation_checkpointing": (cfg.perf.activation_checkpointing, ("none", "selective", "full")),
+        "perf.sdpa_backend": (cfg.perf.sdpa_backend, ("auto", "flash", "cudnn", "efficient", "math")),
+        "perf.loss": (cfg.perf.loss, ("auto", "plain", "chunked", "liger")),
+    }
+    for where, (value, allowed) in perf_choices.items():
+        if value not in allowed:
+            raise ConfigError(f"{where} must be one of {', '.join(allowed)}; got {value!r}{did_you_mean(value, allowed)}")
     if t.learning_rate <= 0:
         raise ConfigError(f"train.learning_rate must be > 0, got {t.learning_rate}")
     for p in cfg.data.phases:

@@ -7,21 +7,14 @@ and ranks, so gradient accumulation is exactly equivalent to one large batch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-IGNORE_INDEX = -100
+from gptoughts.perf.ce import IGNORE_INDEX, plain_linear_ce
 
-
-def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Summed cross-entropy of ``hidden @ weight.T`` against ``targets`` (IGNORE_INDEX entries skipped).
-
-    The logits are produced in the autocast dtype and upcast inside the loss, so no fp32 copy of the
-    ``[B*T, V]`` logits is kept for backward.
-    """
-    logits = F.linear(hidden.reshape(-1, hidden.shape[-1]), weight)
-    return F.cross_entropy(logits.float(), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum")
+LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class CausalLM:
@@ -29,26 +22,38 @@ class CausalLM:
 
     name = "causal"
 
+    def __init__(self, loss_fn: LossFn = plain_linear_ce):
+        self.loss_fn = loss_fn
+
     def __call__(self, model: nn.Module, batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = batch[0], batch[1]
         position_ids = batch[2] if len(batch) > 2 else None
         hidden = model(x, position_ids=position_ids, return_hidden=True)
         weight = _output_weight(model)
-        loss_sum = linear_cross_entropy(hidden, weight, y)
+        loss_sum = self.loss_fn(hidden, weight, y)
+        inner = _inner(model)
+        if hasattr(inner, "extra_loss"):  # MoE balance, multi-token prediction: already summed over tokens
+            extra = inner.extra_loss(y, self.loss_fn)
+            if extra is not None:
+                loss_sum = loss_sum + extra
         n_tokens = (y != IGNORE_INDEX).sum()
         return loss_sum, n_tokens
 
 
-def _output_weight(model: nn.Module) -> torch.Tensor:
-    # DDP and torch.compile wrap the model; the weight lives on the inner module.
+def _inner(model: nn.Module) -> nn.Module:
+    # DDP and torch.compile wrap the model; the protocol members live on the inner module.
     inner = model
     while not hasattr(inner, "output_weight"):
         inner = getattr(inner, "module", None) or inner._orig_mod
-    return inner.output_weight
+    return inner
+
+
+def _output_weight(model: nn.Module) -> torch.Tensor:
+    return _inner(model).output_weight
 
 
 OBJECTIVES = {"causal": CausalLM}
 
 
-def build_objective(name: str) -> CausalLM:
-    return OBJECTIVES[name]()
+def build_objective(name: str, loss_fn: LossFn = plain_linear_ce) -> CausalLM:
+    return OBJECTIVES[name](loss_fn)

@@ -7,15 +7,18 @@ FSDP / DDP → optimizer. Model code stays single-device; everything here wraps 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from gptoughts import models
-from gptoughts.config import PerfConfig
-from gptoughts.errors import HardwareError
+from gptoughts.config import PerfConfig, TrainConfig
+from gptoughts.errors import HardwareError, UserError
 from gptoughts.parallel import dist as pdist
+from gptoughts.perf.checkpointing import apply_activation_checkpointing
 from gptoughts.perf.hardware import HardwareProfile
 
 
@@ -25,6 +28,10 @@ class Built:
     """What the trainer calls (possibly compiled and/or DDP-wrapped)."""
     raw: nn.Module
     """The plain module (for state dicts, generation and export)."""
+    forward_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    """Entered around every forward/backward (SDPA backend selection)."""
+    resolved: dict[str, object] = field(default_factory=dict)
+    """What each ``auto`` became, for the run record and bench output."""
 
 
 def build_raw_model(family: str, args: object, device: torch.device, seed: int) -> nn.Module:
@@ -47,14 +54,147 @@ def resolve_compile(perf: PerfConfig, hw: HardwareProfile) -> bool:
     return bool(perf.compile)
 
 
+def resolve_fp8(perf: PerfConfig, hw: HardwareProfile, model: nn.Module) -> bool:
+    if perf.fp8 == "auto":
+        d_model = getattr(getattr(model, "args", None), "d_model", 0)
+        if hw.arch not in ("hopper", "blackwell") or d_model < 2048:
+            return False
+        try:
+            import torchao  # noqa: F401
+        except ImportError:
+            return False
+        return True
+    return bool(perf.fp8)
+
+
+def resolve_loss(perf: PerfConfig, device: torch.device) -> str:
+    if perf.loss != "auto":
+        if perf.loss == "liger":
+            try:
+                import liger_kernel  # noqa: F401
+            except ImportError:
+                raise UserError("perf.loss = liger needs liger-kernel: pip install liger-kernel") from None
+        return perf.loss
+    return "chunked" if device.type == "cuda" else "plain"
+
+
+_SDPA = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "math": "MATH"}
+
+
+def sdpa_context(backend: str) -> Callable[[], contextlib.AbstractContextManager]:
+    if backend == "auto":
+        return contextlib.nullcontext
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    chosen = getattr(SDPBackend, _SDPA[backend])
+    return lambda: sdpa_kernel([chosen])
+
+
 def apply_transforms(raw: nn.Module, *, perf: PerfConfig, hw: HardwareProfile, device: torch.device,
                      dist: pdist.DistInfo) -> Built:
+    resolved: dict[str, object] = {}
+    # 1. fp8 (before compile, so the compiled graph contains the fp8 casts and can fuse them)
+    if resolve_fp8(perf, hw, raw):
+        from gptoughts.perf.fp8 import check_fp8_supported, convert_to_fp8
+
+        check_fp8_supported(device)
+        resolved["fp8_linears"] = convert_to_fp8(raw, perf.fp8_recipe)
+        resolved["fp8"] = perf.fp8_recipe
+    else:
+        resolved["fp8"] = False
+    # 2. (tensor parallel: not yet)  3. activation checkpointing, inside the compiled region
+    apply_activation_checkpointing(raw, perf.activation_checkpointing)
+    resolved["activation_checkpointing"] = perf.activation_checkpointing
+    # 4. compile
     model: nn.Module = raw
-    if resolve_compile(perf, hw):
-        # Compiling each block (not the whole model) keeps compile time flat in depth and lets activation
-        # checkpointing and FSDP wrap the same units; the blocks are identical, so one graph is reused.
-        # Module.compile() compiles in place, so parameter names (and checkpoints) are unchanged.
-        for block in raw.layers:
-            block.compile()
+    compiled = resolve_compile(perf, hw)
+    resolved["compile"] = perf.compile_mode if compiled else False
+    if compiled:
+        if perf.compile_mode == "blocks":
+            # Module.compile() compiles in place, so parameter names (and checkpoints) are unchanged. Per-block
+            # compile keeps compile time flat in depth; the blocks are identical, so one graph is reused.
+            for block in raw.layers:
+                block.compile()
+        else:
+            raw.compile()
+    # 5. data parallel
     model = pdist.wrap_ddp(model, device, dist)
-    return Built(model=model, raw=raw)
+    resolved["loss"] = resolve_loss(perf, device)
+    resolved["sdpa_backend"] = perf.sdpa_backend
+    return Built(model=model, raw=raw, forward_context=sdpa_context(perf.sdpa_backend), resolved=resolved)
+
+
+@contextlib.contextmanager
+def eager(model: nn.Module):
+    """Run compiled modules eagerly for a while (generation: changing shapes would trigger recompiles)."""
+    stashed = []
+    for m in model.modules():
+        fn = getattr(m, "_compiled_call_impl", None)
+        if fn is not None:
+            stashed.append((m, fn))
+            m._compiled_call_impl = None
+    try:
+        yield model
+    finally:
+        for m, fn in stashed:
+            m._compiled_call_impl = fn
+
+
+def make_objective(family: models.Family, built: Built, perf: PerfConfig) -> Callable:
+    from gptoughts.perf.ce import make_loss
+    from gptoughts.train.objectives import build_objective
+
+    loss_fn = make_loss(str(built.resolved["loss"]), compiled=bool(built.resolved["compile"]),
+                        chunk_size=perf.loss_chunk)
+    return build_objective(family.objective, loss_fn)
+
+
+def make_optimizer(model: nn.Module, t: TrainConfig, perf: PerfConfig, device: torch.device) -> torch.optim.Optimizer:
+    from gptoughts.train.optim import build_adamw
+
+    fused = perf.fused_adamw is True or (perf.fused_adamw == "auto" and device.type == "cuda")
+    return build_adamw(model, lr=t.learning_rate, weight_decay=t.weight_decay, betas=(t.beta1, t.beta2), eps=t.eps,
+                       fused=fused)
+
+
+
+def auto_micro_batch(built: Built, objective: Callable, *, vocab_size: int, block_size: int, precision: str,
+                     perf: PerfConfig, t: TrainConfig, device: torch.device, dist: pdist.DistInfo,
+                     parts: dict[str, object], cache_path: str | None = None) -> tuple[int, bool]:
+    """The largest micro-batch that fits (see perf/autobatch.py), agreed on by all ranks (their minimum)."""
+    from gptoughts.perf.autobatch import BatchCache, find_batch_size
+
+    if device.type != "cuda":
+        return 8, False
+    model = built.raw  # no DDP: a rank that runs out of memory must not leave the others waiting in a collective
+    # lr = 0 makes AdamW a no-op on the weights (decoupled decay is lr * wd) while allocating its real state.
+    probe = make_optimizer(model, t, perf, device)
+    for g in probe.param_groups:
+        g["lr"] = 0.0
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+
+    def try_step(batch: int) -> None:
+        x = torch.randint(0, vocab_size, (batch, block_size + 1), device=device)
+        try:
+            for _ in range(2):  # the second step runs with the optimizer state allocated
+                with contextlib.ExitStack() as stack:
+                    if dtype is not None:
+                        stack.enter_context(torch.autocast(device.type, dtype=dtype))
+                    stack.enter_context(built.forward_context())
+                    loss, _ = objective(model, (x[:, :-1], x[:, 1:]))
+                loss.backward()
+                probe.step()
+                probe.zero_grad(set_to_none=True)
+        finally:
+            probe.zero_grad(set_to_none=True)
+
+    try:
+        best, cached = find_batch_size(try_step, device, parts=parts,
+                                       cache=BatchCache(cache_path) if cache_path else None)
+    finally:
+        probe.state.clear()  # the real optimizer allocates its own state at the first real step
+    if dist.enabled:
+        agreed = torch.tensor(best, device=device)
+        torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN)
+        best = int(agreed.item())
+    return best, cached

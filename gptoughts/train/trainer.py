@@ -26,6 +26,8 @@ from torch import nn
 from gptoughts.config import RunConfig, TrainConfig
 from gptoughts.errors import UserError
 from gptoughts.parallel import dist as pdist
+from gptoughts.perf.autobatch import free_memory
+from gptoughts.perf.timing import GpuMonitor, StepTimer, advice
 from gptoughts.train import checkpoint as ckpt
 from gptoughts.train.metrics import MetricsLogger, ProgressBar
 from gptoughts.train.optim import Schedule, set_lr
@@ -67,6 +69,8 @@ class Trainer:
         sample_fn: Callable[[str], str] | None = None,
         static_token_count: bool = True,
         save_weights: Callable[[], nn.Module] | None = None,
+        timing: bool = True,
+        forward_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     ):
         self.model = model
         self.objective = objective
@@ -85,6 +89,7 @@ class Trainer:
         self.total_steps = total_steps
         self.tokens_per_step = tokens_per_step
         self.sample_fn = sample_fn
+        self.forward_context = forward_context
         # Pretraining batches have no ignored targets: the token count of a step is known without looking at the
         # data, so we avoid an all-reduce of the count each step. SFT batches set this False.
         self.static_token_count = static_token_count
@@ -95,14 +100,23 @@ class Trainer:
         self.scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
         self.stop_requested = False
         self._interrupts = 0
+        inner = self.weights_module()
+        self._after_step = getattr(inner, "after_optimizer_step", None)
+        self._model_metrics = getattr(inner, "log_metrics", None)
+        self.timer = StepTimer(device, enabled=timing)
+        self.split = 1
+        self.gpu_monitor = GpuMonitor(device)
+        self._logs = 0
 
     # ------------------------------------------------------------------------------------------ precision
     def autocast(self) -> contextlib.AbstractContextManager:
-        if self.precision == "bf16":
-            return torch.autocast(self.device.type, dtype=torch.bfloat16)
-        if self.precision == "fp16":
-            return torch.autocast(self.device.type, dtype=torch.float16)
-        return contextlib.nullcontext()
+        """Mixed precision (and the SDPA backend choice) around forward passes."""
+        stack = contextlib.ExitStack()
+        if self.precision in ("bf16", "fp16"):
+            dtype = torch.bfloat16 if self.precision == "bf16" else torch.float16
+            stack.enter_context(torch.autocast(self.device.type, dtype=dtype))
+        stack.enter_context(self.forward_context())
+        return stack
 
     # ------------------------------------------------------------------------------------------- one step
     def _no_sync(self, last: bool) -> contextlib.AbstractContextManager:
@@ -117,7 +131,31 @@ class Trainer:
         Returns, on the device: this rank's summed token loss, the global target-token count, found_inf.
         """
         accum = self.cfg.grad_accum
+        timer = self.timer
+        timer.start()
         micro = [next(self.loader) for _ in range(accum)]
+        timer.mark("data")
+        while True:
+            try:
+                return self._step_on(micro)
+            except torch.OutOfMemoryError:
+                rows = micro[0][0].shape[0]
+                # One rank cannot change its micro-batch alone: the others would wait in a collective forever.
+                if self.dist.enabled or self.split * 2 > rows:
+                    raise
+                self.optimizer.zero_grad(set_to_none=True)
+                self.timer.start()  # drop the failed step's partial marks
+                free_memory(self.device)
+                self.split *= 2
+                self.log_line(f"step {self.state.step}: out of memory; micro-batch halved to {rows // self.split} "
+                              f"rows, accumulation doubled (same data, same global batch)")
+
+    def _step_on(self, loaded: list[Batch]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        timer = self.timer
+        # After an OOM back-off each loaded batch runs as `split` smaller micro-batches.
+        micro = [piece for b in loaded for piece in zip(*(t.chunk(self.split) for t in b))] if self.split > 1 \
+            else loaded
+        accum = len(micro)
         if self.static_token_count:
             n_total = torch.tensor(float(sum(b[1].numel() for b in micro) * self.dist.world_size), device=self.device)
         else:
@@ -128,10 +166,13 @@ class Trainer:
         scale = self.dist.world_size / n_total.clamp_min(1.0)
         loss_sum = torch.zeros((), device=self.device)
         for i, batch in enumerate(micro):
-            with self._no_sync(i == accum - 1), self.autocast():
-                ls, _ = self.objective(self.model, batch)
-            loss = ls * scale
-            (self.scaler.scale(loss) if self.scaler else loss).backward()
+            with self._no_sync(i == accum - 1):
+                with self.autocast():
+                    ls, _ = self.objective(self.model, batch)
+                timer.mark("forward")
+                loss = ls * scale
+                (self.scaler.scale(loss) if self.scaler else loss).backward()
+            timer.mark("backward")
             loss_sum += ls.detach().float()
 
         lr = self.schedule.lr_at(self.state.step) * self.state.lr_scale
@@ -151,6 +192,11 @@ class Trainer:
         elif found_inf.item() == 0:  # free on CPU; a sync on CUDA only when fused AdamW is turned off
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self._after_step is not None:
+            with torch.no_grad():
+                self._after_step()
+        timer.mark("optimizer")
+        timer.stop()
         self._last_grad_norm = grad_norm.detach()
         self._last_lr = lr
         return loss_sum, n_total, found_inf
@@ -229,7 +275,11 @@ class Trainer:
     # -------------------------------------------------------------------------------------------- logging
     def log_line(self, text: str) -> None:
         if self.dist.is_main:
-            self.progress.print(text)
+            progress = getattr(self, "progress", None)
+            if progress is not None:
+                progress.print(text)
+            else:
+                print(text)
 
     def _on_signal(self, signum: int, frame: object) -> None:
         self._interrupts += 1
@@ -331,6 +381,16 @@ class Trainer:
         phase = getattr(self.loader, "phase_name", None)
         if phase is not None:
             row["phase"] = phase
+        if self._model_metrics is not None:
+            row.update(self._model_metrics())
+        breakdown = self.timer.summary()
+        gpu = self.gpu_monitor.read()
+        row.update(breakdown)
+        row.update(gpu)
+        self._logs += 1
+        if self.dist.is_main and (self._logs in (3, 30) or self._logs % 300 == 0):  # after warm-up, then rarely
+            for tip in advice(breakdown, gpu):
+                self.log_line(f"[yellow]hint:[/yellow] {tip}")
         if self.dist.is_main:
             self.metrics.log(st.step, {k: v for k, v in row.items() if v is not None})
             self.progress.update(st.step, loss=loss, lr=self._last_lr, tps=tps,

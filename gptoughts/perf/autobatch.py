@@ -1,0 +1,143 @@
+"""Automatic micro-batch size: the largest that fits, found with real training steps.
+
+The search runs real forward + backward + optimizer steps at the real sequence length (so activation memory,
+optimizer state, allocator fragmentation and compiled kernels' workspaces are all real), frees memory between
+tries, and keeps a safety margin under the device's capacity. The result is cached per (model, sequence
+length, GPU, precision, speed settings), so a restarted run does not search again.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import json
+import math
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from gptoughts.errors import UserError
+
+
+def is_oom(e: BaseException) -> bool:
+    if isinstance(e, torch.OutOfMemoryError):
+        return True
+    return isinstance(e, RuntimeError) and "out of memory" in str(e).lower()
+
+
+def free_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def search(fits: Callable[[int], bool], *, max_batch: int = 1024) -> int:
+    """Largest ``b`` in [1, max_batch] with ``fits(b)``: doubling, then bisection. 0 when even 1 does not fit.
+
+    Assumes monotonicity (if b fits, every smaller batch fits), which holds for memory.
+    """
+    if not fits(1):
+        return 0
+    good, bad = 1, None
+    while bad is None:
+        nxt = min(good * 2, max_batch)
+        if nxt == good:
+            return good
+        if fits(nxt):
+            good = nxt
+        else:
+            bad = nxt
+    while bad - good > 1:
+        mid = (good + bad) // 2
+        if fits(mid):
+            good = mid
+        else:
+            bad = mid
+    return good
+
+
+def make_fits(try_step: Callable[[int], None], device: torch.device, *, safety: float = 0.9,
+              capacity: int | None = None, peak: Callable[[], int] | None = None) -> Callable[[int], bool]:
+    """Wrap ``try_step(batch)`` (one or two real training steps) into a fits() predicate for :func:`search`.
+
+    A try fits when it raises no OOM and its peak memory stays under ``safety`` × capacity: the margin leaves
+    room for evaluation, generation and allocator fragmentation later in the run.
+    """
+    if capacity is None and device.type == "cuda":
+        capacity = torch.cuda.get_device_properties(device).total_memory
+    if peak is None:
+        peak = (lambda: torch.cuda.max_memory_reserved(device)) if device.type == "cuda" else (lambda: 0)
+
+    def fits(batch: int) -> bool:
+        free_memory(device)
+        try:
+            try_step(batch)
+        except BaseException as e:  # noqa: BLE001 - only OOM is expected; anything else is re-raised
+            if not is_oom(e):
+                raise
+            ok = False
+        else:
+            ok = capacity is None or peak() <= safety * capacity
+        free_memory(device)
+        return ok
+
+    return fits
+
+
+def accumulation_for(global_batch_tokens: int | None, micro_batch: int, block_size: int, world_size: int) -> int:
+    """Gradient-accumulation steps so that one optimizer step sees about ``global_batch_tokens`` tokens."""
+    if not global_batch_tokens:
+        return 1
+    return max(1, math.ceil(global_batch_tokens / (micro_batch * block_size * world_size)))
+
+
+def cache_key(parts: dict[str, object]) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+class BatchCache:
+    """JSON file of key -> micro-batch, under the gptoughts cache dir."""
+
+    def __init__(self, path: str | Path | None = None):
+        if path is None:
+            root = Path(os.environ.get("GPTOUGHTS_CACHE", Path.home() / ".cache" / "gptoughts"))
+            path = root / "autobatch.json"
+        self.path = Path(path)
+
+    def _read(self) -> dict[str, dict]:
+        try:
+            return json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def get(self, key: str) -> int | None:
+        entry = self._read().get(key)
+        return int(entry["batch_size"]) if entry else None
+
+    def put(self, key: str, batch_size: int, parts: dict[str, object]) -> None:
+        data = self._read()
+        data[key] = {"batch_size": batch_size, **{k: str(v) for k, v in parts.items()}}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data, indent=2))
+        os.replace(tmp, self.path)
+
+
+def find_batch_size(try_step: Callable[[int], None], device: torch.device, *, parts: dict[str, object],
+                    cache: BatchCache | None = None, max_batch: int = 256, safety: float = 0.9,
+                    capacity: int | None = None, peak: Callable[[], int] | None = None) -> tuple[int, bool]:
+    """(micro-batch, from_cache). Raises a UserError when not even one sequence fits."""
+    cache = cache or BatchCache()
+    key = cache_key(parts)
+    hit = cache.get(key)
+    if hit is not None:
+        return hit, True
+    best = search(make_fits(try_step, device, safety=safety, capacity=capacity, peak=peak), max_batch=max_batch)
+    if best == 0:
+        raise UserError("not even one sequence fits in memory: lower --block_size, use "
+                        "--activation_checkpointing full, a smaller --size, or more GPUs (FSDP)")
+    cache.put(key, best, parts)
+    return best, False

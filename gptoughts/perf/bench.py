@@ -1,0 +1,224 @@
+"""``gptoughts bench``: tokens/s, MFU, peak memory and the step breakdown of one configuration, optionally
+side by side with ``transformers`` (``LlamaForCausalLM``, eager and compiled) on the same shape, in one run.
+
+The timed step is the trainer's own ``train_step`` (same precision handling, fused AdamW, gradient clipping and
+accumulation), so what bench reports is what ``train`` runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from gptoughts import models
+from gptoughts.config import Config
+from gptoughts.errors import ConfigError
+from gptoughts.parallel import dist as pdist
+from gptoughts.perf import hardware
+
+
+class SyntheticBatches:
+    """Random token windows generated once on the device: the data never waits (pure model speed)."""
+
+    def __init__(self, vocab_size: int, batch_size: int, block_size: int, device: torch.device, seed: int = 0,
+                 pool: int = 8):
+        g = torch.Generator(device="cpu").manual_seed(seed)
+        data = torch.randint(0, vocab_size, (pool, batch_size, block_size + 1), generator=g)
+        self.batches = [(d[:, :-1].to(device), d[:, 1:].to(device)) for d in data]
+        self.i = 0
+
+    def __iter__(self) -> Iterator:
+        return self
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        b = self.batches[self.i % len(self.batches)]
+        self.i += 1
+        return b
+
+    def state_dict(self) -> dict:
+        return {"i": self.i}
+
+    def close(self) -> None:
+        pass
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _reset_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _peak_memory(device: torch.device) -> float | None:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return None
+
+
+def time_steps(step_fn, device: torch.device, warmup: int, steps: int) -> float:
+    """Seconds per step: warm-up (compilation, allocator growth) excluded, one sync around the timed steps."""
+    for _ in range(warmup):
+        step_fn()
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step_fn()
+    _sync(device)
+    return (time.perf_counter() - t0) / steps
+
+
+def run_bench(cfg: Config, *, steps: int = 20, warmup: int = 5, compare: str | None = None,
+              data_dir: str | None = None) -> dict[str, Any]:
+    from gptoughts.train.metrics import MetricsLogger
+    from gptoughts.train.optim import Schedule
+    from gptoughts.train.setup import apply_transforms, build_raw_model, make_objective, make_optimizer
+    from gptoughts.train.trainer import Trainer
+
+    device = hardware.resolve_device(cfg.perf.device)
+    hw = hardware.detect(device)
+    precision = hardware.resolve_precision(cfg.perf.precision, hw)
+    if device.type == "cuda" and cfg.perf.tf32:
+        torch.backends.cuda.matmul.allow_tf32 = True
+    t = cfg.train
+    if not isinstance(t.batch_size, int):
+        raise ConfigError("bench needs a numeric --batch_size")
+    family = models.get_family(cfg.model.family)
+    args = models.model_args(family.name, cfg.model.size, dict(cfg.model.overrides))
+    if getattr(args, "max_seq_len", t.block_size) < t.block_size:
+        args = replace(args, max_seq_len=t.block_size)
+    vocab = int(args.vocab_size)
+    info = pdist.DistInfo()
+
+    if data_dir is not None:
+        from gptoughts.data.loader import BatchLoader, TokenDataset
+
+        loader: Any = BatchLoader(TokenDataset(data_dir), split="train", batch_size=t.batch_size,
+                                  block_size=t.block_size, seed=t.seed, device=device)
+    else:
+        loader = SyntheticBatches(vocab, t.batch_size, t.block_size, device, seed=t.seed)
+
+    _reset_memory(device)
+    raw = build_raw_model(family.name, args, device, t.seed)
+    built = apply_transforms(raw, perf=cfg.perf, hw=hw, device=device, dist=info)
+    opt = make_optimizer(built.model, t, cfg.perf, device)
+    trainer = Trainer(model=built.model, objective=make_objective(family, built, cfg.perf), optimizer=opt,
+                      schedule=Schedule("constant", t.learning_rate, steps + warmup, 0), loader=loader,
+                      eval_batches=None, cfg=t, run=cfg.run, run_dir=Path("."), dist=info, device=device,
+                      precision=precision, metrics=MetricsLogger(Path("."), enabled=False),
+                      total_steps=steps + warmup, tokens_per_step=t.batch_size * t.block_size * t.grad_accum,
+                      forward_context=built.forward_context)
+    step_s = time_steps(trainer.train_step, device, warmup, steps)
+    # Breakdown from a few extra steps (its events cost nothing measurable but we keep them out of the timing).
+    trainer.timer.pending.clear()
+    for _ in range(min(5, steps)):
+        trainer.train_step()
+    breakdown = trainer.timer.summary()
+    tokens_per_step = t.batch_size * t.block_size * t.grad_accum
+    tps = tokens_per_step / step_s
+    flops_tok = raw.flops_per_token(t.block_size)
+    peak = hw.peak_bf16_flops
+    result: dict[str, Any] = {
+        "family": family.name, "size": cfg.model.size, "device": hw.name, "precision": precision,
+        "compile": cfg.perf.compile, "batch_size": t.batch_size, "block_size": t.block_size,
+        "grad_accum": t.grad_accum, "params": raw.num_params(), "params_non_embedding": raw.num_params(True),
+        "flops_per_token": flops_tok, "step_ms": step_s * 1e3, "tokens_per_s": tps,
+        "mfu": (flops_tok * tps / peak) if peak else None, "peak_memory_gib": _peak_memory(device),
+        "breakdown": breakdown, "data": "shards" if data_dir else "synthetic",
+    }
+    result["resolved"] = built.resolved
+    del trainer, opt, built, raw, loader
+    _reset_memory(device)
+
+    if compare == "hf":
+        result["hf"] = {}
+        for mode in ("eager", "compiled"):
+            if mode == "compiled" and not hw.compile:
+                continue
+            r = bench_hf(args, t.batch_size, t.block_size, t.grad_accum, device, precision, mode=mode, steps=steps,
+                         warmup=warmup, seed=t.seed)
+            r["mfu"] = (flops_tok * r["tokens_per_s"] / peak) if peak else None
+            r["speedup"] = tps / r["tokens_per_s"]
+            result["hf"][mode] = r
+            _reset_memory(device)
+    elif compare is not None:
+        raise ConfigError(f"--compare {compare!r}: only `hf` is supported")
+    return result
+
+
+def hf_llama_config(args: Any) -> Any:
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        hidden_size=args.d_model, intermediate_size=args.ffn_dim, num_hidden_layers=args.n_layers,
+        num_attention_heads=args.n_heads, num_key_value_heads=args.n_kv_heads, vocab_size=args.vocab_size,
+        max_position_embeddings=args.max_seq_len, rope_theta=args.rope_theta, rms_norm_eps=args.norm_eps,
+        tie_word_embeddings=args.tie_embeddings, attention_bias=args.qkv_bias, head_dim=args.d_model // args.n_heads,
+    )
+
+
+def bench_hf(args: Any, batch_size: int, block_size: int, grad_accum: int, device: torch.device, precision: str, *,
+             mode: str, steps: int, warmup: int, seed: int) -> dict[str, Any]:
+    """The same shape through transformers' LlamaForCausalLM: fp32 weights, autocast, fused AdamW, its own loss."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    hf_cfg = hf_llama_config(args)
+    hf_cfg._attn_implementation = "sdpa"
+    model: nn.Module = LlamaForCausalLM(hf_cfg).to(device)
+    model.train()
+    step_model = torch.compile(model) if mode == "compiled" else model
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    data = SyntheticBatches(args.vocab_size, batch_size, block_size + 0, device, seed=seed)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+
+    def step() -> None:
+        for _ in range(grad_accum):
+            x, y = next(data)
+            ctx = torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
+            with ctx:
+                out = step_model(input_ids=x, labels=x)
+            (out.loss / grad_accum).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    _reset_memory(device)
+    step_s = time_steps(step, device, warmup, steps)
+    res = {"mode": mode, "step_ms": step_s * 1e3, "tokens_per_s": batch_size * block_size * grad_accum / step_s,
+           "peak_memory_gib": _peak_memory(device)}
+    return res
+
+
+def format_result(r: dict[str, Any]) -> str:
+    def f(v: Any, spec: str) -> str:
+        return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
+
+    lines = [
+        f"{r['family']}/{r['size']} on {r['device']} ({r['precision']}, compile={r['compile']}): "
+        f"batch {r['batch_size']} x {r['block_size']} x accum {r['grad_accum']}, {r['params'] / 1e6:.1f}M params",
+        f"  tokens/s {f(r['tokens_per_s'], ',.0f')}   step {f(r['step_ms'], '.1f')} ms   MFU {f(r['mfu'], '.3f')}   "
+        f"peak memory {f(r['peak_memory_gib'], '.2f')} GiB   ({r['data']} data)",
+    ]
+    b = r.get("breakdown") or {}
+    if b:
+        parts = [f"{k} {b.get(f'time/{k}_ms', 0):.1f} ms ({b.get(f'time/{k}_pct', 0):.0f}%)"
+                 for k in ("data", "forward", "backward", "optimizer", "other")]
+        lines.append("  breakdown: " + ", ".join(parts))
+    for mode, h in (r.get("hf") or {}).items():
+        lines.append(f"  transformers {mode}: tokens/s {f(h['tokens_per_s'], ',.0f')}  MFU {f(h['mfu'], '.3f')}  "
+                     f"peak {f(h['peak_memory_gib'], '.2f')} GiB  -> ours is {h['speedup']:.2f}x")
+    return "\n".join(lines)

@@ -1,0 +1,142 @@
+"""``gptoughts estimate``: memory, time and cost of a run before it starts.
+
+Memory at the peak of a training step (fp32 master weights, mixed precision):
+
+* weights: 4 bytes/param (fp32 master copy)
+* gradients: 4 bytes/param
+* optimizer: 8 bytes/param (AdamW's two moments)
+* autocast weight copies: 2 bytes per matmul param (the bf16 casts autocast keeps for backward)
+* activations: per token and layer, the tensors autograd saves for backward, counted from the block's ops
+  (see ``_layer_activation_bytes``), times a factor per activation-checkpointing mode
+* logits: the LM-head working set (one chunk with the chunked loss, the whole batch with the plain loss)
+
+Time: tokens × FLOPs/token / (peak FLOP/s × MFU). The default MFU is what ``bench`` measured for the size class
+on Hopper (bench/BENCHMARKS.md); pass ``--mfu`` to use your own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from gptoughts import models
+from gptoughts.errors import ConfigError
+from gptoughts.perf.hardware import _PEAK_BF16, peak_flops
+
+GIB = 2**30
+
+# $/hour, on-demand list prices seen at common GPU clouds (the INL guide's table, updated); override with --price.
+DEFAULT_PRICE = {"H200": 3.5, "H100": 2.5, "A100": 1.5, "L40S": 1.0, "RTX 4090": 0.4, "RTX 3090": 0.3, "A10G": 1.0,
+                 "L4": 0.7, "T4": 0.35, "V100": 0.8, "B200": 5.0}
+GPU_MEMORY_GIB = {"H200": 141, "H100": 80, "A100": 80, "L40S": 48, "RTX 4090": 24, "RTX 3090": 24, "A10G": 24,
+                  "L4": 24, "T4": 16, "V100": 32, "B200": 180}
+
+
+@dataclass
+class Estimate:
+    params: int
+    params_non_embedding: int
+    weights_gib: float
+    gradients_gib: float
+    optimizer_gib: float
+    autocast_copies_gib: float
+    activations_gib: float
+    logits_gib: float
+    total_gib: float
+    gpu: str
+    gpu_memory_gib: float | None
+    fits: bool | None
+    flops_per_token: float
+    mfu: float
+    tokens_per_s: float | None
+    tokens: int | None
+    hours: float | None
+    price_per_hour: float | None
+    cost: float | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _layer_activation_bytes(args: Any, mode: str) -> float:
+    """Bytes saved for backward per token per block (bf16 activations, fp32 residual stream).
+
+    none: attention-norm input (fp32, 4d) and output (2d), q/k/v after RoPE (2(d + 2 d_kv)), attention output and
+    softmax stats (2d), FFN-norm input/output (4d + 2d), w1 and w3 outputs and their product (3 × 2f), plus the
+    residual (4d): 18d + 4 d_kv + 6f. selective keeps matmul outputs and recomputes norms and activations;
+    full keeps only the block input (4d).
+    """
+    d = args.d_model
+    head_dim = getattr(args, "head_dim", None) or d // args.n_heads
+    d_kv = getattr(args, "n_kv_heads", args.n_heads) * head_dim
+    f = getattr(args, "ffn_dim", 4 * d)
+    if mode == "none":
+        return 18 * d + 4 * d_kv + 6 * f
+    if mode == "selective":
+        return 12 * d + 4 * d_kv + 4 * f
+    if mode == "full":
+        return 4 * d
+    raise ConfigError(f"activation checkpointing must be none, selective or full; got {mode!r}")
+
+
+def estimate(family: str, size: str, overrides: dict | None = None, *, batch_size: int = 8, block_size: int = 2048,
+             activation_checkpointing: str = "none", loss: str = "chunked", loss_chunk: int = 4096,
+             gpu: str = "H100", tokens: int | None = None, mfu: float | None = None, price: float | None = None,
+             num_gpus: int = 1) -> Estimate:
+    args = models.model_args(family, size, dict(overrides or {}))
+    import torch
+
+    with torch.device("meta"):
+        model = models.build_model(family, args)
+    n = model.num_params()
+    n_ne = model.num_params(non_embedding=True)
+    matmul_params = sum(p.numel() for name, p in model.named_parameters() if p.ndim == 2 and "embed" not in name)
+    flops_tok = model.flops_per_token(block_size)
+    tokens_step = batch_size * block_size
+    L = args.n_layers
+    act = _layer_activation_bytes(args, activation_checkpointing) * tokens_step * L
+    if activation_checkpointing == "full":  # one block's activations are rebuilt during its backward
+        act += _layer_activation_bytes(args, "none") * tokens_step
+    vocab = args.vocab_size
+    rows = min(loss_chunk, tokens_step) if loss == "chunked" else tokens_step
+    # chunked: fp32 logits + their gradient for one chunk, plus the fp32 head-weight gradient accumulator;
+    # plain: bf16 logits, their fp32 upcast and its gradient, for the whole batch.
+    logits = rows * vocab * 8 + vocab * args.d_model * 4 if loss == "chunked" else rows * vocab * (2 + 4 + 4)
+    weights, grads, optim = 4 * n, 4 * n, 8 * n
+    copies = 2 * matmul_params
+    total = weights + grads + optim + copies + act + logits
+    peak = peak_flops(gpu)
+    if peak is None:
+        raise ConfigError(f"unknown GPU {gpu!r}; known: {', '.join(sorted(_PEAK_BF16))}")
+    if mfu is None:
+        mfu = 0.55 if args.d_model >= 2048 else 0.45
+    tps = peak * mfu / flops_tok * num_gpus
+    hours = tokens / tps / 3600 if tokens else None
+    key = next((k for k in sorted(GPU_MEMORY_GIB, key=len, reverse=True) if k.lower() in gpu.lower()), None)
+    mem = GPU_MEMORY_GIB.get(key) if key else None
+    pph = price if price is not None else DEFAULT_PRICE.get(key) if key else None
+    return Estimate(
+        params=n, params_non_embedding=n_ne, weights_gib=weights / GIB, gradients_gib=grads / GIB,
+        optimizer_gib=optim / GIB, autocast_copies_gib=copies / GIB, activations_gib=act / GIB,
+        logits_gib=logits / GIB, total_gib=total / GIB, gpu=gpu, gpu_memory_gib=mem,
+        fits=(total / GIB <= mem * 0.95) if mem else None, flops_per_token=flops_tok, mfu=mfu, tokens_per_s=tps,
+        tokens=tokens, hours=hours, price_per_hour=pph,
+        cost=(hours * pph * num_gpus) if (hours is not None and pph is not None) else None,
+    )
+
+
+def format_estimate(e: Estimate) -> str:
+    lines = [f"{e.params / 1e6:,.1f}M params ({e.params_non_embedding / 1e6:,.1f}M non-embedding), "
+             f"{e.flops_per_token / 1e9:.2f} GFLOP/token",
+             "memory at peak (GiB):"]
+    for k in ("weights", "gradients", "optimizer", "autocast_copies", "activations", "logits"):
+        lines.append(f"  {k:<16} {getattr(e, k + '_gib'):8.2f}")
+    fit = "" if e.fits is None else ("  fits" if e.fits else "  DOES NOT FIT")
+    mem = f" of {e.gpu_memory_gib} on {e.gpu}" if e.gpu_memory_gib else ""
+    lines.append(f"  {'total':<16} {e.total_gib:8.2f}{mem}{fit}")
+    lines.append(f"speed: {e.tokens_per_s:,.0f} tokens/s at MFU {e.mfu:.2f} on {e.gpu}")
+    if e.hours is not None:
+        cost = f", ${e.cost:,.0f} at ${e.price_per_hour}/h per GPU" if e.cost is not None else ""
+        days = f" ({e.hours / 24:.1f} days)" if e.hours > 48 else ""
+        lines.append(f"time for {e.tokens:,} tokens: {e.hours:,.1f} h{days}{cost}")
+    return "\n".join(lines)

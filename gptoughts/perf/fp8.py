@@ -1,0 +1,51 @@
+"""FP8 training through torchao's float8 linear layers (Hopper/Ada/Blackwell only).
+
+The matmuls of the transformer blocks run in float8 with dynamic scaling (``tensorwise``: one scale per
+tensor, fastest; ``rowwise``: one scale per row, more robust to outliers). Master weights, optimizer state,
+norms and the residual stream stay as they were. Left in bf16: the LM head and embeddings (precision of the
+output distribution), MoE routers (tiny, and their softmax decides routing), and any linear whose dims are
+not multiples of 16 (the fp8 tensor-core kernels need them).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from gptoughts.errors import HardwareError, UserError
+
+RECIPES = ("tensorwise", "rowwise")
+
+
+def check_fp8_supported(device: torch.device) -> None:
+    if device.type != "cuda":
+        raise HardwareError(f"--fp8 needs an NVIDIA GPU with fp8 tensor cores (Ada, Hopper or newer); this run is "
+                            f"on {device.type}. Drop --fp8 (bf16 is the fastest precision here).")
+    cc = torch.cuda.get_device_capability(device)
+    if cc < (8, 9):
+        name = torch.cuda.get_device_name(device)
+        raise HardwareError(f"--fp8 needs compute capability 8.9+ (Ada, Hopper); {name} is {cc[0]}.{cc[1]}. "
+                            "Use --precision bf16 instead.")
+
+
+def fp8_module_filter(module: nn.Module, fqn: str) -> bool:
+    if not isinstance(module, nn.Linear):
+        return False
+    leaf = fqn.rsplit(".", 1)[-1]
+    if leaf in ("output", "lm_head", "router", "gate") or "embed" in fqn:
+        return False
+    return module.in_features % 16 == 0 and module.out_features % 16 == 0
+
+
+def convert_to_fp8(model: nn.Module, recipe: str = "tensorwise") -> int:
+    """Swap eligible ``nn.Linear`` modules for torchao ``Float8Linear``; returns how many were converted."""
+    if recipe not in RECIPES:
+        raise UserError(f"unknown fp8 recipe {recipe!r}; use one of {', '.join(RECIPES)}")
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except ImportError:
+        raise UserError("--fp8 needs torchao: pip install 'gptoughts[fp8]' (torchao >= 0.9)") from None
+    count = sum(1 for fqn, m in model.named_modules() if fp8_module_filter(m, fqn))
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    convert_to_float8_training(model, config=config, module_filter_fn=fp8_module_filter)
+    return count
