@@ -37,6 +37,8 @@ class Family:
     """Size name -> field overrides of ``args_cls``; ``"debug"`` always exists (tiny, runs on CPU)."""
     objective: str = "causal"
     """``"causal"`` (next-token) or ``"diffusion"`` (masked diffusion, LLaDA)."""
+    hf: Any = None
+    """An ``HFAdapter`` (models/hf.py) when the family imports from / exports to ``transformers``."""
 
 
 FAMILIES: dict[str, Family] = {
