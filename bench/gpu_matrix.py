@@ -1,0 +1,75 @@
+"""Run a matrix of `gptoughts bench` configurations in one process and write every result as JSON lines.
+
+Usage (on the GPU machine):  python bench/gpu_matrix.py --out $OUT/matrix.jsonl --only 1b,125m
+Each row is one configuration; a failing configuration is recorded with its error and the matrix goes on.
+The configurations are the ones bench/BENCHMARKS.md reports (issue: GPU speed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+import traceback
+
+import torch
+
+from gptoughts.config import load_config
+from gptoughts.perf.bench import format_result, run_bench
+
+SHAPES = {
+    # name: (size, block, batch)
+    "125m": ("125m", 1024, 32),
+    "1b": ("1b", 2048, 8),
+    "3b": ("3b", 2048, 4),
+}
+
+MATRIX = {
+    "1b": [
+        {"compare": "hf"},
+        {"perf.loss": "plain"},
+        {"perf.loss": "liger"},
+        {"perf.compile_mode": "model"},
+        {"perf.sdpa_backend": "flash"},
+        {"train.batch_size": 16},
+        {"perf.fp8": True},
+    ],
+    "125m": [{"compare": "hf"}, {"train.batch_size": 64}],
+    "3b": [{}, {"perf.fp8": True}, {"perf.fp8": True, "perf.fp8_recipe": "rowwise"},
+           {"perf.activation_checkpointing": "selective"}, {"perf.activation_checkpointing": "full"}],
+}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--only", default="1b,125m,3b")
+    p.add_argument("--steps", type=int, default=15)
+    p.add_argument("--warmup", type=int, default=5)
+    a = p.parse_args()
+    with open(a.out, "a") as f:
+        for shape in a.only.split(","):
+            size, block, batch = SHAPES[shape]
+            for variant in MATRIX[shape]:
+                variant = dict(variant)
+                compare = variant.pop("compare", None)
+                overrides = {"model.size": size, "train.block_size": block, "train.batch_size": batch,
+                             "perf.precision": "bf16", "perf.compile": True, "run.progress": False, **variant}
+                t0 = time.time()
+                try:
+                    res = run_bench(load_config("default", overrides), steps=a.steps, warmup=a.warmup,
+                                    compare=compare)
+                    res["variant"] = variant
+                    print(format_result(res), flush=True)
+                except Exception as e:  # noqa: BLE001 - record and go on
+                    res = {"size": size, "variant": variant, "error": f"{type(e).__name__}: {e}",
+                           "trace": traceback.format_exc()[-2000:]}
+                    print(f"FAILED {size} {variant}: {res['error']}", flush=True)
+                res["wall_s"] = round(time.time() - t0, 1)
+                f.write(json.dumps(res, default=str) + "\n")
+                f.flush()
+                torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
