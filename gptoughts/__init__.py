@@ -8,11 +8,15 @@ Python API::
                                                 save_dir="runs/my-run", device="cuda")
     loaded = gptoughts.load("runs/my-run")
     print(gptoughts.generate(loaded, "def fibonacci(n):"))
+
+    # fine-tune a local Hugging Face model folder (LoRA), then write it back as a transformers folder
+    gptoughts.finetune(model_path="my-hf-model", data_path="chats.jsonl", lora=True, save_dir="runs/ft")
+    gptoughts.export("runs/ft", "my-hf-model-ft")
 """
 
-from gptoughts.api import evaluate, load, train
+from gptoughts.api import evaluate, export, finetune, load, train
 from gptoughts.api import generate_text as generate
 from gptoughts.errors import ConfigError, DataError, HardwareError, UserError
 
 __version__ = "0.1.0"
-__all__ = ["train", "load", "generate", "evaluate", "UserError", "ConfigError", "DataError", "HardwareError"]
+__all__ = ["train", "finetune", "export", "load", "generate", "evaluate", "UserError", "ConfigError", "DataError", "HardwareError"]

@@ -76,8 +76,13 @@ presets: {presets}
 """
 
 
-def parse_overrides(argv: Sequence[str]) -> tuple[str | None, dict[str, Any], bool]:
-    """Split ``[PRESET] --k v ...`` into (preset, {dotted key: value}, interactive)."""
+def parse_overrides(argv: Sequence[str], aliases: dict[str, str] | None = None,
+                    flags: dict[str, Any] | None = None) -> tuple[str | None, dict[str, Any], bool]:
+    """Split ``[PRESET] --k v ...`` into (preset, {dotted key: value}, interactive).
+
+    ``aliases``/``flags`` replace :data:`ALIASES`/:data:`FLAGS` (``finetune`` maps ``--model`` elsewhere)."""
+    aliases = ALIASES if aliases is None else aliases
+    flags = FLAGS if flags is None else flags
     preset: str | None = None
     out: dict[str, Any] = {}
     interactive = False
@@ -96,8 +101,8 @@ def parse_overrides(argv: Sequence[str]) -> tuple[str | None, dict[str, Any], bo
         if name == "interactive":
             interactive = True
             continue
-        if name in FLAGS and not eq:
-            out[ALIASES[name]] = FLAGS[name]
+        if name in flags and not eq:
+            out[aliases[name]] = flags[name]
             continue
         if not eq:
             nxt = args[i] if i < len(args) else None
@@ -111,12 +116,12 @@ def parse_overrides(argv: Sequence[str]) -> tuple[str | None, dict[str, Any], bo
                 if nxt is None or (nxt.startswith("--") and len(nxt) > 2):
                     raise ConfigError(f"--{name} needs a value")
                 value, i = nxt, i + 1
-        key = ALIASES.get(name, name)
+        key = aliases.get(name, name)
         if "." not in key:
             from gptoughts.config import Config
 
             sections = {f"{s}" for s in Config.__dataclass_fields__}
-            hint = closest(name, list(ALIASES) + [f"{s}.{name}" for s in sections])
+            hint = closest(name, list(aliases) + [f"{s}.{name}" for s in sections])
             raise ConfigError(f"unknown option --{name}" + (f" (did you mean --{hint}?)" if hint else
                                                              "; run `gptoughts train --help`"))
         if key in REPEATABLE:
@@ -163,6 +168,89 @@ def cmd_train(argv: Sequence[str]) -> int:
     return 0
 
 
+# `finetune` reads the same options as `train`, except that --model names the pretrained folder.
+FINETUNE_ALIASES: dict[str, str] = {
+    **ALIASES,
+    "model": "model.init_from",
+    "init_from": "model.init_from",
+    "trust_remote_code": "model.trust_remote_code",
+    "lora": "lora.enabled",
+    "lora_r": "lora.r",
+    "lora_alpha": "lora.alpha",
+    "lora_dropout": "lora.dropout",
+    "target_modules": "lora.target_modules",
+    "qlora": "lora.quantize",
+    "format": "data.format",
+    "packing": "data.packing",
+    "truncation": "data.truncation",
+}
+FINETUNE_FLAGS: dict[str, Any] = {**FLAGS, "lora": True, "trust_remote_code": True, "qlora": "4bit"}
+
+FINETUNE_USAGE = """usage: gptoughts finetune [PRESET|FILE.toml] --model HF_DIR --data PATH [--lora] [options]
+
+Fine-tunes a local Hugging Face model folder (config.json, safetensors, tokenizer files). Llama, Mistral, Qwen2
+and Qwen3 layouts run on the native fast path; other causal LMs train through transformers (a notice says so).
+Default preset: finetune (lr 2e-5; with --lora use about --lr 2e-4).
+
+data (--data, repeatable):
+  .jsonl of {"prompt": ..., "response": ...} or {"messages": [{"role": ..., "content": ...}, ...]}: loss on the
+  responses only, the tokenizer's chat template when it has one; examples packed per row (--packing false: one
+  per row); longer than a row: --truncation right (cut) or drop. Anything else: continued pretraining.
+
+options (besides every `gptoughts train` option and any --section.key VALUE):
+  --model HF_DIR          model.init_from                 --trust_remote_code  run the folder's own code
+  --lora                  train LoRA adapters (PEFT)      --lora_r R / --lora_alpha A / --lora_dropout P
+  --target_modules a,b    lora.target_modules (default: every linear layer of the blocks)
+  --qlora                 4-bit base (bitsandbytes, CUDA only)   --lora.base_dtype {auto,fp32,bf16,fp16}
+  --format {auto,text,sft}   --packing {true,false}   --truncation {right,drop}
+
+then: gptoughts sample RUN --prompt "..." (chat template applied) and gptoughts export RUN --format hf OUT.
+presets: {presets}
+"""
+
+
+def cmd_finetune(argv: Sequence[str]) -> int:
+    from gptoughts.config import list_presets, load_config
+
+    if any(a in ("-h", "--help") for a in argv):
+        print(FINETUNE_USAGE.replace("{presets}", ", ".join(list_presets())))
+        return 0
+    preset, overrides, _ = parse_overrides(argv, FINETUNE_ALIASES, FINETUNE_FLAGS)
+    if overrides.get("lora.quantize") == "4bit":
+        overrides.setdefault("lora.enabled", True)
+    cfg = load_config(preset or "finetune", overrides)
+    if cfg.model.init_from is None:
+        raise ConfigError("finetune needs a pretrained model: pass --model HF_DIR (a local Hugging Face folder)")
+    from gptoughts.api import run_training
+
+    run_training(cfg)
+    return 0
+
+
+def cmd_export(argv: Sequence[str]) -> int:
+    p = argparse.ArgumentParser(prog="gptoughts export",
+                                description="Write a run as a Hugging Face transformers model folder (LoRA merged).")
+    p.add_argument("path", help="run directory, checkpoint directory (or an HF folder)")
+    p.add_argument("out_pos", nargs="?", metavar="OUT", help="output folder (or --out)")
+    p.add_argument("--out", default=None, help="output folder")
+    p.add_argument("--format", default="hf", choices=["hf"], help="hf: config.json + safetensors + tokenizer")
+    p.add_argument("--max_shard_size", default="5GB", help="split weights above this size (e.g. 5GB, 500MB)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
+                   help="auto: the base model's dtype (fp32 for models trained from scratch)")
+    p.add_argument("--overwrite", action="store_true", help="write into a non-empty OUT")
+    p.add_argument("--device", default="cpu", help="where LoRA is merged (cpu needs no GPU memory)")
+    a = p.parse_intermixed_args(argv)
+    out = a.out or a.out_pos
+    if out is None:
+        raise ConfigError("export needs an output folder: gptoughts export RUN --format hf OUT")
+    from gptoughts.api import export
+
+    written = export(a.path, out, format=a.format, max_shard_size=a.max_shard_size, dtype=a.dtype,
+                     overwrite=a.overwrite, device=a.device)
+    print(f"wrote {written} (load it with transformers.AutoModelForCausalLM.from_pretrained)")
+    return 0
+
+
 def cmd_prepare(argv: Sequence[str]) -> int:
     p = argparse.ArgumentParser(prog="gptoughts prepare", description="Tokenize a corpus into token shards.")
     p.add_argument("--data", action="append", required=True, help="file, folder, .jsonl, .parquet or saved HF dataset")
@@ -184,8 +272,11 @@ def cmd_prepare(argv: Sequence[str]) -> int:
 
 def cmd_sample(argv: Sequence[str]) -> int:
     p = argparse.ArgumentParser(prog="gptoughts sample", description="Generate text from a trained model.")
-    p.add_argument("path", help="run directory or checkpoint directory")
-    p.add_argument("--prompt", default="", help="text to continue")
+    p.add_argument("path", help="run directory, checkpoint directory or Hugging Face model folder")
+    p.add_argument("--prompt", default="", help="text to continue (with --chat: the user's message)")
+    p.add_argument("--chat", default="auto", choices=["auto", "on", "off"],
+                   help="render the prompt with the chat template and print only the answer; auto: on for SFT runs "
+                        "and for HF folders whose tokenizer has a chat template")
     p.add_argument("--max_new_tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--top_k", type=int, default=50)
@@ -196,8 +287,9 @@ def cmd_sample(argv: Sequence[str]) -> int:
     from gptoughts.api import generate_text, load
 
     loaded = load(a.path, device=a.device)
+    chat = None if a.chat == "auto" else a.chat == "on"
     print(generate_text(loaded, a.prompt, max_new_tokens=a.max_new_tokens, temperature=a.temperature,
-                        top_k=a.top_k if a.top_k and a.top_k > 0 else None, top_p=a.top_p, seed=a.seed))
+                        top_k=a.top_k if a.top_k and a.top_k > 0 else None, top_p=a.top_p, seed=a.seed, chat=chat))
     return 0
 
 
@@ -314,13 +406,45 @@ def cmd_estimate(argv: Sequence[str]) -> int:
     return 0
 
 
+def cmd_tune(argv: Sequence[str]) -> int:
+    if any(a in ("-h", "--help") for a in argv):
+        print("usage: gptoughts tune [PRESET|FILE.toml] [--size S --block_size T ...] [--ac none,selective,full]\n"
+              "                      [--compile_modes blocks,model] [--fp8 off,tensorwise,rowwise] [--batches auto]\n"
+              "                      [--steps 10] [--out tuned.toml]\n"
+              "Searches micro-batch x activation checkpointing x compile mode x fp8 recipe for the highest tokens/s\n"
+              "within memory, prints the table and writes the winning config (default tuned.toml).")
+        return 0
+    rest, opts = _pop_options(argv, set(), {"ac", "compile_modes", "fp8", "batches", "steps", "warmup", "out"})
+    preset, overrides, _ = parse_overrides(rest)
+    from gptoughts.config import load_config
+    from gptoughts.perf.tune import best, format_table, run_tune, write_winner
+
+    def csv(name: str) -> list[str] | None:
+        return [v.strip() for v in opts[name].split(",")] if name in opts else None
+
+    batches = [int(b) if b.isdigit() else b for b in csv("batches")] if "batches" in opts else None
+    cfg = load_config(preset or "default", overrides)
+    trials = run_tune(cfg, steps=int(opts.get("steps", 10)), warmup=int(opts.get("warmup", 3)), ac=csv("ac"),
+                      compile_modes=csv("compile_modes"), fp8=csv("fp8"), batches=batches)
+    print(format_table(trials))
+    win = best(trials)
+    if win is None:
+        raise UserError("no combination ran; see the errors in the table")
+    path = write_winner(win, cfg, opts.get("out", "tuned.toml"))
+    print(f"best settings written to {path}: gptoughts train {path} --data ...")
+    return 0
+
+
 COMMANDS: dict[str, tuple[Callable[[Sequence[str]], int], str]] = {
     "train": (cmd_train, "train a model (default: the quickstart preset)"),
+    "finetune": (cmd_finetune, "fine-tune a local Hugging Face model (full or --lora) on SFT JSONL or text"),
+    "export": (cmd_export, "write a run as a Hugging Face transformers folder (--format hf OUT)"),
     "prepare": (cmd_prepare, "tokenize a corpus into token shards"),
     "sample": (cmd_sample, "generate text from a run or checkpoint"),
     "eval": (cmd_eval, "val loss and perplexity of a run on a corpus"),
     "env": (cmd_env, "hardware, supported precisions, recommended settings"),
     "estimate": (cmd_estimate, "memory, time and cost of a run before it starts"),
+    "tune": (cmd_tune, "search batch x checkpointing x compile x fp8 for the fastest settings"),
     "bench": (cmd_bench, "time training steps: tokens/s, MFU, memory, breakdown (--compare hf)"),
 }
 

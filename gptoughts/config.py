@@ -1,7 +1,7 @@
 """The typed configuration tree, TOML presets and dotted overrides.
 
 A run is described by one :class:`Config`: sections ``model``, ``data``, ``train``, ``perf``, ``parallel``,
-``run`` (and ``finetune``). Each section is a dataclass whose fields are documented where they are declared.
+``run`` and ``lora``. Each section is a dataclass whose fields are documented where they are declared.
 Configs are data: TOML files (``gptoughts/presets/*.toml`` or a user's file) and ``--section.key value``
 overrides, never Python code. Validation is strict: an unknown key or a wrong type raises
 :class:`~gptoughts.errors.ConfigError` naming the closest valid key.
@@ -38,7 +38,11 @@ class ModelConfig:
     size: str = "debug"
     """Size preset of the family (``debug`` always exists and runs on CPU in seconds)."""
     init_from: str | None = None
-    """A local Hugging Face model folder (or a run dir / checkpoint) to start from instead of random init."""
+    """A local Hugging Face model folder to start from instead of random init (``gptoughts finetune --model``):
+    its config, weights and tokenizer are used; llama/mistral/qwen2/qwen3 run natively, others through
+    transformers."""
+    trust_remote_code: bool = False
+    """Let transformers run the model folder's own Python code (models it does not ship); off unless asked."""
     overrides: dict[str, Any] = field(default_factory=dict)
     """Family architecture fields that override the size preset (any other key of ``[model]`` lands here)."""
 
@@ -74,6 +78,16 @@ class DataConfig:
     """Where token shards are cached; default ``$GPTOUGHTS_CACHE`` or ``~/.cache/gptoughts``."""
     phases: list[PhaseConfig] = field(default_factory=list)
     """Curriculum: ordered phases, each with its sources, weights and token budget."""
+    format: str = "auto"
+    """text (token shards, next-token loss on everything), sft (JSONL of {"prompt","response"} or
+    {"messages":[...]}: loss on response tokens only) or auto (sft for .jsonl sources whose first record has
+    those keys, else text)."""
+    packing: bool = True
+    """SFT: pack several examples per row (no attention across them, positions restart per example); false
+    puts one example per row, padded."""
+    truncation: str = "right"
+    """SFT examples longer than a row: right (keep the first block_size+1 tokens) or drop (skip the example).
+    Both are counted and reported."""
 
 
 @dataclass
@@ -190,6 +204,26 @@ class RunConfig:
 
 
 @dataclass
+class LoraConfig:
+    enabled: bool = False
+    """Train low-rank adapters (PEFT LoRA) instead of every weight; needs ``model.init_from``."""
+    r: int = 16
+    """Rank of the adapters."""
+    alpha: float = 32.0
+    """Scale: the update is ``alpha / r * B @ A``."""
+    dropout: float = 0.05
+    """Dropout on the adapters' input."""
+    target_modules: list[str] = field(default_factory=list)
+    """Module names to adapt (suffixes, e.g. ``wq,wv`` natively or ``q_proj,v_proj`` on transformers models);
+    empty means every linear layer of the transformer blocks (attention and MLP projections)."""
+    quantize: str = "none"
+    """none, or 4bit (QLoRA: NF4 base weights through bitsandbytes; CUDA only)."""
+    base_dtype: str = "auto"
+    """dtype of the frozen base weights: auto (bf16 when training in bf16, else fp32), fp32, bf16 or fp16.
+    A frozen weight needs no fp32 master copy, gradient or optimizer state: bf16 halves its memory."""
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -197,6 +231,7 @@ class Config:
     perf: PerfConfig = field(default_factory=PerfConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -426,6 +461,35 @@ def validate(cfg: Config) -> None:
     for p in cfg.data.phases:
         if p.weights and len(p.weights) != len(p.sources):
             raise ConfigError(f"data.phases `{p.name}`: {len(p.weights)} weights for {len(p.sources)} sources")
+    _validate_finetune(cfg)
+
+
+def _validate_finetune(cfg: Config) -> None:
+    d, lo = cfg.data, cfg.lora
+    choices = {
+        "data.format": (d.format, ("auto", "text", "sft")),
+        "data.truncation": (d.truncation, ("right", "drop")),
+        "lora.quantize": (lo.quantize, ("none", "4bit")),
+        "lora.base_dtype": (lo.base_dtype, ("auto", "fp32", "bf16", "fp16")),
+    }
+    for where, (value, allowed) in choices.items():
+        if value not in allowed:
+            raise ConfigError(f"{where} must be one of {', '.join(allowed)}; got {value!r}{did_you_mean(value, allowed)}")
+    if lo.r < 1:
+        raise ConfigError(f"lora.r must be >= 1, got {lo.r}")
+    if lo.alpha <= 0:
+        raise ConfigError(f"lora.alpha must be > 0, got {lo.alpha}")
+    if not 0.0 <= lo.dropout < 1.0:
+        raise ConfigError(f"lora.dropout must be in [0, 1), got {lo.dropout}")
+    if lo.quantize != "none" and not lo.enabled:
+        raise ConfigError("lora.quantize needs LoRA: add --lora (QLoRA trains adapters over a 4-bit base)")
+    if cfg.model.init_from is not None:
+        if cfg.model.overrides:
+            key = next(iter(cfg.model.overrides))
+            raise ConfigError(f"model.{key} cannot be changed when fine-tuning: the architecture comes from "
+                              f"{cfg.model.init_from}; drop the override")
+    elif lo.enabled:
+        raise ConfigError("LoRA adapts a pretrained model: pass --model HF_DIR (model.init_from) with --lora")
 
 
 # ----------------------------------------------------------------------------------------------- TOML out

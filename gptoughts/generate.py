@@ -10,6 +10,9 @@ cache, positions cannot slide (cached keys carry their RoPE phase), so a request
 
 Sampling draws through an explicit ``torch.Generator`` when one is given (on the logits' device), so a
 seeded generator reproduces the same tokens whichever path computed the logits.
+
+``diffusion_generate`` samples from masked-diffusion models (LLaDA): no cache, a fixed number of denoising
+steps over a fixed-length answer.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from gptoughts.errors import UserError
 
-__all__ = ["filter_top_k_top_p", "generate", "sample_top_k_top_p"]
+__all__ = ["diffusion_generate", "filter_top_k_top_p", "generate", "sample_top_k_top_p"]
 
 # Decoding changes the key length at every step. On H100/H200 (torch 2.11) SDPA prefers cuDNN, which builds
 # an execution plan per new shape: measured ~50 ms per step on an H200 for the 125m model, against ~5 ms
@@ -106,6 +109,10 @@ def generate(
         )
     if max_new_tokens <= 0:
         return input_ids
+    hf_generate = getattr(model, "hf_generate", None)
+    if hf_generate is not None:  # generic transformers models (models/hf.py) decode with their own KV cache
+        return hf_generate(input_ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                           eos_id=eos_id, generator=generator)
     max_seq_len = model.args.max_seq_len
     bsz, prompt_len = input_ids.shape
     if use_cache and prompt_len + max_new_tokens - 1 > max_seq_len:
@@ -165,3 +172,129 @@ def _decode(
         if eos_id is not None and bool(done.all()):
             break
     return out[:, :cur]
+
+
+# ------------------------------------------------------------------------------- masked diffusion (LLaDA)
+
+_REMASKING = ("low_confidence", "random")
+
+
+@torch.inference_mode()
+def diffusion_generate(
+    model: nn.Module,
+    prompt_ids: torch.Tensor,
+    *,
+    gen_length: int,
+    steps: int,
+    block_length: int,
+    temperature: float = 0.0,
+    cfg_scale: float = 0.0,
+    remasking: str = "low_confidence",
+    mask_id: int | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """LLaDA's reverse process: ``prompt_ids [B, P]`` followed by ``gen_length`` mask tokens, denoised in
+    ``steps`` model calls. Returns ``[B, P + gen_length]`` (prompt included) with no mask token left.
+
+    Semantics of LLaDA's ``generate.py`` (re-implemented):
+
+    * **Blocks** (semi-autoregressive): the answer is split into blocks of ``block_length`` tokens (the last
+      one shorter when ``block_length`` does not divide ``gen_length``), filled left to right. ``steps`` is
+      spread evenly over the blocks (LLaDA requires it to be a multiple of their number; here earlier blocks
+      take the remainder), each block getting at least one step and at most one step per token.
+    * **Per step**, a fixed number of tokens is committed: the block's length split evenly over its steps,
+      earlier steps taking the remainder (the linear noise schedule makes the expected count per step constant).
+      The model predicts every position; a candidate token ``x0`` is drawn at each still-masked position of the
+      current block by Gumbel-max at ``temperature`` (0: argmax), and the positions to commit are the
+      highest-``confidence`` ones: the softmax probability of ``x0`` (``remasking="low_confidence"``: the
+      least confident stay masked) or a uniform draw (``"random"``). Committed tokens are never remasked.
+    * **Classifier-free guidance** (``cfg_scale > 0``): the model also sees the sequence with the prompt
+      masked out, and the logits are ``uncond + (cfg_scale + 1) * (cond - uncond)``; one batched forward.
+
+    Logits are computed only for the current block (positions after it cannot be committed yet, positions
+    before it are all committed), which skips most of the LM-head matmul. ``mask_id`` defaults to the model's
+    ``args.mask_token_id``; the prompt must not contain it. Randomness (Gumbel noise, random remasking) is drawn
+    from ``generator`` when given (on the model's device). The model is in eval mode during the call.
+    """
+    if prompt_ids.ndim != 2:
+        raise UserError(f"prompt_ids must be a [batch, seq] tensor, got shape {tuple(prompt_ids.shape)}")
+    if gen_length <= 0:
+        return prompt_ids
+    if steps < 1 or block_length < 1:
+        raise UserError(f"steps and block_length must be >= 1, got steps={steps}, block_length={block_length}")
+    if temperature < 0:
+        raise UserError(f"temperature must be >= 0, got {temperature}")
+    if cfg_scale < 0:
+        raise UserError(f"cfg_scale must be >= 0 (0 turns guidance off), got {cfg_scale}")
+    if remasking not in _REMASKING:
+        raise UserError(f"remasking must be one of {', '.join(_REMASKING)}, got {remasking!r}")
+    if mask_id is None:
+        mask_id = model.args.mask_token_id
+    bsz, prompt_len = prompt_ids.shape
+    total = prompt_len + gen_length
+    if total > model.args.max_seq_len:
+        raise UserError(
+            f"prompt ({prompt_len} tokens) + gen_length ({gen_length}) exceeds the model's "
+            f"max_seq_len={model.args.max_seq_len}; shorten the request"
+        )
+    # One host sync, before the loop: a mask in the prompt would ask for infilling, which this sampler
+    # does not do (it would come back still masked).
+    if bool((prompt_ids == mask_id).any()):
+        raise UserError(f"the prompt contains the mask token (id {mask_id}); remove it")
+    x = prompt_ids.new_full((bsz, total), mask_id)
+    x[:, :prompt_len] = prompt_ids
+    blocks = [(s, min(s + block_length, total)) for s in range(prompt_len, total, block_length)]
+
+    was_training = model.training
+    model.eval()
+    try:
+        for (start, end), block_steps in zip(blocks, _even_split(steps, len(blocks))):
+            block_steps = min(max(block_steps, 1), end - start)
+            # Host ints: the schedule never depends on device values, so the loop has no sync.
+            for n_commit in _even_split(end - start, block_steps):
+                logits = _block_logits(model, x, prompt_len, start, end, cfg_scale, mask_id)
+                x0 = _gumbel_argmax(logits, temperature, generator)
+                if remasking == "low_confidence":
+                    confidence = logits.softmax(dim=-1).gather(-1, x0[..., None]).squeeze(-1)
+                else:
+                    confidence = torch.rand(x0.shape, device=x0.device, generator=generator)
+                block = x[:, start:end]  # a view: the scatter below writes into x
+                confidence = confidence.masked_fill(block != mask_id, float("-inf"))
+                pick = confidence.topk(n_commit, dim=-1).indices
+                block.scatter_(1, pick, x0.gather(1, pick))
+    finally:
+        model.train(was_training)
+    return x
+
+
+def _even_split(n: int, parts: int) -> list[int]:
+    """``n`` split into ``parts`` integers differing by at most one, larger ones first."""
+    base, rem = divmod(n, parts)
+    return [base + (i < rem) for i in range(parts)]
+
+
+def _block_logits(
+    model: nn.Module, x: torch.Tensor, prompt_len: int, start: int, end: int, cfg_scale: float, mask_id: int
+) -> torch.Tensor:
+    """fp32 logits ``[B, end - start, V]`` of positions ``start:end``, with classifier-free guidance if asked."""
+    if cfg_scale > 0:
+        uncond = x.clone()
+        uncond[:, :prompt_len] = mask_id
+        hidden = model(torch.cat([x, uncond]), return_hidden=True)[:, start:end]
+        cond, unc = F.linear(hidden, model.output_weight).float().chunk(2)
+        return unc + (cfg_scale + 1) * (cond - unc)
+    hidden = model(x, return_hidden=True)[:, start:end]
+    return F.linear(hidden, model.output_weight).float()
+
+
+def _gumbel_argmax(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> torch.Tensor:
+    """A sample of ``softmax(logits / temperature)`` per row by Gumbel-max (argmax when ``temperature == 0``).
+
+    LLaDA computes ``argmax(exp(l) / (-log u) ** T)`` in float64 (low-precision Gumbel noise was found to
+    degrade generations, arXiv:2409.02908); ``argmax(l - T log(-log u))`` is the same argmax in log space,
+    which cannot overflow ``exp``.
+    """
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    u = torch.rand(logits.shape, dtype=torch.float64, device=logits.device, generator=generator)
+    return (logits.double() - temperature * torch.log(-torch.log(u))).argmax(dim=-1)

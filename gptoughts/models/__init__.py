@@ -20,6 +20,12 @@ import torch
 from torch import nn
 
 from gptoughts.errors import ConfigError, did_you_mean
+from gptoughts.models import deepseek, gpt2, llama_hf
+from gptoughts.models.deepseek import DEEPSEEK_SIZES, DeepSeek, DeepSeekArgs
+from gptoughts.models.gpt2 import GPT2, GPT2_SIZES, GPT2Args
+from gptoughts.models.hf import HFAdapter
+from gptoughts.models.inl import INL, INL_SIZES, INLArgs
+from gptoughts.models.llada import LLADA_SIZES, LLaDA, LLaDAArgs
 from gptoughts.models.llama import LLAMA_SIZES, Llama, LlamaArgs
 
 __all__ = ["FAMILIES", "Family", "build_model", "get_family", "list_sizes", "model_args"]
@@ -41,8 +47,17 @@ class Family:
     """An ``HFAdapter`` (models/hf.py) when the family imports from / exports to ``transformers``."""
 
 
+def _hf(module: Any) -> HFAdapter:
+    """The HF adapter a family's module defines (``HF_MODEL_TYPES, args_from_hf, hf_config, from_hf, to_hf``)."""
+    return HFAdapter(module.HF_MODEL_TYPES, module.args_from_hf, module.hf_config, module.from_hf, module.to_hf)
+
+
 FAMILIES: dict[str, Family] = {
-    "llama": Family("llama", Llama, LlamaArgs, LLAMA_SIZES, objective="causal"),
+    "llama": Family("llama", Llama, LlamaArgs, LLAMA_SIZES, objective="causal", hf=_hf(llama_hf)),
+    "llada": Family("llada", LLaDA, LLaDAArgs, LLADA_SIZES, objective="diffusion"),
+    "inl": Family("inl", INL, INLArgs, INL_SIZES, objective="causal"),
+    "gpt2": Family("gpt2", GPT2, GPT2Args, GPT2_SIZES, objective="causal", hf=_hf(gpt2)),
+    "deepseek": Family("deepseek", DeepSeek, DeepSeekArgs, DEEPSEEK_SIZES, objective="causal", hf=_hf(deepseek)),
 }
 
 

@@ -236,7 +236,46 @@ class KVCache:
 # --------------------------------------------------------------------------------------------- attention
 
 
-def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True) -> torch.Tensor:
+def attention_mask(
+    tq: int,
+    tk: int,
+    *,
+    causal: bool,
+    window: int | None = None,
+    doc_ids: torch.Tensor | None = None,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """Boolean mask (True = may attend) of ``tq`` queries, the *last* ``tq`` of ``tk`` positions.
+
+    ``window``: a query at position ``i`` sees keys ``j`` with ``i - j < window`` (itself included), the
+    sliding window of Mistral/Qwen2 (same rule as transformers' ``sliding_window_overlay``).
+    ``doc_ids [B, T]`` (``tq == tk``): tokens see only tokens of the same document (packed rows); the result
+    is then ``[B, 1, T, T]``, else ``[tq, tk]``. The diagonal is always allowed, so no row is empty (an
+    all-False row would make softmax NaN).
+    """
+    qpos = torch.arange(tk - tq, tk, device=device)
+    kpos = torch.arange(tk, device=device)
+    diff = qpos[:, None] - kpos[None, :]
+    mask = diff >= 0 if causal else torch.ones(tq, tk, dtype=torch.bool, device=device)
+    if window is not None:
+        mask = mask & ((diff < window) if causal else (diff.abs() < window))
+    if doc_ids is not None:
+        if tq != tk:
+            raise ValueError("doc_ids needs the whole sequence in one forward (no KV cache)")
+        same = doc_ids[:, :, None] == doc_ids[:, None, :]
+        mask = (mask & same)[:, None]
+    return mask
+
+
+def sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = True,
+    window: int | None = None,
+    doc_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Scaled dot-product attention for ``q [B, H, Tq, hd]`` and ``k``/``v [B, Hkv, Tk, hd]``, ``H % Hkv == 0``.
 
     When ``Tk > Tq`` the queries are the *last* ``Tq`` positions (a KV-cache prefix precedes them):
@@ -245,11 +284,21 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = Tr
     * ``Tq == 1``: one decoded token sees the whole prefix, so no mask at all (``is_causal=False``);
     * otherwise (prefill after a non-empty cache): an explicit bottom-right-aligned boolean mask, because
       SDPA's ``is_causal`` aligns the triangle top-left, which would hide the prefix.
+
+    ``window`` (sliding-window attention) and ``doc_ids [B, T]`` (packed rows: no attention across
+    documents) add an explicit mask from :func:`attention_mask`, but only when they change something: a
+    window at least as long as the keys is ignored, so the mask-free fast path above stays the common case.
+    With a mask SDPA uses the memory-efficient kernel (flash takes no mask): packed SFT rows trade some
+    attention speed for not wasting the padding of one-example-per-row batches.
     """
     tq, tk = q.size(-2), k.size(-2)
+    if window is not None and tk <= window:
+        window = None  # host ints only: no sync
     mask = None
     is_causal = False
-    if causal and tq > 1:
+    if doc_ids is not None or window is not None:
+        mask = attention_mask(tq, tk, causal=causal, window=window, doc_ids=doc_ids, device=q.device)
+    elif causal and tq > 1:
         if tq == tk:
             is_causal = True
         else:
@@ -261,7 +310,8 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = Tr
         # Flash reads the shared k/v heads directly: no n_rep-times larger copy of k and v in memory.
         return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, enable_gqa=True)
     # With a mask SDPA on CUDA would pick the memory-efficient kernel, which has no GQA support, and fall back
-    # to the math kernel; expanding k/v keeps the fused kernel (this path only runs for cached prefills).
+    # to the math kernel; expanding k/v keeps the fused kernel (this path runs only with a mask: cached
+    # prefills, sliding windows shorter than the keys, packed rows).
     k = k.repeat_interleave(n_rep, dim=1)
     v = v.repeat_interleave(n_rep, dim=1)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)
@@ -271,7 +321,8 @@ class Attention(nn.Module):
     """Multi-head attention with GQA, RoPE, optional q/k bias (Qwen2) and q/k RMSNorm (Qwen3).
 
     ``causal=False`` gives bidirectional attention (masked-diffusion families). ``layer_idx`` selects this
-    layer's slot in a ``KVCache``.
+    layer's slot in a ``KVCache``. ``sliding_window``: each query sees at most that many positions (itself
+    included). ``forward(..., doc_ids=[B, T])``: no attention across documents of a packed row.
     """
 
     def __init__(
@@ -287,6 +338,7 @@ class Attention(nn.Module):
         qk_norm: bool = False,
         norm_eps: float = 1e-5,
         causal: bool = True,
+        sliding_window: int | None = None,
     ) -> None:
         super().__init__()
         if n_heads % n_kv_heads:
@@ -296,6 +348,7 @@ class Attention(nn.Module):
         self.head_dim = head_dim
         self.layer_idx = layer_idx
         self.causal = causal
+        self.sliding_window = sliding_window
         self.wq = nn.Linear(dim, n_heads * head_dim, bias=qkv_bias)
         self.wk = nn.Linear(dim, n_kv_heads * head_dim, bias=qkv_bias)
         self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=qkv_bias)
@@ -317,6 +370,7 @@ class Attention(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         cache: KVCache | None = None,
+        doc_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
         # Head counts are inferred (-1), not taken from the config: under tensor parallelism each rank holds
@@ -333,6 +387,6 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)
-        out = sdpa(q, k, v, causal=self.causal)
+        out = sdpa(q, k, v, causal=self.causal, window=self.sliding_window, doc_ids=doc_ids)
         out = out.transpose(1, 2).reshape(bsz, seqlen, -1)
         return self.wo(out)

@@ -80,6 +80,12 @@ class LlamaArgs:
     """Std of the normal init of embeddings and linears; ``wo``/``w2`` get ``init_std / sqrt(2 n_layers)``."""
     head_dim: int | None = None
     """Per-head width; None means ``d_model // n_heads``."""
+    sliding_window: int | None = None
+    """Sliding-window attention (Mistral, Qwen2): a token attends to at most this many positions, itself
+    included; None means full causal attention."""
+    full_attention_layers: int = 0
+    """With ``sliding_window``: the first this-many layers keep full attention (HF Qwen2/Qwen3
+    ``max_window_layers``); 0 windows every layer (Mistral)."""
 
     def __post_init__(self) -> None:
         for name in ("d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len"):
@@ -96,6 +102,8 @@ class LlamaArgs:
             )
         if self.hd % 2:
             raise ConfigError(f"the head dimension must be even for RoPE, got {self.hd}")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ConfigError(f"model.sliding_window must be >= 1 or None, got {self.sliding_window}")
         if self.rope_scaling is not None:
             kind = self.rope_scaling.get("type", self.rope_scaling.get("rope_type"))
             needed = {
@@ -148,6 +156,7 @@ class TransformerBlock(nn.Module):
             qk_norm=args.qk_norm,
             norm_eps=args.norm_eps,
             causal=True,
+            sliding_window=args.sliding_window if layer_idx >= args.full_attention_layers else None,
         )
         self.feed_forward = SwiGLU(args.d_model, args.ffn_dim)
         self.attention_norm = RMSNorm(args.d_model, args.norm_eps)
@@ -160,9 +169,14 @@ class TransformerBlock(nn.Module):
         self.feed_forward.reset_parameters(std, out_std)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None = None
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: KVCache | None = None,
+        doc_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin, cache)
+        h = x + self.attention(self.attention_norm(x), cos, sin, cache, doc_ids)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -216,12 +230,15 @@ class Llama(nn.Module):
         position_ids: torch.Tensor | None = None,
         cache: KVCache | None = None,
         return_hidden: bool = False,
+        doc_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits ``[B, T, V]`` (in the head's compute dtype), or the final normed hidden state
         ``[B, T, d]`` when ``return_hidden``.
 
         With ``cache``, the tokens are placed after the ``cache.length`` tokens already cached and the cache
         is advanced by ``T``. ``position_ids [B, T]`` overrides the RoPE positions (not the causal mask).
+        ``doc_ids [B, T]`` (packed rows, no cache): tokens attend only within their own document; pass
+        ``position_ids`` restarting at 0 per document too, so each document sees the positions it would alone.
         """
         _, seqlen = input_ids.shape
         start = 0 if cache is None else cache.length
@@ -233,7 +250,7 @@ class Llama(nn.Module):
         cos, sin = self.rope(seqlen, start, position_ids)
         h = self.tok_embeddings(input_ids)
         for layer in self.layers:
-            h = layer(h, cos, sin, cache)
+            h = layer(h, cos, sin, cache, doc_ids)
         if cache is not None:
             cache.advance(seqlen)
         h = self.norm(h)

@@ -82,10 +82,16 @@ def time_steps(step_fn, device: torch.device, warmup: int, steps: int) -> float:
 
 
 def run_bench(cfg: Config, *, steps: int = 20, warmup: int = 5, compare: str | None = None,
-              data_dir: str | None = None) -> dict[str, Any]:
+              data_dir: str | None = None, hf_modes: tuple[str, ...] = ("eager", "compiled")) -> dict[str, Any]:
     from gptoughts.train.metrics import MetricsLogger
     from gptoughts.train.optim import Schedule
-    from gptoughts.train.setup import apply_transforms, build_raw_model, make_objective, make_optimizer
+    from gptoughts.train.setup import (
+        apply_transforms,
+        auto_micro_batch,
+        build_raw_model,
+        make_objective,
+        make_optimizer,
+    )
     from gptoughts.train.trainer import Trainer
 
     device = hardware.resolve_device(cfg.perf.device)
@@ -94,8 +100,6 @@ def run_bench(cfg: Config, *, steps: int = 20, warmup: int = 5, compare: str | N
     if device.type == "cuda" and cfg.perf.tf32:
         torch.backends.cuda.matmul.allow_tf32 = True
     t = cfg.train
-    if not isinstance(t.batch_size, int):
-        raise ConfigError("bench needs a numeric --batch_size")
     family = models.get_family(cfg.model.family)
     args = models.model_args(family.name, cfg.model.size, dict(cfg.model.overrides))
     if getattr(args, "max_seq_len", t.block_size) < t.block_size:
@@ -103,6 +107,16 @@ def run_bench(cfg: Config, *, steps: int = 20, warmup: int = 5, compare: str | N
     vocab = int(args.vocab_size)
     info = pdist.DistInfo()
 
+    _reset_memory(device)
+    raw = build_raw_model(family.name, args, device, t.seed)
+    built = apply_transforms(raw, perf=cfg.perf, hw=hw, device=device, dist=info)
+    objective = make_objective(family, built, cfg.perf)
+    if not isinstance(t.batch_size, int):  # "auto": the same search as train
+        micro, _ = auto_micro_batch(built, objective, vocab_size=vocab, block_size=t.block_size,
+                                    precision=precision, perf=cfg.perf, t=t, device=device, dist=info,
+                                    parts={"bench": family.name, "args": repr(args), "block": t.block_size,
+                                           "gpu": hw.name, "precision": precision, "resolved": built.resolved})
+        t = replace(t, batch_size=micro)
     if data_dir is not None:
         from gptoughts.data.loader import BatchLoader, TokenDataset
 
@@ -110,12 +124,8 @@ def run_bench(cfg: Config, *, steps: int = 20, warmup: int = 5, compare: str | N
                                   block_size=t.block_size, seed=t.seed, device=device)
     else:
         loader = SyntheticBatches(vocab, t.batch_size, t.block_size, device, seed=t.seed)
-
-    _reset_memory(device)
-    raw = build_raw_model(family.name, args, device, t.seed)
-    built = apply_transforms(raw, perf=cfg.perf, hw=hw, device=device, dist=info)
     opt = make_optimizer(built.model, t, cfg.perf, device)
-    trainer = Trainer(model=built.model, objective=make_objective(family, built, cfg.perf), optimizer=opt,
+    trainer = Trainer(model=built.model, objective=objective, optimizer=opt,
                       schedule=Schedule("constant", t.learning_rate, steps + warmup, 0), loader=loader,
                       eval_batches=None, cfg=t, run=cfg.run, run_dir=Path("."), dist=info, device=device,
                       precision=precision, metrics=MetricsLogger(Path("."), enabled=False),
@@ -140,12 +150,13 @@ def run_bench(cfg: Config, *, steps: int = 20, warmup: int = 5, compare: str | N
         "breakdown": breakdown, "data": "shards" if data_dir else "synthetic",
     }
     result["resolved"] = built.resolved
-    del trainer, opt, built, raw, loader
+    loader.close()
+    del trainer, opt, built, raw, loader, objective
     _reset_memory(device)
 
     if compare == "hf":
         result["hf"] = {}
-        for mode in ("eager", "compiled"):
+        for mode in hf_modes:
             if mode == "compiled" and not hw.compile:
                 continue
             r = bench_hf(args, t.batch_size, t.block_size, t.grad_accum, device, precision, mode=mode, steps=steps,

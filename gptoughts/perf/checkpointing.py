@@ -6,16 +6,14 @@ activation memory roughly divided by the number of tensors a block saves).
 recompute), cheap element-wise ops (norms, activations, RoPE, residual adds) are recomputed. Saves a good
 part of the memory for a few percent of compute.
 
-The block's ``forward`` is replaced on the instance, so parameter names (and checkpoints) do not change.
+Blocks are wrapped with PyTorch's checkpoint wrapper, whose state-dict hooks keep checkpoint keys unchanged.
 """
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 MODES = ("none", "selective", "full")
 
@@ -39,14 +37,16 @@ def _selective_context():
 
 
 def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
+    """Wrap each of ``model.layers`` in a checkpoint wrapper (state-dict keys are unchanged by the wrapper)."""
     if mode == "none":
         return
     if mode not in MODES:
         raise ValueError(mode)
-    for block in model.layers:
-        inner = block.forward
-        if mode == "full":
-            block.forward = functools.partial(checkpoint, inner, use_reentrant=False)
-        else:
-            block.forward = functools.partial(checkpoint, inner, use_reentrant=False,
-                                              context_fn=_selective_context)
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    # A wrapper module (rather than swapping `forward`) is what torch.compile traces through: compiling the
+    # wrapped block puts the recomputation inside the compiled graph. Its state-dict hooks strip the wrapper's
+    # prefix, so checkpoints written with and without activation checkpointing are interchangeable.
+    extra = {} if mode == "full" else {"context_fn": _selective_context}
+    for i, block in enumerate(model.layers):
+        model.layers[i] = checkpoint_wrapper(block, preserve_rng_state=False, **extra)

@@ -7,7 +7,8 @@ Memory at the peak of a training step (fp32 master weights, mixed precision):
 * optimizer: 8 bytes/param (AdamW's two moments)
 * autocast weight copies: 2 bytes per matmul param (the bf16 casts autocast keeps for backward)
 * activations: per token and layer, the tensors autograd saves for backward, counted from the block's ops
-  (see ``_layer_activation_bytes``), times a factor per activation-checkpointing mode
+  (see ``_layer_activation_bytes``) per activation-checkpointing mode; the peak holds the larger of
+  activations and gradients, not both (gradients appear as activations are freed during backward)
 * logits: the LM-head working set (one chunk with the chunked loss, the whole batch with the plain loss)
 
 Time: tokens × FLOPs/token / (peak FLOP/s × MFU). The default MFU is what ``bench`` measured for the size class
@@ -62,16 +63,17 @@ def _layer_activation_bytes(args: Any, mode: str) -> float:
     """Bytes saved for backward per token per block (bf16 activations, fp32 residual stream).
 
     none: attention-norm input (fp32, 4d) and output (2d), q/k/v after RoPE (2(d + 2 d_kv)), attention output and
-    softmax stats (2d), FFN-norm input/output (4d + 2d), w1 and w3 outputs and their product (3 × 2f), plus the
-    residual (4d): 18d + 4 d_kv + 6f. selective keeps matmul outputs and recomputes norms and activations;
-    full keeps only the block input (4d).
+    softmax stats (2d), FFN-norm input and output (4d + 2d), w1 and w3 outputs and their product (3 × 2f):
+    16d + 4 d_kv + 6f. Measured on an H200 with per-block compile (bench/BENCHMARKS.md, 2026-11-21): 26.9 KB
+    per token and layer at 125m (formula 27.6 KB) and 81.5 KB at 1b (formula 84.0 KB). selective keeps matmul
+    outputs and recomputes norms and activations; full keeps only the block input (4d).
     """
     d = args.d_model
     head_dim = getattr(args, "head_dim", None) or d // args.n_heads
     d_kv = getattr(args, "n_kv_heads", args.n_heads) * head_dim
     f = getattr(args, "ffn_dim", 4 * d)
     if mode == "none":
-        return 18 * d + 4 * d_kv + 6 * f
+        return 16 * d + 4 * d_kv + 6 * f
     if mode == "selective":
         return 12 * d + 4 * d_kv + 4 * f
     if mode == "full":
@@ -104,7 +106,10 @@ def estimate(family: str, size: str, overrides: dict | None = None, *, batch_siz
     logits = rows * vocab * 8 + vocab * args.d_model * 4 if loss == "chunked" else rows * vocab * (2 + 4 + 4)
     weights, grads, optim = 4 * n, 4 * n, 8 * n
     copies = 2 * matmul_params
-    total = weights + grads + optim + copies + act + logits
+    # The peak is reached during backward: gradients fill up while activations are freed layer by layer, so
+    # the larger of the two (not their sum) sits on top of weights, optimizer state, bf16 copies and logits.
+    # (Measured: static part 15.7 GiB at 1b vs 12 bytes/param + copies + logits = 15.4 GiB.)
+    total = weights + optim + copies + logits + max(act, grads)
     peak = peak_flops(gpu)
     if peak is None:
         raise ConfigError(f"unknown GPU {gpu!r}; known: {', '.join(sorted(_PEAK_BF16))}")

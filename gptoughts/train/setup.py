@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from gptoughts import models
-from gptoughts.config import PerfConfig, TrainConfig
-from gptoughts.errors import HardwareError, UserError
+from gptoughts.config import LoraConfig, PerfConfig, TrainConfig
+from gptoughts.errors import ConfigError, HardwareError, UserError
 from gptoughts.parallel import dist as pdist
 from gptoughts.perf.checkpointing import apply_activation_checkpointing
 from gptoughts.perf.hardware import HardwareProfile
@@ -198,3 +198,124 @@ def auto_micro_batch(built: Built, objective: Callable, *, vocab_size: int, bloc
         torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN)
         best = int(agreed.item())
     return best, cached
+
+
+# --------------------------------------------------------------------------------------------------- LoRA
+# Fine-tuning inserts one step after "load weights" in the order above: LoRA adapters (PEFT) on the loaded
+# model, then the usual transforms (fp8 stays off: it would convert the frozen base layers).
+
+
+def lora_base_dtype(lora: LoraConfig, precision: str) -> torch.dtype:
+    """dtype of the frozen base weights. They need no fp32 master copy (never updated), so in bf16 training
+    they are stored in bf16: half the weight memory, and no per-step cast of every weight by autocast."""
+    if lora.base_dtype == "auto":
+        return torch.bfloat16 if precision == "bf16" else torch.float32
+    if lora.base_dtype != "fp32" and lora.base_dtype != precision:
+        raise ConfigError(f"lora.base_dtype = {lora.base_dtype} needs --precision {lora.base_dtype} (the adapters "
+                          "compute in that dtype under autocast); or use lora.base_dtype = auto")
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[lora.base_dtype]
+
+
+def default_lora_targets(model: nn.Module) -> list[str]:
+    """Full names of every linear layer inside the repeated blocks: all attention and MLP projections, never
+    the LM head or embeddings (full names, so a same-named module outside the blocks cannot match)."""
+    layers = model.layers
+    prefix = next((n for n, m in model.named_modules() if m is layers), "layers")
+    linear: tuple[type, ...] = (nn.Linear,)
+    try:
+        from transformers.pytorch_utils import Conv1D  # GPT-2 style "linear" layers of transformers models
+
+        linear = (nn.Linear, Conv1D)
+    except ImportError:
+        pass
+    return [f"{prefix}.{n}" for n, m in layers.named_modules() if isinstance(m, linear)]
+
+
+def check_qlora(device: torch.device) -> None:
+    if device.type != "cuda":
+        raise HardwareError("QLoRA (4-bit) needs a CUDA GPU and bitsandbytes; run LoRA without --lora.quantize "
+                            "or on a GPU")
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError:
+        raise HardwareError("QLoRA (4-bit) needs bitsandbytes: pip install bitsandbytes (or drop "
+                            "--lora.quantize)") from None
+
+
+def quantize_base_4bit(model: nn.Module, compute_dtype: torch.dtype) -> int:
+    """Replace every linear layer of the blocks by a bitsandbytes NF4 ``Linear4bit`` (frozen); PEFT then puts
+    its LoRA layers over them. Returns the number of layers quantized. (CUDA only; not exercised by the CPU
+    test suite.)"""
+    import bitsandbytes as bnb
+
+    n = 0
+    for module in list(model.layers.modules()):
+        for name, child in list(module.named_children()):
+            if not isinstance(child, nn.Linear):
+                continue
+            q = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
+                                  compute_dtype=compute_dtype, quant_type="nf4")
+            q.weight = bnb.nn.Params4bit(child.weight.data.to("cpu"), requires_grad=False, quant_type="nf4")
+            if child.bias is not None:
+                q.bias = nn.Parameter(child.bias.data.to("cpu"), requires_grad=False)
+            setattr(module, name, q.to(child.weight.device))  # moving to CUDA is what quantizes
+            n += 1
+    return n
+
+
+def apply_lora(model: nn.Module, lora: LoraConfig, *, device: torch.device,
+               compute_dtype: torch.dtype = torch.bfloat16) -> nn.Module:
+    """Wrap ``model`` with PEFT LoRA adapters (base frozen). The result still obeys the model protocol: PEFT
+    forwards attribute reads (``layers``, ``output_weight``, ``args``...) to the wrapped model."""
+    import peft
+
+    if lora.quantize == "4bit":
+        check_qlora(device)
+        quantize_base_4bit(model, compute_dtype)
+    targets = list(lora.target_modules) or default_lora_targets(model)
+    config = peft.LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets,
+                             bias="none")
+    try:
+        return peft.get_peft_model(model, config)
+    except ValueError as e:
+        if "target" not in str(e).lower():
+            raise
+        names = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
+        raise ConfigError(f"lora.target_modules {lora.target_modules} match no layer; the linear layers are "
+                          f"named {', '.join(names)}") from None
+
+
+class TrainableWeights(nn.Module):
+    """The trainable parameters of a model under their own names, and nothing else: what a LoRA checkpoint
+    holds (megabytes instead of the whole model; the frozen base is reloaded from ``model.init_from``).
+
+    ``state_dict``/``load_state_dict`` read and write the model's own parameter tensors, so
+    ``checkpoint.save``/``load_weights`` work on it unchanged. Trainer hooks of the model are passed through.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.__dict__["_params"] = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        for hook in ("after_optimizer_step", "log_metrics"):
+            fn = getattr(model, hook, None)
+            if fn is not None:
+                self.__dict__[hook] = fn
+
+    def state_dict(self, *args: object, **kwargs: object) -> dict[str, torch.Tensor]:  # type: ignore[override]
+        return {n: p.detach() for n, p in self.__dict__["_params"].items()}
+
+    def load_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True,  # type: ignore[override]
+                        assign: bool = False) -> nn.modules.module._IncompatibleKeys:
+        params = self.__dict__["_params"]
+        missing = [n for n in params if n not in state_dict]
+        unexpected = [n for n in state_dict if n not in params]
+        if strict and (missing or unexpected):
+            raise RuntimeError(f"trainable weights mismatch: missing {missing[:4]}, unexpected {unexpected[:4]}")
+        with torch.no_grad():
+            for n, p in params.items():
+                if n in state_dict:
+                    p.copy_(state_dict[n])
+        return nn.modules.module._IncompatibleKeys(missing, unexpected)
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.__dict__["_params"].values())

@@ -1,0 +1,483 @@
+"""Supervised fine-tuning data: JSONL conversations -> packed token rows with loss on responses only.
+
+Input, one JSON object per line (``.jsonl`` files, or folders of them)::
+
+    {"prompt": "...", "response": "..."}                      (optional "system": "...")
+    {"messages": [{"role": "system"|"user"|"assistant"|..., "content": "..."}, ...]}
+
+A prompt/response pair is the conversation ``[user: prompt, assistant: response]``. Every assistant turn is a
+target; everything else (system, user, the template's role markers) is context and carries no loss.
+
+Rendering. With the tokenizer's own chat template (``tokenizer_config.json`` / ``chat_template.jinja`` of an
+HF model), transformers' ``apply_chat_template`` renders the conversation; the text of each assistant turn is
+found by rendering the conversation up to that turn with and without the turn, and the pieces are tokenized
+separately, so the prompt/response boundary falls exactly where generation starts at inference. Without a
+template the documented default is used (role markers are plain text, so data cannot inject special tokens)::
+
+    [bos]<|system|>\\n{system}\\n<|user|>\\n{prompt}\\n<|assistant|>\\n{response}<eos><|user|>\\n...
+
+with the loss on ``{response}<eos>`` (bos only for tokenizers that have one distinct from eos).
+
+Rows. An example of ``n`` tokens gives ``n - 1`` (input, target) pairs. With ``packing`` several examples share
+a row of ``block_size`` pairs (greedy first-fit over the shuffled examples; an example is never split across
+rows), each with ``position_ids`` restarting at 0 and its own ``doc_ids`` value, so with the model's document
+mask an example computes exactly what it would alone; the tail of a row is padding (no loss, its own
+document). Without packing each row holds one example, right-padded, and the batch is just ``(x, y)``.
+Examples longer than ``block_size + 1`` tokens are cut to that length (``truncation = "right"``) or skipped
+(``"drop"``); examples left with no target token are skipped; all three are counted in :attr:`SFTData.stats`.
+
+The loader has the interface of :class:`~gptoughts.data.loader.BatchLoader`: an endless, deterministic (from
+the seed), rank-aware iterator whose ``state_dict`` (plain ints) resumes exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from gptoughts.errors import ConfigError, DataError
+
+IGNORE_INDEX = -100
+STATE_VERSION = 1
+_EXPECTED = ('each line must be {"prompt": str, "response": str} or '
+             '{"messages": [{"role": str, "content": str}, ...]}')
+# First-fit packing looks for room in this many most recent open rows: near-optimal fill (rows left open
+# longer rarely fit anything) at O(examples * this) cost.
+_OPEN_ROWS = 64
+
+Message = dict[str, str]
+
+
+# ------------------------------------------------------------------------------------------------ reading
+
+
+def _jsonl_files(source: str | Path) -> list[Path]:
+    p = Path(source).expanduser()
+    if p.is_dir():
+        return sorted(f for f in p.rglob("*.jsonl") if f.is_file())
+    if not p.exists():
+        raise DataError(f"{p} does not exist; pass a .jsonl file or a folder of them with --data")
+    return [p]
+
+
+def _first_record(path: Path) -> Any:
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                try:
+                    return json.loads(line)
+                except ValueError:
+                    return None
+    return None
+
+
+def is_sft_record(obj: Any) -> bool:
+    return isinstance(obj, dict) and (("prompt" in obj and "response" in obj) or "messages" in obj)
+
+
+def resolve_format(fmt: str, sources: Sequence[str]) -> str:
+    """``text`` or ``sft``; ``auto`` looks at the first record of each ``.jsonl`` source."""
+    if fmt != "auto":
+        return fmt
+    kinds = set()
+    for s in sources:
+        files = _jsonl_files(s) if Path(s).expanduser().is_dir() or str(s).endswith(".jsonl") else []
+        sft = bool(files) and all(is_sft_record(_first_record(f)) for f in files)
+        kinds.add("sft" if sft else "text")
+    if len(kinds) > 1:
+        raise ConfigError("data.sources mixes SFT .jsonl (prompt/response or messages) with plain text; train them "
+                          "in separate runs or set data.format explicitly")
+    return kinds.pop() if kinds else "text"
+
+
+def _conversation(obj: Any, where: str) -> list[Message]:
+    if not isinstance(obj, dict):
+        raise DataError(f"{where}: not a JSON object; {_EXPECTED}")
+    if "messages" in obj:
+        msgs = obj["messages"]
+        if not isinstance(msgs, list) or not msgs:
+            raise DataError(f"{where}: \"messages\" must be a non-empty list; {_EXPECTED}")
+        out = []
+        for i, m in enumerate(msgs):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise DataError(f"{where}: messages[{i}] needs string \"role\" and \"content\"; {_EXPECTED}")
+            out.append({"role": m["role"], "content": m["content"]})
+    elif "prompt" in obj and "response" in obj:
+        if not isinstance(obj["prompt"], str) or not isinstance(obj["response"], str):
+            raise DataError(f"{where}: \"prompt\" and \"response\" must be strings; {_EXPECTED}")
+        out = [{"role": "user", "content": obj["prompt"]}, {"role": "assistant", "content": obj["response"]}]
+        if isinstance(obj.get("system"), str):
+            out.insert(0, {"role": "system", "content": obj["system"]})
+    else:
+        raise DataError(f"{where}: has keys {sorted(obj)[:6]}; {_EXPECTED}")
+    if not any(m["role"] == "assistant" for m in out):
+        raise DataError(f"{where}: no assistant message, so nothing to learn; {_EXPECTED}")
+    return out
+
+
+def read_conversations(sources: Sequence[str]) -> list[list[Message]]:
+    """Every conversation of the sources, in order (DataError naming the file and line of a bad record)."""
+    convs: list[list[Message]] = []
+    for s in sources:
+        for path in _jsonl_files(s):
+            with open(path, encoding="utf-8") as f:
+                for lineno, line in enumerate(f, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        obj = json.loads(line)
+                    except ValueError as e:
+                        raise DataError(f"{path}:{lineno}: invalid JSON ({e.args[0][:60]}); {_EXPECTED}") from None
+                    convs.append(_conversation(obj, f"{path}:{lineno}"))
+    if not convs:
+        raise DataError(f"no SFT examples in {', '.join(map(str, sources))}; {_EXPECTED}")
+    return convs
+
+
+# ---------------------------------------------------------------------------------------------- rendering
+
+# A segment is (text or token id, is_target).
+Segment = tuple[str | int, bool]
+
+
+def _default_segments(messages: list[Message], tokenizer: Any, generation_prompt: bool) -> list[Segment]:
+    segs: list[Segment] = []
+    if tokenizer.bos_id is not None and tokenizer.bos_id != tokenizer.eos_id:
+        segs.append((tokenizer.bos_id, False))
+    for m in messages:
+        if m["role"] == "assistant":
+            segs += [("<|assistant|>\n", False), (m["content"], True), (tokenizer.eos_id, True)]
+        else:
+            segs.append((f"<|{m['role']}|>\n{m['content']}\n", False))
+    if generation_prompt:
+        segs.append(("<|assistant|>\n", False))
+    return segs
+
+
+def _render(tokenizer: Any, messages: list[Message], generation_prompt: bool) -> str:
+    text = tokenizer.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+    if not isinstance(text, str):  # some versions return a list for a batch of one
+        text = text[0]
+    return text
+
+
+def _template_segments(messages: list[Message], tokenizer: Any) -> list[Segment]:
+    full = _render(tokenizer, messages, False)
+    spans = []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        before = _render(tokenizer, messages[:i], True) if i else ""
+        upto = _render(tokenizer, messages[: i + 1], False)
+        if not (full.startswith(upto) and upto.startswith(before)):
+            spans = None
+            break
+        spans.append((len(before), len(upto)))
+    if spans is None:
+        # The template rewrites earlier turns (e.g. drops past reasoning): only the last answer is a clean target.
+        last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+        before = _render(tokenizer, messages[:last], True)
+        if not full.startswith(before):
+            raise DataError("the tokenizer's chat template does not render a conversation's prompt as a prefix of "
+                            "the whole conversation; give prompt/response pairs instead")
+        spans = [(len(before), len(full))]
+    segs: list[Segment] = []
+    pos = 0
+    for a, b in spans:
+        if a > pos:
+            segs.append((full[pos:a], False))
+        if b > a:
+            segs.append((full[a:b], True))
+        pos = b
+    if pos < len(full):
+        segs.append((full[pos:], False))
+    return segs
+
+
+def encode_conversations(convs: Sequence[list[Message]], tokenizer: Any) -> list[tuple[np.ndarray, np.ndarray]]:
+    """``(ids, is_target)`` per conversation. All text segments are tokenized in one parallel batch."""
+    use_template = tokenizer.chat_template is not None
+    all_segs = [_template_segments(c, tokenizer) if use_template else _default_segments(c, tokenizer, False)
+                for c in convs]
+    texts = [s for segs in all_segs for s, _ in segs if isinstance(s, str)]
+    # Template text holds special tokens by design (<|im_start|>...); the default template is plain text.
+    encoded = iter(tokenizer.encode_batch(texts, special=use_template))
+    out = []
+    for segs in all_segs:
+        ids: list[int] = []
+        tgt: list[bool] = []
+        for s, is_target in segs:
+            piece = next(encoded) if isinstance(s, str) else [s]
+            ids += piece
+            tgt += [is_target] * len(piece)
+        out.append((np.asarray(ids, dtype=np.int64), np.asarray(tgt, dtype=bool)))
+    return out
+
+
+def render_prompt(tokenizer: Any, messages: list[Message]) -> list[int]:
+    """Token ids of a conversation followed by the assistant's generation prompt (for sampling)."""
+    if tokenizer.chat_template is not None:
+        return tokenizer.encode(_render(tokenizer, messages, True), special=True)
+    ids: list[int] = []
+    for s, _ in _default_segments(messages, tokenizer, True):
+        ids += tokenizer.encode(s) if isinstance(s, str) else [s]
+    return ids
+
+
+# ------------------------------------------------------------------------------------------------ dataset
+
+
+class SFTData:
+    """Tokenized examples of both splits, truncated to fit a row, with counts of what was cut or skipped."""
+
+    def __init__(self, sources: Sequence[str], tokenizer: Any, *, block_size: int, truncation: str = "right",
+                 val_fraction: float = 0.0, seed: int = 0) -> None:
+        if truncation not in ("right", "drop"):
+            raise ConfigError(f"data.truncation must be right or drop, got {truncation!r}")
+        self.block_size = block_size
+        self.pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else tokenizer.eos_id
+        convs = read_conversations(sources)
+        encoded = encode_conversations(convs, tokenizer)
+        stats = {"examples": len(encoded), "truncated": 0, "dropped_too_long": 0, "dropped_no_target": 0}
+        keep_ids, keep_tgt = [], []
+        for ids, tgt in encoded:
+            if len(ids) > block_size + 1:
+                if truncation == "drop":
+                    stats["dropped_too_long"] += 1
+                    continue
+                ids, tgt = ids[: block_size + 1], tgt[: block_size + 1]
+                stats["truncated"] += 1
+            if len(ids) < 2 or not tgt[1:].any():  # the first token is never predicted
+                stats["dropped_no_target"] += 1
+                continue
+            keep_ids.append(ids)
+            keep_tgt.append(tgt)
+        if not keep_ids:
+            raise DataError(f"no usable SFT example: {stats['dropped_too_long']} longer than block_size+1 = "
+                            f"{block_size + 1} tokens, {stats['dropped_no_target']} without response tokens; raise "
+                            "--block_size or use data.truncation = right")
+        lengths = np.array([len(i) for i in keep_ids], dtype=np.int64)
+        self.offsets = np.concatenate([[0], np.cumsum(lengths)])
+        tokens = np.concatenate(keep_ids)
+        self.x_tokens = tokens
+        # Targets with the loss mask applied once: a row's y is then a plain slice.
+        self.y_tokens = np.where(np.concatenate(keep_tgt), tokens, IGNORE_INDEX)
+        self.pairs = lengths - 1  # (input, target) positions each example fills in a row
+        n = len(lengths)
+        n_val = 0 if n < 2 or val_fraction <= 0 else min(n - 1, max(1, round(n * val_fraction)))
+        perm = np.random.default_rng([seed, 0x5F7]).permutation(n)
+        self.val_idx = np.sort(perm[:n_val])
+        self.train_idx = np.sort(perm[n_val:])
+        stats.update(train=len(self.train_idx), val=len(self.val_idx),
+                     target_tokens=int((self.y_tokens[1:] != IGNORE_INDEX).sum()), tokens=int(len(tokens)))
+        self.stats = stats
+
+    def indices(self, split: str) -> np.ndarray:
+        if split not in ("train", "val"):
+            raise ConfigError(f"split must be train or val, got {split!r}")
+        return self.train_idx if split == "train" else self.val_idx
+
+    def summary(self) -> str:
+        s = self.stats
+        cut = []
+        if s["truncated"]:
+            cut.append(f"{s['truncated']:,} truncated to {self.block_size + 1} tokens")
+        if s["dropped_too_long"]:
+            cut.append(f"{s['dropped_too_long']:,} dropped as too long")
+        if s["dropped_no_target"]:
+            cut.append(f"{s['dropped_no_target']:,} dropped with no response tokens left")
+        return (f"SFT data: {s['examples']:,} examples ({s['train']:,} train, {s['val']:,} val), "
+                f"{s['target_tokens']:,} target tokens of {s['tokens']:,}" + (f"; {', '.join(cut)}" if cut else ""))
+
+    # ------------------------------------------------------------------------------------- rows
+
+    def pack(self, order: np.ndarray, packing: bool) -> list[np.ndarray]:
+        """Rows (arrays of example indices) for examples taken in ``order``."""
+        if not packing:
+            return [np.array([e]) for e in order.tolist()]
+        cap = self.block_size
+        rows: list[list[int]] = []
+        room: list[int] = []
+        open_rows: list[int] = []
+        for e in order.tolist():
+            need = int(self.pairs[e])
+            for j, r in enumerate(open_rows):
+                if room[r] >= need:
+                    rows[r].append(e)
+                    room[r] -= need
+                    if room[r] == 0:
+                        open_rows.pop(j)
+                    break
+            else:
+                rows.append([e])
+                room.append(cap - need)
+                if room[-1] > 0:
+                    open_rows.append(len(rows) - 1)
+                    if len(open_rows) > _OPEN_ROWS:
+                        open_rows.pop(0)
+        return [np.array(r) for r in rows]
+
+    def fill(self, rows: Sequence[np.ndarray], out: np.ndarray) -> None:
+        """Write rows into ``out [4, B, T]`` int64: inputs, targets, position ids, document ids."""
+        x, y, pos, doc = out
+        x.fill(self.pad_id)
+        y.fill(IGNORE_INDEX)
+        t = out.shape[-1]
+        for b, row in enumerate(rows):
+            c = 0
+            for k, e in enumerate(row.tolist()):
+                s, end = int(self.offsets[e]), int(self.offsets[e + 1])
+                n = end - s - 1
+                x[b, c : c + n] = self.x_tokens[s : end - 1]
+                y[b, c : c + n] = self.y_tokens[s + 1 : end]
+                pos[b, c : c + n] = np.arange(n)
+                doc[b, c : c + n] = k
+                c += n
+            # Padding is a document of its own: nothing real attends to it, and it attends to nothing real.
+            pos[b, c:] = np.arange(t - c)
+            doc[b, c:] = len(row)
+
+    def eval_batches(self, *, batch_size: int, max_batches: int | None, packing: bool = True,
+                     device: str | torch.device = "cpu") -> Iterator[tuple[torch.Tensor, ...]]:
+        """The same fixed validation batches on every call (full batches, or one smaller if there are few)."""
+        rows = self.pack(self.val_idx, packing)
+        if not rows:
+            return
+        bs = min(batch_size, len(rows))
+        n = len(rows) // bs if max_batches is None else min(max_batches, len(rows) // bs)
+        dev = torch.device(device)
+        for i in range(n):
+            buf = np.empty((4, bs, self.block_size), dtype=np.int64)
+            self.fill(rows[i * bs : (i + 1) * bs], buf)
+            t = torch.from_numpy(buf).to(dev)
+            yield (t[0], t[1], t[2], t[3]) if packing else (t[0], t[1])
+
+
+# ------------------------------------------------------------------------------------------------- loader
+
+
+class SFTLoader:
+    """Endless batches of SFT rows: ``(x, y, position_ids, doc_ids)`` with packing, ``(x, y)`` without.
+
+    The stream: epoch ``e`` shuffles the train examples with ``(seed, e)`` and packs them into rows; epochs
+    follow each other. A global batch is ``batch_size * world_size`` consecutive rows of the stream and rank
+    ``r`` keeps its ``r``-th slice, as in :class:`~gptoughts.data.loader.BatchLoader`. The state is the epoch and
+    the row within it (plain ints): an epoch's packing is recomputed from the seed on resume.
+    """
+
+    def __init__(self, data: SFTData, *, batch_size: int, seed: int = 0, rank: int = 0, world_size: int = 1,
+                 packing: bool = True, device: str | torch.device = "cpu") -> None:
+        if batch_size < 1:
+            raise ConfigError(f"batch_size must be >= 1; got {batch_size}")
+        if not 0 <= rank < world_size:
+            raise ConfigError(f"rank must be in [0, world_size={world_size}); got {rank}")
+        if len(data.train_idx) == 0:
+            raise DataError("no SFT training examples left after the validation split; add data or lower "
+                            "data.val_fraction")
+        self.data = data
+        self.batch_size, self.seed, self.rank, self.world_size = batch_size, seed, rank, world_size
+        self.packing = packing
+        self.block_size = data.block_size
+        self.device = torch.device(device)
+        self._epoch, self._pos, self._rows_done = 0, 0, 0
+        self._rows_cache: tuple[int, list[np.ndarray]] | None = None
+        # Host staging: on CUDA a small ring of pinned buffers, each reused only after the GPU has finished the
+        # asynchronous copy out of it (its event), so the copy never makes the host wait in steady state.
+        self._ring: list[tuple[torch.Tensor, Any]] = []
+        self._ring_i = 0
+
+    def _epoch_rows(self, epoch: int) -> list[np.ndarray]:
+        if self._rows_cache is None or self._rows_cache[0] != epoch:
+            order = np.random.default_rng([self.seed, epoch]).permutation(self.data.train_idx)
+            self._rows_cache = (epoch, self.data.pack(order, self.packing))
+        return self._rows_cache[1]
+
+    @property
+    def rows_per_epoch(self) -> int:
+        return len(self._epoch_rows(self._epoch))
+
+    def _take(self, n: int) -> list[np.ndarray]:
+        out: list[np.ndarray] = []
+        while len(out) < n:
+            rows = self._epoch_rows(self._epoch)
+            take = rows[self._pos : self._pos + n - len(out)]
+            out += take
+            self._pos += len(take)
+            if self._pos >= len(rows):
+                self._epoch, self._pos = self._epoch + 1, 0
+        self._rows_done += n
+        return out
+
+    def _buffer(self) -> torch.Tensor:
+        shape = (4, self.batch_size, self.block_size)
+        if self.device.type != "cuda":
+            return torch.empty(shape, dtype=torch.int64)
+        if not self._ring:
+            self._ring = [(torch.empty(shape, dtype=torch.int64, pin_memory=True), torch.cuda.Event())
+                          for _ in range(4)]
+        buf, event = self._ring[self._ring_i]
+        event.synchronize()
+        return buf
+
+    def __iter__(self) -> SFTLoader:
+        return self
+
+    def __next__(self) -> tuple[torch.Tensor, ...]:
+        rows = self._take(self.batch_size * self.world_size)
+        mine = rows[self.rank * self.batch_size : (self.rank + 1) * self.batch_size]
+        host = self._buffer()
+        self.data.fill(mine, host.numpy())
+        if self.device.type == "cuda":
+            out = host.to(self.device, non_blocking=True)
+            self._ring[self._ring_i][1].record()
+            self._ring_i = (self._ring_i + 1) % len(self._ring)
+        else:
+            out = host.to(self.device)
+        if not self.packing:
+            return out[0], out[1]
+        return out[0], out[1], out[2], out[3]
+
+    def close(self) -> None:
+        """Nothing runs in the background; kept for the loader interface."""
+
+    # ------------------------------------------------------------------------------------- state
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"version": STATE_VERSION, "kind": "sft", "seed": int(self.seed), "block_size": int(self.block_size),
+                "packing": bool(self.packing), "epoch": int(self._epoch), "pos": int(self._pos),
+                "rows": int(self._rows_done), "batch_size": int(self.batch_size), "world_size": int(self.world_size)}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        if sd.get("kind") != "sft" or sd.get("version") != STATE_VERSION:
+            raise ConfigError("the checkpoint's data loader is not an SFT loader of this version; resume with the "
+                              "run's own data settings (see its config.toml)")
+        for key in ("seed", "block_size", "packing"):
+            if sd[key] != getattr(self, key):
+                raise ConfigError(f"the checkpoint's data loader used {key}={sd[key]!r}, this run "
+                                  f"{getattr(self, key)!r}; resume with the same {key}")
+        self._epoch, self._pos, self._rows_done = int(sd["epoch"]), int(sd["pos"]), int(sd["rows"])
+
+    @property
+    def epoch(self) -> float:
+        return self._epoch + self._pos / max(1, self.rows_per_epoch)
+
+    @property
+    def tokens_consumed(self) -> int:
+        return self._rows_done * self.block_size
+
+
+def epoch_rows(data: SFTData, seed: int, packing: bool) -> int:
+    """Rows in the first epoch (sizes ``epochs``-based runs)."""
+    order = np.random.default_rng([seed, 0]).permutation(data.train_idx)
+    return max(1, len(data.pack(order, packing)))
+
+
+def padding_fraction(data: SFTData, seed: int, packing: bool) -> float:
+    rows = epoch_rows(data, seed, packing)
+    return 1.0 - float(data.pairs[data.train_idx].sum()) / (rows * data.block_size) if rows else math.nan

@@ -1,0 +1,60 @@
+"""Shared fixtures: a tiny text corpus and fast, quiet training settings."""
+
+from __future__ import annotations
+
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+# Settings that keep a training run to a second or two on 2 CPU cores.
+FAST = {
+    "model.family": "llama",
+    "model.size": "debug",
+    "data.tokenizer": "bytes",
+    "train.block_size": 32,
+    "train.batch_size": 4,
+    "train.grad_accum": 1,
+    "train.eval_batches": 2,
+    "train.sample_max_new_tokens": 8,
+    "train.sample_prompts": ["def "],
+    "train.warmup_steps": 2,
+    "perf.device": "cpu",
+    "perf.precision": "fp32",
+    "perf.compile": False,
+    "run.progress": False,
+    "run.tensorboard": False,
+}
+
+
+@pytest.fixture
+def text_corpus(tmp_path: Path) -> Path:
+    """~60 KB of real Python source from the standard library, as a folder of .py files."""
+    src = Path(sysconfig.get_paths()["stdlib"])
+    out = tmp_path / "corpus"
+    out.mkdir()
+    total = 0
+    for name in ("textwrap.py", "string.py", "shlex.py", "bisect.py", "heapq.py", "fnmatch.py", "glob.py",
+                 "colorsys.py", "keyword.py", "numbers.py"):
+        p = src / name
+        if p.exists():
+            data = p.read_text(encoding="utf-8", errors="replace")
+            (out / name).write_text(data, encoding="utf-8")
+            total += len(data)
+    assert total > 20_000
+    return out
+
+
+@pytest.fixture
+def cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Keep token-shard and autobatch caches out of the user's home."""
+    d = tmp_path / "cache"
+    monkeypatch.setenv("GPTOUGHTS_CACHE", str(d))
+    return d
+
+
+@pytest.fixture
+def fast() -> dict:
+    """Fast, quiet CPU training overrides (dotted keys)."""
+    return dict(FAST)
+

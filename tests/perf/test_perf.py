@@ -1,0 +1,220 @@
+"""CPU tests of the speed tooling: bench fields, estimate consistency, auto batch size, fp8 refusal, timing."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from gptoughts import cli
+from gptoughts.config import load_config
+from gptoughts.errors import HardwareError, UserError
+from gptoughts.perf import autobatch
+from gptoughts.perf.estimate import estimate
+from gptoughts.perf.timing import StepTimer, advice
+
+BENCH = {"model.size": "debug", "train.block_size": 32, "train.batch_size": 2, "perf.device": "cpu",
+         "perf.precision": "fp32", "perf.compile": False}
+
+
+def test_bench_debug_returns_every_field():
+    from gptoughts.perf.bench import format_result, run_bench
+
+    r = run_bench(load_config("default", BENCH), steps=2, warmup=1, compare="hf", hf_modes=("eager",))
+    for key in ("tokens_per_s", "step_ms", "mfu", "peak_memory_gib", "breakdown", "params", "flops_per_token",
+                "resolved", "hf"):
+        assert key in r, key
+    assert r["tokens_per_s"] > 0 and r["step_ms"] > 0
+    assert r["mfu"] is None  # no known peak FLOP/s on a CPU: MFU is not invented
+    b = r["breakdown"]
+    for phase in ("data", "forward", "backward", "optimizer"):
+        assert b[f"time/{phase}_ms"] >= 0
+    assert b["time/forward_ms"] > 0 and b["time/backward_ms"] > 0
+    assert abs(sum(b[f"time/{p}_pct"] for p in ("data", "forward", "backward", "optimizer", "other")) - 100) < 1e-6
+    hf = r["hf"]["eager"]
+    assert hf["tokens_per_s"] > 0 and hf["speedup"] == pytest.approx(r["tokens_per_s"] / hf["tokens_per_s"])
+    assert "transformers eager" in format_result(r)
+
+
+def test_bench_cli_json(capsys):
+    args = [f"--{k}={v}" for k, v in BENCH.items()]
+    assert cli.main(["bench", *args, "--steps", "1", "--warmup", "1", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["batch_size"] == 2 and out["block_size"] == 32
+
+
+@pytest.mark.parametrize("size", ["125m", "1b", "3b"])
+def test_estimate_activations_shrink_with_checkpointing_and_scale_with_batch(size):
+    acts = {m: estimate("llama", size, activation_checkpointing=m, batch_size=4).activations_gib
+            for m in ("none", "selective", "full")}
+    assert acts["none"] > acts["selective"] > acts["full"] > 0
+    for mode in ("none", "selective", "full"):
+        one = estimate("llama", size, activation_checkpointing=mode, batch_size=1).activations_gib
+        four = estimate("llama", size, activation_checkpointing=mode, batch_size=4).activations_gib
+        assert four == pytest.approx(4 * one)
+    e = estimate("llama", size, batch_size=4)
+    assert e.weights_gib == pytest.approx(e.params * 4 / 2**30)
+    assert e.optimizer_gib == pytest.approx(2 * e.weights_gib)
+    assert e.total_gib >= e.weights_gib + e.optimizer_gib + max(e.activations_gib, e.gradients_gib)
+
+
+def test_estimate_time_and_cost():
+    e = estimate("llama", "1b", gpu="H100", tokens=10**9, mfu=0.5, price=2.0)
+    expected_tps = 989e12 * 0.5 / e.flops_per_token
+    assert e.tokens_per_s == pytest.approx(expected_tps)
+    assert e.hours == pytest.approx(1e9 / expected_tps / 3600)
+    assert e.cost == pytest.approx(e.hours * 2.0)
+    with pytest.raises(UserError, match="unknown GPU"):
+        estimate("llama", "1b", gpu="Voodoo2")
+
+
+def test_estimate_cli(capsys):
+    assert cli.main(["estimate", "--size", "125m", "--tokens", "1e9", "--gpu", "A100", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["gpu"] == "A100" and d["hours"] > 0 and d["cost"] > 0
+
+
+class FakeMemory:
+    """A device that holds `limit` sequences: more raises OOM; peak grows with the batch."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.calls: list[int] = []
+        self.last = 0
+
+    def step(self, batch: int) -> None:
+        self.calls.append(batch)
+        self.last = batch
+        if batch > self.limit:
+            raise torch.OutOfMemoryError("CUDA out of memory (fake)")
+
+    def peak(self) -> int:
+        return self.last * 100
+
+
+@pytest.mark.parametrize("limit", [1, 5, 37, 64, 200])
+def test_autobatch_search_finds_the_largest_fitting_batch(limit):
+    fake = FakeMemory(limit)
+    fits = autobatch.make_fits(fake.step, torch.device("cpu"), capacity=None, peak=fake.peak)
+    assert autobatch.search(fits, max_batch=256) == limit
+    assert len(fake.calls) <= 2 * 9 + 1  # doubling then bisection, not a linear scan
+
+
+def test_autobatch_safety_margin_and_cache(tmp_path):
+    fake = FakeMemory(1000)
+    cache = autobatch.BatchCache(tmp_path / "ab.json")
+    parts = {"model": "x", "block": 128, "gpu": "fake"}
+    # capacity 1000 "bytes", peak = 100 * batch, margin 0.9 -> the largest batch under 900 is 9
+    best, cached = autobatch.find_batch_size(fake.step, torch.device("cpu"), parts=parts, cache=cache,
+                                             capacity=1000, peak=fake.peak, safety=0.9)
+    assert (best, cached) == (9, False)
+    n = len(fake.calls)
+    best2, cached2 = autobatch.find_batch_size(fake.step, torch.device("cpu"), parts=parts, cache=cache,
+                                               capacity=1000, peak=fake.peak)
+    assert (best2, cached2) == (9, True) and len(fake.calls) == n  # no new tries
+    other, cached3 = autobatch.find_batch_size(fake.step, torch.device("cpu"), parts={**parts, "block": 256},
+                                               cache=cache, capacity=1000, peak=fake.peak)
+    assert not cached3
+
+
+def test_autobatch_nothing_fits_is_a_clear_error(tmp_path):
+    fake = FakeMemory(0)
+    with pytest.raises(UserError, match="not even one sequence fits"):
+        autobatch.find_batch_size(fake.step, torch.device("cpu"), parts={"k": 1},
+                                  cache=autobatch.BatchCache(tmp_path / "c.json"), peak=fake.peak)
+
+
+def test_autobatch_other_errors_propagate():
+    def broken(batch: int) -> None:
+        raise ValueError("a bug, not memory")
+
+    fits = autobatch.make_fits(broken, torch.device("cpu"))
+    with pytest.raises(ValueError):
+        fits(1)
+
+
+def test_accumulation_for_global_batch():
+    assert autobatch.accumulation_for(524288, 8, 2048, 1) == 32
+    assert autobatch.accumulation_for(524288, 8, 2048, 4) == 8
+    assert autobatch.accumulation_for(None, 8, 2048, 1) == 1
+
+
+def test_fp8_refused_on_cpu():
+    from gptoughts.perf.fp8 import check_fp8_supported
+
+    with pytest.raises(HardwareError, match="fp8"):
+        check_fp8_supported(torch.device("cpu"))
+
+
+def test_fp8_refused_through_the_cli(tmp_path, text_corpus, cache_dir, fast, capsys):
+    args = [f"--{k}={v}" for k, v in fast.items() if k != "train.sample_prompts"]
+    code = cli.main(["train", "default", "--data", str(text_corpus), "--out", str(tmp_path / "r"), "--max_steps",
+                     "1", "--fp8", *args])
+    err = capsys.readouterr().err
+    assert code == 2 and "fp8" in err and "Traceback" not in err
+    assert not (tmp_path / "r" / "checkpoints").exists()
+
+
+def test_fp8_filter_skips_head_router_and_odd_dims():
+    from torch import nn
+
+    from gptoughts.perf.fp8 import fp8_module_filter
+
+    assert fp8_module_filter(nn.Linear(64, 128), "layers.0.attention.wq")
+    assert not fp8_module_filter(nn.Linear(64, 128), "output")
+    assert not fp8_module_filter(nn.Linear(64, 8), "layers.1.moe.gate")
+    assert not fp8_module_filter(nn.Linear(64, 100), "layers.0.feed_forward.w1")
+    assert not fp8_module_filter(nn.Embedding(10, 16), "tok_embeddings")
+
+
+def test_step_timer_and_advice():
+    t = StepTimer(torch.device("cpu"))
+    for _ in range(3):
+        t.start()
+        t.mark("data")
+        t.mark("forward")
+        t.mark("backward")
+        t.mark("optimizer")
+        t.stop()
+    s = t.summary()
+    assert set(s) >= {"time/step_ms", "time/data_pct", "time/forward_ms"}
+    assert t.summary() == {}  # read once
+    tips = advice({"time/data_pct": 12.0}, {"gpu/util_pct": 60.0})
+    assert len(tips) == 2 and "data wait" in tips[0] and "utilisation" in tips[1]
+    assert advice({"time/data_pct": 1.0}, {"gpu/util_pct": 97.0}) == []
+
+
+def test_activation_checkpointing_keeps_gradients_and_keys():
+    from gptoughts import models
+    from gptoughts.perf.checkpointing import apply_activation_checkpointing
+
+    x = torch.randint(0, 512, (2, 16))
+    grads = {}
+    for mode in ("none", "selective", "full"):
+        torch.manual_seed(0)
+        m = models.build_model("llama", models.model_args("llama", "debug", {}))
+        keys = set(m.state_dict())
+        apply_activation_checkpointing(m, mode)
+        assert set(m.state_dict()) == keys
+        m(x).float().logsumexp(-1).sum().backward()
+        grads[mode] = torch.cat([p.grad.flatten() for p in m.parameters()])
+    assert torch.allclose(grads["none"], grads["selective"], atol=1e-6)
+    assert torch.allclose(grads["none"], grads["full"], atol=1e-6)
+
+
+def test_tune_table_and_winner(tmp_path):
+    from gptoughts.perf.tune import best, format_table, run_tune, write_winner
+
+    cfg = load_config("default", BENCH)
+    trials = run_tune(cfg, steps=1, warmup=1)
+    assert {t.settings["perf.activation_checkpointing"] for t in trials} == {"none", "selective", "full"}
+    assert all(t.tokens_per_s and t.tokens_per_s > 0 for t in trials)
+    win = best(trials)
+    assert win is not None and win.tokens_per_s == max(t.tokens_per_s for t in trials)
+    table = format_table(trials)
+    assert "<- best" in table and table.count("\n") == len(trials) + 1
+    path = write_winner(win, cfg, tmp_path / "tuned.toml")
+    tuned = load_config(str(path))
+    assert tuned.perf.activation_checkpointing == win.settings["perf.activation_checkpointing"]
+    assert tuned.model.size == "debug" and tuned.train.block_size == 32

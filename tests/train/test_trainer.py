@@ -1,0 +1,244 @@
+"""The training loop end to end on CPU: exact resume, accumulation, interruption, fallback, DDP, presets."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from gptoughts import api
+from gptoughts.config import list_presets, load_config
+from gptoughts.train import checkpoint as ckpt
+from gptoughts.train.trainer import Trainer
+
+
+
+def _losses(run: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+FAST: dict = {}
+
+
+@pytest.fixture(autouse=True)
+def _fast(fast):
+    FAST.clear()
+    FAST.update(fast)
+
+
+def _cfg(corpus: Path, out: Path, **kw):
+    o = dict(FAST)
+    o.update({"data.sources": [str(corpus)], "run.out": str(out)})
+    o.update(kw)
+    return load_config("default", o)
+
+
+def _stop_after(monkeypatch: pytest.MonkeyPatch, step: int) -> None:
+    """Simulate SIGTERM arriving during step `step` (1-based)."""
+    original = Trainer.train_step
+
+    def patched(self):
+        out = original(self)
+        if self.state.step + 1 == step:
+            self.stop_requested = True
+        return out
+
+    monkeypatch.setattr(Trainer, "train_step", patched)
+
+
+def test_exact_resume_bit_identical(tmp_path, text_corpus, cache_dir, monkeypatch):
+    common = {"train.max_steps": 20, "train.log_interval": 1, "train.eval_interval": 0, "train.save_interval": 0,
+              "train.sample_interval": 0}
+    api.run_training(_cfg(text_corpus, tmp_path / "a", **common))
+    full = _losses(tmp_path / "a")
+    assert sorted(full) == list(range(1, 21))
+
+    with monkeypatch.context() as m:
+        _stop_after(m, 10)
+        _, _, hist = api.run_training(_cfg(text_corpus, tmp_path / "b", **common))
+    assert hist.steps == 10 and "interrupted" in hist.stop_reason
+    assert ckpt.list_steps(tmp_path / "b" / "checkpoints") == [10]
+    api.run_training(_cfg(text_corpus, tmp_path / "b", **common, **{"run.resume": "auto"}))
+    resumed = _losses(tmp_path / "b")
+    assert sorted(resumed) == list(range(1, 21))  # lines after the checkpoint were not duplicated
+    for step in range(1, 21):
+        assert resumed[step] == full[step], f"step {step}: {resumed[step]} != {full[step]}"
+
+
+def test_corrupt_newest_checkpoint_falls_back(tmp_path, text_corpus, cache_dir):
+    common = {"train.max_steps": 6, "train.log_interval": 1, "train.eval_interval": 0, "train.save_interval": 3,
+              "train.sample_interval": 0}
+    api.run_training(_cfg(text_corpus, tmp_path / "r", **common))
+    root = tmp_path / "r" / "checkpoints"
+    assert ckpt.list_steps(root) == [3, 6]
+    f = root / "step_000006" / ckpt.MODEL_FILE
+    f.write_bytes(f.read_bytes()[:100])  # truncated, as by a crash or a full disk
+    with pytest.warns(UserWarning, match="unusable"):
+        _, _, hist = api.run_training(_cfg(text_corpus, tmp_path / "r", **common, **{"run.resume": "auto"}))
+    assert hist.steps == 6  # resumed from step 3 and ran 3 more
+
+
+def test_gradient_accumulation_equivalence():
+    """1 micro-batch of 8 rows == 8 micro-batches of 1 row (same rows): same update within fp32 tolerance."""
+    from gptoughts import models
+    from gptoughts.config import RunConfig, TrainConfig
+    from gptoughts.parallel.dist import DistInfo
+    from gptoughts.train.metrics import MetricsLogger
+    from gptoughts.train.objectives import build_objective
+    from gptoughts.train.optim import Schedule
+
+    torch.manual_seed(0)
+    data = torch.randint(0, 256, (8, 17))
+    params = []
+    for batch, accum in ((8, 1), (1, 8)):
+        torch.manual_seed(1)
+        model = models.build_model("llama", models.model_args("llama", "debug", {"vocab_size": 256}))
+        batches = [(data[i:i + batch, :-1], data[i:i + batch, 1:]) for i in range(0, 8, batch)]
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        t = Trainer(model=model, objective=build_objective("causal"), optimizer=opt,
+                    schedule=Schedule("constant", 0.5, 1, 0), loader=iter(batches), eval_batches=None,
+                    cfg=TrainConfig(batch_size=batch, grad_accum=accum, grad_clip=0.0), run=RunConfig(),
+                    run_dir=Path("."), dist=DistInfo(), device=torch.device("cpu"), precision="fp32",
+                    metrics=MetricsLogger(Path("."), enabled=False), total_steps=1, tokens_per_step=8 * 16)
+        loss_sum, n_tokens, found_inf = t.train_step()
+        assert float(n_tokens) == 8 * 16 and float(found_inf) == 0
+        params.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+    assert torch.allclose(params[0], params[1], atol=1e-6, rtol=0), (params[0] - params[1]).abs().max()
+
+
+def test_nonfinite_step_is_skipped(tmp_path):
+    """A NaN loss leaves the weights untouched and is counted, instead of poisoning the model."""
+    from gptoughts import models
+    from gptoughts.config import RunConfig, TrainConfig
+    from gptoughts.parallel.dist import DistInfo
+    from gptoughts.train.metrics import MetricsLogger
+    from gptoughts.train.optim import Schedule
+
+    model = models.build_model("llama", models.model_args("llama", "debug", {"vocab_size": 256}))
+    before = [p.detach().clone() for p in model.parameters()]
+
+    def nan_objective(m, batch):
+        out = m(batch[0]).float()
+        return out.sum() * float("nan"), torch.tensor(batch[1].numel())
+
+    x = torch.randint(0, 256, (2, 9))
+    t = Trainer(model=model, objective=nan_objective, optimizer=torch.optim.AdamW(model.parameters()),
+                schedule=Schedule("constant", 1e-3, 1, 0), loader=iter([(x[:, :-1], x[:, 1:])]), eval_batches=None,
+                cfg=TrainConfig(batch_size=2), run=RunConfig(), run_dir=tmp_path, dist=DistInfo(),
+                device=torch.device("cpu"), precision="fp32", metrics=MetricsLogger(tmp_path, enabled=False),
+                total_steps=1, tokens_per_step=16)
+    _, _, found_inf = t.train_step()
+    assert float(found_inf) == 1.0
+    for a, b in zip(before, model.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_oom_backoff_halves_micro_batch(tmp_path):
+    """An OOM in a step splits each micro-batch in two and retries the same data (same global batch)."""
+    from gptoughts import models
+    from gptoughts.config import RunConfig, TrainConfig
+    from gptoughts.parallel.dist import DistInfo
+    from gptoughts.train.metrics import MetricsLogger
+    from gptoughts.train.objectives import build_objective
+    from gptoughts.train.optim import Schedule
+
+    model = models.build_model("llama", models.model_args("llama", "debug", {"vocab_size": 256}))
+    causal = build_objective("causal")
+    rows_seen = []
+
+    def objective(m, batch):
+        rows_seen.append(batch[0].shape[0])
+        if batch[0].shape[0] > 2:
+            raise torch.OutOfMemoryError("fake: more than 2 rows do not fit")
+        return causal(m, batch)
+
+    x = torch.randint(0, 256, (8, 9))
+    t = Trainer(model=model, objective=objective, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                schedule=Schedule("constant", 0.1, 1, 0), loader=iter([(x[:, :-1], x[:, 1:])]), eval_batches=None,
+                cfg=TrainConfig(batch_size=8), run=RunConfig(), run_dir=tmp_path, dist=DistInfo(),
+                device=torch.device("cpu"), precision="fp32", metrics=MetricsLogger(tmp_path, enabled=False),
+                total_steps=1, tokens_per_step=64)
+    _, n_tokens, found_inf = t.train_step()
+    assert t.split == 4 and rows_seen == [8, 4, 2, 2, 2, 2]
+    assert float(n_tokens) == 64 and float(found_inf) == 0
+
+
+def test_early_stopping(tmp_path, text_corpus, cache_dir):
+    # A zero learning-rate run never improves after its first evaluation: patience 2 stops it at the 3rd.
+    cfg = _cfg(text_corpus, tmp_path / "es", **{"train.max_steps": 50, "train.eval_interval": 2,
+                                                 "train.early_stopping_patience": 2, "train.learning_rate": 1e-12,
+                                                 "train.early_stopping_min_delta": 0.01})
+    _, _, hist = api.run_training(cfg)
+    assert hist.stop_reason == "early stopping" and hist.steps == 6
+
+
+def test_outputs_of_a_run(tmp_path, text_corpus, cache_dir):
+    out = tmp_path / "run"
+    cfg = _cfg(text_corpus, out, **{"train.max_steps": 4, "train.eval_interval": 2, "train.log_interval": 2,
+                                    "run.tensorboard": True})
+    model, tok, hist = api.run_training(cfg)
+    for name in ("config.toml", "metrics.jsonl", "samples.txt", "run.json", "tokenizer"):
+        assert (out / name).exists(), name
+    assert list((out / "tensorboard").iterdir())
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    train_rows = [r for r in rows if "loss" in r]
+    assert train_rows and all({"step", "loss", "lr", "tokens_per_s"} <= set(r) for r in train_rows)
+    assert any("val_loss" in r and "val_ppl" in r for r in rows)
+    assert "time/forward_ms" in train_rows[-1]
+    assert hist.val_loss and hist.sample.startswith("def ")
+    assert load_config(str(out / "config.toml")).train.max_steps == 4
+    loaded = api.load(out)
+    text = api.generate_text(loaded, "def ", max_new_tokens=5, seed=0)
+    assert text.startswith("def ")
+
+
+def test_python_api_mirrors_inl_guide(tmp_path, text_corpus, cache_dir):
+    model, tokenizer, history = api.train(
+        "default", data_path=str(text_corpus), model="llama", size="debug", num_epochs=0.05, batch_size=4,
+        learning_rate=1e-3, save_dir=str(tmp_path / "inl"), device="cpu",
+        **{k: v for k, v in FAST.items() if k not in ("model.family", "model.size", "train.batch_size",
+                                                       "perf.device")})
+    assert history.steps >= 1 and tokenizer.vocab_size > 256 and isinstance(model, torch.nn.Module)
+
+
+@pytest.mark.parametrize("preset", list_presets())
+def test_every_preset_runs_one_step_at_debug_size(preset, tmp_path, text_corpus, cache_dir):
+    o = dict(FAST)
+    o.pop("model.family")
+    o.update({"data.sources": [str(text_corpus)], "run.out": str(tmp_path / "p"), "train.max_steps": 1,
+              "train.eval_interval": 1, "perf.fp8": False, "model.init_from": None})
+    cfg = load_config(preset, o)
+    if cfg.model.overrides:  # presets that pin a custom shape keep it; keep it small enough for CPU
+        cfg.model.overrides = {k: v for k, v in cfg.model.overrides.items() if k in ("tie_embeddings",)}
+    _, _, hist = api.run_training(cfg)
+    assert hist.steps == 1 and hist.val_loss
+
+
+@pytest.mark.distributed
+def test_ddp_two_processes_match_single_process(tmp_path, text_corpus, cache_dir):
+    """2 gloo ranks x batch 2 see the same global rows as 1 process x batch 4: same losses."""
+    args = ["--data", str(text_corpus), "--max_steps", "3", "--log_interval", "1", "--eval_interval", "3",
+            "--save_interval", "3"] + [f"--{k}={v}" for k, v in FAST.items() if k not in ("train.batch_size",
+                                                                                            "train.sample_prompts")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    single = tmp_path / "single"
+    subprocess.run([sys.executable, "-m", "gptoughts", "train", "default", "--out", str(single), "--batch_size",
+                    "4", *args], check=True, env=env, capture_output=True)
+    ddp = tmp_path / "ddp"
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=0",
+                        "-m", "gptoughts", "train", "default", "--out", str(ddp), "--batch_size", "2", *args],
+                       env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    a, b = _losses(single), _losses(ddp)
+    assert sorted(a) == sorted(b) == [1, 2, 3]
+    for s in a:
+        assert abs(a[s] - b[s]) < 1e-4 * abs(a[s]), (s, a[s], b[s])
+    assert ckpt.list_steps(ddp / "checkpoints") == [3]
+    run = json.loads((ddp / "run.json").read_text())
+    assert run["world_size"] == 2
