@@ -47,6 +47,7 @@ ALIASES: dict[str, str] = {
     "resume": "run.resume",
     "wandb": "run.wandb",
     "no_progress": "run.progress",
+    "profile": "train.profile",
 }
 REPEATABLE = {"data.sources"}
 # Flags that take no value, and the value they set.
@@ -70,6 +71,7 @@ options (aliases of config keys):
   --activation_checkpointing {none,selective,full}        --log_interval / --eval_interval / --save_interval N
   --overwrite             replace the run in --out           --resume [auto|PATH] continue a run
   --wandb                 log to Weights & Biases            --interactive      ask the INL guide's four questions
+  --profile START:END     torch.profiler trace of those steps into OUT/profile/ (Perfetto, TensorBoard)
   --section.key VALUE     any config key, e.g. --train.warmup_steps 100 --model.n_layers 4
 
 presets: {presets}

@@ -134,6 +134,8 @@ class TrainConfig:
     """Checkpoint every N steps (and at the end); 0 saves only at the end."""
     keep_last: int = 3
     """Checkpoints kept besides the best one."""
+    checkpoints: bool = True
+    """Write checkpoints at all (false only for throwaway runs such as benchmarks: nothing can be resumed)."""
     sample_interval: int | None = None
     """Generate samples every N steps; None means at each evaluation; 0 disables."""
     sample_prompts: list[str] = field(default_factory=lambda: ["def fibonacci(n):"])
@@ -148,6 +150,9 @@ class TrainConfig:
     the learning rate after repeated failures) or raise."""
     max_bad_steps: int = 20
     """Consecutive non-finite steps tolerated before a rollback (or an error if no checkpoint exists)."""
+    profile: str | None = None
+    """``START:END``: record a torch.profiler trace of steps START..END into ``RUN/profile/`` (Perfetto or
+    TensorBoard open it)."""
 
 
 @dataclass
@@ -456,6 +461,10 @@ def validate(cfg: Config) -> None:
     for where, (value, allowed) in perf_choices.items():
         if value not in allowed:
             raise ConfigError(f"{where} must be one of {', '.join(allowed)}; got {value!r}{did_you_mean(value, allowed)}")
+    if t.profile is not None:
+        start, sep, end = t.profile.partition(":")
+        if not (sep and start.isdigit() and end.isdigit() and int(start) < int(end)):
+            raise ConfigError(f"train.profile must be START:END steps with START < END (e.g. 10:15); got {t.profile!r}")
     if t.learning_rate <= 0:
         raise ConfigError(f"train.learning_rate must be > 0, got {t.learning_rate}")
     for p in cfg.data.phases:

@@ -53,7 +53,9 @@ kernel of ``layers.py``).
 iteration then costs ``2d·H + H·4d`` multiply-adds per token and ~15 elementwise ops on ``[B, T, d]``, and
 autograd saves ~10 ``[B, T, d]`` tensors per iteration: activation memory of the integrator grows linearly
 with K, so large K at 3b/4b scale needs activation checkpointing. ``flops_per_token`` counts the controller
-K times.
+K times. Under bf16 autocast the controller's matmuls run in bf16 while ``x`` and ``v`` are promoted to fp32
+by ``μ`` (an fp32 parameter): the K small increments ``dt·gate·v`` accumulate in fp32, not in bf16's 8-bit
+mantissa.
 
 K sweep (``python bench/inl_k_sweep.py``; CPU, 2 cores, torch 2.13, fp32; d 128, 4 layers, 4 heads,
 block 128, batch 16, AdamW lr 2e-3, 300 steps, bytes tokenizer on a 2 MB slice of the Python stdlib; val

@@ -7,8 +7,8 @@ Memory at the peak of a training step (fp32 master weights, mixed precision):
 * optimizer: 8 bytes/param (AdamW's two moments)
 * autocast weight copies: 2 bytes per matmul param (the bf16 casts autocast keeps for backward)
 * activations: per token and layer, the tensors autograd saves for backward, counted from the block's ops
-  (see ``_layer_activation_bytes``) per activation-checkpointing mode; the peak holds the larger of
-  activations and gradients, not both (gradients appear as activations are freed during backward)
+  (see ``_layer_activation_bytes``) per activation-checkpointing mode; the peak holds either the activations
+  (with the bf16 weight copies and logits) early in backward, or all gradients at the optimizer step
 * logits: the LM-head working set (one chunk with the chunked loss, the whole batch with the plain loss)
 
 Time: tokens × FLOPs/token / (peak FLOP/s × MFU). The default MFU is what ``bench`` measured for the size class
@@ -74,8 +74,8 @@ def _layer_activation_bytes(args: Any, mode: str) -> float:
     f = getattr(args, "ffn_dim", 4 * d)
     if mode == "none":
         return 16 * d + 4 * d_kv + 6 * f
-    if mode == "selective":
-        return 12 * d + 4 * d_kv + 4 * f
+    if mode == "selective":  # measured 45.4 KB/token/layer at 3b (d 3072, ffn 8192) with per-block compile
+        return 4 * d + 4 * f
     if mode == "full":
         return 4 * d
     raise ConfigError(f"activation checkpointing must be none, selective or full; got {mode!r}")
@@ -106,10 +106,11 @@ def estimate(family: str, size: str, overrides: dict | None = None, *, batch_siz
     logits = rows * vocab * 8 + vocab * args.d_model * 4 if loss == "chunked" else rows * vocab * (2 + 4 + 4)
     weights, grads, optim = 4 * n, 4 * n, 8 * n
     copies = 2 * matmul_params
-    # The peak is reached during backward: gradients fill up while activations are freed layer by layer, so
-    # the larger of the two (not their sum) sits on top of weights, optimizer state, bf16 copies and logits.
-    # (Measured: static part 15.7 GiB at 1b vs 12 bytes/param + copies + logits = 15.4 GiB.)
-    total = weights + optim + copies + logits + max(act, grads)
+    # Two candidate peaks on top of weights and optimizer state: early in backward (all activations, the bf16
+    # weight copies autocast saved, the logits working set) or at the optimizer step (all fp32 gradients, the
+    # rest freed). Measured on an H200 (bench/BENCHMARKS.md): 1b 35.6 GiB (this formula 36.1), 3b 61.7 (62.4),
+    # 3b selective 50.3 (51.1), 3b full 45.7 (45.0).
+    total = weights + optim + max(grads, copies + logits + act)
     peak = peak_flops(gpu)
     if peak is None:
         raise ConfigError(f"unknown GPU {gpu!r}; known: {', '.join(sorted(_PEAK_BF16))}")

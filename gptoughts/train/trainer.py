@@ -252,6 +252,8 @@ class Trainer:
             torch.cuda.set_rng_state(sd["rng"]["cuda"].cpu(), self.device)
 
     def save(self, *, val_loss: float | None = None, is_best: bool = False) -> None:
+        if not self.cfg.checkpoints:
+            return
         if self.dist.is_main:
             ckpt.save(self.ckpt_dir, self.state.step, self.weights_module(), self.state_dict(), val_loss=val_loss,
                       keep_last=self.cfg.keep_last, is_best=is_best)
@@ -306,9 +308,12 @@ class Trainer:
         steps_in_window = 0
         window_start = time.perf_counter()
         stop_reason = "max steps"
+        profiler = _Profiler(self.cfg.profile, self.run_dir / "profile", self.dist.rank)
         try:
             while st.step < self.total_steps:
+                profiler.before_step(st.step + 1)
                 loss_sum, n_tokens, found_inf = self.train_step()
+                profiler.after_step(st.step + 1)
                 ok = found_inf == 0
                 loss_acc += torch.where(ok, loss_sum, 0.0)
                 tokens_acc += torch.where(ok, n_tokens, 0.0)
@@ -346,6 +351,7 @@ class Trainer:
                         stop_reason = "interrupted (checkpoint saved; resume with --resume auto)"
                     break
         finally:
+            profiler.close()
             for sig, handler in old_handlers.items():
                 signal.signal(sig, handler)
             self.progress.close()
@@ -434,3 +440,39 @@ class Trainer:
                 f.write(f"--- prompt: {prompt!r}\n{text}\n")
         for i, text in enumerate(texts):
             self.metrics.text(f"samples/{i}", text, self.state.step)
+
+
+class _Profiler:
+    """torch.profiler over steps START..END (1-based, inclusive), written as a Chrome/Perfetto trace."""
+
+    def __init__(self, spec: str | None, out_dir: Path, rank: int):
+        self.prof = None
+        if not spec:
+            self.start = self.end = -1
+            return
+        start, _, end = spec.partition(":")
+        self.start, self.end = int(start), int(end)
+        self.out_dir = out_dir
+        self.rank = rank
+
+    def before_step(self, step: int) -> None:
+        if step == self.start:
+            from torch.profiler import ProfilerActivity, profile
+
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+            self.prof = profile(activities=acts, record_shapes=True)
+            self.prof.__enter__()
+
+    def after_step(self, step: int) -> None:
+        if self.prof is not None and step >= self.end:
+            self.close()
+
+    def close(self) -> None:
+        if self.prof is None:
+            return
+        self.prof.__exit__(None, None, None)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        path = self.out_dir / f"trace_rank{self.rank}_steps{self.start}-{self.end}.pt.trace.json"
+        self.prof.export_chrome_trace(str(path))
+        self.prof = None
+

@@ -11,7 +11,9 @@ from gptoughts.models.llama import Llama, LlamaArgs
 
 
 def test_registry_is_explicit():
-    assert set(FAMILIES) == {"llama"}
+    assert set(FAMILIES) == {"llama", "deepseek", "llada", "inl", "gpt2"}
+    for name, fam in FAMILIES.items():  # every family is tiny-testable on CPU
+        assert fam.name == name and "debug" in fam.sizes
     fam = get_family("llama")
     assert fam is FAMILIES["llama"] and get_family(fam) is fam
     assert fam.model_cls is Llama and fam.args_cls is LlamaArgs and fam.objective == "causal"

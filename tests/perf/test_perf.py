@@ -56,7 +56,7 @@ def test_estimate_activations_shrink_with_checkpointing_and_scale_with_batch(siz
     e = estimate("llama", size, batch_size=4)
     assert e.weights_gib == pytest.approx(e.params * 4 / 2**30)
     assert e.optimizer_gib == pytest.approx(2 * e.weights_gib)
-    assert e.total_gib >= e.weights_gib + e.optimizer_gib + max(e.activations_gib, e.gradients_gib)
+    assert e.total_gib >= e.weights_gib + e.optimizer_gib + max(e.activations_gib, e.gradients_gib) - 1e-9
 
 
 def test_estimate_time_and_cost():

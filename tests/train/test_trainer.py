@@ -229,11 +229,11 @@ def test_ddp_two_processes_match_single_process(tmp_path, text_corpus, cache_dir
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     single = tmp_path / "single"
     subprocess.run([sys.executable, "-m", "gptoughts", "train", "default", "--out", str(single), "--batch_size",
-                    "4", *args], check=True, env=env, capture_output=True)
+                    "4", *args], check=True, env=env, capture_output=True, timeout=300)
     ddp = tmp_path / "ddp"
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=0",
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                         "-m", "gptoughts", "train", "default", "--out", str(ddp), "--batch_size", "2", *args],
-                       env=env, capture_output=True, text=True)
+                       env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     a, b = _losses(single), _losses(ddp)
     assert sorted(a) == sorted(b) == [1, 2, 3]
@@ -242,3 +242,19 @@ def test_ddp_two_processes_match_single_process(tmp_path, text_corpus, cache_dir
     assert ckpt.list_steps(ddp / "checkpoints") == [3]
     run = json.loads((ddp / "run.json").read_text())
     assert run["world_size"] == 2
+
+
+def test_profile_writes_a_trace(tmp_path, text_corpus, cache_dir):
+    out = tmp_path / "prof"
+    api.run_training(_cfg(text_corpus, out, **{"train.max_steps": 4, "train.profile": "2:3", "train.eval_interval": 0}))
+    traces = list((out / "profile").glob("*.json"))
+    assert len(traces) == 1
+    trace = json.loads(traces[0].read_text())
+    assert trace["traceEvents"], "empty trace"
+
+
+def test_bad_profile_spec_is_a_config_error(tmp_path, text_corpus):
+    from gptoughts.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="START:END"):
+        _cfg(text_corpus, tmp_path / "x", **{"train.profile": "5"})
