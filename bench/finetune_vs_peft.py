@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import itertools
 import json
 import sys
 import tempfile
@@ -153,6 +154,8 @@ def run_ours(model_dir: Path, data: list[torch.Tensor], a: argparse.Namespace, d
                  "lora.dropout": a.dropout, "train.block_size": a.seq, "train.batch_size": a.batch,
                  "train.learning_rate": 2e-4, "perf.device": str(device), "perf.precision": a.precision,
                  "perf.compile": a.compile, "run.progress": False, "run.tensorboard": False}
+    if a.loss_chunk:
+        overrides["perf.loss_chunk"] = a.loss_chunk
     cfg = load_config("finetune", overrides)
     hw = hardware.detect(device)
     pretrained, raw, perf = build_finetune_model(cfg, model_dir, device, a.precision)
@@ -160,7 +163,7 @@ def run_ours(model_dir: Path, data: list[torch.Tensor], a: argparse.Namespace, d
     built = apply_transforms(raw, perf=perf, hw=hw, device=device, dist=info)
     t = cfg.train
     opt = make_optimizer(built.model, t, cfg.perf, device)
-    loader = iter([(d[:, :-1], d[:, 1:]) for d in data] * 10**6)
+    loader = itertools.cycle([(d[:, :-1], d[:, 1:]) for d in data])
     trainer = Trainer(model=built.model, objective=make_objective(_family(pretrained), built, perf),
                       optimizer=opt, schedule=Schedule("constant", t.learning_rate, 10**9, 0), loader=loader,
                       eval_batches=None, cfg=t, run=cfg.run, run_dir=Path("."), dist=info, device=device,
@@ -198,6 +201,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp32"],
                    help="auto: bf16 on CUDA (both sides), fp32 on CPU")
     p.add_argument("--compile", default="auto", help="ours: perf.compile (auto = on for CUDA)")
+    p.add_argument("--loss_chunk", type=int, default=None, help="ours: perf.loss_chunk (rows per loss chunk)")
     p.add_argument("--hf_compile", action="store_true", help="also time transformers + PEFT under torch.compile")
     p.add_argument("--model_dir", default=None, help="reuse/keep the saved random model here")
     p.add_argument("--order", default="hf,ours", help="which side runs first")

@@ -649,7 +649,14 @@ def export(path: str | Path, out: str | Path, *, format: str = "hf", max_shard_s
     ``dtype``: auto (the dtype of the model the run started from, fp32 for runs trained from scratch), fp32,
     bf16 or fp16. ``max_shard_size``: weights above it are split into shards with an index (e.g. ``5GB``).
     """
-    from gptoughts.models.hf import model_dtype, parse_size, read_config, save_generic, save_hf
+    from gptoughts.models.hf import (
+        copy_tokenizer_files,
+        model_dtype,
+        parse_size,
+        read_config,
+        save_generic,
+        save_hf,
+    )
 
     if format != "hf":
         raise ConfigError(f"--format {format!r}: only hf (a transformers model folder) is supported")
@@ -668,5 +675,8 @@ def export(path: str | Path, out: str | Path, *, format: str = "hf", max_shard_s
     gen = None
     if loaded.init_from and (Path(loaded.init_from) / "generation_config.json").is_file():
         gen = json.loads((Path(loaded.init_from) / "generation_config.json").read_text())
-    return save_hf(model, loaded.family, loaded.args, loaded.tokenizer, out, base_config=base,
-                   base_generation_config=gen, max_shard_bytes=shard, dtype=target, overwrite=overwrite)
+    written = save_hf(model, loaded.family, loaded.args, loaded.tokenizer, out, base_config=base,
+                      base_generation_config=gen, max_shard_bytes=shard, dtype=target, overwrite=overwrite)
+    if loaded.init_from:  # fine-tuning keeps the vocabulary: ship the original tokenizer files as they were
+        copy_tokenizer_files(loaded.init_from, written)
+    return written

@@ -84,7 +84,7 @@ def sample_top_k_top_p(
     return (probs / race).argmax(dim=-1)
 
 
-@torch.inference_mode()
+@torch.no_grad()  # not inference_mode: torchao float8 tensor subclasses reject inference tensors
 def generate(
     model: nn.Module,
     input_ids: torch.Tensor,
@@ -179,7 +179,7 @@ def _decode(
 _REMASKING = ("low_confidence", "random")
 
 
-@torch.inference_mode()
+@torch.no_grad()  # not inference_mode: torchao float8 tensor subclasses reject inference tensors
 def diffusion_generate(
     model: nn.Module,
     prompt_ids: torch.Tensor,

@@ -19,9 +19,8 @@ Speed. A daemon thread gathers rows from the memmapped shards straight into a pi
 ``non_blocking`` host-to-device copy of ``x`` and ``y`` packed as ``[2, B, T]``, so the GPU never waits for
 the disk and the CPU never waits for the copy.
 
-Design note for SFT (not built yet): an SFT loader will add a loss mask and document ids. The packed
-``[2, B, T]`` buffer becomes ``[k, B, T]`` and ``__next__`` returns a third tensor; the state (counters)
-and the thread/queue machinery stay as they are.
+SFT data (prompt/response JSONL, loss masks, packed rows with document ids) has its own loader with this
+interface: :class:`gptoughts.data.sft.SFTLoader`.
 """
 
 from __future__ import annotations

@@ -21,7 +21,6 @@ import contextlib
 import inspect
 import json
 import logging
-import math
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -523,12 +522,10 @@ def model_dtype(config: dict[str, Any]) -> torch.dtype:
     return _DTYPES.get(str(name).removeprefix("torch."), torch.float32)
 
 
-def size_bytes(sd: dict[str, torch.Tensor]) -> int:
-    return sum(math.prod(t.shape) * t.element_size() for t in sd.values())
-
-
-def copy_tokenizer_files(src: Path, out: Path) -> None:
-    """Copy the original tokenizer files of a model folder (keeps tokenizer classes and their quirks)."""
+def copy_tokenizer_files(src: str | Path, out: str | Path) -> None:
+    """Copy the original tokenizer files of a model folder over ours: same vocabulary, but the folder's own
+    tokenizer class and settings (``model_max_length``, ``add_bos_token``...) survive the round trip."""
+    src, out = Path(src), Path(out)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                  "chat_template.jinja", "chat_template.json"):
         if (src / name).is_file():

@@ -62,6 +62,8 @@ def test_lora_finetune_then_export_matches_transformers(kind, hf_model, tmp_path
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["model_type"] == kind and cfg["torch_dtype"] == "float32"
     assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == 0
+    assert (out / "tokenizer_config.json").read_bytes() == (base / "tokenizer_config.json").read_bytes()
+    assert isinstance(api.generate_text(api.load(run), "add 1 2", max_new_tokens=3, temperature=0), str)
 
 
 def test_lora_resume_matches_uninterrupted_run(hf_model, tmp_path, ft_fast, ft_cache, monkeypatch):
