@@ -37,13 +37,23 @@ MATRIX = {
     "125m": [{"compare": "hf"}, {"train.batch_size": 64}],
     "3b": [{}, {"perf.fp8": True}, {"perf.fp8": True, "perf.fp8_recipe": "rowwise"},
            {"perf.activation_checkpointing": "selective"}, {"perf.activation_checkpointing": "full"}],
+    # Each family's ~1B preset; the first row is a Llama of exactly LLaDA-medium's shape (same kernels claim).
+    "families": [
+        {"model.family": "llama", "model.n_layers": 22, "model.n_heads": 32, "model.n_kv_heads": 4,
+         "model.ffn_dim": 5632},
+        {"model.family": "llada", "model.size": "medium"},
+        {"model.family": "deepseek", "model.size": "small"},
+        {"model.family": "gpt2", "model.size": "large", "train.block_size": 1024, "train.batch_size": 16},
+        {"model.family": "inl", "model.size": "3b", "train.batch_size": 2},
+    ],
 }
+SHAPES["families"] = ("1b", 2048, 8)
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
-    p.add_argument("--only", default="1b,125m,3b")
+    p.add_argument("--only", default="1b,125m,3b,families")
     p.add_argument("--steps", type=int, default=15)
     p.add_argument("--warmup", type=int, default=5)
     a = p.parse_args()

@@ -158,7 +158,7 @@ def cmd_train(argv: Sequence[str]) -> int:
     from gptoughts.config import list_presets, load_config
 
     if any(a in ("-h", "--help") for a in argv):
-        print(TRAIN_USAGE.format(presets=", ".join(list_presets())))
+        print(TRAIN_USAGE.replace("{presets}", ", ".join(list_presets())))
         return 0
     preset, overrides, interactive = parse_overrides(argv)
     if interactive:
@@ -461,11 +461,12 @@ def usage() -> str:
 def _setup_logging() -> None:
     import logging
 
+    from rich.console import Console
     from rich.logging import RichHandler
 
     log = logging.getLogger("gptoughts")
-    if not log.handlers:
-        log.addHandler(RichHandler(show_path=False, show_time=False, markup=False))
+    if not log.handlers:  # to stderr: stdout stays clean for --json output and generated text
+        log.addHandler(RichHandler(console=Console(stderr=True), show_path=False, show_time=False, markup=False))
         log.setLevel(logging.INFO)
         log.propagate = False
 

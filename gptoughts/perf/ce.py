@@ -27,8 +27,9 @@ def plain_linear_ce(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
     return F.cross_entropy(logits.float(), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum")
 
 
-def _chunk_grads(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Loss sum, d loss / d h, and d loss / d w (fp32) for one chunk of rows."""
+def _chunk_grads(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor,
+                 need_w: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Loss sum, d loss / d h, and d loss / d w (fp32; None when the head is frozen) for one chunk of rows."""
     logits = (h @ w.t()).float()
     valid = t != IGNORE_INDEX
     safe_t = torch.where(valid, t, 0)
@@ -39,7 +40,9 @@ def _chunk_grads(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor) -> tuple[tor
     g.scatter_add_(1, safe_t.unsqueeze(1), torch.full_like(lse, -1.0).unsqueeze(1))
     g = (g * valid.unsqueeze(1)).to(h.dtype)
     grad_h = g @ w
-    grad_w = (g.t() @ h).float()
+    # A frozen head (LoRA with tied embeddings) needs no weight gradient: skipping it saves a third of the
+    # head's matmuls and the [V, d] fp32 accumulator.
+    grad_w = (g.t() @ h).float() if need_w else None
     return loss, grad_h, grad_w
 
 
@@ -50,7 +53,7 @@ def _chunk_fn(compiled: bool) -> Callable:
     global _compiled_chunk
     if not compiled:
         return _chunk_grads
-    if _compiled_chunk is None:
+    if _compiled_chunk is None:  # need_w is a Python bool: dynamo specialises on it (one graph per value)
         _compiled_chunk = torch.compile(_chunk_grads, dynamic=False)
     return _compiled_chunk
 
@@ -62,16 +65,18 @@ class _ChunkedLinearCE(torch.autograd.Function):
         h_all = hidden.to(compute_dtype)
         w = weight.to(compute_dtype)
         fn = _chunk_fn(compiled)
+        need_w = bool(ctx.needs_input_grad[1])
         n = h_all.shape[0]
         grad_h = torch.empty_like(h_all)
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for start in range(0, n, chunk_size):
             end = min(start + chunk_size, n)
-            l_c, gh, gw = fn(h_all[start:end], w, targets[start:end])
+            l_c, gh, gw = fn(h_all[start:end], w, targets[start:end], need_w)
             loss += l_c
             grad_h[start:end] = gh
-            grad_w += gw
+            if grad_w is not None:
+                grad_w += gw
         ctx.save_for_backward(grad_h, grad_w)
         ctx.dtypes = (hidden.dtype, weight.dtype)
         return loss
@@ -80,7 +85,8 @@ class _ChunkedLinearCE(torch.autograd.Function):
     def backward(ctx, grad_out: torch.Tensor):
         grad_h, grad_w = ctx.saved_tensors
         h_dtype, w_dtype = ctx.dtypes
-        return (grad_h * grad_out).to(h_dtype), (grad_w * grad_out).to(w_dtype), None, None, None, None
+        gw = (grad_w * grad_out).to(w_dtype) if grad_w is not None else None
+        return (grad_h * grad_out).to(h_dtype), gw, None, None, None, None
 
 
 def chunked_linear_ce(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, chunk_size: int = 4096,

@@ -218,3 +218,27 @@ def test_tune_table_and_winner(tmp_path):
     tuned = load_config(str(path))
     assert tuned.perf.activation_checkpointing == win.settings["perf.activation_checkpointing"]
     assert tuned.model.size == "debug" and tuned.train.block_size == 32
+
+
+@pytest.mark.parametrize("frozen_head", [False, True])
+def test_chunked_ce_matches_plain(frozen_head):
+    from gptoughts.perf.ce import chunked_linear_ce, plain_linear_ce
+
+    torch.manual_seed(0)
+    h = torch.randn(2, 50, 16, requires_grad=True)
+    w = torch.randn(97, 16, requires_grad=not frozen_head)
+    t = torch.randint(0, 97, (2, 50))
+    t[0, :7] = -100  # ignored targets (prompt tokens in SFT)
+    ref = plain_linear_ce(h, w, t)
+    ref.backward()
+    gh, gw = h.grad.clone(), (w.grad.clone() if w.grad is not None else None)
+    h.grad = None
+    w.grad = None
+    out = chunked_linear_ce(h, w, t, chunk_size=32)  # 100 rows: chunks of 32, 32, 32, 4
+    (out * 3).backward()
+    assert out.item() == pytest.approx(ref.item(), rel=1e-5)
+    assert torch.allclose(h.grad / 3, gh, atol=1e-5)
+    if frozen_head:
+        assert w.grad is None
+    else:
+        assert torch.allclose(w.grad / 3, gw, atol=1e-5)

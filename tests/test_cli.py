@@ -1,0 +1,169 @@
+"""The command line: every subcommand of the foundation, and a one-line error for each bad input."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gptoughts import cli
+
+
+def _args(fast: dict) -> list[str]:
+    return [f"--{k}={v}" for k, v in fast.items() if k != "train.sample_prompts"]
+
+
+def _run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
+    code = cli.main(argv)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.fixture
+def trained(tmp_path_factory, fast, cache_dir):
+    """One tiny run shared by the sample/eval tests."""
+    import sysconfig
+
+    root = tmp_path_factory.mktemp("trained")
+    corpus = root / "corpus.py"
+    corpus.write_text((Path(sysconfig.get_paths()["stdlib"]) / "textwrap.py").read_text())
+    out = root / "run"
+    assert cli.main(["train", "default", "--data", str(corpus), "--out", str(out), "--max_steps", "3",
+                     "--eval_interval", "3", *_args(fast)]) == 0
+    return out, corpus
+
+
+def test_sample_eval_env_prepare(trained, tmp_path, capsys):
+    run, corpus = trained
+    code, out, _ = _run_cli(["sample", str(run), "--prompt", "def ", "--max_new_tokens", "5", "--seed", "1"], capsys)
+    assert code == 0 and out.startswith("def ")
+    code, out, _ = _run_cli(["eval", str(run), "--data", str(corpus), "--json", "--batch_size", "2",
+                             "--block_size", "32", "--max_batches", "2"], capsys)
+    res = json.loads(out)
+    assert code == 0 and res["loss"] > 0 and res["perplexity"] > 1
+    code, out, _ = _run_cli(["env", "--json"], capsys)
+    env = json.loads(out)
+    assert code == 0 and {"device", "bf16", "fp16", "fp8", "compile", "recommended"} <= set(env)
+    code, out, _ = _run_cli(["prepare", "--data", str(corpus), "--out", str(tmp_path / "shards"), "--tokenizer",
+                             "bytes"], capsys)
+    assert code == 0 and (tmp_path / "shards" / "manifest.json").exists() and "train tokens" in out
+
+
+def test_interactive_asks_the_four_questions(tmp_path, text_corpus, cache_dir, fast, monkeypatch, capsys):
+    answers = iter(["debug", str(text_corpus), "0.02", "2"])
+    asked = []
+
+    def fake_input(prompt: str) -> str:
+        asked.append(prompt)
+        return next(answers)
+
+    monkeypatch.setattr("builtins.input", fake_input)
+    code = cli.main(["train", "default", "--interactive", "--out", str(tmp_path / "i"), *_args(fast)])
+    assert code == 0 and len(asked) == 4
+    assert "size" in asked[0].lower() and "corpus" in asked[1].lower() and "epoch" in asked[2].lower()
+    assert (tmp_path / "i" / "checkpoints").exists()
+
+
+def _tree_hash(path: Path) -> str:
+    h = hashlib.sha256()
+    for p in sorted(path.rglob("*")):
+        if p.is_file():
+            h.update(str(p.relative_to(path)).encode())
+            h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+BAD_INPUTS = {
+    "missing path": (["--data", "{tmp}/nope.txt"], "does not exist"),
+    "empty corpus": (["--data", "{empty}"], "empty"),
+    "only binary files": (["--data", "{binary}"], "binary"),
+    "unknown key": (["--train.max_step", "3", "--data", "{corpus}"], "max_steps"),
+    "unknown option": (["--max_step", "3", "--data", "{corpus}"], "max_steps"),
+    "wrong type": (["--max_steps", "many", "--data", "{corpus}"], "integer"),
+    "smaller than one block": (["--data", "{tiny}", "--block_size", "512"], "block"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_input_is_a_one_line_error(case, tmp_path, text_corpus, cache_dir, fast, capsys):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    binary = tmp_path / "binary"
+    binary.mkdir()
+    (binary / "a.txt").write_bytes(b"\x00\x01\x02" * 100)
+    tiny = tmp_path / "tiny.txt"
+    tiny.write_text("x = 1\n")
+    extra, expected = BAD_INPUTS[case]
+    extra = [a.format(tmp=tmp_path, empty=empty, binary=binary, corpus=text_corpus, tiny=tiny) for a in extra]
+    code, _, err = _run_cli(["train", "default", "--out", str(tmp_path / "run"), *_args(fast), *extra], capsys)
+    assert code == 2
+    # Progress/INFO lines may precede it; the error itself is exactly one line.
+    errors = [ln for ln in err.splitlines() if ln.startswith("error: ")]
+    assert len(errors) == 1 and err.rstrip().endswith(errors[0]), err
+    assert expected in errors[0].lower(), errors[0]
+    assert "Traceback" not in err
+
+
+def test_binary_files_skipped_and_invalid_utf8_replaced(tmp_path, text_corpus, cache_dir, fast, capsys):
+    (text_corpus / "blob.txt").write_bytes(b"\x00\xff\x00" * 50)
+    (text_corpus / "latin1.txt").write_bytes("caf\xe9 cr\xe8me\n".encode("latin-1") * 50)
+    code = cli.main(["train", "default", "--data", str(text_corpus), "--out", str(tmp_path / "r"), "--max_steps",
+                     "1", *_args(fast)])
+    assert code == 0
+    manifest = json.loads(next((cache_dir / "datasets").glob("*/manifest.json")).read_text())
+    text = json.dumps(manifest)
+    assert '"skipped_binary": 1' in text
+    assert '"invalid_utf8_files": 1' in text
+
+
+def test_existing_run_is_never_clobbered(tmp_path, text_corpus, cache_dir, fast, capsys):
+    out = tmp_path / "run"
+    base = ["train", "default", "--data", str(text_corpus), "--out", str(out), "--max_steps", "2", *_args(fast)]
+    assert cli.main(base) == 0
+    before = _tree_hash(out)
+    # Same dir, no --resume / --overwrite: refused, nothing touched.
+    code, _, err = _run_cli(base, capsys)
+    assert code == 2 and "--resume" in err and "--overwrite" in err
+    # A different model into the same dir with --resume: refused, nothing touched.
+    code, _, err = _run_cli([*base, "--resume", "--model.n_layers", "3"], capsys)
+    assert code == 2 and "error:" in err
+    assert _tree_hash(out) == before
+    # A non-empty dir that is not a run: refused.
+    other = tmp_path / "notes"
+    other.mkdir()
+    (other / "todo.txt").write_text("keep me")
+    code, _, err = _run_cli(["train", "default", "--data", str(text_corpus), "--out", str(other), *_args(fast)],
+                            capsys)
+    assert code == 2 and (other / "todo.txt").read_text() == "keep me"
+    # --overwrite replaces it.
+    assert cli.main([*base, "--overwrite"]) == 0
+
+
+def test_unknown_command_and_help(capsys):
+    assert cli.main(["trian"]) == 2
+    assert "train" in capsys.readouterr().err
+    assert cli.main(["train", "--help"]) == 0
+    assert "--batch_size" in capsys.readouterr().out
+    assert cli.main(["--help"]) == 0
+
+
+def test_console_script_entry_point_runs(tmp_path):
+    """`python -m gptoughts` is the same program as the `gptoughts` console script."""
+    r = subprocess.run([sys.executable, "-m", "gptoughts", "env"], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert r.returncode == 0 and "device" in r.stdout
+
+
+def test_wandb_offline(tmp_path, text_corpus, cache_dir, fast, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    out = tmp_path / "w"
+    assert cli.main(["train", "default", "--data", str(text_corpus), "--out", str(out), "--max_steps", "2",
+                     "--log_interval", "1", "--wandb", *_args(fast)]) == 0
+    assert list((out / "wandb").glob("offline-run-*"))
