@@ -424,10 +424,22 @@ def load_config(preset: str | Path | None = None, overrides: dict[str, Any] | No
     return cfg
 
 
+def _coerce_model_overrides(cfg: Config) -> None:
+    """`--model.n_layers 8` arrives as the string "8": give it the type the family's args dataclass declares."""
+    from gptoughts import models
+
+    fam = models.get_family(cfg.model.family)
+    hints = typing.get_type_hints(fam.args_cls)
+    for key, value in list(cfg.model.overrides.items()):
+        if isinstance(value, str) and key in hints and hints[key] is not str:
+            cfg.model.overrides[key] = _coerce(value, hints[key], f"model.{key}")
+
+
 def validate(cfg: Config) -> None:
     """Cross-field checks and the family-specific ``[model]`` keys."""
     from gptoughts import models
 
+    _coerce_model_overrides(cfg)
     models.model_args(cfg.model.family, cfg.model.size, cfg.model.overrides)
     t = cfg.train
     if isinstance(t.batch_size, str) and t.batch_size != "auto":

@@ -76,3 +76,14 @@ def test_invalid_toml_is_a_config_error(tmp_path):
 @pytest.mark.parametrize("preset", list_presets())
 def test_every_preset_loads(preset):
     assert isinstance(load_config(preset), Config)
+
+
+def test_model_overrides_from_the_cli_are_typed():
+    cfg = load_config("default", {"model.n_layers": "3", "model.rope_theta": "5e5", "model.tie_embeddings": "true",
+                                  "model.rope_scaling": "none"})
+    assert cfg.model.overrides["n_layers"] == 3
+    assert cfg.model.overrides["rope_theta"] == 500000.0
+    assert cfg.model.overrides["tie_embeddings"] is True
+    assert cfg.model.overrides["rope_scaling"] is None
+    with pytest.raises(ConfigError, match="n_layers"):
+        load_config("default", {"model.n_layers": "three"})

@@ -258,3 +258,23 @@ def test_bad_profile_spec_is_a_config_error(tmp_path, text_corpus):
 
     with pytest.raises(ConfigError, match="START:END"):
         _cfg(text_corpus, tmp_path / "x", **{"train.profile": "5"})
+
+
+def test_quickstart_pipeline_learns_on_a_stdlib_slice(tmp_path, cache_dir):
+    """The embedded default end to end (stdlib corpus, BPE trained on it), on a small slice and a smaller model."""
+    import math
+
+    cfg = load_config("quickstart", {
+        "data.max_bytes": 300_000, "data.tokenizer": "bpe:2048", "model.d_model": 128, "model.n_heads": 4,
+        "model.n_kv_heads": 2, "model.ffn_dim": 384, "model.n_layers": 2, "train.max_steps": 80,
+        "train.batch_size": 8, "train.block_size": 64, "train.eval_interval": 10, "train.learning_rate": 3e-3,
+        "train.warmup_steps": 5, "train.save_interval": 0, "run.out": str(tmp_path / "qs"), "run.progress": False,
+        "run.tensorboard": False, "perf.device": "cpu", "train.sample_max_new_tokens": 16})
+    _, tok, hist = api.run_training(cfg)
+    assert cfg.data.sources == ["@stdlib"] and tok.vocab_size == 2048
+    # An untrained model predicts ~uniformly: its val loss starts at ln(2048) = 7.6 nats.
+    first, last = hist.val_loss[0], hist.val_loss[-1]
+    assert last < math.log(2048) - 1.0, hist.val_loss
+    assert last < first - 0.2, hist.val_loss
+    assert hist.final_val_ppl == pytest.approx(math.exp(last))
+    assert hist.sample.startswith("def fibonacci(n):")
