@@ -259,8 +259,12 @@ def run_training(cfg: Config) -> tuple[nn.Module, Any, History]:
             micro, cached = auto_micro_batch(built, objective, vocab_size=args.vocab_size, block_size=t.block_size,
                                              precision=precision, perf=cfg.perf, t=t, device=device, dist=info,
                                              parts=parts)
-            accum = accumulation_for(t.global_batch_tokens, micro, t.block_size, info.world_size) \
-                if t.global_batch_tokens else t.grad_accum
+            if t.global_batch_tokens:
+                # A micro-batch larger than the global batch would overshoot the target: cap it there.
+                micro = max(1, min(micro, t.global_batch_tokens // (t.block_size * info.world_size)))
+                accum = accumulation_for(t.global_batch_tokens, micro, t.block_size, info.world_size)
+            else:
+                accum = t.grad_accum
             t = replace(t, batch_size=micro, grad_accum=accum)
             if info.is_main:
                 console.print(f"auto batch size: micro-batch {micro} x accumulation {accum}"

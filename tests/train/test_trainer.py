@@ -17,7 +17,6 @@ from gptoughts.train import checkpoint as ckpt
 from gptoughts.train.trainer import Trainer
 
 
-
 def _losses(run: Path) -> dict[int, float]:
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: r["loss"] for r in rows if "loss" in r}
