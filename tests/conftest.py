@@ -27,6 +27,19 @@ FAST = {
 }
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _one_torch_thread():
+    """Tiny test models run fastest on one thread; with OpenMP's spin-waiting threads, any other load on a
+    2-core machine can make them 20x slower (measured: the quickstart test took 7.5 s on 1 thread, 189 s on 2
+    while another process used a core)."""
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
 @pytest.fixture
 def text_corpus(tmp_path: Path) -> Path:
     """~60 KB of real Python source from the standard library, as a folder of .py files."""

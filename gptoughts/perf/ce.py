@@ -27,18 +27,22 @@ def plain_linear_ce(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
     return F.cross_entropy(logits.float(), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum")
 
 
-def _chunk_grads(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor,
-                 need_w: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Loss sum, d loss / d h, and d loss / d w (fp32; None when the head is frozen) for one chunk of rows."""
+def _chunk_grads(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor, need_w: bool = True,
+                 token_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Loss sum, d loss / d h, and d loss / d w (fp32; None when the head is frozen) for one chunk of rows.
+
+    ``token_weight`` (optional, per row, no gradient) scales each row's loss and gradient (LLaDA's 1/t).
+    """
     logits = (h @ w.t()).float()
     valid = t != IGNORE_INDEX
     safe_t = torch.where(valid, t, 0)
+    scale = valid.float() if token_weight is None else torch.where(valid, token_weight, 0.0)
     lse = torch.logsumexp(logits, dim=-1)
     target_logit = logits.gather(1, safe_t.unsqueeze(1)).squeeze(1)
-    loss = torch.where(valid, lse - target_logit, 0.0).sum()
-    g = torch.exp(logits - lse.unsqueeze(1))
+    loss = ((lse - target_logit) * scale).sum()
+    g = torch.exp(logits - lse.unsqueeze(1))  # softmax; minus the one-hot below: d CE / d logits
     g.scatter_add_(1, safe_t.unsqueeze(1), torch.full_like(lse, -1.0).unsqueeze(1))
-    g = (g * valid.unsqueeze(1)).to(h.dtype)
+    g = (g * scale.unsqueeze(1)).to(h.dtype)
     grad_h = g @ w
     # A frozen head (LoRA with tied embeddings) needs no weight gradient: skipping it saves a third of the
     # head's matmuls and the [V, d] fp32 accumulator.
@@ -61,7 +65,7 @@ def _chunk_fn(compiled: bool) -> Callable:
 class _ChunkedLinearCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_size: int,
-                compute_dtype: torch.dtype, compiled: bool) -> torch.Tensor:
+                compute_dtype: torch.dtype, compiled: bool, token_weight: torch.Tensor | None) -> torch.Tensor:
         h_all = hidden.to(compute_dtype)
         w = weight.to(compute_dtype)
         fn = _chunk_fn(compiled)
@@ -72,7 +76,8 @@ class _ChunkedLinearCE(torch.autograd.Function):
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for start in range(0, n, chunk_size):
             end = min(start + chunk_size, n)
-            l_c, gh, gw = fn(h_all[start:end], w, targets[start:end], need_w)
+            tw = token_weight[start:end] if token_weight is not None else None
+            l_c, gh, gw = fn(h_all[start:end], w, targets[start:end], need_w, tw)
             loss += l_c
             grad_h[start:end] = gh
             if grad_w is not None:
@@ -86,20 +91,22 @@ class _ChunkedLinearCE(torch.autograd.Function):
         grad_h, grad_w = ctx.saved_tensors
         h_dtype, w_dtype = ctx.dtypes
         gw = (grad_w * grad_out).to(w_dtype) if grad_w is not None else None
-        return (grad_h * grad_out).to(h_dtype), gw, None, None, None, None
+        return (grad_h * grad_out).to(h_dtype), gw, None, None, None, None, None
 
 
 def chunked_linear_ce(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, chunk_size: int = 4096,
-                      compiled: bool = False) -> torch.Tensor:
-    """Summed CE of ``hidden @ weight.T`` against ``targets`` with one chunk of logits alive at a time."""
+                      compiled: bool = False, token_weight: torch.Tensor | None = None) -> torch.Tensor:
+    """Summed CE of ``hidden @ weight.T`` against ``targets`` with one chunk of logits alive at a time;
+    with ``token_weight``, each token's term is multiplied by its weight."""
     h = hidden.reshape(-1, hidden.shape[-1])
     t = targets.reshape(-1)
+    tw = token_weight.reshape(-1).float().detach() if token_weight is not None else None
     if torch.is_autocast_enabled(h.device.type):
         compute_dtype = torch.get_autocast_dtype(h.device.type)
     else:
         compute_dtype = h.dtype
     with torch.autocast(h.device.type, enabled=False):
-        return _ChunkedLinearCE.apply(h, weight, t, chunk_size, compute_dtype, compiled)
+        return _ChunkedLinearCE.apply(h, weight, t, chunk_size, compute_dtype, compiled, tw)
 
 
 def liger_linear_ce(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gptoughts.perf.ce import IGNORE_INDEX, plain_linear_ce
+from gptoughts.perf.ce import IGNORE_INDEX, chunked_linear_ce, plain_linear_ce
 
 LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -180,53 +180,7 @@ def weighted_linear_ce(
     if chunk_size is None:
         ce = F.cross_entropy(F.linear(h, weight).float(), t, ignore_index=IGNORE_INDEX, reduction="none")
         return (ce * w_tok).sum()
-    if torch.is_autocast_enabled(h.device.type):
-        compute_dtype = torch.get_autocast_dtype(h.device.type)
-    else:
-        compute_dtype = h.dtype
-    with torch.autocast(h.device.type, enabled=False):
-        return _WeightedChunkedCE.apply(h, weight, t, w_tok, chunk_size, compute_dtype)
-
-
-def _weighted_ce_chunk(
-    h: torch.Tensor, w: torch.Tensor, t: torch.Tensor, w_tok: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    logits = (h @ w.t()).float()
-    valid = t != IGNORE_INDEX
-    safe_t = torch.where(valid, t, 0)
-    scale = torch.where(valid, w_tok, 0.0)
-    lse = torch.logsumexp(logits, dim=-1)
-    loss = ((lse - logits.gather(1, safe_t[:, None]).squeeze(1)) * scale).sum()
-    g = torch.exp(logits - lse[:, None])  # softmax; minus the one-hot below: d CE / d logits
-    g.scatter_add_(1, safe_t[:, None], torch.full_like(lse, -1.0)[:, None])
-    g = (g * scale[:, None]).to(h.dtype)
-    return loss, g @ w, (g.t() @ h).float()
-
-
-class _WeightedChunkedCE(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, w_tok: torch.Tensor,
-                chunk_size: int, compute_dtype: torch.dtype) -> torch.Tensor:
-        h_all = hidden.to(compute_dtype)
-        w = weight.to(compute_dtype)
-        grad_h = torch.empty_like(h_all)
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        for start in range(0, h_all.shape[0], chunk_size):
-            end = min(start + chunk_size, h_all.shape[0])
-            l_c, gh, gw = _weighted_ce_chunk(h_all[start:end], w, targets[start:end], w_tok[start:end])
-            loss += l_c
-            grad_h[start:end] = gh
-            grad_w += gw
-        ctx.save_for_backward(grad_h, grad_w)
-        ctx.dtypes = (hidden.dtype, weight.dtype)
-        return loss
-
-    @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):
-        grad_h, grad_w = ctx.saved_tensors
-        h_dtype, w_dtype = ctx.dtypes
-        return (grad_h * grad_out).to(h_dtype), (grad_w * grad_out).to(w_dtype), None, None, None, None
+    return chunked_linear_ce(h, weight, t, chunk_size=chunk_size, token_weight=w_tok)
 
 
 OBJECTIVES = {"causal": CausalLM, "diffusion": MaskedDiffusion}
