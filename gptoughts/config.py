@@ -414,7 +414,14 @@ def load_config(preset: str | Path | None = None, overrides: dict[str, Any] | No
     """Preset (name or TOML path; default ``quickstart``) + dotted overrides -> validated Config."""
     data = read_toml(preset if preset is not None else DEFAULT_PRESET)
     top = [f.name for f in dataclasses.fields(Config)]
-    for key, value in (overrides or {}).items():
+    overrides = overrides or {}
+    preset_model = data.get("model", {})
+    new_family = overrides.get("model.family")
+    if new_family is not None and new_family != preset_model.get("family", ModelConfig.family):
+        # The preset's architecture fields describe its own family (quickstart's d_model, n_kv_heads, ...):
+        # another family starts from its size presets, not from them.
+        data["model"] = {k: v for k, v in preset_model.items() if k in _MODEL_FIXED and k != "size"}
+    for key, value in overrides.items():
         section = key.split(".")[0]
         if section not in top:
             raise ConfigError(f"unknown config key `{key}`: sections are {', '.join(top)}{did_you_mean(section, top)}")

@@ -87,3 +87,12 @@ def test_model_overrides_from_the_cli_are_typed():
     assert cfg.model.overrides["rope_scaling"] is None
     with pytest.raises(ConfigError, match="n_layers"):
         load_config("default", {"model.n_layers": "three"})
+
+
+@pytest.mark.parametrize("family", ["inl", "gpt2", "deepseek", "llada"])
+def test_switching_family_drops_the_presets_architecture(family):
+    cfg = load_config(None, {"model.family": family})  # quickstart pins a Llama shape
+    assert cfg.model.family == family and cfg.model.overrides == {} and cfg.model.size == "debug"
+    assert cfg.data.sources == ["@stdlib"]  # the rest of the preset still applies
+    same = load_config(None, {"model.family": "llama"})
+    assert same.model.overrides["d_model"] == 320

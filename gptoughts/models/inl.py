@@ -64,23 +64,23 @@ K sweep: ``python bench/inl_k_sweep.py`` (2026-11-21; CPU x86_64, 1 thread of a 
 the spread of 2 seeds (same batches for every K); step time = fastest of 40 interleaved training steps.
 K = 0 is the same block without integrator:
 
-| K | parameters | ms / step | tokens / s | speed vs K=0 | val loss (nats/byte) | Δ loss vs K=0 |
-| -: | ---------: | --------: | ---------: | -----------: | -------------------: | ------------: |
-| 0 | 828,544 | 164 | 12,490 | 1.00x | 1.742 ± 0.010 | +0.000 |
-| 1 | 1,061,248 | 246 | 8,309 | 0.67x | 1.745 ± 0.000 | +0.002 |
-| 2 | 1,061,248 | 303 | 6,760 | 0.54x | 1.743 ± 0.010 | +0.001 |
-| 4 | 1,061,248 | 475 | 4,311 | 0.35x | 1.735 ± 0.003 | -0.007 |
-| 8 | 1,061,248 | 750 | 2,732 | 0.22x | 1.743 ± 0.003 | +0.001 |
-| 15 | 1,061,248 | 1243 | 1,647 | 0.13x | 1.759 ± 0.005 | +0.017 |
+| K | parameters | ms / step | tokens / s | speed vs K=0 | val loss (nats/byte) | val ppl | Δ loss vs K=0 |
+| -: | ---------: | --------: | ---------: | -----------: | -------------------: | ------: | -----------: |
+| 0 | 828,544 | 164 | 12,490 | 1.00x | 1.742 ± 0.010 | 5.71 | +0.000 |
+| 1 | 1,061,248 | 246 | 8,309 | 0.67x | 1.745 ± 0.000 | 5.72 | +0.002 |
+| 2 | 1,061,248 | 303 | 6,760 | 0.54x | 1.743 ± 0.010 | 5.72 | +0.001 |
+| 4 | 1,061,248 | 475 | 4,310 | 0.35x | 1.735 ± 0.003 | 5.67 | -0.007 |
+| 8 | 1,061,248 | 750 | 2,732 | 0.22x | 1.743 ± 0.003 | 5.71 | +0.001 |
+| 15 | 1,061,248 | 1243 | 1,647 | 0.13x | 1.759 ± 0.005 | 5.81 | +0.017 |
 
 **Default K = 4.** It has the lowest val loss of the sweep on both seeds; K = 8 is no better and 1.6x slower,
 and the user's K = 15 is the worst on both seeds and 2.6x slower than K = 4 (why was not investigated).
-K = 1 and 2 are faster but show no gain over K = 0 either. Caveats, stated plainly: the gain of K = 4 over no integrator (-0.007) is inside the
-seed-to-seed spread (±0.010), so this run does not show that the integrator helps at all at this scale; and
-the speed column is a CPU figure at d 128, where the ~15 elementwise ops per iteration dominate. At 3b the
-controller adds 5.4% matmul FLOPs at K = 4 (15.29 vs 14.50 GFLOP/token at T = 2048, ``flops_per_token``), and
-``torch.compile`` fuses each iteration's elementwise ops, so the GPU cost should be far below 2.9x; it has not
-been measured on a GPU yet.
+K = 1 and 2 are faster but show no gain over K = 0 either. Caveats, stated plainly: the gain of K = 4 over
+no integrator (-0.007) is inside the seed-to-seed spread (±0.010), so this run does not show that the
+integrator helps at all at this scale; and the speed column is a CPU figure at d 128, where the ~15
+elementwise ops per iteration dominate. At 3b the controller adds 5.4% matmul FLOPs at K = 4 (15.29 vs 14.50
+GFLOP/token at T = 2048, ``flops_per_token``), and ``torch.compile`` fuses each iteration's elementwise ops,
+so the GPU cost should be far below 2.9x; it has not been measured on a GPU yet.
 
 Parameter counts (vocab 32768, tied embeddings; "non-embedding" excludes the shared embedding matrix; the
 integrators' share does not depend on K > 0):
