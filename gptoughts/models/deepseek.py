@@ -68,7 +68,7 @@ from torch import nn
 
 from gptoughts.errors import ConfigError, UserError
 from gptoughts.models.hf import UnsupportedHFConfig
-from gptoughts.models.layers import RMSNorm, SwiGLU, apply_rotary, rope_inv_freq
+from gptoughts.models.layers import RMSNorm, SwiGLU, apply_rotary, cache_placement, rope_inv_freq
 
 __all__ = [
     "DEEPSEEK_SIZES",
@@ -1014,17 +1014,14 @@ class DeepSeek(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> MLACache:
         """An empty latent KV cache (see ``MLACache``) on the model's device and parameter dtype by default."""
-        max_len = self.args.max_seq_len if max_len is None else max_len
-        if max_len > self.args.max_seq_len:
-            raise ValueError(f"cache of {max_len} positions exceeds max_seq_len={self.args.max_seq_len}")
-        weight = self.output_weight
+        max_len, device, dtype = cache_placement(self.args, max_len, device, dtype, self.output_weight)
         return MLACache(
             self.args.n_layers,
             batch_size,
             max_len,
             self.args.kv_lora_rank + self.args.qk_rope_head_dim,
-            device=weight.device if device is None else device,
-            dtype=weight.dtype if dtype is None else dtype,
+            device=device,
+            dtype=dtype,
         )
 
     def num_params(self, non_embedding: bool = False) -> int:

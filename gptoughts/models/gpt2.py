@@ -45,7 +45,7 @@ from torch import nn
 
 from gptoughts.errors import ConfigError
 from gptoughts.models.hf import UnsupportedHFConfig
-from gptoughts.models.layers import KVCache, sdpa
+from gptoughts.models.layers import KVCache, cache_placement, sdpa
 
 HF_MODEL_TYPES = ("gpt2",)
 
@@ -249,18 +249,15 @@ class GPT2(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> KVCache:
         """An empty KV cache for ``batch_size`` rows and up to ``max_len`` (default ``max_seq_len``) positions."""
-        max_len = self.args.max_seq_len if max_len is None else max_len
-        if max_len > self.args.max_seq_len:
-            raise ValueError(f"cache of {max_len} positions exceeds max_seq_len={self.args.max_seq_len}")
-        weight = self.output_weight
+        max_len, device, dtype = cache_placement(self.args, max_len, device, dtype, self.output_weight)
         return KVCache(
             self.args.n_layers,
             batch_size,
             self.args.n_heads,
             max_len,
             self.args.hd,
-            device=weight.device if device is None else device,
-            dtype=weight.dtype if dtype is None else dtype,
+            device=device,
+            dtype=dtype,
         )
 
     def num_params(self, non_embedding: bool = False) -> int:

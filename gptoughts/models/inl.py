@@ -105,7 +105,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gptoughts.errors import ConfigError
-from gptoughts.models.layers import Attention, KVCache, RMSNorm, RotaryEmbedding
+from gptoughts.models.layers import Attention, KVCache, RMSNorm, RotaryEmbedding, cache_placement
 
 DEFAULT_K = 4
 """Integrator iterations per block unless configured (chosen from the K sweep in the module docstring)."""
@@ -397,18 +397,15 @@ class INL(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> KVCache:
         """An empty KV cache (attention keys/values only: the integrator keeps no state across tokens)."""
-        max_len = self.args.max_seq_len if max_len is None else max_len
-        if max_len > self.args.max_seq_len:
-            raise ValueError(f"cache of {max_len} positions exceeds max_seq_len={self.args.max_seq_len}")
-        weight = self.output_weight
+        max_len, device, dtype = cache_placement(self.args, max_len, device, dtype, self.output_weight)
         return KVCache(
             self.args.n_layers,
             batch_size,
             self.args.kv_heads,
             max_len,
             self.args.hd,
-            device=weight.device if device is None else device,
-            dtype=weight.dtype if dtype is None else dtype,
+            device=device,
+            dtype=dtype,
         )
 
     def num_params(self, non_embedding: bool = False) -> int:
