@@ -173,13 +173,12 @@ def run_training(cfg: Config) -> tuple[nn.Module, Any, History]:
     from gptoughts.train.trainer import Trainer
 
     device = hardware.resolve_device(cfg.perf.device)
+    # Before anything touches CUDA: the allocator reads its settings when it starts.
+    hardware.apply_runtime_settings(device, tf32=cfg.perf.tf32, expandable_segments=cfg.perf.expandable_segments)
     info = pdist.init(device, cfg.parallel.backend, cfg.parallel.strategy)
     try:
         hw = hardware.detect(device)
         precision = hardware.resolve_precision(cfg.perf.precision, hw)
-        if device.type == "cuda" and cfg.perf.tf32:
-            torch.backends.cuda.matmul.allow_tf32 = True
-            torch.backends.cudnn.allow_tf32 = True
         run_dir = Path(cfg.run.out)
         resume_from = _check_run_dir(run_dir, cfg) if info.is_main else None
         resume_from = pdist.broadcast_object(resume_from, info)

@@ -95,10 +95,9 @@ def run_bench(cfg: Config, *, steps: int = 20, warmup: int = 5, compare: str | N
     from gptoughts.train.trainer import Trainer
 
     device = hardware.resolve_device(cfg.perf.device)
+    hardware.apply_runtime_settings(device, tf32=cfg.perf.tf32, expandable_segments=cfg.perf.expandable_segments)
     hw = hardware.detect(device)
     precision = hardware.resolve_precision(cfg.perf.precision, hw)
-    if device.type == "cuda" and cfg.perf.tf32:
-        torch.backends.cuda.matmul.allow_tf32 = True
     t = cfg.train
     family = models.get_family(cfg.model.family)
     args = models.model_args(family.name, cfg.model.size, dict(cfg.model.overrides))

@@ -174,3 +174,17 @@ def resolve_precision(requested: str, prof: HardwareProfile) -> str:
     if requested == "fp16" and prof.arch == "cpu":
         raise HardwareError("fp16 training on CPU is not supported; use --precision fp32 or bf16")
     return requested
+
+
+def apply_runtime_settings(device: torch.device, *, tf32: bool, expandable_segments: bool) -> None:
+    """Process-wide CUDA settings of ``[perf]`` (train and bench share them)."""
+    if device.type != "cuda":
+        return
+    if tf32:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    # Read by the caching allocator when it starts (first allocation), so it must be set before; a user's own
+    # PYTORCH_CUDA_ALLOC_CONF wins.
+    if expandable_segments and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ and not torch.cuda.is_initialized():
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+
