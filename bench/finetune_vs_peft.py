@@ -139,7 +139,7 @@ def run_peft(model_dir: Path, data: list[torch.Tensor], a: argparse.Namespace, d
 
 
 def run_ours(model_dir: Path, data: list[torch.Tensor], a: argparse.Namespace, device: torch.device,
-             ) -> dict[str, Any]:
+             extra: dict[str, Any] | None = None) -> dict[str, Any]:
     from gptoughts.api import build_finetune_model
     from gptoughts.config import load_config
     from gptoughts.parallel import dist as pdist
@@ -156,6 +156,7 @@ def run_ours(model_dir: Path, data: list[torch.Tensor], a: argparse.Namespace, d
                  "perf.compile": a.compile, "run.progress": False, "run.tensorboard": False}
     if a.loss_chunk:
         overrides["perf.loss_chunk"] = a.loss_chunk
+    overrides.update(extra or {})
     cfg = load_config("finetune", overrides)
     hw = hardware.detect(device)
     pretrained, raw, perf = build_finetune_model(cfg, model_dir, device, a.precision)
@@ -177,7 +178,11 @@ def run_ours(model_dir: Path, data: list[torch.Tensor], a: argparse.Namespace, d
     step_s, loss = time_steps(step, device, a.warmup, a.steps)
     out = {"step_ms": step_s * 1e3, "tokens_per_s": a.batch * a.seq / step_s, "peak_memory_gib": _peak_gib(device),
            "trainable_params": sum(p.numel() for p in raw.parameters() if p.requires_grad), "loss": loss,
-           "resolved": {k: str(v) for k, v in built.resolved.items()}}
+           "resolved": {k: str(v) for k, v in built.resolved.items()}, "overrides": extra or {}}
+    if a.kernels:
+        from gptoughts.perf.bench import profile_steps
+
+        out["kernels"] = profile_steps(step, device, a.kernels)
     return out
 
 
@@ -206,6 +211,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--model_dir", default=None, help="reuse/keep the saved random model here")
     p.add_argument("--order", default="hf,ours", help="which side runs first")
     p.add_argument("--out", default=None, help="write the results as JSON here")
+    p.add_argument("--kernels", type=int, default=0, help="ours: profile this many extra steps (kernel table)")
+    p.add_argument("--variants", default=None,
+                   help='ours: JSON list of extra config overrides, each timed as "ours+<i>", e.g. '
+                        '\'[{"perf.residual_dtype": "bf16"}]\'')
     a = p.parse_args(argv)
     from gptoughts.perf import hardware
 
@@ -231,6 +240,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 res["runs"]["hf_peft_compiled"] = run_peft(model_dir, data, a, device, compiled=True)
         elif side == "ours":
             res["runs"]["gptoughts"] = run_ours(model_dir, data, a, device)
+            for i, extra in enumerate(json.loads(a.variants or "[]")):
+                try:
+                    res["runs"][f"ours+{i}"] = run_ours(model_dir, data, a, device, extra)
+                except Exception as e:  # noqa: BLE001 - record the failing variant and go on
+                    res.setdefault("failed", {})[f"ours+{i}"] = {"overrides": extra, "error": repr(e)[:500]}
     ours, hf = res["runs"]["gptoughts"], res["runs"]["hf_peft"]
     res["speedup"] = ours["tokens_per_s"] / hf["tokens_per_s"]
     if ours["peak_memory_gib"] and hf["peak_memory_gib"]:
@@ -241,7 +255,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"{'':<22}{'tokens/s':>12}{'step ms':>10}{'peak GiB':>10}{'loss':>8}")
     for name, r in res["runs"].items():
         mem = f"{r['peak_memory_gib']:.2f}" if r["peak_memory_gib"] is not None else "-"
-        print(f"{name:<22}{r['tokens_per_s']:>12,.0f}{r['step_ms']:>10.1f}{mem:>10}{r['loss']:>8.3f}")
+        print(f"{name:<22}{r['tokens_per_s']:>12,.0f}{r['step_ms']:>10.1f}{mem:>10}{r['loss']:>8.3f}  "
+              f"{r.get('overrides') or ''}")
+        if r.get("kernels"):
+            from gptoughts.perf.timing import format_kernels
+
+            print("    " + format_kernels(r["kernels"]))
+            if r["kernels"].get("gaps"):
+                from gptoughts.perf.timing import format_gaps
+
+                print("    " + format_gaps(r["kernels"]["gaps"]))
+                for x in r["kernels"]["gaps"]["largest"][1:6]:
+                    print(f"      {x['us']:.0f} us after {x['after'][:50]} before {x['before'][:50]}")
+    for name, f in res.get("failed", {}).items():
+        print(f"{name}: FAILED {f}")
     mem_ratio = f"{res['memory_ratio']:.2f}x" if "memory_ratio" in res else "n/a (no CUDA)"
     print(f"speed ours/hf {res['speedup']:.2f}x (target >= {SPEED_TARGET}x), memory ours/hf {mem_ratio} "
           f"(target <= {MEMORY_TARGET}x)")

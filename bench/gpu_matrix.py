@@ -46,8 +46,40 @@ MATRIX = {
         {"model.family": "gpt2", "model.size": "large", "train.block_size": 1024, "train.batch_size": 16},
         {"model.family": "inl", "model.size": "3b", "train.batch_size": 2},
     ],
+    # Levers against the bf16 MFU targets (2026-11-22): residual stream in bf16, CUDA graphs, batch, autotune.
+    "1b-levers": [
+        {},
+        {"perf.residual_dtype": "bf16"},
+        {"perf.cuda_graphs": True},
+        {"train.batch_size": 16},
+        {"train.batch_size": 16, "perf.residual_dtype": "bf16"},
+        {"train.batch_size": 24, "perf.residual_dtype": "bf16"},
+    ],
+    "1b-autotune": [{"perf.max_autotune": True}, {"perf.max_autotune": True, "perf.residual_dtype": "bf16"}],
+    "125m-levers": [
+        {"perf.compile_mode": "model"},
+        {"perf.compile_mode": "model", "perf.residual_dtype": "bf16"},
+        {"perf.compile_mode": "model", "perf.residual_dtype": "bf16", "train.batch_size": 128},
+        {"perf.compile_mode": "model", "perf.cuda_graphs": True},
+    ],
+    # After removing the per-step host sync (2026-11-22): the bf16 targets side by side with transformers.
+    "1b-confirm": [
+        {"compare": "hf"},
+        {"compare": "hf", "train.batch_size": 16, "perf.residual_dtype": "bf16"},
+        {"train.batch_size": 32, "perf.residual_dtype": "bf16"},
+        {"train.batch_size": 32},
+    ],
+    "125m-confirm": [
+        {"perf.compile_mode": "model", "perf.residual_dtype": "bf16", "train.batch_size": 128},
+        {"perf.compile_mode": "model", "perf.residual_dtype": "bf16", "train.batch_size": 256},
+        {"perf.compile_mode": "model", "train.batch_size": 256},
+    ],
 }
 SHAPES["families"] = ("1b", 2048, 8)
+SHAPES["1b-confirm"] = SHAPES["1b"]
+SHAPES["125m-confirm"] = SHAPES["125m"]
+SHAPES["1b-levers"] = SHAPES["1b-autotune"] = SHAPES["1b"]
+SHAPES["125m-levers"] = ("125m", 1024, 64)
 
 
 def main() -> None:
@@ -56,6 +88,7 @@ def main() -> None:
     p.add_argument("--only", default="1b,125m,3b,families")
     p.add_argument("--steps", type=int, default=15)
     p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--kernels", type=int, default=0, help="profile this many extra steps per row (kernel table)")
     a = p.parse_args()
     with open(a.out, "a") as f:
         for shape in a.only.split(","):
@@ -68,7 +101,7 @@ def main() -> None:
                 t0 = time.time()
                 try:
                     res = run_bench(load_config("default", overrides), steps=a.steps, warmup=a.warmup,
-                                    compare=compare)
+                                    compare=compare, kernel_steps=a.kernels)
                     res["variant"] = variant
                     print(format_result(res), flush=True)
                 except Exception as e:  # noqa: BLE001 - record and go on

@@ -366,19 +366,21 @@ def _pop_options(argv: Sequence[str], flags: set[str], valued: set[str]) -> tupl
 def cmd_bench(argv: Sequence[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print("usage: gptoughts bench [PRESET|FILE.toml] [--model F --size S --block_size T --batch_size B ...]\n"
-              "                       [--steps 20] [--warmup 5] [--compare hf] [--shards DIR] [--json]\n"
+              "                       [--steps 20] [--warmup 5] [--compare hf] [--shards DIR] [--kernels N] [--json]\n"
               "Times training steps (synthetic tokens, or prepared --shards) and prints tokens/s, MFU, peak memory\n"
               "and the step breakdown; --compare hf runs transformers' LlamaForCausalLM (eager and compiled) on the\n"
-              "same shape in the same process and prints the ratios.")
+              "same shape in the same process and prints the ratios. --kernels N profiles N more steps and\n"
+              "reports GPU time by kernel category (matmul, attention, element-wise, optimizer, ...).")
         return 0
-    rest, opts = _pop_options(argv, {"json"}, {"steps", "warmup", "compare", "shards"})
+    rest, opts = _pop_options(argv, {"json"}, {"steps", "warmup", "compare", "shards", "kernels"})
     preset, overrides, _ = parse_overrides(rest)
     from gptoughts.config import load_config
     from gptoughts.perf.bench import format_result, run_bench
 
     cfg = load_config(preset or "default", overrides)
     res = run_bench(cfg, steps=int(opts.get("steps", 20)), warmup=int(opts.get("warmup", 5)),
-                    compare=opts.get("compare"), data_dir=opts.get("shards"))
+                    compare=opts.get("compare"), data_dir=opts.get("shards"),
+                    kernel_steps=int(opts.get("kernels", 0)))
     print(json.dumps(res, default=str) if opts.get("json") else format_result(res))
     return 0
 

@@ -165,6 +165,15 @@ class PerfConfig:
     """torch.compile the model: true, false or auto (on for CUDA GPUs, off on CPU)."""
     compile_mode: str = "blocks"
     """blocks (compile each transformer block: one graph reused, fast to compile) or model (whole model)."""
+    cuda_graphs: bool = False
+    """Replay the compiled graphs as CUDA graphs (torch.compile mode reduce-overhead): no kernel-launch gaps,
+    more memory. Off by default: it only pays where the GPU waits on launches (bench/BENCHMARKS.md)."""
+    max_autotune: bool = False
+    """Inductor benchmarks Triton matmul templates against cuBLAS and fuses epilogues (compile takes minutes)."""
+    residual_dtype: str = "fp32"
+    """dtype of the residual stream (the activations between blocks) under mixed precision: fp32, or bf16
+    (the embedding output is cast to bf16, so every block reads and writes bf16 activations and gradients, as
+    with bf16 parameters in torchtitan/FSDP; norms still compute in fp32). Needs --precision bf16."""
     fp8: bool | str = False
     """FP8 matmuls through torchao float8 (Ada/Hopper+): true, false or auto (on for Hopper+ at d_model >= 2048)."""
     fp8_recipe: str = "tensorwise"
@@ -476,10 +485,14 @@ def validate(cfg: Config) -> None:
         "perf.activation_checkpointing": (cfg.perf.activation_checkpointing, ("none", "selective", "full")),
         "perf.sdpa_backend": (cfg.perf.sdpa_backend, ("auto", "flash", "cudnn", "efficient", "math")),
         "perf.loss": (cfg.perf.loss, ("auto", "plain", "chunked", "liger")),
+        "perf.residual_dtype": (cfg.perf.residual_dtype, ("fp32", "bf16")),
     }
     for where, (value, allowed) in perf_choices.items():
         if value not in allowed:
             raise ConfigError(f"{where} must be one of {', '.join(allowed)}; got {value!r}{did_you_mean(value, allowed)}")
+    if cfg.perf.residual_dtype == "bf16" and cfg.perf.precision not in ("auto", "bf16"):
+        raise ConfigError(f"perf.residual_dtype = bf16 needs bf16 mixed precision, but perf.precision is "
+                          f"{cfg.perf.precision}; use --precision bf16 or perf.residual_dtype = fp32")
     if t.profile is not None:
         start, sep, end = t.profile.partition(":")
         if not (sep and start.isdigit() and end.isdigit() and int(start) < int(end)):

@@ -81,8 +81,30 @@ def time_steps(step_fn, device: torch.device, warmup: int, steps: int) -> float:
     return (time.perf_counter() - t0) / steps
 
 
+def profile_steps(step_fn, device: torch.device, steps: int) -> dict[str, Any] | None:
+    """GPU time per step by kernel category over ``steps`` profiled steps (None off CUDA)."""
+    if device.type != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    from gptoughts.perf.timing import profile_intervals, profile_kernels, summarize_gaps, summarize_kernels
+
+    _sync(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step_fn()
+        _sync(device)
+        wall = time.perf_counter() - t0
+    out = summarize_kernels(profile_kernels(prof), steps)
+    out["step_ms_profiled"] = wall * 1e3 / steps
+    out["gaps"] = summarize_gaps(profile_intervals(prof), steps)
+    return out
+
+
 def run_bench(cfg: Config, *, steps: int = 20, warmup: int = 5, compare: str | None = None,
-              data_dir: str | None = None, hf_modes: tuple[str, ...] = ("eager", "compiled")) -> dict[str, Any]:
+              data_dir: str | None = None, hf_modes: tuple[str, ...] = ("eager", "compiled"),
+              kernel_steps: int = 0) -> dict[str, Any]:
     from gptoughts.train.metrics import MetricsLogger
     from gptoughts.train.optim import Schedule
     from gptoughts.train.setup import (
@@ -136,6 +158,7 @@ def run_bench(cfg: Config, *, steps: int = 20, warmup: int = 5, compare: str | N
     for _ in range(min(5, steps)):
         trainer.train_step()
     breakdown = trainer.timer.summary()
+    kernels = profile_steps(trainer.train_step, device, kernel_steps) if kernel_steps > 0 else None
     tokens_per_step = t.batch_size * t.block_size * t.grad_accum
     tps = tokens_per_step / step_s
     flops_tok = raw.flops_per_token(t.block_size)
@@ -149,6 +172,8 @@ def run_bench(cfg: Config, *, steps: int = 20, warmup: int = 5, compare: str | N
         "breakdown": breakdown, "data": "shards" if data_dir else "synthetic",
     }
     result["resolved"] = built.resolved
+    if kernels is not None:
+        result["kernels"] = kernels
     loader.close()
     del trainer, opt, built, raw, loader, objective
     _reset_memory(device)
@@ -228,6 +253,14 @@ def format_result(r: dict[str, Any]) -> str:
         parts = [f"{k} {b.get(f'time/{k}_ms', 0):.1f} ms ({b.get(f'time/{k}_pct', 0):.0f}%)"
                  for k in ("data", "forward", "backward", "optimizer", "other")]
         lines.append("  breakdown: " + ", ".join(parts))
+    if r.get("kernels"):
+        from gptoughts.perf.timing import format_kernels
+
+        lines.append("  kernels: " + format_kernels(r["kernels"]))
+        if r["kernels"].get("gaps"):
+            from gptoughts.perf.timing import format_gaps
+
+            lines.append("  " + format_gaps(r["kernels"]["gaps"]))
     for mode, h in (r.get("hf") or {}).items():
         lines.append(f"  transformers {mode}: tokens/s {f(h['tokens_per_s'], ',.0f')}  MFU {f(h['mfu'], '.3f')}  "
                      f"peak {f(h['peak_memory_gib'], '.2f')} GiB  -> ours is {h['speedup']:.2f}x")

@@ -118,3 +118,107 @@ def advice(t: dict[str, float], gpu: dict[str, float]) -> list[str]:
         tips.append(f"GPU utilisation {util:.0f}% (<90%): raise --batch_size (or use auto), turn on --compile, and "
                     "check the data wait; small models are often launch-bound, where compile helps most")
     return tips
+
+
+# ------------------------------------------------------------------------------------ kernels of a profile
+# What each CUDA kernel of a torch.profiler run is, from its name (first match wins). cuBLAS names its Hopper
+# GEMMs nvjet_* / sm90_xmma_*; Triton matmul templates (max-autotune) are triton_tem_*; cuDNN and
+# flash attention kernels name "fmha"/"flash"/"sdpa"; multi_tensor_apply is fused AdamW and the grad norm.
+KERNEL_CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("communication", ("nccl",)),
+    ("optimizer", ("multi_tensor", "fused_adam", "adamw", "foreach")),
+    ("attention", ("flash", "fmha", "attention", "sdpa", "attn")),
+    ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "splitk", "_tem_")),
+    ("memcpy", ("memcpy", "memset")),
+    ("elementwise", ("triton", "elementwise", "reduce", "softmax", "norm", "cat", "index", "scatter", "gather",
+                     "fill", "copy", "dropout", "embedding")),
+)
+
+
+def kernel_category(name: str) -> str:
+    low = name.lower()
+    for category, keys in KERNEL_CATEGORIES:
+        if any(k in low for k in keys):
+            return category
+    return "other"
+
+
+def summarize_kernels(kernel_us: dict[str, float], steps: int, top: int = 20) -> dict[str, object]:
+    """Per-step GPU milliseconds by kernel category (and each category's share of GPU busy time), plus the
+    ``top`` kernels by time, from ``{kernel name: total microseconds}`` over ``steps`` steps."""
+    steps = max(1, steps)
+    by_cat: dict[str, float] = {}
+    for name, us in kernel_us.items():
+        cat = kernel_category(name)
+        by_cat[cat] = by_cat.get(cat, 0.0) + us
+    busy = sum(by_cat.values())
+    cats = {c: {"ms_per_step": us / 1e3 / steps, "pct": 100.0 * us / busy if busy else 0.0}
+            for c, us in sorted(by_cat.items(), key=lambda kv: -kv[1])}
+    heavy = sorted(kernel_us.items(), key=lambda kv: -kv[1])[:top]
+    return {"gpu_busy_ms_per_step": busy / 1e3 / steps, "categories": cats,
+            "top_kernels": [{"name": n[:120], "category": kernel_category(n), "ms_per_step": us / 1e3 / steps}
+                            for n, us in heavy]}
+
+
+def profile_kernels(prof: object) -> dict[str, float]:
+    """``{kernel name: total device microseconds}`` of the CUDA kernels a finished torch.profiler recorded."""
+    from torch.autograd import DeviceType
+
+    out: dict[str, float] = {}
+    for e in prof.key_averages():  # type: ignore[attr-defined]
+        if getattr(e, "device_type", None) != DeviceType.CUDA:
+            continue
+        us = float(getattr(e, "self_device_time_total", 0.0) or getattr(e, "device_time_total", 0.0))
+        if us > 0:
+            out[e.key] = out.get(e.key, 0.0) + us
+    return out
+
+
+def format_kernels(summary: dict[str, object]) -> str:
+    cats = summary["categories"]  # type: ignore[index]
+    parts = [f"{c} {v['ms_per_step']:.1f} ms ({v['pct']:.0f}%)" for c, v in cats.items()]  # type: ignore[union-attr]
+    return f"GPU busy {summary['gpu_busy_ms_per_step']:.1f} ms/step: " + ", ".join(parts)
+
+
+def profile_intervals(prof: object) -> list[tuple[float, float, str]]:
+    """``(start_us, end_us, name)`` of every CUDA kernel a finished torch.profiler recorded, in start order."""
+    from torch.autograd import DeviceType
+
+    out = []
+    for e in prof.events():  # type: ignore[attr-defined]
+        if getattr(e, "device_type", None) == DeviceType.CUDA and e.time_range.end > e.time_range.start:
+            out.append((float(e.time_range.start), float(e.time_range.end), e.name))
+    out.sort()
+    return out
+
+
+def summarize_gaps(intervals: list[tuple[float, float, str]], steps: int, min_us: float = 20.0,
+                   top: int = 10) -> dict[str, object]:
+    """Idle GPU time between kernels (``intervals`` as from :func:`profile_intervals`, one stream or several):
+    total idle ms per step, the gaps of at least ``min_us`` and the largest ones with the kernels around them,
+    which says what the GPU was waiting for (a host sync, a slow launch, the data)."""
+    steps = max(1, steps)
+    gaps: list[tuple[float, str, str]] = []
+    idle = 0.0
+    busy_until, last_name = None, ""
+    for start, end, name in intervals:
+        if busy_until is not None and start > busy_until:
+            gap = start - busy_until
+            idle += gap
+            if gap >= min_us:
+                gaps.append((gap, last_name, name))
+        if busy_until is None or end >= busy_until:
+            busy_until, last_name = end, name
+    gaps.sort(key=lambda g: -g[0])
+    return {"idle_ms_per_step": idle / 1e3 / steps, "gaps_over_min": len(gaps), "min_gap_us": min_us,
+            "idle_in_gaps_over_min_ms_per_step": sum(g[0] for g in gaps) / 1e3 / steps,
+            "largest": [{"us": round(g, 1), "after": a[:90], "before": b[:90]} for g, a, b in gaps[:top]]}
+
+
+def format_gaps(g: dict[str, object]) -> str:
+    largest = g["largest"]
+    head = f"GPU idle {g['idle_ms_per_step']:.2f} ms/step ({g['gaps_over_min']} gaps >= {g['min_gap_us']:.0f} us)"
+    if largest:
+        x = largest[0]  # type: ignore[index]
+        head += f"; largest {x['us']:.0f} us after {x['after'][:40]} before {x['before'][:40]}"
+    return head

@@ -90,9 +90,56 @@ def sdpa_context(backend: str) -> Callable[[], contextlib.AbstractContextManager
     return lambda: sdpa_kernel([chosen])
 
 
+def inductor_mode(perf: PerfConfig) -> str | None:
+    """torch.compile ``mode`` for the perf switches (None: the default mode)."""
+    return {(False, False): None, (True, False): "reduce-overhead", (False, True): "max-autotune-no-cudagraphs",
+            (True, True): "max-autotune"}[(bool(perf.cuda_graphs), bool(perf.max_autotune))]
+
+
+def _residual_to_bf16(module: nn.Module, args: object, out: torch.Tensor) -> torch.Tensor:
+    dev = out.device.type
+    if out.is_floating_point() and torch.is_autocast_enabled(dev) and torch.get_autocast_dtype(dev) == torch.bfloat16:
+        return out.to(torch.bfloat16)
+    return out
+
+
+def set_residual_dtype(model: nn.Module, residual_dtype: str) -> int:
+    """``bf16``: cast the output of the input embeddings (every ``nn.Embedding`` outside the blocks) to bf16
+    under bf16 autocast, so the residual stream, the activations saved for backward and their gradients are
+    bf16. Returns the number of embeddings hooked (a no-op outside bf16 autocast)."""
+    if residual_dtype == "fp32":
+        return 0
+    inside = {id(m) for m in model.layers.modules()}
+    n = 0
+    for m in model.modules():
+        if isinstance(m, nn.Embedding) and id(m) not in inside:
+            m.register_forward_hook(_residual_to_bf16)
+            n += 1
+    return n
+
+
+def _forward_context(perf: PerfConfig) -> Callable[[], contextlib.AbstractContextManager]:
+    sdpa = sdpa_context(perf.sdpa_backend)
+    if not perf.cuda_graphs:
+        return sdpa
+
+    @contextlib.contextmanager
+    def ctx():
+        # Each forward starts a new CUDA-graph "iteration": the previous one's outputs were consumed by its
+        # backward (or are eval outputs), so their static buffers may be reused.
+        torch.compiler.cudagraph_mark_step_begin()
+        with sdpa():
+            yield
+
+    return ctx
+
+
 def apply_transforms(raw: nn.Module, *, perf: PerfConfig, hw: HardwareProfile, device: torch.device,
                      dist: pdist.DistInfo) -> Built:
     resolved: dict[str, object] = {}
+    # 0. precision of the residual stream (a hook on the embeddings; model code untouched)
+    if set_residual_dtype(raw, perf.residual_dtype):
+        resolved["residual_dtype"] = perf.residual_dtype
     # 1. fp8 (before compile, so the compiled graph contains the fp8 casts and can fuse them)
     if resolve_fp8(perf, hw, raw):
         from gptoughts.perf.fp8 import check_fp8_supported, convert_to_fp8
@@ -110,18 +157,24 @@ def apply_transforms(raw: nn.Module, *, perf: PerfConfig, hw: HardwareProfile, d
     compiled = resolve_compile(perf, hw)
     resolved["compile"] = perf.compile_mode if compiled else False
     if compiled:
+        mode = inductor_mode(perf)
+        if mode:
+            resolved["inductor_mode"] = mode
         if perf.compile_mode == "blocks":
             # Module.compile() compiles in place, so parameter names (and checkpoints) are unchanged. Per-block
             # compile keeps compile time flat in depth; the blocks are identical, so one graph is reused.
             for block in raw.layers:
-                block.compile()
+                block.compile(mode=mode)
         else:
-            raw.compile()
+            raw.compile(mode=mode)
+    elif perf.cuda_graphs or perf.max_autotune:
+        raise ConfigError("perf.cuda_graphs and perf.max_autotune are torch.compile modes: add --compile true "
+                          "(or drop them)")
     # 5. data parallel
     model = pdist.wrap_ddp(model, device, dist)
     resolved["loss"] = resolve_loss(perf, device)
     resolved["sdpa_backend"] = perf.sdpa_backend
-    return Built(model=model, raw=raw, forward_context=sdpa_context(perf.sdpa_backend), resolved=resolved)
+    return Built(model=model, raw=raw, forward_context=_forward_context(perf), resolved=resolved)
 
 
 @contextlib.contextmanager

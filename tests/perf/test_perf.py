@@ -242,3 +242,81 @@ def test_chunked_ce_matches_plain(frozen_head):
         assert w.grad is None
     else:
         assert torch.allclose(w.grad / 3, gw, atol=1e-5)
+
+
+def test_kernel_categories_and_summary():
+    from gptoughts.perf.timing import format_kernels, kernel_category, summarize_kernels
+
+    names = {
+        "nvjet_tst_256x128_64x4_1x2_h_bz_coopA_TNT": "matmul",
+        "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64": "matmul",
+        "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3": "attention",
+        "void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<...>": "attention",
+        "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor>": "optimizer",
+        "triton_per_fused__to_copy_add_mean_mul_pow_rsqrt_0": "elementwise",
+        "triton_tem_fused_mm_0": "matmul",
+        "ncclDevKernel_AllReduce_Sum_f32_RING_LL": "communication",
+        "Memcpy DtoD (Device -> Device)": "memcpy",
+        "some_unknown_kernel": "other",
+    }
+    for name, cat in names.items():
+        assert kernel_category(name) == cat, name
+    us = {"nvjet_a": 3000.0, "nvjet_b": 1000.0, "flash_fwd": 2000.0, "triton_poi_fused_add_0": 1000.0,
+          "multi_tensor_apply_kernel": 1000.0}
+    s = summarize_kernels(us, steps=2)
+    assert s["gpu_busy_ms_per_step"] == pytest.approx(4.0)  # 8000 us over 2 steps
+    cats = s["categories"]
+    assert list(cats)[0] == "matmul" and cats["matmul"]["ms_per_step"] == pytest.approx(2.0)
+    assert cats["matmul"]["pct"] == pytest.approx(50.0)
+    assert sum(c["pct"] for c in cats.values()) == pytest.approx(100.0)
+    assert s["top_kernels"][0]["name"] == "nvjet_a"
+    assert format_kernels(s).startswith("GPU busy 4.0 ms/step: matmul 2.0 ms (50%)")
+
+
+@pytest.mark.parametrize("residual", ["fp32", "bf16"])
+def test_residual_dtype_switch(residual):
+    from gptoughts import models
+    from gptoughts.train.setup import set_residual_dtype
+
+    torch.manual_seed(0)
+    m = models.build_model("llama", models.model_args("llama", "debug", {}))
+    assert set_residual_dtype(m, residual) == (1 if residual == "bf16" else 0)
+    seen = []
+    m.layers[0].register_forward_pre_hook(lambda mod, args: seen.append(args[0].dtype))
+    x = torch.randint(0, 512, (2, 16))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = m(x, return_hidden=True)
+    assert seen[-1] == (torch.bfloat16 if residual == "bf16" else torch.float32)
+    out.float().sum().backward()  # gradients flow back through the cast into the fp32 embedding table
+    assert m.tok_embeddings.weight.grad is not None and m.tok_embeddings.weight.grad.dtype == torch.float32
+    m(x)  # outside autocast the hook is a no-op
+    assert seen[-1] == torch.float32
+
+
+def test_compile_modes_and_their_validation():
+    from gptoughts.errors import ConfigError
+    from gptoughts.train.setup import inductor_mode
+
+    perf = load_config("default", {"perf.cuda_graphs": True}).perf
+    assert inductor_mode(perf) == "reduce-overhead"
+    perf = load_config("default", {"perf.max_autotune": True}).perf
+    assert inductor_mode(perf) == "max-autotune-no-cudagraphs"
+    assert inductor_mode(load_config("default", {}).perf) is None
+    with pytest.raises(ConfigError, match="precision"):
+        load_config("default", {"perf.residual_dtype": "bf16", "perf.precision": "fp16"})
+    with pytest.raises(ConfigError, match="compile"):
+        from gptoughts.perf.bench import run_bench
+
+        run_bench(load_config("default", {**BENCH, "perf.cuda_graphs": True}), steps=1, warmup=0)
+
+
+def test_gpu_idle_gaps_between_kernels():
+    from gptoughts.perf.timing import summarize_gaps
+
+    # two steps: kernels a,b back to back, a 500 us gap before c, an overlapping kernel d inside c, 10 us gap
+    iv = [(0.0, 100.0, "a"), (100.0, 200.0, "b"), (700.0, 900.0, "c"), (750.0, 800.0, "d"), (910.0, 950.0, "e")]
+    s = summarize_gaps(iv, steps=2, min_us=20.0)
+    assert s["idle_ms_per_step"] == pytest.approx((500.0 + 10.0) / 1e3 / 2)
+    assert s["gaps_over_min"] == 1
+    assert s["largest"][0] == {"us": 500.0, "after": "b", "before": "c"}
+    assert summarize_gaps([], steps=1)["idle_ms_per_step"] == 0.0
