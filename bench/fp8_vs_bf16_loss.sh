@@ -1,26 +1,43 @@
 #!/usr/bin/env bash
-# 3b Llama, 300 steps on real shards (the GPU machine's Python stdlib, bpe:32768), bf16 then fp8 tensorwise,
-# same seed and data order. Prints the mean train loss of the last 50 steps of each and their ratio.
-# Usage: bash bench/fp8_vs_bf16_loss.sh OUT_DIR
+# 3b Llama, 300 steps on real shards (the GPU machine's Python stdlib, bpe:32768), same seed and data order:
+# bf16, then each variant. Prints, per variant, the mean train loss of steps 251-300, the last val loss, the
+# tokens/s after step 50, and their ratios to the bf16 run.
+# Usage: bash bench/fp8_vs_bf16_loss.sh OUT_DIR [NAME="FLAGS" ...]
+#   default variants: fp8="--fp8"
+#   e.g. bash bench/fp8_vs_bf16_loss.sh /tmp/o fp8="--fp8" fp8_end1="--fp8 --perf.fp8_bf16_end_layers 1" \
+#        bf16_seed1="--train.seed 1"
 set -euo pipefail
 out=${1:?out dir}
+shift
+variants=("$@")
+[ ${#variants[@]} -eq 0 ] && variants=("fp8=--fp8")
 common=(default --size 3b --data @stdlib --tokenizer bpe:32768 --block_size 2048 --batch_size 4 --max_steps 300
         --learning_rate 3e-4 --warmup_steps 30 --eval_interval 100 --train.eval_batches 4 --log_interval 10
         --train.sample_interval 0 --train.checkpoints false --compile true --no_progress --overwrite)
 python3 -m gptoughts train "${common[@]}" --precision bf16 --out "$out/bf16"
-python3 -m gptoughts train "${common[@]}" --precision bf16 --fp8 --out "$out/fp8"
-python3 - "$out" <<'PY'
+names=()
+for v in "${variants[@]}"; do
+  name=${v%%=*}; flags=${v#*=}
+  # shellcheck disable=SC2086  # flags are word-split on purpose
+  python3 -m gptoughts train "${common[@]}" --precision bf16 $flags --out "$out/$name"
+  names+=("$name")
+done
+python3 - "$out" "${names[@]}" <<'PY'
 import json, sys
-out = sys.argv[1]
-def tail_loss(run):
+out, names = sys.argv[1], sys.argv[2:]
+def tail(run):
     rows = [json.loads(l) for l in open(f"{out}/{run}/metrics.jsonl")]
-    train = [r for r in rows if "loss" in r and r["step"] > 250]
-    val = [r for r in rows if "val_loss" in r]
+    train = [r["loss"] for r in rows if "loss" in r and r["step"] > 250]
+    val = [r["val_loss"] for r in rows if "val_loss" in r]
     tps = [r["tokens_per_s"] for r in rows if "tokens_per_s" in r and r["step"] > 50]
-    return sum(r["loss"] for r in train) / len(train), val[-1]["val_loss"], sum(tps) / len(tps)
-b, f = tail_loss("bf16"), tail_loss("fp8")
-print(json.dumps({"bf16": {"train_loss_last50": b[0], "val_loss": b[1], "tokens_per_s": b[2]},
-                  "fp8": {"train_loss_last50": f[0], "val_loss": f[1], "tokens_per_s": f[2]},
-                  "train_loss_rel_diff": f[0] / b[0] - 1, "val_loss_rel_diff": f[1] / b[1] - 1,
-                  "speedup": f[2] / b[2]}, indent=1))
+    return {"train_loss_last50": sum(train) / len(train), "val_loss": val[-1], "tokens_per_s": sum(tps) / len(tps)}
+base = tail("bf16")
+res = {"bf16": base}
+for n in names:
+    r = tail(n)
+    r["train_loss_rel_diff"] = r["train_loss_last50"] / base["train_loss_last50"] - 1
+    r["val_loss_rel_diff"] = r["val_loss"] / base["val_loss"] - 1
+    r["speedup"] = r["tokens_per_s"] / base["tokens_per_s"]
+    res[n] = r
+print(json.dumps(res, indent=1))
 PY

@@ -560,7 +560,10 @@ def load(path: str | Path, device: str = "auto") -> Loaded:
         pre = load_pretrained(init_from, device=dev, trust_remote_code=cfg.model.trust_remote_code)
         model, family_name, args = pre.model, pre.family or GENERIC_FAMILY.name, pre.model.args
         if cfg.lora.enabled:
-            model = apply_lora(model, cfg.lora, device=dev)
+            # QLoRA adapters are put back over the full-precision base (the usual way to merge and export them:
+            # the result differs from the 4-bit training-time model by the base's quantization error only), so a
+            # QLoRA run loads, samples and exports on any device.
+            model = apply_lora(model, replace(cfg.lora, quantize="none"), device=dev)
         ckpt.load_weights(TrainableWeights(model) if cfg.lora.enabled else model, ck)
     else:
         family = models.get_family(run["family"])

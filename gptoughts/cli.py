@@ -394,6 +394,8 @@ def cmd_estimate(argv: Sequence[str]) -> int:
     p.add_argument("--block_size", type=int, default=2048)
     p.add_argument("--activation_checkpointing", default="none", choices=["none", "selective", "full"])
     p.add_argument("--loss", default="chunked", choices=["chunked", "plain"])
+    p.add_argument("--residual_dtype", default="bf16", choices=["bf16", "fp32"],
+                   help="dtype of the residual stream (train's perf.residual_dtype; auto is bf16 on GPUs)")
     p.add_argument("--gpu", default="H100", help="GPU name, e.g. H100, H200, A100, RTX 4090")
     p.add_argument("--num_gpus", type=int, default=1)
     p.add_argument("--tokens", type=float, default=None, help="token budget, e.g. 50e9")
@@ -405,7 +407,8 @@ def cmd_estimate(argv: Sequence[str]) -> int:
 
     e = estimate(a.model, a.size, batch_size=a.batch_size, block_size=a.block_size,
                  activation_checkpointing=a.activation_checkpointing, loss=a.loss, gpu=a.gpu,
-                 tokens=int(a.tokens) if a.tokens else None, mfu=a.mfu, price=a.price, num_gpus=a.num_gpus)
+                 tokens=int(a.tokens) if a.tokens else None, mfu=a.mfu, price=a.price, num_gpus=a.num_gpus,
+                 residual_dtype=a.residual_dtype)
     print(json.dumps(e.to_dict()) if a.json else format_estimate(e))
     return 0
 

@@ -170,14 +170,17 @@ class PerfConfig:
     more memory. Off by default: it only pays where the GPU waits on launches (bench/BENCHMARKS.md)."""
     max_autotune: bool = False
     """Inductor benchmarks Triton matmul templates against cuBLAS and fuses epilogues (compile takes minutes)."""
-    residual_dtype: str = "fp32"
-    """dtype of the residual stream (the activations between blocks) under mixed precision: fp32, or bf16
+    residual_dtype: str = "auto"
+    """dtype of the residual stream (the activations between blocks) under bf16 mixed precision: fp32, bf16
     (the embedding output is cast to bf16, so every block reads and writes bf16 activations and gradients, as
-    with bf16 parameters in torchtitan/FSDP; norms still compute in fp32). Needs --precision bf16."""
+    with bf16 parameters in torchtitan/FSDP and Megatron's default; norms still compute in fp32), or auto (bf16
+    on CUDA GPUs: +6% tokens/s at 125m, +1% at 1b, less memory; fp32 elsewhere). Only acts under bf16."""
     fp8: bool | str = False
     """FP8 matmuls through torchao float8 (Ada/Hopper+): true, false or auto (on for Hopper+ at d_model >= 2048)."""
     fp8_recipe: str = "tensorwise"
     """tensorwise (one scale per tensor, fastest) or rowwise (one scale per row, more robust)."""
+    fp8_bf16_end_layers: int = 0
+    """With fp8: keep the first and the last this-many transformer blocks in bf16 (closer loss, less speed)."""
     activation_checkpointing: str = "none"
     """none, selective (recompute cheap ops, keep matmul outputs) or full (recompute whole blocks)."""
     sdpa_backend: str = "auto"
@@ -485,11 +488,13 @@ def validate(cfg: Config) -> None:
         "perf.activation_checkpointing": (cfg.perf.activation_checkpointing, ("none", "selective", "full")),
         "perf.sdpa_backend": (cfg.perf.sdpa_backend, ("auto", "flash", "cudnn", "efficient", "math")),
         "perf.loss": (cfg.perf.loss, ("auto", "plain", "chunked", "liger")),
-        "perf.residual_dtype": (cfg.perf.residual_dtype, ("fp32", "bf16")),
+        "perf.residual_dtype": (cfg.perf.residual_dtype, ("auto", "fp32", "bf16")),
     }
     for where, (value, allowed) in perf_choices.items():
         if value not in allowed:
             raise ConfigError(f"{where} must be one of {', '.join(allowed)}; got {value!r}{did_you_mean(value, allowed)}")
+    if cfg.perf.fp8_bf16_end_layers < 0:
+        raise ConfigError(f"perf.fp8_bf16_end_layers must be >= 0, got {cfg.perf.fp8_bf16_end_layers}")
     if cfg.perf.residual_dtype == "bf16" and cfg.perf.precision not in ("auto", "bf16"):
         raise ConfigError(f"perf.residual_dtype = bf16 needs bf16 mixed precision, but perf.precision is "
                           f"{cfg.perf.precision}; use --precision bf16 or perf.residual_dtype = fp32")

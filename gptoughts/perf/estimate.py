@@ -59,32 +59,35 @@ class Estimate:
         return asdict(self)
 
 
-def _layer_activation_bytes(args: Any, mode: str) -> float:
-    """Bytes saved for backward per token per block (bf16 activations, fp32 residual stream).
+def _layer_activation_bytes(args: Any, mode: str, residual_bytes: int = 4) -> float:
+    """Bytes saved for backward per token per block (bf16 activations; the residual stream in fp32, r = 4
+    bytes, or bf16, r = 2: ``perf.residual_dtype``).
 
-    none: attention-norm input (fp32, 4d) and output (2d), q/k/v after RoPE (2(d + 2 d_kv)), attention output and
-    softmax stats (2d), FFN-norm input and output (4d + 2d), w1 and w3 outputs and their product (3 × 2f):
-    16d + 4 d_kv + 6f. Measured on an H200 with per-block compile (bench/BENCHMARKS.md, 2026-11-21): 26.9 KB
-    per token and layer at 125m (formula 27.6 KB) and 81.5 KB at 1b (formula 84.0 KB). selective keeps matmul
-    outputs and recomputes norms and activations; full keeps only the block input (4d).
+    none: attention-norm input (r d) and output (2d), q/k/v after RoPE (2(d + 2 d_kv)), attention output and
+    softmax stats (2d), FFN-norm input and output (r d + 2d), w1 and w3 outputs and their product (3 × 2f):
+    (8 + 2r) d + 4 d_kv + 6f. Measured on an H200 with per-block compile (bench/BENCHMARKS.md): fp32 residual,
+    26.9 KB per token and layer at 125m (formula 27.6 KB) and 81.5 KB at 1b (formula 84.0 KB); bf16 residual,
+    77.4 KB at 1b (formula 75.8 KB). selective keeps matmul outputs and recomputes norms and activations; full
+    keeps only the block input (r d).
     """
+    r = residual_bytes
     d = args.d_model
     head_dim = getattr(args, "head_dim", None) or d // args.n_heads
     d_kv = getattr(args, "n_kv_heads", args.n_heads) * head_dim
     f = getattr(args, "ffn_dim", 4 * d)
     if mode == "none":
-        return 16 * d + 4 * d_kv + 6 * f
-    if mode == "selective":  # measured 45.4 KB/token/layer at 3b (d 3072, ffn 8192) with per-block compile
-        return 4 * d + 4 * f
+        return (8 + 2 * r) * d + 4 * d_kv + 6 * f
+    if mode == "selective":  # measured 45.4 KB/token/layer at 3b (d 3072, ffn 8192, fp32 residual), per-block compile
+        return r * d + 4 * f
     if mode == "full":
-        return 4 * d
+        return r * d
     raise ConfigError(f"activation checkpointing must be none, selective or full; got {mode!r}")
 
 
 def estimate(family: str, size: str, overrides: dict | None = None, *, batch_size: int = 8, block_size: int = 2048,
              activation_checkpointing: str = "none", loss: str = "chunked", loss_chunk: int = 4096,
              gpu: str = "H100", tokens: int | None = None, mfu: float | None = None, price: float | None = None,
-             num_gpus: int = 1) -> Estimate:
+             num_gpus: int = 1, residual_dtype: str = "bf16") -> Estimate:
     args = models.model_args(family, size, dict(overrides or {}))
     import torch
 
@@ -96,9 +99,12 @@ def estimate(family: str, size: str, overrides: dict | None = None, *, batch_siz
     flops_tok = model.flops_per_token(block_size)
     tokens_step = batch_size * block_size
     L = args.n_layers
-    act = _layer_activation_bytes(args, activation_checkpointing) * tokens_step * L
+    if residual_dtype not in ("fp32", "bf16"):
+        raise ConfigError(f"residual dtype must be fp32 or bf16; got {residual_dtype!r}")
+    r = 4 if residual_dtype == "fp32" else 2
+    act = _layer_activation_bytes(args, activation_checkpointing, r) * tokens_step * L
     if activation_checkpointing == "full":  # one block's activations are rebuilt during its backward
-        act += _layer_activation_bytes(args, "none") * tokens_step
+        act += _layer_activation_bytes(args, "none", r) * tokens_step
     vocab = args.vocab_size
     rows = min(loss_chunk, tokens_step) if loss == "chunked" else tokens_step
     # chunked: fp32 logits + their gradient for one chunk, plus the fp32 head-weight gradient accumulator;

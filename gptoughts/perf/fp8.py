@@ -28,16 +28,25 @@ def check_fp8_supported(device: torch.device) -> None:
                             "Use --precision bf16 instead.")
 
 
-def fp8_module_filter(module: nn.Module, fqn: str) -> bool:
+def fp8_module_filter(module: nn.Module, fqn: str, n_layers: int = 0, bf16_end_layers: int = 0) -> bool:
+    """Whether the linear at ``fqn`` runs in fp8. With ``bf16_end_layers = k``, the first and the last ``k``
+    blocks (``layers.{i}``, of ``n_layers``) stay bf16: the layers nearest the embeddings and the head are the
+    most sensitive to fp8 rounding."""
     if not isinstance(module, nn.Linear):
         return False
     leaf = fqn.rsplit(".", 1)[-1]
     if leaf in ("output", "lm_head", "router", "gate") or "embed" in fqn:
         return False
+    if bf16_end_layers:
+        parts = fqn.split(".")
+        if "layers" in parts and parts.index("layers") + 1 < len(parts):
+            i = parts[parts.index("layers") + 1]
+            if i.isdigit() and (int(i) < bf16_end_layers or int(i) >= n_layers - bf16_end_layers):
+                return False
     return module.in_features % 16 == 0 and module.out_features % 16 == 0
 
 
-def convert_to_fp8(model: nn.Module, recipe: str = "tensorwise") -> int:
+def convert_to_fp8(model: nn.Module, recipe: str = "tensorwise", bf16_end_layers: int = 0) -> int:
     """Swap eligible ``nn.Linear`` modules for torchao ``Float8Linear``; returns how many were converted."""
     if recipe not in RECIPES:
         raise UserError(f"unknown fp8 recipe {recipe!r}; use one of {', '.join(RECIPES)}")
@@ -45,7 +54,12 @@ def convert_to_fp8(model: nn.Module, recipe: str = "tensorwise") -> int:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     except ImportError:
         raise UserError("--fp8 needs torchao: pip install 'gptoughts[fp8]' (torchao >= 0.9)") from None
-    count = sum(1 for fqn, m in model.named_modules() if fp8_module_filter(m, fqn))
+    n_layers = len(model.layers)
+
+    def keep(m: nn.Module, fqn: str) -> bool:
+        return fp8_module_filter(m, fqn, n_layers, bf16_end_layers)
+
+    count = sum(1 for fqn, m in model.named_modules() if keep(m, fqn))
     config = Float8LinearConfig.from_recipe_name(recipe)
-    convert_to_float8_training(model, config=config, module_filter_fn=fp8_module_filter)
+    convert_to_float8_training(model, config=config, module_filter_fn=keep)
     return count

@@ -138,14 +138,17 @@ def apply_transforms(raw: nn.Module, *, perf: PerfConfig, hw: HardwareProfile, d
                      dist: pdist.DistInfo) -> Built:
     resolved: dict[str, object] = {}
     # 0. precision of the residual stream (a hook on the embeddings; model code untouched)
-    if set_residual_dtype(raw, perf.residual_dtype):
-        resolved["residual_dtype"] = perf.residual_dtype
+    residual = perf.residual_dtype
+    if residual == "auto":
+        residual = "bf16" if device.type == "cuda" else "fp32"
+    if set_residual_dtype(raw, residual):
+        resolved["residual_dtype"] = residual
     # 1. fp8 (before compile, so the compiled graph contains the fp8 casts and can fuse them)
     if resolve_fp8(perf, hw, raw):
         from gptoughts.perf.fp8 import check_fp8_supported, convert_to_fp8
 
         check_fp8_supported(device)
-        resolved["fp8_linears"] = convert_to_fp8(raw, perf.fp8_recipe)
+        resolved["fp8_linears"] = convert_to_fp8(raw, perf.fp8_recipe, perf.fp8_bf16_end_layers)
         resolved["fp8"] = perf.fp8_recipe
     else:
         resolved["fp8"] = False

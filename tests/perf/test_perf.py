@@ -166,6 +166,11 @@ def test_fp8_filter_skips_head_router_and_odd_dims():
     assert not fp8_module_filter(nn.Linear(64, 8), "layers.1.moe.gate")
     assert not fp8_module_filter(nn.Linear(64, 100), "layers.0.feed_forward.w1")
     assert not fp8_module_filter(nn.Embedding(10, 16), "tok_embeddings")
+    # first and last block kept in bf16 on request
+    lin = nn.Linear(64, 128)
+    picked = [i for i in range(6) if fp8_module_filter(lin, f"layers.{i}.attention.wq", 6, 1)]
+    assert picked == [1, 2, 3, 4]
+    assert [i for i in range(6) if fp8_module_filter(lin, f"layers.{i}.feed_forward.w2", 6, 0)] == list(range(6))
 
 
 def test_step_timer_and_advice():
