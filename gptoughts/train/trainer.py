@@ -170,7 +170,8 @@ class Trainer:
         if self.static_token_count:
             # torch.full, not torch.tensor(host number, device=cuda): the latter is a pageable host-to-device copy
             # that waits for the GPU to drain the previous step, so the GPU idled while the host queued the next
-            # one (removing it: 1b step 214.0 -> 210.6 ms, 125m b128 +1.9% tokens/s; bench/BENCHMARKS.md).
+            # one (1b b8 step 214.0 ms before, 210.6 ms after; 125m b128 +1.9% tokens/s; measured in two runs on
+            # the same H200 kind, not side by side: bench/BENCHMARKS.md, 2026-11-22).
             n_total = torch.full((), float(sum(b[1].numel() for b in micro) * self.dist.world_size),
                                  device=self.device)
         else:
