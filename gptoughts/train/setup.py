@@ -1,8 +1,8 @@
 """Building the model that the trainer runs: the one place where transforms are applied, in one order.
 
 Order (each step only if configured): build on the meta device → materialise on the target device and
-initialise (or load) weights → fp8 conversion → tensor parallel → activation checkpointing → compile →
-FSDP / DDP → optimizer. Model code stays single-device; everything here wraps or converts it.
+initialise (or load) weights → residual-stream dtype (an embedding hook) → fp8 conversion → tensor parallel →
+activation checkpointing → compile → FSDP / DDP → optimizer. Model code stays single-device; everything here wraps or converts it.
 """
 
 from __future__ import annotations
