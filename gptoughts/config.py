@@ -174,7 +174,7 @@ class PerfConfig:
     """dtype of the residual stream (the activations between blocks) under bf16 mixed precision: fp32, bf16
     (the embedding output is cast to bf16, so every block reads and writes bf16 activations and gradients, as
     with bf16 parameters in torchtitan/FSDP and Megatron's default; norms still compute in fp32), or auto (bf16
-    on CUDA GPUs: +6% tokens/s at 125m, +1% at 1b, less memory; fp32 elsewhere). Only acts under bf16."""
+    on GPUs with bf16: +6% tokens/s at 125m, +1% at 1b, less memory; fp32 elsewhere). Only acts under bf16."""
     fp8: bool | str = False
     """FP8 matmuls through torchao float8 (Ada/Hopper+): true, false or auto (on for Hopper+ at d_model >= 2048)."""
     fp8_recipe: str = "tensorwise"

@@ -151,10 +151,11 @@ def recommend(p: HardwareProfile) -> dict[str, object]:
     """What each ``auto`` setting resolves to on this hardware, with the reason."""
     if p.arch == "cpu":
         return {"precision": "fp32", "compile": False, "fp8": False, "fused_adamw": False,
-                "batch_size": "small fixed (auto batch needs a GPU)", "activation_checkpointing": "none"}
+                "batch_size": "small fixed (auto batch needs a GPU)", "activation_checkpointing": "none",
+                "residual_dtype": "fp32"}
     if p.arch == "mps":
         return {"precision": "fp32", "compile": False, "fp8": False, "fused_adamw": False,
-                "batch_size": "fixed", "activation_checkpointing": "none"}
+                "batch_size": "fixed", "activation_checkpointing": "none", "residual_dtype": "fp32"}
     precision = "bf16" if p.bf16 else "fp16"
     return {
         "precision": precision,
@@ -163,6 +164,8 @@ def recommend(p: HardwareProfile) -> dict[str, object]:
         "fused_adamw": True,
         "batch_size": "auto",
         "activation_checkpointing": "none unless the batch does not fit",
+        # bf16 residual stream: +1 to +6% tokens/s on an H200 (bench/BENCHMARKS.md); only acts under bf16
+        "residual_dtype": "bf16" if p.bf16 else "fp32",
     }
 
 

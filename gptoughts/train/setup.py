@@ -140,7 +140,7 @@ def apply_transforms(raw: nn.Module, *, perf: PerfConfig, hw: HardwareProfile, d
     # 0. precision of the residual stream (a hook on the embeddings; model code untouched)
     residual = perf.residual_dtype
     if residual == "auto":
-        residual = "bf16" if device.type == "cuda" else "fp32"
+        residual = str(hw.recommended.get("residual_dtype", "fp32"))
     if set_residual_dtype(raw, residual):
         resolved["residual_dtype"] = residual
     # 1. fp8 (before compile, so the compiled graph contains the fp8 casts and can fuse them)

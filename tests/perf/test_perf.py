@@ -325,3 +325,16 @@ def test_gpu_idle_gaps_between_kernels():
     assert s["gaps_over_min"] == 1
     assert s["largest"][0] == {"us": 500.0, "after": "b", "before": "c"}
     assert summarize_gaps([], steps=1)["idle_ms_per_step"] == 0.0
+
+
+@pytest.mark.parametrize("arch,bf16,expected", [("hopper", True, "bf16"), ("ampere", True, "bf16"),
+                                                ("older", False, "fp32"), ("cpu", True, "fp32")])
+def test_hardware_profile_recommends_the_residual_dtype(arch, bf16, expected):
+    from gptoughts.perf.hardware import HardwareProfile, recommend
+
+    p = HardwareProfile(device="cuda:0" if arch != "cpu" else "cpu", name="x", arch=arch, compute_capability=None,
+                        memory_bytes=None, gpu_count=1, cpu_count=2, peak_bf16_flops=None, bf16=bf16, fp16=True,
+                        fp8=arch == "hopper", compile=True)
+    rec = recommend(p)
+    assert rec["residual_dtype"] == expected
+    assert rec["precision"] == ("fp32" if arch == "cpu" else "bf16" if bf16 else "fp16")
