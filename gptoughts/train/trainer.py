@@ -39,7 +39,7 @@ from gptoughts.perf.timing import (
 )
 from gptoughts.train import checkpoint as ckpt
 from gptoughts.train.metrics import MetricsLogger, ProgressBar
-from gptoughts.train.optim import Schedule, set_lr
+from gptoughts.train.optim import Schedule, clip_and_step, set_lr
 
 log = logging.getLogger("gptoughts.train")
 
@@ -193,20 +193,9 @@ class Trainer:
 
         lr = self.schedule.lr_at(self.state.step) * self.state.lr_scale
         set_lr(self.optimizer, lr)
-        if self.scaler is not None:
-            self.scaler.unscale_(self.optimizer)
         max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm, foreach=True)
-        found_inf = (~torch.isfinite(grad_norm) | ~torch.isfinite(loss_sum)).float()
-        if self.scaler is not None:
-            self.scaler.step(self.optimizer)  # skips on overflow; fused optimizers skip without a sync
-            self.scaler.update()
-        elif self.fused:
-            # The fused kernel reads found_inf on the device and leaves parameters and state untouched when it is 1.
-            self.optimizer.found_inf = found_inf
-            self.optimizer.step()
-        elif found_inf.item() == 0:  # free on CPU; a sync on CUDA only when fused AdamW is turned off
-            self.optimizer.step()
+        grad_norm, found_inf = clip_and_step(self.optimizer, self.params, max_norm, loss_sum, fused=self.fused,
+                                             scaler=self.scaler)
         self.optimizer.zero_grad(set_to_none=True)
         if self._after_step is not None:
             with torch.no_grad():
