@@ -87,7 +87,7 @@ def profile_steps(step_fn, device: torch.device, steps: int) -> dict[str, Any] |
         return None
     from torch.profiler import ProfilerActivity, profile
 
-    from gptoughts.perf.timing import profile_intervals, profile_kernels, summarize_gaps, summarize_kernels
+    from gptoughts.perf.timing import summarize_profile
 
     _sync(device)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -96,9 +96,8 @@ def profile_steps(step_fn, device: torch.device, steps: int) -> dict[str, Any] |
             step_fn()
         _sync(device)
         wall = time.perf_counter() - t0
-    out = summarize_kernels(profile_kernels(prof), steps)
+    out = summarize_profile(prof, steps)
     out["step_ms_profiled"] = wall * 1e3 / steps
-    out["gaps"] = summarize_gaps(profile_intervals(prof), steps)
     return out
 
 

@@ -160,24 +160,24 @@ def summarize_kernels(kernel_us: dict[str, float], steps: int, top: int = 20) ->
                             for n, us in heavy]}
 
 
-def profile_kernels(prof: object) -> dict[str, float]:
-    """``{kernel name: total device microseconds}`` of the CUDA kernels a finished torch.profiler recorded."""
-    from torch.autograd import DeviceType
-
-    out: dict[str, float] = {}
-    for e in prof.key_averages():  # type: ignore[attr-defined]
-        if getattr(e, "device_type", None) != DeviceType.CUDA:
-            continue
-        us = float(getattr(e, "self_device_time_total", 0.0) or getattr(e, "device_time_total", 0.0))
-        if us > 0:
-            out[e.key] = out.get(e.key, 0.0) + us
-    return out
-
-
 def format_kernels(summary: dict[str, object]) -> str:
     cats = summary["categories"]  # type: ignore[index]
     parts = [f"{c} {v['ms_per_step']:.1f} ms ({v['pct']:.0f}%)" for c, v in cats.items()]  # type: ignore[union-attr]
     return f"GPU busy {summary['gpu_busy_ms_per_step']:.1f} ms/step: " + ", ".join(parts)
+
+
+def summarize_profile(prof: object, steps: int) -> dict[str, object]:
+    """Kernel categories (:func:`summarize_kernels`) and idle gaps (:func:`summarize_gaps`) of a finished
+    torch.profiler run over ``steps`` steps; empty when it recorded no CUDA kernel (a CPU run)."""
+    intervals = profile_intervals(prof)
+    if not intervals:
+        return {}
+    totals: dict[str, float] = {}
+    for start, end, name in intervals:
+        totals[name] = totals.get(name, 0.0) + (end - start)
+    out = summarize_kernels(totals, steps)
+    out["gaps"] = summarize_gaps(intervals, steps)
+    return out
 
 
 def profile_intervals(prof: object) -> list[tuple[float, float, str]]:

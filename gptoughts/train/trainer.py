@@ -29,14 +29,7 @@ from gptoughts.config import RunConfig, TrainConfig
 from gptoughts.errors import UserError
 from gptoughts.parallel import dist as pdist
 from gptoughts.perf.autobatch import free_memory
-from gptoughts.perf.timing import (
-    GpuMonitor,
-    StepTimer,
-    advice,
-    format_kernels,
-    profile_kernels,
-    summarize_kernels,
-)
+from gptoughts.perf.timing import GpuMonitor, StepTimer, advice, format_gaps, format_kernels, summarize_profile
 from gptoughts.train import checkpoint as ckpt
 from gptoughts.train.metrics import MetricsLogger, ProgressBar
 from gptoughts.train.optim import Schedule, clip_and_step, set_lr
@@ -479,12 +472,12 @@ class _Profiler:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         path = self.out_dir / f"trace_rank{self.rank}_steps{self.start}-{self.end}.pt.trace.json"
         self.prof.export_chrome_trace(str(path))
-        kernels = profile_kernels(self.prof)
-        if kernels:  # CUDA runs: where the GPU time went, by kernel category, next to the trace
-            summary = summarize_kernels(kernels, self.end - self.start + 1)
+        summary = summarize_profile(self.prof, self.end - self.start + 1)
+        if summary:  # CUDA runs: where the GPU time went, by kernel category, and its idle gaps, next to the trace
             (self.out_dir / f"kernels_rank{self.rank}_steps{self.start}-{self.end}.json").write_text(
                 json.dumps(summary, indent=2))
-            log.info("profile steps %d-%d: %s", self.start, self.end, format_kernels(summary))
+            log.info("profile steps %d-%d: %s; %s", self.start, self.end, format_kernels(summary),
+                     format_gaps(summary["gaps"]))
         log.info("profiler trace written to %s (open in Perfetto or TensorBoard)", path)
         self.prof = None
 

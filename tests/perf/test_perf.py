@@ -338,3 +338,22 @@ def test_hardware_profile_recommends_the_residual_dtype(arch, bf16, expected):
     rec = recommend(p)
     assert rec["residual_dtype"] == expected
     assert rec["precision"] == ("fp32" if arch == "cpu" else "bf16" if bf16 else "fp16")
+
+
+def test_summarize_profile_from_profiler_events():
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    from gptoughts.perf.timing import summarize_profile
+
+    def ev(start, end, name, dev=DeviceType.CUDA):
+        return SimpleNamespace(device_type=dev, time_range=SimpleNamespace(start=start, end=end), name=name)
+
+    prof = SimpleNamespace(events=lambda: [ev(0, 300, "nvjet_x"), ev(400, 500, "triton_poi_fused_add"),
+                                           ev(0, 1000, "aten::mm", DeviceType.CPU), ev(500, 600, "nvjet_x")])
+    s = summarize_profile(prof, steps=1)
+    assert s["categories"]["matmul"]["ms_per_step"] == pytest.approx(0.4)
+    assert s["categories"]["elementwise"]["ms_per_step"] == pytest.approx(0.1)
+    assert s["gaps"]["idle_ms_per_step"] == pytest.approx(0.1)  # 300 -> 400 us
+    assert summarize_profile(SimpleNamespace(events=lambda: [ev(0, 5, "cpu op", DeviceType.CPU)]), 1) == {}
