@@ -127,7 +127,7 @@ def advice(t: dict[str, float], gpu: dict[str, float]) -> list[str]:
 KERNEL_CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("communication", ("nccl",)),
     ("optimizer", ("multi_tensor", "fused_adam", "adamw", "foreach")),
-    ("attention", ("flash", "fmha", "attention", "sdpa", "attn")),
+    ("attention", ("flash", "fmha", "attention", "sdpa", "attn", "cudnn")),
     ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "splitk", "_tem_")),
     ("memcpy", ("memcpy", "memset")),
     ("elementwise", ("triton", "elementwise", "reduce", "softmax", "norm", "cat", "index", "scatter", "gather",
@@ -181,13 +181,20 @@ def summarize_profile(prof: object, steps: int) -> dict[str, object]:
 
 
 def profile_intervals(prof: object) -> list[tuple[float, float, str]]:
-    """``(start_us, end_us, name)`` of every CUDA kernel a finished torch.profiler recorded, in start order."""
+    """``(start_us, end_us, name)`` of every CUDA kernel a finished torch.profiler recorded, in start order.
+
+    With CPU activity on, the profiler also projects user annotations (``## Call CompiledFxGraph ... ##``,
+    ``Optimizer.step#AdamW.step``, ``ProfilerStep#N``) onto the GPU timeline; they span kernels and are skipped.
+    """
     from torch.autograd import DeviceType
 
     out = []
     for e in prof.events():  # type: ignore[attr-defined]
-        if getattr(e, "device_type", None) == DeviceType.CUDA and e.time_range.end > e.time_range.start:
-            out.append((float(e.time_range.start), float(e.time_range.end), e.name))
+        if getattr(e, "device_type", None) != DeviceType.CUDA or e.time_range.end <= e.time_range.start:
+            continue
+        if getattr(e, "is_user_annotation", False) or e.name.startswith("## ") or "#" in e.name.split("(")[0]:
+            continue
+        out.append((float(e.time_range.start), float(e.time_range.end), e.name))
     out.sort()
     return out
 

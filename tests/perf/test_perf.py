@@ -256,6 +256,7 @@ def test_kernel_categories_and_summary():
         "nvjet_tst_256x128_64x4_1x2_h_bz_coopA_TNT": "matmul",
         "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64": "matmul",
         "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3": "attention",
+        "void cudnn::fusion::compute_dot_do_o_specialized<true, 64>(void const*)": "attention",
         "void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<...>": "attention",
         "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor>": "optimizer",
         "triton_per_fused__to_copy_add_mean_mul_pow_rsqrt_0": "elementwise",
@@ -350,8 +351,11 @@ def test_summarize_profile_from_profiler_events():
     def ev(start, end, name, dev=DeviceType.CUDA):
         return SimpleNamespace(device_type=dev, time_range=SimpleNamespace(start=start, end=end), name=name)
 
+    annotation = ev(0, 700, "## Call CompiledFxGraph abc ##")
+    annotation.is_user_annotation = True
     prof = SimpleNamespace(events=lambda: [ev(0, 300, "nvjet_x"), ev(400, 500, "triton_poi_fused_add"),
-                                           ev(0, 1000, "aten::mm", DeviceType.CPU), ev(500, 600, "nvjet_x")])
+                                           ev(0, 1000, "aten::mm", DeviceType.CPU), ev(500, 600, "nvjet_x"),
+                                           annotation, ev(0, 650, "Optimizer.step#AdamW.step")])
     s = summarize_profile(prof, steps=1)
     assert s["categories"]["matmul"]["ms_per_step"] == pytest.approx(0.4)
     assert s["categories"]["elementwise"]["ms_per_step"] == pytest.approx(0.1)
