@@ -249,6 +249,22 @@ def test_chunked_ce_matches_plain(frozen_head):
         assert torch.allclose(w.grad / 3, gw, atol=1e-5)
 
 
+def test_fused_and_eager_ce_logit_gradients_agree():
+    from gptoughts.perf.ce import ce_logit_grad
+
+    torch.manual_seed(0)
+    logits = torch.randn(6, 11)
+    lse = torch.logsumexp(logits, -1)
+    t = torch.tensor([0, 3, 10, 5, 0, 7])
+    scale = torch.tensor([1.0, 0.0, 2.5, 1.0, 1.0, 0.5])  # an ignored row and weighted rows
+    fused = ce_logit_grad(logits, lse, t, scale, fused=True)
+    eager = ce_logit_grad(logits.clone(), lse, t, scale, fused=False)
+    assert torch.allclose(fused, eager, atol=1e-6)
+    ref = (torch.softmax(logits, -1) - torch.nn.functional.one_hot(t, 11)) * scale[:, None]
+    assert torch.allclose(fused, ref, atol=1e-6)
+    assert fused[1].abs().max() == 0
+
+
 def test_kernel_categories_and_summary():
     from gptoughts.perf.timing import format_kernels, kernel_category, summarize_kernels
 
