@@ -2,7 +2,8 @@
 
 Order (each step only if configured): build on the meta device → materialise on the target device and
 initialise (or load) weights → residual-stream dtype (an embedding hook) → fp8 conversion → tensor parallel →
-activation checkpointing → compile → FSDP / DDP → optimizer. Model code stays single-device; everything here wraps or converts it.
+activation checkpointing → compile → FSDP / DDP → optimizer. Model code stays single-device; everything here
+wraps or converts it.
 """
 
 from __future__ import annotations

@@ -29,7 +29,14 @@ from gptoughts.config import RunConfig, TrainConfig
 from gptoughts.errors import UserError
 from gptoughts.parallel import dist as pdist
 from gptoughts.perf.autobatch import free_memory
-from gptoughts.perf.timing import GpuMonitor, StepTimer, advice, format_gaps, format_kernels, summarize_profile
+from gptoughts.perf.timing import (
+    GpuMonitor,
+    StepTimer,
+    advice,
+    format_gaps,
+    format_kernels,
+    summarize_profile,
+)
 from gptoughts.train import checkpoint as ckpt
 from gptoughts.train.metrics import MetricsLogger, ProgressBar
 from gptoughts.train.optim import Schedule, clip_and_step, set_lr
