@@ -76,12 +76,14 @@ MATRIX = {
     ],
     # 3b bf16 vs fp8 with the residual stream in bf16 (the default on CUDA since 2026-11-22).
     "3b-confirm": [{}, {"perf.fp8": True}],
+    # Final side-by-side of the 1b target after every change of 2026-11-22 (defaults: bf16 residual on CUDA).
+    "1b-final": [{"compare": "hf"}, {"compare": "hf", "train.batch_size": 16}],
     "3b-residual": [{"perf.residual_dtype": "fp32"}, {"perf.residual_dtype": "bf16"},
                     {"perf.residual_dtype": "fp32"}, {"perf.residual_dtype": "bf16"}],
 }
 SHAPES["families"] = ("1b", 2048, 8)
 SHAPES["3b-confirm"] = SHAPES["3b-residual"] = SHAPES["3b"]
-SHAPES["1b-confirm"] = SHAPES["1b"]
+SHAPES["1b-confirm"] = SHAPES["1b-final"] = SHAPES["1b"]
 SHAPES["125m-confirm"] = SHAPES["125m"]
 SHAPES["1b-levers"] = SHAPES["1b-autotune"] = SHAPES["1b"]
 SHAPES["125m-levers"] = ("125m", 1024, 64)
