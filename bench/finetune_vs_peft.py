@@ -258,13 +258,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"{name:<22}{r['tokens_per_s']:>12,.0f}{r['step_ms']:>10.1f}{mem:>10}{r['loss']:>8.3f}  "
               f"{r.get('overrides') or ''}")
         if r.get("kernels"):
-            from gptoughts.perf.timing import format_kernels
+            from gptoughts.perf.timing import format_profile
 
-            print("    " + format_kernels(r["kernels"]))
+            for line in format_profile(r["kernels"]):
+                print("    " + line)
             if r["kernels"].get("gaps"):
-                from gptoughts.perf.timing import format_gaps
-
-                print("    " + format_gaps(r["kernels"]["gaps"]))
                 for x in r["kernels"]["gaps"]["largest"][1:6]:
                     print(f"      {x['us']:.0f} us after {x['after'][:50]} before {x['before'][:50]}")
     for name, f in res.get("failed", {}).items():

@@ -253,13 +253,9 @@ def format_result(r: dict[str, Any]) -> str:
                  for k in ("data", "forward", "backward", "optimizer", "other")]
         lines.append("  breakdown: " + ", ".join(parts))
     if r.get("kernels"):
-        from gptoughts.perf.timing import format_kernels
+        from gptoughts.perf.timing import format_profile
 
-        lines.append("  kernels: " + format_kernels(r["kernels"]))
-        if r["kernels"].get("gaps"):
-            from gptoughts.perf.timing import format_gaps
-
-            lines.append("  " + format_gaps(r["kernels"]["gaps"]))
+        lines += ["  " + line for line in format_profile(r["kernels"])]
     for mode, h in (r.get("hf") or {}).items():
         lines.append(f"  transformers {mode}: tokens/s {f(h['tokens_per_s'], ',.0f')}  MFU {f(h['mfu'], '.3f')}  "
                      f"peak {f(h['peak_memory_gib'], '.2f')} GiB  -> ours is {h['speedup']:.2f}x")

@@ -229,3 +229,11 @@ def format_gaps(g: dict[str, object]) -> str:
         x = largest[0]  # type: ignore[index]
         head += f"; largest {x['us']:.0f} us after {x['after'][:40]} before {x['before'][:40]}"
     return head
+
+
+def format_profile(summary: dict[str, object]) -> list[str]:
+    """The lines that report a :func:`summarize_profile` result: kernel categories, then idle gaps."""
+    lines = ["kernels: " + format_kernels(summary)]
+    if summary.get("gaps"):
+        lines.append(format_gaps(summary["gaps"]))  # type: ignore[arg-type]
+    return lines

@@ -29,14 +29,7 @@ from gptoughts.config import RunConfig, TrainConfig
 from gptoughts.errors import UserError
 from gptoughts.parallel import dist as pdist
 from gptoughts.perf.autobatch import free_memory
-from gptoughts.perf.timing import (
-    GpuMonitor,
-    StepTimer,
-    advice,
-    format_gaps,
-    format_kernels,
-    summarize_profile,
-)
+from gptoughts.perf.timing import GpuMonitor, StepTimer, advice, format_profile, summarize_profile
 from gptoughts.train import checkpoint as ckpt
 from gptoughts.train.metrics import MetricsLogger, ProgressBar
 from gptoughts.train.optim import Schedule, clip_and_step, set_lr
@@ -483,8 +476,7 @@ class _Profiler:
         if summary:  # CUDA runs: where the GPU time went, by kernel category, and its idle gaps, next to the trace
             (self.out_dir / f"kernels_rank{self.rank}_steps{self.start}-{self.end}.json").write_text(
                 json.dumps(summary, indent=2))
-            log.info("profile steps %d-%d: %s; %s", self.start, self.end, format_kernels(summary),
-                     format_gaps(summary["gaps"]))
+            log.info("profile steps %d-%d: %s", self.start, self.end, "; ".join(format_profile(summary)))
         log.info("profiler trace written to %s (open in Perfetto or TensorBoard)", path)
         self.prof = None
 

@@ -377,3 +377,7 @@ def test_summarize_profile_from_profiler_events():
     assert s["categories"]["elementwise"]["ms_per_step"] == pytest.approx(0.1)
     assert s["gaps"]["idle_ms_per_step"] == pytest.approx(0.1)  # 300 -> 400 us
     assert summarize_profile(SimpleNamespace(events=lambda: [ev(0, 5, "cpu op", DeviceType.CPU)]), 1) == {}
+    from gptoughts.perf.timing import format_profile
+
+    lines = format_profile(s)
+    assert len(lines) == 2 and lines[0].startswith("kernels: GPU busy") and lines[1].startswith("GPU idle 0.10 ms")
