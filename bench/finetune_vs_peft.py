@@ -5,7 +5,8 @@ the Llama-3.2-1B shape: d 2048, 16 layers, 32 heads, 8 kv heads, ffn 8192, vocab
 the same random token batches, with the same settings:
 
 * frozen base weights in bf16, LoRA adapters in fp32 (PEFT's default), forward under bf16 autocast;
-* LoRA r=16, alpha=32, dropout 0.05 on q/k/v/o/gate/up/down projections of every block;
+* LoRA r=16, alpha=32, dropout 0 (PEFT's default; `--dropout`) on q/k/v/o/gate/up/down projections of every
+  block (ours folds each adapter into its frozen weight for the step when there is no dropout: perf/lora.py);
 * SDPA attention, no activation checkpointing, AdamW (fused on CUDA) on the adapters, grad clip 1.0.
 
 What differs is the implementation: ours runs the native Llama (GQA through SDPA without repeating k/v, fused
@@ -201,7 +202,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--r", type=int, default=16)
     p.add_argument("--alpha", type=float, default=32.0)
-    p.add_argument("--dropout", type=float, default=0.05)
+    p.add_argument("--dropout", type=float, default=0.0, help="LoRA dropout (0: PEFT's default)")
     p.add_argument("--device", default="auto")
     p.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp32"],
                    help="auto: bf16 on CUDA (both sides), fp32 on CPU")

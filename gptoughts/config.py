@@ -228,8 +228,9 @@ class LoraConfig:
     """Rank of the adapters."""
     alpha: float = 32.0
     """Scale: the update is ``alpha / r * B @ A``."""
-    dropout: float = 0.05
-    """Dropout on the adapters' input."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input (0, PEFT's default, allows the merged forward below; 0.05-0.1 is common
+    for small data sets and takes PEFT's standard, slower path)."""
     target_modules: list[str] = field(default_factory=list)
     """Module names to adapt (suffixes, e.g. ``wq,wv`` natively or ``q_proj,v_proj`` on transformers models);
     empty means every linear layer of the transformer blocks (attention and MLP projections)."""
@@ -238,6 +239,10 @@ class LoraConfig:
     base_dtype: str = "auto"
     """dtype of the frozen base weights: auto (bf16 when training in bf16, else fp32), fp32, bf16 or fp16.
     A frozen weight needs no fp32 master copy, gradient or optimizer state: bf16 halves its memory."""
+    merged_forward: bool = True
+    """Fold each adapter into its frozen weight (``W + alpha/r * B @ A``) for the step instead of running it
+    beside the base matmul: same result, one matmul per layer (gptoughts/perf/lora.py). Applies when the
+    adapter input has no dropout (or in eval) and the base is not 4-bit; false keeps PEFT's own forward."""
 
 
 @dataclass

@@ -332,6 +332,10 @@ def apply_lora(model: nn.Module, lora: LoraConfig, *, device: torch.device,
     targets = list(lora.target_modules) or default_lora_targets(model)
     config = peft.LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets,
                              bias="none")
+    if lora.merged_forward and lora.quantize == "none":  # (a 4-bit layer is an nn.Linear too: PEFT's bnb layer)
+        from gptoughts.perf.lora import MergedLoraLinear
+
+        config._register_custom_module({nn.Linear: MergedLoraLinear})
     try:
         return peft.get_peft_model(model, config)
     except ValueError as e:

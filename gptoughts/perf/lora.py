@@ -1,0 +1,94 @@
+"""A faster LoRA linear layer for PEFT: the adapter folded into the frozen weight for each step.
+
+PEFT computes ``y = x W^T + s * B(A(dropout(x)))``: besides the base matmul, two skinny matmuls, an
+activation-sized adapter output and an add in the forward, and in the backward an activation-sized input
+gradient from the adapter path plus another add. With no dropout on the adapter input (PEFT's default, and
+eval mode) the same ``y`` is ``x (W + s B A)^T``: the merged weight ``W + s B A`` is one small matmul the size of
+``W`` (much smaller than the activations at training batch sizes), and the forward is a single matmul. The
+backward recomputes the merged weight for ``dx`` and gets the adapter gradients from four skinny matmuls:
+
+    u = x A^T,  v = dy B,  dA = s v^T x,  dB = s dy^T u.
+
+Measured on an H200 (bench/BENCHMARKS.md, LoRA 1b seq 2048): see the 2026-11-22 session 3 section. The
+class is a subclass of PEFT's own ``lora.Linear`` (registered through PEFT's custom-module dispatch), so the
+parameters, their names, ``merge_and_unload`` and everything else stay PEFT's; only ``forward`` takes the
+merged path when it computes the same thing, and falls back to PEFT's otherwise (dropout active in training,
+several active adapters, DoRA and other variants, a mixed-adapter batch, a base layer that is not a plain
+``nn.Linear`` such as a 4-bit one, or a trainable base weight).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from peft.tuners.lora.layer import Linear as PeftLoraLinear
+from torch import nn
+
+
+class _MergedLoraLinear(torch.autograd.Function):
+    """``y = x (W + s B A)^T + bias`` with a frozen ``W`` (and bias); gradients for ``x``, ``A`` and ``B``.
+    Every tensor arrives in the compute dtype; ``A``/``B`` gradients go back through the caller's cast."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, a: torch.Tensor,
+                b: torch.Tensor, scaling: float) -> torch.Tensor:
+        ctx.save_for_backward(x, weight, a, b)
+        ctx.scaling = scaling
+        return F.linear(x, torch.addmm(weight, b, a, alpha=scaling), bias)
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, weight, a, b = ctx.saved_tensors
+        s = ctx.scaling
+        x2 = x.reshape(-1, x.shape[-1])
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        dx = None
+        if ctx.needs_input_grad[0]:
+            dx = torch.mm(dy2, torch.addmm(weight, b, a, alpha=s)).view(x.shape)
+        v = torch.mm(dy2, b)  # [tokens, r]
+        da = torch.mm(v.t(), x2).mul_(s)  # [r, in]
+        db = torch.mm(dy2.t(), torch.mm(x2, a.t())).mul_(s)  # [out, r]
+        return dx, None, None, da, db, None
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
+class MergedLoraLinear(PeftLoraLinear):
+    """PEFT's LoRA ``Linear`` whose forward folds the adapter into the frozen weight when that is exact (see the
+    module docstring); registered for ``nn.Linear`` through ``peft.LoraConfig._register_custom_module``."""
+
+    def _merged_path_ok(self, x: torch.Tensor, kwargs: dict[str, Any]) -> str | None:
+        """The one active adapter when the merged forward computes what PEFT's forward would, else None."""
+        if self.disable_adapters or self.merged or kwargs or type(self.base_layer) is not nn.Linear:
+            return None
+        active = [a for a in self.active_adapters if a in self.lora_A]
+        if len(active) != 1:
+            return None
+        name = active[0]
+        dropout = self.lora_dropout[name]
+        if self.training and not isinstance(dropout, nn.Identity) and getattr(dropout, "p", 1.0) > 0:
+            return None
+        base = self.base_layer
+        if name in self.lora_variant or self.lora_bias.get(name, False) or base.weight.requires_grad:
+            return None
+        if base.bias is not None and base.bias.requires_grad:
+            return None
+        return name
+
+    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        name = None if args else self._merged_path_ok(x, kwargs)
+        if name is None:
+            return super().forward(x, *args, **kwargs)
+        base = self.base_layer
+        dt = _compute_dtype(x)
+        a = self.lora_A[name].weight.to(dt)
+        b = self.lora_B[name].weight.to(dt)
+        bias = None if base.bias is None else base.bias.to(dt)
+        with torch.autocast(x.device.type, enabled=False):
+            return _MergedLoraLinear.apply(x.to(dt), base.weight.to(dt), bias, a, b, float(self.scaling[name]))

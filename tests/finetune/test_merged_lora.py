@@ -1,0 +1,129 @@
+"""The merged LoRA forward (gptoughts/perf/lora.py) against PEFT's own layer: same outputs, same gradients."""
+
+from __future__ import annotations
+
+import copy
+
+import peft
+import pytest
+import torch
+from torch import nn
+
+from gptoughts.perf.lora import MergedLoraLinear
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(24, 40, bias=True)
+        self.down = nn.Linear(40, 24, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(x)))
+
+
+def _pair(dropout: float = 0.0) -> tuple[nn.Module, nn.Module]:
+    """(PEFT's standard layers, ours) over the same base and the same non-zero adapters."""
+    torch.manual_seed(0)
+    base = _Net()
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules=["up", "down"])
+    ref = peft.get_peft_model(copy.deepcopy(base), cfg)
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules=["up", "down"])
+    cfg._register_custom_module({nn.Linear: MergedLoraLinear})
+    ours = peft.get_peft_model(copy.deepcopy(base), cfg)
+    with torch.no_grad():
+        for n, p in ref.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.3)  # B starts at zero: make the adapters do something
+        ours.load_state_dict(ref.state_dict())
+    assert isinstance(ours.base_model.model.up, MergedLoraLinear)
+    assert type(ref.base_model.model.up) is not MergedLoraLinear
+    return ref, ours
+
+
+def _grads(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    x = x.clone().requires_grad_(True)
+    y = model(x)
+    (y.float() * torch.linspace(-1, 1, y.shape[-1])).sum().backward()
+    return y.detach(), x.grad, {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+
+
+def test_merged_forward_matches_peft_outputs_and_gradients_in_fp32():
+    ref, ours = _pair()
+    x = torch.randn(3, 5, 24)
+    y_ref, dx_ref, g_ref = _grads(ref, x)
+    y, dx, g = _grads(ours, x)
+    assert (y - y_ref).abs().max().item() <= 1e-5
+    assert (dx - dx_ref).abs().max().item() <= 1e-5
+    assert g.keys() == g_ref.keys() and len(g) == 4  # lora_A and lora_B of both layers
+    for n in g:
+        assert (g[n] - g_ref[n]).abs().max().item() <= 1e-5 * max(1.0, g_ref[n].abs().max().item()), n
+    # frozen base: no gradient anywhere else
+    assert all(p.grad is None for n, p in ours.named_parameters() if not p.requires_grad)
+
+
+def test_merged_forward_under_bf16_autocast_keeps_fp32_adapter_grads():
+    ref, ours = _pair()
+    x = torch.randn(2, 7, 24)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y_ref, _, g_ref = _grads(ref, x)
+        y, _, g = _grads(ours, x)
+    assert y.dtype == y_ref.dtype == torch.bfloat16
+    assert (y.float() - y_ref.float()).abs().max().item() <= 0.05 * y_ref.float().abs().max().item()
+    for n in g:
+        assert g[n].dtype == torch.float32
+        assert torch.nn.functional.cosine_similarity(g[n].flatten(), g_ref[n].flatten(), dim=0) > 0.99, n
+
+
+def test_dropout_in_training_takes_peft_path_and_eval_takes_the_merged_one(monkeypatch):
+    ref, ours = _pair(dropout=0.5)
+    calls = []
+    real = MergedLoraLinear._merged_path_ok
+
+    def spy(self, x, kwargs):
+        calls.append(real(self, x, kwargs))
+        return calls[-1]
+
+    monkeypatch.setattr(MergedLoraLinear, "_merged_path_ok", spy)
+    x = torch.randn(2, 3, 24)
+    ours.train()
+    torch.manual_seed(1)
+    y_train = ours(x)
+    ref.train()
+    torch.manual_seed(1)
+    assert torch.equal(y_train, ref(x))  # the same dropout masks: PEFT's own forward ran
+    assert calls == [None, None]
+    ours.eval(), ref.eval()
+    with torch.no_grad():
+        assert (ours(x) - ref(x)).abs().max().item() <= 1e-5
+    assert calls[2:] == ["default", "default"]
+
+
+def test_merge_and_unload_and_disabled_adapters_behave_as_peft():
+    ref, ours = _pair()
+    x = torch.randn(2, 3, 24)
+    with torch.no_grad(), ours.disable_adapter(), ref.disable_adapter():
+        assert (ours(x) - ref(x)).abs().max().item() <= 1e-6
+    with torch.no_grad():
+        merged = ours.merge_and_unload()
+        assert type(merged.up) is nn.Linear
+        assert (merged(x) - ref(x)).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("merged_forward", [True, False])
+def test_apply_lora_registers_the_merged_layer_only_when_asked(merged_forward):
+    from gptoughts.config import LoraConfig
+    from gptoughts.train.setup import apply_lora
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.wq = nn.Linear(8, 8)
+
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList([Block()])
+
+    m = apply_lora(M(), LoraConfig(enabled=True, merged_forward=merged_forward), device=torch.device("cpu"))
+    assert isinstance(m.base_model.model.layers[0].wq, MergedLoraLinear) is merged_forward
