@@ -247,11 +247,15 @@ def run_training(cfg: Config) -> tuple[nn.Module, Any, History]:
             raw = build_raw_model(family.name, args, device, cfg.train.seed)
         # What checkpoints hold: the whole model, or for LoRA only the adapters (the base is model.init_from).
         weights = TrainableWeights(raw) if cfg.lora.enabled else raw
-        built = apply_transforms(raw, perf=perf, hw=hw, device=device, dist=info)
+        built = apply_transforms(raw, perf=perf, hw=hw, device=device, dist=info, precision=precision)
 
         # ---- batch size (auto: the largest that fits, then accumulation to reach the global batch)
         t = cfg.train
         objective = make_objective(family, built, cfg.perf)
+        if not isinstance(t.batch_size, int) and info.sharded:
+            raise ConfigError("train.batch_size = auto probes memory with trial steps, which a sharded (FSDP) run "
+                              "cannot do safely (a rank out of memory would leave the others waiting in a "
+                              "collective); pass --batch_size N (`gptoughts estimate` shows what fits)")
         if not isinstance(t.batch_size, int):
             parts = {"family": family.name, "args": _jsonable(args), "block": t.block_size, "gpu": hw.name,
                      "precision": precision, "resolved": built.resolved, "world": info.world_size}
@@ -322,7 +326,7 @@ def run_training(cfg: Config) -> tuple[nn.Module, Any, History]:
         resume_step = None
         state = None
         if resume_from is not None:
-            ckpt.load_weights(weights, resume_from)
+            ckpt.load_weights(weights, resume_from, sharded=info.sharded)
             state = ckpt.load_state(resume_from, device)
             resume_step = int(state["trainer"]["step"])
         metrics = MetricsLogger(run_dir, enabled=info.is_main, tensorboard=cfg.run.tensorboard, wandb=cfg.run.wandb,
@@ -372,14 +376,15 @@ def run_training(cfg: Config) -> tuple[nn.Module, Any, History]:
             history.val_ppl.append(h["val_ppl"])
         if history.val_loss:
             history.final_val_loss, history.final_val_ppl = history.val_loss[-1], history.val_ppl[-1]
+        prompt = t.sample_prompts[0] if t.sample_prompts else ""
+        if t.sample_prompts and (info.is_main or info.sharded):  # under FSDP every rank takes part in generation
+            raw.eval()
+            with trainer.autocast():
+                history.sample = sample_fn(prompt)
         if info.is_main:
             if math.isfinite(history.final_val_loss):
                 console.print(f"val loss {history.final_val_loss:.4f}, perplexity {history.final_val_ppl:.2f}")
-            prompt = t.sample_prompts[0] if t.sample_prompts else ""
             if t.sample_prompts:
-                raw.eval()
-                with trainer.autocast():
-                    history.sample = sample_fn(prompt)
                 console.print(f"[bold]sample[/bold] ({prompt!r}):\n{history.sample}", highlight=False)
             console.print(f"run saved in {run_dir} ({trainer.stop_reason})")
         return raw, tokenizer, history

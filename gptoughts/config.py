@@ -200,7 +200,8 @@ class PerfConfig:
 @dataclass
 class ParallelConfig:
     strategy: str = "auto"
-    """auto (ddp when launched by torchrun with several processes), ddp, or none."""
+    """auto (ddp when launched by torchrun with several processes), ddp, fsdp (FSDP2: parameters, gradients and
+    optimizer state sharded across the ranks; for models whose training state does not fit one GPU), or none."""
     backend: str = "auto"
     """Process-group backend: auto (nccl on CUDA, gloo on CPU), nccl or gloo."""
 
@@ -477,7 +478,7 @@ def validate(cfg: Config) -> None:
         "train.schedule": (t.schedule, ("cosine", "wsd", "constant")),
         "train.nan_policy": (t.nan_policy, ("skip", "rollback", "raise")),
         "perf.precision": (cfg.perf.precision, ("auto", "fp32", "bf16", "fp16")),
-        "parallel.strategy": (cfg.parallel.strategy, ("auto", "ddp", "none")),
+        "parallel.strategy": (cfg.parallel.strategy, ("auto", "ddp", "fsdp", "none")),
         "parallel.backend": (cfg.parallel.backend, ("auto", "nccl", "gloo")),
     }
     for where, (value, allowed) in choices.items():
@@ -532,6 +533,9 @@ def _validate_finetune(cfg: Config) -> None:
         raise ConfigError(f"lora.alpha must be > 0, got {lo.alpha}")
     if not 0.0 <= lo.dropout < 1.0:
         raise ConfigError(f"lora.dropout must be in [0, 1), got {lo.dropout}")
+    if lo.enabled and cfg.parallel.strategy == "fsdp":
+        raise ConfigError("LoRA runs are data-parallel with DDP (parallel.strategy = auto or ddp): the frozen base "
+                          "is not sharded by this version's FSDP path")
     if lo.quantize != "none" and not lo.enabled:
         raise ConfigError("lora.quantize needs LoRA: add --lora (QLoRA trains adapters over a 4-bit base)")
     if cfg.model.init_from is not None:

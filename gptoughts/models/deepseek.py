@@ -800,9 +800,9 @@ class DeepSeek(nn.Module):
     state dict, and out of DDP's buffer broadcast, which would overwrite every rank's counts with rank 0's):
     ``moe_step_load [S, E]`` (this optimizer step, read and cleared by ``after_optimizer_step``) and
     ``moe_log_load [S, E]`` (since the last ``log_metrics``). ``S`` = MoE layers, plus 1 for an MoE MTP block
-    (last row). Only forward passes in training mode count. For multi-GPU training with exactly global
-    balancing, all-reduce (sum) ``moe_step_load`` before ``after_optimizer_step``; without it each rank
-    updates from its own loads (under DDP the bias is then rank 0's, broadcast as a buffer).
+    (last row). Only forward passes in training mode count. Under data parallelism the trainer sums
+    ``moe_step_load`` over ranks (``rank_summed_state``) before ``after_optimizer_step``, so every rank moves its
+    biases from the global loads and they stay identical.
     """
 
     def __init__(self, args: DeepSeekArgs) -> None:
@@ -953,6 +953,10 @@ class DeepSeek(nn.Module):
         self._seq_aux = None
         self._mtp_inputs = None
         return total
+
+    def rank_summed_state(self) -> list[torch.Tensor]:
+        """The step's expert loads, for the trainer to sum across data-parallel ranks (docs/internals.md)."""
+        return [] if self.moe_step_load is None else [self.moe_step_load]
 
     @torch.no_grad()
     def after_optimizer_step(self) -> None:

@@ -1,8 +1,15 @@
-"""torchrun environment, process groups and data-parallel wrapping.
+"""torchrun environment, process groups, data-parallel wrapping (DDP or FSDP2) and full state dicts.
 
 The trainer works with a :class:`DistInfo` whatever the launch: a plain ``python -m gptoughts train`` is one
 process of world size 1 and no process group; ``torchrun --nproc_per_node=N -m gptoughts train`` sets
 RANK/WORLD_SIZE/LOCAL_RANK and we join the group (NCCL on CUDA, gloo on CPU).
+
+Under FSDP2 (``parallel.strategy = fsdp``) every rank holds 1/N of each parameter, gradient and optimizer
+state. Checkpoints stay in the one format every strategy reads: the full model (safetensors) and the full
+optimizer state, gathered to rank 0 at save time and loaded by every rank at resume time (so a run can move
+between one GPU, DDP and FSDP, and between world sizes). Gathering to one host's memory is the limit of this
+format: for models whose optimizer state does not fit in the CPU memory of rank 0, a sharded (DCP) format
+would be needed.
 """
 
 from __future__ import annotations
@@ -23,6 +30,13 @@ class DistInfo:
     rank: int = 0
     local_rank: int = 0
     world_size: int = 1
+    strategy: str = "none"
+    """none (one process), ddp or fsdp."""
+
+    @property
+    def sharded(self) -> bool:
+        """Parameters are sharded across ranks (FSDP): state dicts, eval and sampling are collectives."""
+        return self.strategy == "fsdp"
 
     @property
     def is_main(self) -> bool:
@@ -40,8 +54,8 @@ def launched_by_torchrun() -> bool:
 def init(device: torch.device, backend: str = "auto", strategy: str = "auto") -> DistInfo:
     """Join the process group torchrun set up (idempotent); world size 1 when not under torchrun."""
     if not launched_by_torchrun() or int(os.environ["WORLD_SIZE"]) == 1:
-        if strategy == "ddp" and not launched_by_torchrun():
-            raise ConfigError("parallel.strategy = ddp needs several processes: launch with "
+        if strategy in ("ddp", "fsdp") and not launched_by_torchrun():
+            raise ConfigError(f"parallel.strategy = {strategy} needs several processes: launch with "
                               "`torchrun --nproc_per_node=N -m gptoughts train ...`")
         return DistInfo()
     if strategy == "none":
@@ -55,7 +69,7 @@ def init(device: torch.device, backend: str = "auto", strategy: str = "auto") ->
             torch.cuda.set_device(device)
         dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=30),
                                 device_id=device if device.type == "cuda" else None)
-    return DistInfo(rank=rank, local_rank=local, world_size=world)
+    return DistInfo(rank=rank, local_rank=local, world_size=world, strategy="fsdp" if strategy == "fsdp" else "ddp")
 
 
 def shutdown() -> None:
@@ -72,6 +86,77 @@ def wrap_ddp(model: nn.Module, device: torch.device, info: DistInfo) -> nn.Modul
     # DDP skip the unused-parameter search each step (our graphs never change shape).
     return DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
                gradient_as_bucket_view=True, static_graph=True)
+
+
+def wrap_fsdp(model: nn.Module, precision: str) -> nn.Module:
+    """FSDP2: shard each transformer block (the unit that is gathered just before it runs and freed after),
+    then the root (embeddings, final norm, head). Compute in bf16/fp16 when training in it, gradients reduced in
+    fp32. ``fully_shard`` works in place: parameter names, per-block compile and checkpointing are unchanged."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    blocks = list(model.layers)
+    for i, block in enumerate(blocks):
+        # the last block's parameters are needed again at once by the backward: keep them gathered
+        fully_shard(block, mp_policy=mp, reshard_after_forward=i < len(blocks) - 1)
+    fully_shard(model, mp_policy=mp)
+    return model
+
+
+def wrap(model: nn.Module, device: torch.device, info: DistInfo, precision: str) -> nn.Module:
+    """The data-parallel wrapper ``info.strategy`` asks for (the model itself when running alone)."""
+    if info.sharded:
+        return wrap_fsdp(model, precision)
+    return wrap_ddp(model, device, info)
+
+
+def _options(**kw: bool) -> object:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, **kw)
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """A sharded model's full state dict, gathered to CPU on rank 0 (empty on the other ranks). Collective."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return get_model_state_dict(model, options=_options(cpu_offload=True))
+
+
+def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Load a full state dict (every rank holds it) into a sharded model: each rank keeps its shard."""
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+    set_model_state_dict(model, state, options=_options(strict=True))
+
+
+def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, info: DistInfo) -> dict:
+    """What a checkpoint stores: ``optimizer.state_dict()``, or under FSDP the full state keyed by parameter
+    name, gathered to CPU on rank 0 (a collective)."""
+    if not info.sharded:
+        return optimizer.state_dict()
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    return get_optimizer_state_dict(model, optimizer, options=_options(cpu_offload=True))
+
+
+def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict, info: DistInfo) -> None:
+    """Inverse of :func:`optimizer_state`, across strategies: a state keyed by parameter index (one process or
+    DDP) or by name (FSDP) loads into a plain, DDP or FSDP run."""
+    by_name = any(isinstance(k, str) for k in state.get("state", {})) or any(
+        isinstance(p, str) for g in state.get("param_groups", []) for p in g["params"])
+    if not info.sharded and not by_name:
+        optimizer.load_state_dict(state)
+        return
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    if not by_name:  # index i = the i-th parameter of the param groups, in order
+        names = {id(p): n for n, p in model.named_parameters()}
+        order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
+        state = {"state": {order[i]: v for i, v in state["state"].items()},
+                 "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in state["param_groups"]]}
+    set_optimizer_state_dict(model, optimizer, state, options=_options())
 
 
 def all_reduce_sum(t: torch.Tensor, info: DistInfo) -> torch.Tensor:

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_model, save_model
+from safetensors.torch import load_file, load_model, save_file, save_model
 from torch import nn
 
 from gptoughts.errors import UserError
@@ -67,16 +67,20 @@ def step_dir(root: Path, step: int) -> Path:
     return root / f"step_{step:06d}"
 
 
-def save(root: str | Path, step: int, model: nn.Module, state: dict[str, Any], *, val_loss: float | None = None,
-         keep_last: int = 3, is_best: bool = False) -> Path:
-    """Write checkpoint ``step`` atomically, rotate old ones (never the best), return its directory."""
+def save(root: str | Path, step: int, model: nn.Module | dict[str, torch.Tensor], state: dict[str, Any], *,
+         val_loss: float | None = None, keep_last: int = 3, is_best: bool = False) -> Path:
+    """Write checkpoint ``step`` atomically, rotate old ones (never the best), return its directory.
+    ``model`` is the module, or its full state dict (a sharded run gathers one)."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     final = step_dir(root, step)
     tmp = root / f".tmp-{final.name}-{os.getpid()}-{time.monotonic_ns()}"
     tmp.mkdir()
     try:
-        save_model(model, str(tmp / MODEL_FILE))
+        if isinstance(model, nn.Module):
+            save_model(model, str(tmp / MODEL_FILE))
+        else:
+            save_file({k: v.contiguous() for k, v in model.items()}, str(tmp / MODEL_FILE))
         torch.save(state, tmp / STATE_FILE)
         files = {}
         for name in (MODEL_FILE, STATE_FILE):
@@ -187,8 +191,18 @@ def resolve(path_or_run: str | Path) -> Path:
     raise UserError(f"no valid checkpoint under {p}; train first or pass a checkpoint directory")
 
 
-def load_weights(model: nn.Module, path: Path, *, strict: bool = True) -> None:
-    missing, unexpected = load_model(model, str(path / MODEL_FILE), strict=False)
+def load_weights(model: nn.Module, path: Path, *, strict: bool = True, sharded: bool = False) -> None:
+    """Load a checkpoint's weights; ``sharded``: into an FSDP model (every rank reads the file, keeps its shard)."""
+    if sharded:
+        from gptoughts.parallel.dist import load_full_state_dict
+
+        state = load_file(str(path / MODEL_FILE))
+        expected = set(model.state_dict())
+        missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+        if not missing and not unexpected:
+            load_full_state_dict(model, state)
+    else:
+        missing, unexpected = load_model(model, str(path / MODEL_FILE), strict=False)
     if strict and (missing or unexpected):
         raise UserError(f"checkpoint {path} does not match the model (missing {sorted(missing)[:4]}, "
                         f"unexpected {sorted(unexpected)[:4]}); was it trained with another --size or family?")

@@ -88,7 +88,7 @@ def clip_and_step(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], 
     """
     if fused and scaler is None:
         grads = [p.grad for p in params if p.grad is not None]
-        grad_norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+        grad_norm = _full(torch.nn.utils.get_total_norm(grads, foreach=True))
         found_inf = (~torch.isfinite(grad_norm) | ~torch.isfinite(loss_sum)).float()
         optimizer.grad_scale = ((grad_norm + 1e-6) / max_norm).clamp(min=1.0) if math.isfinite(max_norm) else None
         optimizer.found_inf = found_inf
@@ -96,7 +96,7 @@ def clip_and_step(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], 
         return grad_norm, found_inf
     if scaler is not None:
         scaler.unscale_(optimizer)  # type: ignore[attr-defined]
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+    grad_norm = _full(torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True))
     found_inf = (~torch.isfinite(grad_norm) | ~torch.isfinite(loss_sum)).float()
     if scaler is not None:
         scaler.step(optimizer)  # type: ignore[attr-defined]  # skips on overflow; fused optimizers skip without a sync
@@ -107,3 +107,9 @@ def clip_and_step(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], 
     elif found_inf.item() == 0:  # free on CPU; a sync on CUDA only when fused AdamW is turned off
         optimizer.step()
     return grad_norm, found_inf
+
+
+def _full(norm: torch.Tensor) -> torch.Tensor:
+    """The global norm as a plain tensor: with sharded (FSDP, DTensor) gradients it is a partial DTensor, and
+    ``full_tensor()`` sums the ranks' parts."""
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm

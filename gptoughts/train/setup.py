@@ -136,7 +136,7 @@ def _forward_context(perf: PerfConfig) -> Callable[[], contextlib.AbstractContex
 
 
 def apply_transforms(raw: nn.Module, *, perf: PerfConfig, hw: HardwareProfile, device: torch.device,
-                     dist: pdist.DistInfo) -> Built:
+                     dist: pdist.DistInfo, precision: str = "fp32") -> Built:
     resolved: dict[str, object] = {}
     # 0. precision of the residual stream (a hook on the embeddings; model code untouched)
     residual = perf.residual_dtype
@@ -174,8 +174,10 @@ def apply_transforms(raw: nn.Module, *, perf: PerfConfig, hw: HardwareProfile, d
     elif perf.cuda_graphs or perf.max_autotune:
         raise ConfigError("perf.cuda_graphs and perf.max_autotune are torch.compile modes: add --compile true "
                           "(or drop them)")
-    # 5. data parallel
-    model = pdist.wrap_ddp(model, device, dist)
+    # 5. data parallel: DDP, or FSDP2 (each compiled block sharded in place)
+    model = pdist.wrap(model, device, dist, precision)
+    if dist.enabled:
+        resolved["parallel"] = f"{dist.strategy} x{dist.world_size}"
     resolved["loss"] = resolve_loss(perf, device)
     resolved["sdpa_backend"] = perf.sdpa_backend
     return Built(model=model, raw=raw, forward_context=_forward_context(perf), resolved=resolved)

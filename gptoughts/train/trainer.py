@@ -106,6 +106,7 @@ class Trainer:
         self._interrupts = 0
         inner = self.weights_module()
         self._after_step = getattr(inner, "after_optimizer_step", None)
+        self._rank_summed = getattr(inner, "rank_summed_state", None) if dist.enabled else None
         self._model_metrics = getattr(inner, "log_metrics", None)
         self.timer = StepTimer(device, enabled=timing)
         self.split = 1
@@ -124,8 +125,11 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------- one step
     def _no_sync(self, last: bool) -> contextlib.AbstractContextManager:
-        # DDP all-reduces gradients during backward; skip it on all but the last micro-batch of the step.
-        if not last and hasattr(self.model, "no_sync"):
+        # DDP all-reduces (FSDP reduce-scatters) gradients during backward; skip it on all but the last
+        # micro-batch of the step.
+        if hasattr(self.model, "set_requires_gradient_sync"):  # FSDP2
+            self.model.set_requires_gradient_sync(last)
+        elif not last and hasattr(self.model, "no_sync"):
             return self.model.no_sync()
         return contextlib.nullcontext()
 
@@ -192,6 +196,8 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         if self._after_step is not None:
             with torch.no_grad():
+                for t in self._rank_summed() if self._rank_summed is not None else ():
+                    pdist.all_reduce_sum(t, self.dist)  # global statistics: every rank updates alike
                 self._after_step()
         timer.mark("optimizer")
         timer.stop()
@@ -209,13 +215,21 @@ class Trainer:
         total = torch.zeros((), device=self.device, dtype=torch.float64)
         count = torch.zeros((), device=self.device, dtype=torch.float64)
         model = pdist.unwrap(self.model) if self.dist.enabled else self.model  # no DDP hooks during eval
+        world, rank = self.dist.world_size, self.dist.rank
+        n_batches, batch = 0, None
         for i, batch in enumerate(self.eval_batches()):
-            if i % self.dist.world_size != self.dist.rank:
+            n_batches = i + 1
+            if i % world != rank:
                 continue
             with self.autocast():
                 ls, n = self.objective(model, batch)
             total += ls.double()
             count += n.double()
+        if self.dist.sharded and n_batches % world and rank >= n_batches % world:
+            # Under FSDP every forward is a collective: a rank without a batch in the last round runs one
+            # (discarded) forward so that all ranks run the same number.
+            with self.autocast():
+                self.objective(model, batch)
         self.model.train()
         pdist.all_reduce_sum(total, self.dist)
         pdist.all_reduce_sum(count, self.dist)
@@ -224,6 +238,7 @@ class Trainer:
 
     # --------------------------------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
+        """Everything but the weights; a collective under FSDP (the optimizer state is gathered to rank 0)."""
         st = asdict(self.state)
         st["best_val_loss"] = float(st["best_val_loss"])
         rng = {"torch": torch.get_rng_state()}
@@ -231,7 +246,7 @@ class Trainer:
             rng["cuda"] = torch.cuda.get_rng_state(self.device)
         return {
             "trainer": st,
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": pdist.optimizer_state(self.weights_module(), self.optimizer, self.dist),
             "scaler": self.scaler.state_dict() if self.scaler else None,
             "loader": self.loader.state_dict(),
             "rng": rng,
@@ -240,7 +255,7 @@ class Trainer:
     def load_state_dict(self, sd: dict[str, Any], *, restore_loader: bool = True) -> None:
         tr = dict(sd["trainer"])
         self.state = TrainState(**tr)
-        self.optimizer.load_state_dict(sd["optimizer"])
+        pdist.load_optimizer_state(self.weights_module(), self.optimizer, sd["optimizer"], self.dist)
         if self.scaler is not None and sd.get("scaler"):
             self.scaler.load_state_dict(sd["scaler"])
         if restore_loader:
@@ -252,8 +267,12 @@ class Trainer:
     def save(self, *, val_loss: float | None = None, is_best: bool = False) -> None:
         if not self.cfg.checkpoints:
             return
+        weights: nn.Module | dict[str, torch.Tensor] = self.weights_module()
+        if self.dist.sharded:  # gather the full tensors to rank 0 (every rank takes part)
+            weights = pdist.full_state_dict(weights)
+        state = self.state_dict()
         if self.dist.is_main:
-            ckpt.save(self.ckpt_dir, self.state.step, self.weights_module(), self.state_dict(), val_loss=val_loss,
+            ckpt.save(self.ckpt_dir, self.state.step, weights, state, val_loss=val_loss,
                       keep_last=self.cfg.keep_last, is_best=is_best)
         pdist.barrier(self.dist)
 
@@ -262,7 +281,7 @@ class Trainer:
         path = ckpt.latest_valid(self.ckpt_dir)
         if path is None:
             return False
-        ckpt.load_weights(self.weights_module(), path)
+        ckpt.load_weights(self.weights_module(), path, sharded=self.dist.sharded)
         lr_scale, rollbacks, step = self.state.lr_scale, self.state.rollbacks, self.state.step
         # Keep the loader where it is: replaying the batches that diverged would likely diverge again.
         self.load_state_dict(ckpt.load_state(path, self.device), restore_loader=False)
@@ -424,7 +443,8 @@ class Trainer:
         return val_loss, improved
 
     def _sample(self) -> None:
-        if not self.dist.is_main or self.sample_fn is None:
+        # Under FSDP every rank generates (each forward gathers parameters from all of them); rank 0 writes.
+        if self.sample_fn is None or not (self.dist.is_main or self.dist.sharded):
             return
         self.model.eval()
         texts = []
@@ -432,6 +452,8 @@ class Trainer:
             with self.autocast():
                 texts.append(self.sample_fn(prompt))
         self.model.train()
+        if not self.dist.is_main:
+            return
         with open(self.run_dir / "samples.txt", "a", encoding="utf-8") as f:
             f.write(f"=== step {self.state.step}\n")
             for prompt, text in zip(self.cfg.sample_prompts, texts):

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from gptoughts import api
 from gptoughts.config import list_presets, load_config
@@ -241,6 +242,55 @@ def test_ddp_two_processes_match_single_process(tmp_path, text_corpus, cache_dir
     assert ckpt.list_steps(ddp / "checkpoints") == [3]
     run = json.loads((ddp / "run.json").read_text())
     assert run["world_size"] == 2
+
+
+@pytest.mark.distributed
+def test_fsdp_matches_one_process_and_checkpoints_move_between_them(tmp_path, text_corpus, cache_dir):
+    """2 gloo ranks under FSDP2 x batch 2 train like 1 process x batch 4; a checkpoint written by either
+    resumes in the other (full weights + optimizer state keyed by index or by name) and continues alike.
+    DeepSeek (MoE): its expert-balancing biases only match the one-process run if the ranks' expert loads are
+    summed before each bias update."""
+    args = ["--data", str(text_corpus), "--log_interval", "1", "--eval_interval", "3", "--save_interval", "3",
+            "--train.schedule", "constant"] + [
+        f"--{k}={v}" for k, v in FAST.items() if k not in ("train.batch_size", "train.sample_prompts",
+                                                            "train.warmup_steps", "model.family")]
+    args += ["--warmup_steps", "0", "--model.family", "deepseek", "--model.bias_update_rate", "0.01"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+    def one(out: Path, *extra: str) -> None:
+        subprocess.run([sys.executable, "-m", "gptoughts", "train", "default", "--out", str(out), "--batch_size", "4",
+                        *args, *extra], check=True, env=env, capture_output=True, timeout=300)
+
+    def fsdp(out: Path, *extra: str) -> None:
+        r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                            "-m", "gptoughts", "train", "default", "--out", str(out), "--batch_size", "2",
+                            "--parallel.strategy", "fsdp", *args, *extra],
+                           env=env, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+
+    def close(a: dict[int, float], b: dict[int, float], steps: list[int]) -> None:
+        for s in steps:
+            assert abs(a[s] - b[s]) < 1e-4 * abs(a[s]), (s, a[s], b[s])
+
+    single, sharded = tmp_path / "single", tmp_path / "fsdp"
+    one(single, "--max_steps", "5")
+    fsdp(sharded, "--max_steps", "3")
+    ref = _losses(single)
+    close(ref, _losses(sharded), [1, 2, 3])
+    assert json.loads((sharded / "run.json").read_text())["world_size"] == 2
+    assert (sharded / "samples.txt").exists()  # every rank took part in generation; rank 0 wrote
+    a = load_file(str(single / "checkpoints" / "step_000003" / ckpt.MODEL_FILE))
+    b = load_file(str(sharded / "checkpoints" / "step_000003" / ckpt.MODEL_FILE))
+    assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)
+    biases = [k for k in a if k.endswith("expert_bias")]
+    assert biases and any(a[k].abs().sum() > 0 for k in biases)  # the balancing did move them
+    state = ckpt.load_state(sharded / "checkpoints" / "step_000003")
+    assert all(isinstance(k, str) for k in state["optimizer"]["state"])  # FSDP's full state, keyed by name
+    # FSDP checkpoint (optimizer keyed by name) -> one process; one-process checkpoint (by index) -> FSDP
+    one(tmp_path / "s2", "--max_steps", "5", "--resume", str(sharded / "checkpoints" / "step_000003"))
+    close(ref, _losses(tmp_path / "s2"), [4, 5])
+    fsdp(tmp_path / "f2", "--max_steps", "5", "--resume", str(single / "checkpoints" / "step_000003"))
+    close(ref, _losses(tmp_path / "f2"), [4, 5])
 
 
 def test_profile_writes_a_trace(tmp_path, text_corpus, cache_dir):
