@@ -398,6 +398,8 @@ def cmd_estimate(argv: Sequence[str]) -> int:
                    help="dtype of the residual stream (train's perf.residual_dtype; auto is bf16 on GPUs)")
     p.add_argument("--gpu", default="H100", help="GPU name, e.g. H100, H200, A100, RTX 4090")
     p.add_argument("--num_gpus", type=int, default=1)
+    p.add_argument("--strategy", default="ddp", choices=["ddp", "fsdp"],
+                   help="parallel.strategy: fsdp divides weights, gradients and optimizer state by --num_gpus")
     p.add_argument("--tokens", type=float, default=None, help="token budget, e.g. 50e9")
     p.add_argument("--mfu", type=float, default=None, help="assumed model FLOPs utilisation (default: measured)")
     p.add_argument("--price", type=float, default=None, help="$ per GPU-hour")
@@ -408,7 +410,7 @@ def cmd_estimate(argv: Sequence[str]) -> int:
     e = estimate(a.model, a.size, batch_size=a.batch_size, block_size=a.block_size,
                  activation_checkpointing=a.activation_checkpointing, loss=a.loss, gpu=a.gpu,
                  tokens=int(a.tokens) if a.tokens else None, mfu=a.mfu, price=a.price, num_gpus=a.num_gpus,
-                 residual_dtype=a.residual_dtype)
+                 residual_dtype=a.residual_dtype, strategy=a.strategy)
     print(json.dumps(e.to_dict()) if a.json else format_estimate(e))
     return 0
 

@@ -11,6 +11,11 @@ Memory at the peak of a training step (fp32 master weights, mixed precision):
   (with the bf16 weight copies and logits) early in backward, or all gradients at the optimizer step
 * logits: the LM-head working set (one chunk with the chunked loss, the whole batch with the plain loss)
 
+Under FSDP (``strategy = "fsdp"``) weights, gradients and optimizer state are divided by the GPU count; the
+"autocast copies" line becomes what FSDP holds gathered at a time: the bf16 parameters of two blocks (the one
+running and the one prefetched) and of the root (embeddings, head), plus one block's unsharded gradient (bf16 and
+its fp32 reduce copy).
+
 Time: tokens × FLOPs/token / (peak FLOP/s × MFU). The default MFU is what ``bench`` measured for the size class
 on Hopper (bench/BENCHMARKS.md); pass ``--mfu`` to use your own.
 """
@@ -54,6 +59,7 @@ class Estimate:
     hours: float | None
     price_per_hour: float | None
     cost: float | None
+    strategy: str = "ddp"
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -87,7 +93,7 @@ def _layer_activation_bytes(args: Any, mode: str, residual_bytes: int = 4) -> fl
 def estimate(family: str, size: str, overrides: dict | None = None, *, batch_size: int = 8, block_size: int = 2048,
              activation_checkpointing: str = "none", loss: str = "chunked", loss_chunk: int = 4096,
              gpu: str = "H100", tokens: int | None = None, mfu: float | None = None, price: float | None = None,
-             num_gpus: int = 1, residual_dtype: str = "bf16") -> Estimate:
+             num_gpus: int = 1, residual_dtype: str = "bf16", strategy: str = "ddp") -> Estimate:
     args = models.model_args(family, size, dict(overrides or {}))
     import torch
 
@@ -110,13 +116,23 @@ def estimate(family: str, size: str, overrides: dict | None = None, *, batch_siz
     # chunked: fp32 logits + their gradient for one chunk, plus the fp32 head-weight gradient accumulator;
     # plain: bf16 logits, their fp32 upcast and its gradient, for the whole batch.
     logits = rows * vocab * 8 + vocab * args.d_model * 4 if loss == "chunked" else rows * vocab * (2 + 4 + 4)
+    if strategy not in ("ddp", "fsdp"):
+        raise ConfigError(f"strategy must be ddp or fsdp; got {strategy!r}")
     weights, grads, optim = 4 * n, 4 * n, 8 * n
     copies = 2 * matmul_params
-    # Two candidate peaks on top of weights and optimizer state: early in backward (all activations, the bf16
-    # weight copies autocast saved, the logits working set) or at the optimizer step (all fp32 gradients, the
-    # rest freed). Measured on an H200 (bench/BENCHMARKS.md): 1b 35.6 GiB (this formula 36.1), 3b 61.7 (62.4),
-    # 3b selective 50.3 (51.1), 3b full 45.7 (45.0).
-    total = weights + optim + max(grads, copies + logits + act)
+    if strategy == "fsdp" and num_gpus > 1:
+        block = sum(p.numel() for p in model.layers[0].parameters())
+        root = n - sum(p.numel() for p in model.layers.parameters())
+        weights, grads, optim = weights / num_gpus, grads / num_gpus, optim / num_gpus
+        copies = 2 * (2 * block + root) + 6 * block
+        # Sharded gradients are small and fill up while activations are freed: counted in full (conservative).
+        total = weights + optim + grads + copies + logits + act
+    else:
+        # Two candidate peaks on top of weights and optimizer state: early in backward (all activations, the
+        # bf16 weight copies autocast saved, the logits working set) or at the optimizer step (all fp32
+        # gradients, the rest freed). Measured on an H200 (bench/BENCHMARKS.md): 1b 35.6 GiB (this formula
+        # 36.1), 3b 61.7 (62.4), 3b selective 50.3 (51.1), 3b full 45.7 (45.0).
+        total = weights + optim + max(grads, copies + logits + act)
     peak = peak_flops(gpu)
     if peak is None:
         raise ConfigError(f"unknown GPU {gpu!r}; known: {', '.join(sorted(_PEAK_BF16))}")
@@ -134,6 +150,7 @@ def estimate(family: str, size: str, overrides: dict | None = None, *, batch_siz
         fits=(total / GIB <= mem * 0.95) if mem else None, flops_per_token=flops_tok, mfu=mfu, tokens_per_s=tps,
         tokens=tokens, hours=hours, price_per_hour=pph,
         cost=(hours * pph * num_gpus) if (hours is not None and pph is not None) else None,
+        strategy=strategy if num_gpus > 1 else "ddp",
     )
 
 
@@ -142,7 +159,8 @@ def format_estimate(e: Estimate) -> str:
              f"{e.flops_per_token / 1e9:.2f} GFLOP/token",
              "memory at peak (GiB):"]
     for k in ("weights", "gradients", "optimizer", "autocast_copies", "activations", "logits"):
-        lines.append(f"  {k:<16} {getattr(e, k + '_gib'):8.2f}")
+        label = "fsdp_gathered" if k == "autocast_copies" and e.strategy == "fsdp" else k
+        lines.append(f"  {label:<16} {getattr(e, k + '_gib'):8.2f}")
     fit = "" if e.fits is None else ("  fits" if e.fits else "  DOES NOT FIT")
     mem = f" of {e.gpu_memory_gib} on {e.gpu}" if e.gpu_memory_gib else ""
     lines.append(f"  {'total':<16} {e.total_gib:8.2f}{mem}{fit}")

@@ -69,6 +69,21 @@ def test_estimate_time_and_cost():
         estimate("llama", "1b", gpu="Voodoo2")
 
 
+def test_estimate_fsdp_shards_the_training_state_across_gpus():
+    ddp = estimate("llama", "3b", batch_size=4, gpu="H100", num_gpus=4)
+    fsdp = estimate("llama", "3b", batch_size=4, gpu="H100", num_gpus=4, strategy="fsdp")
+    for k in ("weights_gib", "gradients_gib", "optimizer_gib"):
+        assert getattr(fsdp, k) == pytest.approx(getattr(ddp, k) / 4)
+    assert fsdp.activations_gib == ddp.activations_gib
+    # gathered at a time: a few blocks and the root, far less than autocast's copy of every matmul weight
+    assert 0 < fsdp.autocast_copies_gib < ddp.autocast_copies_gib / 4
+    assert fsdp.total_gib < ddp.total_gib - 20
+    one = estimate("llama", "3b", batch_size=4, gpu="H100", num_gpus=1, strategy="fsdp")
+    assert one.total_gib == pytest.approx(estimate("llama", "3b", batch_size=4, gpu="H100").total_gib)
+    with pytest.raises(UserError, match="strategy"):
+        estimate("llama", "3b", strategy="zero3")
+
+
 def test_estimate_cli(capsys):
     assert cli.main(["estimate", "--size", "125m", "--tokens", "1e9", "--gpu", "A100", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
