@@ -255,7 +255,7 @@ def run_training(cfg: Config) -> tuple[nn.Module, Any, History]:
         if not isinstance(t.batch_size, int) and info.sharded:
             raise ConfigError("train.batch_size = auto probes memory with trial steps, which a sharded (FSDP) run "
                               "cannot do safely (a rank out of memory would leave the others waiting in a "
-                              "collective); pass --batch_size N (`gptoughts estimate` shows what fits)")
+                              "collective); pass --batch_size N (`gptoughts estimate --num_gpus N --strategy fsdp`)")
         if not isinstance(t.batch_size, int):
             parts = {"family": family.name, "args": _jsonable(args), "block": t.block_size, "gpu": hw.name,
                      "precision": precision, "resolved": built.resolved, "world": info.world_size}
