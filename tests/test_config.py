@@ -96,3 +96,20 @@ def test_switching_family_drops_the_presets_architecture(family):
     assert cfg.data.sources == ["@stdlib"]  # the rest of the preset still applies
     same = load_config(None, {"model.family": "llama"})
     assert same.model.overrides["d_model"] == 320
+
+
+def test_parallel_strategy_choices_and_fsdp_limits():
+    assert load_config("default", {"parallel.strategy": "fsdp"}).parallel.strategy == "fsdp"
+    with pytest.raises(ConfigError, match="parallel.strategy"):
+        load_config("default", {"parallel.strategy": "zero3"})
+    with pytest.raises(ConfigError, match="LoRA runs are data-parallel with DDP"):
+        load_config("finetune", {"parallel.strategy": "fsdp", "lora.enabled": True, "model.init_from": "/x"})
+
+
+def test_fsdp_needs_torchrun():
+    import torch
+
+    from gptoughts.parallel import dist
+
+    with pytest.raises(ConfigError, match="parallel.strategy = fsdp needs several processes"):
+        dist.init(torch.device("cpu"), strategy="fsdp")
