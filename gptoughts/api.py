@@ -219,6 +219,9 @@ def run_training(cfg: Config) -> tuple[nn.Module, Any, History]:
         perf = cfg.perf
         if init_from is not None:
             pretrained, raw, perf = build_finetune_model(cfg, init_from, device, precision)
+            if pretrained.generic and info.sharded:
+                raise ConfigError(f"parallel.strategy = fsdp covers the native families; {init_from} runs on the "
+                                  "generic transformers path (tied weights, generate): use DDP (the default)")
             if pretrained.notice and info.is_main:
                 console.print(pretrained.notice, highlight=False)
             args = pretrained.model.args
@@ -327,7 +330,8 @@ def run_training(cfg: Config) -> tuple[nn.Module, Any, History]:
         state = None
         if resume_from is not None:
             ckpt.load_weights(weights, resume_from, sharded=info.sharded)
-            state = ckpt.load_state(resume_from, device)
+            # FSDP: the full optimizer state stays in host memory; each rank copies only its shard to the GPU
+            state = ckpt.load_state(resume_from, "cpu" if info.sharded else device)
             resume_step = int(state["trainer"]["step"])
         metrics = MetricsLogger(run_dir, enabled=info.is_main, tensorboard=cfg.run.tensorboard, wandb=cfg.run.wandb,
                                 wandb_project=cfg.run.wandb_project, config=cfg.to_dict(), resume_step=resume_step)

@@ -91,7 +91,11 @@ def wrap_ddp(model: nn.Module, device: torch.device, info: DistInfo) -> nn.Modul
 def wrap_fsdp(model: nn.Module, precision: str) -> nn.Module:
     """FSDP2: shard each transformer block (the unit that is gathered just before it runs and freed after),
     then the root (embeddings, final norm, head). Compute in bf16/fp16 when training in it, gradients reduced in
-    fp32. ``fully_shard`` works in place: parameter names, per-block compile and checkpointing are unchanged."""
+    fp32. ``fully_shard`` works in place: parameter names, per-block compile and checkpointing are unchanged.
+
+    One difference from DDP + autocast: the bf16 policy applies to every parameter, so the weights autocast
+    would keep in fp32 (norm weights, DeepSeek's router) also compute from bf16 copies; routing can then differ
+    slightly from a DDP run of the same config."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)

@@ -47,9 +47,11 @@ class _MergedLoraLinear(torch.autograd.Function):
         dx = None
         if ctx.needs_input_grad[0]:
             dx = torch.mm(dy2, torch.addmm(weight, b, a, alpha=s)).view(x.shape)
-        v = torch.mm(dy2, b)  # [tokens, r]
-        da = torch.mm(v.t(), x2).mul_(s)  # [r, in]
-        db = torch.mm(dy2.t(), torch.mm(x2, a.t())).mul_(s)  # [out, r]
+        da = db = None
+        if ctx.needs_input_grad[3]:
+            da = torch.mm(torch.mm(dy2, b).t(), x2).mul_(s)  # (dy B)^T x: [r, in]
+        if ctx.needs_input_grad[4]:
+            db = torch.mm(dy2.t(), torch.mm(x2, a.t())).mul_(s)  # dy^T (x A^T): [out, r]
         return dx, None, None, da, db, None
 
 
@@ -75,6 +77,11 @@ class MergedLoraLinear(PeftLoraLinear):
         if self.training and not isinstance(dropout, nn.Identity) and getattr(dropout, "p", 1.0) > 0:
             return None
         base = self.base_layer
+        # Folding costs ~in*out*r FLOPs and a weight-sized write per call, PEFT's side path ~tokens*(in+out)*r:
+        # below in*out/(in+out) tokens (decoding, tiny batches) PEFT's forward is the cheaper one.
+        if x.numel() // max(1, x.shape[-1]) * (base.in_features + base.out_features) < \
+                base.in_features * base.out_features:
+            return None
         if name in self.lora_variant or self.lora_bias.get(name, False) or base.weight.requires_grad:
             return None
         if base.bias is not None and base.bias.requires_grad:

@@ -284,7 +284,8 @@ class Trainer:
         ckpt.load_weights(self.weights_module(), path, sharded=self.dist.sharded)
         lr_scale, rollbacks, step = self.state.lr_scale, self.state.rollbacks, self.state.step
         # Keep the loader where it is: replaying the batches that diverged would likely diverge again.
-        self.load_state_dict(ckpt.load_state(path, self.device), restore_loader=False)
+        self.load_state_dict(ckpt.load_state(path, "cpu" if self.dist.sharded else self.device),
+                             restore_loader=False)
         self.state.lr_scale = lr_scale * 0.5
         self.state.rollbacks = rollbacks + 1
         self.log_line(f"step {step}: {self.cfg.max_bad_steps} non-finite steps; rolled back to {path.name}, "
@@ -340,7 +341,9 @@ class Trainer:
                 steps_in_window += 1
                 at_end = st.step >= self.total_steps
 
-                stop = self.stop_requested
+                # Alone, a signal stops at the next step; with several ranks only where they agree (log steps),
+                # or one rank would save (a collective under FSDP) while the others start the next step.
+                stop = self.stop_requested and not self.dist.enabled
                 if st.step % cfg.log_interval == 0 or at_end:
                     stop = self._log(loss_acc, tokens_acc, bad_acc, steps_in_window, window_start)
                     if stop == "diverged":

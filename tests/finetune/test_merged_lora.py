@@ -48,11 +48,17 @@ def _grads(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return y.detach(), x.grad, {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
 
 
-def test_merged_forward_matches_peft_outputs_and_gradients_in_fp32():
+def test_merged_forward_matches_peft_outputs_and_gradients_in_fp32(monkeypatch):
+    from gptoughts.perf import lora
+
+    applied = []
+    real = lora._MergedLoraLinear.apply
+    monkeypatch.setattr(lora._MergedLoraLinear, "apply", lambda *a: applied.append(1) or real(*a))
     ref, ours = _pair()
     x = torch.randn(3, 5, 24)
     y_ref, dx_ref, g_ref = _grads(ref, x)
     y, dx, g = _grads(ours, x)
+    assert len(applied) == 2  # both layers took the merged path
     assert (y - y_ref).abs().max().item() <= 1e-5
     assert (dx - dx_ref).abs().max().item() <= 1e-5
     assert g.keys() == g_ref.keys() and len(g) == 4  # lora_A and lora_B of both layers
@@ -64,7 +70,7 @@ def test_merged_forward_matches_peft_outputs_and_gradients_in_fp32():
 
 def test_merged_forward_under_bf16_autocast_keeps_fp32_adapter_grads():
     ref, ours = _pair()
-    x = torch.randn(2, 7, 24)
+    x = torch.randn(2, 9, 24)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y_ref, _, g_ref = _grads(ref, x)
         y, _, g = _grads(ours, x)
@@ -85,7 +91,7 @@ def test_dropout_in_training_takes_peft_path_and_eval_takes_the_merged_one(monke
         return calls[-1]
 
     monkeypatch.setattr(MergedLoraLinear, "_merged_path_ok", spy)
-    x = torch.randn(2, 3, 24)
+    x = torch.randn(4, 8, 24)
     ours.train()
     torch.manual_seed(1)
     y_train = ours(x)
@@ -97,6 +103,11 @@ def test_dropout_in_training_takes_peft_path_and_eval_takes_the_merged_one(monke
     with torch.no_grad():
         assert (ours(x) - ref(x)).abs().max().item() <= 1e-5
     assert calls[2:] == ["default", "default"]
+    # below in*out/(in+out) tokens (24*40/64 = 15 here: decoding, tiny batches) PEFT's side path is cheaper
+    calls.clear()
+    with torch.no_grad():
+        assert (ours(x[:1, :7]) - ref(x[:1, :7])).abs().max().item() <= 1e-5
+    assert calls == [None, None]
 
 
 def test_merge_and_unload_and_disabled_adapters_behave_as_peft():
