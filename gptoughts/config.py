@@ -243,7 +243,8 @@ class LoraConfig:
     merged_forward: bool = True
     """Fold each adapter into its frozen weight (``W + alpha/r * B @ A``) for the step instead of running it
     beside the base matmul: same result, one matmul per layer (gptoughts/perf/lora.py). Applies when the
-    adapter input has no dropout (or in eval) and the base is not 4-bit; false keeps PEFT's own forward."""
+    adapter input has no dropout (or in eval), the base is not 4-bit and the call has enough tokens to pay for
+    the fold (training batches, not decoding); false keeps PEFT's own forward."""
 
 
 @dataclass
