@@ -141,14 +141,16 @@ def run_peft(model_dir: Path, data: list[torch.Tensor], a: argparse.Namespace, d
 
 def run_ours(model_dir: Path, data: list[torch.Tensor], a: argparse.Namespace, device: torch.device,
              extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    from gptoughts.api import build_finetune_model
+    """Our LoRA step, assembled by gptoughts.train.build exactly as `gptoughts finetune` assembles it."""
     from gptoughts.config import load_config
-    from gptoughts.parallel import dist as pdist
-    from gptoughts.perf import hardware
-    from gptoughts.train.metrics import MetricsLogger
-    from gptoughts.train.optim import Schedule
-    from gptoughts.train.setup import apply_transforms, make_objective, make_optimizer
-    from gptoughts.train.trainer import Trainer
+    from gptoughts.models.hf import load_tokenizer
+    from gptoughts.train.build import (
+        build_model,
+        plan_batches,
+        setup_environment,
+        synthetic_data,
+        timing_trainer,
+    )
 
     _reset(device)
     overrides = {"model.init_from": str(model_dir), "lora.enabled": True, "lora.r": a.r, "lora.alpha": a.alpha,
@@ -159,18 +161,12 @@ def run_ours(model_dir: Path, data: list[torch.Tensor], a: argparse.Namespace, d
         overrides["perf.loss_chunk"] = a.loss_chunk
     overrides.update(extra or {})
     cfg = load_config("finetune", overrides)
-    hw = hardware.detect(device)
-    pretrained, raw, perf = build_finetune_model(cfg, model_dir, device, a.precision)
-    info = pdist.DistInfo()
-    built = apply_transforms(raw, perf=perf, hw=hw, device=device, dist=info)
-    t = cfg.train
-    opt = make_optimizer(built.model, t, cfg.perf, device)
+    env = setup_environment(cfg)
+    tok = load_tokenizer(model_dir)
+    data_ = synthetic_data(tok.vocab_size, init_from=model_dir, tokenizer=tok)
+    model = build_model(cfg, env, data_)
     loader = itertools.cycle([(d[:, :-1], d[:, 1:]) for d in data])
-    trainer = Trainer(model=built.model, objective=make_objective(_family(pretrained), built, perf),
-                      optimizer=opt, schedule=Schedule("constant", t.learning_rate, 10**9, 0), loader=loader,
-                      eval_batches=None, cfg=t, run=cfg.run, run_dir=Path("."), dist=info, device=device,
-                      precision=a.precision, metrics=MetricsLogger(Path("."), enabled=False), total_steps=10**9,
-                      tokens_per_step=a.batch * a.seq, forward_context=built.forward_context, timing=False)
+    trainer = timing_trainer(cfg, env, model, loader, plan_batches(cfg, env, data_, model), timing=False)
 
     def step() -> torch.Tensor:
         loss_sum, n, _ = trainer.train_step()
@@ -178,19 +174,13 @@ def run_ours(model_dir: Path, data: list[torch.Tensor], a: argparse.Namespace, d
 
     step_s, loss = time_steps(step, device, a.warmup, a.steps)
     out = {"step_ms": step_s * 1e3, "tokens_per_s": a.batch * a.seq / step_s, "peak_memory_gib": _peak_gib(device),
-           "trainable_params": sum(p.numel() for p in raw.parameters() if p.requires_grad), "loss": loss,
-           "resolved": {k: str(v) for k, v in built.resolved.items()}, "overrides": extra or {}}
+           "trainable_params": sum(p.numel() for p in model.raw.parameters() if p.requires_grad), "loss": loss,
+           "resolved": {k: str(v) for k, v in model.built.resolved.items()}, "overrides": extra or {}}
     if a.kernels:
-        from gptoughts.perf.bench import profile_steps
+        from gptoughts.tools.bench import profile_steps
 
         out["kernels"] = profile_steps(step, device, a.kernels)
     return out
-
-
-def _family(pretrained: Any) -> Any:
-    from gptoughts import models
-
-    return models.get_family(pretrained.family)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

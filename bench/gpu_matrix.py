@@ -15,7 +15,7 @@ import traceback
 import torch
 
 from gptoughts.config import load_config
-from gptoughts.perf.bench import format_result, run_bench
+from gptoughts.tools.bench import format_result, run_bench
 
 SHAPES = {
     # name: (size, block, batch)

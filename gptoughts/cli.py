@@ -10,101 +10,104 @@ import argparse
 import json
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from gptoughts.errors import ConfigError, UserError, closest
 
-# alias -> dotted key
+# alias -> dotted key: the spellings of the user's own scripts and of the API (num_epochs, save_dir). Besides
+# these, the bare name of any config field is accepted (--weight_decay = --train.weight_decay): see _bare_keys.
 ALIASES: dict[str, str] = {
     "model": "model.family",
     "model_type": "model.family",
     "size": "model.size",
     "data": "data.sources",
-    "tokenizer": "data.tokenizer",
+    "data_path": "data.sources",
     "out": "run.out",
     "save_dir": "run.out",
-    "max_steps": "train.max_steps",
     "epochs": "train.epochs",
-    "max_tokens": "train.max_tokens",
-    "batch_size": "train.batch_size",
-    "grad_accum": "train.grad_accum",
+    "num_epochs": "train.epochs",
     "gradient_accumulation_steps": "train.grad_accum",
-    "block_size": "train.block_size",
-    "learning_rate": "train.learning_rate",
     "lr": "train.learning_rate",
-    "warmup_steps": "train.warmup_steps",
-    "seed": "train.seed",
-    "log_interval": "train.log_interval",
-    "eval_interval": "train.eval_interval",
-    "save_interval": "train.save_interval",
-    "device": "perf.device",
-    "precision": "perf.precision",
-    "compile": "perf.compile",
     "fp8": "perf.fp8",
     "use_fp8": "perf.fp8",
-    "activation_checkpointing": "perf.activation_checkpointing",
-    "overwrite": "run.overwrite",
-    "resume": "run.resume",
-    "wandb": "run.wandb",
     "no_progress": "run.progress",
-    "profile": "train.profile",
+    "auto_batch": "train.batch_size",
+    "recover_nan": "train.nan_policy",
 }
 REPEATABLE = {"data.sources"}
 # Flags that take no value, and the value they set.
-FLAGS: dict[str, Any] = {"overwrite": True, "wandb": True, "no_progress": False}
+FLAGS: dict[str, Any] = {"overwrite": True, "wandb": True, "no_progress": False, "auto_batch": "auto",
+                         "recover_nan": "rollback"}
 # Options whose value may be left out, and the value they then take.
 OPTIONAL_VALUE: dict[str, Any] = {"resume": "auto", "compile": True, "fp8": True, "use_fp8": True}
 _BOOL_WORDS = {"true", "false", "auto", "1", "0"}
 OPTIONAL_CHOICES: dict[str, set[str]] = {"compile": _BOOL_WORDS, "fp8": _BOOL_WORDS, "use_fp8": _BOOL_WORDS}
+# Options of the train command itself (not config keys).
+TRAIN_SWITCHES = ("interactive", "dry_run", "print_config")
 
-TRAIN_USAGE = """usage: gptoughts train [PRESET|FILE.toml] [--section.key VALUE ...] [options]
 
-Trains a model. With no arguments: the `quickstart` preset (a ~10M-param Llama on the Python standard library).
+def _bare_keys(sections: tuple[str, ...]) -> dict[str, str]:
+    """field name -> dotted key for every field of ``sections`` (no two sections share a field name)."""
+    from gptoughts.config import SECTIONS
 
-options (aliases of config keys):
-  --model FAMILY          model.family (llama, ...)          --size SIZE        model.size (debug, 125m, 1b, ...)
-  --data PATH             data.sources (repeatable)          --tokenizer SPEC   bpe:VOCAB | bytes | HF_TOKENIZER_DIR
-  --out DIR               run.out (run directory)            --max_steps N / --epochs E / --max_tokens N
-  --batch_size N|auto     --grad_accum N                     --block_size N     --learning_rate LR
-  --device DEV            --seed N                           --precision {auto,fp32,bf16,fp16}
-  --compile [true|false|auto]     --fp8 [true|false|auto] (alias --use_fp8)
-  --activation_checkpointing {none,selective,full}        --log_interval / --eval_interval / --save_interval N
-  --overwrite             replace the run in --out           --resume [auto|PATH] continue a run
-  --wandb                 log to Weights & Biases            --interactive      ask the INL guide's four questions
-  --profile START:END     torch.profiler trace of those steps into OUT/profile/ (Perfetto, TensorBoard)
-  --section.key VALUE     any config key, e.g. --train.warmup_steps 100 --model.n_layers 4
+    return {f: f"{sec}.{f}" for sec in sections for f in SECTIONS[sec].__dataclass_fields__ if f != "overrides"}
 
-presets: {presets}
-"""
+
+TRAIN_SECTIONS = ("model", "data", "train", "perf", "parallel", "run")
 
 
 def parse_overrides(argv: Sequence[str], aliases: dict[str, str] | None = None,
-                    flags: dict[str, Any] | None = None) -> tuple[str | None, dict[str, Any], bool]:
-    """Split ``[PRESET] --k v ...`` into (preset, {dotted key: value}, interactive).
+                    flags: dict[str, Any] | None = None, sections: tuple[str, ...] = TRAIN_SECTIONS,
+                    switches: Sequence[str] = TRAIN_SWITCHES) -> tuple[str | None, dict[str, Any], set[str]]:
+    """Split ``[PRESET] --k v ...`` into (preset, {dotted key: value}, switches given).
 
-    ``aliases``/``flags`` replace :data:`ALIASES`/:data:`FLAGS` (``finetune`` maps ``--model`` elsewhere)."""
-    aliases = ALIASES if aliases is None else aliases
+    ``aliases``/``flags`` replace :data:`ALIASES`/:data:`FLAGS` (``finetune`` maps ``--model`` elsewhere).
+    An option that is not an alias, a field name of ``sections``, a dotted key or a switch is an error that
+    suggests only options this command accepts."""
+    from gptoughts.config import SECTIONS
+
+    aliases = {**_bare_keys(sections), **(ALIASES if aliases is None else aliases)}
     flags = FLAGS if flags is None else flags
     preset: str | None = None
     out: dict[str, Any] = {}
-    interactive = False
+    seen: set[str] = set()
     i = 0
     args = list(argv)
     while i < len(args):
         tok = args[i]
         i += 1
-        if not tok.startswith("--"):
-            if preset is None and not out:
+        if not tok.startswith("--") or tok == "--":
+            if preset is None and not out and not tok.startswith("-"):
                 preset = tok
                 continue
             raise ConfigError(f"unexpected argument {tok!r}; options are written --key VALUE")
         name, eq, value = tok[2:].partition("=")
-        name = name.replace("-", "_") if "." not in name else name
-        if name == "interactive":
-            interactive = True
-            continue
+        if "." in name:
+            section, _, field_name = name.partition(".")
+            if section not in sections:
+                near = closest(section, sections)
+                raise ConfigError(f"unknown option --{name}: no section `{section}`"
+                                  + (f" (did you mean --{near}.{field_name}?)" if near else
+                                     f"; sections are {', '.join(sections)}"))
+            if section != "model" and field_name not in SECTIONS[section].__dataclass_fields__:
+                fields = [f for f in SECTIONS[section].__dataclass_fields__]
+                near = closest(field_name, fields)
+                raise ConfigError(f"unknown option --{name}" + (f" (did you mean --{section}.{near}?)" if near else
+                                                                f"; `gptoughts {'train'} --help` lists them"))
+            key = name
+        else:
+            name = name.replace("-", "_")
+            if name in switches:
+                seen.add(name)
+                continue
+            key = aliases.get(name)
+            if key is None:
+                near = closest(name, [*aliases, *switches])
+                raise ConfigError(f"unknown option --{name}" + (f" (did you mean --{near}?)" if near else
+                                                                "; `--help` lists the options"))
         if name in flags and not eq:
-            out[aliases[name]] = flags[name]
+            out[key] = flags[name]
             continue
         if not eq:
             nxt = args[i] if i < len(args) else None
@@ -118,19 +121,13 @@ def parse_overrides(argv: Sequence[str], aliases: dict[str, str] | None = None,
                 if nxt is None or (nxt.startswith("--") and len(nxt) > 2):
                     raise ConfigError(f"--{name} needs a value")
                 value, i = nxt, i + 1
-        key = aliases.get(name, name)
-        if "." not in key:
-            from gptoughts.config import Config
-
-            sections = {f"{s}" for s in Config.__dataclass_fields__}
-            hint = closest(name, list(aliases) + [f"{s}.{name}" for s in sections])
-            raise ConfigError(f"unknown option --{name}" + (f" (did you mean --{hint}?)" if hint else
-                                                             "; run `gptoughts train --help`"))
         if key in REPEATABLE:
             out.setdefault(key, []).append(value)
+        elif key in out and out[key] != value:
+            raise ConfigError(f"--{name} is given twice ({out[key]!r} and {value!r}); give it once")
         else:
             out[key] = value
-    return preset, out, interactive
+    return preset, out, seen
 
 
 def ask_interactive(overrides: dict[str, Any], ask: Callable[[str, str], str] | None = None) -> dict[str, Any]:
@@ -154,37 +151,98 @@ def ask_interactive(overrides: dict[str, Any], ask: Callable[[str, str], str] | 
     return out
 
 
-def cmd_train(argv: Sequence[str]) -> int:
-    from gptoughts.config import list_presets, load_config
+WHERE_A_RUN_STARTS = """Where a run starts: a bare `gptoughts train` trains the quickstart preset (a ~10M-parameter Llama on
+6 MB of the Python standard library, 250 steps). A run that names --data, --model, --size or a preset starts
+from the defaults of its family and size (gptoughts/presets/sizes.toml: sequence length, learning rate, batch,
+vocabulary), then the preset or TOML file it names, then its flags; nothing of the quickstart leaks into it.
+With --resume the run's own config.toml is the start, and flags beside it override what they name. Before the
+first step a run prints its plan (model, parameters, corpus read, tokens, steps, epochs, memory, time)."""
 
-    if any(a in ("-h", "--help") for a in argv):
-        print(TRAIN_USAGE.replace("{presets}", ", ".join(list_presets())))
+
+def options_help(sections: tuple[str, ...], aliases: dict[str, str], flags: dict[str, Any]) -> list[str]:
+    """Every option of ``sections`` with its type, default and the docstring of its field."""
+    import textwrap
+
+    from gptoughts.config import describe_fields
+
+    by_key: dict[str, list[str]] = {}
+    for alias, key in aliases.items():
+        by_key.setdefault(key, []).append(alias)
+    lines = []
+    current = None
+    for key, tp, default, doc in describe_fields(sections):
+        section, name = key.split(".")
+        if section != current:
+            lines.append(f"\n[{section}]")
+            current = section
+        other = [a for a in by_key.get(key, []) if a != name]
+        spelled = f"--{name}" + "".join(f", --{a}" for a in other if a not in flags)
+        spelled += "".join(f", --{a} (flag)" for a in other if a in flags)
+        default = "none" if default == "null" else default
+        lines.append(f"  {spelled}  ({tp}, default {default})")
+        if doc:
+            lines += textwrap.wrap(doc, 108, initial_indent="      ", subsequent_indent="      ")
+    return lines
+
+
+def train_help() -> str:
+    from gptoughts import models
+    from gptoughts.config import list_presets
+
+    lines = ["usage: gptoughts train [PRESET|FILE.toml] [--option VALUE ...] [--section.key VALUE ...]", "",
+             WHERE_A_RUN_STARTS, "",
+             "examples:",
+             "  gptoughts train                                       # the quickstart",
+             "  gptoughts train --data corpus.txt --size 125m         # a 125m Llama on your corpus",
+             "  gptoughts train --data data/ --model inl --size 3b --dry_run   # its plan, nothing run",
+             "  gptoughts train --resume auto --out runs/llama-125m   # continue a run exactly", "",
+             "families and sizes (--model FAMILY --size SIZE):"]
+    lines += [f"  {name:<9} {', '.join(models.list_sizes(name))}" for name in models.FAMILIES]
+    lines += [f"presets: {', '.join(list_presets())}", "",
+              "switches:",
+              "  --dry_run        print the run plan (and its warnings) and exit; writes nothing",
+              "  --print_config   print the fully resolved config as TOML and exit",
+              "  --interactive    ask the INL guide's four questions (size, corpus, epochs, batch size)", "",
+              "options: --NAME VALUE or --SECTION.NAME VALUE; a few take no value (flags):"]
+    lines += options_help(TRAIN_SECTIONS, {**_bare_keys(TRAIN_SECTIONS), **ALIASES}, FLAGS)
+    lines += ["", "model architecture fields (--model.NAME VALUE, e.g. --model.n_layers 8) depend on the family: "
+              "see docs/internals.md and gptoughts/models/FAMILY.py."]
+    return "\n".join(lines)
+
+
+def _run(preset: str | None, overrides: dict[str, Any], switches: set[str], default_preset: str | None = None) -> int:
+    from gptoughts.config import load_config, to_toml
+
+    cfg = load_config(preset or default_preset, overrides)
+    if "print_config" in switches:
+        print(to_toml(cfg), end="")
         return 0
-    preset, overrides, interactive = parse_overrides(argv)
-    if interactive:
-        overrides = ask_interactive(overrides)
-    cfg = load_config(preset, overrides)
     from gptoughts.api import run_training
 
-    run_training(cfg)
+    run_training(cfg, dry_run="dry_run" in switches)
     return 0
+
+
+def cmd_train(argv: Sequence[str]) -> int:
+    if any(a in ("-h", "--help") for a in argv):
+        print(train_help())
+        return 0
+    preset, overrides, switches = parse_overrides(argv)
+    if "interactive" in switches:
+        overrides = ask_interactive(overrides)
+    return _run(preset, overrides, switches)
 
 
 # `finetune` reads the same options as `train`, except that --model names the pretrained folder.
 FINETUNE_ALIASES: dict[str, str] = {
     **ALIASES,
     "model": "model.init_from",
-    "init_from": "model.init_from",
-    "trust_remote_code": "model.trust_remote_code",
     "lora": "lora.enabled",
     "lora_r": "lora.r",
     "lora_alpha": "lora.alpha",
     "lora_dropout": "lora.dropout",
     "target_modules": "lora.target_modules",
     "qlora": "lora.quantize",
-    "format": "data.format",
-    "packing": "data.packing",
-    "truncation": "data.truncation",
 }
 FINETUNE_FLAGS: dict[str, Any] = {**FLAGS, "lora": True, "trust_remote_code": True, "qlora": "4bit"}
 
@@ -212,21 +270,20 @@ presets: {presets}
 
 
 def cmd_finetune(argv: Sequence[str]) -> int:
-    from gptoughts.config import list_presets, load_config
+    from gptoughts.config import list_presets
 
     if any(a in ("-h", "--help") for a in argv):
         print(FINETUNE_USAGE.replace("{presets}", ", ".join(list_presets())))
+        lines = options_help(("lora",), {**_bare_keys(("lora",)), **FINETUNE_ALIASES}, FINETUNE_FLAGS)
+        print("\n".join(["LoRA options:", *lines[1:]]))
         return 0
-    preset, overrides, _ = parse_overrides(argv, FINETUNE_ALIASES, FINETUNE_FLAGS)
+    preset, overrides, switches = parse_overrides(argv, FINETUNE_ALIASES, FINETUNE_FLAGS,
+                                                  sections=(*TRAIN_SECTIONS, "lora"))
     if overrides.get("lora.quantize") == "4bit":
         overrides.setdefault("lora.enabled", True)
-    cfg = load_config(preset or "finetune", overrides)
-    if cfg.model.init_from is None:
+    if "model.init_from" not in overrides and preset is None:
         raise ConfigError("finetune needs a pretrained model: pass --model HF_DIR (a local Hugging Face folder)")
-    from gptoughts.api import run_training
-
-    run_training(cfg)
-    return 0
+    return _run(preset, overrides, switches, default_preset="finetune")
 
 
 def cmd_export(argv: Sequence[str]) -> int:
@@ -254,21 +311,28 @@ def cmd_export(argv: Sequence[str]) -> int:
 
 
 def cmd_prepare(argv: Sequence[str]) -> int:
-    p = argparse.ArgumentParser(prog="gptoughts prepare", description="Tokenize a corpus into token shards.")
-    p.add_argument("--data", action="append", required=True, help="file, folder, .jsonl, .parquet or saved HF dataset")
-    p.add_argument("--out", required=True, help="output directory for shards + manifest.json + tokenizer/")
-    p.add_argument("--tokenizer", default="bpe:8192", help="bpe:VOCAB | bytes | HF tokenizer folder")
-    p.add_argument("--text_field", default="text")
-    p.add_argument("--val_fraction", type=float, default=0.005)
-    p.add_argument("--max_bytes", type=int, default=None)
-    p.add_argument("--seed", type=int, default=1337)
-    a = p.parse_args(argv)
-    from gptoughts.api import resolve_sources
+    if any(a in ("-h", "--help") for a in argv):
+        print("usage: gptoughts prepare --data PATH [--data PATH ...] --out DIR [--size S | --tokenizer SPEC]\n"
+              "                         [--text_field F --extensions a,b --val_fraction X --max_bytes N --seed N]\n"
+              "Tokenize a corpus into token shards in DIR (manifest.json, tokenizer/, *.bin): the same keys and\n"
+              "defaults as `gptoughts train` (with --size, the tokenizer that size trains with), so\n"
+              "`gptoughts bench --shards DIR` and a train of the same settings read the same tokens.")
+        print("\n".join(options_help(("data",), {**_bare_keys(("data",)), **ALIASES}, FLAGS)))
+        return 0
+    rest, opts = _pop_options(argv, set(), {"out"})
+    if "out" not in opts:
+        raise ConfigError("prepare needs an output folder: --out DIR")
+    preset, overrides, _ = parse_overrides(rest, sections=("model", "data", "train"), switches=())
+    from gptoughts.config import load_config
     from gptoughts.data.prepare import prepare
+    from gptoughts.train.build import resolve_sources
 
-    m = prepare(resolve_sources(a.data), a.out, a.tokenizer, text_field=a.text_field, val_fraction=a.val_fraction,
-                max_bytes=a.max_bytes, seed=a.seed)
-    print(f"{a.out}: {m.train_tokens:,} train tokens, {m.val_tokens:,} val tokens")
+    cfg = load_config(preset, overrides)
+    d = cfg.data
+    m = prepare(resolve_sources(d.sources), opts["out"], d.tokenizer, text_field=d.text_field,
+                extensions=d.extensions or None, val_fraction=d.val_fraction, max_bytes=d.max_bytes,
+                seed=cfg.train.seed)
+    print(f"{opts['out']}: {m.train_tokens:,} train tokens, {m.val_tokens:,} val tokens (vocab {m.vocab_size:,})")
     return 0
 
 
@@ -296,12 +360,14 @@ def cmd_sample(argv: Sequence[str]) -> int:
 
 
 def cmd_eval(argv: Sequence[str]) -> int:
-    p = argparse.ArgumentParser(prog="gptoughts eval", description="Validation loss and perplexity on a corpus.")
-    p.add_argument("path", help="run directory or checkpoint directory")
-    p.add_argument("--data", action="append", required=True)
+    p = argparse.ArgumentParser(prog="gptoughts eval",
+                                description="Loss and perplexity of a run (or HF folder) on all of a corpus.")
+    p.add_argument("path", help="run directory, checkpoint directory or Hugging Face model folder")
+    p.add_argument("--data", action="append", required=True, help="file, folder, .jsonl, .parquet (repeatable)")
     p.add_argument("--batch_size", type=int, default=8)
-    p.add_argument("--block_size", type=int, default=None)
-    p.add_argument("--max_batches", type=int, default=100)
+    p.add_argument("--block_size", type=int, default=None, help="default: the run's train.block_size")
+    p.add_argument("--max_batches", type=int, default=None,
+                   help="score only this many batches, spread evenly over the corpus (default: all of it)")
     p.add_argument("--device", default="auto")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     a = p.parse_args(argv)
@@ -312,8 +378,40 @@ def cmd_eval(argv: Sequence[str]) -> int:
     if a.json:
         print(json.dumps(res))
     else:
-        print(f"loss {res['loss']:.4f}  perplexity {res['perplexity']:.2f}  ({int(res['tokens']):,} tokens, "
-              f"{res['split']} split)")
+        print(f"loss {res['loss']:.4f}  perplexity {res['perplexity']:.2f}  ({int(res['tokens']):,} tokens scored: "
+              f"{res['scored']} of {', '.join(a.data)})")
+    return 0
+
+
+def cmd_plot(argv: Sequence[str]) -> int:
+    p = argparse.ArgumentParser(prog="gptoughts plot", description="PNG plots of runs (loss, lr, tokens/s, grad "
+                                "norm, memory): one run -> RUN/plots/; several -> one figure overlaying them.")
+    p.add_argument("runs", nargs="+", help="run directories (each holds metrics.jsonl)")
+    p.add_argument("--out", default=None, help="with several runs: the PNG to write (default compare.png)")
+    a = p.parse_args(argv)
+    from gptoughts.train.plots import compare_runs, write_run_plots
+
+    if len(a.runs) == 1 and a.out is None:
+        if not (Path(a.runs[0]) / "metrics.jsonl").is_file():
+            raise UserError(f"{a.runs[0]} has no metrics.jsonl; pass a run directory")
+        written = write_run_plots(a.runs[0])
+        if not written:
+            raise UserError(f"nothing to plot in {a.runs[0]} (no metrics yet, or matplotlib is missing)")
+        print("\n".join(str(w) for w in written))
+        return 0
+    print(compare_runs(a.runs, a.out or "compare.png"))
+    return 0
+
+
+def cmd_config(argv: Sequence[str]) -> int:
+    if any(a in ("-h", "--help") for a in argv):
+        print("usage: gptoughts config [PRESET|FILE.toml] [train's options]\nPrints the fully resolved config of "
+              "`gptoughts train` with the same arguments, as TOML (nothing runs).")
+        return 0
+    preset, overrides, _ = parse_overrides(argv, switches=())
+    from gptoughts.config import load_config, to_toml
+
+    print(to_toml(load_config(preset, overrides)), end="")
     return 0
 
 
@@ -375,7 +473,7 @@ def cmd_bench(argv: Sequence[str]) -> int:
     rest, opts = _pop_options(argv, {"json"}, {"steps", "warmup", "compare", "shards", "kernels"})
     preset, overrides, _ = parse_overrides(rest)
     from gptoughts.config import load_config
-    from gptoughts.perf.bench import format_result, run_bench
+    from gptoughts.tools.bench import format_result, run_bench
 
     cfg = load_config(preset or "default", overrides)
     res = run_bench(cfg, steps=int(opts.get("steps", 20)), warmup=int(opts.get("warmup", 5)),
@@ -426,7 +524,7 @@ def cmd_tune(argv: Sequence[str]) -> int:
     rest, opts = _pop_options(argv, set(), {"ac", "compile_modes", "fp8", "batches", "steps", "warmup", "out"})
     preset, overrides, _ = parse_overrides(rest)
     from gptoughts.config import load_config
-    from gptoughts.perf.tune import best, format_table, run_tune, write_winner
+    from gptoughts.tools.tune import best, format_table, run_tune, write_winner
 
     def csv(name: str) -> list[str] | None:
         return [v.strip() for v in opts[name].split(",")] if name in opts else None
@@ -450,7 +548,9 @@ COMMANDS: dict[str, tuple[Callable[[Sequence[str]], int], str]] = {
     "export": (cmd_export, "write a run as a Hugging Face transformers folder (--format hf OUT)"),
     "prepare": (cmd_prepare, "tokenize a corpus into token shards"),
     "sample": (cmd_sample, "generate text from a run or checkpoint"),
-    "eval": (cmd_eval, "val loss and perplexity of a run on a corpus"),
+    "eval": (cmd_eval, "loss and perplexity of a run on all of a corpus"),
+    "plot": (cmd_plot, "PNG plots of a run, or several runs overlaid"),
+    "config": (cmd_config, "print the fully resolved config of a train command"),
     "env": (cmd_env, "hardware, supported precisions, recommended settings"),
     "estimate": (cmd_estimate, "memory, time and cost of a run before it starts"),
     "tune": (cmd_tune, "search batch x checkpointing x compile x fp8 for the fastest settings"),
@@ -461,7 +561,8 @@ COMMANDS: dict[str, tuple[Callable[[Sequence[str]], int], str]] = {
 def usage() -> str:
     lines = ["usage: gptoughts COMMAND [ARGS]", "", "commands:"]
     lines += [f"  {name:<9} {help_}" for name, (_, help_) in COMMANDS.items()]
-    lines += ["", "`gptoughts COMMAND --help` for details. `gptoughts` alone runs `gptoughts train` (quickstart)."]
+    lines += ["", "`gptoughts COMMAND --help` for details; `gptoughts train` alone trains the quickstart (a ~10M Llama "
+              "on the Python standard library, a few minutes on a CPU). `gptoughts --version` prints the version."]
     return "\n".join(lines)
 
 
@@ -480,10 +581,15 @@ def _setup_logging() -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in ("-h", "--help", "help"):
+    if not argv or argv[0] in ("-h", "--help", "help"):
         print(usage())
         return 0
-    if not argv or argv[0].startswith("-"):
+    if argv[0] in ("-V", "--version", "version"):
+        from gptoughts import __version__
+
+        print(f"gptoughts {__version__}")
+        return 0
+    if argv[0].startswith("-"):  # `gptoughts --data X` is `gptoughts train --data X`
         argv = ["train", *argv]
     name, rest = argv[0], argv[1:]
     _setup_logging()

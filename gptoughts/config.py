@@ -25,7 +25,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
-from gptoughts.errors import ConfigError, did_you_mean
+from gptoughts.errors import ConfigError, closest, did_you_mean
 
 PRESET_DIR = Path(__file__).parent / "presets"
 DEFAULT_PRESET = "quickstart"
@@ -36,7 +36,8 @@ class ModelConfig:
     family: str = "llama"
     """Model family: llama, … (see ``gptoughts.models.FAMILIES``)."""
     size: str = "debug"
-    """Size preset of the family (``debug`` always exists and runs on CPU in seconds)."""
+    """Size preset of the family (``debug`` always exists and runs on CPU in seconds). A run that names a size
+    starts from that size's training defaults (``presets/sizes.toml``: block size, learning rate, batch)."""
     init_from: str | None = None
     """A local Hugging Face model folder to start from instead of random init (``gptoughts finetune --model``):
     its config, weights and tokenizer are used; llama/mistral/qwen2/qwen3 run natively, others through
@@ -65,7 +66,8 @@ class DataConfig:
     """Corpus: text files, folders (recursive), .jsonl, .parquet, saved HF datasets. ``@stdlib`` is the
     running interpreter's standard library source (the embedded default)."""
     tokenizer: str = "bpe:8192"
-    """``bpe:VOCAB`` (trained on the corpus), ``bytes``, or a local HF tokenizer folder."""
+    """``bpe:VOCAB`` (trained on the corpus), ``bytes``, or a local HF tokenizer folder. Sizes set the vocab
+    their parameter counts assume (``bpe:32768`` for the Llama sizes)."""
     text_field: str = "text"
     """Field holding the text in .jsonl/.parquet/HF datasets."""
     extensions: list[str] = field(default_factory=list)
@@ -73,19 +75,20 @@ class DataConfig:
     val_fraction: float = 0.005
     """Fraction of documents held out for validation."""
     max_bytes: int | None = None
-    """Read at most this many bytes of text (keeps the quickstart fast); None reads everything."""
+    """Read at most this many bytes of text from each source (the quickstart reads 6 MB of the stdlib); None
+    reads everything. The run plan says how much of the corpus a cap cuts."""
     cache_dir: str | None = None
     """Where token shards are cached; default ``$GPTOUGHTS_CACHE`` or ``~/.cache/gptoughts``."""
     phases: list[PhaseConfig] = field(default_factory=list)
     """Curriculum: ordered phases, each with its sources, weights and token budget."""
-    format: str = "auto"
+    format: Literal["auto", "text", "sft"] = "auto"
     """text (token shards, next-token loss on everything), sft (JSONL of {"prompt","response"} or
     {"messages":[...]}: loss on response tokens only) or auto (sft for .jsonl sources whose first record has
     those keys, else text)."""
     packing: bool = True
     """SFT: pack several examples per row (no attention across them, positions restart per example); false
     puts one example per row, padded."""
-    truncation: str = "right"
+    truncation: Literal["right", "drop"] = "right"
     """SFT examples longer than a row: right (keep the first block_size+1 tokens) or drop (skip the example).
     Both are counted and reported."""
 
@@ -105,15 +108,15 @@ class TrainConfig:
     global_batch_tokens: int | None = None
     """With ``batch_size = auto``: grad_accum is set so that one step sees about this many tokens."""
     block_size: int = 256
-    """Sequence length in tokens."""
+    """Sequence length in tokens (each size sets its own: 2048 for the Llama sizes)."""
     learning_rate: float = 3e-4
     """Peak learning rate."""
     min_lr_ratio: float = 0.1
     """Final learning rate as a fraction of the peak (cosine and wsd)."""
-    schedule: str = "cosine"
+    schedule: Literal["cosine", "wsd", "constant"] = "cosine"
     """cosine (warmup then cosine decay), wsd (warmup-stable-decay) or constant (after warmup)."""
     warmup_steps: int | None = None
-    """Linear warmup steps; None means 2% of the run (at least 1, at most 2000)."""
+    """Linear warmup steps; None (auto) means 2% of the run (at least 1, at most 2000)."""
     decay_fraction: float = 0.2
     """wsd only: fraction of the run spent decaying at the end."""
     weight_decay: float = 0.1
@@ -124,14 +127,16 @@ class TrainConfig:
     grad_clip: float = 1.0
     """Clip the global gradient norm to this; 0 disables."""
     seed: int = 1337
-    eval_interval: int = 200
-    """Evaluate every N steps (and at the end); 0 disables periodic evaluation."""
+    eval_interval: int | None = None
+    """Evaluate every N steps (and at the end); 0 disables periodic evaluation; None (auto) scales with the
+    run: about 20 evaluations, a round number of steps, at most every 1000 steps."""
     eval_batches: int = 20
     """Micro-batches of validation data per evaluation."""
     log_interval: int = 10
     """Read losses from the device and log every N steps (the only host-device sync of the loop)."""
-    save_interval: int = 500
-    """Checkpoint every N steps (and at the end); 0 saves only at the end."""
+    save_interval: int | None = None
+    """Checkpoint every N steps (and at the end); 0 saves only at the end; None (auto) scales with the run:
+    about 10 checkpoints, a round number of steps, at most every 2000 steps."""
     keep_last: int = 3
     """Checkpoints kept besides the best one."""
     checkpoints: bool = True
@@ -146,10 +151,33 @@ class TrainConfig:
     """Stop after this many evaluations without val-loss improvement; None disables."""
     early_stopping_min_delta: float = 0.0
     nan_policy: str = "skip"
-    """On a non-finite loss or gradient: skip (drop the step), rollback (reload the last checkpoint and halve
-    the learning rate after repeated failures) or raise."""
+    """What a non-finite loss or gradient does (such a step is always skipped on the device: it never changes
+    the weights). skip: drop it and go on; after max_bad_steps of them in a row, stop with an error. rollback:
+    after max_bad_steps in a row, reload the last checkpoint saved before they began (weights, optimizer, RNG,
+    step), multiply the learning rate by rollback_lr_factor, move the data past the bad batches and go on;
+    stop with an error after max_rollbacks rollbacks or when no such checkpoint exists. stop (old name: raise):
+    stop with an error at the first one (detected at the next log interval). Each error names the last good
+    checkpoint. No checkpoint is written while non-finite steps are in a row or when the weights are not
+    finite. A reproducible loss spike (see spike_detection) is dropped (skip), rolled back (rollback) or stops
+    the run (stop)."""
     max_bad_steps: int = 20
-    """Consecutive non-finite steps tolerated before a rollback (or an error if no checkpoint exists)."""
+    """Non-finite steps in a row that make skip stop and rollback roll back (>= 1)."""
+    max_rollbacks: int = 3
+    """rollback: rollbacks allowed in a run (resumes included) before it stops with an error."""
+    rollback_lr_factor: float = 0.5
+    """rollback: each rollback multiplies the learning rate by this (in (0, 1])."""
+    spike_detection: bool = True
+    """Detect loss spikes: a step whose loss is above max(mean + spike_std * std, spike_ratio * mean) of the
+    recent steps' losses is held back on the device and re-run once on the same batch from the same state at
+    the next log interval: a normal re-run is a transient fault (the re-run is kept), a high one a reproducible
+    spike (nan_policy applies). Logged and written to metrics.jsonl as {"event": "spike", "kind": ...}.
+    Several processes or fp16: reported only, not re-run."""
+    spike_std: float = 6.0
+    """Spike threshold in standard deviations above the running mean of the per-step loss (> 0)."""
+    spike_ratio: float = 2.0
+    """Spike threshold as a multiple of the running mean of the per-step loss (>= 1); both must be exceeded."""
+    spike_warmup_steps: int = 100
+    """No spike check before this step (the running statistics settle first)."""
     profile: str | None = None
     """``START:END``: record a torch.profiler trace of steps START..END into ``RUN/profile/`` (Perfetto or
     TensorBoard open it)."""
@@ -159,33 +187,33 @@ class TrainConfig:
 class PerfConfig:
     device: str = "auto"
     """auto, cpu, cuda, cuda:N or mps."""
-    precision: str = "auto"
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
     """auto (bf16 on GPUs that support it, fp16 on older GPUs, fp32 on CPU), fp32, bf16 or fp16."""
     compile: bool | str = "auto"
     """torch.compile the model: true, false or auto (on for CUDA GPUs, off on CPU)."""
-    compile_mode: str = "blocks"
+    compile_mode: Literal["blocks", "model"] = "blocks"
     """blocks (compile each transformer block: one graph reused, fast to compile) or model (whole model)."""
     cuda_graphs: bool = False
     """Replay the compiled graphs as CUDA graphs (torch.compile mode reduce-overhead): no kernel-launch gaps,
     more memory. Off by default: it only pays where the GPU waits on launches (bench/BENCHMARKS.md)."""
     max_autotune: bool = False
     """Inductor benchmarks Triton matmul templates against cuBLAS and fuses epilogues (compile takes minutes)."""
-    residual_dtype: str = "auto"
+    residual_dtype: Literal["auto", "fp32", "bf16"] = "auto"
     """dtype of the residual stream (the activations between blocks) under bf16 mixed precision: fp32, bf16
     (the embedding output is cast to bf16, so every block reads and writes bf16 activations and gradients, as
     with bf16 parameters in torchtitan/FSDP and Megatron's default; norms still compute in fp32), or auto (bf16
     on GPUs with bf16: +6% tokens/s at 125m, +1% at 1b, less memory; fp32 elsewhere). Only acts under bf16."""
     fp8: bool | str = False
     """FP8 matmuls through torchao float8 (Ada/Hopper+): true, false or auto (on for Hopper+ at d_model >= 2048)."""
-    fp8_recipe: str = "tensorwise"
+    fp8_recipe: Literal["tensorwise", "rowwise"] = "tensorwise"
     """tensorwise (one scale per tensor, fastest) or rowwise (one scale per row, more robust)."""
     fp8_bf16_end_layers: int = 0
     """With fp8: keep the first and the last this-many transformer blocks in bf16 (closer loss, less speed)."""
-    activation_checkpointing: str = "none"
+    activation_checkpointing: Literal["none", "selective", "full"] = "none"
     """none, selective (recompute cheap ops, keep matmul outputs) or full (recompute whole blocks)."""
-    sdpa_backend: str = "auto"
+    sdpa_backend: Literal["auto", "flash", "cudnn", "efficient", "math"] = "auto"
     """Attention kernel: auto (PyTorch picks), flash, cudnn, efficient or math."""
-    loss: str = "auto"
+    loss: Literal["auto", "plain", "chunked", "liger"] = "auto"
     """LM-head cross-entropy: auto, plain, chunked (no full fp32 logits) or liger (Liger-Kernel, if installed)."""
     loss_chunk: int = 4096
     """Rows per chunk for the chunked loss."""
@@ -195,21 +223,25 @@ class PerfConfig:
     """Use the fused CUDA AdamW (auto: on CUDA)."""
     expandable_segments: bool = True
     """CUDA allocator with expandable segments: less fragmentation when batch shapes vary (eval vs train)."""
+    threads: int | None = None
+    """CPU threads for torch on a CPU run; None (auto) picks by model size (see ``perf/hardware.py``:
+    one thread for small models, where OpenMP's spinning threads lose on a busy machine)."""
 
 
 @dataclass
 class ParallelConfig:
-    strategy: str = "auto"
+    strategy: Literal["auto", "ddp", "fsdp", "none"] = "auto"
     """auto (ddp when launched by torchrun with several processes), ddp, fsdp (FSDP2: parameters, gradients and
     optimizer state sharded across the ranks; for models whose training state does not fit one GPU), or none."""
-    backend: str = "auto"
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
     """Process-group backend: auto (nccl on CUDA, gloo on CPU), nccl or gloo."""
 
 
 @dataclass
 class RunConfig:
-    out: str = "runs/quickstart"
-    """Run directory: config.toml, metrics.jsonl, tensorboard/, samples.txt, checkpoints/."""
+    out: str | None = None
+    """Run directory: config.toml, run.json, metrics.jsonl, plots/, tensorboard/, samples.txt, checkpoints/.
+    None (auto): ``runs/FAMILY-SIZE`` (the quickstart: ``runs/quickstart``)."""
     overwrite: bool = False
     """Replace a run dir that holds a different run."""
     resume: str | None = None
@@ -235,9 +267,9 @@ class LoraConfig:
     target_modules: list[str] = field(default_factory=list)
     """Module names to adapt (suffixes, e.g. ``wq,wv`` natively or ``q_proj,v_proj`` on transformers models);
     empty means every linear layer of the transformer blocks (attention and MLP projections)."""
-    quantize: str = "none"
+    quantize: Literal["none", "4bit"] = "none"
     """none, or 4bit (QLoRA: NF4 base weights through bitsandbytes; CUDA only)."""
-    base_dtype: str = "auto"
+    base_dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
     """dtype of the frozen base weights: auto (bf16 when training in bf16, else fp32), fp32, bf16 or fp16.
     A frozen weight needs no fp32 master copy, gradient or optimizer state: bf16 halves its memory."""
     merged_forward: bool = True
@@ -264,6 +296,66 @@ class Config:
         return d
 
 
+# ------------------------------------------------------------------------------------------ self-description
+
+SECTIONS: dict[str, type] = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig, "perf": PerfConfig,
+                             "parallel": ParallelConfig, "run": RunConfig, "lora": LoraConfig}
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring written under each field of a config dataclass (what ``--help`` prints)."""
+    import ast
+    import inspect
+    import textwrap
+
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    except (OSError, TypeError):  # no source (frozen app): no help text, not an error
+        return {}
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(nxt, ast.Expr) \
+                and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str):
+            docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def _pretty_type(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "|".join(map(str, typing.get_args(tp)))
+    if origin in (Union, types.UnionType):
+        args = typing.get_args(tp)
+        text = " or ".join(_pretty_type(a) for a in args if a is not type(None))
+        return text + (" or none" if type(None) in args else "")
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        return "list of TOML tables" if dataclasses.is_dataclass(item) else f"{_pretty_type(item)},..."
+    return getattr(tp, "__name__", str(tp))
+
+
+def describe_fields(sections: tuple[str, ...] = tuple(SECTIONS)) -> list[tuple[str, str, str, str]]:
+    """(dotted key, type, default, doc) for every field of ``sections``, in declaration order."""
+    rows = []
+    for name in sections:
+        cls = SECTIONS[name]
+        docs = field_docs(cls)
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if f.name == "overrides":
+                continue
+            if f.default is not dataclasses.MISSING:
+                default = f.default
+            elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+                default = f.default_factory()  # type: ignore[misc]
+            else:
+                default = None
+            rows.append((f"{name}.{f.name}", _pretty_type(hints[f.name]),
+                         json.dumps(default) if not isinstance(default, str) else default, docs.get(f.name, "")))
+    return rows
+
+
 # --------------------------------------------------------------------------------------------- validation
 
 _MODEL_FIXED = {f.name for f in dataclasses.fields(ModelConfig)} - {"overrides"}
@@ -275,8 +367,50 @@ def _type_name(tp: Any) -> str:
     return str(tp).replace("typing.", "")
 
 
-def _coerce(value: Any, tp: Any, where: str) -> Any:
-    """Check ``value`` against annotation ``tp``, converting CLI strings ("3", "true", "a,b") when asked to."""
+def _exact(value: Any, tp: Any) -> bool:
+    """``value`` already is of type ``tp`` (no conversion: an int is a float, nothing else converts)."""
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return True
+    if origin in (Union, types.UnionType):
+        return any(_exact(value, a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return value is None
+    if origin is Literal:
+        return value in typing.get_args(tp)
+    if origin in (list, tuple):
+        args = typing.get_args(tp)
+        return isinstance(value, (list, tuple)) and (not args or args[-1] is Ellipsis
+                                                       or all(_exact(v, args[0]) for v in value))
+    if origin is dict:
+        return isinstance(value, dict)
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, tp) if isinstance(tp, type) else True
+
+
+def _describe(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        return " or ".join(_describe(a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return "None"
+    if origin is Literal:
+        return "one of " + ", ".join(map(repr, typing.get_args(tp)))
+    return getattr(origin or tp, "__name__", str(tp))
+
+
+def coerce(value: Any, tp: Any, where: str, *, text: bool = True) -> Any:
+    """Check ``value`` against annotation ``tp`` (the one type checker of configs and model args).
+
+    ``text``: values may come from the command line, and strings are converted ("3", "true", "a,b", "none");
+    otherwise (Python or TOML values given to ``models.model_args``) a value must already have the type."""
+    if not text:
+        if not _exact(value, tp):
+            raise ConfigError(f"{where} must be {_describe(tp)}, got {type(value).__name__} {value!r}")
+        return float(value) if tp is float else value
     origin = typing.get_origin(tp)
     if origin in (Union, types.UnionType):
         args = typing.get_args(tp)
@@ -286,25 +420,28 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             return None
         members = [a for a in args if a is not type(None)]
         if len(members) == 1:  # `X | None`: X's own message is the clearer one
-            return _coerce(value, members[0], where)
+            return coerce(value, members[0], where)
         # Try non-str members first so "8" becomes 8 for `int | str`.
         for arg in sorted(members, key=lambda a: a is str):
             try:
-                return _coerce(value, arg, where)
+                return coerce(value, arg, where)
             except ConfigError:
                 pass
         raise ConfigError(f"{where} must be {_type_name(tp)}, got {value!r}")
     if origin is Literal:
-        if value in typing.get_args(tp):
+        allowed = typing.get_args(tp)
+        if value in allowed:
             return value
-        raise ConfigError(f"{where} must be one of {typing.get_args(tp)}, got {value!r}")
+        near = closest(value, [str(a) for a in allowed]) if isinstance(value, str) else None
+        hint = f" (did you mean {near!r}?)" if near else ""
+        raise ConfigError(f"{where} must be one of {', '.join(map(str, allowed))}; got {value!r}{hint}")
     if origin is list:
         (item_tp,) = typing.get_args(tp)
         if isinstance(value, str):
             value = [v for v in value.split(",") if v != ""] if value else []
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{where} must be a list, got {value!r}")
-        return [_coerce(v, item_tp, f"{where}[{i}]") for i, v in enumerate(value)]
+        return [coerce(v, item_tp, f"{where}[{i}]") for i, v in enumerate(value)]
     if origin is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{where} must be a table, got {value!r}")
@@ -371,7 +508,7 @@ def _build(cls: type, data: dict[str, Any], where: str) -> Any:
                 extra[key] = value
                 continue
             raise ConfigError(f"unknown config key `{where}.{key}`{did_you_mean(key, names)}".replace("`.", "`"))
-        kwargs[key] = _coerce(value, hints[key], f"{where}.{key}".lstrip("."))
+        kwargs[key] = coerce(value, hints[key], f"{where}.{key}".lstrip("."))
     obj = cls(**kwargs)
     if cls is ModelConfig:
         obj.overrides.update(extra)
@@ -392,29 +529,88 @@ def _deep_update(base: dict[str, Any], upd: dict[str, Any]) -> dict[str, Any]:
     return base
 
 
+SIZES_FILE = PRESET_DIR / "sizes.toml"
+# Any of these makes a run "named": it starts from the defaults of the family and size asked, not from the
+# quickstart preset (which only a bare `gptoughts train` trains).
+NAMING_KEYS = ("data.sources", "model.family", "model.size", "model.init_from")
+# Stopping rules: the one the user gives wins over a preset's; two given together are a conflict.
+STOP_KEYS = ("train.max_steps", "train.epochs", "train.max_tokens")
+# Keys holding paths: relative ones in a TOML file are resolved against that file's folder.
+_PATH_KEYS = (("data", "sources"), ("data", "cache_dir"), ("model", "init_from"))
+
+
 def list_presets() -> list[str]:
-    return sorted(p.stem for p in PRESET_DIR.glob("*.toml"))
+    return sorted(p.stem for p in PRESET_DIR.glob("*.toml") if p != SIZES_FILE)
 
 
-def read_toml(name_or_path: str | Path) -> dict[str, Any]:
-    """Read a preset by name or a TOML file by path, following ``base = "other-preset"`` chains."""
-    path = Path(name_or_path)
-    if not path.suffix == ".toml" or not path.exists():
-        candidate = PRESET_DIR / f"{name_or_path}.toml"
-        if candidate.exists():
-            path = candidate
-        elif str(name_or_path).endswith(".toml"):
-            raise ConfigError(f"config file {name_or_path} does not exist; pass a preset name or an existing .toml")
-        else:
-            raise ConfigError(f"unknown preset `{name_or_path}`{did_you_mean(str(name_or_path), list_presets())}")
+def _resolve_paths(data: dict[str, Any], folder: Path) -> None:
+    """Relative paths of a user's TOML file are relative to the file, not to the current directory."""
+
+    def fix(value: Any) -> Any:
+        if isinstance(value, str) and value and not value.startswith("@") and not Path(value).is_absolute():
+            return str((folder / value).resolve())
+        return value
+
+    for section, key in _PATH_KEYS:
+        table = data.get(section)
+        if isinstance(table, dict) and key in table:
+            value = table[key]
+            table[key] = [fix(v) for v in value] if isinstance(value, list) else fix(value)
+    tok = data.get("data", {}).get("tokenizer") if isinstance(data.get("data"), dict) else None
+    if isinstance(tok, str) and not tok.startswith(("bpe:", "bytes")) and (folder / tok).exists():
+        data["data"]["tokenizer"] = str((folder / tok).resolve())
+    phases = data.get("data", {}).get("phases") if isinstance(data.get("data"), dict) else None
+    for phase in phases if isinstance(phases, list) else []:
+        if isinstance(phase, dict) and isinstance(phase.get("sources"), list):
+            phase["sources"] = [fix(v) for v in phase["sources"]]
+
+
+def _preset_path(name_or_path: str | Path) -> tuple[Path, bool]:
+    """(path, is a user file) of a preset name or a TOML path."""
+    path = Path(name_or_path).expanduser()
+    if path.suffix == ".toml" and path.is_file():
+        return path.resolve(), path.resolve().parent != PRESET_DIR.resolve()
+    candidate = PRESET_DIR / f"{name_or_path}.toml"
+    if candidate.is_file() and candidate != SIZES_FILE:
+        return candidate, False
+    if str(name_or_path).endswith(".toml"):
+        raise ConfigError(f"config file {name_or_path} does not exist; pass a preset name or an existing .toml")
+    raise ConfigError(f"unknown preset `{name_or_path}`{did_you_mean(str(name_or_path), list_presets())}")
+
+
+def read_toml(name_or_path: str | Path, _chain: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """Read a preset by name or a TOML file by path, following ``base = "other"`` chains (a relative ``base``
+    path is relative to the file that names it; a chain that comes back to a file is an error)."""
+    path, user_file = _preset_path(name_or_path)
+    if path in _chain:
+        loop = " -> ".join(p.name for p in (*_chain, path))
+        raise ConfigError(f"{_chain[0]}: `base` chain loops back ({loop}); remove the loop")
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path} is not valid TOML: {e}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"cannot read {path}: {e}") from None
+    if user_file:
+        _resolve_paths(data, path.parent)
     base = data.pop("base", None)
     if base is not None:
-        data = _deep_update(read_toml(base), data)
+        if not isinstance(base, str):
+            raise ConfigError(f"{path}: `base` must be a preset name or a .toml path, got {base!r}")
+        ref = base
+        if base.endswith(".toml") and not Path(base).expanduser().is_absolute():
+            ref = str(path.parent / base)
+        data = _deep_update(read_toml(ref, (*_chain, path)), data)
     return data
+
+
+def size_defaults(family: str, size: str) -> dict[str, Any]:
+    """The training defaults of ``family``/``size`` (``presets/sizes.toml``) as nested dicts ({} if none)."""
+    table = tomllib.loads(SIZES_FILE.read_text(encoding="utf-8")).get(family, {}).get(str(size).lower(), {})
+    out: dict[str, Any] = {}
+    for key, value in table.items():
+        set_dotted(out, key, value)
+    return out
 
 
 def set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
@@ -429,43 +625,113 @@ def set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
+def starting_preset(preset: str | Path | None, overrides: dict[str, Any]) -> str | Path:
+    """Where a run starts: the preset it names; else the quickstart for a bare run; else ``default``."""
+    if preset is not None:
+        return preset
+    return "default" if any(k in overrides for k in NAMING_KEYS) else DEFAULT_PRESET
+
+
+def _run_config_file(data: dict[str, Any], overrides: dict[str, Any]) -> Path | None:
+    """With ``run.resume = auto``: the ``config.toml`` of the run being resumed (None when there is none yet)."""
+    resume = overrides.get("run.resume", data.get("run", {}).get("resume"))
+    if resume != "auto":  # (--resume PATH starts a run from that checkpoint with the config given)
+        return None
+    out = overrides.get("run.out", data.get("run", {}).get("out"))
+    if out is None:
+        out = default_out(data, overrides)
+    f = Path(str(out)).expanduser() / "config.toml"
+    return f if f.is_file() else None
+
+
+def default_out(data: dict[str, Any], overrides: dict[str, Any]) -> str:
+    model = data.get("model", {})
+    family = overrides.get("model.family", model.get("family", ModelConfig.family))
+    size = overrides.get("model.size", model.get("size", ModelConfig.size))
+    if overrides.get("model.init_from") or model.get("init_from"):
+        src = Path(str(overrides.get("model.init_from") or model.get("init_from"))).name or "model"
+        return f"runs/{src}-finetune"
+    return f"runs/{family}-{size}"
+
+
 def load_config(preset: str | Path | None = None, overrides: dict[str, Any] | None = None) -> Config:
-    """Preset (name or TOML path; default ``quickstart``) + dotted overrides -> validated Config."""
-    data = read_toml(preset if preset is not None else DEFAULT_PRESET)
+    """The config of a run, composed in one order (README "Where a run starts"):
+
+    1. the dataclass defaults;
+    2. the training defaults of the run's family and size (``presets/sizes.toml``);
+    3. the preset or TOML file named (none named: the quickstart for a bare run, else ``default``);
+       with ``run.resume``, the resumed run's own ``config.toml`` instead of 2 and 3;
+    4. the dotted ``overrides`` (the command line's flags).
+
+    A preset's architecture fields are dropped when the overrides change its family or size; a stopping rule
+    given in the overrides replaces the preset's; two stopping rules given together are an error.
+    """
+    overrides = dict(overrides or {})
     top = [f.name for f in dataclasses.fields(Config)]
-    overrides = overrides or {}
-    preset_model = data.get("model", {})
-    new_family = overrides.get("model.family")
-    if new_family is not None and new_family != preset_model.get("family", ModelConfig.family):
-        # The preset's architecture fields describe its own family (quickstart's d_model, n_kv_heads, ...):
-        # another family starts from its size presets, not from them.
-        data["model"] = {k: v for k, v in preset_model.items() if k in _MODEL_FIXED and k != "size"}
-    for key, value in overrides.items():
+    for key in overrides:
         section = key.split(".")[0]
         if section not in top:
             raise ConfigError(f"unknown config key `{key}`: sections are {', '.join(top)}{did_you_mean(section, top)}")
+    given_stops = [k for k in STOP_KEYS if overrides.get(k) is not None]
+    if len(given_stops) > 1:
+        flags = " and ".join(f"--{k.split('.')[1]}" for k in given_stops)
+        raise ConfigError(f"{flags} are two stopping rules; give one (steps, epochs or a token budget)")
+    data = read_toml(starting_preset(preset, overrides))
+    run_file = _run_config_file(data, overrides)
+    if run_file is not None:
+        # (a preset named beside --resume is where the run started: its config.toml already holds it all)
+        try:
+            data = tomllib.loads(run_file.read_text(encoding="utf-8"))
+        except (tomllib.TOMLDecodeError, OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{run_file} is corrupt ({str(e).splitlines()[0]}); restore it, or start a new run "
+                              "with another --out") from None
+        data.setdefault("run", {})["out"] = str(run_file.parent)
+        # How a run is launched is not part of it: a run saved under FSDP on 2 GPUs resumes on one.
+        data.pop("parallel", None)
+    else:
+        preset_model = data.get("model", {})
+        family = overrides.get("model.family", preset_model.get("family", ModelConfig.family))
+        size = overrides.get("model.size", preset_model.get("size", ModelConfig.size))
+        if (family, size) != (preset_model.get("family", ModelConfig.family),
+                              preset_model.get("size", ModelConfig.size)):
+            # The preset's architecture fields describe its own shape (the quickstart's d_model, n_kv_heads, ...):
+            # another family or size starts from its size preset, not from them.
+            data["model"] = {k: v for k, v in preset_model.items() if k in _MODEL_FIXED}
+        if isinstance(family, str) and isinstance(size, str):
+            data = _deep_update(size_defaults(family, size), data)
+    if given_stops:
+        for key in STOP_KEYS:
+            data.get("train", {}).pop(key.split(".")[1], None)
+    for key, value in overrides.items():
         set_dotted(data, key, value)
     cfg = from_dict(data)
+    if cfg.run.out is None:
+        cfg.run.out = default_out(data, {})
     validate(cfg)
     return cfg
-
-
-def _coerce_model_overrides(cfg: Config) -> None:
-    """`--model.n_layers 8` arrives as the string "8": give it the type the family's args dataclass declares."""
-    from gptoughts import models
-
-    fam = models.get_family(cfg.model.family)
-    hints = typing.get_type_hints(fam.args_cls)
-    for key, value in list(cfg.model.overrides.items()):
-        if isinstance(value, str) and key in hints and hints[key] is not str:
-            cfg.model.overrides[key] = _coerce(value, hints[key], f"model.{key}")
 
 
 def validate(cfg: Config) -> None:
     """Cross-field checks and the family-specific ``[model]`` keys."""
     from gptoughts import models
 
-    _coerce_model_overrides(cfg)
+    if cfg.model.init_from is not None and (cfg.model.overrides or Path(cfg.model.init_from).expanduser().is_dir()):
+        # Fine-tuning: the folder says which family the model is, and `model.*` overrides are checked against
+        # that family (fields that change no parameter are allowed; the load checks the shapes). A missing
+        # folder is reported here only when there are overrides to check; otherwise when the run starts.
+        from gptoughts.models.hf import find_adapter, read_config
+
+        found = find_adapter(str(read_config(cfg.model.init_from)["model_type"]))
+        if found is None and cfg.model.overrides:
+            raise ConfigError(f"model.{next(iter(cfg.model.overrides))}: {cfg.model.init_from} has no native "
+                              "implementation here (it trains through transformers), so its config cannot be "
+                              "overridden; drop the override")
+        if found is not None:
+            cfg.model.family = found[0]
+    hints = typing.get_type_hints(models.get_family(cfg.model.family).args_cls)
+    for key, value in cfg.model.overrides.items():  # "8" from the command line -> 8, as the family declares
+        if isinstance(value, str) and key in hints:
+            cfg.model.overrides[key] = coerce(value, hints[key], f"model.{key}")
     models.model_args(cfg.model.family, cfg.model.size, cfg.model.overrides)
     t = cfg.train
     if isinstance(t.batch_size, str) and t.batch_size != "auto":
@@ -475,12 +741,8 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"train.{name} must be >= 1, got {getattr(t, name)}")
     if isinstance(t.batch_size, int) and t.batch_size < 1:
         raise ConfigError(f"train.batch_size must be >= 1, got {t.batch_size}")
-    choices = {
-        "train.schedule": (t.schedule, ("cosine", "wsd", "constant")),
-        "train.nan_policy": (t.nan_policy, ("skip", "rollback", "raise")),
-        "perf.precision": (cfg.perf.precision, ("auto", "fp32", "bf16", "fp16")),
-        "parallel.strategy": (cfg.parallel.strategy, ("auto", "ddp", "fsdp", "none")),
-        "parallel.backend": (cfg.parallel.backend, ("auto", "nccl", "gloo")),
+    choices = {  # (choice fields are Literal[...] and checked when the config is built)
+        "train.nan_policy": (t.nan_policy, ("skip", "rollback", "stop", "raise")),
     }
     for where, (value, allowed) in choices.items():
         if value not in allowed:
@@ -489,17 +751,6 @@ def validate(cfg: Config) -> None:
         value = getattr(cfg.perf, name)
         if isinstance(value, str) and value != "auto":
             raise ConfigError(f"perf.{name} must be true, false or auto; got {value!r}")
-    perf_choices = {
-        "perf.compile_mode": (cfg.perf.compile_mode, ("blocks", "model")),
-        "perf.fp8_recipe": (cfg.perf.fp8_recipe, ("tensorwise", "rowwise")),
-        "perf.activation_checkpointing": (cfg.perf.activation_checkpointing, ("none", "selective", "full")),
-        "perf.sdpa_backend": (cfg.perf.sdpa_backend, ("auto", "flash", "cudnn", "efficient", "math")),
-        "perf.loss": (cfg.perf.loss, ("auto", "plain", "chunked", "liger")),
-        "perf.residual_dtype": (cfg.perf.residual_dtype, ("auto", "fp32", "bf16")),
-    }
-    for where, (value, allowed) in perf_choices.items():
-        if value not in allowed:
-            raise ConfigError(f"{where} must be one of {', '.join(allowed)}; got {value!r}{did_you_mean(value, allowed)}")
     if cfg.perf.fp8_bf16_end_layers < 0:
         raise ConfigError(f"perf.fp8_bf16_end_layers must be >= 0, got {cfg.perf.fp8_bf16_end_layers}")
     if cfg.perf.residual_dtype == "bf16" and cfg.perf.precision not in ("auto", "bf16"):
@@ -518,16 +769,7 @@ def validate(cfg: Config) -> None:
 
 
 def _validate_finetune(cfg: Config) -> None:
-    d, lo = cfg.data, cfg.lora
-    choices = {
-        "data.format": (d.format, ("auto", "text", "sft")),
-        "data.truncation": (d.truncation, ("right", "drop")),
-        "lora.quantize": (lo.quantize, ("none", "4bit")),
-        "lora.base_dtype": (lo.base_dtype, ("auto", "fp32", "bf16", "fp16")),
-    }
-    for where, (value, allowed) in choices.items():
-        if value not in allowed:
-            raise ConfigError(f"{where} must be one of {', '.join(allowed)}; got {value!r}{did_you_mean(value, allowed)}")
+    lo = cfg.lora
     if lo.r < 1:
         raise ConfigError(f"lora.r must be >= 1, got {lo.r}")
     if lo.alpha <= 0:
@@ -539,12 +781,7 @@ def _validate_finetune(cfg: Config) -> None:
                           "is not sharded by this version's FSDP path")
     if lo.quantize != "none" and not lo.enabled:
         raise ConfigError("lora.quantize needs LoRA: add --lora (QLoRA trains adapters over a 4-bit base)")
-    if cfg.model.init_from is not None:
-        if cfg.model.overrides:
-            key = next(iter(cfg.model.overrides))
-            raise ConfigError(f"model.{key} cannot be changed when fine-tuning: the architecture comes from "
-                              f"{cfg.model.init_from}; drop the override")
-    elif lo.enabled:
+    if cfg.model.init_from is None and lo.enabled:
         raise ConfigError("LoRA adapts a pretrained model: pass --model HF_DIR (model.init_from) with --lora")
 
 

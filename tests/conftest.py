@@ -22,6 +22,7 @@ FAST = {
     "perf.device": "cpu",
     "perf.precision": "fp32",
     "perf.compile": False,
+    "perf.threads": 1,
     "run.progress": False,
     "run.tensorboard": False,
 }

@@ -91,11 +91,14 @@ def test_model_overrides_from_the_cli_are_typed():
 
 @pytest.mark.parametrize("family", ["inl", "gpt2", "deepseek", "llada"])
 def test_switching_family_drops_the_presets_architecture(family):
-    cfg = load_config(None, {"model.family": family})  # quickstart pins a Llama shape
+    cfg = load_config("quickstart", {"model.family": family})  # quickstart pins a Llama shape
     assert cfg.model.family == family and cfg.model.overrides == {} and cfg.model.size == "debug"
-    assert cfg.data.sources == ["@stdlib"]  # the rest of the preset still applies
-    same = load_config(None, {"model.family": "llama"})
+    assert cfg.data.sources == ["@stdlib"]  # the rest of the named preset still applies
+    same = load_config("quickstart", {"model.family": "llama"})
     assert same.model.overrides["d_model"] == 320
+    # Without a preset, naming a family is not a bare run: nothing of the quickstart applies (issue 10's rule).
+    named = load_config(None, {"model.family": family})
+    assert named.model.overrides == {} and named.data.sources == [] and named.data.max_bytes is None
 
 
 def test_parallel_strategy_choices_and_fsdp_limits():

@@ -14,6 +14,10 @@ windows consumed. ``state_dict()`` holds those counters (plain ints) for the bat
 received, not those sitting in the prefetch queue, so resuming reproduces the uninterrupted run exactly.
 Changing ``batch_size``/``world_size`` on resume is allowed: the stream continues at the same row.
 
+Safety. Every batch's largest id is checked against the vocabulary on the host before it leaves the loader
+(one numpy max over the batch, off the training thread): a damaged shard raises a DataError naming the
+file, instead of an out-of-range embedding lookup (a CUDA device assert, or a cryptic IndexError on CPU).
+
 Speed. A daemon thread gathers rows from the memmapped shards straight into a pinned int64 tensor
 (casting uint16 -> int64 in the same copy) and keeps ``prefetch`` batches ahead; ``__next__`` issues one
 ``non_blocking`` host-to-device copy of ``x`` and ``y`` packed as ``[2, B, T]``, so the GPU never waits for
@@ -50,23 +54,26 @@ _U64 = np.uint64
 
 
 class TokenDataset:
-    """A prepared folder, with every shard memory-mapped read-only (nothing is loaded up front)."""
+    """A prepared folder, with every shard memory-mapped read-only (nothing is loaded up front).
+
+    Opening checks that every shard is present with the size the manifest records (stats only). Checksums
+    are not read here (that reads every shard, on every start): ``prepare``/``cached_prepare`` verify them
+    before reusing a folder, :meth:`Manifest.verify` does on demand, and the loaders check every batch's ids
+    against the vocabulary.
+    """
 
     def __init__(self, directory: str | os.PathLike[str]) -> None:
         self.dir = Path(directory)
         self.manifest = Manifest.load(self.dir)
+        self.manifest.check_files()
         self.dtype = np.dtype(self.manifest.dtype)
         self._shards: dict[tuple[str, int], list[np.ndarray]] = {}
+        self._paths: dict[tuple[str, int], list[Path]] = {}
         for s in self.manifest.sources:
             for split in ("train", "val"):
-                arrays = []
-                for name in getattr(s, f"{split}_shards"):
-                    path = self.dir / name
-                    if not path.is_file():
-                        raise DataError(f"{path} is missing; delete {self.dir} and prepare again")
-                    if path.stat().st_size:  # np.memmap refuses empty files
-                        arrays.append(np.memmap(path, dtype=self.dtype, mode="r"))
-                self._shards[(split, s.index)] = arrays
+                paths = [self.dir / name for name in getattr(s, f"{split}_shards")]
+                self._paths[(split, s.index)] = paths
+                self._shards[(split, s.index)] = [np.memmap(p, dtype=self.dtype, mode="r") for p in paths]
 
     @property
     def sources(self) -> list[SourceInfo]:
@@ -84,6 +91,23 @@ class TokenDataset:
         if split not in ("train", "val"):
             raise ConfigError(f"split must be 'train' or 'val'; got {split!r}")
         return self._shards[(split, source)]
+
+    def shard_paths(self, split: str, source: int) -> list[Path]:
+        """The files behind :meth:`shards`, in the same order."""
+        self.shards(split, source)
+        return self._paths[(split, source)]
+
+    def check_ids(self, batch: np.ndarray, where: list[Path]) -> None:
+        """DataError when ``batch`` (rows of ids, ``where[r]`` the shard of row ``r``) holds an id outside
+        the vocabulary: a damaged or foreign shard, caught on the host before it indexes the embedding."""
+        if batch.size == 0 or int(batch.max()) < self.vocab_size:
+            return
+        row = int(np.flatnonzero(batch.reshape(len(where), -1).max(axis=1) >= self.vocab_size)[0])
+        bad = int(batch.reshape(len(where), -1)[row].max())
+        raise DataError(
+            f"{where[row]} holds token id {bad}, outside the vocabulary of {self.vocab_size} (a damaged or "
+            f"foreign shard); delete the prepared folder {self.dir} and prepare again"
+        )
 
     def num_tokens(self, split: str, source: int | None = None) -> int:
         """Tokens of a split, in one source or all."""
@@ -116,8 +140,9 @@ class TokenDataset:
 class _Windows:
     """Window ``w`` of one (split, source) -> (shard, offset): windows never cross shard files."""
 
-    def __init__(self, shards: list[np.ndarray], block_size: int) -> None:
+    def __init__(self, shards: list[np.ndarray], block_size: int, paths: list[Path]) -> None:
         self.shards = shards
+        self.paths = paths
         self.block_size = block_size
         counts = np.array([max(0, (a.size - 1) // block_size) for a in shards], dtype=np.int64)
         self.count = int(counts.sum())
@@ -230,6 +255,7 @@ class _Producer:
 
     def __init__(
         self,
+        dataset: TokenDataset,
         windows: list[_Windows],
         phases: list[_ResolvedPhase],
         *,
@@ -240,7 +266,7 @@ class _Producer:
         world_size: int,
         pin: bool,
     ) -> None:
-        self.windows, self.phases = windows, phases
+        self.dataset, self.windows, self.phases = dataset, windows, phases
         self.seed, self.B, self.T = seed, batch_size, block_size
         self.rank, self.W = rank, world_size
         self.pin = pin
@@ -289,14 +315,18 @@ class _Producer:
         # halves are contiguous views on the device.
         buf = torch.empty((2, self.B, T), dtype=torch.int64, pin_memory=self.pin)
         view = buf.numpy()
+        where: list[Path] = []
         for i, (s, w) in enumerate(rows):
             win = self.windows[s]
             shard, off = win.locate(np.array([w]))
-            seq = win.shards[int(shard[0])][
-                int(off[0]) : int(off[0]) + T + 1
-            ]  # memmap slice: reads from disk
+            k, o = int(shard[0]), int(off[0])
+            seq = win.shards[k][o : o + T + 1]  # memmap slice: reads from disk
             view[0, i] = seq[:-1]  # the uint16 -> int64 cast happens inside this copy
             view[1, i] = seq[1:]
+            where.append(win.paths[k])
+        # x holds every id of a row but its last target: check x and y's last column (y[:, :-1] == x[:, 1:]).
+        self.dataset.check_ids(view[0], where)
+        self.dataset.check_ids(view[1][:, -1:], where)
         return buf, nxt
 
 
@@ -389,11 +419,15 @@ class BatchLoader:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.prefetch = prefetch
         self.pin_memory = self.device.type == "cuda" if pin_memory is None else pin_memory
-        self._windows = [_Windows(ds.shards(split, s.index), block_size) for s in ds.sources]
+        self._windows = [
+            _Windows(ds.shards(split, s.index), block_size, ds.shard_paths(split, s.index))
+            for s in ds.sources
+        ]
         if sum(w.count for w in self._windows) == 0:
             raise _too_small(ds.num_tokens(split), split, block_size)
         self._phases = _resolve_phases(phases, ds, self._windows, split)
         self._producer = _Producer(
+            ds,
             self._windows,
             self._phases,
             seed=seed,
@@ -555,7 +589,7 @@ def eval_batches(
     """
     ds = dataset if isinstance(dataset, TokenDataset) else TokenDataset(dataset)
     ids = [s.index for s in ds.sources] if source is None else [ds.source_index(source)]
-    wins = [_Windows(ds.shards(split, i), block_size) for i in ids]
+    wins = [_Windows(ds.shards(split, i), block_size, ds.shard_paths(split, i)) for i in ids]
     per_shard = [(w, k, c) for w in wins for k, c in enumerate(np.diff(w._starts).tolist()) if c]
     total = sum(c for _, _, c in per_shard)
     if total == 0:
@@ -576,6 +610,7 @@ def eval_batches(
     for b in range(rank, n_batches, world_size):
         buf = torch.empty((2, rows_per, block_size), dtype=torch.int64, pin_memory=pin)
         view = buf.numpy()
+        where: list[Path] = []
         for i, g in enumerate(picks[b * rows_per : (b + 1) * rows_per].tolist()):
             k = int(np.searchsorted(starts, g, side="right") - 1)
             w, shard, _ = per_shard[k]
@@ -583,6 +618,9 @@ def eval_batches(
             seq = w.shards[shard][off : off + block_size + 1]
             view[0, i] = seq[:-1]
             view[1, i] = seq[1:]
+            where.append(w.paths[shard])
+        ds.check_ids(view[0], where)
+        ds.check_ids(view[1][:, -1:], where)
         if dev.type != "cpu":
             buf = buf.to(dev, non_blocking=True)
         yield buf[0], buf[1]

@@ -67,7 +67,8 @@ def _jsonl_files(source: str | Path) -> list[Path]:
 
 
 def _first_record(path: Path) -> Any:
-    with open(path, encoding="utf-8") as f:
+    # utf-8-sig: a byte order mark (Windows editors) is not JSON; invalid UTF-8 is replaced, as in text sources.
+    with open(path, encoding="utf-8-sig", errors="replace") as f:
         for line in f:
             if line.strip():
                 try:
@@ -126,7 +127,7 @@ def read_conversations(sources: Sequence[str]) -> list[list[Message]]:
     convs: list[list[Message]] = []
     for s in sources:
         for path in _jsonl_files(s):
-            with open(path, encoding="utf-8") as f:
+            with open(path, encoding="utf-8-sig", errors="replace") as f:
                 for lineno, line in enumerate(f, 1):
                     if not line.strip():
                         continue

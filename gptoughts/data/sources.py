@@ -3,8 +3,9 @@
 Supported sources (see :func:`source_kind`):
 
 * a text file (any extension): one file is one document; files over :data:`CHUNK_BYTES` are cut into ~1 MB
-  documents at line boundaries, so that a single huge ``.txt`` still gives a held-out val split and enough
-  independent pieces for parallel tokenisation;
+  documents at line boundaries, so that memory stays bounded and a single huge ``.txt`` gives enough
+  independent pieces for parallel tokenisation (the val split does not depend on this size: prepare holds
+  out a tail of long documents, see :mod:`gptoughts.data.prepare`);
 * a folder: every file whose extension is in ``extensions``, recursively, in a deterministic order (sorted
   names, depth first). Hidden folders and :data:`SKIPPED_DIRS` (``site-packages``, ``__pycache__``, ...)
   are not entered. Binary files (a NUL byte in the first 8 KB) are skipped and counted. ``.jsonl`` and
@@ -19,10 +20,14 @@ Supported sources (see :func:`source_kind`):
 
 Invalid UTF-8 is decoded with ``errors="replace"``; the number of replaced sequences and of affected files
 is counted in :class:`SourceStats` so that a mis-encoded corpus is visible in the prepare summary.
+
+A file that cannot be read (permissions, I/O error, a file that vanished meanwhile) or a corrupt parquet or
+arrow file is a DataError naming it; broken symbolic links inside a folder are skipped.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -137,7 +142,9 @@ def walk_files(root: Path, extensions: tuple[str, ...]) -> Iterator[Path]:
             if name.startswith("."):
                 continue
             if os.path.splitext(name)[1].lower() in wanted:
-                yield Path(dirpath) / name
+                path = Path(dirpath) / name
+                if path.is_file():  # not a broken symbolic link, a socket or a fifo
+                    yield path
 
 
 def source_fingerprint(path: str | os.PathLike[str], extensions: Iterable[str] | None = None) -> dict:
@@ -158,10 +165,10 @@ def source_fingerprint(path: str | os.PathLike[str], extensions: Iterable[str] |
         else:
             files = list(walk_files(p, exts))
         for f in files:
-            st = f.stat()
+            st = _stat(f)
             h.update(f"{f.relative_to(p).as_posix()}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
     else:
-        st = p.stat()
+        st = _stat(p)
         h.update(f"{p.name}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
     return {"path": str(p), "kind": source_kind(p), "stat_sha256": h.hexdigest()}
 
@@ -171,10 +178,48 @@ def content_sha256(path: Path) -> str:
     import hashlib
 
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with _readable(path), open(path, "rb") as f:
         while block := f.read(1 << 22):
             h.update(block)
     return h.hexdigest()
+
+
+def _unreadable(path: Path, e: OSError) -> DataError:
+    return DataError(
+        f"cannot read {e.filename or path} ({e.strerror or e}); fix its permissions or remove it from the corpus"
+    )
+
+
+def _stat(path: Path) -> os.stat_result:
+    try:
+        return path.stat()
+    except OSError as e:
+        raise _unreadable(path, e) from None
+
+
+@contextlib.contextmanager
+def _readable(path: Path) -> Iterator[None]:
+    """``with _readable(path):`` turns an OSError raised while reading ``path`` into a one-line DataError."""
+    try:
+        yield
+    except OSError as e:
+        raise _unreadable(path, e) from None
+
+
+def _guarded(batches: Iterable, p: Path, kind: str) -> Iterator:
+    """Record batches from pyarrow, with a corrupt file reported as a one-line DataError naming it."""
+    import pyarrow as pa
+
+    it = iter(batches)
+    while True:
+        try:
+            batch = next(it)
+        except StopIteration:
+            return
+        except (pa.ArrowException, OSError) as e:
+            reason = " ".join(str(e).split())[:160]
+            raise DataError(f"{p} is not a readable {kind} file ({reason}); check or re-save it") from None
+        yield batch
 
 
 # --------------------------------------------------------------------------------------------- decoding
@@ -206,7 +251,7 @@ def _utf8_boundary(buf: bytes | bytearray, end: int) -> int:
 
 
 def _read_text_file(p: Path, stats: SourceStats, *, skip_binary: bool) -> Iterator[str]:
-    with open(p, "rb") as f:
+    with _readable(p), open(p, "rb") as f:
         head = f.read(CHUNK_BYTES + 1)
         if skip_binary and b"\0" in head[:BINARY_PROBE]:
             stats.skipped_binary += 1
@@ -246,9 +291,11 @@ def _emit(text: str, stats: SourceStats) -> Iterator[str]:
 
 def _read_jsonl(p: Path, text_field: str, stats: SourceStats) -> Iterator[str]:
     stats.files_read += 1
-    with open(p, "rb") as f:
+    with _readable(p), open(p, "rb") as f:
         for lineno, raw in enumerate(f, start=1):
             stats.bytes_read += len(raw)
+            if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte order mark (Windows editors)
+                raw = raw[3:]
             if not raw.strip():
                 continue
             line = _decode(raw, stats)
@@ -329,9 +376,8 @@ def _read_parquet(p: Path, text_field: str, stats: SourceStats) -> Iterator[str]
     _check_column(pf.schema_arrow.names, p, text_field)
     stats.files_read += 1
     # Only the text column is read, a batch at a time: memory stays bounded for multi-GB files.
-    yield from _column_batches(
-        pf.iter_batches(batch_size=_PARQUET_BATCH_ROWS, columns=[text_field]), p, text_field, stats
-    )
+    batches = pf.iter_batches(batch_size=_PARQUET_BATCH_ROWS, columns=[text_field])
+    yield from _column_batches(_guarded(batches, p, "parquet"), p, text_field, stats)
 
 
 def _arrow_batches(f: Path) -> Iterator:
@@ -385,7 +431,7 @@ def _hf_arrow_files(p: Path) -> list[Path]:
 
 def _read_hf_dataset(p: Path, text_field: str, stats: SourceStats) -> Iterator[str]:
     for f in _hf_arrow_files(p):
-        batches = _arrow_batches(f)
+        batches = _guarded(_arrow_batches(f), f, "arrow")
         first = next(batches, None)
         if first is None:
             continue

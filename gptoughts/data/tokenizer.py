@@ -23,7 +23,7 @@ import numpy.typing
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from gptoughts.errors import ConfigError
+from gptoughts.errors import ConfigError, DataError
 
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
@@ -267,7 +267,7 @@ class Tokenizer:
         roles = {name: role(name) for name in ("eos_token", "pad_token", "bos_token", "mask_token")}
         template = _read_chat_template(d, cfg)
         if (d / "tokenizer.json").is_file():
-            backend = tokenizers.Tokenizer.from_file(str(d / "tokenizer.json"))
+            backend = _backend_from_file(d / "tokenizer.json")
         else:
             backend, roles, template = _load_with_transformers(d, roles, template)
         if roles["eos_token"] is None:
@@ -286,6 +286,18 @@ class Tokenizer:
             spec=spec if spec is not None else str(d),
             source_dir=d,
         )
+
+
+def _backend_from_file(path: Path) -> tokenizers.Tokenizer:
+    """``tokenizers.Tokenizer.from_file``, with a damaged file reported as a one-line DataError."""
+    try:
+        return tokenizers.Tokenizer.from_file(str(path))
+    except Exception as e:  # the Rust side raises a bare Exception for any parse or schema error
+        reason = " ".join(str(e).split())[:160]
+        raise DataError(
+            f"{path} is not a valid tokenizer file ({reason}); replace it with a good copy or pass another "
+            f"tokenizer"
+        ) from None
 
 
 def _canonical_json(backend: tokenizers.Tokenizer, roles: dict[str, str | None]) -> str:

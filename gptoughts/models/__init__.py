@@ -10,7 +10,6 @@ The contract every model class obeys is in ``docs/internals.md`` (and ``tests/mo
 from __future__ import annotations
 
 import dataclasses
-import types
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from gptoughts.config import coerce
 from gptoughts.errors import ConfigError, did_you_mean
 from gptoughts.models import deepseek, gpt2, llama_hf
 from gptoughts.models.deepseek import DEEPSEEK_SIZES, DeepSeek, DeepSeekArgs
@@ -28,7 +28,8 @@ from gptoughts.models.inl import INL, INL_SIZES, INLArgs
 from gptoughts.models.llada import LLADA_SIZES, LLaDA, LLaDAArgs
 from gptoughts.models.llama import LLAMA_SIZES, Llama, LlamaArgs
 
-__all__ = ["FAMILIES", "Family", "build_model", "get_family", "list_sizes", "model_args"]
+__all__ = ["FAMILIES", "GENERIC_FAMILY", "Family", "build_model", "family_of", "get_family", "list_sizes",
+           "model_args"]
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,22 @@ FAMILIES: dict[str, Family] = {
 }
 
 
+def _generic_family() -> Family:
+    from gptoughts.models.hf import HFArgs, HFCausalLM
+
+    return Family("hf", HFCausalLM, HFArgs, {}, objective="causal")
+
+
+# "A transformers model without native code" where the pipeline expects a Family (objective, name); not in
+# FAMILIES: it cannot be built from args, only loaded from a folder (models/hf.py).
+GENERIC_FAMILY = _generic_family()
+
+
+def family_of(name: str | None) -> Family:
+    """The registered family ``name``, or :data:`GENERIC_FAMILY` for None / "hf" (a generic transformers model)."""
+    return FAMILIES[name] if name in FAMILIES else GENERIC_FAMILY
+
+
 def get_family(name: str | Family) -> Family:
     """The registered family called ``name`` (a ``Family`` is returned as is)."""
     if isinstance(name, Family):
@@ -81,7 +98,7 @@ def model_args(family: str | Family, size: str, overrides: Mapping[str, Any] | N
 
     Unknown sizes and fields raise ``ConfigError`` naming the closest valid one; a value of the wrong type
     raises ``ConfigError`` naming the field and the expected type. Ints are accepted for float fields (TOML
-    writes ``rope_theta = 500000``). The dataclass's own ``__post_init__`` then checks consistency.
+    writes ``rope_theta = 500000``); strings from the command line are converted. The dataclass's own ``__post_init__`` then checks consistency.
     """
     fam = get_family(family)
     key = size.lower() if isinstance(size, str) else size
@@ -98,7 +115,8 @@ def model_args(family: str | Family, size: str, overrides: Mapping[str, Any] | N
                 raise ConfigError(
                     f"unknown field `{name}` for model family {fam.name!r}{did_you_mean(str(name), fields)}"
                 )
-            values[name] = _coerce(name, value, hints[name])
+            # The config's one type checker, strict: command-line strings are converted by config.validate.
+            values[name] = coerce(value, hints[name], f"model field `{name}`", text=False)
     return fam.args_cls(**values)
 
 
@@ -121,73 +139,3 @@ def build_model(family: str | Family, args: Any, device: torch.device | str | No
     model.to_empty(device=device)
     model.init_weights()
     return model
-
-
-# ------------------------------------------------------------------------------------ type checking
-
-
-def _coerce(name: str, value: Any, tp: Any) -> Any:
-    ok, out = _match(value, tp)
-    if not ok:
-        raise ConfigError(
-            f"model field `{name}` must be {_describe(tp)}, got {type(value).__name__} {value!r}"
-        )
-    return out
-
-
-def _match(value: Any, tp: Any) -> tuple[bool, Any]:
-    """(value fits tp, value converted to it). Handles the shapes args dataclasses use."""
-    if tp is Any:
-        return True, value
-    origin = typing.get_origin(tp)
-    if origin is typing.Union or (hasattr(types, "UnionType") and isinstance(tp, types.UnionType)):
-        for arm in typing.get_args(tp):
-            ok, out = _match(value, arm)
-            if ok:
-                return True, out
-        return False, value
-    if tp is type(None):
-        return value is None, value
-    if origin is typing.Literal:
-        return value in typing.get_args(tp), value
-    if tp is bool:
-        return isinstance(value, bool), value
-    if tp is int:
-        return isinstance(value, int) and not isinstance(value, bool), value
-    if tp is float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        return ok, float(value) if ok else value
-    if tp is str:
-        return isinstance(value, str), value
-    base = origin or tp
-    if base is dict:
-        return isinstance(value, Mapping), dict(value) if isinstance(value, Mapping) else value
-    if base in (list, tuple):
-        if not isinstance(value, (list, tuple)):
-            return False, value
-        args = typing.get_args(tp)
-        if args and args[-1] is not Ellipsis and base is list:
-            items = [_match(v, args[0]) for v in value]
-            if not all(ok for ok, _ in items):
-                return False, value
-            return True, [v for _, v in items]
-        return True, base(value)
-    if isinstance(tp, type):
-        return isinstance(value, tp), value
-    return True, value
-
-
-def _describe(tp: Any) -> str:
-    origin = typing.get_origin(tp)
-    if origin is typing.Union or (hasattr(types, "UnionType") and isinstance(tp, types.UnionType)):
-        return " or ".join(_describe(a) for a in typing.get_args(tp))
-    if tp is type(None):
-        return "None"
-    if origin is typing.Literal:
-        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
-    base = origin or tp
-    if base is dict:
-        return "a table (dict)"
-    if base in (list, tuple):
-        return "a list"
-    return getattr(base, "__name__", str(base))

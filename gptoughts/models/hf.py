@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gptoughts.errors import ConfigError, UserError
+from gptoughts.errors import ConfigError, UserError, did_you_mean
 
 log = logging.getLogger("gptoughts.models.hf")
 
@@ -190,9 +190,13 @@ def _cast_params(model: nn.Module, dtype: torch.dtype) -> None:
 
 
 def load_pretrained(path: str | Path, *, device: torch.device | str = "cpu", trust_remote_code: bool = False,
-                    dtype: torch.dtype = torch.float32) -> Pretrained:
+                    dtype: torch.dtype = torch.float32, overrides: dict[str, Any] | None = None) -> Pretrained:
     """Load a local HF model folder: the native family when an adapter matches its ``model_type``, the generic
-    ``transformers`` wrapper otherwise. Parameters end up in ``dtype`` (fp32 master weights by default)."""
+    ``transformers`` wrapper otherwise. Parameters end up in ``dtype`` (fp32 master weights by default).
+
+    ``overrides``: fields of the native family's args that do not change the architecture (every parameter
+    keeps its name and shape, e.g. DeepSeek's ``bias_update_rate``); anything else is a ConfigError.
+    ``device`` meta builds the native model without reading its weights (a dry run's parameter count)."""
     p = Path(path).expanduser()
     raw = read_config(p)
     model_type = str(raw["model_type"])
@@ -208,15 +212,46 @@ def load_pretrained(path: str | Path, *, device: torch.device | str = "cpu", tru
         except UnsupportedHFConfig as e:
             reason = f"its config uses {e}, which the native {family} code does not implement"
         else:
-            model = _load_native(p, family, adapter, args, device, dtype)
+            args = _with_overrides(family, args, overrides or {}, p)
+            if device.type == "meta":
+                from gptoughts import models
+
+                model = models.build_model(family, args, device="meta")
+            else:
+                model = _load_native(p, family, adapter, args, device, dtype)
             return Pretrained(family=family, args=args, model=model, tokenizer=tokenizer, generic=False,
                               config=config, path=p)
+    if overrides:
+        raise ConfigError(f"model.{next(iter(overrides))}: {p} runs on the generic transformers path ({reason}), whose "
+                          "config cannot be overridden; drop the override")
     notice = (f"note: {p.name} ({model_type}): {reason}; training the transformers implementation through the "
               "same trainer (the native fast path covers llama, mistral, qwen2, qwen3)")
     log.debug(notice)  # the caller shows it (the training run prints it once, on rank 0)
     model = HFCausalLM.from_pretrained(p, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
     return Pretrained(family=None, args=None, model=model, tokenizer=tokenizer, generic=True,
                       config=resolved_config(p, trust_remote_code), path=p, notice=notice)
+
+
+def _with_overrides(family: str, args: Any, overrides: dict[str, Any], path: Path) -> Any:
+    """``args`` with the fine-tuning run's ``model.*`` overrides, refused when they change a parameter."""
+    if not overrides:
+        return args
+    import dataclasses
+
+    from gptoughts import models
+
+    fields = {f.name for f in dataclasses.fields(args)}
+    for key in overrides:
+        if key not in fields:
+            raise ConfigError(f"unknown field `{key}` for model family {family!r} ({path} is a {family} model)"
+                              f"{did_you_mean(key, fields)}")
+    new = models.model_args(family, "debug", {**dataclasses.asdict(args), **overrides})
+    shapes = [{k: tuple(v.shape) for k, v in models.build_model(family, a, device="meta").state_dict().items()}
+              for a in (args, new)]
+    if shapes[0] != shapes[1]:
+        changed = ", ".join(f"model.{k}" for k in overrides)
+        raise ConfigError(f"{changed} changes the architecture of {path}, which fine-tuning keeps; drop it")
+    return new
 
 
 def _load_native(path: Path, family: str, adapter: HFAdapter, args: Any, device: torch.device,

@@ -105,7 +105,7 @@ class LLaDA(Llama):
 
 _NO_CACHE = (
     "LLaDA attends bidirectionally, so it has no KV cache and cannot decode token by token; "
-    "sample with gptoughts.generate.diffusion_generate"
+    "sample with gptoughts.sampling.diffusion_generate"
 )
 
 

@@ -5,10 +5,12 @@ Memory at the peak of a training step (fp32 master weights, mixed precision):
 * weights: 4 bytes/param (fp32 master copy)
 * gradients: 4 bytes/param
 * optimizer: 8 bytes/param (AdamW's two moments)
-* autocast weight copies: 2 bytes per matmul param (the bf16 casts autocast keeps for backward)
+* autocast weight copies: 2 bytes per matmul param (the bf16 casts autocast keeps for backward): every weight
+  of two or more dims (DeepSeek's 3-D expert weights included) except embedding lookups; a tied LM head counts
 * activations: per token and layer, the tensors autograd saves for backward, counted from the block's ops
-  (see ``_layer_activation_bytes``) per activation-checkpointing mode; the peak holds either the activations
-  (with the bf16 weight copies and logits) early in backward, or all gradients at the optimizer step
+  per family and activation-checkpointing mode (Llama and LLaDA: ``_layer_activation_bytes``; GPT-2, INL and
+  DeepSeek: ``_gpt2_layer_bytes``, ``_inl_layer_bytes``, ``_deepseek_layer_bytes``); the peak holds either the
+  activations (with the bf16 weight copies and logits) early in backward, or all gradients at the optimizer step
 * logits: the LM-head working set (one chunk with the chunked loss, the whole batch with the plain loss)
 
 Under FSDP (``strategy = "fsdp"``) weights, gradients and optimizer state are divided by the GPU count; the
@@ -32,10 +34,32 @@ from gptoughts.perf.hardware import _PEAK_BF16, peak_flops
 GIB = 2**30
 
 # $/hour, on-demand list prices seen at common GPU clouds (the INL guide's table, updated); override with --price.
-DEFAULT_PRICE = {"H200": 3.5, "H100": 2.5, "A100": 1.5, "L40S": 1.0, "RTX 4090": 0.4, "RTX 3090": 0.3, "A10G": 1.0,
-                 "L4": 0.7, "T4": 0.35, "V100": 0.8, "B200": 5.0}
-GPU_MEMORY_GIB = {"H200": 141, "H100": 80, "A100": 80, "L40S": 48, "RTX 4090": 24, "RTX 3090": 24, "A10G": 24,
-                  "L4": 24, "T4": 16, "V100": 32, "B200": 180}
+DEFAULT_PRICE = {
+    "H200": 3.5,
+    "H100": 2.5,
+    "A100": 1.5,
+    "L40S": 1.0,
+    "RTX 4090": 0.4,
+    "RTX 3090": 0.3,
+    "A10G": 1.0,
+    "L4": 0.7,
+    "T4": 0.35,
+    "V100": 0.8,
+    "B200": 5.0,
+}
+GPU_MEMORY_GIB = {
+    "H200": 141,
+    "H100": 80,
+    "A100": 80,
+    "L40S": 48,
+    "RTX 4090": 24,
+    "RTX 3090": 24,
+    "A10G": 24,
+    "L4": 24,
+    "T4": 16,
+    "V100": 32,
+    "B200": 180,
+}
 
 
 @dataclass
@@ -83,17 +107,151 @@ def _layer_activation_bytes(args: Any, mode: str, residual_bytes: int = 4) -> fl
     f = getattr(args, "ffn_dim", 4 * d)
     if mode == "none":
         return (8 + 2 * r) * d + 4 * d_kv + 6 * f
-    if mode == "selective":  # measured 45.4 KB/token/layer at 3b (d 3072, ffn 8192, fp32 residual), per-block compile
+    # selective: measured 45.4 KB/token/layer at 3b (d 3072, ffn 8192, fp32 residual), per-block compile
+    if mode == "selective":
         return r * d + 4 * f
     if mode == "full":
         return r * d
     raise ConfigError(f"activation checkpointing must be none, selective or full; got {mode!r}")
 
 
-def estimate(family: str, size: str, overrides: dict | None = None, *, batch_size: int = 8, block_size: int = 2048,
-             activation_checkpointing: str = "none", loss: str = "chunked", loss_chunk: int = 4096,
-             gpu: str = "H100", tokens: int | None = None, mfu: float | None = None, price: float | None = None,
-             num_gpus: int = 1, residual_dtype: str = "bf16", strategy: str = "ddp") -> Estimate:
+def _gpt2_layer_bytes(args: Any, mode: str, r: int) -> float:
+    """GPT-2 block (LayerNorm, fused q/k/v without RoPE, GELU MLP ``f = 4d`` wide), counted as the Llama block.
+
+    none: ln_1 input and output (r d + 2d), q/k/v (6d), attention output (2d), ln_2 input and output (r d + 2d),
+    c_fc output and its GELU (2 × 2f): (12 + 2r) d + 4f. Against the measured gpt2/large peak (H200, per-block
+    compile, fp32 residual, batch 16 × 1024: 36.2 GiB, bench/BENCHMARKS.md families table) the estimate gives
+    37.2 GiB (+2.7%). selective: the block input and the c_fc output the policy keeps, r d + 2f (the Llama
+    measurement's rule with one up-projection instead of two); full: r d. Not measured for selective/full.
+    """
+    d, f = args.d_model, args.ffn
+    if mode == "none":
+        return (12 + 2 * r) * d + 4 * f
+    if mode == "selective":
+        return r * d + 2 * f
+    return r * d
+
+
+def _inl_layer_bytes(args: Any, mode: str, r: int) -> float:
+    """INL block: Llama's attention (RMSNorm, GQA, RoPE), the integrator, and a GELU FFN ``f`` wide.
+
+    The integrator's state is fp32 (``x - μ`` promotes it: μ is an fp32 parameter), so with K > 0 the residual
+    stream is fp32 after the first block whatever ``residual_dtype`` says: r = 4 is used. With ``H =
+    controller_hidden``, the integrator saves its input ``h`` (2d, the first controller matmul's input) and, per
+    iteration, what the compiled block keeps for backward: x and v in fp32 (8d), their bf16 copy fed to ``W_xv``
+    (4d), the controller's 4d-wide output in bf16 (8d), the controller's hidden pre- and post-GELU (4H), and 2d
+    more (one bf16 ``[B, T, d]`` intermediate: what the measured peak below implies, not traced op by op):
+    K (22d + 4H) + 2d. (Eager mode keeps about twice that: each of the ~15 elementwise ops saves an operand.)
+
+    none: attention as Llama's ((6 + r) d + 4 d_kv), the integrator, FFN-norm input and output ((r + 2) d),
+    fc1 output and its GELU (4f). Against the measured inl/3b peak (K = 4; H200, per-block compile, fp32
+    residual, batch 2 × 2048: 67.2 GiB, bench/BENCHMARKS.md families table) the estimate gives 68.4 GiB (+1.8%).
+    selective: the block input, fc1's output and the controller's matmul outputs the policy keeps,
+    r d + 2f + K (8d + 4H); full: r d. Not measured for selective/full.
+    """
+    d, f, hid, k = args.d_model, args.ffn, args.controller_hidden, args.n_iterations
+    d_kv = args.kv_heads * args.hd
+    if k > 0:
+        r = 4
+    if mode == "none":
+        integrator = (2 * d + k * (22 * d + 4 * hid)) if k > 0 else 0
+        return (8 + 2 * r) * d + 4 * d_kv + 4 * f + integrator
+    if mode == "selective":
+        return r * d + 2 * f + k * (8 * d + 4 * hid)
+    return r * d
+
+
+def _deepseek_layer_bytes(args: Any, mode: str, r: int, moe: bool) -> float:
+    """DeepSeek block: MLA, then a dense SwiGLU (the first ``n_dense_layers``) or the MoE, counted per token.
+
+    MLA (``H`` heads, q/k head dim ``qk``, value dim ``v``, latent ``c`` of ``kv_lora_rank``, rope key ``rope``):
+    norm input and output ((r + 2) d), the optional q-LoRA latent and its norm (4 q_lora_rank), the latent with
+    the rope key (2 (c + rope)), the normed latent (2c), the q, k and v SDPA saves (2 H (2 qk + v)) and the
+    attention output (2 H v). Then FFN-norm input and output ((r + 2) d) and either the dense SwiGLU (6 f_dense,
+    as Llama) or the MoE with ``k`` active of the routed experts of width ``m`` and shared experts of total width
+    ``s``: the router's fp32 input and scores (4d + 8E), each token's k dispatched copies (2kd), their SwiGLUs
+    (6km: only the *active* experts hold activations, idle experts none), the gathered expert outputs (2kd) and
+    the shared SwiGLU (6s). Against the measured deepseek/small peak (H200, per-block compile, fp32 residual,
+    batch 8 × 2048: 31.5 GiB, bench/BENCHMARKS.md families table) the estimate gives 32.1 GiB (+2.1%; with
+    the 3-D expert weights' bf16 copies, 1.8 GiB, in the autocast line). selective: the block input plus the matmul
+    outputs the policy keeps: the dense SwiGLU's w1/w3 (4 f_dense), or the router scores, the shared experts'
+    w1/w3 and the gate-weighted sum (4E + 4s + 2d); the routed experts run through ``torch._grouped_mm``, which
+    the policy recomputes. full: r d. Not measured for selective/full. The MTP block (``mtp_depth = 1``) is
+    outside ``model.layers``, so it is never checkpointed: ``_activation_bytes`` adds it as one more block.
+    """
+    d, h = args.d_model, args.n_heads
+    if mode == "full":
+        return r * d
+    if mode == "selective":
+        if not moe:
+            return r * d + 4 * args.dense_inter_dim
+        return r * d + 4 * args.n_routed_experts + 4 * args.n_shared_experts * args.moe_inter_dim + 2 * d
+    qk, v, c, rope = args.qk_head_dim, args.v_head_dim, args.kv_lora_rank, args.qk_rope_head_dim
+    q_lora = 4 * args.q_lora_rank if args.q_lora_rank else 0
+    attn = (r + 2) * d + q_lora + 2 * (c + rope) + 2 * c + 2 * h * (2 * qk + v) + 2 * h * v
+    if not moe:
+        return attn + (r + 2) * d + 6 * args.dense_inter_dim
+    k, m, e = args.n_activated_experts, args.moe_inter_dim, args.n_routed_experts
+    routed = 4 * d + 8 * e + 2 * k * d + 6 * k * m + 2 * k * d
+    return attn + (r + 2) * d + routed + 6 * args.n_shared_experts * m
+
+
+def _activation_bytes(family: str, args: Any, mode: str, r: int) -> tuple[float, float]:
+    """(bytes per token saved for backward by all blocks in ``mode``, the most one block saves without
+    checkpointing, i.e. what the block being recomputed under ``full`` rebuilds during its backward)."""
+    if mode not in ("none", "selective", "full"):
+        raise ConfigError(f"activation checkpointing must be none, selective or full; got {mode!r}")
+    L = args.n_layers
+    if family == "gpt2":
+        return _gpt2_layer_bytes(args, mode, r) * L, _gpt2_layer_bytes(args, "none", r)
+    if family == "inl":
+        return _inl_layer_bytes(args, mode, r) * L, _inl_layer_bytes(args, "none", r)
+    if family == "deepseek":
+        dense, moe = args.n_dense_layers, args.n_moe_layers
+        per_layer = dense * _deepseek_layer_bytes(args, mode, r, False)
+        per_layer += moe * _deepseek_layer_bytes(args, mode, r, True)
+        kinds = [False] * (dense > 0) + [True] * (moe > 0)
+        rebuilt = max(_deepseek_layer_bytes(args, "none", r, is_moe) for is_moe in kinds)
+        if args.mtp_depth:
+            # The MTP block is outside ``model.layers``: never checkpointed. Plus its two input norms and the
+            # concatenated bf16 input of eh_proj.
+            per_layer += _deepseek_layer_bytes(args, "none", r, moe > 0) + (2 * r + 8) * args.d_model
+        return per_layer, rebuilt
+    # llama, llada (LlamaArgs) and any family with Llama's field names.
+    return _layer_activation_bytes(args, mode, r) * L, _layer_activation_bytes(args, "none", r)
+
+
+def estimate(
+    family: str,
+    size: str,
+    overrides: dict | None = None,
+    *,
+    batch_size: int = 8,
+    block_size: int = 2048,
+    activation_checkpointing: str = "none",
+    loss: str = "chunked",
+    loss_chunk: int = 4096,
+    gpu: str = "H100",
+    tokens: int | None = None,
+    mfu: float | None = None,
+    price: float | None = None,
+    num_gpus: int = 1,
+    residual_dtype: str = "bf16",
+    strategy: str = "ddp",
+) -> Estimate:
+    """Peak memory of one training step, speed and cost for ``family`` at ``size`` (module docstring: each line).
+
+    Activation bytes per token and block without checkpointing (d = ``d_model``, f = FFN width, d_kv = key/value
+    width, r = residual bytes; the function named gives the selective and full modes and what is counted):
+
+    * llama, llada: (8 + 2r) d + 4 d_kv + 6f (``_layer_activation_bytes``, measured on an H200);
+    * gpt2: (12 + 2r) d + 4f (LayerNorm, q/k/v without GQA, 4d GELU MLP; ``_gpt2_layer_bytes``);
+    * inl: (8 + 2r) d + 4 d_kv + 4f + 2d + K (22d + 4H), with r = 4 once the integrator's fp32 state joins the
+      residual stream, K integrator iterations and H the controller's width (``_inl_layer_bytes``);
+    * deepseek: MLA (latent, q/k/v, output) plus, in the dense layers, a SwiGLU, and in the MoE layers the router,
+      each token's copies through its *active* experts only and the shared experts (``_deepseek_layer_bytes``);
+      an MTP block counts as one more, never checkpointed, block.
+    """
     args = models.model_args(family, size, dict(overrides or {}))
     import torch
 
@@ -101,27 +259,36 @@ def estimate(family: str, size: str, overrides: dict | None = None, *, batch_siz
         model = models.build_model(family, args)
     n = model.num_params()
     n_ne = model.num_params(non_embedding=True)
-    matmul_params = sum(p.numel() for name, p in model.named_parameters() if p.ndim == 2 and "embed" not in name)
+    # Weights autocast casts to bf16 and keeps for backward: every matrix (and DeepSeek's 3-D expert stacks) except
+    # embedding lookups, which read rows without a cast; a tied LM head is a matmul, so it counts.
+    lookups = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    lookups.discard(id(model.output_weight))
+    matmul_params = sum(p.numel() for p in model.parameters() if p.ndim >= 2 and id(p) not in lookups)
     flops_tok = model.flops_per_token(block_size)
     tokens_step = batch_size * block_size
-    L = args.n_layers
     if residual_dtype not in ("fp32", "bf16"):
         raise ConfigError(f"residual dtype must be fp32 or bf16; got {residual_dtype!r}")
     r = 4 if residual_dtype == "fp32" else 2
-    act = _layer_activation_bytes(args, activation_checkpointing, r) * tokens_step * L
+    fam = models.get_family(family).name
+    per_token, rebuilt = _activation_bytes(fam, args, activation_checkpointing, r)
+    act = per_token * tokens_step
     if activation_checkpointing == "full":  # one block's activations are rebuilt during its backward
-        act += _layer_activation_bytes(args, "none", r) * tokens_step
+        act += rebuilt * tokens_step
     vocab = args.vocab_size
     rows = min(loss_chunk, tokens_step) if loss == "chunked" else tokens_step
     # chunked: fp32 logits + their gradient for one chunk, plus the fp32 head-weight gradient accumulator;
     # plain: bf16 logits, their fp32 upcast and its gradient, for the whole batch.
     logits = rows * vocab * 8 + vocab * args.d_model * 4 if loss == "chunked" else rows * vocab * (2 + 4 + 4)
+    # DeepSeek's MTP: a second LM-head loss (its own head-gradient accumulator, or its own logits).
+    if getattr(args, "mtp_depth", 0):
+        logits += vocab * args.d_model * 4 if loss == "chunked" else rows * vocab * (2 + 4 + 4)
     if strategy not in ("ddp", "fsdp"):
         raise ConfigError(f"strategy must be ddp or fsdp; got {strategy!r}")
     weights, grads, optim = 4 * n, 4 * n, 8 * n
     copies = 2 * matmul_params
     if strategy == "fsdp" and num_gpus > 1:
-        block = sum(p.numel() for p in model.layers[0].parameters())
+        # The largest block (DeepSeek's MoE blocks outweigh its dense ones).
+        block = max(sum(p.numel() for p in layer.parameters()) for layer in model.layers)
         root = n - sum(p.numel() for p in model.layers.parameters())
         weights, grads, optim = weights / num_gpus, grads / num_gpus, optim / num_gpus
         copies = 2 * (2 * block + root) + 6 * block
@@ -144,20 +311,35 @@ def estimate(family: str, size: str, overrides: dict | None = None, *, batch_siz
     mem = GPU_MEMORY_GIB.get(key) if key else None
     pph = price if price is not None else DEFAULT_PRICE.get(key) if key else None
     return Estimate(
-        params=n, params_non_embedding=n_ne, weights_gib=weights / GIB, gradients_gib=grads / GIB,
-        optimizer_gib=optim / GIB, autocast_copies_gib=copies / GIB, activations_gib=act / GIB,
-        logits_gib=logits / GIB, total_gib=total / GIB, gpu=gpu, gpu_memory_gib=mem,
-        fits=(total / GIB <= mem * 0.95) if mem else None, flops_per_token=flops_tok, mfu=mfu, tokens_per_s=tps,
-        tokens=tokens, hours=hours, price_per_hour=pph,
+        params=n,
+        params_non_embedding=n_ne,
+        weights_gib=weights / GIB,
+        gradients_gib=grads / GIB,
+        optimizer_gib=optim / GIB,
+        autocast_copies_gib=copies / GIB,
+        activations_gib=act / GIB,
+        logits_gib=logits / GIB,
+        total_gib=total / GIB,
+        gpu=gpu,
+        gpu_memory_gib=mem,
+        fits=(total / GIB <= mem * 0.95) if mem else None,
+        flops_per_token=flops_tok,
+        mfu=mfu,
+        tokens_per_s=tps,
+        tokens=tokens,
+        hours=hours,
+        price_per_hour=pph,
         cost=(hours * pph * num_gpus) if (hours is not None and pph is not None) else None,
         strategy=strategy if num_gpus > 1 else "ddp",
     )
 
 
 def format_estimate(e: Estimate) -> str:
-    lines = [f"{e.params / 1e6:,.1f}M params ({e.params_non_embedding / 1e6:,.1f}M non-embedding), "
-             f"{e.flops_per_token / 1e9:.2f} GFLOP/token",
-             "memory at peak (GiB):"]
+    lines = [
+        f"{e.params / 1e6:,.1f}M params ({e.params_non_embedding / 1e6:,.1f}M non-embedding), "
+        f"{e.flops_per_token / 1e9:.2f} GFLOP/token",
+        "memory at peak (GiB):",
+    ]
     for k in ("weights", "gradients", "optimizer", "autocast_copies", "activations", "logits"):
         label = "fsdp_gathered" if k == "autocast_copies" and e.strategy == "fsdp" else k
         lines.append(f"  {label:<16} {getattr(e, k + '_gib'):8.2f}")

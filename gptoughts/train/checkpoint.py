@@ -5,12 +5,18 @@ Layout of ``RUN/checkpoints/``::
     step_000120/
         model.safetensors   weights (safetensors: no pickle, loadable anywhere)
         state.pt            optimizer, step, RNG, loader and trainer state; torch.load(weights_only=True) reads it
-        meta.json           step, val loss, sha256 of each file (written last)
+        meta.json           step, val loss, sha256 of each file (written last), and what the trainer adds
+                            (tokens seen, data steps skipped by rollbacks, rollbacks, learning-rate scale)
     best.json               {"step": ..., "val_loss": ...}: the best checkpoint, never rotated away
 
 A checkpoint is written into a hidden temp dir, every file fsynced, then the dir is renamed into place, so
 a crash mid-write never leaves a directory that looks complete. ``latest_valid`` re-hashes files and skips a
 truncated or corrupted newest checkpoint with a warning, falling back to the previous one.
+
+Re-saving a step that exists (a rollback records its decision in the checkpoint it returned to) moves the old
+dir aside as ``.old-step_N-*`` before renaming the new one in; a crash between the two renames leaves only the
+``.old`` dir, which :func:`recover` (run by ``save`` and ``latest_valid``) renames back, so a step dir is
+never lost.
 """
 
 from __future__ import annotations
@@ -68,11 +74,14 @@ def step_dir(root: Path, step: int) -> Path:
 
 
 def save(root: str | Path, step: int, model: nn.Module | dict[str, torch.Tensor], state: dict[str, Any], *,
-         val_loss: float | None = None, keep_last: int = 3, is_best: bool = False) -> Path:
+         val_loss: float | None = None, keep_last: int = 3, is_best: bool = False,
+         meta: dict[str, Any] | None = None) -> Path:
     """Write checkpoint ``step`` atomically, rotate old ones (never the best), return its directory.
-    ``model`` is the module, or its full state dict (a sharded run gathers one)."""
+    ``model`` is the module, or its full state dict (a sharded run gathers one); ``meta``: extra JSON fields
+    for ``meta.json``."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
+    recover(root)
     final = step_dir(root, step)
     tmp = root / f".tmp-{final.name}-{os.getpid()}-{time.monotonic_ns()}"
     tmp.mkdir()
@@ -86,15 +95,13 @@ def save(root: str | Path, step: int, model: nn.Module | dict[str, torch.Tensor]
         for name in (MODEL_FILE, STATE_FILE):
             _fsync_file(tmp / name)
             files[name] = {"sha256": _sha256(tmp / name), "bytes": (tmp / name).stat().st_size}
-        meta = {"step": step, "val_loss": val_loss, "files": files, "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
-        (tmp / META_FILE).write_text(json.dumps(meta, indent=2))
+        info = {**(meta or {}), "step": step, "val_loss": val_loss, "files": files,
+                "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        (tmp / META_FILE).write_text(json.dumps(info, indent=2))
         _fsync_file(tmp / META_FILE)
         _fsync_dir(tmp)
-        if final.exists():  # re-saving the same step (e.g. end of run right after a periodic save)
-            old = root / f".old-{final.name}-{time.monotonic_ns()}"
-            final.rename(old)
-            tmp.rename(final)
-            shutil.rmtree(old, ignore_errors=True)
+        if final.exists():  # re-saving the same step (end of run right after a periodic save, a rollback)
+            _replace(final, tmp, root)
         else:
             tmp.rename(final)
         _fsync_dir(root)
@@ -105,6 +112,37 @@ def save(root: str | Path, step: int, model: nn.Module | dict[str, torch.Tensor]
         write_json_atomic(root / "best.json", {"step": step, "val_loss": val_loss})
     rotate(root, keep_last)
     return final
+
+
+def _replace(final: Path, tmp: Path, root: Path) -> None:
+    """Swap the complete dir ``tmp`` in for ``final``. A crash between the two renames leaves only
+    ``.old-<final>-*``, which :func:`recover` renames back."""
+    old = root / f".old-{final.name}-{time.monotonic_ns()}"
+    final.rename(old)
+    _fsync_dir(root)
+    tmp.rename(final)
+    _fsync_dir(root)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+_OLD_DIR = re.compile(r"^\.old-(step_\d{6,})-(\d+)$")
+
+
+def recover(root: str | Path) -> None:
+    """Finish a replace that a crash interrupted: a ``.old-step_N-*`` dir whose ``step_N`` is missing is renamed
+    back (it was complete: it had been in place); one whose ``step_N`` exists is a leftover and is removed."""
+    root = Path(root)
+    if not root.is_dir():
+        return
+    olds = sorted(((m, p) for p in root.iterdir() if p.is_dir() and (m := _OLD_DIR.match(p.name))),
+                  key=lambda mp: -int(mp[0].group(2)))  # the newest first
+    for m, p in olds:
+        final = root / m.group(1)
+        if final.exists():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.rename(final)
+            _fsync_dir(root)
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:
@@ -162,10 +200,14 @@ def verify(path: Path) -> str | None:
     return None
 
 
-def latest_valid(root: str | Path) -> Path | None:
-    """The newest intact checkpoint dir under ``root``; corrupted newer ones are skipped with a warning."""
+def latest_valid(root: str | Path, *, before: int | None = None) -> Path | None:
+    """The newest intact checkpoint dir under ``root`` (with ``before``: of a step < ``before``); corrupted
+    newer ones are skipped with a warning."""
     root = Path(root)
+    recover(root)
     for s in reversed(list_steps(root)):
+        if before is not None and s >= before:
+            continue
         path = step_dir(root, s)
         problem = verify(path)
         if problem is None:

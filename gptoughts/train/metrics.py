@@ -22,7 +22,8 @@ from rich.progress import (
 
 from gptoughts.errors import UserError
 
-console = Console(stderr=False)
+# soft_wrap: long lines (the run plan, paths) are not cut at 80 columns when the output is a file or a pipe
+console = Console(stderr=False, soft_wrap=True)
 
 
 def _clean(value: Any) -> Any:

@@ -183,22 +183,6 @@ def apply_transforms(raw: nn.Module, *, perf: PerfConfig, hw: HardwareProfile, d
     return Built(model=model, raw=raw, forward_context=_forward_context(perf), resolved=resolved)
 
 
-@contextlib.contextmanager
-def eager(model: nn.Module):
-    """Run compiled modules eagerly for a while (generation: changing shapes would trigger recompiles)."""
-    stashed = []
-    for m in model.modules():
-        fn = getattr(m, "_compiled_call_impl", None)
-        if fn is not None:
-            stashed.append((m, fn))
-            m._compiled_call_impl = None
-    try:
-        yield model
-    finally:
-        for m, fn in stashed:
-            m._compiled_call_impl = fn
-
-
 def make_objective(family: models.Family, built: Built, perf: PerfConfig) -> Callable:
     from gptoughts.perf.ce import make_loss
     from gptoughts.train.objectives import build_objective

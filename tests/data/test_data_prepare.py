@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from gptoughts.data import BatchLoader, Manifest, TokenDataset, cached_prepare, prepare, token_dtype
+from gptoughts.data.prepare import FORMAT_VERSION
 from gptoughts.data.tokenizer import bytes_tokenizer
 from gptoughts.errors import DataError
 
@@ -54,7 +55,7 @@ def test_prepare_writes_shards_manifest_and_tokenizer(
     assert m.totals["docs"] == 40 and m.stats["skipped_binary"] == 0
     again = Manifest.load(out)
     assert again.to_dict() == m.to_dict()
-    assert json.loads((out / "manifest.json").read_text())["format_version"] == 1
+    assert json.loads((out / "manifest.json").read_text())["format_version"] == FORMAT_VERSION == 2
 
 
 def test_val_documents_are_disjoint_from_train(
@@ -77,15 +78,17 @@ def test_min_val_docs(tmp_path: Path, corpus: Path) -> None:
 
 
 def test_single_document_val_is_its_tail(tmp_path: Path) -> None:
+    # 2.6 KB: under the floor of ~1 KiB of val text, so 10% of it (the small-corpus cap) is held out.
     text = "".join(f"line {i}\n" for i in range(300))
     (tmp_path / "one.txt").write_text(text)
     out = tmp_path / "o"
     m = prepare([tmp_path / "one.txt"], out, "bytes", progress=False)
-    assert "single document" in m.val_split
+    assert "the last 10.00% of each of the 1 document(s)" in m.val_split
     head, tail = split_docs(out, m, "train"), split_docs(out, m, "val")
     assert len(head) == 1 and len(tail) == 1 and head[0] + tail[0] == text
     assert tail[0].startswith("line ") and 0.05 < len(tail[0]) / len(text) < 0.2
-    assert m.sources[0].hash_method == "content"
+    src = m.sources[0]
+    assert src.hash_method == "content" and src.val_tail_doc_indices == [0] and src.val_docs == 0
 
 
 def test_bpe_tokenizer_trained_and_saved(
@@ -235,7 +238,8 @@ def test_stdlib_slice(tmp_path: Path) -> None:
     out = tmp_path / "o"
     m = prepare([stdlib], out, "bpe:512", progress=False, max_bytes=300_000, val_fraction=0.05)
     src = m.sources[0]
-    assert src.truncated and src.docs > 5 and src.val_docs >= 1 and m.stats["skipped_binary"] == 0
+    assert src.truncated and src.docs > 5 and m.stats["skipped_binary"] == 0
+    assert src.val_docs + len(src.val_tail_doc_indices) >= 1 and m.val_tokens > 0
     assert 300_000 <= src.bytes < 300_000 + (1 << 20)
     assert m.train_tokens < src.bytes  # BPE compresses code
     with BatchLoader(TokenDataset(out), batch_size=2, block_size=64, prefetch=0) as loader:
@@ -247,3 +251,100 @@ def test_dataset_prepared_inside_its_own_corpus_is_not_read(tmp_path: Path, corp
     m1 = prepare([corpus], corpus / "prepared", "bytes", progress=False)
     m2 = prepare([corpus], corpus / "prepared", "bytes", progress=False)
     assert m2.created == m1.created and m1.sources[0].docs == 40
+
+
+# ------------------------------------------------------------------------------------------ split shares
+
+
+def _text(n_bytes: int, seed: int) -> str:
+    """~n_bytes of ASCII lines of random words (lines of ~40 characters)."""
+    rng = np.random.default_rng(seed)
+    letters = np.array(list("abcdefghij klmnopqrstuvwxyz"))
+    chars = rng.choice(letters, n_bytes)
+    chars[rng.integers(0, n_bytes, n_bytes // 40)] = "\n"
+    return "".join(chars.tolist())
+
+
+def _val_share(m: Manifest) -> float:
+    return m.val_tokens / (m.train_tokens + m.val_tokens)
+
+
+@pytest.mark.parametrize("megabytes", [0.3, 1.2, 2, 5])
+def test_a_single_text_file_holds_out_about_val_fraction(tmp_path: Path, megabytes: float) -> None:
+    # A 1.2-2 MB file is read as two ~1 MiB documents: holding one out whole lost 40-70% of the tokens.
+    f = tmp_path / "book.txt"
+    f.write_text(_text(int(megabytes * 1_000_000), seed=int(megabytes * 10)))
+    out = tmp_path / "o"
+    m = prepare([f], out, "bytes", progress=False)  # val_fraction 0.005, prepare's default and train's
+    assert m.val_tokens > 0 and 0.5 * 0.005 <= _val_share(m) <= 3 * 0.005, _val_share(m)
+    src = m.sources[0]
+    assert src.val_docs == 0 and len(src.val_tail_doc_indices) == src.docs  # every piece gives its tail
+    # Heads and tails are the file's text, cut at line starts.
+    train, val = split_docs(out, m, "train"), split_docs(out, m, "val")
+    assert "".join(h + t for h, t in zip(train, val)) == f.read_text() and all(t[:1] != "\n" for t in val)
+
+
+def test_a_folder_of_two_large_files_holds_out_about_val_fraction(tmp_path: Path) -> None:
+    folder = tmp_path / "two"
+    folder.mkdir()
+    for k in range(2):
+        (folder / f"part{k}.txt").write_text(_text(1_000_000, seed=k))
+    m = prepare([folder], tmp_path / "o", "bytes", progress=False, val_fraction=0.01)
+    assert m.val_tokens > 0 and 0.5 * 0.01 <= _val_share(m) <= 3 * 0.01, _val_share(m)
+    assert m.sources[0].val_tail_doc_indices == [0, 1] and "last 1.00%" in m.val_split
+
+
+def test_bpe_on_a_single_file_holds_out_about_val_fraction(tmp_path: Path) -> None:
+    f = tmp_path / "book.txt"
+    f.write_text(_text(1_200_000, seed=7))
+    m = prepare([f], tmp_path / "o", "bpe:400", progress=False)
+    assert m.val_tokens > 0 and 0.5 * 0.005 <= _val_share(m) <= 3 * 0.005, _val_share(m)
+
+
+def test_many_documents_keep_the_document_lottery(tmp_path: Path, write_folder: Callable[..., Path]) -> None:
+    # No document is longer than 2 * val_fraction of the corpus: exactly the documents whose hash falls
+    # under val_fraction are held out, whole, as before the tail rule.
+    from gptoughts.data.prepare import _doc_u
+
+    docs = [f"<doc-{k}> " + _text(1000, seed=k) for k in range(300)]
+    folder = write_folder(tmp_path / "many", docs)
+    m = prepare([folder], tmp_path / "o", "bytes", progress=False, val_fraction=0.05)
+    src = m.sources[0]
+    expected = [k for k, d in enumerate(docs) if _doc_u(0, 0, k, d) < 0.05]
+    assert src.val_doc_indices == expected and len(expected) >= 5
+    assert src.val_tail_doc_indices == [] and m.val_split == "documents"
+    assert markers(split_docs(tmp_path / "o", m, "val")) == {f"<doc-{k}>" for k in expected}
+
+
+def test_one_long_document_among_short_ones_gives_a_tail(
+    tmp_path: Path, write_folder: Callable[..., Path]
+) -> None:
+    docs = ["<doc-0> " + _text(200_000, seed=1)] + [f"<doc-{k}> " + _text(500, seed=k) for k in range(1, 40)]
+    folder = write_folder(tmp_path / "mixed", docs)
+    out = tmp_path / "o"
+    m = prepare([folder], out, "bytes", progress=False, val_fraction=0.01)
+    src = m.sources[0]
+    assert src.val_tail_doc_indices == [0] and 0 not in src.val_doc_indices
+    assert 0.005 <= _val_share(m) <= 0.03
+    train = split_docs(out, m, "train")
+    assert train[0].startswith("<doc-0>") and len(train[0]) > 0.98 * len(docs[0])  # the head stays train
+
+
+def test_unwritable_output_is_a_data_error(tmp_path: Path, corpus: Path) -> None:
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    with pytest.raises(DataError, match=f"cannot write {blocker} .*; pass an output folder you can write to"):
+        prepare([corpus], blocker / "out", "bytes", progress=False)
+    assert blocker.read_text() == "x"
+
+
+def test_lookup_cached_finds_without_building(tmp_path: Path, corpus: Path) -> None:
+    from gptoughts.data.prepare import lookup_cached
+
+    root = tmp_path / "cache"
+    assert lookup_cached([corpus], "bytes", cache_root=root, val_fraction=0.1) is None
+    assert not root.exists()  # nothing built, not even the root
+    m = cached_prepare([corpus], "bytes", cache_root=root, progress=False, val_fraction=0.1)
+    found = lookup_cached([corpus], "bytes", cache_root=root, val_fraction=0.1, progress=False)
+    assert found is not None and found.dir == m.dir and found.created == m.created
+    assert lookup_cached([corpus], "bytes", cache_root=root, val_fraction=0.2) is None

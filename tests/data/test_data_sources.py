@@ -170,3 +170,54 @@ def test_jsonl_lone_surrogates_are_replaced(tmp_path: Path) -> None:
     docs, st = read(p)
     assert docs == ["a\ufffdb \U0001f600"]
     assert st.replaced_chars == 1 and st.invalid_utf8_files == 1
+
+
+def test_broken_symlink_in_a_folder_is_skipped(tmp_path: Path) -> None:
+    from gptoughts.data.sources import source_fingerprint
+
+    root = tmp_path / "src"
+    root.mkdir()
+    (root / "a.txt").write_text("hello\n")
+    (root / "b.txt").symlink_to(tmp_path / "nowhere.txt")
+    docs, _ = read(root)
+    assert docs == ["hello\n"]
+    source_fingerprint(root)  # stats every file: a dangling link used to raise FileNotFoundError
+
+
+def test_jsonl_with_a_byte_order_mark(tmp_path: Path) -> None:
+    p = tmp_path / "bom.jsonl"
+    p.write_bytes(b'\xef\xbb\xbf{"text": "first"}\n{"text": "second"}\n')
+    docs, _ = read(p)
+    assert docs == ["first", "second"]
+
+
+def test_unreadable_file_is_a_data_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import gptoughts.data.sources as sources
+
+    p = tmp_path / "secret.txt"
+    p.write_text("x")
+
+    def denied(path, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(sources, "open", denied, raising=False)  # tests run as root: chmod would not do
+    with pytest.raises(DataError, match=rf"cannot read {p} \(Permission denied\); fix its permissions"):
+        read(p)
+
+
+def test_corrupt_parquet_and_arrow_files_are_data_errors(tmp_path: Path) -> None:
+    p = tmp_path / "d.parquet"
+    pq.write_table(pa.table({"text": [f"row {i} " * 20 for i in range(5000)]}), p)
+    raw = bytearray(p.read_bytes())
+    raw[200:4000] = b"\xab" * 3800  # data pages: the footer still opens, reading the rows fails
+    p.write_bytes(bytes(raw))
+    with pytest.raises(DataError, match=f"{p} is not a readable parquet file"):
+        read(p)
+    ds = tmp_path / "hf"
+    _write_hf_dataset(ds, [[f"row {i}" for i in range(100)]])
+    arrow = next(ds.glob("*.arrow"))
+    raw = bytearray(arrow.read_bytes())
+    raw[100:400] = b"\xff" * 300
+    arrow.write_bytes(bytes(raw))
+    with pytest.raises(DataError, match=f"{arrow} is not a readable arrow file"):
+        read(ds)

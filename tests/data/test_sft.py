@@ -157,3 +157,13 @@ def test_loader_resume_epochs_and_ranks(tmp_path):
     evals = list(data.eval_batches(batch_size=2, max_batches=None))
     assert evals and all(len(b) == 4 for b in evals)
     assert all(torch.equal(p, q) for p, q in zip(evals[0], next(data.eval_batches(batch_size=2, max_batches=1))))
+
+
+def test_byte_order_mark_and_invalid_utf8_in_sft_jsonl(tmp_path: Path) -> None:
+    from gptoughts.data.sft import read_conversations, resolve_format
+
+    p = tmp_path / "chat.jsonl"
+    p.write_bytes(b'\xef\xbb\xbf{"prompt": "hi \xff", "response": "hello"}\n')  # BOM + an invalid byte
+    assert resolve_format("auto", [str(p)]) == "sft"  # the BOM used to hide the record: "text"
+    (conv,) = read_conversations([str(p)])  # used to raise UnicodeDecodeError
+    assert conv[0]["content"] == "hi \ufffd" and conv[1]["content"] == "hello"

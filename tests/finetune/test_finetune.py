@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from gptoughts import api, cli
 from gptoughts.config import load_config
-from gptoughts.errors import ConfigError, HardwareError
+from gptoughts.errors import ConfigError, HardwareError, UserError
 from gptoughts.train.trainer import Trainer
 
 
@@ -209,8 +209,12 @@ def test_finetune_command_line_and_config_checks(tmp_path, hf_model):
     assert cli.main(["finetune", "--data", "d.jsonl"]) == 2  # no --model
     with pytest.raises(ConfigError, match="--model HF_DIR"):
         load_config("default", {"lora.enabled": True})
-    with pytest.raises(ConfigError, match="cannot be changed when fine-tuning"):
+    with pytest.raises(UserError, match="M is not a folder"):  # overrides are checked against the folder's family
         load_config("finetune", {"model.init_from": "M", "model.n_layers": 4})
+    with pytest.raises(ConfigError, match="model.n_layers changes the architecture"):
+        api.finetune(model_path=str(hf_model("llama")), data_path=str(_sft(tmp_path / "d.jsonl")),
+                     save_dir=str(tmp_path / "arch"), **{"model.n_layers": 4, "perf.device": "cpu",
+                                                         "run.progress": False, "train.block_size": 64})
     with pytest.raises(ConfigError, match="lora.target_modules"):
         api.finetune(model_path=str(hf_model("llama")), data_path=str(_sft(tmp_path / "d.jsonl")), lora=True,
                      save_dir=str(tmp_path / "run"), **{"lora.target_modules": ["nope"], "perf.device": "cpu",

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from gptoughts.errors import ConfigError, UserError
-from gptoughts.generate import generate
+from gptoughts.sampling import generate
 from gptoughts.models import build_model, list_sizes, model_args
 from gptoughts.models import deepseek as ds
 from gptoughts.models.deepseek import DeepSeek, DeepSeekArgs, GroupedExperts

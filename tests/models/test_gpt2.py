@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gptoughts.generate import generate
+from gptoughts.sampling import generate
 from gptoughts.models import Family, build_model, model_args
 from gptoughts.models.gpt2 import (
     GPT2,

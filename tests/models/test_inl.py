@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from gptoughts.errors import ConfigError
-from gptoughts.generate import generate
+from gptoughts.sampling import generate
 from gptoughts.models import build_model, model_args
 from gptoughts.models.inl import DEFAULT_K, INL, INLArgs, Integrator
 

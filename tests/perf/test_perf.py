@@ -19,7 +19,7 @@ BENCH = {"model.size": "debug", "train.block_size": 32, "train.batch_size": 2, "
 
 
 def test_bench_debug_returns_every_field():
-    from gptoughts.perf.bench import format_result, run_bench
+    from gptoughts.tools.bench import format_result, run_bench
 
     r = run_bench(load_config("default", BENCH), steps=2, warmup=1, compare="hf", hf_modes=("eager",))
     for key in ("tokens_per_s", "step_ms", "mfu", "peak_memory_gib", "breakdown", "params", "flops_per_token",
@@ -224,7 +224,7 @@ def test_activation_checkpointing_keeps_gradients_and_keys():
 
 
 def test_tune_table_and_winner(tmp_path):
-    from gptoughts.perf.tune import best, format_table, run_tune, write_winner
+    from gptoughts.tools.tune import best, format_table, run_tune, write_winner
 
     cfg = load_config("default", BENCH)
     trials = run_tune(cfg, steps=1, warmup=1)
@@ -342,7 +342,7 @@ def test_compile_modes_and_their_validation():
     with pytest.raises(ConfigError, match="precision"):
         load_config("default", {"perf.residual_dtype": "bf16", "perf.precision": "fp16"})
     with pytest.raises(ConfigError, match="compile"):
-        from gptoughts.perf.bench import run_bench
+        from gptoughts.tools.bench import run_bench
 
         run_bench(load_config("default", {**BENCH, "perf.cuda_graphs": True}), steps=1, warmup=0)
 

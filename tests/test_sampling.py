@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from gptoughts.errors import UserError
-from gptoughts.generate import filter_top_k_top_p, generate, sample_top_k_top_p
+from gptoughts.sampling import filter_top_k_top_p, generate, sample_top_k_top_p
 from gptoughts.models import build_model, model_args
 
 

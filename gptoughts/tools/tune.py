@@ -55,7 +55,7 @@ def apply(cfg: Config, settings: dict[str, Any]) -> Config:
 def run_tune(cfg: Config, *, steps: int = 10, warmup: int = 3, ac: list[str] | None = None,
              compile_modes: list[str] | None = None, fp8: list[str] | None = None,
              batches: list[int | str] | None = None) -> list[Trial]:
-    from gptoughts.perf.bench import run_bench
+    from gptoughts.tools.bench import run_bench
 
     trials = []
     for settings in search_space(cfg, ac=ac, compile_modes=compile_modes, fp8=fp8, batches=batches):

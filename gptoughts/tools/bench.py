@@ -13,7 +13,6 @@ import math
 import time
 from collections.abc import Iterator
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,8 +21,6 @@ from torch import nn
 from gptoughts import models
 from gptoughts.config import Config
 from gptoughts.errors import ConfigError
-from gptoughts.parallel import dist as pdist
-from gptoughts.perf import hardware
 
 
 class SyntheticBatches:
@@ -104,39 +101,23 @@ def profile_steps(step_fn, device: torch.device, steps: int) -> dict[str, Any] |
 def run_bench(cfg: Config, *, steps: int = 20, warmup: int = 5, compare: str | None = None,
               data_dir: str | None = None, hf_modes: tuple[str, ...] = ("eager", "compiled"),
               kernel_steps: int = 0) -> dict[str, Any]:
-    from gptoughts.train.metrics import MetricsLogger
-    from gptoughts.train.optim import Schedule
-    from gptoughts.train.setup import (
-        apply_transforms,
-        auto_micro_batch,
-        build_raw_model,
-        make_objective,
-        make_optimizer,
+    from gptoughts.train.build import (
+        build_model,
+        plan_batches,
+        setup_environment,
+        synthetic_data,
+        timing_trainer,
     )
-    from gptoughts.train.trainer import Trainer
 
-    device = hardware.resolve_device(cfg.perf.device)
-    hardware.apply_runtime_settings(device, tf32=cfg.perf.tf32, expandable_segments=cfg.perf.expandable_segments)
-    hw = hardware.detect(device)
-    precision = hardware.resolve_precision(cfg.perf.precision, hw)
-    t = cfg.train
+    env = setup_environment(cfg)
+    device, hw, precision = env.device, env.hw, env.precision
     family = models.get_family(cfg.model.family)
-    args = models.model_args(family.name, cfg.model.size, dict(cfg.model.overrides))
-    if getattr(args, "max_seq_len", t.block_size) < t.block_size:
-        args = replace(args, max_seq_len=t.block_size)
-    vocab = int(args.vocab_size)
-    info = pdist.DistInfo()
-
+    vocab = int(models.model_args(family.name, cfg.model.size, dict(cfg.model.overrides)).vocab_size)
     _reset_memory(device)
-    raw = build_raw_model(family.name, args, device, t.seed)
-    built = apply_transforms(raw, perf=cfg.perf, hw=hw, device=device, dist=info)
-    objective = make_objective(family, built, cfg.perf)
-    if not isinstance(t.batch_size, int):  # "auto": the same search as train
-        micro, _ = auto_micro_batch(built, objective, vocab_size=vocab, block_size=t.block_size,
-                                    precision=precision, perf=cfg.perf, t=t, device=device, dist=info,
-                                    parts={"bench": family.name, "args": repr(args), "block": t.block_size,
-                                           "gpu": hw.name, "precision": precision, "resolved": built.resolved})
-        t = replace(t, batch_size=micro)
+    data = synthetic_data(vocab)
+    model = build_model(cfg, env, data)  # the train assembly's own step: transforms in their one order
+    batch = plan_batches(cfg, env, data, model)  # batch_size = auto: the same search as train
+    t = replace(cfg.train, batch_size=batch.micro_batch, grad_accum=batch.grad_accum)
     if data_dir is not None:
         from gptoughts.data.loader import BatchLoader, TokenDataset
 
@@ -144,22 +125,19 @@ def run_bench(cfg: Config, *, steps: int = 20, warmup: int = 5, compare: str | N
                                   block_size=t.block_size, seed=t.seed, device=device)
     else:
         loader = SyntheticBatches(vocab, t.batch_size, t.block_size, device, seed=t.seed)
-    opt = make_optimizer(built.model, t, cfg.perf, device)
-    trainer = Trainer(model=built.model, objective=objective, optimizer=opt,
-                      schedule=Schedule("constant", t.learning_rate, steps + warmup, 0), loader=loader,
-                      eval_batches=None, cfg=t, run=cfg.run, run_dir=Path("."), dist=info, device=device,
-                      precision=precision, metrics=MetricsLogger(Path("."), enabled=False),
-                      total_steps=steps + warmup, tokens_per_step=t.batch_size * t.block_size * t.grad_accum,
-                      forward_context=built.forward_context)
-    step_s = time_steps(trainer.train_step, device, warmup, steps)
-    # Breakdown from a few extra steps (its events cost nothing measurable but we keep them out of the timing).
-    trainer.timer.pending.clear()
-    for _ in range(min(5, steps)):
+    trainer = timing_trainer(cfg, env, model, loader, batch)
+    # The breakdown comes from the CUDA events of the timed steps themselves (they cost nothing measurable), and
+    # what the events do not cover (host time between steps) is reported as "other": the parts add up to the
+    # headline step time.
+    for _ in range(warmup):
         trainer.train_step()
-    breakdown = trainer.timer.summary()
+    trainer.timer.pending.clear()
+    step_s = time_steps(trainer.train_step, device, 0, steps)
+    breakdown = _breakdown(trainer.timer.summary(), step_s * 1e3)
     kernels = profile_steps(trainer.train_step, device, kernel_steps) if kernel_steps > 0 else None
-    tokens_per_step = t.batch_size * t.block_size * t.grad_accum
+    tokens_per_step = batch.tokens_per_step
     tps = tokens_per_step / step_s
+    raw, args = model.raw, model.args
     flops_tok = raw.flops_per_token(t.block_size)
     peak = hw.peak_bf16_flops
     result: dict[str, Any] = {
@@ -170,11 +148,11 @@ def run_bench(cfg: Config, *, steps: int = 20, warmup: int = 5, compare: str | N
         "mfu": (flops_tok * tps / peak) if peak else None, "peak_memory_gib": _peak_memory(device),
         "breakdown": breakdown, "data": "shards" if data_dir else "synthetic",
     }
-    result["resolved"] = built.resolved
+    result["resolved"] = {**model.built.resolved, **batch.why}
     if kernels is not None:
         result["kernels"] = kernels
     loader.close()
-    del trainer, opt, built, raw, loader, objective
+    del trainer, model, raw, loader
     _reset_memory(device)
 
     if compare == "hf":
@@ -191,6 +169,21 @@ def run_bench(cfg: Config, *, steps: int = 20, warmup: int = 5, compare: str | N
     elif compare is not None:
         raise ConfigError(f"--compare {compare!r}: only `hf` is supported")
     return result
+
+
+def _breakdown(events: dict[str, float], step_ms: float) -> dict[str, float]:
+    """The per-phase means of the timed steps, with the time their events do not cover added to "other", as
+    shares of the measured step (so the parts sum to the headline step time)."""
+    if not events:
+        return {}
+    from gptoughts.perf.timing import PHASES
+
+    out = {f"time/{k}_ms": events.get(f"time/{k}_ms", 0.0) for k in PHASES}
+    out["time/other_ms"] += max(0.0, step_ms - sum(out.values()))
+    out["time/step_ms"] = step_ms
+    for k in PHASES:
+        out[f"time/{k}_pct"] = 100.0 * out[f"time/{k}_ms"] / step_ms if step_ms > 0 else 0.0
+    return out
 
 
 def hf_llama_config(args: Any) -> Any:

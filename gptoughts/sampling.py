@@ -13,9 +13,17 @@ seeded generator reproduces the same tokens whichever path computed the logits.
 
 ``diffusion_generate`` samples from masked-diffusion models (LLaDA): no cache, a fixed number of denoising
 steps over a fixed-length answer.
+
+:class:`Sampler` is the one place that turns a prompt into text for any model: causal or diffusion is
+decided once, from the family's objective; the chat template is applied for SFT runs and chat models. The API
+(``gptoughts.generate``), ``gptoughts sample``, the trainer's periodic samples and evaluation all use it.
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -24,7 +32,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from gptoughts.errors import UserError
 
-__all__ = ["diffusion_generate", "filter_top_k_top_p", "generate", "sample_top_k_top_p"]
+__all__ = ["Sampler", "diffusion_generate", "eager", "filter_top_k_top_p", "generate", "sample_top_k_top_p"]
 
 # Decoding changes the key length at every step. On H100/H200 (torch 2.11) SDPA prefers cuDNN, which builds
 # an execution plan per new shape: measured ~50 ms per step on an H200 for the 125m model, against ~5 ms
@@ -298,3 +306,82 @@ def _gumbel_argmax(logits: torch.Tensor, temperature: float, generator: torch.Ge
         return logits.argmax(dim=-1)
     u = torch.rand(logits.shape, dtype=torch.float64, device=logits.device, generator=generator)
     return (logits.double() - temperature * torch.log(-torch.log(u))).argmax(dim=-1)
+
+
+# ------------------------------------------------------------------------------------------- text in, text out
+
+
+@contextlib.contextmanager
+def eager(model: nn.Module) -> Iterator[nn.Module]:
+    """Run compiled modules eagerly for a while (generation: changing shapes would trigger recompiles)."""
+    stashed = []
+    for m in model.modules():
+        fn = getattr(m, "_compiled_call_impl", None)
+        if fn is not None:
+            stashed.append((m, fn))
+            m._compiled_call_impl = None
+    try:
+        yield model
+    finally:
+        for m, fn in stashed:
+            m._compiled_call_impl = fn
+
+
+class Sampler:
+    """Prompt in, text out, for any model of the protocol (or a generic transformers model).
+
+    ``diffusion`` (masked-diffusion families such as LLaDA) is decided once, by the caller, from the family's
+    objective: those sample with :func:`diffusion_generate` (one denoising step per token, blocks of 32,
+    ``temperature`` as Gumbel noise, ``top_k``/``top_p`` unused) and stop at the first eos; causal models
+    decode with their KV cache. ``chat``: the prompt is a user message rendered with the chat template (the
+    tokenizer's own, else the SFT default) and only the assistant's answer is returned. Compiled blocks run
+    eagerly while sampling (decoding shapes change every token: no recompiles). The keyword defaults given
+    here (the trainer's ``sample_*`` settings) apply where a call does not name them.
+    """
+
+    def __init__(self, model: nn.Module, tokenizer: Any, *, diffusion: bool = False, chat: bool = False,
+                 max_new_tokens: int = 128, temperature: float = 0.8, top_k: int | None = 50,
+                 top_p: float | None = None) -> None:
+        self.model, self.tokenizer, self.diffusion, self.chat = model, tokenizer, diffusion, chat
+        self.defaults = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p)
+
+    def prompt_ids(self, prompt: str, chat: bool) -> list[int]:
+        if chat:
+            from gptoughts.data.sft import render_prompt
+
+            return render_prompt(self.tokenizer, [{"role": "user", "content": prompt}])
+        return self.tokenizer.encode(prompt) or [self.tokenizer.eos_id]
+
+    def __call__(self, prompt: str, *, seed: int | None = 0, chat: bool | None = None, **settings: Any) -> str:
+        """Continue ``prompt``; ``settings`` override max_new_tokens, temperature, top_k, top_p. ``seed`` None
+        draws from torch's global generator."""
+        unknown = set(settings) - set(self.defaults)
+        if unknown:
+            raise TypeError(f"unknown sampling settings {sorted(unknown)}")
+        s = {**self.defaults, **settings}
+        chat = self.chat if chat is None else chat
+        tok = self.tokenizer
+        device = next(self.model.parameters()).device
+        ids = self.prompt_ids(prompt, chat)
+        x = torch.tensor([ids], dtype=torch.long, device=device)
+        g = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
+        with eager(self.model):
+            if self.diffusion:
+                n = s["max_new_tokens"]
+                out = diffusion_generate(self.model, x, gen_length=n, steps=n, block_length=min(32, n),
+                                         temperature=s["temperature"], mask_id=tok.mask_id, generator=g)
+                return tok.decode(_until_eos(out[0].tolist(), len(ids), tok.eos_id))
+            out = generate(self.model, x, s["max_new_tokens"], temperature=s["temperature"], top_k=s["top_k"],
+                           top_p=s["top_p"], eos_id=tok.eos_id, generator=g)
+        if chat:
+            return tok.decode(out[0].tolist()[len(ids):], skip_special_tokens=True)
+        return tok.decode(out[0].tolist())
+
+
+def _until_eos(ids: list[int], prompt_len: int, eos_id: int) -> list[int]:
+    """``ids`` up to and including the first eos after the prompt: a diffusion sample has a fixed length, and
+    what follows an eos belongs to another document (the causal sampler stops there)."""
+    try:
+        return ids[: ids.index(eos_id, prompt_len) + 1]
+    except ValueError:
+        return ids

@@ -1,0 +1,678 @@
+"""The one assembly: a :class:`~gptoughts.config.Config` becomes a ready trainer, in named steps, in one order.
+
+``build(cfg)`` runs, each step receiving only what it needs and returning a typed result:
+
+1. :func:`setup_environment`  device, process group, hardware profile, precision
+2. :func:`check_run_dir`      what ``run.out`` holds: a new run, a run to resume (its checkpoint), a refusal
+3. :func:`prepare_data`       sources -> tokenizer -> token shards (or SFT examples)
+4. :func:`build_model`        build on meta -> load or init -> LoRA -> the transforms of ``train/setup.py``
+                              (residual dtype -> fp8 -> activation checkpointing -> compile -> DDP/FSDP)
+5. :func:`plan_batches`       micro-batch, accumulation, tokens per step, steps, epochs, warmup, intervals
+6. :func:`~gptoughts.train.plan.make_plan`   what the run will do (printed before the first step)
+7. optimizer and schedule, loaders, sampler, metrics, the :class:`~gptoughts.train.trainer.Trainer`
+
+Nothing is written to the run directory before every step has succeeded (a rejected resume leaves the run as it
+was); ``dry_run`` stops after step 6 having written nothing at all (the model is built on the meta device and
+the corpus is not tokenized when its shards are not cached). ``train``, ``finetune``, ``bench``, ``tune``, the
+bench scripts and the tests all assemble through here.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from gptoughts import models
+from gptoughts.config import Config, TrainConfig, to_toml
+from gptoughts.data.sources import STDLIB_ALIAS, stdlib_path
+from gptoughts.errors import ConfigError, DataError, UserError
+from gptoughts.parallel import dist as pdist
+from gptoughts.perf import hardware
+from gptoughts.train import checkpoint as ckpt
+from gptoughts.train import rundir
+from gptoughts.train.plan import BatchPlan, RunPlan, make_plan
+
+
+# ------------------------------------------------------------------------------------------ 1. environment
+@dataclass
+class Environment:
+    device: torch.device
+    dist: pdist.DistInfo
+    hw: hardware.HardwareProfile
+    precision: str
+    """fp32, bf16 or fp16 (``perf.precision = auto`` resolved by the hardware profile)."""
+    resolved: dict[str, str] = field(default_factory=dict)
+    """Each ``auto`` of the environment and why it became what it is."""
+
+
+def setup_environment(cfg: Config) -> Environment:
+    """Device, process group (torchrun), hardware profile and precision. Call :func:`pdist.shutdown` after."""
+    device = hardware.resolve_device(cfg.perf.device)
+    # Before anything touches CUDA: the allocator reads its settings when it starts.
+    hardware.apply_runtime_settings(device, tf32=cfg.perf.tf32, expandable_segments=cfg.perf.expandable_segments)
+    info = pdist.init(device, cfg.parallel.backend, cfg.parallel.strategy)
+    hw = hardware.detect(device)
+    precision = hardware.resolve_precision(cfg.perf.precision, hw)
+    why = {"precision": f"{precision} ({'asked' if cfg.perf.precision != 'auto' else 'auto: ' + hw.arch})"}
+    return Environment(device=device, dist=info, hw=hw, precision=precision, resolved=why)
+
+
+# ------------------------------------------------------------------------------------------------ 3. data
+@dataclass
+class Data:
+    sources: list[str]
+    """Resolved paths (``@stdlib`` expanded)."""
+    format: str
+    """text (token shards) or sft (examples with a target mask)."""
+    tokenizer: Any
+    manifest: Any = None
+    """The prepared shards' Manifest (text runs, once prepared)."""
+    sft: Any = None
+    """SFTData (sft runs)."""
+    init_from: Path | None = None
+    estimated: bool = False
+    """Dry run with no cached shards: token counts are estimated from the corpus size, nothing was tokenized."""
+    corpus: dict[str, Any] = field(default_factory=dict)
+    """What the plan reports: files, bytes on disk, bytes read, tokens, what a cap cut."""
+
+    @property
+    def dataset(self) -> Any:
+        from gptoughts.data.loader import TokenDataset
+
+        return TokenDataset(self.manifest.dir) if self.manifest is not None else None
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.tokenizer.vocab_size) if self.tokenizer is not None else int(self.corpus["vocab"])
+
+
+def resolve_sources(sources: list[str]) -> list[str]:
+    if not sources:
+        raise ConfigError("no training data: pass --data PATH (a file, folder, .jsonl, .parquet or saved HF dataset; "
+                          "--data @stdlib trains on the Python standard library)")
+    return [str(stdlib_path()) if s == STDLIB_ALIAS else s for s in sources]
+
+
+def init_from_dir(cfg: Config) -> Path | None:
+    """``model.init_from`` as a checked HF model folder (None when training from scratch)."""
+    if cfg.model.init_from is None:
+        return None
+    from gptoughts.models.hf import read_config
+
+    p = Path(cfg.model.init_from).expanduser()
+    if (p / "config.toml").exists() or (p / "meta.json").exists() or (p / "checkpoints").is_dir():
+        raise UserError(f"{p} is a gptoughts run; export it first (gptoughts export {p} --format hf OUT) and "
+                        "fine-tune OUT")
+    read_config(p)  # a clear error now rather than deep inside the model loading
+    return p
+
+
+def prepare_data(cfg: Config, env: Environment, *, dry_run: bool = False) -> Data:
+    """Tokenizer and token shards (rank 0 prepares, the others read the cache), or the SFT examples."""
+    from gptoughts.data.sft import SFTData, resolve_format
+
+    sources = resolve_sources(cfg.data.sources)
+    init_from = init_from_dir(cfg)
+    tok_spec: Any = str(init_from) if init_from is not None else cfg.data.tokenizer  # fine-tuning: its own
+    data_format = resolve_format(cfg.data.format, sources)
+    if data_format == "sft":  # every rank tokenizes the (small) SFT set itself: deterministic, no cache
+        tokenizer = _sft_tokenizer(tok_spec, sources)
+        sft = SFTData(sources, tokenizer, block_size=cfg.train.block_size, truncation=cfg.data.truncation,
+                      val_fraction=cfg.data.val_fraction, seed=cfg.train.seed)
+        return Data(sources=sources, format="sft", tokenizer=tokenizer, sft=sft, init_from=init_from,
+                    corpus={"examples": sft.stats["examples"], "summary": sft.summary()})
+    from gptoughts.data.prepare import cached_prepare, lookup_cached
+
+    kwargs = dict(text_field=cfg.data.text_field, extensions=cfg.data.extensions or None,
+                  val_fraction=cfg.data.val_fraction, max_bytes=cfg.data.max_bytes, seed=cfg.train.seed,
+                  cache_root=cfg.data.cache_dir)
+    corpus = corpus_size(sources, cfg.data.extensions or None)
+    if dry_run:
+        manifest = lookup_cached(sources, tok_spec, **kwargs)
+        if manifest is None:  # estimate, tokenize nothing
+            from gptoughts.data.tokenizer import parse_spec
+
+            kind, vocab = parse_spec(tok_spec) if isinstance(tok_spec, str) else ("folder", None)
+            tokenizer = None
+            if kind == "folder":
+                from gptoughts.data.tokenizer import Tokenizer
+
+                tokenizer = Tokenizer.load(tok_spec)
+                vocab = tokenizer.vocab_size
+            read = corpus["bytes"] if cfg.data.max_bytes is None else \
+                sum(min(b, cfg.data.max_bytes) for b in corpus["per_source"])
+            corpus.update(bytes_read=read, vocab=vocab or 256, tokens=int(read / _bytes_per_token(kind, vocab)),
+                          cut=read < corpus["bytes"])
+            return Data(sources=sources, format="text", tokenizer=tokenizer, init_from=init_from, estimated=True,
+                        corpus=corpus)
+    else:
+        manifest = None
+        if env.dist.is_main:
+            manifest = cached_prepare(sources, tok_spec, progress=cfg.run.progress, **kwargs)
+        pdist.barrier(env.dist)
+        if not env.dist.is_main:
+            manifest = cached_prepare(sources, tok_spec, progress=False, **kwargs)
+    corpus.update(bytes_read=sum(s.bytes for s in manifest.sources), tokens=manifest.train_tokens,
+                  val_tokens=manifest.val_tokens, docs=manifest.totals["docs"], vocab=manifest.vocab_size,
+                  cut=any(s.truncated for s in manifest.sources))
+    return Data(sources=sources, format="text", tokenizer=manifest.tokenizer(), manifest=manifest,
+                init_from=init_from, corpus=corpus)
+
+
+# Bytes of text per token of a byte-level BPE trained on the corpus, measured on the Python standard library
+# (30 MB of code): bpe:8192 3.2, bpe:32768 3.9 (what a dry run assumes before the corpus is tokenized).
+def _bytes_per_token(kind: str, vocab: int | None) -> float:
+    if kind == "bytes":
+        return 1.0
+    if vocab is None or vocab >= 32768:
+        return 3.9
+    return 3.2 if vocab >= 8192 else 2.5
+
+
+def corpus_size(sources: list[str], extensions: list[str] | None) -> dict[str, Any]:
+    """Files and bytes on disk of the sources (a walk of file sizes: no reading)."""
+    import os
+
+    from gptoughts.data.sources import normalize_extensions, walk_files
+
+    exts = normalize_extensions(extensions)
+    files, per_source = 0, []
+    for s in sources:
+        p = Path(s).expanduser()
+        if p.is_dir():
+            sizes = [f.stat().st_size for f in walk_files(p, exts)] if not (p / "dataset_info.json").exists() \
+                and not (p / "dataset_dict.json").exists() else \
+                [f.stat().st_size for f in p.rglob("*.arrow")]
+            files += len(sizes)
+            per_source.append(sum(sizes))
+        elif p.is_file():
+            files += 1
+            per_source.append(os.path.getsize(p))
+        else:
+            per_source.append(0)
+    return {"files": files, "bytes": sum(per_source), "per_source": per_source}
+
+
+def _sft_tokenizer(spec: str, sources: list[str]) -> Any:
+    """The tokenizer of an SFT run: a folder's or ``bytes`` as is; ``bpe:N`` trained on the conversations."""
+    from gptoughts.data.sft import read_conversations
+    from gptoughts.data.tokenizer import build_tokenizer
+
+    return build_tokenizer(spec, texts=lambda: (m["content"] for c in read_conversations(sources) for m in c))
+
+
+# ------------------------------------------------------------------------------------------------ 4. model
+@dataclass
+class Model:
+    family: models.Family
+    args: Any
+    raw: nn.Module
+    """The plain module: state dicts, generation, export."""
+    weights: nn.Module
+    """What checkpoints hold: the whole model, or for LoRA only the adapters (TrainableWeights)."""
+    built: Any = None
+    """setup.Built: the transformed model the trainer runs (None in a dry run)."""
+    objective: Any = None
+    pretrained: Any = None
+    """models.hf.Pretrained when fine-tuning."""
+    threads: str | None = None
+    """CPU runs: the thread count chosen and why."""
+    probe_step_s: float | None = None
+    """CPU runs: measured seconds of one forward+backward at the run's micro-batch (the plan's speed)."""
+
+
+def build_model(cfg: Config, env: Environment, data: Data, *, meta: bool = False) -> Model:
+    """Build on meta, then load (fine-tuning) or initialise, LoRA, then the transforms in their one order.
+    ``meta``: stop after building on the meta device (dry run: parameter counts without memory)."""
+    from gptoughts.train.setup import TrainableWeights, apply_transforms, build_raw_model, make_objective
+
+    device = torch.device("meta") if meta else env.device
+    pretrained = None
+    perf = cfg.perf
+    if data.init_from is not None:
+        pretrained, raw, perf = build_finetune_model(cfg, data.init_from, device, env.precision)
+        if pretrained.generic and env.dist.sharded:
+            raise ConfigError(f"parallel.strategy = fsdp covers the native families; {data.init_from} runs on the "
+                              "generic transformers path (tied weights, generate): use DDP (the default)")
+        args = pretrained.model.args
+        family = models.family_of(pretrained.family)
+        if args.vocab_size < data.vocab_size:
+            raise DataError(f"the tokenizer of {data.init_from} has {data.vocab_size} tokens but the model only "
+                            f"{args.vocab_size} embeddings; fix the model folder")
+        if args.max_seq_len < cfg.train.block_size:
+            raise ConfigError(f"--block_size {cfg.train.block_size} exceeds the {args.max_seq_len} positions of "
+                              f"{data.init_from}; lower it")
+    else:
+        family = models.get_family(cfg.model.family)
+        overrides = dict(cfg.model.overrides)
+        overrides.setdefault("vocab_size", round_up(data.vocab_size, 64))
+        if family.objective == "diffusion":
+            mask_id = data.tokenizer.mask_id if data.tokenizer is not None else 2
+            if mask_id is None:
+                raise ConfigError("LLaDA needs a mask token; use --tokenizer bpe:N or bytes (which reserve <|mask|>)")
+            overrides.setdefault("mask_token_id", mask_id)
+        args = models.model_args(family.name, cfg.model.size, overrides)
+        if getattr(args, "vocab_size", data.vocab_size) < data.vocab_size:
+            raise ConfigError(f"model.vocab_size = {args.vocab_size} is smaller than the tokenizer's "
+                              f"{data.vocab_size}; drop the override or raise it")
+        if hasattr(args, "max_seq_len") and args.max_seq_len < cfg.train.block_size:
+            args = replace(args, max_seq_len=cfg.train.block_size)
+        if meta:
+            with torch.device("meta"):
+                raw = models.build_model(family.name, args, device="meta")
+        else:
+            raw = build_raw_model(family.name, args, device, cfg.train.seed)
+    weights = TrainableWeights(raw) if cfg.lora.enabled else raw
+    out = Model(family=family, args=args, raw=raw, weights=weights, pretrained=pretrained)
+    if meta:
+        return out
+    out.built = apply_transforms(raw, perf=perf, hw=env.hw, device=env.device, dist=env.dist,
+                                 precision=env.precision)
+    out.objective = make_objective(family, out.built, cfg.perf)
+    return out
+
+
+def round_up(n: int, multiple: int) -> int:
+    return ((n + multiple - 1) // multiple) * multiple
+
+
+def build_finetune_model(cfg: Config, init_from: Path, device: torch.device,
+                         precision: str) -> tuple[Any, nn.Module, Any]:
+    """The model a fine-tuning run trains: ``init_from`` loaded (native or generic), LoRA applied when enabled.
+
+    Returns ``(pretrained, model, perf)``; ``perf`` is ``cfg.perf`` with fp8 off under LoRA (fp8 would convert
+    the frozen base layers). The frozen base is loaded directly in ``lora.base_dtype`` (no fp32 copy is ever
+    allocated). ``model.*`` overrides that leave the architecture unchanged (e.g. DeepSeek's
+    ``bias_update_rate``) apply to native families."""
+    from gptoughts.models.hf import load_pretrained
+    from gptoughts.train.setup import apply_lora, lora_base_dtype
+
+    base_dtype = lora_base_dtype(cfg.lora, precision) if cfg.lora.enabled else torch.float32
+    pretrained = load_pretrained(init_from, device=device, trust_remote_code=cfg.model.trust_remote_code,
+                                 dtype=base_dtype, overrides=cfg.model.overrides)
+    model, perf = pretrained.model, cfg.perf
+    if cfg.lora.enabled:
+        if perf.fp8 is True:
+            raise ConfigError("--fp8 converts the frozen base layers; it does not combine with --lora (drop one)")
+        perf = replace(perf, fp8=False)
+        if device.type == "meta":
+            return pretrained, model, perf
+        # The adapters' random init is a function of train.seed alone (not of what ran before in the process).
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            torch.manual_seed(cfg.train.seed)
+            model = apply_lora(model, cfg.lora, device=device,
+                               compute_dtype=torch.float16 if precision == "fp16" else torch.bfloat16)
+    return pretrained, model, perf
+
+
+# ---------------------------------------------------------------------------------------------- 5. batches
+def auto_interval(total_steps: int, count: int, cap: int) -> int:
+    """About ``count`` events per run, at a round number of steps (1, 2, 5 x 10^k), at most every ``cap``."""
+    target = max(1, total_steps // count)
+    nice = 1
+    for k in range(7):
+        for m in (1, 2, 5):
+            if m * 10**k <= target:
+                nice = m * 10**k
+    return min(nice, cap)
+
+
+def plan_batches(cfg: Config, env: Environment, data: Data, model: Model, *, dry_run: bool = False,
+                 resumed_run: dict[str, Any] | None = None) -> BatchPlan:
+    """Micro-batch (auto: the largest that fits), accumulation, tokens per step, steps, epochs, warmup and the
+    evaluation/checkpoint intervals, each with the rule that decided it."""
+    from gptoughts.data.sft import epoch_rows
+    from gptoughts.perf.autobatch import accumulation_for
+    from gptoughts.train.optim import default_warmup
+    from gptoughts.train.setup import auto_micro_batch
+
+    t, info = cfg.train, env.dist
+    why: dict[str, str] = {}
+    micro, accum = t.batch_size, t.grad_accum
+    if not isinstance(micro, int):
+        if info.sharded:
+            raise ConfigError("train.batch_size = auto probes memory with trial steps, which a sharded (FSDP) run "
+                              "cannot do safely (a rank out of memory would leave the others waiting in a "
+                              "collective); pass --batch_size N (`gptoughts estimate --num_gpus N --strategy fsdp`)")
+        if dry_run:
+            micro, cached = _estimated_micro_batch(cfg, env, model), False
+            why["batch_size"] = "auto: estimated from memory (found with real steps when the run starts)" \
+                if env.device.type == "cuda" else "auto: 8 on a CPU"
+        else:
+            parts = {"family": model.family.name, "args": asdict(model.args) if hasattr(model.args, "__dataclass_fields__")
+                     else repr(model.args), "block": t.block_size, "gpu": env.hw.name, "precision": env.precision,
+                     "resolved": model.built.resolved, "world": info.world_size}
+            micro, cached = auto_micro_batch(model.built, model.objective, vocab_size=model.args.vocab_size,
+                                             block_size=t.block_size, precision=env.precision, perf=cfg.perf, t=t,
+                                             device=env.device, dist=info, parts=parts)
+            why["batch_size"] = "auto: largest that fits" + (" (cached)" if cached else "") \
+                if env.device.type == "cuda" else "auto: 8 on a CPU (the search needs a GPU)"
+        if t.global_batch_tokens:
+            # A micro-batch larger than the global batch would overshoot the target: cap it there.
+            micro = max(1, min(micro, t.global_batch_tokens // (t.block_size * info.world_size)))
+            accum = accumulation_for(t.global_batch_tokens, micro, t.block_size, info.world_size)
+            why["grad_accum"] = f"to reach train.global_batch_tokens = {t.global_batch_tokens:,}"
+    tokens_per_step = micro * t.block_size * accum * info.world_size
+    if resumed_run and resumed_run.get("world_size") and resumed_run["world_size"] != info.world_size:
+        old = resumed_run.get("tokens_per_step")
+        if old and old != tokens_per_step:
+            # Another number of ranks (an FSDP run resumed on one GPU): keep the global batch, so that the
+            # schedule, the data position and the loss scale mean what they meant.
+            k = old / (micro * t.block_size * info.world_size)
+            if k != int(k):
+                raise ConfigError(f"resuming on {info.world_size} process(es) a run saved on {resumed_run['world_size']} "
+                                  f"changes the global batch from {old:,} to {tokens_per_step:,} tokens and no "
+                                  f"--grad_accum keeps it; pass --batch_size and --grad_accum with "
+                                  f"batch x grad_accum x {info.world_size} x {t.block_size} = {old:,}")
+            accum = int(k)
+            tokens_per_step = old
+            why["grad_accum"] = (f"{accum}: keeps the resumed run's global batch of {old:,} tokens on "
+                                 f"{info.world_size} process(es) (it was saved on {resumed_run['world_size']})")
+    if data.sft is not None:
+        packing = data_packing(cfg, model)
+        train_tokens = epoch_rows(data.sft, t.seed, packing) * t.block_size
+    else:
+        train_tokens = int(data.corpus["tokens"])
+    if t.max_steps is not None:
+        total_steps, rule = t.max_steps, f"--max_steps {t.max_steps}"
+    elif t.max_tokens is not None:
+        total_steps, rule = math.ceil(t.max_tokens / tokens_per_step), f"--max_tokens {t.max_tokens:,}"
+    else:
+        epochs = t.epochs if t.epochs is not None else 1.0
+        total_steps = math.ceil(epochs * train_tokens / tokens_per_step)
+        rule = f"--epochs {epochs:g}" if t.epochs is not None else "one epoch (no --max_steps, --epochs or --max_tokens)"
+    total_steps = max(1, total_steps)
+    warmup = t.warmup_steps if t.warmup_steps is not None else default_warmup(total_steps)
+    why["warmup_steps"] = "asked" if t.warmup_steps is not None else "auto: 2% of the run, at most 2000"
+    eval_interval = t.eval_interval if t.eval_interval is not None else auto_interval(total_steps, 20, 1000)
+    save_interval = t.save_interval if t.save_interval is not None else auto_interval(total_steps, 10, 2000)
+    return BatchPlan(micro_batch=micro, grad_accum=accum, world_size=info.world_size, block_size=t.block_size,
+                     tokens_per_step=tokens_per_step, total_steps=total_steps, train_tokens=train_tokens,
+                     epochs=total_steps * tokens_per_step / max(1, train_tokens), stop_rule=rule,
+                     warmup_steps=min(warmup, total_steps), eval_interval=eval_interval, save_interval=save_interval,
+                     why=why)
+
+
+def _estimated_micro_batch(cfg: Config, env: Environment, model: Model) -> int:
+    """Dry run of ``batch_size = auto``: the largest power of two the memory estimate fits in 90% of the GPU."""
+    if env.device.type != "cuda":
+        return 8
+    from gptoughts.perf.estimate import estimate
+
+    mem = (env.hw.memory_bytes or 0) / 2**30
+    best = 1
+    for b in (1, 2, 4, 8, 16, 32, 64, 128, 256):
+        e = estimate(model.family.name, cfg.model.size, cfg.model.overrides, batch_size=b,
+                     block_size=cfg.train.block_size, activation_checkpointing=cfg.perf.activation_checkpointing,
+                     gpu="H100")
+        if e.total_gib > 0.9 * mem:
+            break
+        best = b
+    return best
+
+
+def data_packing(cfg: Config, model: Model) -> bool:
+    """SFT packing, unless the model is a generic transformers model (no per-document attention masks)."""
+    return bool(cfg.data.packing and not (model.pretrained is not None and model.pretrained.generic))
+
+
+# ------------------------------------------------------------------------------------------------ assembly
+@dataclass
+class Assembly:
+    cfg: Config
+    env: Environment
+    data: Data
+    model: Model
+    batch: BatchPlan
+    plan: RunPlan
+    run_dir: Path
+    resume_from: Path | None = None
+    trainer: Any = None
+    loader: Any = None
+    metrics: Any = None
+    sampler: Any = None
+    resolved: dict[str, Any] = field(default_factory=dict)
+    lock: Any = None
+
+    def close(self) -> None:
+        for part in (self.metrics, self.loader):
+            if part is not None:
+                part.close()
+        if self.lock is not None:
+            self.lock.release()
+
+
+def build(cfg: Config, *, dry_run: bool = False, env: Environment | None = None) -> Assembly:
+    """The whole assembly (see the module docstring); ``env`` from :func:`setup_environment` (made here when
+    None; the caller shuts the process group down with ``pdist.shutdown()``)."""
+    env = env or setup_environment(cfg)
+    run_dir = Path(cfg.run.out)
+    lock = None
+    resume_from, resumed_run = None, None
+    if not dry_run:
+        # 2. the run directory: locked first (one process per run), then checked; nothing written yet
+        if env.dist.is_main:
+            lock = rundir.RunLock.acquire(run_dir)
+        try:
+            resume_from, resumed_run = rundir.check(run_dir, cfg) if env.dist.is_main else (None, None)
+        except BaseException:
+            if lock is not None:
+                lock.release()
+            raise
+        resume_from, resumed_run = pdist.broadcast_object((resume_from, resumed_run), env.dist)
+    elif (run_dir / "config.toml").exists() and not cfg.run.resume and not cfg.run.overwrite:
+        rundir.check(run_dir, cfg)  # the plan of a run that would be refused is a refusal too
+    try:
+        return _assemble(cfg, env, run_dir, dry_run, resume_from, resumed_run, lock)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+
+
+def _assemble(cfg: Config, env: Environment, run_dir: Path, dry_run: bool, resume_from: Path | None,
+              resumed_run: dict[str, Any] | None, lock: Any) -> Assembly:
+    from gptoughts.train.metrics import console
+
+    data = prepare_data(cfg, env, dry_run=dry_run)  # 3
+    if resume_from is not None and (run_dir / "tokenizer").exists():
+        rundir.check_tokenizer(run_dir, data.tokenizer, cfg)
+    model = build_model(cfg, env, data, meta=dry_run)  # 4
+    # CPU threads: measured for a single process (under torchrun, OMP_NUM_THREADS set by the launcher stands).
+    if not dry_run and env.device.type == "cpu" and not env.dist.enabled:
+        model.threads, model.probe_step_s = hardware.choose_cpu_threads(cfg.perf.threads,
+                                                                        _probe_step(cfg, model, data))
+    batch = plan_batches(cfg, env, data, model, dry_run=dry_run, resumed_run=resumed_run)  # 5
+    resolved = {**env.resolved, **({} if model.built is None else
+                                   {k: str(v) for k, v in model.built.resolved.items()}), **batch.why}
+    if model.threads:
+        resolved["threads"] = model.threads
+    plan = make_plan(cfg, env=env, data=data, model=model, batch=batch, run_dir=run_dir,  # 6
+                     resume_from=resume_from, resolved=resolved)
+    asm = Assembly(cfg=cfg, env=env, data=data, model=model, batch=batch, plan=plan, run_dir=run_dir,
+                   resume_from=resume_from, resolved=resolved, lock=lock)
+    if dry_run:
+        return asm
+    # 7. optimizer, schedule, loaders, sampler: still nothing written
+    from gptoughts.sampling import Sampler
+    from gptoughts.train.optim import Schedule
+    from gptoughts.train.setup import make_optimizer
+
+    t = replace(cfg.train, batch_size=batch.micro_batch, grad_accum=batch.grad_accum,
+                eval_interval=batch.eval_interval, save_interval=batch.save_interval)
+    schedule = Schedule(t.schedule, t.learning_rate, batch.total_steps, batch.warmup_steps, t.min_lr_ratio,
+                        t.decay_fraction)
+    optimizer = make_optimizer(model.built.model, t, cfg.perf, env.device)
+    loader, eval_fn = make_loaders(cfg, env, data, model, t)
+    asm.loader = loader
+    asm.sampler = Sampler(model.raw, data.tokenizer, diffusion=model.family.objective == "diffusion",
+                          chat=data.format == "sft", max_new_tokens=t.sample_max_new_tokens,
+                          temperature=t.sample_temperature, top_k=t.sample_top_k)
+    state = None
+    if resume_from is not None:  # read and checked before anything of the run directory is rewritten
+        ckpt.load_weights(model.weights, resume_from, sharded=env.dist.sharded)
+        # FSDP: the full optimizer state stays in host memory; each rank copies only its shard to the GPU
+        state = ckpt.load_state(resume_from, "cpu" if env.dist.sharded else env.device)
+    # 8. the run directory, then the trainer
+    if env.dist.is_main:
+        write_run_files(asm)
+    pdist.barrier(env.dist)
+    from gptoughts.train.metrics import MetricsLogger
+    from gptoughts.train.trainer import Trainer
+
+    resume_step = int(state["trainer"]["step"]) if state is not None else None
+    asm.metrics = MetricsLogger(run_dir, enabled=env.dist.is_main, tensorboard=cfg.run.tensorboard,
+                                wandb=cfg.run.wandb, wandb_project=cfg.run.wandb_project, config=cfg.to_dict(),
+                                resume_step=resume_step)
+    # Masked-diffusion objectives draw their noise from torch's global RNG (checkpoints save and restore it);
+    # seeding it here, after any autobatch probe, makes a run reproducible from train.seed. Ranks differ so
+    # that they draw different masks.
+    torch.manual_seed(t.seed + env.dist.rank)
+    asm.trainer = Trainer(model=model.built.model, objective=model.objective, optimizer=optimizer,
+                          schedule=schedule, loader=loader, eval_batches=eval_fn, cfg=t, run=cfg.run, run_dir=run_dir,
+                          dist=env.dist, device=env.device, precision=env.precision, metrics=asm.metrics,
+                          total_steps=batch.total_steps, tokens_per_step=batch.tokens_per_step,
+                          sample_fn=asm.sampler, save_weights=lambda: model.weights,
+                          forward_context=model.built.forward_context, static_token_count=data.sft is None)
+    if state is not None:
+        asm.trainer.load_state_dict(state)
+        if env.dist.is_main:
+            console.print(f"resumed from {resume_from} at step {resume_step}")
+    return asm
+
+
+def _probe_step(cfg: Config, model: Model, data: Data):
+    """One forward+backward of the real model at the run's micro-batch (CPU thread-count probe)."""
+    block = cfg.train.block_size
+    micro = cfg.train.batch_size if isinstance(cfg.train.batch_size, int) else 8
+    vocab = model.args.vocab_size if hasattr(model.args, "vocab_size") else data.vocab_size
+
+    def step() -> None:
+        # The probe must leave no trace: it runs in eval mode (a training forward records statistics, e.g.
+        # DeepSeek's expert loads for the next bias update), restores the buffers, drops its gradients and
+        # draws its tokens from a generator of its own.
+        saved = {n: b.detach().clone() for n, b in model.raw.named_buffers()}
+        g = torch.Generator().manual_seed(0)
+        x = torch.randint(0, min(vocab, data.vocab_size), (micro, block + 1), generator=g)
+        model.built.model.eval()
+        try:
+            loss, _ = model.objective(model.built.model, (x[:, :-1], x[:, 1:]))
+            loss.backward()
+        finally:
+            model.built.model.train()
+            model.built.model.zero_grad(set_to_none=True)
+            with torch.no_grad():
+                for n, b in model.raw.named_buffers():
+                    b.copy_(saved[n])
+
+    return step
+
+
+def make_loaders(cfg: Config, env: Environment, data: Data, model: Model, t: TrainConfig) -> tuple[Any, Any]:
+    """The training loader (resumable, rank-aware) and the evaluation batches (None without held-out data)."""
+    from gptoughts.data.loader import BatchLoader, eval_batches
+    from gptoughts.data.sft import SFTLoader
+
+    info, device = env.dist, env.device
+    if data.sft is not None:
+        sft, packing = data.sft, data_packing(cfg, model)
+        if not packing and cfg.data.packing and info.is_main:
+            from gptoughts.train.metrics import console
+
+            console.print("note: packed rows need the native fast path; one SFT example per row", highlight=False)
+        loader: Any = SFTLoader(sft, batch_size=t.batch_size, seed=t.seed, rank=info.rank,
+                                world_size=info.world_size, packing=packing, device=device)
+        eval_fn = (lambda: sft.eval_batches(batch_size=t.batch_size, max_batches=t.eval_batches, packing=packing,
+                                            device=device)) if len(sft.val_idx) else None
+        return loader, eval_fn
+    dataset = data.dataset
+    loader = BatchLoader(dataset, split="train", batch_size=t.batch_size, block_size=t.block_size, seed=t.seed,
+                         rank=info.rank, world_size=info.world_size, phases=phases(cfg), device=device)
+    has_val = dataset.num_tokens("val") > t.block_size
+    eval_fn = (lambda: eval_batches(dataset, split="val", batch_size=t.batch_size, block_size=t.block_size,
+                                    max_batches=t.eval_batches, device=device)) if has_val else None
+    return loader, eval_fn
+
+
+def phases(cfg: Config) -> list | None:
+    if not cfg.data.phases:
+        return None
+    from gptoughts.data.loader import Phase
+
+    out = []
+    known = resolve_sources(cfg.data.sources)
+    for p in cfg.data.phases:
+        srcs = resolve_sources(p.sources)
+        for s in srcs:
+            if s not in known:
+                raise ConfigError(f"data.phases `{p.name}` uses {s}, which is not in data.sources; add it there")
+        # Bare sources are weighted by their token counts; explicit weights are used as given.
+        out.append(Phase(name=p.name, sources=list(zip(srcs, p.weights)) if p.weights else srcs, tokens=p.tokens))
+    return out
+
+
+def write_run_files(asm: Assembly) -> None:
+    """config.toml (sources as absolute paths: the file can be moved and still resumes), tokenizer/, run.json
+    (with the plan). Called once everything has been validated."""
+    cfg, env, model, data, run_dir = asm.cfg, asm.env, asm.model, asm.data, asm.run_dir
+    if cfg.run.overwrite and asm.resume_from is None:
+        rundir.clear(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    saved = replace(cfg, data=replace(cfg.data, sources=[_absolute(s) for s in cfg.data.sources]),
+                    run=replace(cfg.run, resume=None, overwrite=False))
+    rundir.write_text_atomic(run_dir / "config.toml", to_toml(saved))
+    data.tokenizer.save(run_dir / "tokenizer")
+    raw = model.raw
+    record = {
+        "gptoughts": 1,
+        "family": model.family.name, "args": asdict(model.args) if hasattr(model.args, "__dataclass_fields__") else {},
+        "device": str(env.device), "precision": env.precision, "world_size": env.dist.world_size,
+        "params": raw.num_params(), "hardware": env.hw.to_dict(),
+        "data": str(data.manifest.dir) if data.manifest is not None else data.sources, "data_format": data.format,
+        "init_from": str(data.init_from) if data.init_from is not None else None,
+        "generic": bool(model.pretrained is not None and model.pretrained.generic), "lora": cfg.lora.enabled,
+        "trainable_params": sum(p.numel() for p in raw.parameters() if p.requires_grad),
+        "tokens_per_step": asm.batch.tokens_per_step, "plan": asm.plan.to_dict(), "resolved": asm.resolved,
+        "torch": torch.__version__, "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+    rundir.write_text_atomic(run_dir / "run.json", json.dumps(record, indent=2, default=str))
+
+
+def _absolute(source: str) -> str:
+    if source.startswith("@"):
+        return source
+    p = Path(source).expanduser()
+    return str(p.resolve()) if p.exists() else source
+
+
+# ------------------------------------------------------------------------------- timing (bench, tune, scripts)
+def synthetic_data(vocab_size: int, init_from: Path | None = None, tokenizer: Any = None) -> Data:
+    """Stand-in data for timing runs (random tokens): the vocabulary the model is built for, no corpus."""
+    return Data(sources=[], format="text", tokenizer=tokenizer, init_from=init_from,
+                corpus={"vocab": vocab_size, "tokens": 1 << 40, "files": 0, "bytes": 0, "bytes_read": 0})
+
+
+def timing_trainer(cfg: Config, env: Environment, model: Model, loader: Any, batch: BatchPlan,
+                   *, timing: bool = True) -> Any:
+    """The trainer of a timing run: the real train_step (precision, fused AdamW, clipping, accumulation), no run
+    directory, no metrics, no checkpoints (what ``bench``, ``tune`` and bench/finetune_vs_peft.py time)."""
+    from gptoughts.train.metrics import MetricsLogger
+    from gptoughts.train.optim import Schedule
+    from gptoughts.train.setup import make_optimizer
+    from gptoughts.train.trainer import Trainer
+
+    t = replace(cfg.train, batch_size=batch.micro_batch, grad_accum=batch.grad_accum, eval_interval=0,
+                save_interval=0, checkpoints=False)
+    optimizer = make_optimizer(model.built.model, t, cfg.perf, env.device)
+    return Trainer(model=model.built.model, objective=model.objective, optimizer=optimizer,
+                   schedule=Schedule("constant", t.learning_rate, 1 << 40, 0), loader=loader, eval_batches=None,
+                   cfg=t, run=cfg.run, run_dir=Path("."), dist=env.dist, device=env.device, precision=env.precision,
+                   metrics=MetricsLogger(Path("."), enabled=False), total_steps=1 << 40,
+                   tokens_per_step=batch.tokens_per_step, forward_context=model.built.forward_context, timing=timing)

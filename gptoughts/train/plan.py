@@ -1,0 +1,264 @@
+"""The run plan: what a run will do, printed before its first step and written to ``run.json``.
+
+Model (family/size, parameters total and non-embedding), corpus read (files, bytes, tokens, and "all of it" or
+what was cut and why), tokens per step, steps, epochs over the data, the estimated peak memory (the
+``gptoughts estimate`` formulas) and time on this hardware, where the run lands, and the warnings a person
+would want before spending hours: many epochs over a small corpus, a model far larger than its data, a block
+longer than most documents, a cap that cuts the corpus.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+# Beyond ~4 epochs, repeated data adds little and overfits (Muennighoff et al. 2023, "Scaling data-constrained
+# language models").
+MAX_USEFUL_EPOCHS = 4.0
+# Compute-optimal training wants ~20 tokens per parameter (Hoffmann et al. 2022); below 1 the model memorises.
+TOKENS_PER_PARAM_OPTIMAL = 20
+
+
+@dataclass
+class BatchPlan:
+    micro_batch: int
+    grad_accum: int
+    world_size: int
+    block_size: int
+    tokens_per_step: int
+    total_steps: int
+    train_tokens: int
+    """Training tokens in one epoch of the data."""
+    epochs: float
+    stop_rule: str
+    warmup_steps: int
+    eval_interval: int
+    save_interval: int
+    why: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class RunPlan:
+    model: str
+    params: int
+    params_non_embedding: int
+    trainable_params: int
+    vocab_size: int
+    block_size: int
+    corpus: dict[str, Any]
+    batch: dict[str, Any]
+    memory_gib: float | None
+    device_memory_gib: float | None
+    tokens_per_s: float | None
+    speed_basis: str
+    hours: float | None
+    out: str
+    resume: str | None
+    resolved: dict[str, Any]
+    warnings: list[str]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def format(self) -> str:
+        """The plan as the lines a person reads before the run starts."""
+        c, b = self.corpus, self.batch
+        lines = [f"[bold]plan[/bold]: {self.model}, {self.params:,} parameters ({self.params_non_embedding:,} "
+                 f"non-embedding" + (f", {self.trainable_params:,} trainable" if self.trainable_params !=
+                                     self.params else "") + f"), vocab {self.vocab_size:,}, block {self.block_size:,}"]
+        if "examples" in c:
+            lines.append(f"  corpus: {c['summary']}")
+        else:
+            approx = "≈" if c.get("estimated") else ""
+            read = "all of it" if not c.get("cut") else \
+                f"CUT to {_mb(c['bytes_read'])} of {_mb(c['bytes'])} by data.max_bytes = {c.get('max_bytes'):,}"
+            lines.append(f"  corpus: {c['files']:,} file(s), {_mb(c['bytes'])} on disk, read {read}; "
+                         f"{approx}{c['tokens']:,} train tokens" + (f" + {c['val_tokens']:,} held out"
+                                                                    if c.get("val_tokens") is not None else "")
+                         + (" (estimated: not tokenized yet)" if c.get("estimated") else ""))
+        lines.append(f"  batch: {b['micro_batch']} x {b['block_size']} tokens x accumulation {b['grad_accum']}"
+                     + (f" x {b['world_size']} GPUs" if b["world_size"] > 1 else "")
+                     + f" = {b['tokens_per_step']:,} tokens per step")
+        lines.append(f"  steps: {b['total_steps']:,} ({b['stop_rule']}) = {b['epochs']:.2f} epoch(s) over the data, "
+                     f"{b['total_steps'] * b['tokens_per_step']:,} tokens; warmup {b['warmup_steps']:,}, eval every "
+                     f"{b['eval_interval']:,}, checkpoint every {b['save_interval']:,}")
+        mem = "memory: not estimated" if self.memory_gib is None else \
+            f"memory: ~{_gib(self.memory_gib)} peak" + (f" of {self.device_memory_gib:.0f} GiB on the GPU"
+                                                        if self.device_memory_gib else "")
+        speed = "time: measured once the run starts" if self.tokens_per_s is None else \
+            f"time: ~{_duration(self.hours)} at ~{self.tokens_per_s:,.0f} tokens/s ({self.speed_basis})"
+        lines.append(f"  {mem}; {speed}")
+        lines.append(f"  out: {self.out}" + (f" (resuming {self.resume})" if self.resume else ""))
+        lines += [f"  [yellow]warning:[/yellow] {w}" for w in self.warnings]
+        return "\n".join(lines)
+
+
+def _gib(g: float) -> str:
+    return f"{g:.1f} GiB" if g >= 1 else f"{g * 1024:.0f} MiB"
+
+
+def _mb(n: float) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB" if n >= 1e5 else f"{n / 1e3:.1f} KB"
+
+
+def _duration(hours: float | None) -> str:
+    if hours is None:
+        return "?"
+    if hours < 1 / 60:
+        return f"{hours * 3600:.0f} s"
+    if hours < 1:
+        return f"{hours * 60:.0f} min"
+    return f"{hours:.1f} h" + (f" ({hours / 24:.1f} days)" if hours > 48 else "")
+
+
+def make_plan(cfg: Any, *, env: Any, data: Any, model: Any, batch: BatchPlan, run_dir: Path,
+              resume_from: Path | None, resolved: dict[str, Any]) -> RunPlan:
+    raw = model.raw
+    params, params_ne = raw.num_params(), raw.num_params(non_embedding=True)
+    trainable = sum(p.numel() for p in raw.parameters() if p.requires_grad) if cfg.lora.enabled else params
+    what = f"{model.family.name}/{cfg.model.size}" if data.init_from is None else \
+        f"{model.family.name} from {data.init_from}" + (" + LoRA" if cfg.lora.enabled else "")
+    corpus = dict(data.corpus, estimated=data.estimated, max_bytes=cfg.data.max_bytes)
+    corpus.pop("per_source", None)
+    memory, device_memory = _memory(cfg, env, model, batch)
+    tps, basis = _speed(cfg, env, model, batch)
+    hours = batch.total_steps * batch.tokens_per_step / tps / 3600 if tps else None
+    warnings = _warnings(cfg, data, model, batch, params, memory, device_memory)
+    return RunPlan(model=what, params=params, params_non_embedding=params_ne, trainable_params=trainable,
+                   vocab_size=int(getattr(model.args, "vocab_size", data.vocab_size)), block_size=batch.block_size,
+                   corpus=corpus, batch=asdict(batch), memory_gib=memory, device_memory_gib=device_memory,
+                   tokens_per_s=tps, speed_basis=basis, hours=hours, out=str(run_dir),
+                   resume=str(resume_from) if resume_from else None, resolved=resolved, warnings=warnings)
+
+
+def _memory(cfg: Any, env: Any, model: Any, batch: BatchPlan) -> tuple[float | None, float | None]:
+    """Peak training memory per device from ``perf/estimate.py`` (native families trained in full)."""
+    if cfg.lora.enabled or not hasattr(model.args, "__dataclass_fields__") or model.pretrained is not None \
+            and model.pretrained.generic:
+        return None, None
+    from gptoughts.perf.estimate import estimate
+
+    args = {k: v for k, v in asdict(model.args).items()}
+    gpu = env.hw.name if env.device.type == "cuda" else "H100"  # the bytes do not depend on the GPU's name
+    residual = "bf16" if env.precision == "bf16" and cfg.perf.residual_dtype != "fp32" else "fp32"
+    strategy = "fsdp" if env.dist.sharded else "ddp"
+    try:
+        e = estimate(model.family.name, "debug", args, batch_size=batch.micro_batch, block_size=batch.block_size,
+                     activation_checkpointing=cfg.perf.activation_checkpointing,
+                     loss="chunked" if env.device.type == "cuda" else "plain", gpu=gpu, residual_dtype=residual,
+                     num_gpus=batch.world_size, strategy=strategy)
+    except Exception:  # noqa: BLE001 - an estimate must never stop a run
+        return None, None
+    device_mem = (env.hw.memory_bytes or 0) / 2**30 if env.device.type == "cuda" else None
+    return e.total_gib, device_mem
+
+
+def _speed(cfg: Any, env: Any, model: Any, batch: BatchPlan) -> tuple[float | None, str]:
+    """Tokens/s: on a GPU from its peak and the MFU ``bench`` measured for the size class; on a CPU from the
+    timed forward+backward of the thread-count probe (or a matmul probe in a dry run)."""
+    probe = getattr(model, "probe_step_s", None)
+    flops = model.raw.flops_per_token(batch.block_size)
+    if env.device.type == "cuda":
+        peak = env.hw.peak_bf16_flops
+        if not peak:
+            return None, "unknown GPU peak"
+        mfu = 0.55 if getattr(model.args, "d_model", 0) >= 2048 else 0.45
+        return peak * mfu / flops * batch.world_size, f"estimated at MFU {mfu:.2f} of {env.hw.name}'s peak"
+    if probe:
+        # the probe timed forward+backward of one micro-batch; the optimizer step adds ~10% on a CPU
+        step_s = probe * batch.grad_accum * 1.1
+        return batch.micro_batch * batch.block_size * batch.grad_accum / step_s, "measured forward+backward on this CPU"
+    flops_s = _cpu_matmul_flops()
+    return flops_s * 0.5 / flops, "from this CPU's measured matmul speed, at 50% of it"
+
+
+def _cpu_matmul_flops() -> float:
+    import time
+
+    import torch
+
+    a, b = torch.randn(512, 512), torch.randn(512, 512)
+    a @ b
+    t = time.perf_counter()
+    for _ in range(8):
+        a @ b
+    return 8 * 2 * 512**3 / max(time.perf_counter() - t, 1e-6)
+
+
+def _warnings(cfg: Any, data: Any, model: Any, batch: BatchPlan, params: int, memory: float | None,
+              device_memory: float | None) -> list[str]:
+    out = []
+    tokens = batch.train_tokens
+    if batch.epochs > MAX_USEFUL_EPOCHS:
+        out.append(f"{batch.epochs:.1f} epochs over {tokens:,} tokens: beyond ~{MAX_USEFUL_EPOCHS:g} epochs repeated "
+                   "data adds little and the model memorises it; add data or train fewer steps")
+    if data.init_from is None and tokens < params:
+        suggestion = _size_for(model.family, cfg, tokens)
+        out.append(f"the corpus ({tokens:,} tokens) is smaller than the model ({params:,} parameters): compute-"
+                   f"optimal training wants ~{TOKENS_PER_PARAM_OPTIMAL} tokens per parameter"
+                   + (f"; --size {suggestion} suits this corpus better" if suggestion else "; add data"))
+    if data.corpus.get("cut"):
+        out.append(f"data.max_bytes = {cfg.data.max_bytes:,} cuts the corpus: "
+                   f"{data.corpus['bytes_read']:,} of {data.corpus['bytes']:,} bytes are read; drop the cap to read it all")
+    short = _short_document_share(data, batch.block_size)
+    if short is not None and short > 0.5:
+        out.append(f"{short:.0%} of the documents are shorter than the block ({batch.block_size:,} tokens): they are "
+                   "packed end to end (separated by an end-of-text token), which is fine for pretraining; a shorter "
+                   "--block_size trains faster if long context is not needed")
+    if batch.total_steps < 20 and cfg.train.max_steps is None:
+        out.append(f"only {batch.total_steps} optimizer step(s) of {batch.tokens_per_step:,} tokens: too few for the "
+                   "schedule; add data, raise --epochs, or lower --train.global_batch_tokens / --batch_size")
+    if memory is not None and device_memory and memory > 0.95 * device_memory:
+        out.append(f"the estimated peak ({memory:.0f} GiB) exceeds this GPU's {device_memory:.0f} GiB: use "
+                   "--activation_checkpointing selective|full, --batch_size auto or several GPUs (FSDP)")
+    if cfg.model.size == "debug" and data.init_from is None and cfg.model.overrides == {}:
+        out.append("model.size = debug is the test size (a few hundred thousand parameters): name a size with "
+                   "--size (e.g. 125m)")
+    return out
+
+
+def _size_for(family: Any, cfg: Any, tokens: int) -> str | None:
+    """The largest size of ``family`` whose parameters are at most 1/20 of ``tokens`` (None if none is)."""
+    import torch
+
+    from gptoughts import models
+
+    best = None
+    for size in models.list_sizes(family.name):
+        if size == "debug":
+            continue
+        try:
+            with torch.device("meta"):
+                m = models.build_model(family.name, models.model_args(family.name, size, {}), device="meta")
+        except Exception:  # noqa: BLE001
+            continue
+        if m.num_params() * TOKENS_PER_PARAM_OPTIMAL <= tokens:
+            best = size
+    return best
+
+
+def _short_document_share(data: Any, block: int) -> float | None:
+    """Share of documents shorter than ``block`` tokens, from the end-of-text tokens of the first ~20M training
+    tokens (None before tokenization)."""
+    if data.manifest is None:
+        return None
+    m = data.manifest
+    eos = m.eos_id
+    lengths: list[np.ndarray] = []
+    seen = 0
+    for s in m.sources:
+        for name in s.train_shards:
+            arr = np.memmap(m.dir / name, dtype=np.dtype(m.dtype), mode="r")[: 20_000_000 - seen]
+            ends = np.flatnonzero(arr == eos)
+            if ends.size > 1:
+                lengths.append(np.diff(ends))
+            seen += arr.size
+            if seen >= 20_000_000:
+                break
+    if not lengths:
+        return None
+    all_lengths = np.concatenate(lengths)
+    return float(np.mean(all_lengths < block)) if all_lengths.size else None

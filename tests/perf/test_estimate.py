@@ -1,0 +1,112 @@
+"""``gptoughts estimate`` for every model family and size in the registry (no GPU: meta-device models only)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from gptoughts import cli, models
+from gptoughts.perf.estimate import estimate
+
+FAMILY_SIZES = [(fam, size) for fam in models.FAMILIES for size in models.list_sizes(fam)]
+FAMILIES = list(models.FAMILIES)
+
+
+@pytest.mark.parametrize(("family", "size"), FAMILY_SIZES)
+def test_estimate_is_finite_positive_and_counts_the_model(family, size):
+    e = estimate(family, size)
+    meta = models.build_model(family, models.model_args(family, size), device="meta")
+    assert e.params == meta.num_params()
+    assert e.params_non_embedding == meta.num_params(non_embedding=True)
+    for field in (
+        "weights_gib",
+        "gradients_gib",
+        "optimizer_gib",
+        "autocast_copies_gib",
+        "activations_gib",
+        "logits_gib",
+        "total_gib",
+        "flops_per_token",
+        "tokens_per_s",
+    ):
+        value = getattr(e, field)
+        assert isinstance(value, (int, float)) and math.isfinite(value) and value > 0, (field, value)
+    assert e.total_gib >= e.weights_gib + e.optimizer_gib + e.activations_gib
+    for mode in ("selective", "full"):
+        e = estimate(family, size, activation_checkpointing=mode, residual_dtype="fp32")
+        assert math.isfinite(e.total_gib) and e.activations_gib > 0
+
+
+@pytest.mark.parametrize(("family", "size"), FAMILY_SIZES)
+def test_estimate_cli_exits_cleanly(family, size, capsys):
+    assert cli.main(["estimate", "--model", family, "--size", size]) == 0
+    out, err = capsys.readouterr()
+    assert "Traceback" not in err and "Error" not in err
+    assert "total" in out and "params" in out
+
+
+def test_estimate_cli_json_for_each_family(capsys):
+    for family in FAMILIES:
+        assert cli.main(["estimate", "--model", family, "--size", "debug", "--json"]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["total_gib"] > 0 and out["params"] > 0
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_activations_scale_with_batch_and_shrink_with_checkpointing(family):
+    size = models.list_sizes(family)[1]  # the smallest real size (index 0 is debug)
+    acts = {
+        m: estimate(family, size, activation_checkpointing=m, batch_size=4).activations_gib
+        for m in ("none", "selective", "full")
+    }
+    assert acts["none"] > acts["selective"] > acts["full"] > 0, acts
+    for mode in ("none", "selective", "full"):
+        one = estimate(family, size, activation_checkpointing=mode, batch_size=1).activations_gib
+        four = estimate(family, size, activation_checkpointing=mode, batch_size=4).activations_gib
+        assert four > one
+        assert four == pytest.approx(4 * one)
+    none = estimate(family, size, batch_size=4)
+    full = estimate(family, size, batch_size=4, activation_checkpointing="full")
+    assert full.total_gib < none.total_gib
+
+
+def test_deepseek_activations_follow_the_active_experts_only():
+    base = estimate("deepseek", "small").activations_gib
+    more_active = estimate("deepseek", "small", {"n_activated_experts": 12}).activations_gib
+    more_routed = estimate("deepseek", "small", {"n_routed_experts": 128}).activations_gib
+    assert more_active > 1.2 * base  # each active expert holds its tokens' SwiGLU activations
+    assert base < more_routed < 1.01 * base  # idle experts hold none (only the router's scores grow)
+    # ... while every expert's weights are counted in memory.
+    assert (
+        estimate("deepseek", "small", {"n_routed_experts": 128}).weights_gib
+        > 1.5 * estimate("deepseek", "small").weights_gib
+    )
+
+
+def test_inl_activations_grow_with_integrator_iterations():
+    acts = [
+        estimate("inl", "3b", {"n_iterations": k}, batch_size=1, residual_dtype="fp32").activations_gib
+        for k in (0, 4, 8)
+    ]
+    assert acts[0] < acts[1] < acts[2]
+    assert acts[2] - acts[1] == pytest.approx(
+        acts[1] - acts[0], rel=0.05
+    )  # linear in K (autograd keeps each step)
+
+
+# Peaks measured on one H200 (bench/BENCHMARKS.md, "model families at ~1B": per-block compile, bf16 autocast,
+# fp32 residual, chunked loss). The estimate must stay within 5% of them.
+MEASURED = [
+    ("deepseek", "small", 8, 2048, 31.48),
+    ("gpt2", "large", 16, 1024, 36.19),
+    ("inl", "3b", 2, 2048, 67.15),
+    ("llada", "medium", 8, 2048, 38.34),
+]
+
+
+@pytest.mark.parametrize(("family", "size", "batch", "block", "peak_gib"), MEASURED)
+def test_estimate_matches_measured_peaks(family, size, batch, block, peak_gib):
+    e = estimate(family, size, batch_size=batch, block_size=block, residual_dtype="fp32")
+    assert e.total_gib == pytest.approx(peak_gib, rel=0.05)
