@@ -158,8 +158,8 @@ def run_bench(cfg: Config, *, steps: int = 20, warmup: int = 5, compare: str | N
     if compare == "hf":
         result["hf"] = {}
         for mode in hf_modes:
-            if mode == "compiled" and not hw.compile:
-                continue
+            if mode == "compiled" and not (hw.compile and result["resolved"].get("compile")):
+                continue  # like with like: transformers is compiled only when our side is
             r = bench_hf(args, t.batch_size, t.block_size, t.grad_accum, device, precision, mode=mode, steps=steps,
                          warmup=warmup, seed=t.seed)
             r["mfu"] = (flops_tok * r["tokens_per_s"] / peak) if peak else None

@@ -86,14 +86,18 @@ class RunPlan:
                      f"{b['total_steps'] * b['tokens_per_step']:,} tokens; warmup {b['warmup_steps']:,}, eval every "
                      f"{b['eval_interval']:,}, checkpoint every {b['save_interval']:,}")
         mem = "memory: not estimated" if self.memory_gib is None else \
-            f"memory: ~{_gib(self.memory_gib)} peak" + (f" of {self.device_memory_gib:.0f} GiB on the GPU"
+            f"memory: ~{_gib(self.memory_gib)} peak" + (f" of {self.device_memory_gib:.0f} GiB"
                                                         if self.device_memory_gib else "")
         speed = "time: measured once the run starts" if self.tokens_per_s is None else \
-            f"time: ~{_duration(self.hours)} at ~{self.tokens_per_s:,.0f} tokens/s ({self.speed_basis})"
+            f"time: ~{_duration(self.hours)} at ~{_rate(self.tokens_per_s)} tokens/s ({self.speed_basis})"
         lines.append(f"  {mem}; {speed}")
         lines.append(f"  out: {self.out}" + (f" (resuming {self.resume})" if self.resume else ""))
         lines += [f"  [yellow]warning:[/yellow] {w}" for w in self.warnings]
         return "\n".join(lines)
+
+
+def _rate(r: float) -> str:
+    return f"{r:,.0f}" if r >= 100 else f"{r:.2g}"
 
 
 def _gib(g: float) -> str:
@@ -126,7 +130,7 @@ def make_plan(cfg: Any, *, env: Any, data: Any, model: Any, batch: BatchPlan, ru
     memory, device_memory = _memory(cfg, env, model, batch)
     tps, basis = _speed(cfg, env, model, batch)
     hours = batch.total_steps * batch.tokens_per_step / tps / 3600 if tps else None
-    warnings = _warnings(cfg, data, model, batch, params, memory, device_memory)
+    warnings = _warnings(cfg, data, model, batch, params, memory, device_memory, on_cpu=env.device.type == "cpu")
     return RunPlan(model=what, params=params, params_non_embedding=params_ne, trainable_params=trainable,
                    vocab_size=int(getattr(model.args, "vocab_size", data.vocab_size)), block_size=batch.block_size,
                    corpus=corpus, batch=asdict(batch), memory_gib=memory, device_memory_gib=device_memory,
@@ -152,7 +156,7 @@ def _memory(cfg: Any, env: Any, model: Any, batch: BatchPlan) -> tuple[float | N
                      num_gpus=batch.world_size, strategy=strategy)
     except Exception:  # noqa: BLE001 - an estimate must never stop a run
         return None, None
-    device_mem = (env.hw.memory_bytes or 0) / 2**30 if env.device.type == "cuda" else None
+    device_mem = (env.hw.memory_bytes or 0) / 2**30 or None  # the GPU's, or on a CPU the machine's RAM
     return e.total_gib, device_mem
 
 
@@ -189,7 +193,7 @@ def _cpu_matmul_flops() -> float:
 
 
 def _warnings(cfg: Any, data: Any, model: Any, batch: BatchPlan, params: int, memory: float | None,
-              device_memory: float | None) -> list[str]:
+              device_memory: float | None, *, on_cpu: bool) -> list[str]:
     out = []
     tokens = batch.train_tokens
     if batch.epochs > MAX_USEFUL_EPOCHS:
@@ -212,10 +216,14 @@ def _warnings(cfg: Any, data: Any, model: Any, batch: BatchPlan, params: int, me
         out.append(f"only {batch.total_steps} optimizer step(s) of {batch.tokens_per_step:,} tokens: too few for the "
                    "schedule; add data, raise --epochs, or lower --train.global_batch_tokens / --batch_size")
     if memory is not None and device_memory and memory > 0.95 * device_memory:
-        out.append(f"the estimated peak ({memory:.0f} GiB) exceeds this GPU's {device_memory:.0f} GiB: use "
-                   "--activation_checkpointing selective|full, --batch_size auto or several GPUs (FSDP)")
+        if on_cpu:
+            out.append(f"the estimated peak ({memory:.0f} GiB) exceeds this machine's {device_memory:.0f} GiB of RAM: "
+                       "train a smaller size here, or on a GPU")
+        else:
+            out.append(f"the estimated peak ({memory:.0f} GiB) exceeds this GPU's {device_memory:.0f} GiB: use "
+                       "--activation_checkpointing selective|full, --batch_size auto or several GPUs (FSDP)")
     if cfg.model.size == "debug" and data.init_from is None and cfg.model.overrides == {}:
-        out.append("model.size = debug is the test size (a few hundred thousand parameters): name a size with "
+        out.append("model.size = debug is the test size (about a million parameters): name a size with "
                    "--size (e.g. 125m)")
     return out
 
