@@ -41,6 +41,8 @@ class History:
     """The run plan (``RunPlan.to_dict()``): what was asked, resolved and estimated before the first step."""
     summary: dict[str, Any] = field(default_factory=dict)
     """What the run did: wall time, tokens/s, MFU, best val loss (also ``RUN/summary.json``)."""
+    interrupted: int | None = None
+    """The signal (SIGINT 2, SIGTERM 15) that stopped the run early, after its checkpoint; None otherwise."""
 
 
 # -------------------------------------------------------------------------------------------------- train
@@ -145,6 +147,7 @@ def run_training(cfg: Config, *, dry_run: bool = False) -> tuple[nn.Module, Any,
 
 def _history(asm: Any, st: Any, history: History) -> History:
     history.steps, history.tokens, history.stop_reason = st.step, st.tokens_seen, asm.trainer.stop_reason
+    history.interrupted = asm.trainer.stop_signal
     for h in st.history:
         history.eval_steps.append(h["step"])
         history.val_loss.append(h["val_loss"])
@@ -222,7 +225,7 @@ class Loaded:
     args: Any = None
 
 
-def load(path: str | Path, device: str = "auto") -> Loaded:
+def load(path: str | Path, device: str = "auto", *, trust_remote_code: bool = False) -> Loaded:
     """Load a trained model from a run directory, a checkpoint directory or a Hugging Face model folder.
 
     Runs fine-tuned with LoRA (or of an architecture without native code) rebuild the base model from their
@@ -233,7 +236,7 @@ def load(path: str | Path, device: str = "auto") -> Loaded:
 
     dev = hardware.resolve_device(device)
     if is_hf_folder(path):
-        pre = load_pretrained(path, device=dev)
+        pre = load_pretrained(path, device=dev, trust_remote_code=trust_remote_code)
         return Loaded(model=pre.model.eval(), tokenizer=pre.tokenizer, config=load_config("default"),
                       checkpoint=Path(path), family=pre.family or GENERIC_FAMILY.name,
                       chat=pre.tokenizer.chat_template is not None, init_from=str(path), args=pre.model.args)
@@ -257,7 +260,7 @@ def load(path: str | Path, device: str = "auto") -> Loaded:
         if not Path(init_from).is_dir():
             raise UserError(f"{run_dir} holds only what was trained on top of {init_from}, which is missing; put "
                             "the base model folder back at that path")
-        pre = load_pretrained(init_from, device=dev, trust_remote_code=cfg.model.trust_remote_code)
+        pre = load_pretrained(init_from, device=dev, trust_remote_code=cfg.model.trust_remote_code or trust_remote_code)
         model, family_name, args = pre.model, pre.family or GENERIC_FAMILY.name, pre.model.args
         if cfg.lora.enabled:
             # QLoRA adapters are put back over the full-precision base (the usual way to merge and export them:
@@ -351,7 +354,7 @@ def evaluate(loaded: Loaded, data: list[str], *, batch_size: int = 8, block_size
 # ------------------------------------------------------------------------------------------------- export
 
 def export(path: str | Path, out: str | Path, *, format: str = "hf", max_shard_size: str | int = "5GB",
-           dtype: str = "auto", overwrite: bool = False, device: str = "cpu") -> Path:
+           dtype: str = "auto", overwrite: bool = False, device: str = "cpu", trust_remote_code: bool = False) -> Path:
     """Write a run (or checkpoint, or HF folder) as a ``transformers`` model folder; LoRA adapters are merged.
 
     ``dtype``: auto (the dtype of the model the run started from, fp32 for runs trained from scratch), fp32,
@@ -371,7 +374,7 @@ def export(path: str | Path, out: str | Path, *, format: str = "hf", max_shard_s
     names = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
     if dtype not in ("auto", *names):
         raise ConfigError(f"--dtype must be auto, fp32, bf16 or fp16; got {dtype!r}")
-    loaded = load(path, device=device)
+    loaded = load(path, device=device, trust_remote_code=trust_remote_code)
     model = loaded.model
     if hasattr(model, "merge_and_unload"):  # PEFT: fold B @ A * alpha / r into the base weights
         model = model.merge_and_unload()

@@ -219,7 +219,9 @@ def _run(preset: str | None, overrides: dict[str, Any], switches: set[str], defa
         return 0
     from gptoughts.api import run_training
 
-    run_training(cfg, dry_run="dry_run" in switches)
+    _, _, history = run_training(cfg, dry_run="dry_run" in switches)
+    if history.interrupted:  # schedulers tell an interrupted run from a finished one by this
+        return 128 + history.interrupted
     return 0
 
 
@@ -298,6 +300,7 @@ def cmd_export(argv: Sequence[str]) -> int:
                    help="auto: the base model's dtype (fp32 for models trained from scratch)")
     p.add_argument("--overwrite", action="store_true", help="write into a non-empty OUT")
     p.add_argument("--device", default="cpu", help="where LoRA is merged (cpu needs no GPU memory)")
+    p.add_argument("--trust_remote_code", action="store_true", help="let transformers run an HF folder's own code")
     a = p.parse_intermixed_args(argv)
     out = a.out or a.out_pos
     if out is None:
@@ -305,7 +308,7 @@ def cmd_export(argv: Sequence[str]) -> int:
     from gptoughts.api import export
 
     written = export(a.path, out, format=a.format, max_shard_size=a.max_shard_size, dtype=a.dtype,
-                     overwrite=a.overwrite, device=a.device)
+                     overwrite=a.overwrite, device=a.device, trust_remote_code=a.trust_remote_code)
     print(f"wrote {written} (load it with transformers.AutoModelForCausalLM.from_pretrained)")
     return 0
 
@@ -349,10 +352,11 @@ def cmd_sample(argv: Sequence[str]) -> int:
     p.add_argument("--top_p", type=float, default=None)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--device", default="auto")
+    p.add_argument("--trust_remote_code", action="store_true", help="let transformers run an HF folder's own code")
     a = p.parse_args(argv)
     from gptoughts.api import generate_text, load
 
-    loaded = load(a.path, device=a.device)
+    loaded = load(a.path, device=a.device, trust_remote_code=a.trust_remote_code)
     chat = None if a.chat == "auto" else a.chat == "on"
     print(generate_text(loaded, a.prompt, max_new_tokens=a.max_new_tokens, temperature=a.temperature,
                         top_k=a.top_k if a.top_k and a.top_k > 0 else None, top_p=a.top_p, seed=a.seed, chat=chat))
@@ -370,10 +374,11 @@ def cmd_eval(argv: Sequence[str]) -> int:
                    help="score only this many batches, spread evenly over the corpus (default: all of it)")
     p.add_argument("--device", default="auto")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--trust_remote_code", action="store_true", help="let transformers run an HF folder's own code")
     a = p.parse_args(argv)
     from gptoughts.api import evaluate, load
 
-    loaded = load(a.path, device=a.device)
+    loaded = load(a.path, device=a.device, trust_remote_code=a.trust_remote_code)
     res = evaluate(loaded, a.data, batch_size=a.batch_size, block_size=a.block_size, max_batches=a.max_batches)
     if a.json:
         print(json.dumps(res))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -150,7 +151,7 @@ class TrainConfig:
     early_stopping_patience: int | None = None
     """Stop after this many evaluations without val-loss improvement; None disables."""
     early_stopping_min_delta: float = 0.0
-    nan_policy: str = "skip"
+    nan_policy: Literal["skip", "rollback", "stop", "raise"] = "skip"
     """What a non-finite loss or gradient does (such a step is always skipped on the device: it never changes
     the weights). skip: drop it and go on; after max_bad_steps of them in a row, stop with an error. rollback:
     after max_bad_steps in a row, reload the last checkpoint saved before they began (weights, optimizer, RNG,
@@ -741,12 +742,7 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"train.{name} must be >= 1, got {getattr(t, name)}")
     if isinstance(t.batch_size, int) and t.batch_size < 1:
         raise ConfigError(f"train.batch_size must be >= 1, got {t.batch_size}")
-    choices = {  # (choice fields are Literal[...] and checked when the config is built)
-        "train.nan_policy": (t.nan_policy, ("skip", "rollback", "stop", "raise")),
-    }
-    for where, (value, allowed) in choices.items():
-        if value not in allowed:
-            raise ConfigError(f"{where} must be one of {', '.join(allowed)}; got {value!r}{did_you_mean(value, allowed)}")
+    check_train_ranges(t)
     for name in ("compile", "fp8", "fused_adamw"):
         value = getattr(cfg.perf, name)
         if isinstance(value, str) and value != "auto":
@@ -760,12 +756,45 @@ def validate(cfg: Config) -> None:
         start, sep, end = t.profile.partition(":")
         if not (sep and start.isdigit() and end.isdigit() and int(start) < int(end)):
             raise ConfigError(f"train.profile must be START:END steps with START < END (e.g. 10:15); got {t.profile!r}")
-    if t.learning_rate <= 0:
-        raise ConfigError(f"train.learning_rate must be > 0, got {t.learning_rate}")
     for p in cfg.data.phases:
         if p.weights and len(p.weights) != len(p.sources):
             raise ConfigError(f"data.phases `{p.name}`: {len(p.weights)} weights for {len(p.sources)} sources")
     _validate_finetune(cfg)
+
+
+# The longest sequence any size here is built for is 8192; 1M positions already need GBs of RoPE tables. A
+# larger block_size is a typo, refused before a model is built or a corpus read.
+MAX_BLOCK_SIZE = 1 << 20
+
+
+def check_train_ranges(t: TrainConfig) -> None:
+    """The numeric ranges of ``[train]`` (the trainer checks them again when it is built directly)."""
+    if not math.isfinite(t.learning_rate) or t.learning_rate <= 0:
+        raise ConfigError(f"train.learning_rate must be a finite number > 0, got {t.learning_rate}")
+    if t.block_size > MAX_BLOCK_SIZE:
+        raise ConfigError(f"train.block_size = {t.block_size:,} is beyond what a model here can be built for "
+                          f"({MAX_BLOCK_SIZE:,} positions); use the sequence length you train at, e.g. 2048")
+    for name in ("max_steps", "epochs", "max_tokens"):
+        value = getattr(t, name)
+        if value is not None and (not math.isfinite(value) or value <= 0):
+            raise ConfigError(f"train.{name} must be > 0 (got {value}): it would train nothing")
+    for name in ("log_interval", "eval_batches", "max_bad_steps"):
+        if getattr(t, name) < 1:
+            raise ConfigError(f"train.{name} must be >= 1, got {getattr(t, name)}")
+    for name in ("eval_interval", "save_interval", "sample_interval", "keep_last", "warmup_steps",
+                 "early_stopping_patience", "max_rollbacks", "spike_warmup_steps", "sample_max_new_tokens"):
+        value = getattr(t, name)
+        if value is not None and value < 0:
+            raise ConfigError(f"train.{name} must be >= 0, got {value}")
+    if t.global_batch_tokens is not None and t.global_batch_tokens < 1:
+        raise ConfigError(f"train.global_batch_tokens must be >= 1, got {t.global_batch_tokens}")
+    for name, ok, rule in (("rollback_lr_factor", 0.0 < t.rollback_lr_factor <= 1.0, "in (0, 1]"),
+                           ("spike_std", t.spike_std > 0, "> 0"), ("spike_ratio", t.spike_ratio >= 1.0, ">= 1"),
+                           ("min_lr_ratio", 0.0 <= t.min_lr_ratio <= 1.0, "in [0, 1]"),
+                           ("decay_fraction", 0.0 <= t.decay_fraction <= 1.0, "in [0, 1]"),
+                           ("grad_clip", t.grad_clip >= 0 and math.isfinite(t.grad_clip), ">= 0")):
+        if not ok:
+            raise ConfigError(f"train.{name} must be {rule}, got {getattr(t, name)}")
 
 
 def _validate_finetune(cfg: Config) -> None:

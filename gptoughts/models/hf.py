@@ -112,12 +112,11 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
 
     p = Path(path)
     if (p / SAFE_INDEX).is_file():
-        files = sorted(set(json.loads((p / SAFE_INDEX).read_text())["weight_map"].values()))
+        files = _index_files(p, SAFE_INDEX)
     elif (p / SAFE_WEIGHTS).is_file():
         files = [SAFE_WEIGHTS]
     elif (p / BIN_INDEX).is_file() or (p / BIN_WEIGHTS).is_file():
-        bins = sorted(set(json.loads((p / BIN_INDEX).read_text())["weight_map"].values())) \
-            if (p / BIN_INDEX).is_file() else [BIN_WEIGHTS]
+        bins = _index_files(p, BIN_INDEX) if (p / BIN_INDEX).is_file() else [BIN_WEIGHTS]
         sd: dict[str, torch.Tensor] = {}
         for name in bins:
             _need(p / name)
@@ -135,6 +134,24 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
         _need(p / name)
         sd.update(load_file(str(p / name)))
     return sd
+
+
+def _index_files(folder: Path, index: str) -> list[str]:
+    """The shard files a weight index names, each a file inside ``folder`` (an index is data from the folder:
+    a name that points elsewhere, ``../x`` or an absolute path, is refused, never read)."""
+    try:
+        weight_map = json.loads((folder / index).read_text(encoding="utf-8"))["weight_map"]
+        names = sorted(set(weight_map.values()))
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise UserError(f"{folder / index} is not a valid weight index ({type(e).__name__}); re-save the model") \
+            from None
+    root = folder.resolve()
+    for name in names:
+        target = (folder / str(name)).resolve()
+        if not isinstance(name, str) or target.parent != root:
+            raise UserError(f"{folder / index} names the shard {name!r}, outside the model folder; refusing to read "
+                            "it (re-save the model with save_pretrained)")
+    return names
 
 
 def _need(file: Path) -> None:

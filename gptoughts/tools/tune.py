@@ -103,5 +103,7 @@ def write_winner(trial: Trial, cfg: Config, out: str | Path) -> Path:
     out = Path(out)
     header = f"# Written by `gptoughts tune`: {trial.tokens_per_s:,.0f} tokens/s" + (
         f", MFU {trial.mfu:.3f}" if trial.mfu is not None else "")
-    out.write_text(header + "\n" + to_toml(apply(cfg, trial.settings)))
+    tuned = apply(cfg, trial.settings)
+    tuned.run.out = None  # a config for future runs: each writes where its own family and size say
+    out.write_text(header + "\n" + to_toml(tuned))
     return out

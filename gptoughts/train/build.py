@@ -454,6 +454,10 @@ def build(cfg: Config, *, dry_run: bool = False, env: Environment | None = None)
     None; the caller shuts the process group down with ``pdist.shutdown()``)."""
     env = env or setup_environment(cfg)
     run_dir = Path(cfg.run.out)
+    if cfg.run.wandb and not dry_run:
+        from gptoughts.train.metrics import check_wandb
+
+        check_wandb()  # a missing package is refused before the run directory is touched
     lock = None
     resume_from, resumed_run = None, None
     if not dry_run:
@@ -482,6 +486,9 @@ def _assemble(cfg: Config, env: Environment, run_dir: Path, dry_run: bool, resum
     from gptoughts.train.metrics import console
 
     data = prepare_data(cfg, env, dry_run=dry_run)  # 3
+    if data.format == "text" and not data.estimated and data.corpus["tokens"] < cfg.train.block_size + 1:
+        raise DataError(f"the corpus has {data.corpus['tokens']:,} training tokens, fewer than one block of "
+                        f"{cfg.train.block_size + 1:,}; lower --block_size or add data")
     if resume_from is not None and (run_dir / "tokenizer").exists():
         rundir.check_tokenizer(run_dir, data.tokenizer, cfg)
     model = build_model(cfg, env, data, meta=dry_run)  # 4
@@ -517,9 +524,7 @@ def _assemble(cfg: Config, env: Environment, run_dir: Path, dry_run: bool, resum
                           temperature=t.sample_temperature, top_k=t.sample_top_k)
     state = None
     if resume_from is not None:  # read and checked before anything of the run directory is rewritten
-        ckpt.load_weights(model.weights, resume_from, sharded=env.dist.sharded)
-        # FSDP: the full optimizer state stays in host memory; each rank copies only its shard to the GPU
-        state = ckpt.load_state(resume_from, "cpu" if env.dist.sharded else env.device)
+        asm.resume_from, state = load_resume_checkpoint(cfg, env, model, run_dir, resume_from)
     # 8. the run directory, then the trainer
     if env.dist.is_main:
         write_run_files(asm)
@@ -540,12 +545,42 @@ def _assemble(cfg: Config, env: Environment, run_dir: Path, dry_run: bool, resum
                           dist=env.dist, device=env.device, precision=env.precision, metrics=asm.metrics,
                           total_steps=batch.total_steps, tokens_per_step=batch.tokens_per_step,
                           sample_fn=asm.sampler, save_weights=lambda: model.weights,
-                          forward_context=model.built.forward_context, static_token_count=data.sft is None)
+                          forward_context=model.built.forward_context, static_token_count=data.sft is None,
+                          mfu_per_token_s=_mfu_per_token_s(env, model, t.block_size))
     if state is not None:
         asm.trainer.load_state_dict(state)
         if env.dist.is_main:
             console.print(f"resumed from {resume_from} at step {resume_step}")
     return asm
+
+
+def _mfu_per_token_s(env: Environment, model: Model, block_size: int) -> float | None:
+    """FLOPs per token over the bf16 peak of every GPU of the run: MFU = tokens/s x this (None off CUDA)."""
+    peak = env.hw.peak_bf16_flops if env.device.type == "cuda" else None
+    return model.raw.flops_per_token(block_size) / (peak * env.dist.world_size) if peak else None
+
+
+def load_resume_checkpoint(cfg: Config, env: Environment, model: Model, run_dir: Path,
+                           path: Path) -> tuple[Path, dict[str, Any]]:
+    """Weights and trainer state of the checkpoint to resume. With ``--resume auto`` a checkpoint that verifies
+    but cannot be read (forged or corrupt state.pt or weights) is skipped for the previous one, as a corrupt one
+    is; when none is left, or for an explicit ``--resume PATH``, the run is refused with nothing changed."""
+    from gptoughts.train.metrics import console
+
+    while True:
+        try:
+            ckpt.load_weights(model.weights, path, sharded=env.dist.sharded)
+            # FSDP: the full optimizer state stays in host memory; each rank copies only its shard to the GPU
+            return path, ckpt.load_state(path, "cpu" if env.dist.sharded else env.device)
+        except ckpt.UnreadableCheckpoint as e:
+            older = ckpt.latest_valid(run_dir / "checkpoints", before=ckpt.step_of(path)) \
+                if cfg.run.resume == "auto" else None
+            if older is None:
+                raise UserError(f"{e}; no earlier usable checkpoint: nothing was changed (restore the checkpoint, "
+                                "or start over with --overwrite)") from None
+            if env.dist.is_main:
+                console.print(f"[yellow]warning:[/yellow] {e}; falling back to {older.name}", highlight=False)
+            path = older
 
 
 def _probe_step(cfg: Config, model: Model, data: Data):
@@ -622,7 +657,9 @@ def write_run_files(asm: Assembly) -> None:
     """config.toml (sources as absolute paths: the file can be moved and still resumes), tokenizer/, run.json
     (with the plan). Called once everything has been validated."""
     cfg, env, model, data, run_dir = asm.cfg, asm.env, asm.model, asm.data, asm.run_dir
-    if cfg.run.overwrite and asm.resume_from is None:
+    if asm.resume_from is None and rundir.is_run(run_dir):
+        # --overwrite, or --resume auto on a run killed before its first checkpoint: it starts over, and what it
+        # wrote before (metrics rows, samples) goes, so that nothing is counted twice
         rundir.clear(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     saved = replace(cfg, data=replace(cfg.data, sources=[_absolute(s) for s in cfg.data.sources]),

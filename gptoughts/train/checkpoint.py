@@ -69,6 +69,12 @@ def _fsync_file(path: Path) -> None:
         os.fsync(f.fileno())
 
 
+def step_of(path: Path) -> int:
+    """The step of a checkpoint directory ``step_000123`` (its meta.json's step when the name is not one)."""
+    m = STEP_DIR.match(Path(path).name)
+    return int(m.group(1)) if m else int(read_meta(Path(path))["step"])
+
+
 def step_dir(root: Path, step: int) -> Path:
     return root / f"step_{step:06d}"
 
@@ -187,8 +193,13 @@ def verify(path: Path) -> str | None:
     try:
         meta = json.loads(meta_path.read_text())
         files = meta["files"]
-    except (ValueError, KeyError):
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
         return "meta.json unreadable"
+    # A meta.json that is valid JSON but lists no files (or not both files, or wrong fields) verifies nothing.
+    if not isinstance(files, dict) or set(files) != {MODEL_FILE, STATE_FILE} or not all(
+            isinstance(i, dict) and isinstance(i.get("bytes"), int) and isinstance(i.get("sha256"), str)
+            for i in files.values()):
+        return "meta.json does not describe model.safetensors and state.pt"
     for name, info in files.items():
         f = path / name
         if not f.exists():
@@ -233,25 +244,49 @@ def resolve(path_or_run: str | Path) -> Path:
     raise UserError(f"no valid checkpoint under {p}; train first or pass a checkpoint directory")
 
 
+class UnreadableCheckpoint(UserError):
+    """A checkpoint whose checksums verify but whose content cannot be read (forged or corrupt before hashing):
+    a resume falls back to the previous checkpoint as for any other corruption."""
+
+
 def load_weights(model: nn.Module, path: Path, *, strict: bool = True, sharded: bool = False) -> None:
     """Load a checkpoint's weights; ``sharded``: into an FSDP model (every rank reads the file, keeps its shard)."""
-    if sharded:
-        from gptoughts.parallel.dist import load_full_state_dict
+    try:
+        if sharded:
+            from gptoughts.parallel.dist import load_full_state_dict
 
-        state = load_file(str(path / MODEL_FILE))
-        expected = set(model.state_dict())
-        missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
-        if not missing and not unexpected:
-            load_full_state_dict(model, state)
-    else:
-        missing, unexpected = load_model(model, str(path / MODEL_FILE), strict=False)
+            state = load_file(str(path / MODEL_FILE))
+            expected = set(model.state_dict())
+            missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+            if not missing and not unexpected:
+                load_full_state_dict(model, state)
+        else:
+            missing, unexpected = load_model(model, str(path / MODEL_FILE), strict=False)
+    except (OSError, ValueError, RuntimeError) as e:  # SafetensorError is an Exception: see below
+        raise UnreadableCheckpoint(f"{path / MODEL_FILE} cannot be read ({type(e).__name__}: "
+                                   f"{str(e).splitlines()[0][:120]})") from None
+    except Exception as e:  # noqa: BLE001 - safetensors' own error type: the file is not a valid safetensors file
+        if type(e).__name__ != "SafetensorError":
+            raise
+        raise UnreadableCheckpoint(f"{path / MODEL_FILE} is not a valid safetensors file ({e})") from None
     if strict and (missing or unexpected):
         raise UserError(f"checkpoint {path} does not match the model (missing {sorted(missing)[:4]}, "
                         f"unexpected {sorted(unexpected)[:4]}); was it trained with another --size or family?")
 
 
 def load_state(path: Path, device: torch.device | str = "cpu") -> dict[str, Any]:
-    return torch.load(path / STATE_FILE, map_location=device, weights_only=True)
+    """The trainer state of a checkpoint, read with ``weights_only=True``: a pickle holding anything but
+    tensors and plain containers (code) is refused, never executed, and reported as an unreadable checkpoint."""
+    import pickle
+
+    try:
+        state = torch.load(path / STATE_FILE, map_location=device, weights_only=True)
+    except (pickle.UnpicklingError, OSError, RuntimeError, EOFError, ValueError, AttributeError, ImportError) as e:
+        raise UnreadableCheckpoint(f"{path / STATE_FILE} cannot be read safely ({type(e).__name__}: "
+                                   f"{str(e).splitlines()[0][:120]})") from None
+    if not isinstance(state, dict) or not isinstance(state.get("trainer"), dict) or "step" not in state["trainer"]:
+        raise UnreadableCheckpoint(f"{path / STATE_FILE} is not a gptoughts trainer state")
+    return state
 
 
 def read_meta(path: Path) -> dict[str, Any]:

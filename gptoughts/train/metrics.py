@@ -17,7 +17,6 @@ from rich.progress import (
     Progress,
     TextColumn,
     TimeElapsedColumn,
-    TimeRemainingColumn,
 )
 
 from gptoughts.errors import UserError
@@ -53,13 +52,7 @@ class MetricsLogger:
 
             self.tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=resume_step)
         if wandb:
-            try:
-                import wandb as wandb_mod
-            except ImportError:
-                raise UserError("--wandb needs the wandb package: pip install 'gptoughts[wandb]'") from None
-            mode = os.environ.get("WANDB_MODE")
-            self.wandb = wandb_mod.init(project=wandb_project, dir=str(run_dir), config=config,
-                                        name=run_dir.name, resume="allow", mode=mode or None)
+            self.wandb = _start_wandb(run_dir, wandb_project, config)
 
     def log(self, step: int, values: dict[str, Any]) -> None:
         if not self.enabled:
@@ -91,11 +84,56 @@ class MetricsLogger:
             self.wandb.finish()
 
 
+def check_wandb() -> None:
+    """Before a run writes anything: --wandb needs the package."""
+    try:
+        import wandb  # noqa: F401
+    except ImportError:
+        raise UserError("--wandb needs the wandb package: pip install 'gptoughts[wandb]'") from None
+
+
+def _has_wandb_key() -> bool:
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    try:
+        import netrc
+
+        return netrc.netrc().authenticators("api.wandb.ai") is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
+
+
+def _start_wandb(run_dir: Path, project: str, config: dict | None) -> Any:
+    """wandb online when a key is configured, offline (with a note) when not; a wandb that fails to start costs
+    one line, never the run."""
+    import wandb as wandb_mod
+
+    mode = os.environ.get("WANDB_MODE")
+    if not mode and not _has_wandb_key():
+        mode = "offline"
+        console.print(f"note: no wandb API key (`wandb login` or WANDB_API_KEY): logging offline to {run_dir}/wandb; "
+                      f"`wandb sync {run_dir}/wandb/offline-run-*` uploads it later", highlight=False)
+    try:
+        return wandb_mod.init(project=project, dir=str(run_dir), config=config, name=run_dir.name, resume="allow",
+                              mode=mode or None)
+    except Exception as e:  # noqa: BLE001 - network, auth, service: the run goes on without wandb
+        console.print(f"note: wandb could not start ({type(e).__name__}: {str(e).splitlines()[0][:150]}); "
+                      "training without it (metrics.jsonl and TensorBoard still log)", highlight=False)
+        return None
+
+
 def _step_of(line: str) -> int:
     try:
         return int(json.loads(line).get("step", 0))
     except ValueError:
         return 1 << 62
+
+
+def format_eta(seconds: float) -> str:
+    s = int(max(0.0, seconds))
+    h, rem = divmod(s, 3600)
+    m, sec = divmod(rem, 60)
+    return f"{h}:{m:02d}:{sec:02d}"
 
 
 class ProgressBar:
@@ -106,16 +144,19 @@ class ProgressBar:
         self.interactive = enabled and sys.stdout.isatty()
         self.progress = None
         if self.interactive:
+            # The ETA is ours (remaining tokens / measured tokens/s at each log): rich's own column estimates speed
+            # from updates of the last 30 s, and a log interval longer than that left it at -:--:-- for good.
             self.progress = Progress(
                 TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
                 TextColumn("loss {task.fields[loss]}  lr {task.fields[lr]}  {task.fields[tps]} tok/s"),
-                TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), console=console, transient=False,
+                TimeElapsedColumn(), TextColumn("eta {task.fields[eta]}"), console=console, transient=False,
             )
-            self.task = self.progress.add_task("train", total=total, completed=start, loss="-", lr="-", tps="-")
+            self.task = self.progress.add_task("train", total=total, completed=start, loss="-", lr="-", tps="-",
+                                               eta="-")
             self.progress.start()
 
     def update(self, step: int, *, loss: float | None = None, lr: float | None = None, tps: float | None = None,
-               line: str | None = None) -> None:
+               eta_s: float | None = None, line: str | None = None) -> None:
         if not self.enabled:
             return
         if self.progress is not None:
@@ -126,6 +167,8 @@ class ProgressBar:
                 fields["lr"] = f"{lr:.2e}"
             if tps is not None:
                 fields["tps"] = f"{tps:,.0f}"
+            if eta_s is not None:
+                fields["eta"] = format_eta(eta_s)
             self.progress.update(self.task, completed=step, **fields)
         elif line is not None:
             console.print(line, highlight=False)

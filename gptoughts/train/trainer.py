@@ -64,20 +64,19 @@ from typing import Any
 import torch
 from torch import nn
 
-from gptoughts.config import RunConfig, TrainConfig
-from gptoughts.errors import ConfigError, UserError
+from gptoughts.config import RunConfig, TrainConfig, check_train_ranges
+from gptoughts.errors import UserError
 from gptoughts.parallel import dist as pdist
 from gptoughts.perf.autobatch import free_memory
 from gptoughts.perf.timing import GpuMonitor, StepTimer, advice, format_profile, summarize_profile
 from gptoughts.train import checkpoint as ckpt
-from gptoughts.train.metrics import MetricsLogger, ProgressBar, console
+from gptoughts.train.metrics import MetricsLogger, ProgressBar, console, format_eta
 from gptoughts.train.optim import Schedule, clip_and_step, set_lr
 
 log = logging.getLogger("gptoughts.train")
 
 Batch = tuple[torch.Tensor, ...]
 
-NAN_POLICIES = ("skip", "rollback", "stop", "raise")  # raise: the old name of stop
 _SPIKE_EMA = 0.02  # weight of one step in the running loss statistics (~50 steps of memory)
 _SPIKE_MIN_SAMPLES = 8  # steps seen before the spike check can arm
 _ROLLED_BACK = "rolled back"
@@ -127,23 +126,6 @@ class _StepRecord:
 _LOSS, _TOKENS, _NORM, _INF, _HOLD = range(5)
 
 
-def check_recovery_config(t: TrainConfig) -> None:
-    """The ranges of the non-finite/spike fields (their choices are checked by ``config.validate``)."""
-    if t.nan_policy not in NAN_POLICIES:
-        raise ConfigError(f"train.nan_policy must be one of skip, rollback, stop; got {t.nan_policy!r}")
-    checks = [
-        ("max_bad_steps", t.max_bad_steps >= 1, ">= 1"),
-        ("max_rollbacks", t.max_rollbacks >= 0, ">= 0"),
-        ("rollback_lr_factor", 0.0 < t.rollback_lr_factor <= 1.0, "in (0, 1]"),
-        ("spike_std", t.spike_std > 0, "> 0"),
-        ("spike_ratio", t.spike_ratio >= 1.0, ">= 1"),
-        ("spike_warmup_steps", t.spike_warmup_steps >= 0, ">= 0"),
-    ]
-    for name, ok, rule in checks:
-        if not ok:
-            raise ConfigError(f"train.{name} must be {rule}, got {getattr(t, name)}")
-
-
 class Trainer:
     def __init__(
         self,
@@ -168,8 +150,9 @@ class Trainer:
         save_weights: Callable[[], nn.Module] | None = None,
         timing: bool = True,
         forward_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+        mfu_per_token_s: float | None = None,
     ):
-        check_recovery_config(cfg)
+        check_train_ranges(cfg)
         self.model = model
         self.objective = objective
         self.optimizer = optimizer
@@ -188,6 +171,10 @@ class Trainer:
         self.tokens_per_step = tokens_per_step
         self.sample_fn = sample_fn
         self.forward_context = forward_context
+        # MFU of a logged window = its tokens/s x this (FLOPs per token / the GPUs' total bf16 peak); None off CUDA
+        self.mfu_per_token_s = mfu_per_token_s
+        self.stop_signal: int | None = None
+        self._phase: str | None = None
         # Pretraining batches have no ignored targets: the token count of a step is known without looking at the
         # data, so we avoid an all-reduce of the count each step. SFT batches set this False.
         self.static_token_count = static_token_count
@@ -520,6 +507,7 @@ class Trainer:
         if self._interrupts > 1:
             raise KeyboardInterrupt
         self.stop_requested = True
+        self.stop_signal = signum  # the CLI exits with 128 + signum (130 for SIGINT, 143 for SIGTERM)
 
     # ---------------------------------------------------------------------------------------------- fit
     def fit(self) -> TrainState:
@@ -673,6 +661,14 @@ class Trainer:
         phase = getattr(self.loader, "phase_name", None)
         if phase is not None:
             row["phase"] = phase
+            if phase != self._phase:
+                if self._phase is not None:  # the curriculum moved on: say so, once
+                    self.log_line(f"step {st.step}: curriculum phase '{phase}' begins (after '{self._phase}')")
+                self._phase = phase
+        if self.mfu_per_token_s:
+            row["mfu"] = tps * self.mfu_per_token_s
+        if self.device.type == "cuda":
+            row["memory/peak_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         if self._model_metrics is not None:
             row.update(self._model_metrics())
         breakdown = self.timer.summary()
@@ -685,9 +681,10 @@ class Trainer:
                 self.log_line(f"[yellow]hint:[/yellow] {tip}")
         if self.dist.is_main:
             self.metrics.log(st.step, {k: v for k, v in row.items() if v is not None})
-            self.progress.update(st.step, loss=loss, lr=self._last_lr, tps=tps,
+            eta = (self.total_steps - st.step) * self.tokens_per_step / tps if tps > 0 else None
+            self.progress.update(st.step, loss=loss, lr=self._last_lr, tps=tps, eta_s=eta,
                                  line=f"step {st.step}/{self.total_steps} loss {loss:.4f} lr {self._last_lr:.2e} "
-                                      f"{tps:,.0f} tok/s")
+                                      f"{tps:,.0f} tok/s" + (f" eta {format_eta(eta)}" if eta is not None else ""))
 
     # -------------------------------------------------------------------------------------------- spikes
     def _arm_spike_gate(self) -> None:

@@ -1,0 +1,341 @@
+"""The path a user types: what is asked for is what is built, it is said before it starts, and the defects a
+newcomer met (issue 10) stay fixed. Through the CLI as typed, wherever the defect was met there."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import gptoughts
+from gptoughts import cli, models
+from gptoughts.config import load_config, size_defaults
+from gptoughts.errors import ConfigError
+
+FASTRUN = ["--device", "cpu", "--threads", "1", "--no_progress", "--run.tensorboard", "false", "--eval_batches",
+           "2", "--sample_max_new_tokens", "4", "--block_size", "32", "--batch_size", "2"]
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def _run(argv: list[str], capsys) -> tuple[int, str]:
+    code = cli.main(argv)
+    out = capsys.readouterr()
+    return code, out.out + out.err
+
+
+def _ok(argv: list[str], capsys) -> str:
+    code, text = _run(argv, capsys)
+    assert code == 0, text[-2000:]
+    assert "Traceback" not in text
+    return text
+
+
+def _plan(text: str) -> tuple[str, str, int]:
+    m = re.search(r"plan: (\w+)/(\w+), ([\d,]+) parameters", text)
+    assert m, text[-1500:]
+    return m.group(1), m.group(2), int(m.group(3).replace(",", ""))
+
+
+# ------------------------------------------------------------------------------------- what is built
+
+
+@pytest.mark.parametrize("family, size", [(f, s) for f in models.FAMILIES for s in models.list_sizes(f)])
+def test_data_and_size_build_that_size(family, size, text_corpus, cache_dir):
+    """`train --data X --model F --size S` builds S: the size preset's shape, its parameter count at the vocab
+    the size trains with (counted on the meta device through a dry run), nothing of the quickstart."""
+    model, _, hist = gptoughts.train(data_path=str(text_corpus), model=family, size=size, dry_run=True,
+                                     **{"perf.device": "cpu"})
+    preset = models.model_args(family, size)
+    assert (model.args.d_model, model.args.n_layers) == (preset.d_model, preset.n_layers)
+    tok = size_defaults(family, size).get("data", {}).get("tokenizer", "bpe:8192")
+    vocab = -(-int(tok.split(":")[1]) // 64) * 64
+    expected = models.build_model(family, models.model_args(family, size, {"vocab_size": vocab}), device="meta")
+    assert hist.plan["params"] == expected.num_params() == model.num_params()
+    assert hist.plan["model"] == f"{family}/{size}" and hist.plan["corpus"]["cut"] is False
+    assert not Path(hist.run_dir).exists() and not cache_dir.exists()  # a dry run writes nothing at all
+
+
+def test_size_1b_from_the_command_line_is_the_1b_shape(text_corpus, cache_dir, capsys):
+    text = _ok(["train", "--data", str(text_corpus), "--size", "1b", "--dry_run"], capsys)
+    assert _plan(text) == ("llama", "1b", 1_107_363_840)
+    assert "block 2,048" in text and "runs/llama-1b" in text
+    cfg = load_config(None, {"data.sources": ["x"], "model.size": "1b"})
+    assert cfg.data.max_bytes is None and cfg.train.max_steps is None and cfg.train.learning_rate == 3e-4
+    assert cfg.train.sample_prompts == ["def fibonacci(n):"] and cfg.model.overrides == {}
+
+
+def test_bare_train_is_the_quickstart_and_says_so(capsys, cache_dir):
+    text = _ok(["train", "--dry_run"], capsys)
+    family, size, params = _plan(text)
+    assert (family, size) == ("llama", "debug") and 10_000_000 < params < 10_200_000
+    assert "--max_steps 250" in text and "data.max_bytes = 6,000,000" in text and "runs/quickstart" in text
+
+
+def test_a_12mb_corpus_is_read_whole(tmp_path, cache_dir, capsys):
+    import sysconfig
+
+    corpus = tmp_path / "big"
+    corpus.mkdir()
+    total = 0
+    std = Path(sysconfig.get_paths()["stdlib"])
+    for f in sorted(std.rglob("*.py")):
+        if "site-packages" in f.parts or "__pycache__" in f.parts:
+            continue
+        data = f.read_bytes()
+        if b"\0" in data[:8192]:
+            continue
+        (corpus / "_".join(f.relative_to(std).parts)).write_bytes(data)
+        total += len(data)
+        if total > 12_000_000:
+            break
+    assert total > 12_000_000
+    out = tmp_path / "run"
+    _ok(["train", "--data", str(corpus), "--tokenizer", "bytes", "--out", str(out), "--max_steps", "1", *FASTRUN],
+        capsys)
+    plan = json.loads((out / "run.json").read_text())["plan"]
+    assert plan["corpus"]["cut"] is False and plan["corpus"]["bytes_read"] == plan["corpus"]["bytes"] == total
+
+
+def test_plan_counts_equal_what_the_run_reports(text_corpus, cache_dir, tmp_path, capsys):
+    out = tmp_path / "run"
+    text = _ok(["train", "--data", str(text_corpus), "--tokenizer", "bytes", "--out", str(out), "--epochs", "0.05",
+                *FASTRUN], capsys)
+    run = json.loads((out / "run.json").read_text())
+    plan = run["plan"]
+    manifest = json.loads((Path(run["data"]) / "manifest.json").read_text())
+    assert plan["corpus"]["tokens"] == manifest["totals"]["train_tokens"]
+    assert plan["params"] == run["params"] == _plan(text)[2]
+    steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
+    assert steps[-1] == plan["batch"]["total_steps"]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == steps[-1] and summary["tokens"] == steps[-1] * plan["batch"]["tokens_per_step"]
+    assert summary["best_val_loss"] is not None and "done" in text and "next: gptoughts sample" in text
+    for png in ("overview.png", "loss.png", "lr.png"):  # plots after a debug run: valid PNG files
+        data = (out / "plots" / png).read_bytes()
+        assert data[:8] == PNG and len(data) > 2000
+
+
+def test_dry_run_of_an_uncached_corpus_estimates_and_writes_nothing(text_corpus, cache_dir, tmp_path, capsys):
+    out = tmp_path / "never"
+    text = _ok(["train", "--data", str(text_corpus), "--size", "125m", "--out", str(out), "--dry_run"], capsys)
+    assert "estimated: not tokenized yet" in text and not out.exists() and not cache_dir.exists()
+    assert "warning: the corpus" in text  # 60 KB of text for a 135M model
+
+
+# ------------------------------------------------------------------------------------------- stopping rules
+
+
+def test_the_stopping_rule_given_wins_and_two_are_an_error(text_corpus, capsys):
+    assert load_config(None, {"train.epochs": "2"}).train.max_steps is None  # the quickstart's 250 steps go
+    cfg = load_config("quickstart", {"train.max_tokens": "1e5"})
+    assert cfg.train.max_tokens == 100_000 and cfg.train.max_steps is None
+    with pytest.raises(ConfigError, match="two stopping rules"):
+        load_config(None, {"train.epochs": 1, "train.max_steps": 5})
+    code, text = _run(["train", "--epochs", "1", "--max_steps", "5"], capsys)
+    assert code == 2 and "two stopping rules" in text and "Traceback" not in text
+    assert load_config(None, {"data.sources": ["x"], "train.epochs": 3}).train.epochs == 3.0  # API num_epochs
+
+
+# -------------------------------------------------------------------------------------------- the defects
+
+
+def test_generate_is_the_function_twice_in_a_fresh_process(tmp_path, text_corpus, cache_dir):
+    code = f"""
+import gptoughts
+m, t, h = gptoughts.train(data_path={str(text_corpus)!r}, size="debug", save_dir={str(tmp_path / 'r')!r},
+                          device="cpu", max_steps=2, **{{"data.tokenizer": "bytes", "train.block_size": 32,
+                          "run.progress": False, "run.tensorboard": False, "perf.threads": 1}})
+loaded = gptoughts.load({str(tmp_path / 'r')!r})
+a = gptoughts.generate(loaded, "def ", max_new_tokens=3, seed=1)
+b = gptoughts.generate(loaded, "def ", max_new_tokens=3, seed=1)
+assert a == b and a.startswith("def "), (a, b)
+print("OK")
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       env={**__import__("os").environ, "GPTOUGHTS_CACHE": str(cache_dir)})
+    assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-2000:]
+
+
+def test_resume_auto_takes_the_runs_own_config(text_corpus, cache_dir, tmp_path, capsys):
+    out = tmp_path / "run"
+    _ok(["train", "--data", str(text_corpus), "--tokenizer", "bytes", "--out", str(out), "--max_steps", "2",
+         "--save_interval", "2", *FASTRUN], capsys)
+    text = _ok(["train", "--resume", "auto", "--out", str(out), "--max_steps", "4", "--no_progress"], capsys)
+    assert "resumed from" in text and "corpus: 10 file(s)" in text  # its own data, not the stdlib
+    cfg = load_config(None, {"run.resume": "auto", "run.out": str(out)})
+    assert cfg.data.tokenizer == "bytes" and cfg.train.block_size == 32 and cfg.train.max_steps == 4  # as extended
+    steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
+    assert steps == sorted(set(steps)) and steps[-1] == 4
+
+
+def test_eval_scores_all_of_the_corpus(text_corpus, cache_dir, tmp_path, capsys):
+    out = tmp_path / "run"
+    _ok(["train", "--data", str(text_corpus), "--tokenizer", "bytes", "--out", str(out), "--max_steps", "1",
+         *FASTRUN], capsys)
+    capsys.readouterr()
+    assert cli.main(["eval", str(out), "--data", str(text_corpus), "--json", "--batch_size", "4"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    corpus_bytes = sum(f.stat().st_size for f in text_corpus.iterdir())
+    assert res["scored"] == "all of it" and res["tokens"] > 0.9 * corpus_bytes  # bytes tokenizer: ~1 token a byte
+    assert cli.main(["eval", str(out), "--data", str(text_corpus), "--json", "--max_batches", "2",
+                     "--batch_size", "4"]) == 0
+    part = json.loads(capsys.readouterr().out)
+    assert part["tokens"] == 2 * 4 * 32 and "of its" in part["scored"]
+
+
+def test_wandb_without_a_key_logs_offline_and_a_failure_costs_one_line(monkeypatch, tmp_path, capsys):
+    from gptoughts.train import metrics
+
+    calls = []
+
+    class FakeWandb:
+        @staticmethod
+        def init(**kw):
+            calls.append(kw)
+            if kw.get("mode") == "broken":
+                raise RuntimeError("network unreachable\nmore")
+            return object()
+
+    monkeypatch.setitem(sys.modules, "wandb", FakeWandb)
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc
+    assert metrics._start_wandb(tmp_path, "p", {}) is not None and calls[-1]["mode"] == "offline"
+    assert "logging offline" in capsys.readouterr().out
+    monkeypatch.setenv("WANDB_MODE", "broken")
+    assert metrics._start_wandb(tmp_path, "p", {}) is None
+    assert "training without it" in capsys.readouterr().out
+    monkeypatch.setitem(sys.modules, "wandb", None)  # not installed: refused before anything is written
+    code, text = _run(["train", "--data", str(tmp_path), "--out", str(tmp_path / "w"), "--wandb"], capsys)
+    assert code == 2 and "pip install" in text and not (tmp_path / "w").exists()
+
+
+@pytest.mark.parametrize("typo", ["--auto-batchh", "--versionn", "--weight_decai", "--schedul", "--num_epoch",
+                                  "--run.lrate", "--train.max_step", "--text_fild", "--extension", "--lr_rate"])
+def test_every_option_the_cli_suggests_is_one_it_accepts(typo, capsys):
+    code, text = _run(["train", typo, "1"], capsys)
+    assert code == 2 and "unknown option" in text and "needs a value" not in text, text
+    suggested = re.findall(r"did you mean (--[\w.]+)\?", text)
+    for s in suggested:  # each parses (a flag takes no value), or this raises
+        name = s[2:].replace("-", "_")
+        cli.parse_overrides([s] if name in cli.FLAGS or name in cli.TRAIN_SWITCHES else [s, "1"])
+    assert suggested or "--help" in text
+
+
+def test_version_help_and_bare_command(capsys):
+    code, text = _run(["--version"], capsys)
+    assert code == 0 and text.strip() == f"gptoughts {gptoughts.__version__}"
+    code, text = _run([], capsys)
+    assert code == 0 and "commands:" in text and "train" in text
+    code, text = _run(["train", "--help"], capsys)
+    assert code == 0 and "Where a run starts" in text
+    for family in models.FAMILIES:
+        assert f"  {family}" in text and ", ".join(models.list_sizes(family)) in text
+    assert "--weight_decay  (float, default 0.1)" in text and "--nan_policy" in text and "--threads" in text
+    code, text = _run(["config", "--size", "125m", "--data", "x.txt"], capsys)
+    assert code == 0 and 'size = "125m"' in text and "block_size = 2048" in text and "max_bytes" not in text
+
+
+def test_the_seeds_spellings_are_aliases():
+    _, o, _ = cli.parse_overrides(["--model_type", "llada", "--use_fp8", "--recover-nan", "--compile",
+                                   "--block_size", "64", "--batch_size", "2", "--num_epochs", "3", "--save_dir", "x",
+                                   "--threads", "2", "--weight_decay", "0.05"])
+    assert o == {"model.family": "llada", "perf.fp8": True, "train.batch_size": "2", "train.nan_policy": "rollback",
+                 "perf.compile": True, "train.block_size": "64", "train.epochs": "3", "run.out": "x",
+                 "perf.threads": "2", "train.weight_decay": "0.05"}
+    cfg = load_config(None, {**o, "data.sources": ["x"]})
+    assert (cfg.model.family, cfg.perf.fp8, cfg.train.nan_policy, cfg.train.epochs) == ("llada", True, "rollback", 3.0)
+
+
+def test_seeds_auto_batch_flag_sets_auto():
+    _, o, _ = cli.parse_overrides(["--auto-batch", "--recover-nan"])
+    assert o == {"train.batch_size": "auto", "train.nan_policy": "rollback"}
+
+
+def test_tune_writes_a_config_without_the_quickstarts_out(tmp_path):
+    from gptoughts.tools.tune import Trial, write_winner
+
+    cfg = load_config("default", {"data.sources": ["x"]})
+    path = write_winner(Trial({"perf.activation_checkpointing": "none"}, 1.0, None, None), cfg, tmp_path / "t.toml")
+    text = path.read_text()
+    assert "quickstart" not in text and "\nout =" not in text
+    assert load_config(str(path), {}).run.out == "runs/llama-debug"
+
+
+def test_curriculum_paths_are_relative_to_the_toml_and_phases_are_announced(tmp_path, text_corpus, cache_dir,
+                                                                           capsys, monkeypatch):
+    conf = tmp_path / "conf"
+    (conf / "a").mkdir(parents=True)
+    (conf / "b").mkdir()
+    files = sorted(text_corpus.iterdir())
+    for f in files[:5]:
+        (conf / "a" / f.name).write_text(f.read_text())
+    for f in files[5:]:
+        (conf / "b" / f.name).write_text(f.read_text())
+    (conf / "run.toml").write_text('base = "default"\n[data]\nsources = ["a", "b"]\ntokenizer = "bytes"\n'
+                                   '[[data.phases]]\nname = "first"\nsources = ["a"]\ntokens = 256\n'
+                                   '[[data.phases]]\nname = "second"\nsources = ["b"]\n')
+    monkeypatch.chdir(tmp_path)  # not the TOML's folder
+    text = _ok(["train", "conf/run.toml", "--out", "r", "--max_steps", "4", "--log_interval", "1", *FASTRUN], capsys)
+    assert "curriculum phase 'second' begins (after 'first')" in text
+
+
+def test_bench_headline_and_breakdown_agree():
+    from gptoughts.tools.bench import run_bench
+
+    r = run_bench(load_config("default", {"perf.device": "cpu", "train.block_size": 32, "train.batch_size": 2,
+                                          "perf.threads": 1}), steps=3, warmup=1)
+    parts = sum(r["breakdown"][f"time/{k}_ms"] for k in ("data", "forward", "backward", "optimizer", "other"))
+    assert parts == pytest.approx(r["step_ms"], rel=1e-6)
+    assert r["tokens_per_s"] == pytest.approx(2 * 32 / (r["step_ms"] / 1e3), rel=1e-6)
+
+
+def test_progress_line_has_an_eta_and_threads_are_measured_or_given(text_corpus, cache_dir, tmp_path, capsys,
+                                                                      monkeypatch):
+    from gptoughts.perf import hardware
+
+    shown = [a for a in FASTRUN if a != "--no_progress"]  # the progress lines (not a terminal: plain lines)
+    text = _ok(["train", "--data", str(text_corpus), "--tokenizer", "bytes", "--out", str(tmp_path / "a"),
+                "--max_steps", "4", "--log_interval", "2", *shown], capsys)
+    assert re.search(r"step 2/4 loss [\d.]+ lr \S+ [\d,]+ tok/s eta 0:00:\d\d", text), text
+    assert json.loads((tmp_path / "a" / "run.json").read_text())["resolved"]["threads"] == "1 (--threads)"
+    slow = {"n": 0}
+
+    def step() -> None:  # slow whenever more than one thread is in use: the probe must keep one
+        slow["n"] += 1
+        if torch.get_num_threads() > 1:
+            import time
+
+            time.sleep(0.02)
+
+    monkeypatch.setattr(hardware.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    chosen, _ = hardware.choose_cpu_threads(None, step)
+    assert chosen.startswith("1 (measured") and torch.get_num_threads() == 1 and slow["n"] == 4
+
+
+def test_finetune_override_is_checked_against_the_folders_family(tmp_path, cache_dir):
+    sys.path.insert(0, str(Path(__file__).parent / "finetune"))
+    transformers = pytest.importorskip("transformers")
+    from hf_helpers import make_tokenizer
+
+    folder = tmp_path / "ds"
+    transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
+        hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+        first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+        v_head_dim=16, vocab_size=320, max_position_embeddings=128)).save_pretrained(str(folder))
+    make_tokenizer().save(folder)
+    cfg = load_config("finetune", {"model.init_from": str(folder), "model.bias_update_rate": "0"})
+    assert cfg.model.family == "deepseek" and cfg.model.overrides == {"bias_update_rate": 0.0}
+    with pytest.raises(ConfigError, match="n_layer"):  # checked against deepseek's fields, not llama's
+        load_config("finetune", {"model.init_from": str(folder), "model.n_layer": 3})
+    corpus = tmp_path / "notes.txt"
+    corpus.write_text("some text to continue pretraining on. " * 400)
+    code = cli.main(["finetune", "--model", str(folder), "--data", str(corpus), "--model.bias_update_rate", "0",
+                     "--out", str(tmp_path / "ft"), "--max_steps", "1", *FASTRUN])
+    assert code == 0 and json.loads((tmp_path / "ft" / "run.json").read_text())["args"]["bias_update_rate"] == 0.0
