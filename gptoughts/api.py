@@ -3,9 +3,12 @@ layer over these; the assembly of a run is ``gptoughts.train.build``."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import math
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -108,7 +111,8 @@ def run_training(cfg: Config, *, dry_run: bool = False) -> tuple[nn.Module, Any,
 
     env = setup_environment(cfg)
     try:
-        asm = build(cfg, dry_run=dry_run, env=env)
+        with _disk_full_is_a_user_error():
+            asm = build(cfg, dry_run=dry_run, env=env)
         main = env.dist.is_main
         if main:
             console.print(asm.plan.format(), highlight=False)
@@ -124,7 +128,8 @@ def run_training(cfg: Config, *, dry_run: bool = False) -> tuple[nn.Module, Any,
                 console.print(asm.model.pretrained.notice, highlight=False)
             start_tokens, t0 = asm.trainer.state.tokens_seen, time.perf_counter()
             try:
-                st = asm.trainer.fit()
+                with _disk_full_is_a_user_error():
+                    st = asm.trainer.fit()
             except torch.OutOfMemoryError:
                 raise UserError("out of GPU memory; lower --batch_size (raise --grad_accum to keep the global batch) "
                                 "or --block_size; checkpoints already written are intact") from None
@@ -145,6 +150,21 @@ def run_training(cfg: Config, *, dry_run: bool = False) -> tuple[nn.Module, Any,
         pdist.shutdown()
 
 
+@contextlib.contextmanager
+def _disk_full_is_a_user_error() -> Iterator[None]:
+    """A full disk (data cache, tokenizer, checkpoint) is one line, not a traceback: every write goes to a temp
+    file or folder renamed into place, so what was already saved is intact."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        where = f" while writing {e.filename}" if e.filename else ""
+        raise UserError(f"disk full{where} ({e.strerror}); what was saved before is intact: free some space (or "
+                        "point --out / GPTOUGHTS_CACHE elsewhere) and run again, with --resume auto for a run "
+                        "that had started") from None
+
+
 def _history(asm: Any, st: Any, history: History) -> History:
     history.steps, history.tokens, history.stop_reason = st.step, st.tokens_seen, asm.trainer.stop_reason
     history.interrupted = asm.trainer.stop_signal
@@ -159,7 +179,6 @@ def _history(asm: Any, st: Any, history: History) -> History:
 
 def _summary(asm: Any, history: History, wall: float, tokens: int) -> dict[str, Any]:
     """What the run did, for the end of the log and ``RUN/summary.json``; the plots are drawn here too."""
-    from gptoughts.train.plots import write_run_plots
     from gptoughts.train.rundir import write_text_atomic
 
     tps = tokens / wall if wall > 0 else None
@@ -167,7 +186,8 @@ def _summary(asm: Any, history: History, wall: float, tokens: int) -> dict[str, 
     flops = asm.model.raw.flops_per_token(asm.batch.block_size)
     finite = [(v, s) for v, s in zip(history.val_loss, history.eval_steps) if math.isfinite(v)]
     best = min(finite) if finite else None
-    plots = write_run_plots(asm.run_dir)
+    plots = asm.trainer.plots.close() if asm.trainer.plots is not None else []
+    asm.trainer.plots = None
     summary = {
         "steps": history.steps, "tokens": history.tokens, "wall_s": round(wall, 2),
         "tokens_per_s": tps, "mfu": flops * tps / (peak * asm.env.dist.world_size) if tps and peak else None,

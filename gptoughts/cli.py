@@ -598,6 +598,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv = ["train", *argv]
     name, rest = argv[0], argv[1:]
     _setup_logging()
+    import warnings
+
+    # Python warnings (a corrupt checkpoint skipped, a library's notice) as one line each, without the source line
+    warnings.formatwarning = lambda message, category, *args, **kwargs: f"warning: {message}\n"
     if name not in COMMANDS:
         hint = closest(name, COMMANDS)
         print(f"error: unknown command {name!r}" + (f" (did you mean {hint!r}?)" if hint else "") + "\n\n" + usage(),
@@ -608,9 +612,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # Ctrl-C before training started (or a second one): nothing half-written remains
         print("interrupted", file=sys.stderr)
         return 130
+    except OSError as e:
+        import errno
+
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        print(f"error: disk full{' while writing ' + str(e.filename) if e.filename else ''} ({e.strerror}); what "
+              "was saved before is intact: free some space and run again", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -442,6 +442,9 @@ class Assembly:
     lock: Any = None
 
     def close(self) -> None:
+        if self.trainer is not None and self.trainer.plots is not None:
+            self.trainer.plots.close()  # (after a failure too: the plots of a run that diverged are worth a look)
+            self.trainer.plots = None
         for part in (self.metrics, self.loader):
             if part is not None:
                 part.close()
@@ -525,32 +528,35 @@ def _assemble(cfg: Config, env: Environment, run_dir: Path, dry_run: bool, resum
     state = None
     if resume_from is not None:  # read and checked before anything of the run directory is rewritten
         asm.resume_from, state = load_resume_checkpoint(cfg, env, model, run_dir, resume_from)
-    # 8. the run directory, then the trainer
-    if env.dist.is_main:
-        write_run_files(asm)
-    pdist.barrier(env.dist)
     from gptoughts.train.metrics import MetricsLogger
+    from gptoughts.train.plots import PlotWriter
     from gptoughts.train.trainer import Trainer
 
-    resume_step = int(state["trainer"]["step"]) if state is not None else None
-    asm.metrics = MetricsLogger(run_dir, enabled=env.dist.is_main, tensorboard=cfg.run.tensorboard,
-                                wandb=cfg.run.wandb, wandb_project=cfg.run.wandb_project, config=cfg.to_dict(),
-                                resume_step=resume_step)
     # Masked-diffusion objectives draw their noise from torch's global RNG (checkpoints save and restore it);
     # seeding it here, after any autobatch probe, makes a run reproducible from train.seed. Ranks differ so
     # that they draw different masks.
     torch.manual_seed(t.seed + env.dist.rank)
     asm.trainer = Trainer(model=model.built.model, objective=model.objective, optimizer=optimizer,
                           schedule=schedule, loader=loader, eval_batches=eval_fn, cfg=t, run=cfg.run, run_dir=run_dir,
-                          dist=env.dist, device=env.device, precision=env.precision, metrics=asm.metrics,
-                          total_steps=batch.total_steps, tokens_per_step=batch.tokens_per_step,
-                          sample_fn=asm.sampler, save_weights=lambda: model.weights,
-                          forward_context=model.built.forward_context, static_token_count=data.sft is None,
+                          dist=env.dist, device=env.device, precision=env.precision,
+                          metrics=MetricsLogger(run_dir, enabled=False), total_steps=batch.total_steps,
+                          tokens_per_step=batch.tokens_per_step, sample_fn=asm.sampler,
+                          save_weights=lambda: model.weights, forward_context=model.built.forward_context,
+                          static_token_count=data.sft is None,
                           mfu_per_token_s=_mfu_per_token_s(env, model, t.block_size))
-    if state is not None:
+    if state is not None:  # the optimizer, loader and RNG state must fit this run before anything is written
         asm.trainer.load_state_dict(state)
-        if env.dist.is_main:
-            console.print(f"resumed from {resume_from} at step {resume_step}")
+    # 8. the run directory: written only now that everything has been checked
+    if env.dist.is_main:
+        write_run_files(asm)
+    pdist.barrier(env.dist)
+    asm.metrics = MetricsLogger(run_dir, enabled=env.dist.is_main, tensorboard=cfg.run.tensorboard,
+                                wandb=cfg.run.wandb, wandb_project=cfg.run.wandb_project, config=cfg.to_dict(),
+                                resume_step=int(state["trainer"]["step"]) if state is not None else None)
+    asm.trainer.metrics = asm.metrics
+    asm.trainer.plots = PlotWriter(run_dir) if env.dist.is_main else None
+    if state is not None and env.dist.is_main:
+        console.print(f"resumed from {asm.resume_from} at step {int(state['trainer']['step'])}")
     return asm
 
 

@@ -507,3 +507,48 @@ def compare_runs(runs: Sequence[Path | str], out: Path | str) -> Path:
     legend_ax.legend(handles=handles, loc="center", fontsize=10, title="runs", frameon=False)
     fig.suptitle("comparison: " + ", ".join(labels), fontsize=12)
     return _save(fig, Canvas, out)
+
+
+class PlotWriter:
+    """Redraws ``RUN/plots/`` in a background thread when asked (the trainer asks after each evaluation): the
+    training loop never waits for matplotlib, and requests that arrive while a drawing is under way are merged
+    into one. :meth:`close` stops the thread and draws the final plots synchronously."""
+
+    def __init__(self, run_dir: Path | str) -> None:
+        import threading
+
+        self.run_dir = Path(run_dir)
+        self._wake = threading.Event()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+
+    def request(self) -> None:
+        import threading
+
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="gptoughts-plots", daemon=True)
+            self._thread.start()
+        self._wake.set()
+
+    def _loop(self) -> None:
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            if self._stop:
+                return
+            try:
+                write_run_plots(self.run_dir)
+            except Exception as e:  # noqa: BLE001 - a plot must never stop a run
+                log.warning("plots skipped: %s", e)
+
+    def close(self) -> list[Path]:
+        if self._thread is not None:
+            self._stop = True
+            self._wake.set()
+            self._thread.join()
+            self._thread = None
+        try:
+            return write_run_plots(self.run_dir)
+        except Exception as e:  # noqa: BLE001 - a plot must never stop a run
+            log.warning("plots skipped: %s", e)
+            return []

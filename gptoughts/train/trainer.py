@@ -151,6 +151,7 @@ class Trainer:
         timing: bool = True,
         forward_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
         mfu_per_token_s: float | None = None,
+        plots: Any = None,
     ):
         check_train_ranges(cfg)
         self.model = model
@@ -173,6 +174,7 @@ class Trainer:
         self.forward_context = forward_context
         # MFU of a logged window = its tokens/s x this (FLOPs per token / the GPUs' total bf16 peak); None off CUDA
         self.mfu_per_token_s = mfu_per_token_s
+        self.plots = plots  # plots.PlotWriter: redraws RUN/plots/ after each evaluation, off the training thread
         self.stop_signal: int | None = None
         self._phase: str | None = None
         # Pretraining batches have no ignored targets: the token count of a step is known without looking at the
@@ -794,6 +796,8 @@ class Trainer:
             self.metrics.log(st.step, {"val_loss": val_loss, "val_ppl": ppl})
             self.log_line(f"step {st.step}: val loss {val_loss:.4f}, perplexity {ppl:.2f}"
                           + (" (best)" if improved else ""))
+            if self.plots is not None:
+                self.plots.request()
         return val_loss, improved
 
     def _sample(self) -> None:
