@@ -14,7 +14,7 @@ s = json.load(open(f"{run}/summary.json"))
 rows = [json.loads(l) for l in open(f"{run}/metrics.jsonl") if '"tokens_per_s"' in l]
 plan = json.load(open(f"{run}/run.json"))["plan"]
 b = plan["batch"]
-steady = rows[len(rows) // 2:] or rows
+steady = rows[2:] or rows  # after compile and the first steps
 tps = sum(r["tokens_per_s"] for r in steady) / len(steady)
 mfu = [r["mfu"] for r in steady if r.get("mfu")]
 util = [r["gpu/util_pct"] for r in steady if r.get("gpu/util_pct") is not None]
@@ -24,16 +24,14 @@ print(f"{run}: {plan['model']} {plan['params']:,} params, micro {b['micro_batch'
 EOF
 }
 # 1. exactly as a user types it (a step limit added): llama 1b and 125m on the Python standard library
-python3 -m gptoughts train --data @stdlib --size 1b --max_steps 8 --log_interval 1 --out "$out/user-1b" \
+python3 -m gptoughts train --data @stdlib --size 1b --max_steps 12 --log_interval 1 --out "$out/user-1b" \
   --no_progress > "$out/user-1b.log" 2>&1
 grep -E "plan|corpus|batch:|steps:|memory|warning|done|error" "$out/user-1b.log" | head -20
-summary "$out/user-1b"
+summary "$out/user-1b" | tee -a "$out/summary.txt"
 python3 -m gptoughts train --data @stdlib --size 125m --max_steps 30 --log_interval 5 --out "$out/user-125m" \
   --no_progress > "$out/user-125m.log" 2>&1
 grep -E "plan|batch:|steps:|done|error" "$out/user-125m.log" | head -8
-summary "$out/user-125m"
+summary "$out/user-125m" | tee -a "$out/summary.txt"
 # 2. the benchmark of the same shapes, same process type, synthetic tokens
-python3 -m gptoughts bench --size 1b --block_size 2048 --batch_size 8 --steps 15 --warmup 5 > "$out/bench-1b.log" 2>&1
-cat "$out/bench-1b.log" | tail -4
-python3 -m gptoughts bench --size 125m --block_size 2048 --batch_size 16 --steps 15 --warmup 5 > "$out/bench-125m.log" 2>&1
-cat "$out/bench-125m.log" | tail -4
+python3 -m gptoughts bench --size 1b --block_size 2048 --batch_size 8 --steps 15 --warmup 5 2>&1 | tail -4 \
+  | tee -a "$out/summary.txt"

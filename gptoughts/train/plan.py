@@ -82,9 +82,10 @@ class RunPlan:
         lines.append(f"  batch: {b['micro_batch']} x {b['block_size']} tokens x accumulation {b['grad_accum']}"
                      + (f" x {b['world_size']} GPUs" if b["world_size"] > 1 else "")
                      + f" = {b['tokens_per_step']:,} tokens per step")
+        ev = f"eval every {b['eval_interval']:,}" if b["eval_interval"] else "eval at the end"
+        sv = f"checkpoint every {b['save_interval']:,}" if b["save_interval"] else "checkpoint at the end"
         lines.append(f"  steps: {b['total_steps']:,} ({b['stop_rule']}) = {b['epochs']:.2f} epoch(s) over the data, "
-                     f"{b['total_steps'] * b['tokens_per_step']:,} tokens; warmup {b['warmup_steps']:,}, eval every "
-                     f"{b['eval_interval']:,}, checkpoint every {b['save_interval']:,}")
+                     f"{b['total_steps'] * b['tokens_per_step']:,} tokens; warmup {b['warmup_steps']:,}, {ev}, {sv}")
         mem = "memory: not estimated" if self.memory_gib is None else \
             f"memory: ~{_gib(self.memory_gib)} peak" + (f" of {self.device_memory_gib:.0f} GiB"
                                                         if self.device_memory_gib else "")
@@ -161,20 +162,24 @@ def _memory(cfg: Any, env: Any, model: Any, batch: BatchPlan) -> tuple[float | N
 
 
 def _speed(cfg: Any, env: Any, model: Any, batch: BatchPlan) -> tuple[float | None, str]:
+    return estimate_speed(env, model, batch.block_size, batch.micro_batch, batch.world_size)
+
+
+def estimate_speed(env: Any, model: Any, block_size: int, micro_batch: int, world_size: int
+                   ) -> tuple[float | None, str]:
     """Tokens/s: on a GPU from its peak and the MFU ``bench`` measured for the size class; on a CPU from the
     timed forward+backward of the thread-count probe (or a matmul probe in a dry run)."""
     probe = getattr(model, "probe_step_s", None)
-    flops = model.raw.flops_per_token(batch.block_size)
+    flops = model.raw.flops_per_token(block_size)
     if env.device.type == "cuda":
         peak = env.hw.peak_bf16_flops
         if not peak:
             return None, "unknown GPU peak"
         mfu = 0.55 if getattr(model.args, "d_model", 0) >= 2048 else 0.45
-        return peak * mfu / flops * batch.world_size, f"estimated at MFU {mfu:.2f} of {env.hw.name}'s peak"
+        return peak * mfu / flops * world_size, f"estimated at MFU {mfu:.2f} of {env.hw.name}'s peak"
     if probe:
         # the probe timed forward+backward of one micro-batch; the optimizer step adds ~10% on a CPU
-        step_s = probe * batch.grad_accum * 1.1
-        return batch.micro_batch * batch.block_size * batch.grad_accum / step_s, "measured forward+backward on this CPU"
+        return micro_batch * block_size / (probe * 1.1), "measured forward+backward on this CPU"
     flops_s = _cpu_matmul_flops()
     return flops_s * 0.5 / flops, "from this CPU's measured matmul speed, at 50% of it"
 
