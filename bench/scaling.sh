@@ -2,10 +2,12 @@
 # Multi-GPU scaling on one host (issue 16), every run in one command on the same machine:
 #   1b (seq 2048, batch 8 per GPU, bf16, compile) on 1 GPU, then DDP and FSDP2 on every GPU of the machine;
 #   8b at seq 8192, batch 1 per GPU, FSDP2 bf16.
-# Usage: bash bench/scaling.sh OUT_DIR [NGPUS]   (writes OUT_DIR/scaling.txt and the runs' metrics)
+# Usage: bash bench/scaling.sh OUT_DIR [1b|8b|both] [GPU COUNTS, e.g. "2 4"]   (default: both, every GPU)
+#   writes OUT_DIR/scaling.txt and the runs' metrics
 set -uo pipefail
 out=$1
-n=${2:-$(nvidia-smi -L | wc -l)}
+what=${2:-both}
+counts=${3:-$(nvidia-smi -L | wc -l)}
 mkdir -p "$out"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 steady() {  # mean tokens/s of the logged windows after the first two (compile, warm-up), and the peak memory
@@ -24,16 +26,24 @@ EOF
 common=(--data @stdlib --tokenizer bytes --no_progress --eval_interval 0 --train.checkpoints false
         --train.sample_prompts= --warmup_steps 5 --log_interval 5 --precision bf16 --compile true)
 python3 -m gptoughts prepare --data @stdlib --tokenizer bytes --out /tmp/warm > /dev/null 2>&1
-one=(--size 1b --block_size 2048 --batch_size 8 --max_steps 35 "${common[@]}")
-python3 -m gptoughts train "${one[@]}" --out "$out/1b-1gpu" > "$out/1b-1gpu.log" 2>&1
-steady "$out/1b-1gpu" "1b 1 GPU" 1 | tee -a "$out/scaling.txt"
-for s in ddp fsdp; do
-  torchrun --standalone --nproc_per_node="$n" -m gptoughts train "${one[@]}" --parallel.strategy $s \
-    --out "$out/1b-$s$n" > "$out/1b-$s$n.log" 2>&1
-  steady "$out/1b-$s$n" "1b $s x$n" "$n" | tee -a "$out/scaling.txt"
-done
-big=(--size 8b --block_size 8192 --batch_size 1 --max_steps 20 "${common[@]}")
-torchrun --standalone --nproc_per_node="$n" -m gptoughts train "${big[@]}" --parallel.strategy fsdp \
-  --out "$out/8b-fsdp$n" > "$out/8b-fsdp$n.log" 2>&1
-steady "$out/8b-fsdp$n" "8b seq 8192 fsdp bf16 x$n" "$n" | tee -a "$out/scaling.txt"
+if [[ $what == 1b || $what == both ]]; then
+  one=(--size 1b --block_size 2048 --batch_size 8 --max_steps 25 "${common[@]}")
+  python3 -m gptoughts train "${one[@]}" --out "$out/1b-1gpu" > "$out/1b-1gpu.log" 2>&1
+  steady "$out/1b-1gpu" "1b 1 GPU" 1 | tee -a "$out/scaling.txt"
+  for n in $counts; do
+    for s in ddp fsdp; do
+      torchrun --standalone --nproc_per_node="$n" -m gptoughts train "${one[@]}" --parallel.strategy $s \
+        --out "$out/1b-$s$n" > "$out/1b-$s$n.log" 2>&1
+      steady "$out/1b-$s$n" "1b $s x$n" "$n" | tee -a "$out/scaling.txt"
+    done
+  done
+fi
+if [[ $what == 8b || $what == both ]]; then
+  big=(--size 8b --block_size 8192 --batch_size 1 --max_steps 20 "${common[@]}")
+  for n in $counts; do
+    torchrun --standalone --nproc_per_node="$n" -m gptoughts train "${big[@]}" --parallel.strategy fsdp \
+      --out "$out/8b-fsdp$n" > "$out/8b-fsdp$n.log" 2>&1
+    steady "$out/8b-fsdp$n" "8b seq 8192 fsdp bf16 x$n" "$n" | tee -a "$out/scaling.txt"
+  done
+fi
 grep -h -E "^error|Error" "$out"/*.log | head -5
