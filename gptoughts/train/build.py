@@ -528,8 +528,9 @@ def _assemble(cfg: Config, env: Environment, run_dir: Path, dry_run: bool, resum
         model.threads, model.probe_step_s = hardware.choose_cpu_threads(cfg.perf.threads,
                                                                         _probe_step(cfg, model, data))
     batch = plan_batches(cfg, env, data, model, dry_run=dry_run, resumed_run=resumed_run)  # 5
-    resolved = {**env.resolved, **({} if model.built is None else
-                                   {k: str(v) for k, v in model.built.resolved.items()}), **batch.why}
+    built = {} if model.built is None else {
+        k: f"{v} ({model.built.why[k]})" if k in model.built.why else str(v) for k, v in model.built.resolved.items()}
+    resolved = {**env.resolved, **built, **batch.why}
     if model.threads:
         resolved["threads"] = model.threads
     plan = make_plan(cfg, env=env, data=data, model=model, batch=batch, run_dir=run_dir,  # 6

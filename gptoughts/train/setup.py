@@ -33,6 +33,8 @@ class Built:
     """Entered around every forward/backward (SDPA backend selection)."""
     resolved: dict[str, object] = field(default_factory=dict)
     """What each ``auto`` became, for the run record and bench output."""
+    why: dict[str, str] = field(default_factory=dict)
+    """The rule that decided each entry of ``resolved`` ("asked", or the ``auto`` rule that applied)."""
 
 
 def build_raw_model(family: str, args: object, device: torch.device, seed: int) -> nn.Module:
@@ -46,26 +48,33 @@ def build_raw_model(family: str, args: object, device: torch.device, seed: int) 
     return model
 
 
-def resolve_compile(perf: PerfConfig, hw: HardwareProfile) -> bool:
+# The one rule of each `auto` of [perf] that depends on the hardware or the model: (value, why). The run plan and
+# run.json show both ("compile": "blocks (auto: on for CUDA GPUs)").
+
+
+def compile_rule(perf: PerfConfig, hw: HardwareProfile) -> tuple[bool, str]:
     if perf.compile == "auto":
-        return bool(hw.recommended.get("compile")) and hw.arch not in ("cpu", "mps")
+        on = bool(hw.recommended.get("compile")) and hw.arch not in ("cpu", "mps")
+        return on, "auto: on for CUDA GPUs" if on else f"auto: off on {hw.arch} (tiny graphs, long compiles)"
     if perf.compile and not hw.compile:
         raise HardwareError("--compile needs a working torch.compile backend (a C compiler on CPU, Triton on GPU);"
                             " install one or drop --compile")
-    return bool(perf.compile)
+    return bool(perf.compile), "asked"
 
 
-def resolve_fp8(perf: PerfConfig, hw: HardwareProfile, model: nn.Module) -> bool:
+def fp8_rule(perf: PerfConfig, hw: HardwareProfile, model: nn.Module) -> tuple[bool, str]:
     if perf.fp8 == "auto":
         d_model = getattr(getattr(model, "args", None), "d_model", 0)
-        if hw.arch not in ("hopper", "blackwell") or d_model < 2048:
-            return False
+        if hw.arch not in ("hopper", "blackwell"):
+            return False, f"auto: off on {hw.arch} (fp8 pays on Hopper and later)"
+        if d_model < 2048:
+            return False, f"auto: off at d_model {d_model} < 2048 (the casts cost more than the matmuls gain)"
         try:
             import torchao  # noqa: F401
         except ImportError:
-            return False
-        return True
-    return bool(perf.fp8)
+            return False, "auto: off, torchao is not installed (pip install 'gptoughts[fp8]')"
+        return True, "auto: Hopper+, d_model >= 2048, torchao present"
+    return bool(perf.fp8), "asked"
 
 
 def resolve_loss(perf: PerfConfig, device: torch.device) -> str:
@@ -138,14 +147,18 @@ def _forward_context(perf: PerfConfig) -> Callable[[], contextlib.AbstractContex
 def apply_transforms(raw: nn.Module, *, perf: PerfConfig, hw: HardwareProfile, device: torch.device,
                      dist: pdist.DistInfo, precision: str = "fp32") -> Built:
     resolved: dict[str, object] = {}
+    why: dict[str, str] = {}
     # 0. precision of the residual stream (a hook on the embeddings; model code untouched)
     residual = perf.residual_dtype
+    why["residual_dtype"] = "asked"
     if residual == "auto":
         residual = str(hw.recommended.get("residual_dtype", "fp32"))
+        why["residual_dtype"] = f"auto: {residual} on {hw.arch} (bf16 where the GPU has it; acts under bf16 only)"
     if set_residual_dtype(raw, residual):
         resolved["residual_dtype"] = residual
     # 1. fp8 (before compile, so the compiled graph contains the fp8 casts and can fuse them)
-    if resolve_fp8(perf, hw, raw):
+    use_fp8, why["fp8"] = fp8_rule(perf, hw, raw)
+    if use_fp8:
         from gptoughts.perf.fp8 import check_fp8_supported, convert_to_fp8
 
         check_fp8_supported(device)
@@ -158,7 +171,7 @@ def apply_transforms(raw: nn.Module, *, perf: PerfConfig, hw: HardwareProfile, d
     resolved["activation_checkpointing"] = perf.activation_checkpointing
     # 4. compile
     model: nn.Module = raw
-    compiled = resolve_compile(perf, hw)
+    compiled, why["compile"] = compile_rule(perf, hw)
     resolved["compile"] = perf.compile_mode if compiled else False
     if compiled:
         mode = inductor_mode(perf)
@@ -179,8 +192,9 @@ def apply_transforms(raw: nn.Module, *, perf: PerfConfig, hw: HardwareProfile, d
     if dist.enabled:
         resolved["parallel"] = f"{dist.strategy} x{dist.world_size}"
     resolved["loss"] = resolve_loss(perf, device)
+    why["loss"] = "asked" if perf.loss != "auto" else "auto: chunked on CUDA (no fp32 logits of the whole batch)"
     resolved["sdpa_backend"] = perf.sdpa_backend
-    return Built(model=model, raw=raw, forward_context=_forward_context(perf), resolved=resolved)
+    return Built(model=model, raw=raw, forward_context=_forward_context(perf), resolved=resolved, why=why)
 
 
 def make_objective(family: models.Family, built: Built, perf: PerfConfig) -> Callable:
