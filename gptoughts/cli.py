@@ -489,32 +489,37 @@ def cmd_bench(argv: Sequence[str]) -> int:
 
 
 def cmd_estimate(argv: Sequence[str]) -> int:
-    p = argparse.ArgumentParser(prog="gptoughts estimate",
-                                description="Memory, time and cost of a training run before it starts.")
-    p.add_argument("--model", default="llama", help="model family")
-    p.add_argument("--size", default="125m")
-    p.add_argument("--batch_size", type=int, default=8, help="micro-batch per GPU (sequences)")
-    p.add_argument("--block_size", type=int, default=2048)
-    p.add_argument("--activation_checkpointing", default="none", choices=["none", "selective", "full"])
-    p.add_argument("--loss", default="chunked", choices=["chunked", "plain"])
-    p.add_argument("--residual_dtype", default="bf16", choices=["bf16", "fp32"],
-                   help="dtype of the residual stream (train's perf.residual_dtype; auto is bf16 on GPUs)")
-    p.add_argument("--gpu", default="H100", help="GPU name, e.g. H100, H200, A100, RTX 4090")
-    p.add_argument("--num_gpus", type=int, default=1)
-    p.add_argument("--strategy", default="ddp", choices=["ddp", "fsdp"],
-                   help="parallel.strategy: fsdp divides weights, gradients and optimizer state by --num_gpus")
-    p.add_argument("--tokens", type=float, default=None, help="token budget, e.g. 50e9")
-    p.add_argument("--mfu", type=float, default=None, help="assumed model FLOPs utilisation (default: measured)")
-    p.add_argument("--price", type=float, default=None, help="$ per GPU-hour")
-    p.add_argument("--json", action="store_true")
-    a = p.parse_args(argv)
-    from gptoughts.perf.estimate import estimate, format_estimate
+    if any(a in ("-h", "--help") for a in argv):
+        print("usage: gptoughts estimate [PRESET|FILE.toml] [train's options: --model F --size S --batch_size N|auto\n"
+              "                          --block_size T --activation_checkpointing M --strategy fsdp ...]\n"
+              "                          [--gpu H100] [--num_gpus N] [--tokens 50e9] [--mfu 0.5] [--price 2.5] [--json]\n"
+              "Memory, time and cost of the run `gptoughts train` would make with the same options (same keys, same\n"
+              "defaults: --size 1b means its block 2048 and automatic batch), on --gpu (default H100).")
+        return 0
+    rest, opts = _pop_options(argv, {"json"}, {"gpu", "num_gpus", "tokens", "mfu", "price"})
+    preset, overrides, _ = parse_overrides(rest, switches=())
+    from gptoughts.config import load_config
+    from gptoughts.perf.estimate import estimate_config, format_estimate
 
-    e = estimate(a.model, a.size, batch_size=a.batch_size, block_size=a.block_size,
-                 activation_checkpointing=a.activation_checkpointing, loss=a.loss, gpu=a.gpu,
-                 tokens=int(a.tokens) if a.tokens else None, mfu=a.mfu, price=a.price, num_gpus=a.num_gpus,
-                 residual_dtype=a.residual_dtype, strategy=a.strategy)
-    print(json.dumps(e.to_dict()) if a.json else format_estimate(e))
+    def number(name: str, kind: type) -> Any:
+        if name not in opts:
+            return None
+        try:
+            return kind(float(opts[name])) if kind is int else kind(opts[name])
+        except ValueError:
+            raise ConfigError(f"--{name} must be a number, got {opts[name]!r}") from None
+
+    cfg = load_config(preset, overrides)
+    e, micro, accum = estimate_config(cfg, gpu=opts.get("gpu", "H100"), num_gpus=number("num_gpus", int) or 1,
+                                      tokens=number("tokens", int), mfu=number("mfu", float),
+                                      price=number("price", float))
+    if opts.get("json"):
+        print(json.dumps({**e.to_dict(), "micro_batch": micro, "grad_accum": accum}))
+    else:
+        print(f"{cfg.model.family}/{cfg.model.size}: micro-batch {micro} x {cfg.train.block_size} tokens x "
+              f"accumulation {accum}" + ("" if isinstance(cfg.train.batch_size, int) else " (auto: fits 90% of "
+                                          f"{e.gpu})"))
+        print(format_estimate(e))
     return 0
 
 

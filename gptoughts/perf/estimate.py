@@ -352,3 +352,44 @@ def format_estimate(e: Estimate) -> str:
         days = f" ({e.hours / 24:.1f} days)" if e.hours > 48 else ""
         lines.append(f"time for {e.tokens:,} tokens: {e.hours:,.1f} h{days}{cost}")
     return "\n".join(lines)
+
+
+def estimate_config(cfg: Any, *, gpu: str = "H100", num_gpus: int = 1, tokens: int | None = None,
+                    mfu: float | None = None, price: float | None = None) -> tuple[Estimate, int, int]:
+    """The estimate of the run ``cfg`` describes (the same config ``gptoughts train`` resolves from the same
+    flags): its family, size, overrides, block, activation checkpointing, residual dtype, strategy, and the
+    vocabulary its tokenizer spec gives. ``batch_size = auto`` is the largest power of two whose estimate fits
+    90% of ``gpu``'s memory, accumulated to ``train.global_batch_tokens`` as train does. Returns
+    ``(estimate, micro_batch, grad_accum)``."""
+    import math
+
+    t, p = cfg.train, cfg.perf
+    overrides = dict(cfg.model.overrides)
+    spec = str(cfg.data.tokenizer)
+    if "vocab_size" not in overrides and spec.startswith("bpe:"):
+        overrides["vocab_size"] = -(-int(spec.split(":")[1]) // 64) * 64
+    elif "vocab_size" not in overrides and spec == "bytes":
+        overrides["vocab_size"] = 320
+    strategy = "fsdp" if cfg.parallel.strategy == "fsdp" else "ddp"
+    residual = "fp32" if p.residual_dtype == "fp32" else "bf16"
+    loss = "plain" if p.loss == "plain" else "chunked"
+
+    def at(batch: int) -> Estimate:
+        return estimate(cfg.model.family, cfg.model.size, overrides, batch_size=batch, block_size=t.block_size,
+                        activation_checkpointing=p.activation_checkpointing, loss=loss, loss_chunk=p.loss_chunk,
+                        gpu=gpu, tokens=tokens, mfu=mfu, price=price, num_gpus=num_gpus, residual_dtype=residual,
+                        strategy=strategy)
+
+    micro, accum = t.batch_size, t.grad_accum
+    if not isinstance(micro, int):
+        micro = 1
+        first = at(1)
+        if first.gpu_memory_gib:
+            for b in (2, 4, 8, 16, 32, 64, 128, 256):
+                if at(b).total_gib > 0.9 * first.gpu_memory_gib:
+                    break
+                micro = b
+        if t.global_batch_tokens:
+            micro = max(1, min(micro, t.global_batch_tokens // (t.block_size * num_gpus)))
+            accum = max(1, math.ceil(t.global_batch_tokens / (micro * t.block_size * num_gpus)))
+    return at(micro), micro, accum
