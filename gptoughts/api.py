@@ -135,11 +135,11 @@ def run_training(cfg: Config, *, dry_run: bool = False) -> tuple[nn.Module, Any,
                                 "or --block_size; checkpoints already written are intact") from None
             wall = time.perf_counter() - t0
             history = _history(asm, st, history)
-            t = cfg.train
-            if t.sample_prompts and (main or env.dist.sharded):  # under FSDP every rank takes part in generation
+            prompts = cfg.eval.sample_prompts
+            if prompts and (main or env.dist.sharded):  # under FSDP every rank takes part in generation
                 asm.model.raw.eval()
                 with asm.trainer.autocast():
-                    history.sample = asm.sampler(t.sample_prompts[0])
+                    history.sample = asm.sampler(prompts[0])
             if main:
                 history.summary = _summary(asm, history, wall, st.tokens_seen - start_tokens)
                 _print_summary(asm, history)
@@ -206,7 +206,7 @@ def _print_summary(asm: Any, history: History) -> None:
 
     s, run = history.summary, asm.run_dir
     if history.sample:
-        prompt = asm.cfg.train.sample_prompts[0]
+        prompt = asm.cfg.eval.sample_prompts[0]
         console.print(f"[bold]sample[/bold] ({prompt!r}):\n{history.sample}", highlight=False)
     speed = f"{s['tokens_per_s']:,.0f} tokens/s" if s["tokens_per_s"] else "-"
     mfu = f", MFU {s['mfu']:.3f}" if s["mfu"] else ""

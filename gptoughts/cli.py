@@ -54,7 +54,7 @@ def _bare_keys(sections: tuple[str, ...]) -> dict[str, str]:
     return {f: f"{sec}.{f}" for sec in sections for f in SECTIONS[sec].__dataclass_fields__ if f != "overrides"}
 
 
-TRAIN_SECTIONS = ("model", "data", "train", "perf", "parallel", "run")
+TRAIN_SECTIONS = ("model", "data", "train", "eval", "checkpoint", "recovery", "perf", "parallel", "run")
 
 
 def parse_overrides(argv: Sequence[str], aliases: dict[str, str] | None = None,
@@ -65,7 +65,7 @@ def parse_overrides(argv: Sequence[str], aliases: dict[str, str] | None = None,
     ``aliases``/``flags`` replace :data:`ALIASES`/:data:`FLAGS` (``finetune`` maps ``--model`` elsewhere).
     An option that is not an alias, a field name of ``sections``, a dotted key or a switch is an error that
     suggests only options this command accepts."""
-    from gptoughts.config import SECTIONS
+    from gptoughts.config import MOVED, SECTIONS
 
     aliases = {**_bare_keys(sections), **(ALIASES if aliases is None else aliases)}
     flags = FLAGS if flags is None else flags
@@ -84,6 +84,7 @@ def parse_overrides(argv: Sequence[str], aliases: dict[str, str] | None = None,
             raise ConfigError(f"unexpected argument {tok!r}; options are written --key VALUE")
         name, eq, value = tok[2:].partition("=")
         if "." in name:
+            name = MOVED.get(name, name)  # train.eval_interval -> eval.eval_interval (keys that moved)
             section, _, field_name = name.partition(".")
             if section not in sections:
                 near = closest(section, sections)

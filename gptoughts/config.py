@@ -128,29 +128,55 @@ class TrainConfig:
     grad_clip: float = 1.0
     """Clip the global gradient norm to this; 0 disables."""
     seed: int = 1337
-    eval_interval: int | None = None
-    """Evaluate every N steps (and at the end); 0 disables periodic evaluation; None (auto) scales with the
-    run: about 20 evaluations, a round number of steps, at most every 1000 steps."""
-    eval_batches: int = 20
-    """Micro-batches of validation data per evaluation."""
     log_interval: int = 10
     """Read losses from the device and log every N steps (the only host-device sync of the loop)."""
+    profile: str | None = None
+    """``START:END``: record a torch.profiler trace of steps START..END into ``RUN/profile/`` (Perfetto or
+    TensorBoard open it)."""
+
+
+@dataclass
+class EvalConfig:
+    """``[eval]``: held-out loss, early stopping and generated samples during training."""
+
+    eval_interval: int | None = None
+    """Evaluate every N steps (and at the end); 0 disables periodic evaluation; None (auto): about 20 per run,
+    at least a minute apart by the plan's time estimate, at most every 1000 steps."""
+    eval_batches: int = 20
+    """Micro-batches of validation data per evaluation."""
+    early_stopping_patience: int | None = None
+    """Stop after this many evaluations without val-loss improvement; None disables."""
+    early_stopping_min_delta: float = 0.0
+    """An evaluation improves on the best when it is lower by more than this."""
+    sample_interval: int | None = None
+    """Generate samples every N steps; None means at each evaluation; 0 disables."""
+    sample_prompts: list[str] = field(default_factory=lambda: ["def fibonacci(n):"])
+    """Prompts of the samples (samples.txt, TensorBoard); an empty list disables sampling."""
+    sample_max_new_tokens: int = 64
+    """Tokens generated per sample."""
+    sample_temperature: float = 0.8
+    """Sampling temperature (0: greedy)."""
+    sample_top_k: int | None = 50
+    """Sample among the k most likely tokens; None: all."""
+
+
+@dataclass
+class CheckpointConfig:
+    """``[checkpoint]``: when checkpoints are written and how many are kept."""
+
     save_interval: int | None = None
-    """Checkpoint every N steps (and at the end); 0 saves only at the end; None (auto) scales with the run:
-    about 10 checkpoints, a round number of steps, at most every 2000 steps."""
+    """Checkpoint every N steps (and at the end, and on Ctrl-C/SIGTERM); 0 saves only then; None (auto): about
+    10 per run, at least ten minutes apart by the plan's time estimate, at most every 2000 steps."""
     keep_last: int = 3
     """Checkpoints kept besides the best one."""
     checkpoints: bool = True
     """Write checkpoints at all (false only for throwaway runs such as benchmarks: nothing can be resumed)."""
-    sample_interval: int | None = None
-    """Generate samples every N steps; None means at each evaluation; 0 disables."""
-    sample_prompts: list[str] = field(default_factory=lambda: ["def fibonacci(n):"])
-    sample_max_new_tokens: int = 64
-    sample_temperature: float = 0.8
-    sample_top_k: int | None = 50
-    early_stopping_patience: int | None = None
-    """Stop after this many evaluations without val-loss improvement; None disables."""
-    early_stopping_min_delta: float = 0.0
+
+
+@dataclass
+class RecoveryConfig:
+    """``[recovery]``: what non-finite steps and loss spikes do (README "Instabilities")."""
+
     nan_policy: Literal["skip", "rollback", "stop", "raise"] = "skip"
     """What a non-finite loss or gradient does (such a step is always skipped on the device: it never changes
     the weights). skip: drop it and go on; after max_bad_steps of them in a row, stop with an error. rollback:
@@ -179,9 +205,6 @@ class TrainConfig:
     """Spike threshold as a multiple of the running mean of the per-step loss (>= 1); both must be exceeded."""
     spike_warmup_steps: int = 100
     """No spike check before this step (the running statistics settle first)."""
-    profile: str | None = None
-    """``START:END``: record a torch.profiler trace of steps START..END into ``RUN/profile/`` (Perfetto or
-    TensorBoard open it)."""
 
 
 @dataclass
@@ -285,6 +308,9 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     perf: PerfConfig = field(default_factory=PerfConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     run: RunConfig = field(default_factory=RunConfig)
@@ -299,8 +325,24 @@ class Config:
 
 # ------------------------------------------------------------------------------------------ self-description
 
-SECTIONS: dict[str, type] = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig, "perf": PerfConfig,
+SECTIONS: dict[str, type] = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig, "eval": EvalConfig,
+                             "checkpoint": CheckpointConfig, "recovery": RecoveryConfig, "perf": PerfConfig,
                              "parallel": ParallelConfig, "run": RunConfig, "lora": LoraConfig}
+# Keys that moved out of [train] (it held 42 fields) into sections of their own: the old dotted spellings and
+# old TOML files keep working.
+MOVED: dict[str, str] = {f"train.{f.name}": f"{sec}.{f.name}" for sec, cls in
+                         (("eval", EvalConfig), ("checkpoint", CheckpointConfig), ("recovery", RecoveryConfig))
+                         for f in dataclasses.fields(cls)}
+
+
+def _migrate(data: dict[str, Any]) -> dict[str, Any]:
+    """Move the keys of an old ``[train]`` table to their sections (a TOML file written before the split)."""
+    train = data.get("train")
+    if isinstance(train, dict):
+        for key in [k for k in train if f"train.{k}" in MOVED]:
+            section = MOVED[f"train.{key}"].split(".")[0]
+            data.setdefault(section, {}).setdefault(key, train.pop(key))
+    return data
 
 
 def field_docs(cls: type) -> dict[str, str]:
@@ -518,7 +560,7 @@ def _build(cls: type, data: dict[str, Any], where: str) -> Any:
 
 def from_dict(data: dict[str, Any]) -> Config:
     """Build and validate a Config from nested dicts (the parsed TOML)."""
-    return _build(Config, data, "")
+    return _build(Config, _migrate(data), "")
 
 
 def _deep_update(base: dict[str, Any], upd: dict[str, Any]) -> dict[str, Any]:
@@ -594,6 +636,7 @@ def read_toml(name_or_path: str | Path, _chain: tuple[Path, ...] = ()) -> dict[s
         raise ConfigError(f"cannot read {path}: {e}") from None
     if user_file:
         _resolve_paths(data, path.parent)
+    _migrate(data)
     base = data.pop("base", None)
     if base is not None:
         if not isinstance(base, str):
@@ -610,7 +653,7 @@ def size_defaults(family: str, size: str) -> dict[str, Any]:
     table = tomllib.loads(SIZES_FILE.read_text(encoding="utf-8")).get(family, {}).get(str(size).lower(), {})
     out: dict[str, Any] = {}
     for key, value in table.items():
-        set_dotted(out, key, value)
+        set_dotted(out, MOVED.get(key, key), value)
     return out
 
 
@@ -667,7 +710,7 @@ def load_config(preset: str | Path | None = None, overrides: dict[str, Any] | No
     A preset's architecture fields are dropped when the overrides change its family or size; a stopping rule
     given in the overrides replaces the preset's; two stopping rules given together are an error.
     """
-    overrides = dict(overrides or {})
+    overrides = {MOVED.get(k, k): v for k, v in (overrides or {}).items()}
     top = [f.name for f in dataclasses.fields(Config)]
     for key in overrides:
         section = key.split(".")[0]
@@ -682,7 +725,7 @@ def load_config(preset: str | Path | None = None, overrides: dict[str, Any] | No
     if run_file is not None:
         # (a preset named beside --resume is where the run started: its config.toml already holds it all)
         try:
-            data = tomllib.loads(run_file.read_text(encoding="utf-8"))
+            data = _migrate(tomllib.loads(run_file.read_text(encoding="utf-8")))
         except (tomllib.TOMLDecodeError, OSError, UnicodeDecodeError) as e:
             raise ConfigError(f"{run_file} is corrupt ({str(e).splitlines()[0]}); restore it, or start a new run "
                               "with another --out") from None
@@ -742,7 +785,7 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"train.{name} must be >= 1, got {getattr(t, name)}")
     if isinstance(t.batch_size, int) and t.batch_size < 1:
         raise ConfigError(f"train.batch_size must be >= 1, got {t.batch_size}")
-    check_train_ranges(t)
+    check_train_ranges(t, cfg.eval, cfg.checkpoint, cfg.recovery)
     for name in ("compile", "fp8", "fused_adamw"):
         value = getattr(cfg.perf, name)
         if isinstance(value, str) and value != "auto":
@@ -767,8 +810,11 @@ def validate(cfg: Config) -> None:
 MAX_BLOCK_SIZE = 1 << 20
 
 
-def check_train_ranges(t: TrainConfig) -> None:
-    """The numeric ranges of ``[train]`` (the trainer checks them again when it is built directly)."""
+def check_train_ranges(t: TrainConfig, ev: EvalConfig | None = None, ck: CheckpointConfig | None = None,
+                       rc: RecoveryConfig | None = None) -> None:
+    """The numeric ranges of ``[train]``, ``[eval]``, ``[checkpoint]`` and ``[recovery]`` (the trainer checks them
+    again when it is built directly)."""
+    ev, ck, rc = ev or EvalConfig(), ck or CheckpointConfig(), rc or RecoveryConfig()
     if not math.isfinite(t.learning_rate) or t.learning_rate <= 0:
         raise ConfigError(f"train.learning_rate must be a finite number > 0, got {t.learning_rate}")
     if t.block_size > MAX_BLOCK_SIZE:
@@ -778,23 +824,28 @@ def check_train_ranges(t: TrainConfig) -> None:
         value = getattr(t, name)
         if value is not None and (not math.isfinite(value) or value <= 0):
             raise ConfigError(f"train.{name} must be > 0 (got {value}): it would train nothing")
-    for name in ("log_interval", "eval_batches", "max_bad_steps"):
-        if getattr(t, name) < 1:
-            raise ConfigError(f"train.{name} must be >= 1, got {getattr(t, name)}")
-    for name in ("eval_interval", "save_interval", "sample_interval", "keep_last", "warmup_steps",
-                 "early_stopping_patience", "max_rollbacks", "spike_warmup_steps", "sample_max_new_tokens"):
-        value = getattr(t, name)
+    sections = (("train", t), ("eval", ev), ("checkpoint", ck), ("recovery", rc))
+    for sec, name in (("train", "log_interval"), ("eval", "eval_batches"), ("recovery", "max_bad_steps")):
+        if getattr(dict(sections)[sec], name) < 1:
+            raise ConfigError(f"{sec}.{name} must be >= 1, got {getattr(dict(sections)[sec], name)}")
+    for sec, name in (("eval", "eval_interval"), ("checkpoint", "save_interval"), ("eval", "sample_interval"),
+                      ("checkpoint", "keep_last"), ("train", "warmup_steps"), ("eval", "early_stopping_patience"),
+                      ("recovery", "max_rollbacks"), ("recovery", "spike_warmup_steps"),
+                      ("eval", "sample_max_new_tokens")):
+        value = getattr(dict(sections)[sec], name)
         if value is not None and value < 0:
-            raise ConfigError(f"train.{name} must be >= 0, got {value}")
+            raise ConfigError(f"{sec}.{name} must be >= 0, got {value}")
     if t.global_batch_tokens is not None and t.global_batch_tokens < 1:
         raise ConfigError(f"train.global_batch_tokens must be >= 1, got {t.global_batch_tokens}")
-    for name, ok, rule in (("rollback_lr_factor", 0.0 < t.rollback_lr_factor <= 1.0, "in (0, 1]"),
-                           ("spike_std", t.spike_std > 0, "> 0"), ("spike_ratio", t.spike_ratio >= 1.0, ">= 1"),
-                           ("min_lr_ratio", 0.0 <= t.min_lr_ratio <= 1.0, "in [0, 1]"),
-                           ("decay_fraction", 0.0 <= t.decay_fraction <= 1.0, "in [0, 1]"),
-                           ("grad_clip", t.grad_clip >= 0 and math.isfinite(t.grad_clip), ">= 0")):
+    for where, ok, rule, value in (
+            ("recovery.rollback_lr_factor", 0.0 < rc.rollback_lr_factor <= 1.0, "in (0, 1]", rc.rollback_lr_factor),
+            ("recovery.spike_std", rc.spike_std > 0, "> 0", rc.spike_std),
+            ("recovery.spike_ratio", rc.spike_ratio >= 1.0, ">= 1", rc.spike_ratio),
+            ("train.min_lr_ratio", 0.0 <= t.min_lr_ratio <= 1.0, "in [0, 1]", t.min_lr_ratio),
+            ("train.decay_fraction", 0.0 <= t.decay_fraction <= 1.0, "in [0, 1]", t.decay_fraction),
+            ("train.grad_clip", t.grad_clip >= 0 and math.isfinite(t.grad_clip), ">= 0", t.grad_clip)):
         if not ok:
-            raise ConfigError(f"train.{name} must be {rule}, got {getattr(t, name)}")
+            raise ConfigError(f"{where} must be {rule}, got {value}")
 
 
 def _validate_finetune(cfg: Config) -> None:

@@ -116,3 +116,18 @@ def test_fsdp_needs_torchrun():
 
     with pytest.raises(ConfigError, match="parallel.strategy = fsdp needs several processes"):
         dist.init(torch.device("cpu"), strategy="fsdp")
+
+
+def test_train_is_split_into_eval_checkpoint_recovery_and_old_keys_still_load(tmp_path):
+    cfg = load_config("default", {"train.eval_interval": "7", "checkpoint.keep_last": 5, "train.nan_policy": "stop",
+                                  "train.sample_prompts": ["hi"]})
+    assert (cfg.eval.eval_interval, cfg.checkpoint.keep_last, cfg.recovery.nan_policy) == (7, 5, "stop")
+    assert cfg.eval.sample_prompts == ["hi"] and not hasattr(cfg.train, "eval_interval")
+    old = tmp_path / "old.toml"  # a config.toml written before the split
+    old.write_text('[train]\nmax_steps = 3\neval_interval = 9\nsave_interval = 4\nmax_bad_steps = 2\n')
+    back = load_config(str(old))
+    assert (back.train.max_steps, back.eval.eval_interval, back.checkpoint.save_interval,
+            back.recovery.max_bad_steps) == (3, 9, 4, 2)
+    assert "[recovery]" in to_toml(back) and config_from_toml_text(to_toml(back)) == back
+    with pytest.raises(ConfigError, match="eval.eval_interval must be >= 0"):
+        load_config("default", {"eval.eval_interval": -1})

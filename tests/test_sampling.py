@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from gptoughts.errors import UserError
-from gptoughts.sampling import filter_top_k_top_p, generate, sample_top_k_top_p
 from gptoughts.models import build_model, model_args
+from gptoughts.sampling import filter_top_k_top_p, generate, sample_top_k_top_p
 
 
 def _model(**overrides):

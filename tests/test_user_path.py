@@ -66,7 +66,7 @@ def test_size_1b_from_the_command_line_is_the_1b_shape(text_corpus, cache_dir, c
     assert "block 2,048" in text and "runs/llama-1b" in text
     cfg = load_config(None, {"data.sources": ["x"], "model.size": "1b"})
     assert cfg.data.max_bytes is None and cfg.train.max_steps is None and cfg.train.learning_rate == 3e-4
-    assert cfg.train.sample_prompts == ["def fibonacci(n):"] and cfg.model.overrides == {}
+    assert cfg.eval.sample_prompts == ["def fibonacci(n):"] and cfg.model.overrides == {}
 
 
 def test_bare_train_is_the_quickstart_and_says_so(capsys, cache_dir):
@@ -249,7 +249,7 @@ def test_the_seeds_spellings_are_aliases():
                  "perf.compile": True, "train.block_size": "64", "train.epochs": "3", "run.out": "x",
                  "perf.threads": "2", "train.weight_decay": "0.05"}
     cfg = load_config(None, {**o, "data.sources": ["x"]})
-    assert (cfg.model.family, cfg.perf.fp8, cfg.train.nan_policy, cfg.train.epochs) == ("llada", True, "rollback", 3.0)
+    assert (cfg.model.family, cfg.perf.fp8, cfg.recovery.nan_policy, cfg.train.epochs) == ("llada", True, "rollback", 3.0)
 
 
 def test_seeds_auto_batch_flag_sets_auto():

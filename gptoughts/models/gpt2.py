@@ -34,7 +34,6 @@ the four matrices of each block are transposed on import and export:
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -44,8 +43,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from gptoughts.errors import ConfigError
+from gptoughts.models.base import DecoderLM
 from gptoughts.models.hf import UnsupportedHFConfig
-from gptoughts.models.layers import KVCache, cache_placement, sdpa
+from gptoughts.models.layers import KVCache, sdpa
 
 HF_MODEL_TYPES = ("gpt2",)
 
@@ -91,6 +91,10 @@ class GPT2Args:
     @property
     def hd(self) -> int:
         return self.d_model // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_heads
 
     @property
     def ffn(self) -> int:
@@ -171,119 +175,58 @@ class GPT2Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
-class GPT2(nn.Module):
-    """GPT-2 implementing the model protocol of ``docs/internals.md`` (tied LM head).
-
-    The constructor only builds modules: call ``init_weights()``, or use ``models.build_model``.
+class GPT2(DecoderLM):
+    """GPT-2 implementing the model protocol of ``docs/internals.md`` (tied LM head), with ``DecoderLM``'s
+    ``forward``, ``init_weights``, ``flops_per_token`` and ``new_cache``.
     """
 
     def __init__(self, args: GPT2Args) -> None:
-        super().__init__()
-        self.args = args
+        super().__init__(args)
         self.wte = nn.Embedding(args.vocab_size, args.d_model)
         self.wpe = nn.Embedding(args.max_seq_len, args.d_model)
         self.layers = nn.ModuleList(GPT2Block(args, i) for i in range(args.n_layers))
         self.ln_f = nn.LayerNorm(args.d_model, eps=args.norm_eps)
+        self.output = None  # tied: the LM head is ``wte``
 
     @property
-    def output_weight(self) -> torch.Tensor:
-        """The ``[vocab_size, d_model]`` LM-head weight: the token embedding matrix (tied)."""
-        return self.wte.weight
+    def token_embedding(self) -> nn.Embedding:
+        return self.wte
 
-    @torch.no_grad()
-    def init_weights(self) -> None:
-        """(Re)initialise every parameter from the current torch RNG, as OpenAI / HF GPT-2 do.
+    @property
+    def final_norm(self) -> nn.Module:
+        return self.ln_f
 
-        Normal(0, init_std) for both embeddings and the ``c_attn`` / ``c_fc`` weights, ``init_std /
-        sqrt(2 n_layers)`` for the residual-branch outputs (``c_proj``), biases 0, LayerNorms to (1, 0).
-        """
-        std = self.args.init_std
-        out_std = std / math.sqrt(2 * self.args.n_layers)
+    def init_inputs(self, std: float) -> None:
+        """Normal(0, init_std) for both tables, as OpenAI / HF GPT-2 (whose blocks then get ``init_std`` for
+        ``c_attn``/``c_fc``, ``init_std / sqrt(2 n_layers)`` for ``c_proj``, biases 0, LayerNorms (1, 0))."""
         nn.init.normal_(self.wte.weight, mean=0.0, std=std)
         nn.init.normal_(self.wpe.weight, mean=0.0, std=std)
-        for layer in self.layers:
-            _unwrap(layer).reset_parameters(std, out_std)
-        self.ln_f.reset_parameters()
 
-    def forward(
+    def trunk(
         self,
         input_ids: torch.Tensor,
-        *,
-        position_ids: torch.Tensor | None = None,
-        cache: KVCache | None = None,
-        return_hidden: bool = False,
-        doc_ids: torch.Tensor | None = None,
+        start: int,
+        position_ids: torch.Tensor | None,
+        cache: KVCache | None,
+        doc_ids: torch.Tensor | None,
     ) -> torch.Tensor:
-        """Logits ``[B, T, V]``, or the final normed hidden state ``[B, T, d]`` when ``return_hidden``.
-
-        With ``cache``, the tokens follow the ``cache.length`` cached ones and the cache advances by ``T``.
-        ``position_ids [B, T]`` index the position table directly (out-of-range ids are not checked: a check
-        would sync with the device; the embedding lookup fails on them instead). ``doc_ids [B, T]`` (packed
-        rows, no cache): attention stays within each document; pass ``position_ids`` restarting per document.
-        """
-        _, seqlen = input_ids.shape
-        start = 0 if cache is None else cache.length
+        """Token plus learned position embeddings, then the blocks. ``position_ids [B, T]`` index the position
+        table directly (out-of-range ids are not checked: a check would sync with the device; the embedding
+        lookup fails on them instead)."""
         if position_ids is None:
-            if start + seqlen > self.args.max_seq_len:  # host ints: no sync
-                raise ValueError(
-                    f"sequence of {start + seqlen} positions exceeds max_seq_len={self.args.max_seq_len}"
-                )
-            pos = self.wpe.weight[start : start + seqlen]  # a slice, not a gather
+            pos = self.wpe.weight[start : start + input_ids.size(1)]  # a slice, not a gather
         else:
             pos = self.wpe(position_ids)
         h = self.wte(input_ids) + pos
         for layer in self.layers:
             h = layer(h, cache, doc_ids)
-        if cache is not None:
-            cache.advance(seqlen)
-        h = self.ln_f(h)
-        if return_hidden:
-            return h
-        return F.linear(h, self.output_weight)
-
-    def new_cache(
-        self,
-        batch_size: int,
-        max_len: int | None = None,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> KVCache:
-        """An empty KV cache for ``batch_size`` rows and up to ``max_len`` (default ``max_seq_len``) positions."""
-        max_len, device, dtype = cache_placement(self.args, max_len, device, dtype, self.output_weight)
-        return KVCache(
-            self.args.n_layers,
-            batch_size,
-            self.args.n_heads,
-            max_len,
-            self.args.hd,
-            device=device,
-            dtype=dtype,
-        )
+        return h
 
     def num_params(self, non_embedding: bool = False) -> int:
         """Number of parameters (the tied matrix once). ``non_embedding=True`` excludes both lookup tables,
         ``wte`` and ``wpe`` (GPT-2's and nanoGPT's convention; ``flops_per_token`` adds the head matmul back)."""
-        n = sum(p.numel() for p in self.parameters())
-        if non_embedding:
-            n -= self.wte.weight.numel() + self.wpe.weight.numel()
-        return n
-
-    def flops_per_token(self, seq_len: int) -> int:
-        """Training FLOPs per token: ``6 * (N_non_embedding + V * d) + 12 * n_layers * d_model * seq_len``."""
-        a = self.args
-        n = self.num_params(non_embedding=True) + self.output_weight.numel()
-        return 6 * n + 12 * a.n_layers * a.d_model * seq_len
-
-
-def _unwrap(module: nn.Module) -> nn.Module:
-    """The block under ``torch.compile`` (``_orig_mod``) or checkpoint wrappers."""
-    while True:
-        inner = getattr(module, "_orig_mod", None)
-        if inner is None:
-            inner = getattr(module, "_checkpoint_wrapped_module", None)
-        if inner is None:
-            return module
-        module = inner
+        n = super().num_params(non_embedding)
+        return n - self.wpe.weight.numel() if non_embedding else n
 
 
 # ------------------------------------------------------------------------------------- Hugging Face interop

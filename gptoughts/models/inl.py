@@ -105,7 +105,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from gptoughts.errors import ConfigError
-from gptoughts.models.layers import Attention, KVCache, RMSNorm, RotaryEmbedding, cache_placement
+from gptoughts.models.base import DecoderLM
+from gptoughts.models.layers import Attention, KVCache, RMSNorm, RotaryEmbedding
 
 DEFAULT_K = 4
 """Integrator iterations per block unless configured (chosen from the K sweep in the module docstring)."""
@@ -322,122 +323,35 @@ class INLBlock(nn.Module):
         return x + self.feed_forward(self.ffn_norm(x))
 
 
-class INL(nn.Module):
+class INL(DecoderLM):
     """INL-LLM implementing the model protocol of ``docs/internals.md`` (tied embeddings).
 
-    The constructor only builds modules: call ``init_weights()``, or use ``models.build_model``.
+    ``forward`` and ``init_weights`` come from ``DecoderLM``: Normal(0, init_std) for the embedding,
+    attention/FFN input projections and the controller's input layer; ``init_std / sqrt(2 n_layers)`` for
+    ``wo`` and ``fc2`` (residual-branch outputs); the controller's output layer as described in the module
+    docstring; norms to 1; RoPE tables recomputed. With ``doc_ids`` (packed rows) attention stays within each
+    document, and the integrator is per token, so nothing else crosses documents. The KV cache holds attention
+    keys/values only: the integrator keeps no state across tokens.
     """
 
     def __init__(self, args: INLArgs) -> None:
-        super().__init__()
-        self.args = args
+        super().__init__(args)
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.d_model)
         self.rope = RotaryEmbedding(args.hd, args.max_seq_len, args.rope_theta)
         self.layers = nn.ModuleList(INLBlock(args, i) for i in range(args.n_layers))
         self.norm = RMSNorm(args.d_model, args.norm_eps)
+        self.output = None  # tied: the LM head is the embedding matrix
 
-    @property
-    def output_weight(self) -> torch.Tensor:
-        """The ``[vocab_size, d_model]`` LM-head weight: the embedding matrix (tied)."""
-        return self.tok_embeddings.weight
-
-    @torch.no_grad()
-    def init_weights(self) -> None:
-        """(Re)initialise every parameter and buffer from the current torch RNG (fixed order of draws).
-
-        Normal(0, init_std) for the embedding, attention/FFN input projections and the controller's input
-        layer; ``init_std / sqrt(2 n_layers)`` for ``wo`` and ``fc2`` (residual-branch outputs); the
-        controller's output layer as described in the module docstring; norms to 1; RoPE tables recomputed.
-        """
-        std = self.args.init_std
-        out_std = std / math.sqrt(2 * self.args.n_layers)
-        nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=std)
-        self.rope.reset_parameters()
-        for layer in self.layers:
-            _unwrap(layer).reset_parameters(std, out_std)
-        self.norm.reset_parameters()
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        *,
-        position_ids: torch.Tensor | None = None,
-        cache: KVCache | None = None,
-        return_hidden: bool = False,
-        doc_ids: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Logits ``[B, T, V]``, or the final normed hidden state ``[B, T, d]`` when ``return_hidden``.
-
-        With ``cache``, the tokens follow the ``cache.length`` cached ones and the cache advances by ``T``.
-        ``doc_ids [B, T]`` (packed rows, no cache): attention stays within each document (the integrator is
-        per token, so nothing else crosses documents); pass ``position_ids`` restarting at 0 per document.
-        """
-        _, seqlen = input_ids.shape
-        start = 0 if cache is None else cache.length
-        if position_ids is None and start + seqlen > self.args.max_seq_len:  # host ints: no sync
-            raise ValueError(
-                f"sequence of {start + seqlen} positions exceeds max_seq_len={self.args.max_seq_len}"
-            )
-        cos, sin = self.rope(seqlen, start, position_ids)
-        h = self.tok_embeddings(input_ids)
-        for layer in self.layers:
-            h = layer(h, cos, sin, cache, doc_ids)
-        if cache is not None:
-            cache.advance(seqlen)
-        h = self.norm(h)
-        if return_hidden:
-            return h
-        return F.linear(h, self.output_weight)
-
-    def new_cache(
-        self,
-        batch_size: int,
-        max_len: int | None = None,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> KVCache:
-        """An empty KV cache (attention keys/values only: the integrator keeps no state across tokens)."""
-        max_len, device, dtype = cache_placement(self.args, max_len, device, dtype, self.output_weight)
-        return KVCache(
-            self.args.n_layers,
-            batch_size,
-            self.args.kv_heads,
-            max_len,
-            self.args.hd,
-            device=device,
-            dtype=dtype,
-        )
-
-    def num_params(self, non_embedding: bool = False) -> int:
-        """Number of parameters; ``non_embedding=True`` excludes the (tied) embedding matrix."""
-        n = sum(p.numel() for p in self.parameters())
-        if non_embedding:
-            n -= self.tok_embeddings.weight.numel()
-        return n
-
-    def flops_per_token(self, seq_len: int) -> int:
-        """Training FLOPs per token: ``6 * N_eff + 12 * n_layers * d_model * seq_len``.
-
-        ``N_eff`` counts each weight as many times as it is multiplied per token: the tied LM head once,
-        the controller's ``W_in[:, :d]`` once and its ``W_in[:, d:]`` and ``W_out`` K times (see
-        ``Integrator.forward``). Elementwise work of the integrator is not counted (it is memory bound).
+    def matmul_params(self) -> int:
+        """``N`` of ``flops_per_token``, counting each weight as many times as it is multiplied per token: the
+        tied LM head once, the controller's ``W_in[:, :d]`` once and its ``W_in[:, d:]`` and ``W_out`` K times
+        (see ``Integrator.forward``). Elementwise work of the integrator is not counted (it is memory bound).
         """
         a = self.args
-        n = self.num_params(non_embedding=True) + self.output_weight.numel()
+        n = super().matmul_params()
         if a.n_iterations > 0:
             d, hid = a.d_model, a.controller_hidden
             once = 3 * d * hid + 4 * d * hid  # the controller's matrices as num_params counts them
             per_token = d * hid + a.n_iterations * (2 * d * hid + 4 * d * hid)
             n += a.n_layers * (per_token - once)
-        return 6 * n + 12 * a.n_layers * a.d_model * seq_len
-
-
-def _unwrap(module: nn.Module) -> nn.Module:
-    """The block under ``torch.compile`` (``_orig_mod``) or checkpoint wrappers."""
-    while True:
-        inner = getattr(module, "_orig_mod", None)
-        if inner is None:
-            inner = getattr(module, "_checkpoint_wrapped_module", None)
-        if inner is None:
-            return module
-        module = inner
+        return n

@@ -179,17 +179,6 @@ class SwiGLU(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
-def cache_placement(
-    args: Any, max_len: int | None, device: torch.device | str | None, dtype: torch.dtype | None, ref: torch.Tensor
-) -> tuple[int, torch.device | str, torch.dtype]:
-    """Length (default and upper bound ``args.max_seq_len``), device and dtype (default: ``ref``'s) of a new
-    generation cache: the shared part of every family's ``new_cache``."""
-    max_len = args.max_seq_len if max_len is None else max_len
-    if max_len > args.max_seq_len:
-        raise ValueError(f"cache of {max_len} positions exceeds max_seq_len={args.max_seq_len}")
-    return max_len, ref.device if device is None else device, ref.dtype if dtype is None else dtype
-
-
 def _init_linear(linear: nn.Linear, std: float) -> None:
     nn.init.normal_(linear.weight, mean=0.0, std=std)
     if linear.bias is not None:

@@ -33,16 +33,15 @@ same RoPE layout (rotate_half), so HF weights load by renaming only:
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from gptoughts.errors import ConfigError
-from gptoughts.models.layers import Attention, KVCache, RMSNorm, RotaryEmbedding, SwiGLU, cache_placement
+from gptoughts.models.base import DecoderLM
+from gptoughts.models.layers import Attention, KVCache, RMSNorm, RotaryEmbedding, SwiGLU
 
 
 @dataclass
@@ -126,6 +125,11 @@ class LlamaArgs:
         """The effective head dimension."""
         return self.head_dim if self.head_dim is not None else self.d_model // self.n_heads
 
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads (what a KV cache holds per layer)."""
+        return self.n_kv_heads
+
 
 # Size presets: field overrides of LlamaArgs. `125m`, `1b` and `3b` are fixed by the benchmark spec.
 LLAMA_SIZES: dict[str, dict[str, Any]] = {
@@ -180,16 +184,16 @@ class TransformerBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
-class Llama(nn.Module):
+class Llama(DecoderLM):
     """Llama-style causal LM implementing the model protocol of ``docs/internals.md``.
 
-    The constructor only builds modules (PyTorch's default init, meaningless here): call ``init_weights()``,
-    or use ``models.build_model``, which builds on ``meta`` and initialises once.
+    ``forward``, ``init_weights`` (Normal(0, init_std) for embeddings and linears, ``init_std / sqrt(2 n_layers)``
+    for ``wo``/``w2``, norms to 1, biases to 0, RoPE tables recomputed), ``num_params`` (``non_embedding``
+    excludes the input embedding table only), ``flops_per_token`` and ``new_cache`` come from ``DecoderLM``.
     """
 
     def __init__(self, args: LlamaArgs) -> None:
-        super().__init__()
-        self.args = args
+        super().__init__(args)
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.d_model)
         self.rope = RotaryEmbedding(args.hd, args.max_seq_len, args.rope_theta, args.rope_scaling)
         self.layers = nn.ModuleList(TransformerBlock(args, i) for i in range(args.n_layers))
@@ -197,119 +201,3 @@ class Llama(nn.Module):
         # Tied: no `output` module at all, so the state dict holds the matrix once (safetensors refuses
         # aliased tensors) and FSDP sees a single parameter.
         self.output = None if args.tie_embeddings else nn.Linear(args.d_model, args.vocab_size, bias=False)
-
-    @property
-    def output_weight(self) -> torch.Tensor:
-        """The ``[vocab_size, d_model]`` LM-head weight (the embedding matrix when tied)."""
-        return self.tok_embeddings.weight if self.output is None else self.output.weight
-
-    @torch.no_grad()
-    def init_weights(self) -> None:
-        """(Re)initialise every parameter and buffer from the current torch RNG.
-
-        Normal(0, init_std) for embeddings and linears; the residual-branch outputs (``wo``, ``w2``) get
-        ``init_std / sqrt(2 * n_layers)`` so the residual stream's variance does not grow with depth
-        (GPT-2 / Megatron); norms to 1, biases to 0, RoPE tables recomputed. The order of RNG draws is fixed,
-        so the same seed gives the same model whether built directly or on ``meta`` then ``to_empty()``.
-        """
-        std = self.args.init_std
-        out_std = std / math.sqrt(2 * self.args.n_layers)
-        nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=std)
-        self.rope.reset_parameters()
-        for layer in self.layers:
-            # Wrappers (activation checkpointing, compile) keep the original block reachable.
-            _unwrap(layer).reset_parameters(std, out_std)
-        self.norm.reset_parameters()
-        if self.output is not None:
-            nn.init.normal_(self.output.weight, mean=0.0, std=std)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        *,
-        position_ids: torch.Tensor | None = None,
-        cache: KVCache | None = None,
-        return_hidden: bool = False,
-        doc_ids: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Logits ``[B, T, V]`` (in the head's compute dtype), or the final normed hidden state
-        ``[B, T, d]`` when ``return_hidden``.
-
-        With ``cache``, the tokens are placed after the ``cache.length`` tokens already cached and the cache
-        is advanced by ``T``. ``position_ids [B, T]`` overrides the RoPE positions (not the causal mask).
-        ``doc_ids [B, T]`` (packed rows, no cache): tokens attend only within their own document; pass
-        ``position_ids`` restarting at 0 per document too, so each document sees the positions it would alone.
-        """
-        _, seqlen = input_ids.shape
-        start = 0 if cache is None else cache.length
-        # Host-side ints only: this check costs no device sync.
-        if position_ids is None and start + seqlen > self.args.max_seq_len:
-            raise ValueError(
-                f"sequence of {start + seqlen} positions exceeds max_seq_len={self.args.max_seq_len}"
-            )
-        cos, sin = self.rope(seqlen, start, position_ids)
-        h = self.tok_embeddings(input_ids)
-        for layer in self.layers:
-            h = layer(h, cos, sin, cache, doc_ids)
-        if cache is not None:
-            cache.advance(seqlen)
-        h = self.norm(h)
-        if return_hidden:
-            return h
-        return F.linear(h, self.output_weight)
-
-    def new_cache(
-        self,
-        batch_size: int,
-        max_len: int | None = None,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> KVCache:
-        """An empty KV cache for ``batch_size`` rows and up to ``max_len`` (default ``max_seq_len``)
-        positions, on the model's device and in its parameter dtype unless told otherwise."""
-        max_len, device, dtype = cache_placement(self.args, max_len, device, dtype, self.output_weight)
-        return KVCache(
-            self.args.n_layers,
-            batch_size,
-            self.args.n_kv_heads,
-            max_len,
-            self.args.hd,
-            device=device,
-            dtype=dtype,
-        )
-
-    def num_params(self, non_embedding: bool = False) -> int:
-        """Number of parameters (a tied matrix counted once).
-
-        ``non_embedding=True`` excludes the input embedding table only (the MFU convention: a lookup costs
-        no FLOPs, while the LM head is a real matmul and stays counted). With tied embeddings the shared
-        matrix is therefore excluded; ``flops_per_token`` still counts its matmul.
-        """
-        n = sum(p.numel() for p in self.parameters())  # parameters() already de-duplicates shared tensors
-        if non_embedding:
-            n -= self.tok_embeddings.weight.numel()
-        return n
-
-    def flops_per_token(self, seq_len: int) -> int:
-        """Training FLOPs per token: ``6 * N + 12 * n_layers * (n_heads * head_dim) * seq_len``.
-
-        ``N`` = non-embedding parameters plus the LM head (counted even when tied, since its matmul runs);
-        ``n_heads * head_dim`` equals ``d_model`` unless ``head_dim`` is set. The attention term is the
-        PaLM convention (full ``T x T`` score matrix, causal masking not discounted).
-        """
-        a = self.args
-        n = self.num_params(non_embedding=True)
-        if self.output is None:
-            n += self.output_weight.numel()
-        return 6 * n + 12 * a.n_layers * a.n_heads * a.hd * seq_len
-
-
-def _unwrap(module: nn.Module) -> nn.Module:
-    """The block under ``torch.compile`` (``_orig_mod``) or checkpoint wrappers (``_checkpoint_wrapped_module``)."""
-    while True:
-        inner = getattr(module, "_orig_mod", None)
-        if inner is None:
-            inner = getattr(module, "_checkpoint_wrapped_module", None)
-        if inner is None:
-            return module
-        module = inner

@@ -413,7 +413,7 @@ def plan_batches(cfg: Config, env: Environment, data: Data, model: Model, *, dry
 
     tps, _ = estimate_speed(env, model, t.block_size, micro, info.world_size)
     step_s = tokens_per_step / tps if tps else 0.0
-    eval_interval, save_interval = t.eval_interval, t.save_interval
+    eval_interval, save_interval = cfg.eval.eval_interval, cfg.checkpoint.save_interval
     if eval_interval is None:
         eval_interval = auto_interval(total_steps, 20, 1000, math.ceil(EVAL_EVERY_S / step_s) if step_s else 1)
         why["eval_interval"] = "auto: ~20 per run, at least a minute apart (estimated)"
@@ -544,16 +544,17 @@ def _assemble(cfg: Config, env: Environment, run_dir: Path, dry_run: bool, resum
     from gptoughts.train.optim import Schedule
     from gptoughts.train.setup import make_optimizer
 
-    t = replace(cfg.train, batch_size=batch.micro_batch, grad_accum=batch.grad_accum,
-                eval_interval=batch.eval_interval, save_interval=batch.save_interval)
+    t = replace(cfg.train, batch_size=batch.micro_batch, grad_accum=batch.grad_accum)
+    evaluation = replace(cfg.eval, eval_interval=batch.eval_interval)
+    checkpointing = replace(cfg.checkpoint, save_interval=batch.save_interval)
     schedule = Schedule(t.schedule, t.learning_rate, batch.total_steps, batch.warmup_steps, t.min_lr_ratio,
                         t.decay_fraction)
     optimizer = make_optimizer(model.built.model, t, cfg.perf, env.device)
     loader, eval_fn = make_loaders(cfg, env, data, model, t)
     asm.loader = loader
     asm.sampler = Sampler(model.raw, data.tokenizer, diffusion=model.family.objective == "diffusion",
-                          chat=data.format == "sft", max_new_tokens=t.sample_max_new_tokens,
-                          temperature=t.sample_temperature, top_k=t.sample_top_k)
+                          chat=data.format == "sft", max_new_tokens=cfg.eval.sample_max_new_tokens,
+                          temperature=cfg.eval.sample_temperature, top_k=cfg.eval.sample_top_k)
     state = None
     if resume_from is not None:  # read and checked before anything of the run directory is rewritten
         asm.resume_from, state = load_resume_checkpoint(cfg, env, model, run_dir, resume_from)
@@ -572,7 +573,8 @@ def _assemble(cfg: Config, env: Environment, run_dir: Path, dry_run: bool, resum
                           tokens_per_step=batch.tokens_per_step, sample_fn=asm.sampler,
                           save_weights=lambda: model.weights, forward_context=model.built.forward_context,
                           static_token_count=data.sft is None,
-                          mfu_per_token_s=_mfu_per_token_s(env, model, t.block_size))
+                          mfu_per_token_s=_mfu_per_token_s(env, model, t.block_size), evaluation=evaluation,
+                          checkpointing=checkpointing, recovery=cfg.recovery)
     if state is not None:  # the optimizer, loader and RNG state must fit this run before anything is written
         asm.trainer.load_state_dict(state)
     # 8. the run directory: written only now that everything has been checked
@@ -659,7 +661,7 @@ def make_loaders(cfg: Config, env: Environment, data: Data, model: Model, t: Tra
             console.print("note: packed rows need the native fast path; one SFT example per row", highlight=False)
         loader: Any = SFTLoader(sft, batch_size=t.batch_size, seed=t.seed, rank=info.rank,
                                 world_size=info.world_size, packing=packing, device=device)
-        eval_fn = (lambda: sft.eval_batches(batch_size=t.batch_size, max_batches=t.eval_batches, packing=packing,
+        eval_fn = (lambda: sft.eval_batches(batch_size=t.batch_size, max_batches=cfg.eval.eval_batches, packing=packing,
                                             device=device)) if len(sft.val_idx) else None
         return loader, eval_fn
     dataset = data.dataset
@@ -667,7 +669,7 @@ def make_loaders(cfg: Config, env: Environment, data: Data, model: Model, t: Tra
                          rank=info.rank, world_size=info.world_size, phases=phases(cfg), device=device)
     has_val = dataset.num_tokens("val") > t.block_size
     eval_fn = (lambda: eval_batches(dataset, split="val", batch_size=t.batch_size, block_size=t.block_size,
-                                    max_batches=t.eval_batches, device=device)) if has_val else None
+                                    max_batches=cfg.eval.eval_batches, device=device)) if has_val else None
     return loader, eval_fn
 
 
@@ -740,11 +742,12 @@ def timing_trainer(cfg: Config, env: Environment, model: Model, loader: Any, bat
     from gptoughts.train.setup import make_optimizer
     from gptoughts.train.trainer import Trainer
 
-    t = replace(cfg.train, batch_size=batch.micro_batch, grad_accum=batch.grad_accum, eval_interval=0,
-                save_interval=0, checkpoints=False)
+    t = replace(cfg.train, batch_size=batch.micro_batch, grad_accum=batch.grad_accum)
     optimizer = make_optimizer(model.built.model, t, cfg.perf, env.device)
     return Trainer(model=model.built.model, objective=model.objective, optimizer=optimizer,
                    schedule=Schedule("constant", t.learning_rate, 1 << 40, 0), loader=loader, eval_batches=None,
                    cfg=t, run=cfg.run, run_dir=Path("."), dist=env.dist, device=env.device, precision=env.precision,
                    metrics=MetricsLogger(Path("."), enabled=False), total_steps=1 << 40,
-                   tokens_per_step=batch.tokens_per_step, forward_context=model.built.forward_context, timing=timing)
+                   tokens_per_step=batch.tokens_per_step, forward_context=model.built.forward_context, timing=timing,
+                   evaluation=replace(cfg.eval, eval_interval=0),
+                   checkpointing=replace(cfg.checkpoint, save_interval=0, checkpoints=False), recovery=cfg.recovery)

@@ -64,7 +64,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from gptoughts.config import RunConfig, TrainConfig, check_train_ranges
+from gptoughts.config import (
+    CheckpointConfig,
+    EvalConfig,
+    RecoveryConfig,
+    RunConfig,
+    TrainConfig,
+    check_train_ranges,
+)
 from gptoughts.errors import UserError
 from gptoughts.parallel import dist as pdist
 from gptoughts.perf.autobatch import free_memory
@@ -152,8 +159,11 @@ class Trainer:
         forward_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
         mfu_per_token_s: float | None = None,
         plots: Any = None,
+        evaluation: EvalConfig | None = None,
+        checkpointing: CheckpointConfig | None = None,
+        recovery: RecoveryConfig | None = None,
     ):
-        check_train_ranges(cfg)
+        check_train_ranges(cfg, evaluation, checkpointing, recovery)
         self.model = model
         self.objective = objective
         self.optimizer = optimizer
@@ -161,6 +171,10 @@ class Trainer:
         self.loader = loader
         self.eval_batches = eval_batches
         self.cfg = cfg
+        # Each part of the trainer reads its own section: [eval], [checkpoint], [recovery] (defaults when absent).
+        self.ev = evaluation or EvalConfig()
+        self.ck = checkpointing or CheckpointConfig()
+        self.rc = recovery or RecoveryConfig()
         self.run = run
         self.run_dir = run_dir
         self.ckpt_dir = run_dir / "checkpoints"
@@ -185,7 +199,7 @@ class Trainer:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.fused = bool(getattr(optimizer, "defaults", {}).get("fused"))
         self.scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
-        self.policy = "stop" if cfg.nan_policy == "raise" else cfg.nan_policy
+        self.policy = "stop" if self.rc.nan_policy == "raise" else self.rc.nan_policy
         self.stop_requested = False
         self._interrupts = 0
         inner = self.weights_module()
@@ -415,7 +429,7 @@ class Trainer:
 
     def save(self, *, val_loss: float | None = None, is_best: bool = False) -> bool:
         """Write a checkpoint of the current state unless it is a bad one (see the module docstring)."""
-        if not self.cfg.checkpoints:
+        if not self.ck.checkpoints:
             return False
         problem = self._checkpoint_problem()
         if problem is not None:
@@ -431,7 +445,7 @@ class Trainer:
         if self.dist.is_main:
             meta = {"tokens_seen": st.tokens_seen, "data_steps_skipped": st.data_steps_skipped,
                     "rollbacks": st.rollbacks, "lr_scale": st.lr_scale}
-            ckpt.save(self.ckpt_dir, st.step, weights, state, val_loss=val_loss, keep_last=self.cfg.keep_last,
+            ckpt.save(self.ckpt_dir, st.step, weights, state, val_loss=val_loss, keep_last=self.ck.keep_last,
                       is_best=is_best, meta=meta)
         pdist.barrier(self.dist)
         return True
@@ -442,7 +456,7 @@ class Trainer:
         return pdist.broadcast_object(path, self.dist)  # type: ignore[return-value]
 
     def _last_good_text(self, before: int) -> str:
-        path = self._last_good(before) if self.cfg.checkpoints else None
+        path = self._last_good(before) if self.ck.checkpoints else None
         if path is None:
             return "no good checkpoint was written before it; start again with a lower --learning_rate"
         return f"the last good checkpoint is {path}; resume from it with a lower --learning_rate"
@@ -457,9 +471,9 @@ class Trainer:
         data loader where it is (past the bad batches), scale the learning rate by ``rollback_lr_factor``, and
         re-save that checkpoint with the new state. Raises the divergence error when no rollback is left."""
         cfg, old = self.cfg, self.state
-        if old.rollbacks >= cfg.max_rollbacks:
-            raise self._diverged(f"{reason}; train.max_rollbacks = {cfg.max_rollbacks} reached", bad_from)
-        path = self._last_good(bad_from) if cfg.checkpoints else None
+        if old.rollbacks >= self.rc.max_rollbacks:
+            raise self._diverged(f"{reason}; recovery.max_rollbacks = {self.rc.max_rollbacks} reached", bad_from)
+        path = self._last_good(bad_from) if self.ck.checkpoints else None
         if path is None:
             raise self._diverged(reason, bad_from)
         ckpt.load_weights(self.weights_module(), path, sharded=self.dist.sharded)
@@ -470,7 +484,7 @@ class Trainer:
                              restore_loader=False)
         new = self.state
         skipped = old.step - new.step
-        new.lr_scale = old.lr_scale * cfg.rollback_lr_factor
+        new.lr_scale = old.lr_scale * self.rc.rollback_lr_factor
         new.rollbacks = old.rollbacks + 1
         new.data_steps_skipped = old.data_steps_skipped + skipped
         new.bad_steps = 0
@@ -480,7 +494,7 @@ class Trainer:
         batches = skipped * cfg.grad_accum
         self.log_line(f"step {old.step}: {reason}; rolled back to {path.name}, skipping the {batches} batch"
                       f"{'' if batches == 1 else 'es'} of steps {new.step + 1}-{old.step}, learning rate "
-                      f"x{new.lr_scale:g} (rollback {new.rollbacks} of at most {cfg.max_rollbacks})")
+                      f"x{new.lr_scale:g} (rollback {new.rollbacks} of at most {self.rc.max_rollbacks})")
         if self.dist.is_main:
             self.metrics.log(new.step, {"event": "rollback", "reason": reason, "from_step": old.step,
                                         "to_step": new.step, "checkpoint": path.name, "skipped_steps": skipped,
@@ -523,7 +537,7 @@ class Trainer:
                 old_handlers[sig] = signal.signal(sig, self._on_signal)
         except ValueError:  # not the main thread (e.g. a notebook executor): no graceful stop
             old_handlers = {}
-        sample_every = cfg.eval_interval if cfg.sample_interval is None else cfg.sample_interval
+        sample_every = self.ev.eval_interval if self.ev.sample_interval is None else self.ev.sample_interval
         self._pending = []
         self._window_t0 = time.perf_counter()
         self._arm_spike_gate()
@@ -541,9 +555,9 @@ class Trainer:
                 step = st.step
                 at_end = step >= self.total_steps
                 log_due = step % cfg.log_interval == 0 or at_end
-                eval_due = bool(cfg.eval_interval and step % cfg.eval_interval == 0) or at_end
+                eval_due = bool(self.ev.eval_interval and step % self.ev.eval_interval == 0) or at_end
                 sample_due = bool(self.sample_fn is not None and sample_every and (step % sample_every == 0 or at_end))
-                save_due = bool(cfg.save_interval and step % cfg.save_interval == 0) or at_end
+                save_due = bool(self.ck.save_interval and step % self.ck.save_interval == 0) or at_end
                 # Alone, a signal stops at the next step; with several ranks only where they agree (log steps),
                 # or one rank would save (a collective under FSDP) while the others start the next step.
                 stop = self.stop_requested and not self.dist.enabled
@@ -559,8 +573,8 @@ class Trainer:
                 val_loss, improved = None, False
                 if eval_due:
                     val_loss, improved = self._eval_and_track()
-                    if cfg.early_stopping_patience is not None and \
-                            self.state.evals_without_improvement >= cfg.early_stopping_patience:
+                    if self.ev.early_stopping_patience is not None and \
+                            self.state.evals_without_improvement >= self.ev.early_stopping_patience:
                         stop, stop_reason = True, "early stopping"
                 if sample_due:
                     self._sample()
@@ -604,7 +618,7 @@ class Trainer:
         recs, self._pending = self._pending, []
         if not recs:
             return None
-        st, cfg = self.state, self.cfg
+        st = self.state
         vals = self._read(recs)
         dropped = [False] * len(recs)
         if self._gate_armed and any(v[_HOLD] for v in vals):
@@ -632,10 +646,10 @@ class Trainer:
 
         if nonfinite:
             if self.policy == "stop":
-                raise UserError(f"non-finite loss or gradient at step {nonfinite[0]} (train.nan_policy = stop); "
+                raise UserError(f"non-finite loss or gradient at step {nonfinite[0]} (recovery.nan_policy = stop); "
                                 f"{self._last_good_text(nonfinite[0])}")
             self.log_line(f"step {st.step}: {len(nonfinite)} step(s) skipped (non-finite loss or gradient)")
-        if st.bad_steps >= cfg.max_bad_steps:
+        if st.bad_steps >= self.rc.max_bad_steps:
             what = f"{st.bad_steps} consecutive non-finite steps"
             if self.policy != "rollback":
                 raise self._diverged(what, self._streak_start)
@@ -691,11 +705,11 @@ class Trainer:
     # -------------------------------------------------------------------------------------------- spikes
     def _arm_spike_gate(self) -> None:
         """Set the spike threshold for the next window from the running statistics (None: not armed yet)."""
-        st, t = self.state, self.cfg
+        st, rc = self.state, self.rc
         thr = None
-        if t.spike_detection and st.step >= t.spike_warmup_steps and st.loss_count >= _SPIKE_MIN_SAMPLES:
+        if rc.spike_detection and st.step >= rc.spike_warmup_steps and st.loss_count >= _SPIKE_MIN_SAMPLES:
             std = math.sqrt(max(st.loss_var, 0.0))
-            thr = max(st.loss_mean + t.spike_std * std, t.spike_ratio * st.loss_mean)
+            thr = max(st.loss_mean + rc.spike_std * std, rc.spike_ratio * st.loss_mean)
             if not (math.isfinite(thr) and thr > 0):
                 thr = None
         self._spike_thr = thr
@@ -785,7 +799,7 @@ class Trainer:
     def _eval_and_track(self) -> tuple[float, bool]:
         st = self.state
         val_loss, ppl = self.evaluate()
-        improved = math.isfinite(val_loss) and val_loss < st.best_val_loss - self.cfg.early_stopping_min_delta
+        improved = math.isfinite(val_loss) and val_loss < st.best_val_loss - self.ev.early_stopping_min_delta
         if improved:
             st.best_val_loss = val_loss
             st.evals_without_improvement = 0
@@ -806,7 +820,7 @@ class Trainer:
             return
         self.model.eval()
         texts = []
-        for prompt in self.cfg.sample_prompts:
+        for prompt in self.ev.sample_prompts:
             with self.autocast():
                 texts.append(self.sample_fn(prompt))
         self.model.train()
@@ -814,7 +828,7 @@ class Trainer:
             return
         with open(self.run_dir / "samples.txt", "a", encoding="utf-8") as f:
             f.write(f"=== step {self.state.step}\n")
-            for prompt, text in zip(self.cfg.sample_prompts, texts):
+            for prompt, text in zip(self.ev.sample_prompts, texts):
                 f.write(f"--- prompt: {prompt!r}\n{text}\n")
         for i, text in enumerate(texts):
             self.metrics.text(f"samples/{i}", text, self.state.step)

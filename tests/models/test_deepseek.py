@@ -8,10 +8,10 @@ import torch
 import torch.nn.functional as F
 
 from gptoughts.errors import ConfigError, UserError
-from gptoughts.sampling import generate
 from gptoughts.models import build_model, list_sizes, model_args
 from gptoughts.models import deepseek as ds
 from gptoughts.models.deepseek import DeepSeek, DeepSeekArgs, GroupedExperts
+from gptoughts.sampling import generate
 
 
 def _args(**overrides) -> DeepSeekArgs:

@@ -3,7 +3,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gptoughts.sampling import generate
 from gptoughts.models import Family, build_model, model_args
 from gptoughts.models.gpt2 import (
     GPT2,
@@ -16,6 +15,7 @@ from gptoughts.models.gpt2 import (
     to_hf,
 )
 from gptoughts.models.hf import HFAdapter, UnsupportedHFConfig
+from gptoughts.sampling import generate
 
 
 def _args(**overrides) -> GPT2Args:

@@ -7,9 +7,9 @@ import torch
 import torch.nn.functional as F
 
 from gptoughts.errors import ConfigError
-from gptoughts.sampling import generate
 from gptoughts.models import build_model, model_args
 from gptoughts.models.inl import DEFAULT_K, INL, INLArgs, Integrator
+from gptoughts.sampling import generate
 
 
 def _args(**overrides) -> INLArgs:

@@ -178,7 +178,7 @@ def test_permanent_nan_after_rollbacks_names_the_last_good_checkpoint(tmp_path, 
                                     "--train.eval_interval", "2"), capsys)
     line = _one_line_error(code, err)
     good = out / "checkpoints" / "step_000004"
-    assert line == (f"error: training diverged at step 6 (2 consecutive non-finite steps; train.max_rollbacks = 2 "
+    assert line == (f"error: training diverged at step 6 (2 consecutive non-finite steps; recovery.max_rollbacks = 2 "
                     f"reached, 2 rollbacks); the last good checkpoint is {good}; resume from it with a lower "
                     f"--learning_rate"), line
     assert stdout.count("rolled back to step_000004") == 2
@@ -195,7 +195,7 @@ def test_policies_differ_on_the_same_fault(policy, tmp_path, text_corpus, cache_
                                     "--train.nan_policy", policy, "--train.max_bad_steps", "3"), capsys)
     good = out / "checkpoints" / "step_000004"
     if policy in ("stop", "raise"):  # the first non-finite step stops the run
-        assert _one_line_error(code, err) == (f"error: non-finite loss or gradient at step 6 (train.nan_policy = "
+        assert _one_line_error(code, err) == (f"error: non-finite loss or gradient at step 6 (recovery.nan_policy = "
                                               f"stop); the last good checkpoint is {good}; resume from it with a "
                                               f"lower --learning_rate")
         assert max(_segments(_rows(out))[0]) == 6
@@ -223,12 +223,12 @@ def test_skip_policy_drops_a_short_streak(tmp_path, text_corpus, cache_dir, fast
 
 
 def test_bad_recovery_settings_are_one_line_errors(tmp_path, text_corpus, cache_dir, fast, capsys):
-    assert load_config("default", {"train.nan_policy": "raise"}).train.nan_policy == "raise"  # old configs load
+    assert load_config("default", {"train.nan_policy": "raise"}).recovery.nan_policy == "raise"  # old keys load
     with pytest.raises(ConfigError, match="nan_policy"):
         load_config("default", {"train.nan_policy": "retry"})
     code, _, err = _main(_argv(text_corpus, tmp_path / "r", fast, "--train.max_steps", "2", "--train.max_bad_steps", "0"),
                          capsys)
-    assert _one_line_error(code, err) == "error: train.max_bad_steps must be >= 1, got 0"
+    assert _one_line_error(code, err) == "error: recovery.max_bad_steps must be >= 1, got 0"
 
 
 SPIKE = ["--train.max_steps", "16", "--train.log_interval", "4", "--train.save_interval", "0", "--train.spike_warmup_steps", "6"]

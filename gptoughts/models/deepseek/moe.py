@@ -1,0 +1,252 @@
+"""DeepSeekMoE: the router, the routed experts as grouped GEMMs, the shared experts, the balancing hooks.
+
+Every layer from ``n_dense_layers`` on has ``n_shared_experts`` always-on experts (one SwiGLU of width
+``n_shared_experts * moe_inter_dim``) plus ``n_routed_experts`` fine-grained SwiGLU experts of which each
+token uses ``n_activated_experts``. Scores are ``sigmoid`` (V3) or ``softmax`` (V2) of the router ``gate``; the
+top-k is chosen on ``score + expert_bias`` (optionally restricted to the best ``n_limited_groups`` of
+``n_expert_groups`` groups), the gates are the raw scores of the chosen experts, normalised to sum 1 when
+``norm_topk_prob``, times ``route_scale``.
+
+**Auxiliary-loss-free balancing**: ``expert_bias`` only affects *which* experts are chosen, never the gate
+values, and gets no gradient; the model moves it after each optimizer step from the expert loads that
+``MoE.forward`` returns (``DeepSeek.after_optimizer_step``). An optional sequence-wise balance loss (V3 eq.
+17-20, ``seq_aux_loss_coef``) is computed here in training mode (``MoE._seq_balance_loss``).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gptoughts.models.deepseek.args import DeepSeekArgs
+from gptoughts.models.layers import SwiGLU
+
+__all__ = ["EXPERT_ROW_ALIGN", "GroupedExperts", "MoE", "grouped_mm_supported"]
+
+# Rows of each expert's token group are padded to a multiple of this (zero rows) before the grouped GEMM: the
+# CUDA grouped-GEMM kernels need 16-byte aligned group starts in the weight-gradient GEMM (whose reduction
+# dim is the token dim), and 16 rows also covers fp8. The padding costs at most n_experts * 15 rows.
+EXPERT_ROW_ALIGN = 16
+
+_GMM_SUPPORT: dict[tuple[str, torch.dtype], tuple[bool, bool]] = {}
+_WARNED_LOOP: set[tuple[str, torch.dtype]] = set()
+
+
+@torch.compiler.disable
+def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> tuple[bool, bool]:
+    """Whether ``torch._grouped_mm`` works on ``device`` for ``dtype``: ``(eager, compiled)``, probed once per
+    (device type, dtype). Eager: forward and backward give the reference result. Compiled: also its meta kernel,
+    which ``torch.compile`` traces through, accepts the dtype (in torch 2.13 that kernel takes bf16 only, while
+    the CPU kernel also runs fp32).
+
+    The op exists on CUDA (bf16; Hopper+, with a fallback on some older GPUs in recent torch) and, in recent
+    torch, on CPU. Probing a tiny call is more reliable than a table of versions and architectures. Runs at init
+    (see ``GroupedExperts.reset_parameters``), so forward only reads the cached answer.
+    """
+    key = (device.type, dtype)
+    if key not in _GMM_SUPPORT:
+        eager = compiled = False
+        fn = getattr(torch, "_grouped_mm", None)
+        if fn is not None and device.type != "meta":
+            try:
+                with torch.inference_mode(False), torch.enable_grad(), torch.autocast(device.type, enabled=False):
+                    g = torch.Generator(device="cpu").manual_seed(0)
+                    x = torch.randn(32, 16, generator=g).to(device, dtype).requires_grad_()
+                    w = torch.randn(2, 16, 16, generator=g).to(device, dtype).requires_grad_()
+                    offs = torch.tensor([16, 32], dtype=torch.int32, device=device)
+                    y = fn(x, w.transpose(-2, -1), offs=offs)
+                    ref = torch.cat([x[:16] @ w[0].T, x[16:] @ w[1].T])
+                    y.backward(torch.ones_like(y))
+                    eager = bool(torch.allclose(y.float(), ref.float(), atol=0.1, rtol=0.05)) and w.grad is not None
+            except Exception:  # any failure means "use the per-expert fallback"
+                eager = False
+            if eager:
+                try:
+                    fn(x.detach().to("meta"), w.detach().to("meta").transpose(-2, -1), offs=offs.to("meta"))
+                    compiled = True
+                except Exception:
+                    compiled = False
+        _GMM_SUPPORT[key] = (eager, compiled)
+    return _GMM_SUPPORT[key]
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
+class GroupedExperts(nn.Module):
+    """``n_experts`` SwiGLU experts stored as 3-D weights and run as grouped GEMMs over expert-sorted tokens.
+
+    ``w1``/``w3``: ``[E, hidden, dim]``, ``w2``: ``[E, dim, hidden]`` (``nn.Linear`` layout per expert). These
+    are plain parameters, not ``nn.Linear``: the fp8 converter leaves them alone (they stay bf16).
+    """
+
+    def __init__(self, dim: int, hidden_dim: int, n_experts: int) -> None:
+        super().__init__()
+        self.n_experts = n_experts
+        self.w1 = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))
+        self.w3 = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))
+        self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden_dim))
+        # "auto" (grouped GEMM where grouped_mm_supported, else "loop"), "grouped_mm" or "loop" (tests, debugging).
+        self.impl = "auto"
+        self._probe(self.w1.device)
+
+    def _probe(self, device: torch.device) -> None:
+        # Decided outside forward, so the compiled block only reads Python sets (guards, not graph breaks).
+        support = {dt: grouped_mm_supported(device, dt) for dt in (torch.float32, torch.bfloat16, torch.float16)}
+        self._gmm_device = device.type
+        self._gmm_dtypes = frozenset(dt for dt, (eager, _) in support.items() if eager)
+        self._gmm_compiled_dtypes = frozenset(dt for dt, (_, compiled) in support.items() if compiled)
+
+    def reset_parameters(self, std: float, out_std: float) -> None:
+        nn.init.normal_(self.w1, mean=0.0, std=std)
+        nn.init.normal_(self.w3, mean=0.0, std=std)
+        nn.init.normal_(self.w2, mean=0.0, std=out_std)
+        self._probe(self.w1.device)
+
+    def forward(self, x: torch.Tensor, idx: torch.Tensor, gates: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x [N, d]``, chosen experts ``idx [N, K]`` and their ``gates [N, K]`` -> (``sum_k gate * expert(x)``
+        ``[N, d]``, tokens per expert ``[E]`` int64). No host sync on the grouped-GEMM path."""
+        n, k = idx.shape
+        e = self.n_experts
+        dev = x.device
+        flat = idx.reshape(-1)  # assignment a = token * K + slot
+        order = torch.argsort(flat, stable=True)  # assignments grouped by expert
+        sorted_e = flat[order]
+        # First assignment of each expert in sorted order. searchsorted rather than bincount: bincount on CUDA
+        # reads the max value to size its output (a host sync), and scatter_add counts are not deterministic.
+        bounds = torch.searchsorted(sorted_e, torch.arange(e + 1, device=dev, dtype=sorted_e.dtype))
+        counts = bounds[1:] - bounds[:-1]
+        # Padded layout: expert g's rows start at a multiple of EXPERT_ROW_ALIGN. The total row count is a
+        # static upper bound (shapes never depend on routing, so compiled graphs are reused); the slack rows go
+        # to the last group as zero rows, so every row of every GEMM is defined.
+        align = EXPERT_ROW_ALIGN
+        rows = n * k + e * (align - 1)
+        padded = (counts + align - 1) // align * align
+        ends = torch.cumsum(padded, 0)
+        starts = ends - padded
+        ends[-1] = rows
+        rank = torch.arange(n * k, device=dev) - bounds[sorted_e]
+        dest_sorted = starts[sorted_e] + rank
+        dest = torch.empty_like(dest_sorted).scatter_(0, order, dest_sorted)  # row of assignment a
+        # Scatter each token's K copies to their rows. dest is injective, so both this and the gather below
+        # have backward passes without colliding indices: no atomics, deterministic gradients on CUDA.
+        copies = x.unsqueeze(1).expand(n, k, x.size(-1)).reshape(n * k, -1)
+        xp = x.new_zeros(rows, x.size(-1)).index_put((dest,), copies)
+        yp = self._run(xp, ends.to(torch.int32))
+        y = yp[dest].view(n, k, -1)
+        # Gate-weighted sum of the K outputs as one bmm: accumulates in fp32 inside the kernel under bf16 and
+        # never materialises the [N, K, d] products.
+        out = torch.bmm(gates.unsqueeze(1).to(y.dtype), y).squeeze(1)
+        return out, counts
+
+    def _run(self, xp: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        dtype = _compute_dtype(xp)
+        if xp.device.type != self._gmm_device:  # moved after init: probe the new device (eager only)
+            self._probe(xp.device)
+        ok = self._gmm_compiled_dtypes if torch.compiler.is_compiling() else self._gmm_dtypes
+        use_gmm = self.impl == "grouped_mm" or (self.impl == "auto" and dtype in ok)
+        if use_gmm:
+            xp = xp.to(dtype)
+            w1, w3, w2 = (w.to(dtype).transpose(-2, -1) for w in (self.w1, self.w3, self.w2))
+            h = F.silu(torch._grouped_mm(xp, w1, offs=offs)) * torch._grouped_mm(xp, w3, offs=offs)
+            return torch._grouped_mm(h, w2, offs=offs)
+        # Fallback: one GEMM per *expert* (never per token). Reading the group ends costs one host sync per
+        # MoE layer and a graph break under compile; free on CPU, where this path is normally taken.
+        if xp.is_cuda and (xp.device.type, dtype) not in _WARNED_LOOP:
+            _WARNED_LOOP.add((xp.device.type, dtype))
+            warnings.warn(
+                f"torch._grouped_mm is unavailable for {dtype} on this GPU/torch: MoE experts run one GEMM per "
+                "expert, with a host sync per MoE layer (slower; bf16 autocast on Hopper+ avoids it)",
+                stacklevel=2,
+            )
+        ends = offs.tolist()
+        outs, start = [], 0
+        for g, end in enumerate(ends):
+            xe = xp[start:end]
+            outs.append(F.linear(F.silu(F.linear(xe, self.w1[g])) * F.linear(xe, self.w3[g]), self.w2[g]))
+            start = end
+        return torch.cat(outs)
+
+
+class MoE(nn.Module):
+    """DeepSeekMoE: shared experts + top-k routed experts with bias-adjusted selection."""
+
+    def __init__(self, args: DeepSeekArgs) -> None:
+        super().__init__()
+        self.n_experts = args.n_routed_experts
+        self.top_k = args.n_activated_experts
+        self.score_func = args.score_func
+        self.route_scale = args.route_scale
+        self.norm_topk_prob = args.norm_topk_prob
+        self.n_groups, self.topk_groups = args.n_expert_groups, args.n_limited_groups
+        self.seq_aux = args.seq_aux_loss_coef > 0
+        # Named `gate` (HF's name) so the fp8 converter skips it: the router stays in high precision.
+        self.gate = nn.Linear(args.d_model, args.n_routed_experts, bias=False)
+        # Persistent (checkpointed, exported as e_score_correction_bias) and fp32: updates of ~1e-3 would be lost
+        # in bf16 next to values of order 0.1-1.
+        self.register_buffer("expert_bias", torch.zeros(args.n_routed_experts, dtype=torch.float32))
+        self.experts = GroupedExperts(args.d_model, args.moe_inter_dim, args.n_routed_experts)
+        self.shared_experts = (
+            SwiGLU(args.d_model, args.n_shared_experts * args.moe_inter_dim) if args.n_shared_experts else None
+        )
+
+    def reset_parameters(self, std: float, out_std: float) -> None:
+        nn.init.normal_(self.gate.weight, mean=0.0, std=std)
+        with torch.no_grad():
+            self.expert_bias.zero_()
+        self.experts.reset_parameters(std, out_std)
+        if self.shared_experts is not None:
+            self.shared_experts.reset_parameters(std, out_std)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``x [N, d]`` -> (gates ``[N, K]`` fp32, expert ids ``[N, K]``, scores ``[N, E]`` fp32)."""
+        # Routing in fp32 even under autocast (as DeepSeek and transformers do): near-ties in bf16 would flip
+        # expert choices between otherwise identical runs.
+        with torch.autocast(x.device.type, enabled=False):
+            logits = F.linear(x.float(), self.gate.weight.float())
+        scores = logits.sigmoid() if self.score_func == "sigmoid" else logits.softmax(dim=-1)
+        choice = scores + self.expert_bias  # the bias steers selection only; gates use the raw scores
+        if self.n_groups > 1:
+            n = choice.size(0)
+            grouped = choice.view(n, self.n_groups, -1)
+            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [N, G]
+            keep = torch.zeros_like(group_scores, dtype=torch.bool)
+            keep.scatter_(1, group_scores.topk(self.topk_groups, dim=-1).indices, True)
+            choice = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(n, -1)
+        idx = choice.topk(self.top_k, dim=-1).indices
+        gates = scores.gather(1, idx)
+        if self.norm_topk_prob:
+            gates = gates / (gates.sum(dim=-1, keepdim=True) + 1e-20)
+        return gates * self.route_scale, idx, scores
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``x [B, T, d]`` -> (output ``[B, T, d]``, tokens per expert ``[E]``, sequence balance loss or None)."""
+        bsz, seqlen, dim = x.shape
+        flat = x.reshape(-1, dim)
+        gates, idx, scores = self.route(flat)
+        routed, counts = self.experts(flat, idx, gates)
+        out = routed.view(bsz, seqlen, dim).to(x.dtype)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        aux = self._seq_balance_loss(scores, idx, bsz, seqlen) if (self.seq_aux and self.training) else None
+        return out, counts, aux
+
+    def _seq_balance_loss(self, scores: torch.Tensor, idx: torch.Tensor, bsz: int, seqlen: int) -> torch.Tensor:
+        """DeepSeek-V3's sequence-wise balance loss ``sum_i f_i P_i``, averaged over the batch's sequences.
+
+        ``f_i = E / (K T) * #{t: i chosen at t}`` (no gradient), ``P_i = mean_t s'_{i,t}`` with ``s'`` the scores
+        normalised over all experts (a no-op for softmax). Equals 1 for perfectly uniform routing.
+        """
+        e, k = self.n_experts, self.top_k
+        probs = scores / scores.sum(dim=-1, keepdim=True) if self.score_func == "sigmoid" else scores
+        p = probs.view(bsz, seqlen, e).mean(dim=1)  # [B, E]
+        # Counts by comparison rather than scatter_add (deterministic on CUDA); bool, so T*K*E bytes.
+        chosen = idx.view(bsz, seqlen * k, 1) == torch.arange(e, device=idx.device)
+        f = chosen.sum(dim=1).float() * (e / (k * seqlen))
+        return (f * p).sum(dim=-1).mean()
