@@ -41,12 +41,33 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 SIZES: dict[str, dict[str, Any]] = {
-    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                 intermediate_size=128, vocab_size=512, tie_word_embeddings=True),
-    "125m": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=12,
-                 intermediate_size=2048, vocab_size=32768, tie_word_embeddings=False),
-    "1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
-               intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True),
+    "tiny": dict(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=512,
+        tie_word_embeddings=True,
+    ),
+    "125m": dict(
+        hidden_size=768,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        num_key_value_heads=12,
+        intermediate_size=2048,
+        vocab_size=32768,
+        tie_word_embeddings=False,
+    ),
+    "1b": dict(
+        hidden_size=2048,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        intermediate_size=8192,
+        vocab_size=128256,
+        tie_word_embeddings=True,
+    ),
 }
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 SPEED_TARGET, MEMORY_TARGET = 1.8, 0.7
@@ -76,9 +97,15 @@ def make_model_dir(size: str, seq: int, dtype: torch.dtype, device: torch.device
 
     if (out / "config.json").is_file():
         return out
-    cfg = LlamaConfig(**SIZES[size], max_position_embeddings=max(seq, 2048), rms_norm_eps=1e-5,
-                      rope_parameters={"rope_type": "default", "rope_theta": 500000.0}, bos_token_id=None,
-                      eos_token_id=0, pad_token_id=1)
+    cfg = LlamaConfig(
+        **SIZES[size],
+        max_position_embeddings=max(seq, 2048),
+        rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+        bos_token_id=None,
+        eos_token_id=0,
+        pad_token_id=1,
+    )
     torch.manual_seed(0)
     with torch.device(device):  # random init on the GPU: seconds instead of minutes on the CPU
         model = LlamaForCausalLM(cfg).to(dtype)
@@ -88,7 +115,9 @@ def make_model_dir(size: str, seq: int, dtype: torch.dtype, device: torch.device
     return out
 
 
-def batches(vocab: int, batch: int, seq: int, device: torch.device, n: int = 8, seed: int = 0) -> list[torch.Tensor]:
+def batches(
+    vocab: int, batch: int, seq: int, device: torch.device, n: int = 8, seed: int = 0
+) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (batch, seq + 1), generator=g).to(device) for _ in range(n)]
 
@@ -106,16 +135,23 @@ def time_steps(step, device: torch.device, warmup: int, steps: int) -> tuple[flo
     return (time.perf_counter() - t0) / steps, float(loss)
 
 
-def run_peft(model_dir: Path, data: list[torch.Tensor], a: argparse.Namespace, device: torch.device,
-             compiled: bool) -> dict[str, Any]:
+def run_peft(
+    model_dir: Path, data: list[torch.Tensor], a: argparse.Namespace, device: torch.device, compiled: bool
+) -> dict[str, Any]:
     import peft
     from transformers import AutoModelForCausalLM
 
     _reset(device)
     dtype = torch.bfloat16 if a.precision == "bf16" else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, attn_implementation="sdpa").to(device)
-    model = peft.get_peft_model(model, peft.LoraConfig(r=a.r, lora_alpha=a.alpha, lora_dropout=a.dropout,
-                                                       target_modules=TARGETS, bias="none"))
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, attn_implementation="sdpa").to(
+        device
+    )
+    model = peft.get_peft_model(
+        model,
+        peft.LoraConfig(
+            r=a.r, lora_alpha=a.alpha, lora_dropout=a.dropout, target_modules=TARGETS, bias="none"
+        ),
+    )
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=2e-4, weight_decay=0.0, fused=device.type == "cuda")
@@ -124,7 +160,11 @@ def run_peft(model_dir: Path, data: list[torch.Tensor], a: argparse.Namespace, d
 
     def step() -> torch.Tensor:
         d = data[next(it) % len(data)]
-        ctx = torch.autocast(device.type, dtype=torch.bfloat16) if a.precision == "bf16" else contextlib.nullcontext()
+        ctx = (
+            torch.autocast(device.type, dtype=torch.bfloat16)
+            if a.precision == "bf16"
+            else contextlib.nullcontext()
+        )
         with ctx:
             loss = fwd(input_ids=d[:, :-1], labels=d[:, :-1]).loss
         loss.backward()
@@ -134,13 +174,23 @@ def run_peft(model_dir: Path, data: list[torch.Tensor], a: argparse.Namespace, d
         return loss.detach()
 
     step_s, loss = time_steps(step, device, a.warmup, a.steps)
-    out = {"step_ms": step_s * 1e3, "tokens_per_s": a.batch * a.seq / step_s, "peak_memory_gib": _peak_gib(device),
-           "trainable_params": sum(p.numel() for p in params), "loss": loss}
+    out = {
+        "step_ms": step_s * 1e3,
+        "tokens_per_s": a.batch * a.seq / step_s,
+        "peak_memory_gib": _peak_gib(device),
+        "trainable_params": sum(p.numel() for p in params),
+        "loss": loss,
+    }
     return out  # everything else is freed when this frame goes (the next side starts with _reset)
 
 
-def run_ours(model_dir: Path, data: list[torch.Tensor], a: argparse.Namespace, device: torch.device,
-             extra: dict[str, Any] | None = None) -> dict[str, Any]:
+def run_ours(
+    model_dir: Path,
+    data: list[torch.Tensor],
+    a: argparse.Namespace,
+    device: torch.device,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """Our LoRA step, assembled by gptoughts.train.build exactly as `gptoughts finetune` assembles it."""
     from gptoughts.config import load_config
     from gptoughts.models.hf import load_tokenizer
@@ -153,10 +203,21 @@ def run_ours(model_dir: Path, data: list[torch.Tensor], a: argparse.Namespace, d
     )
 
     _reset(device)
-    overrides = {"model.init_from": str(model_dir), "lora.enabled": True, "lora.r": a.r, "lora.alpha": a.alpha,
-                 "lora.dropout": a.dropout, "train.block_size": a.seq, "train.batch_size": a.batch,
-                 "train.learning_rate": 2e-4, "perf.device": str(device), "perf.precision": a.precision,
-                 "perf.compile": a.compile, "run.progress": False, "run.tensorboard": False}
+    overrides = {
+        "model.init_from": str(model_dir),
+        "lora.enabled": True,
+        "lora.r": a.r,
+        "lora.alpha": a.alpha,
+        "lora.dropout": a.dropout,
+        "train.block_size": a.seq,
+        "train.batch_size": a.batch,
+        "train.learning_rate": 2e-4,
+        "perf.device": str(device),
+        "perf.precision": a.precision,
+        "perf.compile": a.compile,
+        "run.progress": False,
+        "run.tensorboard": False,
+    }
     if a.loss_chunk:
         overrides["perf.loss_chunk"] = a.loss_chunk
     overrides.update(extra or {})
@@ -173,9 +234,15 @@ def run_ours(model_dir: Path, data: list[torch.Tensor], a: argparse.Namespace, d
         return loss_sum / n
 
     step_s, loss = time_steps(step, device, a.warmup, a.steps)
-    out = {"step_ms": step_s * 1e3, "tokens_per_s": a.batch * a.seq / step_s, "peak_memory_gib": _peak_gib(device),
-           "trainable_params": sum(p.numel() for p in model.raw.parameters() if p.requires_grad), "loss": loss,
-           "resolved": {k: str(v) for k, v in model.built.resolved.items()}, "overrides": extra or {}}
+    out = {
+        "step_ms": step_s * 1e3,
+        "tokens_per_s": a.batch * a.seq / step_s,
+        "peak_memory_gib": _peak_gib(device),
+        "trainable_params": sum(p.numel() for p in model.raw.parameters() if p.requires_grad),
+        "loss": loss,
+        "resolved": {k: str(v) for k, v in model.built.resolved.items()},
+        "overrides": extra or {},
+    }
     if a.kernels:
         from gptoughts.tools.bench import profile_steps
 
@@ -194,18 +261,29 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--alpha", type=float, default=32.0)
     p.add_argument("--dropout", type=float, default=0.0, help="LoRA dropout (0: PEFT's default)")
     p.add_argument("--device", default="auto")
-    p.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp32"],
-                   help="auto: bf16 on CUDA (both sides), fp32 on CPU")
+    p.add_argument(
+        "--precision",
+        default="auto",
+        choices=["auto", "bf16", "fp32"],
+        help="auto: bf16 on CUDA (both sides), fp32 on CPU",
+    )
     p.add_argument("--compile", default="auto", help="ours: perf.compile (auto = on for CUDA)")
     p.add_argument("--loss_chunk", type=int, default=None, help="ours: perf.loss_chunk (rows per loss chunk)")
-    p.add_argument("--hf_compile", action="store_true", help="also time transformers + PEFT under torch.compile")
+    p.add_argument(
+        "--hf_compile", action="store_true", help="also time transformers + PEFT under torch.compile"
+    )
     p.add_argument("--model_dir", default=None, help="reuse/keep the saved random model here")
     p.add_argument("--order", default="hf,ours", help="which side runs first")
     p.add_argument("--out", default=None, help="write the results as JSON here")
-    p.add_argument("--kernels", type=int, default=0, help="ours: profile this many extra steps (kernel table)")
-    p.add_argument("--variants", default=None,
-                   help='ours: JSON list of extra config overrides, each timed as "ours+<i>", e.g. '
-                        '\'[{"perf.residual_dtype": "bf16"}]\'')
+    p.add_argument(
+        "--kernels", type=int, default=0, help="ours: profile this many extra steps (kernel table)"
+    )
+    p.add_argument(
+        "--variants",
+        default=None,
+        help='ours: JSON list of extra config overrides, each timed as "ours+<i>", e.g. '
+        '\'[{"perf.residual_dtype": "bf16"}]\'',
+    )
     a = p.parse_args(argv)
     from gptoughts.perf import hardware
 
@@ -218,12 +296,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if a.model_dir is None:
         tmp = tempfile.TemporaryDirectory(prefix="ft-bench-")
         a.model_dir = tmp.name
-    model_dir = make_model_dir(a.size, a.seq, torch.bfloat16 if a.precision == "bf16" else torch.float32, device,
-                               Path(a.model_dir))
+    model_dir = make_model_dir(
+        a.size, a.seq, torch.bfloat16 if a.precision == "bf16" else torch.float32, device, Path(a.model_dir)
+    )
     data = batches(SIZES[a.size]["vocab_size"], a.batch, a.seq, device)
-    res: dict[str, Any] = {"size": a.size, "seq": a.seq, "batch": a.batch, "steps": a.steps, "warmup": a.warmup,
-                           "device": hardware.detect(device).name, "precision": a.precision, "lora_r": a.r,
-                           "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "runs": {}}
+    res: dict[str, Any] = {
+        "size": a.size,
+        "seq": a.seq,
+        "batch": a.batch,
+        "steps": a.steps,
+        "warmup": a.warmup,
+        "device": hardware.detect(device).name,
+        "precision": a.precision,
+        "lora_r": a.r,
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+        "runs": {},
+    }
     for side in a.order.split(","):
         if side == "hf":
             res["runs"]["hf_peft"] = run_peft(model_dir, data, a, device, compiled=False)
@@ -240,14 +329,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     res["speedup"] = ours["tokens_per_s"] / hf["tokens_per_s"]
     if ours["peak_memory_gib"] and hf["peak_memory_gib"]:
         res["memory_ratio"] = ours["peak_memory_gib"] / hf["peak_memory_gib"]
-    res["meets_targets"] = {"speed >= 1.8x": res["speedup"] >= SPEED_TARGET,
-                            "memory <= 0.7x": res.get("memory_ratio", float("nan")) <= MEMORY_TARGET}
+    res["meets_targets"] = {
+        "speed >= 1.8x": res["speedup"] >= SPEED_TARGET,
+        "memory <= 0.7x": res.get("memory_ratio", float("nan")) <= MEMORY_TARGET,
+    }
     print(f"LoRA fine-tuning, Llama {a.size}, seq {a.seq}, batch {a.batch}, {res['device']}, {a.precision}")
     print(f"{'':<22}{'tokens/s':>12}{'step ms':>10}{'peak GiB':>10}{'loss':>8}")
     for name, r in res["runs"].items():
         mem = f"{r['peak_memory_gib']:.2f}" if r["peak_memory_gib"] is not None else "-"
-        print(f"{name:<22}{r['tokens_per_s']:>12,.0f}{r['step_ms']:>10.1f}{mem:>10}{r['loss']:>8.3f}  "
-              f"{r.get('overrides') or ''}")
+        print(
+            f"{name:<22}{r['tokens_per_s']:>12,.0f}{r['step_ms']:>10.1f}{mem:>10}{r['loss']:>8.3f}  "
+            f"{r.get('overrides') or ''}"
+        )
         if r.get("kernels"):
             from gptoughts.perf.timing import format_profile
 
@@ -259,8 +352,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for name, f in res.get("failed", {}).items():
         print(f"{name}: FAILED {f}")
     mem_ratio = f"{res['memory_ratio']:.2f}x" if "memory_ratio" in res else "n/a (no CUDA)"
-    print(f"speed ours/hf {res['speedup']:.2f}x (target >= {SPEED_TARGET}x), memory ours/hf {mem_ratio} "
-          f"(target <= {MEMORY_TARGET}x)")
+    print(
+        f"speed ours/hf {res['speedup']:.2f}x (target >= {SPEED_TARGET}x), memory ours/hf {mem_ratio} "
+        f"(target <= {MEMORY_TARGET}x)"
+    )
     if a.out:
         Path(a.out).write_text(json.dumps(res, indent=2, default=str))
     if tmp is not None:

@@ -35,12 +35,22 @@ MATRIX = {
         {"perf.fp8": True},
     ],
     "125m": [{"compare": "hf"}, {"train.batch_size": 64}],
-    "3b": [{}, {"perf.fp8": True}, {"perf.fp8": True, "perf.fp8_recipe": "rowwise"},
-           {"perf.activation_checkpointing": "selective"}, {"perf.activation_checkpointing": "full"}],
+    "3b": [
+        {},
+        {"perf.fp8": True},
+        {"perf.fp8": True, "perf.fp8_recipe": "rowwise"},
+        {"perf.activation_checkpointing": "selective"},
+        {"perf.activation_checkpointing": "full"},
+    ],
     # Each family's ~1B preset; the first row is a Llama of exactly LLaDA-medium's shape (same kernels claim).
     "families": [
-        {"model.family": "llama", "model.n_layers": 22, "model.n_heads": 32, "model.n_kv_heads": 4,
-         "model.ffn_dim": 5632},
+        {
+            "model.family": "llama",
+            "model.n_layers": 22,
+            "model.n_heads": 32,
+            "model.n_kv_heads": 4,
+            "model.ffn_dim": 5632,
+        },
         {"model.family": "llada", "model.size": "medium"},
         {"model.family": "deepseek", "model.size": "small"},
         {"model.family": "gpt2", "model.size": "large", "train.block_size": 1024, "train.batch_size": 16},
@@ -78,8 +88,12 @@ MATRIX = {
     "3b-confirm": [{}, {"perf.fp8": True}],
     # Final side-by-side of the 1b target after every change of 2026-11-22 (defaults: bf16 residual on CUDA).
     "1b-final": [{"compare": "hf"}, {"compare": "hf", "train.batch_size": 16}],
-    "3b-residual": [{"perf.residual_dtype": "fp32"}, {"perf.residual_dtype": "bf16"},
-                    {"perf.residual_dtype": "fp32"}, {"perf.residual_dtype": "bf16"}],
+    "3b-residual": [
+        {"perf.residual_dtype": "fp32"},
+        {"perf.residual_dtype": "bf16"},
+        {"perf.residual_dtype": "fp32"},
+        {"perf.residual_dtype": "bf16"},
+    ],
 }
 SHAPES["families"] = ("1b", 2048, 8)
 SHAPES["3b-confirm"] = SHAPES["3b-residual"] = SHAPES["3b"]
@@ -95,7 +109,9 @@ def main() -> None:
     p.add_argument("--only", default="1b,125m,3b,families")
     p.add_argument("--steps", type=int, default=15)
     p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--kernels", type=int, default=0, help="profile this many extra steps per row (kernel table)")
+    p.add_argument(
+        "--kernels", type=int, default=0, help="profile this many extra steps per row (kernel table)"
+    )
     a = p.parse_args()
     with open(a.out, "a") as f:
         for shape in a.only.split(","):
@@ -103,17 +119,33 @@ def main() -> None:
             for variant in MATRIX[shape]:
                 variant = dict(variant)
                 compare = variant.pop("compare", None)
-                overrides = {"model.size": size, "train.block_size": block, "train.batch_size": batch,
-                             "perf.precision": "bf16", "perf.compile": True, "run.progress": False, **variant}
+                overrides = {
+                    "model.size": size,
+                    "train.block_size": block,
+                    "train.batch_size": batch,
+                    "perf.precision": "bf16",
+                    "perf.compile": True,
+                    "run.progress": False,
+                    **variant,
+                }
                 t0 = time.time()
                 try:
-                    res = run_bench(load_config("default", overrides), steps=a.steps, warmup=a.warmup,
-                                    compare=compare, kernel_steps=a.kernels)
+                    res = run_bench(
+                        load_config("default", overrides),
+                        steps=a.steps,
+                        warmup=a.warmup,
+                        compare=compare,
+                        kernel_steps=a.kernels,
+                    )
                     res["variant"] = variant
                     print(format_result(res), flush=True)
                 except Exception as e:  # noqa: BLE001 - record and go on
-                    res = {"size": size, "variant": variant, "error": f"{type(e).__name__}: {e}",
-                           "trace": traceback.format_exc()[-2000:]}
+                    res = {
+                        "size": size,
+                        "variant": variant,
+                        "error": f"{type(e).__name__}: {e}",
+                        "trace": traceback.format_exc()[-2000:],
+                    }
                     print(f"FAILED {size} {variant}: {res['error']}", flush=True)
                 res["wall_s"] = round(time.time() - t0, 1)
                 f.write(json.dumps(res, default=str) + "\n")

@@ -19,4 +19,15 @@ from gptoughts.api import generate_text as generate
 from gptoughts.errors import ConfigError, DataError, HardwareError, UserError
 
 __version__ = "0.1.0"
-__all__ = ["train", "finetune", "export", "load", "generate", "evaluate", "UserError", "ConfigError", "DataError", "HardwareError"]
+__all__ = [
+    "train",
+    "finetune",
+    "export",
+    "load",
+    "generate",
+    "evaluate",
+    "UserError",
+    "ConfigError",
+    "DataError",
+    "HardwareError",
+]

@@ -50,10 +50,22 @@ class History:
 
 # -------------------------------------------------------------------------------------------------- train
 
-def train(config: Config | str | None = None, *, data_path: str | list[str] | None = None, model: str | None = None,
-          size: str | None = None, num_epochs: float | None = None, batch_size: int | str | None = None,
-          learning_rate: float | None = None, save_dir: str | None = None, device: str | None = None,
-          max_steps: int | None = None, dry_run: bool = False, **overrides: Any) -> tuple[nn.Module, Any, History]:
+
+def train(
+    config: Config | str | None = None,
+    *,
+    data_path: str | list[str] | None = None,
+    model: str | None = None,
+    size: str | None = None,
+    num_epochs: float | None = None,
+    batch_size: int | str | None = None,
+    learning_rate: float | None = None,
+    save_dir: str | None = None,
+    device: str | None = None,
+    max_steps: int | None = None,
+    dry_run: bool = False,
+    **overrides: Any,
+) -> tuple[nn.Module, Any, History]:
     """Train a model; returns ``(model, tokenizer, history)``.
 
     ``config`` is a Config, a preset name or a TOML path. With none, the rule of the command line applies: a
@@ -66,9 +78,16 @@ def train(config: Config | str | None = None, *, data_path: str | list[str] | No
         kw: dict[str, Any] = {}
         if data_path is not None:
             kw["data.sources"] = [data_path] if isinstance(data_path, str) else list(data_path)
-        for key, value in (("model.family", model), ("model.size", size), ("train.epochs", num_epochs),
-                           ("train.batch_size", batch_size), ("train.learning_rate", learning_rate),
-                           ("run.out", save_dir), ("perf.device", device), ("train.max_steps", max_steps)):
+        for key, value in (
+            ("model.family", model),
+            ("model.size", size),
+            ("train.epochs", num_epochs),
+            ("train.batch_size", batch_size),
+            ("train.learning_rate", learning_rate),
+            ("run.out", save_dir),
+            ("perf.device", device),
+            ("train.max_steps", max_steps),
+        ):
             if value is not None:
                 kw[key] = value
         kw.update(overrides)
@@ -76,11 +95,22 @@ def train(config: Config | str | None = None, *, data_path: str | list[str] | No
     return run_training(config, dry_run=dry_run)
 
 
-def finetune(config: Config | str | None = None, *, model_path: str | None = None,
-             data_path: str | list[str] | None = None, lora: bool | None = None, num_epochs: float | None = None,
-             batch_size: int | str | None = None, learning_rate: float | None = None, save_dir: str | None = None,
-             device: str | None = None, max_steps: int | None = None, trust_remote_code: bool | None = None,
-             dry_run: bool = False, **overrides: Any) -> tuple[nn.Module, Any, History]:
+def finetune(
+    config: Config | str | None = None,
+    *,
+    model_path: str | None = None,
+    data_path: str | list[str] | None = None,
+    lora: bool | None = None,
+    num_epochs: float | None = None,
+    batch_size: int | str | None = None,
+    learning_rate: float | None = None,
+    save_dir: str | None = None,
+    device: str | None = None,
+    max_steps: int | None = None,
+    trust_remote_code: bool | None = None,
+    dry_run: bool = False,
+    **overrides: Any,
+) -> tuple[nn.Module, Any, History]:
     """Fine-tune a local Hugging Face model folder (``model_path``) on ``data_path``; ``(model, tokenizer, history)``.
 
     The same pipeline as :func:`train` (``config`` defaults to the ``finetune`` preset): JSONL with
@@ -91,10 +121,17 @@ def finetune(config: Config | str | None = None, *, model_path: str | None = Non
         kw: dict[str, Any] = {}
         if data_path is not None:
             kw["data.sources"] = [data_path] if isinstance(data_path, str) else list(data_path)
-        for key, value in (("model.init_from", model_path), ("lora.enabled", lora), ("train.epochs", num_epochs),
-                           ("train.batch_size", batch_size), ("train.learning_rate", learning_rate),
-                           ("run.out", save_dir), ("perf.device", device), ("train.max_steps", max_steps),
-                           ("model.trust_remote_code", trust_remote_code)):
+        for key, value in (
+            ("model.init_from", model_path),
+            ("lora.enabled", lora),
+            ("train.epochs", num_epochs),
+            ("train.batch_size", batch_size),
+            ("train.learning_rate", learning_rate),
+            ("run.out", save_dir),
+            ("perf.device", device),
+            ("train.max_steps", max_steps),
+            ("model.trust_remote_code", trust_remote_code),
+        ):
             if value is not None:
                 kw[key] = value
         kw.update(overrides)
@@ -122,8 +159,10 @@ def run_training(cfg: Config, *, dry_run: bool = False) -> tuple[nn.Module, Any,
             return asm.model.raw, asm.data.tokenizer, history
         try:
             if main and cfg.lora.enabled and cfg.train.learning_rate < 1e-4:
-                console.print(f"[yellow]hint:[/yellow] LoRA usually wants a larger learning rate than full "
-                              f"fine-tuning (~2e-4); this run uses {cfg.train.learning_rate:g} (--lr)")
+                console.print(
+                    f"[yellow]hint:[/yellow] LoRA usually wants a larger learning rate than full "
+                    f"fine-tuning (~2e-4); this run uses {cfg.train.learning_rate:g} (--lr)"
+                )
             if main and asm.model.pretrained is not None and asm.model.pretrained.notice:
                 console.print(asm.model.pretrained.notice, highlight=False)
             start_tokens, t0 = asm.trainer.state.tokens_seen, time.perf_counter()
@@ -131,8 +170,10 @@ def run_training(cfg: Config, *, dry_run: bool = False) -> tuple[nn.Module, Any,
                 with _disk_full_is_a_user_error():
                     st = asm.trainer.fit()
             except torch.OutOfMemoryError:
-                raise UserError("out of GPU memory; lower --batch_size (raise --grad_accum to keep the global batch) "
-                                "or --block_size; checkpoints already written are intact") from None
+                raise UserError(
+                    "out of GPU memory; lower --batch_size (raise --grad_accum to keep the global batch) "
+                    "or --block_size; checkpoints already written are intact"
+                ) from None
             wall = time.perf_counter() - t0
             history = _history(asm, st, history)
             prompts = cfg.eval.sample_prompts
@@ -160,9 +201,11 @@ def _disk_full_is_a_user_error() -> Iterator[None]:
         if e.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
         where = f" while writing {e.filename}" if e.filename else ""
-        raise UserError(f"disk full{where} ({e.strerror}); what was saved before is intact: free some space (or "
-                        "point --out / GPTOUGHTS_CACHE elsewhere) and run again, with --resume auto for a run "
-                        "that had started") from None
+        raise UserError(
+            f"disk full{where} ({e.strerror}); what was saved before is intact: free some space (or "
+            "point --out / GPTOUGHTS_CACHE elsewhere) and run again, with --resume auto for a run "
+            "that had started"
+        ) from None
 
 
 def _history(asm: Any, st: Any, history: History) -> History:
@@ -189,13 +232,19 @@ def _summary(asm: Any, history: History, wall: float, tokens: int) -> dict[str, 
     plots = asm.trainer.plots.close() if asm.trainer.plots is not None else []
     asm.trainer.plots = None
     summary = {
-        "steps": history.steps, "tokens": history.tokens, "wall_s": round(wall, 2),
-        "tokens_per_s": tps, "mfu": flops * tps / (peak * asm.env.dist.world_size) if tps and peak else None,
-        "best_val_loss": best[0] if best else None, "best_step": best[1] if best else None,
+        "steps": history.steps,
+        "tokens": history.tokens,
+        "wall_s": round(wall, 2),
+        "tokens_per_s": tps,
+        "mfu": flops * tps / (peak * asm.env.dist.world_size) if tps and peak else None,
+        "best_val_loss": best[0] if best else None,
+        "best_step": best[1] if best else None,
         "final_val_loss": history.final_val_loss if math.isfinite(history.final_val_loss) else None,
         "final_val_ppl": history.final_val_ppl if math.isfinite(history.final_val_ppl) else None,
-        "stop_reason": history.stop_reason, "checkpoints": str(asm.run_dir / "checkpoints"),
-        "plots": [str(p) for p in plots], "sample": history.sample,
+        "stop_reason": history.stop_reason,
+        "checkpoints": str(asm.run_dir / "checkpoints"),
+        "plots": [str(p) for p in plots],
+        "sample": history.sample,
     }
     write_text_atomic(asm.run_dir / "summary.json", json.dumps(summary, indent=2))
     return summary
@@ -210,17 +259,29 @@ def _print_summary(asm: Any, history: History) -> None:
         console.print(f"[bold]sample[/bold] ({prompt!r}):\n{history.sample}", highlight=False)
     speed = f"{s['tokens_per_s']:,.0f} tokens/s" if s["tokens_per_s"] else "-"
     mfu = f", MFU {s['mfu']:.3f}" if s["mfu"] else ""
-    best = f"best val loss {s['best_val_loss']:.4f} at step {s['best_step']}" if s["best_val_loss"] is not None \
+    best = (
+        f"best val loss {s['best_val_loss']:.4f} at step {s['best_step']}"
+        if s["best_val_loss"] is not None
         else "no evaluation"
-    final = f" (final {s['final_val_loss']:.4f}, perplexity {s['final_val_ppl']:.2f})" \
-        if s["final_val_loss"] is not None else ""
-    console.print(f"[bold]done[/bold] ({history.stop_reason}): {s['steps']:,} steps, {s['tokens']:,} tokens in "
-                  f"{_clock(s['wall_s'])}, {speed}{mfu}; {best}{final}", highlight=False)
+    )
+    final = (
+        f" (final {s['final_val_loss']:.4f}, perplexity {s['final_val_ppl']:.2f})"
+        if s["final_val_loss"] is not None
+        else ""
+    )
+    console.print(
+        f"[bold]done[/bold] ({history.stop_reason}): {s['steps']:,} steps, {s['tokens']:,} tokens in "
+        f"{_clock(s['wall_s'])}, {speed}{mfu}; {best}{final}",
+        highlight=False,
+    )
     plots = f"{run / 'plots'}/ (overview.png)" if s["plots"] else "none (pip install matplotlib)"
     console.print(f"  run: {run}   checkpoints: {run / 'checkpoints'}   plots: {plots}", highlight=False)
-    console.print(f"  next: gptoughts sample {run} --prompt \"...\"  |  gptoughts eval {run} --data PATH  |  "
-                  f"gptoughts export {run} --format hf OUT  |  gptoughts train --resume auto --out {run} "
-                  f"--max_steps N  |  gptoughts plot {run}", highlight=False)
+    console.print(
+        f'  next: gptoughts sample {run} --prompt "..."  |  gptoughts eval {run} --data PATH  |  '
+        f"gptoughts export {run} --format hf OUT  |  gptoughts train --resume auto --out {run} "
+        f"--max_steps N  |  gptoughts plot {run}",
+        highlight=False,
+    )
 
 
 def _clock(seconds: float) -> str:
@@ -230,6 +291,7 @@ def _clock(seconds: float) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- load etc.
+
 
 @dataclass
 class Loaded:
@@ -257,30 +319,47 @@ def load(path: str | Path, device: str = "auto", *, trust_remote_code: bool = Fa
     dev = hardware.resolve_device(device)
     if is_hf_folder(path):
         pre = load_pretrained(path, device=dev, trust_remote_code=trust_remote_code)
-        return Loaded(model=pre.model.eval(), tokenizer=pre.tokenizer, config=load_config("default"),
-                      checkpoint=Path(path), family=pre.family or GENERIC_FAMILY.name,
-                      chat=pre.tokenizer.chat_template is not None, init_from=str(path), args=pre.model.args)
+        return Loaded(
+            model=pre.model.eval(),
+            tokenizer=pre.tokenizer,
+            config=load_config("default"),
+            checkpoint=Path(path),
+            family=pre.family or GENERIC_FAMILY.name,
+            chat=pre.tokenizer.chat_template is not None,
+            init_from=str(path),
+            args=pre.model.args,
+        )
     ck = ckpt.resolve(path)
     run_dir = ck.parent.parent if ck.parent.name == "checkpoints" else ck.parent
     cfg_file, run_file = run_dir / "config.toml", run_dir / "run.json"
     if not cfg_file.exists() or not run_file.exists():
-        raise UserError(f"{run_dir} has no config.toml/run.json next to its checkpoints; is it a gptoughts run?")
+        raise UserError(
+            f"{run_dir} has no config.toml/run.json next to its checkpoints; is it a gptoughts run?"
+        )
     try:
         cfg = config_from_toml_text(cfg_file.read_text(encoding="utf-8"))
     except (ValueError, OSError, UserError) as e:  # tomllib's error is a ValueError; ConfigError: wrong keys
-        raise UserError(f"{cfg_file} is corrupt ({str(e).splitlines()[0][:150]}); restore it from a copy") from None
+        raise UserError(
+            f"{cfg_file} is corrupt ({str(e).splitlines()[0][:150]}); restore it from a copy"
+        ) from None
     try:
         run = json.loads(run_file.read_text(encoding="utf-8"))
         if not isinstance(run, dict) or "family" not in run or not isinstance(run.get("args", {}), dict):
             raise ValueError("no family/args")
     except (ValueError, OSError) as e:
-        raise UserError(f"{run_file} is corrupt ({str(e).splitlines()[0][:150]}); restore it from a copy") from None
+        raise UserError(
+            f"{run_file} is corrupt ({str(e).splitlines()[0][:150]}); restore it from a copy"
+        ) from None
     init_from = run.get("init_from")
     if init_from and (cfg.lora.enabled or run.get("generic")):
         if not Path(init_from).is_dir():
-            raise UserError(f"{run_dir} holds only what was trained on top of {init_from}, which is missing; put "
-                            "the base model folder back at that path")
-        pre = load_pretrained(init_from, device=dev, trust_remote_code=cfg.model.trust_remote_code or trust_remote_code)
+            raise UserError(
+                f"{run_dir} holds only what was trained on top of {init_from}, which is missing; put "
+                "the base model folder back at that path"
+            )
+        pre = load_pretrained(
+            init_from, device=dev, trust_remote_code=cfg.model.trust_remote_code or trust_remote_code
+        )
         model, family_name, args = pre.model, pre.family or GENERIC_FAMILY.name, pre.model.args
         if cfg.lora.enabled:
             # QLoRA adapters are put back over the full-precision base (the usual way to merge and export them:
@@ -300,20 +379,43 @@ def load(path: str | Path, device: str = "auto", *, trust_remote_code: bool = Fa
     model.eval()
     if not (run_dir / "tokenizer").exists():
         raise DataError(f"{run_dir}/tokenizer is missing; cannot decode this model's outputs")
-    return Loaded(model=model, tokenizer=Tokenizer.load(run_dir / "tokenizer"), config=cfg, checkpoint=ck,
-                  family=family_name, chat=run.get("data_format") == "sft", init_from=init_from, args=args)
+    return Loaded(
+        model=model,
+        tokenizer=Tokenizer.load(run_dir / "tokenizer"),
+        config=cfg,
+        checkpoint=ck,
+        family=family_name,
+        chat=run.get("data_format") == "sft",
+        init_from=init_from,
+        args=args,
+    )
 
 
-def generate_text(loaded: Loaded, prompt: str, *, max_new_tokens: int = 128, temperature: float = 0.8,
-                  top_k: int | None = 50, top_p: float | None = None, seed: int | None = None,
-                  chat: bool | None = None) -> str:
+def generate_text(
+    loaded: Loaded,
+    prompt: str,
+    *,
+    max_new_tokens: int = 128,
+    temperature: float = 0.8,
+    top_k: int | None = 50,
+    top_p: float | None = None,
+    seed: int | None = None,
+    chat: bool | None = None,
+) -> str:
     """Continue ``prompt`` (``gptoughts.generate``). Masked-diffusion families (LLaDA) use the diffusion sampler
     (``temperature`` as Gumbel noise; ``top_k``/``top_p`` do not apply) and stop at the first eos.
 
     ``chat`` (default ``loaded.chat``): the prompt is a user message rendered with the chat template (the
     tokenizer's own, else the SFT default) and only the assistant's answer is returned."""
-    return sampler(loaded)(prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                           top_p=top_p, seed=seed, chat=chat)
+    return sampler(loaded)(
+        prompt,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        seed=seed,
+        chat=chat,
+    )
 
 
 def sampler(loaded: Loaded) -> Any:
@@ -325,8 +427,14 @@ def sampler(loaded: Loaded) -> Any:
 
 
 @torch.no_grad()
-def evaluate(loaded: Loaded, data: list[str], *, batch_size: int = 8, block_size: int | None = None,
-             max_batches: int | None = None) -> dict[str, Any]:
+def evaluate(
+    loaded: Loaded,
+    data: list[str],
+    *,
+    batch_size: int = 8,
+    block_size: int | None = None,
+    max_batches: int | None = None,
+) -> dict[str, Any]:
     """Loss and perplexity of a loaded model on all of ``data`` (tokenized with the model's own tokenizer, in
     non-overlapping windows of ``block_size``; only a last part shorter than a full batch is left out), or on
     ``max_batches`` batches spread evenly over it."""
@@ -339,9 +447,17 @@ def evaluate(loaded: Loaded, data: list[str], *, batch_size: int = 8, block_size
     block = block_size or cfg.train.block_size
     # The folder the tokenizer was loaded from: a run's tokenizer/ or the HF model folder itself.
     run_tok = loaded.tokenizer.source_dir or loaded.checkpoint.parent.parent / "tokenizer"
-    manifest = cached_prepare(resolve_sources(data), str(run_tok), text_field=cfg.data.text_field,
-                              extensions=cfg.data.extensions or None, val_fraction=0.0, min_val_docs=0,
-                              seed=cfg.train.seed, cache_root=cfg.data.cache_dir, progress=False)
+    manifest = cached_prepare(
+        resolve_sources(data),
+        str(run_tok),
+        text_field=cfg.data.text_field,
+        extensions=cfg.data.extensions or None,
+        val_fraction=0.0,
+        min_val_docs=0,
+        seed=cfg.train.seed,
+        cache_root=cfg.data.cache_dir,
+        progress=False,
+    )
     dataset = TokenDataset(manifest.dir)
     dev = next(loaded.model.parameters()).device
     fam = models.family_of(loaded.family)
@@ -349,8 +465,9 @@ def evaluate(loaded: Loaded, data: list[str], *, batch_size: int = 8, block_size
     objective = None if diffusion else build_objective(fam.objective)
     mc_gen = torch.Generator(device=dev).manual_seed(0) if diffusion else None
     total, count = 0.0, 0.0
-    for batch in eval_batches(dataset, split="train", batch_size=batch_size, block_size=block,
-                              max_batches=max_batches, device=dev):
+    for batch in eval_batches(
+        dataset, split="train", batch_size=batch_size, block_size=block, max_batches=max_batches, device=dev
+    ):
         if diffusion:
             # Masked diffusion has no exact likelihood: a Monte-Carlo estimate of its NLL bound per token (see
             # llada.diffusion_log_likelihood). Few draws per window suffice, the corpus average pools them all.
@@ -365,16 +482,36 @@ def evaluate(loaded: Loaded, data: list[str], *, batch_size: int = 8, block_size
         count += float(n)
     loss = total / max(count, 1.0)
     available = manifest.train_tokens
-    scored = "all of it" if max_batches is None and available - count < batch_size * (block + 1) else \
-        f"{int(count):,} of its {available:,} tokens" + (" (--max_batches)" if max_batches is not None else "")
-    return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": count, "corpus_tokens": available,
-            "scored": scored, "split": "all"}
+    scored = (
+        "all of it"
+        if max_batches is None and available - count < batch_size * (block + 1)
+        else f"{int(count):,} of its {available:,} tokens"
+        + (" (--max_batches)" if max_batches is not None else "")
+    )
+    return {
+        "loss": loss,
+        "perplexity": math.exp(min(loss, 50.0)),
+        "tokens": count,
+        "corpus_tokens": available,
+        "scored": scored,
+        "split": "all",
+    }
 
 
 # ------------------------------------------------------------------------------------------------- export
 
-def export(path: str | Path, out: str | Path, *, format: str = "hf", max_shard_size: str | int = "5GB",
-           dtype: str = "auto", overwrite: bool = False, device: str = "cpu", trust_remote_code: bool = False) -> Path:
+
+def export(
+    path: str | Path,
+    out: str | Path,
+    *,
+    format: str = "hf",
+    max_shard_size: str | int = "5GB",
+    dtype: str = "auto",
+    overwrite: bool = False,
+    device: str = "cpu",
+    trust_remote_code: bool = False,
+) -> Path:
     """Write a run (or checkpoint, or HF folder) as a ``transformers`` model folder; LoRA adapters are merged.
 
     ``dtype``: auto (the dtype of the model the run started from, fp32 for runs trained from scratch), fp32,
@@ -402,12 +539,24 @@ def export(path: str | Path, out: str | Path, *, format: str = "hf", max_shard_s
     target = names.get(dtype) or (model_dtype(base) if base else torch.float32)
     shard = parse_size(max_shard_size)
     if isinstance(model, HFCausalLM):
-        return save_generic(model, loaded.tokenizer, out, max_shard_bytes=shard, dtype=target, overwrite=overwrite)
+        return save_generic(
+            model, loaded.tokenizer, out, max_shard_bytes=shard, dtype=target, overwrite=overwrite
+        )
     gen = None
     if loaded.init_from and (Path(loaded.init_from) / "generation_config.json").is_file():
         gen = json.loads((Path(loaded.init_from) / "generation_config.json").read_text())
-    written = save_hf(model, loaded.family, loaded.args, loaded.tokenizer, out, base_config=base,
-                      base_generation_config=gen, max_shard_bytes=shard, dtype=target, overwrite=overwrite)
+    written = save_hf(
+        model,
+        loaded.family,
+        loaded.args,
+        loaded.tokenizer,
+        out,
+        base_config=base,
+        base_generation_config=gen,
+        max_shard_bytes=shard,
+        dtype=target,
+        overwrite=overwrite,
+    )
     if loaded.init_from:  # fine-tuning keeps the vocabulary: ship the original tokenizer files as they were
         copy_tokenizer_files(loaded.init_from, written)
     return written

@@ -37,8 +37,13 @@ ALIASES: dict[str, str] = {
 }
 REPEATABLE = {"data.sources"}
 # Flags that take no value, and the value they set.
-FLAGS: dict[str, Any] = {"overwrite": True, "wandb": True, "no_progress": False, "auto_batch": "auto",
-                         "recover_nan": "rollback"}
+FLAGS: dict[str, Any] = {
+    "overwrite": True,
+    "wandb": True,
+    "no_progress": False,
+    "auto_batch": "auto",
+    "recover_nan": "rollback",
+}
 # Options whose value may be left out, and the value they then take.
 OPTIONAL_VALUE: dict[str, Any] = {"resume": "auto", "compile": True, "fp8": True, "use_fp8": True}
 _BOOL_WORDS = {"true", "false", "auto", "1", "0"}
@@ -51,15 +56,21 @@ def _bare_keys(sections: tuple[str, ...]) -> dict[str, str]:
     """field name -> dotted key for every field of ``sections`` (no two sections share a field name)."""
     from gptoughts.config import SECTIONS
 
-    return {f: f"{sec}.{f}" for sec in sections for f in SECTIONS[sec].__dataclass_fields__ if f != "overrides"}
+    return {
+        f: f"{sec}.{f}" for sec in sections for f in SECTIONS[sec].__dataclass_fields__ if f != "overrides"
+    }
 
 
 TRAIN_SECTIONS = ("model", "data", "train", "eval", "checkpoint", "recovery", "perf", "parallel", "run")
 
 
-def parse_overrides(argv: Sequence[str], aliases: dict[str, str] | None = None,
-                    flags: dict[str, Any] | None = None, sections: tuple[str, ...] = TRAIN_SECTIONS,
-                    switches: Sequence[str] = TRAIN_SWITCHES) -> tuple[str | None, dict[str, Any], set[str]]:
+def parse_overrides(
+    argv: Sequence[str],
+    aliases: dict[str, str] | None = None,
+    flags: dict[str, Any] | None = None,
+    sections: tuple[str, ...] = TRAIN_SECTIONS,
+    switches: Sequence[str] = TRAIN_SWITCHES,
+) -> tuple[str | None, dict[str, Any], set[str]]:
     """Split ``[PRESET] --k v ...`` into (preset, {dotted key: value}, switches given).
 
     ``aliases``/``flags`` replace :data:`ALIASES`/:data:`FLAGS` (``finetune`` maps ``--model`` elsewhere).
@@ -88,14 +99,25 @@ def parse_overrides(argv: Sequence[str], aliases: dict[str, str] | None = None,
             section, _, field_name = name.partition(".")
             if section not in sections:
                 near = closest(section, sections)
-                raise ConfigError(f"unknown option --{name}: no section `{section}`"
-                                  + (f" (did you mean --{near}.{field_name}?)" if near else
-                                     f"; sections are {', '.join(sections)}"))
+                raise ConfigError(
+                    f"unknown option --{name}: no section `{section}`"
+                    + (
+                        f" (did you mean --{near}.{field_name}?)"
+                        if near
+                        else f"; sections are {', '.join(sections)}"
+                    )
+                )
             if section != "model" and field_name not in SECTIONS[section].__dataclass_fields__:
                 fields = [f for f in SECTIONS[section].__dataclass_fields__]
                 near = closest(field_name, fields)
-                raise ConfigError(f"unknown option --{name}" + (f" (did you mean --{section}.{near}?)" if near else
-                                                                f"; `gptoughts {'train'} --help` lists them"))
+                raise ConfigError(
+                    f"unknown option --{name}"
+                    + (
+                        f" (did you mean --{section}.{near}?)"
+                        if near
+                        else f"; `gptoughts {'train'} --help` lists them"
+                    )
+                )
             key = name
         else:
             name = name.replace("-", "_")
@@ -105,8 +127,10 @@ def parse_overrides(argv: Sequence[str], aliases: dict[str, str] | None = None,
             key = aliases.get(name)
             if key is None:
                 near = closest(name, [*aliases, *switches])
-                raise ConfigError(f"unknown option --{name}" + (f" (did you mean --{near}?)" if near else
-                                                                "; `--help` lists the options"))
+                raise ConfigError(
+                    f"unknown option --{name}"
+                    + (f" (did you mean --{near}?)" if near else "; `--help` lists the options")
+                )
         if name in flags and not eq:
             out[key] = flags[name]
             continue
@@ -114,7 +138,11 @@ def parse_overrides(argv: Sequence[str], aliases: dict[str, str] | None = None,
             nxt = args[i] if i < len(args) else None
             if name in OPTIONAL_VALUE:
                 choices = OPTIONAL_CHOICES.get(name)
-                if nxt is None or nxt.startswith("--") or (choices is not None and nxt.lower() not in choices):
+                if (
+                    nxt is None
+                    or nxt.startswith("--")
+                    or (choices is not None and nxt.lower() not in choices)
+                ):
                     value = OPTIONAL_VALUE[name]
                 else:
                     value, i = nxt, i + 1
@@ -131,8 +159,11 @@ def parse_overrides(argv: Sequence[str], aliases: dict[str, str] | None = None,
     return preset, out, seen
 
 
-def ask_interactive(overrides: dict[str, Any], ask: Callable[[str, str], str] | None = None) -> dict[str, Any]:
+def ask_interactive(
+    overrides: dict[str, Any], ask: Callable[[str, str], str] | None = None
+) -> dict[str, Any]:
     """The INL guide's four questions (size, corpus, epochs, batch size), each with a default."""
+
     def default_ask(question: str, default: str) -> str:
         answer = input(f"{question} [{default}]: ").strip()
         return answer or default
@@ -144,8 +175,10 @@ def ask_interactive(overrides: dict[str, Any], ask: Callable[[str, str], str] | 
     sizes = ", ".join(models.list_sizes(family))
     out = dict(overrides)
     out["model.size"] = ask(f"Model size ({sizes})", str(overrides.get("model.size", "debug")))
-    corpus = ask("Training corpus (file, folder, .jsonl, .parquet; @stdlib = Python's standard library)",
-                 ",".join(overrides.get("data.sources", ["@stdlib"])))
+    corpus = ask(
+        "Training corpus (file, folder, .jsonl, .parquet; @stdlib = Python's standard library)",
+        ",".join(overrides.get("data.sources", ["@stdlib"])),
+    )
     out["data.sources"] = [c.strip() for c in corpus.split(",") if c.strip()]
     out["train.epochs"] = ask("Epochs", str(overrides.get("train.epochs", 1)))
     out["train.batch_size"] = ask("Batch size", str(overrides.get("train.batch_size", 8)))
@@ -190,28 +223,42 @@ def train_help() -> str:
     from gptoughts import models
     from gptoughts.config import list_presets
 
-    lines = ["usage: gptoughts train [PRESET|FILE.toml] [--option VALUE ...] [--section.key VALUE ...]", "",
-             WHERE_A_RUN_STARTS, "",
-             "examples:",
-             "  gptoughts train                                       # the quickstart",
-             "  gptoughts train --data corpus.txt --size 125m         # a 125m Llama on your corpus",
-             "  gptoughts train --data data/ --model inl --size 3b --dry_run   # its plan, nothing run",
-             "  gptoughts train --resume auto --out runs/llama-125m   # continue a run exactly", "",
-             "families and sizes (--model FAMILY --size SIZE):"]
+    lines = [
+        "usage: gptoughts train [PRESET|FILE.toml] [--option VALUE ...] [--section.key VALUE ...]",
+        "",
+        WHERE_A_RUN_STARTS,
+        "",
+        "examples:",
+        "  gptoughts train                                       # the quickstart",
+        "  gptoughts train --data corpus.txt --size 125m         # a 125m Llama on your corpus",
+        "  gptoughts train --data data/ --model inl --size 3b --dry_run   # its plan, nothing run",
+        "  gptoughts train --resume auto --out runs/llama-125m   # continue a run exactly",
+        "",
+        "families and sizes (--model FAMILY --size SIZE):",
+    ]
     lines += [f"  {name:<9} {', '.join(models.list_sizes(name))}" for name in models.FAMILIES]
-    lines += [f"presets: {', '.join(list_presets())}", "",
-              "switches:",
-              "  --dry_run        print the run plan (and its warnings) and exit; writes nothing",
-              "  --print_config   print the fully resolved config as TOML and exit",
-              "  --interactive    ask the INL guide's four questions (size, corpus, epochs, batch size)", "",
-              "options: --NAME VALUE or --SECTION.NAME VALUE; a few take no value (flags):"]
+    lines += [
+        f"presets: {', '.join(list_presets())}",
+        "",
+        "switches:",
+        "  --dry_run        print the run plan (and its warnings) and exit; writes nothing",
+        "  --print_config   print the fully resolved config as TOML and exit",
+        "  --interactive    ask the INL guide's four questions (size, corpus, epochs, batch size)",
+        "",
+        "options: --NAME VALUE or --SECTION.NAME VALUE; a few take no value (flags):",
+    ]
     lines += options_help(TRAIN_SECTIONS, {**_bare_keys(TRAIN_SECTIONS), **ALIASES}, FLAGS)
-    lines += ["", "model architecture fields (--model.NAME VALUE, e.g. --model.n_layers 8) depend on the family: "
-              "see docs/internals.md and gptoughts/models/FAMILY.py."]
+    lines += [
+        "",
+        "model architecture fields (--model.NAME VALUE, e.g. --model.n_layers 8) depend on the family: "
+        "see docs/internals.md and gptoughts/models/FAMILY.py.",
+    ]
     return "\n".join(lines)
 
 
-def _run(preset: str | None, overrides: dict[str, Any], switches: set[str], default_preset: str | None = None) -> int:
+def _run(
+    preset: str | None, overrides: dict[str, Any], switches: set[str], default_preset: str | None = None
+) -> int:
     from gptoughts.config import load_config, to_toml
 
     cfg = load_config(preset or default_preset, overrides)
@@ -280,47 +327,68 @@ def cmd_finetune(argv: Sequence[str]) -> int:
         lines = options_help(("lora",), {**_bare_keys(("lora",)), **FINETUNE_ALIASES}, FINETUNE_FLAGS)
         print("\n".join(["LoRA options:", *lines[1:]]))
         return 0
-    preset, overrides, switches = parse_overrides(argv, FINETUNE_ALIASES, FINETUNE_FLAGS,
-                                                  sections=(*TRAIN_SECTIONS, "lora"))
+    preset, overrides, switches = parse_overrides(
+        argv, FINETUNE_ALIASES, FINETUNE_FLAGS, sections=(*TRAIN_SECTIONS, "lora")
+    )
     if overrides.get("lora.quantize") == "4bit":
         overrides.setdefault("lora.enabled", True)
     if "model.init_from" not in overrides and preset is None:
-        raise ConfigError("finetune needs a pretrained model: pass --model HF_DIR (a local Hugging Face folder)")
+        raise ConfigError(
+            "finetune needs a pretrained model: pass --model HF_DIR (a local Hugging Face folder)"
+        )
     return _run(preset, overrides, switches, default_preset="finetune")
 
 
 def cmd_export(argv: Sequence[str]) -> int:
-    p = argparse.ArgumentParser(prog="gptoughts export",
-                                description="Write a run as a Hugging Face transformers model folder (LoRA merged).")
+    p = argparse.ArgumentParser(
+        prog="gptoughts export",
+        description="Write a run as a Hugging Face transformers model folder (LoRA merged).",
+    )
     p.add_argument("path", help="run directory, checkpoint directory (or an HF folder)")
     p.add_argument("out_pos", nargs="?", metavar="OUT", help="output folder (or --out)")
     p.add_argument("--out", default=None, help="output folder")
     p.add_argument("--format", default="hf", choices=["hf"], help="hf: config.json + safetensors + tokenizer")
     p.add_argument("--max_shard_size", default="5GB", help="split weights above this size (e.g. 5GB, 500MB)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
-                   help="auto: the base model's dtype (fp32 for models trained from scratch)")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "fp32", "bf16", "fp16"],
+        help="auto: the base model's dtype (fp32 for models trained from scratch)",
+    )
     p.add_argument("--overwrite", action="store_true", help="write into a non-empty OUT")
     p.add_argument("--device", default="cpu", help="where LoRA is merged (cpu needs no GPU memory)")
-    p.add_argument("--trust_remote_code", action="store_true", help="let transformers run an HF folder's own code")
+    p.add_argument(
+        "--trust_remote_code", action="store_true", help="let transformers run an HF folder's own code"
+    )
     a = p.parse_intermixed_args(argv)
     out = a.out or a.out_pos
     if out is None:
         raise ConfigError("export needs an output folder: gptoughts export RUN --format hf OUT")
     from gptoughts.api import export
 
-    written = export(a.path, out, format=a.format, max_shard_size=a.max_shard_size, dtype=a.dtype,
-                     overwrite=a.overwrite, device=a.device, trust_remote_code=a.trust_remote_code)
+    written = export(
+        a.path,
+        out,
+        format=a.format,
+        max_shard_size=a.max_shard_size,
+        dtype=a.dtype,
+        overwrite=a.overwrite,
+        device=a.device,
+        trust_remote_code=a.trust_remote_code,
+    )
     print(f"wrote {written} (load it with transformers.AutoModelForCausalLM.from_pretrained)")
     return 0
 
 
 def cmd_prepare(argv: Sequence[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
-        print("usage: gptoughts prepare --data PATH [--data PATH ...] --out DIR [--size S | --tokenizer SPEC]\n"
-              "                         [--text_field F --extensions a,b --val_fraction X --max_bytes N --seed N]\n"
-              "Tokenize a corpus into token shards in DIR (manifest.json, tokenizer/, *.bin): the same keys and\n"
-              "defaults as `gptoughts train` (with --size, the tokenizer that size trains with), so\n"
-              "`gptoughts bench --shards DIR` and a train of the same settings read the same tokens.")
+        print(
+            "usage: gptoughts prepare --data PATH [--data PATH ...] --out DIR [--size S | --tokenizer SPEC]\n"
+            "                         [--text_field F --extensions a,b --val_fraction X --max_bytes N --seed N]\n"
+            "Tokenize a corpus into token shards in DIR (manifest.json, tokenizer/, *.bin): the same keys and\n"
+            "defaults as `gptoughts train` (with --size, the tokenizer that size trains with), so\n"
+            "`gptoughts bench --shards DIR` and a train of the same settings read the same tokens."
+        )
         print("\n".join(options_help(("data",), {**_bare_keys(("data",)), **ALIASES}, FLAGS)))
         return 0
     rest, opts = _pop_options(argv, set(), {"out"})
@@ -333,10 +401,19 @@ def cmd_prepare(argv: Sequence[str]) -> int:
 
     cfg = load_config(preset, overrides)
     d = cfg.data
-    m = prepare(resolve_sources(d.sources), opts["out"], d.tokenizer, text_field=d.text_field,
-                extensions=d.extensions or None, val_fraction=d.val_fraction, max_bytes=d.max_bytes,
-                seed=cfg.train.seed)
-    print(f"{opts['out']}: {m.train_tokens:,} train tokens, {m.val_tokens:,} val tokens (vocab {m.vocab_size:,})")
+    m = prepare(
+        resolve_sources(d.sources),
+        opts["out"],
+        d.tokenizer,
+        text_field=d.text_field,
+        extensions=d.extensions or None,
+        val_fraction=d.val_fraction,
+        max_bytes=d.max_bytes,
+        seed=cfg.train.seed,
+    )
+    print(
+        f"{opts['out']}: {m.train_tokens:,} train tokens, {m.val_tokens:,} val tokens (vocab {m.vocab_size:,})"
+    )
     return 0
 
 
@@ -344,54 +421,86 @@ def cmd_sample(argv: Sequence[str]) -> int:
     p = argparse.ArgumentParser(prog="gptoughts sample", description="Generate text from a trained model.")
     p.add_argument("path", help="run directory, checkpoint directory or Hugging Face model folder")
     p.add_argument("--prompt", default="", help="text to continue (with --chat: the user's message)")
-    p.add_argument("--chat", default="auto", choices=["auto", "on", "off"],
-                   help="render the prompt with the chat template and print only the answer; auto: on for SFT runs "
-                        "and for HF folders whose tokenizer has a chat template")
+    p.add_argument(
+        "--chat",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="render the prompt with the chat template and print only the answer; auto: on for SFT runs "
+        "and for HF folders whose tokenizer has a chat template",
+    )
     p.add_argument("--max_new_tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--top_k", type=int, default=50)
     p.add_argument("--top_p", type=float, default=None)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--device", default="auto")
-    p.add_argument("--trust_remote_code", action="store_true", help="let transformers run an HF folder's own code")
+    p.add_argument(
+        "--trust_remote_code", action="store_true", help="let transformers run an HF folder's own code"
+    )
     a = p.parse_args(argv)
     from gptoughts.api import generate_text, load
 
     loaded = load(a.path, device=a.device, trust_remote_code=a.trust_remote_code)
     chat = None if a.chat == "auto" else a.chat == "on"
-    print(generate_text(loaded, a.prompt, max_new_tokens=a.max_new_tokens, temperature=a.temperature,
-                        top_k=a.top_k if a.top_k and a.top_k > 0 else None, top_p=a.top_p, seed=a.seed, chat=chat))
+    print(
+        generate_text(
+            loaded,
+            a.prompt,
+            max_new_tokens=a.max_new_tokens,
+            temperature=a.temperature,
+            top_k=a.top_k if a.top_k and a.top_k > 0 else None,
+            top_p=a.top_p,
+            seed=a.seed,
+            chat=chat,
+        )
+    )
     return 0
 
 
 def cmd_eval(argv: Sequence[str]) -> int:
-    p = argparse.ArgumentParser(prog="gptoughts eval",
-                                description="Loss and perplexity of a run (or HF folder) on all of a corpus.")
+    p = argparse.ArgumentParser(
+        prog="gptoughts eval", description="Loss and perplexity of a run (or HF folder) on all of a corpus."
+    )
     p.add_argument("path", help="run directory, checkpoint directory or Hugging Face model folder")
-    p.add_argument("--data", action="append", required=True, help="file, folder, .jsonl, .parquet (repeatable)")
+    p.add_argument(
+        "--data", action="append", required=True, help="file, folder, .jsonl, .parquet (repeatable)"
+    )
     p.add_argument("--batch_size", type=int, default=8)
     p.add_argument("--block_size", type=int, default=None, help="default: the run's train.block_size")
-    p.add_argument("--max_batches", type=int, default=None,
-                   help="score only this many batches, spread evenly over the corpus (default: all of it)")
+    p.add_argument(
+        "--max_batches",
+        type=int,
+        default=None,
+        help="score only this many batches, spread evenly over the corpus (default: all of it)",
+    )
     p.add_argument("--device", default="auto")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--trust_remote_code", action="store_true", help="let transformers run an HF folder's own code")
+    p.add_argument(
+        "--trust_remote_code", action="store_true", help="let transformers run an HF folder's own code"
+    )
     a = p.parse_args(argv)
     from gptoughts.api import evaluate, load
 
     loaded = load(a.path, device=a.device, trust_remote_code=a.trust_remote_code)
-    res = evaluate(loaded, a.data, batch_size=a.batch_size, block_size=a.block_size, max_batches=a.max_batches)
+    res = evaluate(
+        loaded, a.data, batch_size=a.batch_size, block_size=a.block_size, max_batches=a.max_batches
+    )
     if a.json:
         print(json.dumps(res))
     else:
-        print(f"loss {res['loss']:.4f}  perplexity {res['perplexity']:.2f}  ({int(res['tokens']):,} tokens scored: "
-              f"{res['scored']} of {', '.join(a.data)})")
+        print(
+            f"loss {res['loss']:.4f}  perplexity {res['perplexity']:.2f}  ({int(res['tokens']):,} tokens scored: "
+            f"{res['scored']} of {', '.join(a.data)})"
+        )
     return 0
 
 
 def cmd_plot(argv: Sequence[str]) -> int:
-    p = argparse.ArgumentParser(prog="gptoughts plot", description="PNG plots of runs (loss, lr, tokens/s, grad "
-                                "norm, memory): one run -> RUN/plots/; several -> one figure overlaying them.")
+    p = argparse.ArgumentParser(
+        prog="gptoughts plot",
+        description="PNG plots of runs (loss, lr, tokens/s, grad "
+        "norm, memory): one run -> RUN/plots/; several -> one figure overlaying them.",
+    )
     p.add_argument("runs", nargs="+", help="run directories (each holds metrics.jsonl)")
     p.add_argument("--out", default=None, help="with several runs: the PNG to write (default compare.png)")
     a = p.parse_args(argv)
@@ -411,8 +520,10 @@ def cmd_plot(argv: Sequence[str]) -> int:
 
 def cmd_config(argv: Sequence[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
-        print("usage: gptoughts config [PRESET|FILE.toml] [train's options]\nPrints the fully resolved config of "
-              "`gptoughts train` with the same arguments, as TOML (nothing runs).")
+        print(
+            "usage: gptoughts config [PRESET|FILE.toml] [train's options]\nPrints the fully resolved config of "
+            "`gptoughts train` with the same arguments, as TOML (nothing runs)."
+        )
         return 0
     preset, overrides, _ = parse_overrides(argv, switches=())
     from gptoughts.config import load_config, to_toml
@@ -434,7 +545,9 @@ def cmd_env(argv: Sequence[str]) -> int:
         print(json.dumps(d, default=str))
         return 0
     mem = f"{d['memory_bytes'] / 2**30:.1f} GiB" if d["memory_bytes"] else "unknown"
-    print(f"device     {d['device']}  ({d['name']}, {d['arch']}, {d['gpu_count']} GPU(s), {d['cpu_count']} CPU cores)")
+    print(
+        f"device     {d['device']}  ({d['name']}, {d['arch']}, {d['gpu_count']} GPU(s), {d['cpu_count']} CPU cores)"
+    )
     print(f"memory     {mem}")
     precisions = ["fp32"] + [p for p in ("bf16", "fp16", "fp8") if d[p]]
     print(f"precisions {', '.join(precisions)}")
@@ -469,12 +582,14 @@ def _pop_options(argv: Sequence[str], flags: set[str], valued: set[str]) -> tupl
 
 def cmd_bench(argv: Sequence[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
-        print("usage: gptoughts bench [PRESET|FILE.toml] [--model F --size S --block_size T --batch_size B ...]\n"
-              "                       [--steps 20] [--warmup 5] [--compare hf] [--shards DIR] [--kernels N] [--json]\n"
-              "Times training steps (synthetic tokens, or prepared --shards) and prints tokens/s, MFU, peak memory\n"
-              "and the step breakdown; --compare hf runs transformers' LlamaForCausalLM (eager and compiled) on the\n"
-              "same shape in the same process and prints the ratios. --kernels N profiles N more steps and\n"
-              "reports GPU time by kernel category (matmul, attention, element-wise, optimizer, ...).")
+        print(
+            "usage: gptoughts bench [PRESET|FILE.toml] [--model F --size S --block_size T --batch_size B ...]\n"
+            "                       [--steps 20] [--warmup 5] [--compare hf] [--shards DIR] [--kernels N] [--json]\n"
+            "Times training steps (synthetic tokens, or prepared --shards) and prints tokens/s, MFU, peak memory\n"
+            "and the step breakdown; --compare hf runs transformers' LlamaForCausalLM (eager and compiled) on the\n"
+            "same shape in the same process and prints the ratios. --kernels N profiles N more steps and\n"
+            "reports GPU time by kernel category (matmul, attention, element-wise, optimizer, ...)."
+        )
         return 0
     rest, opts = _pop_options(argv, {"json"}, {"steps", "warmup", "compare", "shards", "kernels"})
     preset, overrides, _ = parse_overrides(rest)
@@ -482,20 +597,27 @@ def cmd_bench(argv: Sequence[str]) -> int:
     from gptoughts.tools.bench import format_result, run_bench
 
     cfg = load_config(preset or "default", overrides)
-    res = run_bench(cfg, steps=int(opts.get("steps", 20)), warmup=int(opts.get("warmup", 5)),
-                    compare=opts.get("compare"), data_dir=opts.get("shards"),
-                    kernel_steps=int(opts.get("kernels", 0)))
+    res = run_bench(
+        cfg,
+        steps=int(opts.get("steps", 20)),
+        warmup=int(opts.get("warmup", 5)),
+        compare=opts.get("compare"),
+        data_dir=opts.get("shards"),
+        kernel_steps=int(opts.get("kernels", 0)),
+    )
     print(json.dumps(res, default=str) if opts.get("json") else format_result(res))
     return 0
 
 
 def cmd_estimate(argv: Sequence[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
-        print("usage: gptoughts estimate [PRESET|FILE.toml] [train's options: --model F --size S --batch_size N|auto\n"
-              "                          --block_size T --activation_checkpointing M --strategy fsdp ...]\n"
-              "                          [--gpu H100] [--num_gpus N] [--tokens 50e9] [--mfu 0.5] [--price 2.5] [--json]\n"
-              "Memory, time and cost of the run `gptoughts train` would make with the same options (same keys, same\n"
-              "defaults: --size 1b means its block 2048 and automatic batch), on --gpu (default H100).")
+        print(
+            "usage: gptoughts estimate [PRESET|FILE.toml] [train's options: --model F --size S --batch_size N|auto\n"
+            "                          --block_size T --activation_checkpointing M --strategy fsdp ...]\n"
+            "                          [--gpu H100] [--num_gpus N] [--tokens 50e9] [--mfu 0.5] [--price 2.5] [--json]\n"
+            "Memory, time and cost of the run `gptoughts train` would make with the same options (same keys, same\n"
+            "defaults: --size 1b means its block 2048 and automatic batch), on --gpu (default H100)."
+        )
         return 0
     rest, opts = _pop_options(argv, {"json"}, {"gpu", "num_gpus", "tokens", "mfu", "price"})
     preset, overrides, _ = parse_overrides(rest, switches=())
@@ -511,28 +633,39 @@ def cmd_estimate(argv: Sequence[str]) -> int:
             raise ConfigError(f"--{name} must be a number, got {opts[name]!r}") from None
 
     cfg = load_config(preset, overrides)
-    e, micro, accum = estimate_config(cfg, gpu=opts.get("gpu", "H100"), num_gpus=number("num_gpus", int) or 1,
-                                      tokens=number("tokens", int), mfu=number("mfu", float),
-                                      price=number("price", float))
+    e, micro, accum = estimate_config(
+        cfg,
+        gpu=opts.get("gpu", "H100"),
+        num_gpus=number("num_gpus", int) or 1,
+        tokens=number("tokens", int),
+        mfu=number("mfu", float),
+        price=number("price", float),
+    )
     if opts.get("json"):
         print(json.dumps({**e.to_dict(), "micro_batch": micro, "grad_accum": accum}))
     else:
-        print(f"{cfg.model.family}/{cfg.model.size}: micro-batch {micro} x {cfg.train.block_size} tokens x "
-              f"accumulation {accum}" + ("" if isinstance(cfg.train.batch_size, int) else " (auto: fits 90% of "
-                                          f"{e.gpu})"))
+        print(
+            f"{cfg.model.family}/{cfg.model.size}: micro-batch {micro} x {cfg.train.block_size} tokens x "
+            f"accumulation {accum}"
+            + ("" if isinstance(cfg.train.batch_size, int) else f" (auto: fits 90% of {e.gpu})")
+        )
         print(format_estimate(e))
     return 0
 
 
 def cmd_tune(argv: Sequence[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
-        print("usage: gptoughts tune [PRESET|FILE.toml] [--size S --block_size T ...] [--ac none,selective,full]\n"
-              "                      [--compile_modes blocks,model] [--fp8 off,tensorwise,rowwise] [--batches auto]\n"
-              "                      [--steps 10] [--out tuned.toml]\n"
-              "Searches micro-batch x activation checkpointing x compile mode x fp8 recipe for the highest tokens/s\n"
-              "within memory, prints the table and writes the winning config (default tuned.toml).")
+        print(
+            "usage: gptoughts tune [PRESET|FILE.toml] [--size S --block_size T ...] [--ac none,selective,full]\n"
+            "                      [--compile_modes blocks,model] [--fp8 off,tensorwise,rowwise] [--batches auto]\n"
+            "                      [--steps 10] [--out tuned.toml]\n"
+            "Searches micro-batch x activation checkpointing x compile mode x fp8 recipe for the highest tokens/s\n"
+            "within memory, prints the table and writes the winning config (default tuned.toml)."
+        )
         return 0
-    rest, opts = _pop_options(argv, set(), {"ac", "compile_modes", "fp8", "batches", "steps", "warmup", "out"})
+    rest, opts = _pop_options(
+        argv, set(), {"ac", "compile_modes", "fp8", "batches", "steps", "warmup", "out"}
+    )
     preset, overrides, _ = parse_overrides(rest)
     from gptoughts.config import load_config
     from gptoughts.tools.tune import best, format_table, run_tune, write_winner
@@ -542,8 +675,15 @@ def cmd_tune(argv: Sequence[str]) -> int:
 
     batches = [int(b) if b.isdigit() else b for b in csv("batches")] if "batches" in opts else None
     cfg = load_config(preset or "default", overrides)
-    trials = run_tune(cfg, steps=int(opts.get("steps", 10)), warmup=int(opts.get("warmup", 3)), ac=csv("ac"),
-                      compile_modes=csv("compile_modes"), fp8=csv("fp8"), batches=batches)
+    trials = run_tune(
+        cfg,
+        steps=int(opts.get("steps", 10)),
+        warmup=int(opts.get("warmup", 3)),
+        ac=csv("ac"),
+        compile_modes=csv("compile_modes"),
+        fp8=csv("fp8"),
+        batches=batches,
+    )
     print(format_table(trials))
     win = best(trials)
     if win is None:
@@ -572,8 +712,11 @@ COMMANDS: dict[str, tuple[Callable[[Sequence[str]], int], str]] = {
 def usage() -> str:
     lines = ["usage: gptoughts COMMAND [ARGS]", "", "commands:"]
     lines += [f"  {name:<9} {help_}" for name, (_, help_) in COMMANDS.items()]
-    lines += ["", "`gptoughts COMMAND --help` for details; `gptoughts train` alone trains the quickstart (a ~10M Llama "
-              "on the Python standard library, a few minutes on a CPU). `gptoughts --version` prints the version."]
+    lines += [
+        "",
+        "`gptoughts COMMAND --help` for details; `gptoughts train` alone trains the quickstart (a ~10M Llama "
+        "on the Python standard library, a few minutes on a CPU). `gptoughts --version` prints the version.",
+    ]
     return "\n".join(lines)
 
 
@@ -585,7 +728,9 @@ def _setup_logging() -> None:
 
     log = logging.getLogger("gptoughts")
     if not log.handlers:  # to stderr: stdout stays clean for --json output and generated text
-        log.addHandler(RichHandler(console=Console(stderr=True), show_path=False, show_time=False, markup=False))
+        log.addHandler(
+            RichHandler(console=Console(stderr=True), show_path=False, show_time=False, markup=False)
+        )
         log.setLevel(logging.INFO)
         log.propagate = False
 
@@ -610,15 +755,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     warnings.formatwarning = lambda message, category, *args, **kwargs: f"warning: {message}\n"
     if name not in COMMANDS:
         hint = closest(name, COMMANDS)
-        print(f"error: unknown command {name!r}" + (f" (did you mean {hint!r}?)" if hint else "") + "\n\n" + usage(),
-              file=sys.stderr)
+        print(
+            f"error: unknown command {name!r}"
+            + (f" (did you mean {hint!r}?)" if hint else "")
+            + "\n\n"
+            + usage(),
+            file=sys.stderr,
+        )
         return 2
     try:
         return COMMANDS[name][0](rest)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:  # Ctrl-C before training started (or a second one): nothing half-written remains
+    except (
+        KeyboardInterrupt
+    ):  # Ctrl-C before training started (or a second one): nothing half-written remains
         print("interrupted", file=sys.stderr)
         return 130
     except OSError as e:
@@ -626,8 +778,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         if e.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
-        print(f"error: disk full{' while writing ' + str(e.filename) if e.filename else ''} ({e.strerror}); what "
-              "was saved before is intact: free some space and run again", file=sys.stderr)
+        print(
+            f"error: disk full{' while writing ' + str(e.filename) if e.filename else ''} ({e.strerror}); what "
+            "was saved before is intact: free some space and run again",
+            file=sys.stderr,
+        )
         return 2
 
 

@@ -325,14 +325,25 @@ class Config:
 
 # ------------------------------------------------------------------------------------------ self-description
 
-SECTIONS: dict[str, type] = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig, "eval": EvalConfig,
-                             "checkpoint": CheckpointConfig, "recovery": RecoveryConfig, "perf": PerfConfig,
-                             "parallel": ParallelConfig, "run": RunConfig, "lora": LoraConfig}
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "data": DataConfig,
+    "train": TrainConfig,
+    "eval": EvalConfig,
+    "checkpoint": CheckpointConfig,
+    "recovery": RecoveryConfig,
+    "perf": PerfConfig,
+    "parallel": ParallelConfig,
+    "run": RunConfig,
+    "lora": LoraConfig,
+}
 # Keys that moved out of [train] (it held 42 fields) into sections of their own: the old dotted spellings and
 # old TOML files keep working.
-MOVED: dict[str, str] = {f"train.{f.name}": f"{sec}.{f.name}" for sec, cls in
-                         (("eval", EvalConfig), ("checkpoint", CheckpointConfig), ("recovery", RecoveryConfig))
-                         for f in dataclasses.fields(cls)}
+MOVED: dict[str, str] = {
+    f"train.{f.name}": f"{sec}.{f.name}"
+    for sec, cls in (("eval", EvalConfig), ("checkpoint", CheckpointConfig), ("recovery", RecoveryConfig))
+    for f in dataclasses.fields(cls)
+}
 
 
 def _migrate(data: dict[str, Any]) -> dict[str, Any]:
@@ -358,8 +369,13 @@ def field_docs(cls: type) -> dict[str, str]:
     body = tree.body[0].body  # type: ignore[attr-defined]
     docs: dict[str, str] = {}
     for node, nxt in zip(body, body[1:]):
-        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(nxt, ast.Expr) \
-                and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+            and isinstance(nxt.value.value, str)
+        ):
             docs[node.target.id] = " ".join(nxt.value.value.split())
     return docs
 
@@ -394,8 +410,14 @@ def describe_fields(sections: tuple[str, ...] = tuple(SECTIONS)) -> list[tuple[s
                 default = f.default_factory()  # type: ignore[misc]
             else:
                 default = None
-            rows.append((f"{name}.{f.name}", _pretty_type(hints[f.name]),
-                         json.dumps(default) if not isinstance(default, str) else default, docs.get(f.name, "")))
+            rows.append(
+                (
+                    f"{name}.{f.name}",
+                    _pretty_type(hints[f.name]),
+                    json.dumps(default) if not isinstance(default, str) else default,
+                    docs.get(f.name, ""),
+                )
+            )
     return rows
 
 
@@ -423,8 +445,9 @@ def _exact(value: Any, tp: Any) -> bool:
         return value in typing.get_args(tp)
     if origin in (list, tuple):
         args = typing.get_args(tp)
-        return isinstance(value, (list, tuple)) and (not args or args[-1] is Ellipsis
-                                                       or all(_exact(v, args[0]) for v in value))
+        return isinstance(value, (list, tuple)) and (
+            not args or args[-1] is Ellipsis or all(_exact(v, args[0]) for v in value)
+        )
     if origin is dict:
         return isinstance(value, dict)
     if tp is float:
@@ -550,7 +573,9 @@ def _build(cls: type, data: dict[str, Any], where: str) -> Any:
             if cls is ModelConfig:
                 extra[key] = value
                 continue
-            raise ConfigError(f"unknown config key `{where}.{key}`{did_you_mean(key, names)}".replace("`.", "`"))
+            raise ConfigError(
+                f"unknown config key `{where}.{key}`{did_you_mean(key, names)}".replace("`.", "`")
+            )
         kwargs[key] = coerce(value, hints[key], f"{where}.{key}".lstrip("."))
     obj = cls(**kwargs)
     if cls is ModelConfig:
@@ -617,7 +642,9 @@ def _preset_path(name_or_path: str | Path) -> tuple[Path, bool]:
     if candidate.is_file() and candidate != SIZES_FILE:
         return candidate, False
     if str(name_or_path).endswith(".toml"):
-        raise ConfigError(f"config file {name_or_path} does not exist; pass a preset name or an existing .toml")
+        raise ConfigError(
+            f"config file {name_or_path} does not exist; pass a preset name or an existing .toml"
+        )
     raise ConfigError(f"unknown preset `{name_or_path}`{did_you_mean(str(name_or_path), list_presets())}")
 
 
@@ -715,7 +742,9 @@ def load_config(preset: str | Path | None = None, overrides: dict[str, Any] | No
     for key in overrides:
         section = key.split(".")[0]
         if section not in top:
-            raise ConfigError(f"unknown config key `{key}`: sections are {', '.join(top)}{did_you_mean(section, top)}")
+            raise ConfigError(
+                f"unknown config key `{key}`: sections are {', '.join(top)}{did_you_mean(section, top)}"
+            )
     given_stops = [k for k in STOP_KEYS if overrides.get(k) is not None]
     if len(given_stops) > 1:
         flags = " and ".join(f"--{k.split('.')[1]}" for k in given_stops)
@@ -727,8 +756,10 @@ def load_config(preset: str | Path | None = None, overrides: dict[str, Any] | No
         try:
             data = _migrate(tomllib.loads(run_file.read_text(encoding="utf-8")))
         except (tomllib.TOMLDecodeError, OSError, UnicodeDecodeError) as e:
-            raise ConfigError(f"{run_file} is corrupt ({str(e).splitlines()[0]}); restore it, or start a new run "
-                              "with another --out") from None
+            raise ConfigError(
+                f"{run_file} is corrupt ({str(e).splitlines()[0]}); restore it, or start a new run "
+                "with another --out"
+            ) from None
         data.setdefault("run", {})["out"] = str(run_file.parent)
         # How a run is launched is not part of it: a run saved under FSDP on 2 GPUs resumes on one.
         data.pop("parallel", None)
@@ -736,8 +767,10 @@ def load_config(preset: str | Path | None = None, overrides: dict[str, Any] | No
         preset_model = data.get("model", {})
         family = overrides.get("model.family", preset_model.get("family", ModelConfig.family))
         size = overrides.get("model.size", preset_model.get("size", ModelConfig.size))
-        if (family, size) != (preset_model.get("family", ModelConfig.family),
-                              preset_model.get("size", ModelConfig.size)):
+        if (family, size) != (
+            preset_model.get("family", ModelConfig.family),
+            preset_model.get("size", ModelConfig.size),
+        ):
             # The preset's architecture fields describe its own shape (the quickstart's d_model, n_kv_heads, ...):
             # another family or size starts from its size preset, not from them.
             data["model"] = {k: v for k, v in preset_model.items() if k in _MODEL_FIXED}
@@ -759,7 +792,9 @@ def validate(cfg: Config) -> None:
     """Cross-field checks and the family-specific ``[model]`` keys."""
     from gptoughts import models
 
-    if cfg.model.init_from is not None and (cfg.model.overrides or Path(cfg.model.init_from).expanduser().is_dir()):
+    if cfg.model.init_from is not None and (
+        cfg.model.overrides or Path(cfg.model.init_from).expanduser().is_dir()
+    ):
         # Fine-tuning: the folder says which family the model is, and `model.*` overrides are checked against
         # that family (fields that change no parameter are allowed; the load checks the shapes). A missing
         # folder is reported here only when there are overrides to check; otherwise when the run starts.
@@ -767,9 +802,11 @@ def validate(cfg: Config) -> None:
 
         found = find_adapter(str(read_config(cfg.model.init_from)["model_type"]))
         if found is None and cfg.model.overrides:
-            raise ConfigError(f"model.{next(iter(cfg.model.overrides))}: {cfg.model.init_from} has no native "
-                              "implementation here (it trains through transformers), so its config cannot be "
-                              "overridden; drop the override")
+            raise ConfigError(
+                f"model.{next(iter(cfg.model.overrides))}: {cfg.model.init_from} has no native "
+                "implementation here (it trains through transformers), so its config cannot be "
+                "overridden; drop the override"
+            )
         if found is not None:
             cfg.model.family = found[0]
     hints = typing.get_type_hints(models.get_family(cfg.model.family).args_cls)
@@ -793,15 +830,21 @@ def validate(cfg: Config) -> None:
     if cfg.perf.fp8_bf16_end_layers < 0:
         raise ConfigError(f"perf.fp8_bf16_end_layers must be >= 0, got {cfg.perf.fp8_bf16_end_layers}")
     if cfg.perf.residual_dtype == "bf16" and cfg.perf.precision not in ("auto", "bf16"):
-        raise ConfigError(f"perf.residual_dtype = bf16 needs bf16 mixed precision, but perf.precision is "
-                          f"{cfg.perf.precision}; use --precision bf16 or perf.residual_dtype = fp32")
+        raise ConfigError(
+            f"perf.residual_dtype = bf16 needs bf16 mixed precision, but perf.precision is "
+            f"{cfg.perf.precision}; use --precision bf16 or perf.residual_dtype = fp32"
+        )
     if t.profile is not None:
         start, sep, end = t.profile.partition(":")
         if not (sep and start.isdigit() and end.isdigit() and int(start) < int(end)):
-            raise ConfigError(f"train.profile must be START:END steps with START < END (e.g. 10:15); got {t.profile!r}")
+            raise ConfigError(
+                f"train.profile must be START:END steps with START < END (e.g. 10:15); got {t.profile!r}"
+            )
     for p in cfg.data.phases:
         if p.weights and len(p.weights) != len(p.sources):
-            raise ConfigError(f"data.phases `{p.name}`: {len(p.weights)} weights for {len(p.sources)} sources")
+            raise ConfigError(
+                f"data.phases `{p.name}`: {len(p.weights)} weights for {len(p.sources)} sources"
+            )
     _validate_finetune(cfg)
 
 
@@ -810,16 +853,22 @@ def validate(cfg: Config) -> None:
 MAX_BLOCK_SIZE = 1 << 20
 
 
-def check_train_ranges(t: TrainConfig, ev: EvalConfig | None = None, ck: CheckpointConfig | None = None,
-                       rc: RecoveryConfig | None = None) -> None:
+def check_train_ranges(
+    t: TrainConfig,
+    ev: EvalConfig | None = None,
+    ck: CheckpointConfig | None = None,
+    rc: RecoveryConfig | None = None,
+) -> None:
     """The numeric ranges of ``[train]``, ``[eval]``, ``[checkpoint]`` and ``[recovery]`` (the trainer checks them
     again when it is built directly)."""
     ev, ck, rc = ev or EvalConfig(), ck or CheckpointConfig(), rc or RecoveryConfig()
     if not math.isfinite(t.learning_rate) or t.learning_rate <= 0:
         raise ConfigError(f"train.learning_rate must be a finite number > 0, got {t.learning_rate}")
     if t.block_size > MAX_BLOCK_SIZE:
-        raise ConfigError(f"train.block_size = {t.block_size:,} is beyond what a model here can be built for "
-                          f"({MAX_BLOCK_SIZE:,} positions); use the sequence length you train at, e.g. 2048")
+        raise ConfigError(
+            f"train.block_size = {t.block_size:,} is beyond what a model here can be built for "
+            f"({MAX_BLOCK_SIZE:,} positions); use the sequence length you train at, e.g. 2048"
+        )
     for name in ("max_steps", "epochs", "max_tokens"):
         value = getattr(t, name)
         if value is not None and (not math.isfinite(value) or value <= 0):
@@ -828,22 +877,35 @@ def check_train_ranges(t: TrainConfig, ev: EvalConfig | None = None, ck: Checkpo
     for sec, name in (("train", "log_interval"), ("eval", "eval_batches"), ("recovery", "max_bad_steps")):
         if getattr(dict(sections)[sec], name) < 1:
             raise ConfigError(f"{sec}.{name} must be >= 1, got {getattr(dict(sections)[sec], name)}")
-    for sec, name in (("eval", "eval_interval"), ("checkpoint", "save_interval"), ("eval", "sample_interval"),
-                      ("checkpoint", "keep_last"), ("train", "warmup_steps"), ("eval", "early_stopping_patience"),
-                      ("recovery", "max_rollbacks"), ("recovery", "spike_warmup_steps"),
-                      ("eval", "sample_max_new_tokens")):
+    for sec, name in (
+        ("eval", "eval_interval"),
+        ("checkpoint", "save_interval"),
+        ("eval", "sample_interval"),
+        ("checkpoint", "keep_last"),
+        ("train", "warmup_steps"),
+        ("eval", "early_stopping_patience"),
+        ("recovery", "max_rollbacks"),
+        ("recovery", "spike_warmup_steps"),
+        ("eval", "sample_max_new_tokens"),
+    ):
         value = getattr(dict(sections)[sec], name)
         if value is not None and value < 0:
             raise ConfigError(f"{sec}.{name} must be >= 0, got {value}")
     if t.global_batch_tokens is not None and t.global_batch_tokens < 1:
         raise ConfigError(f"train.global_batch_tokens must be >= 1, got {t.global_batch_tokens}")
     for where, ok, rule, value in (
-            ("recovery.rollback_lr_factor", 0.0 < rc.rollback_lr_factor <= 1.0, "in (0, 1]", rc.rollback_lr_factor),
-            ("recovery.spike_std", rc.spike_std > 0, "> 0", rc.spike_std),
-            ("recovery.spike_ratio", rc.spike_ratio >= 1.0, ">= 1", rc.spike_ratio),
-            ("train.min_lr_ratio", 0.0 <= t.min_lr_ratio <= 1.0, "in [0, 1]", t.min_lr_ratio),
-            ("train.decay_fraction", 0.0 <= t.decay_fraction <= 1.0, "in [0, 1]", t.decay_fraction),
-            ("train.grad_clip", t.grad_clip >= 0 and math.isfinite(t.grad_clip), ">= 0", t.grad_clip)):
+        (
+            "recovery.rollback_lr_factor",
+            0.0 < rc.rollback_lr_factor <= 1.0,
+            "in (0, 1]",
+            rc.rollback_lr_factor,
+        ),
+        ("recovery.spike_std", rc.spike_std > 0, "> 0", rc.spike_std),
+        ("recovery.spike_ratio", rc.spike_ratio >= 1.0, ">= 1", rc.spike_ratio),
+        ("train.min_lr_ratio", 0.0 <= t.min_lr_ratio <= 1.0, "in [0, 1]", t.min_lr_ratio),
+        ("train.decay_fraction", 0.0 <= t.decay_fraction <= 1.0, "in [0, 1]", t.decay_fraction),
+        ("train.grad_clip", t.grad_clip >= 0 and math.isfinite(t.grad_clip), ">= 0", t.grad_clip),
+    ):
         if not ok:
             raise ConfigError(f"{where} must be {rule}, got {value}")
 
@@ -857,8 +919,10 @@ def _validate_finetune(cfg: Config) -> None:
     if not 0.0 <= lo.dropout < 1.0:
         raise ConfigError(f"lora.dropout must be in [0, 1), got {lo.dropout}")
     if lo.enabled and cfg.parallel.strategy == "fsdp":
-        raise ConfigError("LoRA runs are data-parallel with DDP (parallel.strategy = auto or ddp): the frozen base "
-                          "is not sharded by this version's FSDP path")
+        raise ConfigError(
+            "LoRA runs are data-parallel with DDP (parallel.strategy = auto or ddp): the frozen base "
+            "is not sharded by this version's FSDP path"
+        )
     if lo.quantize != "none" and not lo.enabled:
         raise ConfigError("lora.quantize needs LoRA: add --lora (QLoRA trains adapters over a 4-bit base)")
     if cfg.model.init_from is None and lo.enabled:
@@ -866,6 +930,7 @@ def _validate_finetune(cfg: Config) -> None:
 
 
 # ----------------------------------------------------------------------------------------------- TOML out
+
 
 def _toml_value(v: Any) -> str:
     if isinstance(v, bool):
@@ -877,13 +942,19 @@ def _toml_value(v: Any) -> str:
     if isinstance(v, (list, tuple)):
         return "[" + ", ".join(_toml_value(x) for x in v) + "]"
     if isinstance(v, dict):
-        return "{" + ", ".join(f"{json.dumps(k)} = {_toml_value(x)}" for k, x in v.items() if x is not None) + "}"
+        return (
+            "{"
+            + ", ".join(f"{json.dumps(k)} = {_toml_value(x)}" for k, x in v.items() if x is not None)
+            + "}"
+        )
     raise TypeError(f"cannot write {v!r} to TOML")
 
 
 def to_toml(cfg: Config) -> str:
     """The fully resolved config as TOML (None values are omitted: they are the defaults)."""
-    out: list[str] = ["# Fully resolved gptoughts config (written by the run; edit a copy to start a new one)."]
+    out: list[str] = [
+        "# Fully resolved gptoughts config (written by the run; edit a copy to start a new one)."
+    ]
     for section, values in cfg.to_dict().items():
         out.append(f"\n[{section}]")
         tables = []

@@ -119,8 +119,15 @@ def generate(
         return input_ids
     hf_generate = getattr(model, "hf_generate", None)
     if hf_generate is not None:  # generic transformers models (models/hf.py) decode with their own KV cache
-        return hf_generate(input_ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                           eos_id=eos_id, generator=generator)
+        return hf_generate(
+            input_ids,
+            max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            eos_id=eos_id,
+            generator=generator,
+        )
     max_seq_len = model.args.max_seq_len
     bsz, prompt_len = input_ids.shape
     if use_cache and prompt_len + max_new_tokens - 1 > max_seq_len:
@@ -229,7 +236,9 @@ def diffusion_generate(
     if gen_length <= 0:
         return prompt_ids
     if steps < 1 or block_length < 1:
-        raise UserError(f"steps and block_length must be >= 1, got steps={steps}, block_length={block_length}")
+        raise UserError(
+            f"steps and block_length must be >= 1, got steps={steps}, block_length={block_length}"
+        )
     if temperature < 0:
         raise UserError(f"temperature must be >= 0, got {temperature}")
     if cfg_scale < 0:
@@ -295,7 +304,9 @@ def _block_logits(
     return F.linear(hidden, model.output_weight).float()
 
 
-def _gumbel_argmax(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> torch.Tensor:
+def _gumbel_argmax(
+    logits: torch.Tensor, temperature: float, generator: torch.Generator | None
+) -> torch.Tensor:
     """A sample of ``softmax(logits / temperature)`` per row by Gumbel-max (argmax when ``temperature == 0``).
 
     LLaDA computes ``argmax(exp(l) / (-log u) ** T)`` in float64 (low-precision Gumbel noise was found to
@@ -339,9 +350,18 @@ class Sampler:
     here (the trainer's ``sample_*`` settings) apply where a call does not name them.
     """
 
-    def __init__(self, model: nn.Module, tokenizer: Any, *, diffusion: bool = False, chat: bool = False,
-                 max_new_tokens: int = 128, temperature: float = 0.8, top_k: int | None = 50,
-                 top_p: float | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer: Any,
+        *,
+        diffusion: bool = False,
+        chat: bool = False,
+        max_new_tokens: int = 128,
+        temperature: float = 0.8,
+        top_k: int | None = 50,
+        top_p: float | None = None,
+    ) -> None:
         self.model, self.tokenizer, self.diffusion, self.chat = model, tokenizer, diffusion, chat
         self.defaults = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p)
 
@@ -352,7 +372,9 @@ class Sampler:
             return render_prompt(self.tokenizer, [{"role": "user", "content": prompt}])
         return self.tokenizer.encode(prompt) or [self.tokenizer.eos_id]
 
-    def __call__(self, prompt: str, *, seed: int | None = 0, chat: bool | None = None, **settings: Any) -> str:
+    def __call__(
+        self, prompt: str, *, seed: int | None = 0, chat: bool | None = None, **settings: Any
+    ) -> str:
         """Continue ``prompt``; ``settings`` override max_new_tokens, temperature, top_k, top_p. ``seed`` None
         draws from torch's global generator."""
         unknown = set(settings) - set(self.defaults)
@@ -368,13 +390,29 @@ class Sampler:
         with eager(self.model):
             if self.diffusion:
                 n = s["max_new_tokens"]
-                out = diffusion_generate(self.model, x, gen_length=n, steps=n, block_length=min(32, n),
-                                         temperature=s["temperature"], mask_id=tok.mask_id, generator=g)
+                out = diffusion_generate(
+                    self.model,
+                    x,
+                    gen_length=n,
+                    steps=n,
+                    block_length=min(32, n),
+                    temperature=s["temperature"],
+                    mask_id=tok.mask_id,
+                    generator=g,
+                )
                 return tok.decode(_until_eos(out[0].tolist(), len(ids), tok.eos_id))
-            out = generate(self.model, x, s["max_new_tokens"], temperature=s["temperature"], top_k=s["top_k"],
-                           top_p=s["top_p"], eos_id=tok.eos_id, generator=g)
+            out = generate(
+                self.model,
+                x,
+                s["max_new_tokens"],
+                temperature=s["temperature"],
+                top_k=s["top_k"],
+                top_p=s["top_p"],
+                eos_id=tok.eos_id,
+                generator=g,
+            )
         if chat:
-            return tok.decode(out[0].tolist()[len(ids):], skip_special_tokens=True)
+            return tok.decode(out[0].tolist()[len(ids) :], skip_special_tokens=True)
         return tok.decode(out[0].tolist())
 
 

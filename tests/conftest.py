@@ -48,8 +48,18 @@ def text_corpus(tmp_path: Path) -> Path:
     out = tmp_path / "corpus"
     out.mkdir()
     total = 0
-    for name in ("textwrap.py", "string.py", "shlex.py", "bisect.py", "heapq.py", "fnmatch.py", "glob.py",
-                 "colorsys.py", "keyword.py", "numbers.py"):
+    for name in (
+        "textwrap.py",
+        "string.py",
+        "shlex.py",
+        "bisect.py",
+        "heapq.py",
+        "fnmatch.py",
+        "glob.py",
+        "colorsys.py",
+        "keyword.py",
+        "numbers.py",
+    ):
         p = src / name
         if p.exists():
             data = p.read_text(encoding="utf-8", errors="replace")
@@ -71,4 +81,3 @@ def cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 def fast() -> dict:
     """Fast, quiet CPU training overrides (dotted keys)."""
     return dict(FAST)
-

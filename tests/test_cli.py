@@ -33,24 +33,57 @@ def trained(tmp_path_factory, fast, cache_dir):
     corpus = root / "corpus.py"
     corpus.write_text((Path(sysconfig.get_paths()["stdlib"]) / "textwrap.py").read_text())
     out = root / "run"
-    assert cli.main(["train", "default", "--data", str(corpus), "--out", str(out), "--max_steps", "3",
-                     "--eval_interval", "3", *_args(fast)]) == 0
+    assert (
+        cli.main(
+            [
+                "train",
+                "default",
+                "--data",
+                str(corpus),
+                "--out",
+                str(out),
+                "--max_steps",
+                "3",
+                "--eval_interval",
+                "3",
+                *_args(fast),
+            ]
+        )
+        == 0
+    )
     return out, corpus
 
 
 def test_sample_eval_env_prepare(trained, tmp_path, capsys):
     run, corpus = trained
-    code, out, _ = _run_cli(["sample", str(run), "--prompt", "def ", "--max_new_tokens", "5", "--seed", "1"], capsys)
+    code, out, _ = _run_cli(
+        ["sample", str(run), "--prompt", "def ", "--max_new_tokens", "5", "--seed", "1"], capsys
+    )
     assert code == 0 and out.startswith("def ")
-    code, out, _ = _run_cli(["eval", str(run), "--data", str(corpus), "--json", "--batch_size", "2",
-                             "--block_size", "32", "--max_batches", "2"], capsys)
+    code, out, _ = _run_cli(
+        [
+            "eval",
+            str(run),
+            "--data",
+            str(corpus),
+            "--json",
+            "--batch_size",
+            "2",
+            "--block_size",
+            "32",
+            "--max_batches",
+            "2",
+        ],
+        capsys,
+    )
     res = json.loads(out)
     assert code == 0 and res["loss"] > 0 and res["perplexity"] > 1
     code, out, _ = _run_cli(["env", "--json"], capsys)
     env = json.loads(out)
     assert code == 0 and {"device", "bf16", "fp16", "fp8", "compile", "recommended"} <= set(env)
-    code, out, _ = _run_cli(["prepare", "--data", str(corpus), "--out", str(tmp_path / "shards"), "--tokenizer",
-                             "bytes"], capsys)
+    code, out, _ = _run_cli(
+        ["prepare", "--data", str(corpus), "--out", str(tmp_path / "shards"), "--tokenizer", "bytes"], capsys
+    )
     assert code == 0 and (tmp_path / "shards" / "manifest.json").exists() and "train tokens" in out
 
 
@@ -100,7 +133,9 @@ def test_bad_input_is_a_one_line_error(case, tmp_path, text_corpus, cache_dir, f
     tiny.write_text("x = 1\n")
     extra, expected = BAD_INPUTS[case]
     extra = [a.format(tmp=tmp_path, empty=empty, binary=binary, corpus=text_corpus, tiny=tiny) for a in extra]
-    code, _, err = _run_cli(["train", "default", "--out", str(tmp_path / "run"), *_args(fast), *extra], capsys)
+    code, _, err = _run_cli(
+        ["train", "default", "--out", str(tmp_path / "run"), *_args(fast), *extra], capsys
+    )
     assert code == 2
     # Progress/INFO lines may precede it; the error itself is exactly one line.
     errors = [ln for ln in err.splitlines() if ln.startswith("error: ")]
@@ -112,8 +147,19 @@ def test_bad_input_is_a_one_line_error(case, tmp_path, text_corpus, cache_dir, f
 def test_binary_files_skipped_and_invalid_utf8_replaced(tmp_path, text_corpus, cache_dir, fast, capsys):
     (text_corpus / "blob.txt").write_bytes(b"\x00\xff\x00" * 50)
     (text_corpus / "latin1.txt").write_bytes("caf\xe9 cr\xe8me\n".encode("latin-1") * 50)
-    code = cli.main(["train", "default", "--data", str(text_corpus), "--out", str(tmp_path / "r"), "--max_steps",
-                     "1", *_args(fast)])
+    code = cli.main(
+        [
+            "train",
+            "default",
+            "--data",
+            str(text_corpus),
+            "--out",
+            str(tmp_path / "r"),
+            "--max_steps",
+            "1",
+            *_args(fast),
+        ]
+    )
     assert code == 0
     manifest = json.loads(next((cache_dir / "datasets").glob("*/manifest.json")).read_text())
     text = json.dumps(manifest)
@@ -123,7 +169,17 @@ def test_binary_files_skipped_and_invalid_utf8_replaced(tmp_path, text_corpus, c
 
 def test_existing_run_is_never_clobbered(tmp_path, text_corpus, cache_dir, fast, capsys):
     out = tmp_path / "run"
-    base = ["train", "default", "--data", str(text_corpus), "--out", str(out), "--max_steps", "2", *_args(fast)]
+    base = [
+        "train",
+        "default",
+        "--data",
+        str(text_corpus),
+        "--out",
+        str(out),
+        "--max_steps",
+        "2",
+        *_args(fast),
+    ]
     assert cli.main(base) == 0
     before = _tree_hash(out)
     # Same dir, no --resume / --overwrite: refused, nothing touched.
@@ -137,8 +193,9 @@ def test_existing_run_is_never_clobbered(tmp_path, text_corpus, cache_dir, fast,
     other = tmp_path / "notes"
     other.mkdir()
     (other / "todo.txt").write_text("keep me")
-    code, _, err = _run_cli(["train", "default", "--data", str(text_corpus), "--out", str(other), *_args(fast)],
-                            capsys)
+    code, _, err = _run_cli(
+        ["train", "default", "--data", str(text_corpus), "--out", str(other), *_args(fast)], capsys
+    )
     assert code == 2 and (other / "todo.txt").read_text() == "keep me"
     # --overwrite replaces it.
     assert cli.main([*base, "--overwrite"]) == 0
@@ -154,8 +211,13 @@ def test_unknown_command_and_help(capsys):
 
 def test_console_script_entry_point_runs(tmp_path):
     """`python -m gptoughts` is the same program as the `gptoughts` console script."""
-    r = subprocess.run([sys.executable, "-m", "gptoughts", "env"], capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    r = subprocess.run(
+        [sys.executable, "-m", "gptoughts", "env"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+    )
     assert r.returncode == 0 and "device" in r.stdout
 
 
@@ -164,6 +226,23 @@ def test_wandb_offline(tmp_path, text_corpus, cache_dir, fast, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     out = tmp_path / "w"
-    assert cli.main(["train", "default", "--data", str(text_corpus), "--out", str(out), "--max_steps", "2",
-                     "--log_interval", "1", "--wandb", *_args(fast)]) == 0
+    assert (
+        cli.main(
+            [
+                "train",
+                "default",
+                "--data",
+                str(text_corpus),
+                "--out",
+                str(out),
+                "--max_steps",
+                "2",
+                "--log_interval",
+                "1",
+                "--wandb",
+                *_args(fast),
+            ]
+        )
+        == 0
+    )
     assert list((out / "wandb").glob("offline-run-*"))

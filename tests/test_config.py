@@ -14,8 +14,16 @@ def test_default_preset_is_quickstart():
 
 
 def test_dotted_overrides_are_typed():
-    cfg = load_config("quickstart", {"train.max_steps": "7", "train.learning_rate": "1e-3", "run.overwrite": "true",
-                                     "train.batch_size": "4", "data.sources": ["a.txt", "b.txt"]})
+    cfg = load_config(
+        "quickstart",
+        {
+            "train.max_steps": "7",
+            "train.learning_rate": "1e-3",
+            "run.overwrite": "true",
+            "train.batch_size": "4",
+            "data.sources": ["a.txt", "b.txt"],
+        },
+    )
     assert cfg.train.max_steps == 7 and isinstance(cfg.train.max_steps, int)
     assert cfg.train.learning_rate == pytest.approx(1e-3)
     assert cfg.run.overwrite is True
@@ -79,8 +87,15 @@ def test_every_preset_loads(preset):
 
 
 def test_model_overrides_from_the_cli_are_typed():
-    cfg = load_config("default", {"model.n_layers": "3", "model.rope_theta": "5e5", "model.tie_embeddings": "true",
-                                  "model.rope_scaling": "none"})
+    cfg = load_config(
+        "default",
+        {
+            "model.n_layers": "3",
+            "model.rope_theta": "5e5",
+            "model.tie_embeddings": "true",
+            "model.rope_scaling": "none",
+        },
+    )
     assert cfg.model.overrides["n_layers"] == 3
     assert cfg.model.overrides["rope_theta"] == 500000.0
     assert cfg.model.overrides["tie_embeddings"] is True
@@ -119,15 +134,26 @@ def test_fsdp_needs_torchrun():
 
 
 def test_train_is_split_into_eval_checkpoint_recovery_and_old_keys_still_load(tmp_path):
-    cfg = load_config("default", {"train.eval_interval": "7", "checkpoint.keep_last": 5, "train.nan_policy": "stop",
-                                  "train.sample_prompts": ["hi"]})
+    cfg = load_config(
+        "default",
+        {
+            "train.eval_interval": "7",
+            "checkpoint.keep_last": 5,
+            "train.nan_policy": "stop",
+            "train.sample_prompts": ["hi"],
+        },
+    )
     assert (cfg.eval.eval_interval, cfg.checkpoint.keep_last, cfg.recovery.nan_policy) == (7, 5, "stop")
     assert cfg.eval.sample_prompts == ["hi"] and not hasattr(cfg.train, "eval_interval")
     old = tmp_path / "old.toml"  # a config.toml written before the split
-    old.write_text('[train]\nmax_steps = 3\neval_interval = 9\nsave_interval = 4\nmax_bad_steps = 2\n')
+    old.write_text("[train]\nmax_steps = 3\neval_interval = 9\nsave_interval = 4\nmax_bad_steps = 2\n")
     back = load_config(str(old))
-    assert (back.train.max_steps, back.eval.eval_interval, back.checkpoint.save_interval,
-            back.recovery.max_bad_steps) == (3, 9, 4, 2)
+    assert (
+        back.train.max_steps,
+        back.eval.eval_interval,
+        back.checkpoint.save_interval,
+        back.recovery.max_bad_steps,
+    ) == (3, 9, 4, 2)
     assert "[recovery]" in to_toml(back) and config_from_toml_text(to_toml(back)) == back
     with pytest.raises(ConfigError, match="eval.eval_interval must be >= 0"):
         load_config("default", {"eval.eval_interval": -1})

@@ -21,8 +21,25 @@ from gptoughts import cli
 from gptoughts.train import checkpoint as ckpt
 from gptoughts.train.rundir import RunLock
 
-FASTRUN = ["--device", "cpu", "--threads", "1", "--no_progress", "--run.tensorboard", "false", "--eval_batches",
-           "2", "--sample_max_new_tokens", "4", "--block_size", "32", "--batch_size", "2", "--tokenizer", "bytes"]
+FASTRUN = [
+    "--device",
+    "cpu",
+    "--threads",
+    "1",
+    "--no_progress",
+    "--run.tensorboard",
+    "false",
+    "--eval_batches",
+    "2",
+    "--sample_max_new_tokens",
+    "4",
+    "--block_size",
+    "32",
+    "--batch_size",
+    "2",
+    "--tokenizer",
+    "bytes",
+]
 
 
 def _run(argv: list[str], capsys) -> tuple[int, str]:
@@ -43,16 +60,34 @@ def _refused(argv: list[str], capsys, *needles: str) -> str:
 
 
 def _snapshot(folder: Path) -> dict[str, str]:
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
 
 
 @pytest.fixture
 def run(tmp_path, text_corpus, cache_dir, capsys) -> Path:
     """A finished run with checkpoints at steps 2 and 4."""
     out = tmp_path / "run"
-    code, text = _run(["train", "--data", str(text_corpus), "--out", str(out), "--max_steps", "4",
-                       "--save_interval", "2", "--eval_interval", "2", *FASTRUN], capsys)
+    code, text = _run(
+        [
+            "train",
+            "--data",
+            str(text_corpus),
+            "--out",
+            str(out),
+            "--max_steps",
+            "4",
+            "--save_interval",
+            "2",
+            "--eval_interval",
+            "2",
+            *FASTRUN,
+        ],
+        capsys,
+    )
     assert code == 0, text[-2000:]
     assert ckpt.list_steps(out / "checkpoints") == [2, 4]
     return out
@@ -66,8 +101,12 @@ def test_resume_with_every_checkpoint_corrupt_refuses_and_changes_nothing(run, c
         f = ckpt.step_dir(run / "checkpoints", step) / ckpt.MODEL_FILE
         f.write_bytes(f.read_bytes()[:-10] + b"0123456789")
     before = _snapshot(run)
-    _refused(["train", "--resume", "auto", "--out", str(run), "--max_steps", "6"], capsys,
-             "every checkpoint", "nothing was changed")
+    _refused(
+        ["train", "--resume", "auto", "--out", str(run), "--max_steps", "6"],
+        capsys,
+        "every checkpoint",
+        "nothing was changed",
+    )
     assert _snapshot(run) == before
 
 
@@ -89,10 +128,14 @@ def test_forged_state_falls_back_to_the_previous_checkpoint(run, capsys):
     newest = ckpt.step_dir(run / "checkpoints", 4)
     torch.save({"trainer": {"step": 4}, "x": Evil()}, newest / ckpt.STATE_FILE)
     meta = json.loads((newest / ckpt.META_FILE).read_text())
-    meta["files"][ckpt.STATE_FILE] = {"sha256": ckpt._sha256(newest / ckpt.STATE_FILE),
-                                      "bytes": (newest / ckpt.STATE_FILE).stat().st_size}
+    meta["files"][ckpt.STATE_FILE] = {
+        "sha256": ckpt._sha256(newest / ckpt.STATE_FILE),
+        "bytes": (newest / ckpt.STATE_FILE).stat().st_size,
+    }
     (newest / ckpt.META_FILE).write_text(json.dumps(meta))
-    code, text = _run(["train", "--resume", "auto", "--out", str(run), "--max_steps", "5", "--no_progress"], capsys)
+    code, text = _run(
+        ["train", "--resume", "auto", "--out", str(run), "--max_steps", "5", "--no_progress"], capsys
+    )
     assert code == 0 and "falling back to step_000002" in text and "resumed from" in text, text[-2000:]
     assert not (run / "PWNED").exists()
 
@@ -106,24 +149,45 @@ def test_meta_json_listing_no_files_does_not_verify(run):
 
 def test_overwrite_removes_only_a_runs_files_and_refuses_other_folders(run, tmp_path, capsys, text_corpus):
     (run / "my_notes.txt").write_text("keep me")
-    code, text = _run(["train", "--data", str(text_corpus), "--out", str(run), "--overwrite", "--max_steps", "1",
-                       *FASTRUN], capsys)
+    code, text = _run(
+        ["train", "--data", str(text_corpus), "--out", str(run), "--overwrite", "--max_steps", "1", *FASTRUN],
+        capsys,
+    )
     assert code == 0, text[-1500:]
     assert (run / "my_notes.txt").read_text() == "keep me" and ckpt.list_steps(run / "checkpoints") == [1]
     foreign = tmp_path / "photos"
     (foreign / "checkpoints").mkdir(parents=True)  # a checkpoints/ folder alone does not make a run
     (foreign / "cat.jpg").write_bytes(b"\xff\xd8 not a run")
     before = _snapshot(foreign)
-    _refused(["train", "--data", str(text_corpus), "--out", str(foreign), "--overwrite", *FASTRUN], capsys,
-             "not a gptoughts run")
+    _refused(
+        ["train", "--data", str(text_corpus), "--out", str(foreign), "--overwrite", *FASTRUN],
+        capsys,
+        "not a gptoughts run",
+    )
     assert _snapshot(foreign) == before
 
 
-def test_a_run_killed_before_its_first_checkpoint_restarts_without_duplicate_rows(tmp_path, text_corpus, cache_dir,
-                                                                                 capsys):
+def test_a_run_killed_before_its_first_checkpoint_restarts_without_duplicate_rows(
+    tmp_path, text_corpus, cache_dir, capsys
+):
     out = tmp_path / "run"
-    code, _ = _run(["train", "--data", str(text_corpus), "--out", str(out), "--max_steps", "3", "--log_interval",
-                    "1", "--train.checkpoints", "false", *FASTRUN], capsys)  # a run that never checkpointed
+    code, _ = _run(
+        [
+            "train",
+            "--data",
+            str(text_corpus),
+            "--out",
+            str(out),
+            "--max_steps",
+            "3",
+            "--log_interval",
+            "1",
+            "--train.checkpoints",
+            "false",
+            *FASTRUN,
+        ],
+        capsys,
+    )  # a run that never checkpointed
     assert code == 0 and not ckpt.list_steps(out / "checkpoints")
     code, text = _run(["train", "--resume", "auto", "--out", str(out), "--train.checkpoints", "true"], capsys)
     assert code == 0, text[-1500:]
@@ -135,22 +199,37 @@ def test_a_run_killed_before_its_first_checkpoint_restarts_without_duplicate_row
 
 
 def test_a_second_train_on_the_same_out_is_refused_while_the_first_holds_it(run, capsys):
-    holder = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time; from pathlib import Path; from gptoughts.train.rundir import RunLock; "
-        f"held = RunLock.acquire(Path({str(run)!r})); print('locked', flush=True); time.sleep(60)")],
-        stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            (
+                "import sys, time; from pathlib import Path; from gptoughts.train.rundir import RunLock; "
+                f"held = RunLock.acquire(Path({str(run)!r})); print('locked', flush=True); time.sleep(60)"
+            ),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "locked"
         before = _snapshot(run)
-        _refused(["train", "--resume", "auto", "--out", str(run), "--max_steps", "6"], capsys,
-                 f"process {holder.pid}", "in use")
-        assert {k: v for k, v in _snapshot(run).items() if k != ".lock"} == \
-            {k: v for k, v in before.items() if k != ".lock"}
+        _refused(
+            ["train", "--resume", "auto", "--out", str(run), "--max_steps", "6"],
+            capsys,
+            f"process {holder.pid}",
+            "in use",
+        )
+        assert {k: v for k, v in _snapshot(run).items() if k != ".lock"} == {
+            k: v for k, v in before.items() if k != ".lock"
+        }
     finally:
         holder.kill()
         holder.wait()
     # the kernel released the dead holder's lock: the run continues
-    code, text = _run(["train", "--resume", "auto", "--out", str(run), "--max_steps", "5", "--no_progress"], capsys)
+    code, text = _run(
+        ["train", "--resume", "auto", "--out", str(run), "--max_steps", "5", "--no_progress"], capsys
+    )
     assert code == 0, text[-1500:]
     lock = RunLock.acquire(run)  # released after the run
     lock.release()
@@ -159,19 +238,24 @@ def test_a_second_train_on_the_same_out_is_refused_while_the_first_holds_it(run,
 # ------------------------------------------------------------------------------------ one line, non-zero
 
 
-@pytest.mark.parametrize("flags, needle", [
-    (["--block_size", "1000000000"], "block_size"),
-    (["--learning_rate", "nan"], "learning_rate"),
-    (["--learning_rate", "inf"], "learning_rate"),
-    (["--log_interval", "0"], "log_interval"),
-    (["--max_steps", "0"], "max_steps"),
-    (["--max_steps", "-5"], "max_steps"),
-    (["--epochs", "0"], "epochs"),
-    (["--eval_interval", "-1"], "eval_interval"),
-    (["--save_interval", "-3"], "save_interval"),
-    (["--max_bad_steps", "0"], "max_bad_steps"),
-])
-def test_bad_numbers_are_refused_before_anything_is_built(flags, needle, tmp_path, text_corpus, capsys, cache_dir):
+@pytest.mark.parametrize(
+    "flags, needle",
+    [
+        (["--block_size", "1000000000"], "block_size"),
+        (["--learning_rate", "nan"], "learning_rate"),
+        (["--learning_rate", "inf"], "learning_rate"),
+        (["--log_interval", "0"], "log_interval"),
+        (["--max_steps", "0"], "max_steps"),
+        (["--max_steps", "-5"], "max_steps"),
+        (["--epochs", "0"], "epochs"),
+        (["--eval_interval", "-1"], "eval_interval"),
+        (["--save_interval", "-3"], "save_interval"),
+        (["--max_bad_steps", "0"], "max_bad_steps"),
+    ],
+)
+def test_bad_numbers_are_refused_before_anything_is_built(
+    flags, needle, tmp_path, text_corpus, capsys, cache_dir
+):
     out = tmp_path / "r"
     _refused(["train", "--data", str(text_corpus), "--out", str(out), *flags], capsys, needle)
     assert not out.exists() and not cache_dir.exists()
@@ -212,8 +296,10 @@ def test_corrupt_cache_manifest_is_rebuilt(run, capsys, cache_dir, text_corpus, 
     assert manifests
     for m in manifests:
         m.write_text(json.dumps({"format_version": 2, "sources": []}))
-    code, text = _run(["train", "--data", str(text_corpus), "--out", str(tmp_path / "again"), "--max_steps", "1",
-                       *FASTRUN], capsys)
+    code, text = _run(
+        ["train", "--data", str(text_corpus), "--out", str(tmp_path / "again"), "--max_steps", "1", *FASTRUN],
+        capsys,
+    )
     assert code == 0, text[-1500:]
 
 
@@ -223,12 +309,15 @@ def test_hf_weight_index_pointing_outside_its_folder_is_refused(tmp_path, capsys
 
     folder = save_hf_model(tmp_path / "m", "llama")
     (folder / "model.safetensors").rename(tmp_path / "elsewhere.safetensors")
-    (folder / "model.safetensors.index.json").write_text(json.dumps(
-        {"weight_map": {"model.embed_tokens.weight": "../elsewhere.safetensors"}}))
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"model.embed_tokens.weight": "../elsewhere.safetensors"}})
+    )
     _refused(["sample", str(folder), "--prompt", "x"], capsys, "outside the model folder")
 
 
-def test_disk_full_during_a_checkpoint_is_one_line_and_earlier_checkpoints_are_intact(run, capsys, monkeypatch):
+def test_disk_full_during_a_checkpoint_is_one_line_and_earlier_checkpoints_are_intact(
+    run, capsys, monkeypatch
+):
     before = _snapshot(run / "checkpoints")
     real = ckpt._fsync_file
 
@@ -238,11 +327,15 @@ def test_disk_full_during_a_checkpoint_is_one_line_and_earlier_checkpoints_are_i
         real(path)
 
     monkeypatch.setattr(ckpt, "_fsync_file", full)
-    _refused(["train", "--resume", "auto", "--out", str(run), "--max_steps", "6", "--save_interval", "1"], capsys,
-             "disk full")
+    _refused(
+        ["train", "--resume", "auto", "--out", str(run), "--max_steps", "6", "--save_interval", "1"],
+        capsys,
+        "disk full",
+    )
     after = _snapshot(run / "checkpoints")
-    assert {k: v for k, v in after.items() if k.startswith("step_000002") or k.startswith("step_000004")} == \
-        {k: v for k, v in before.items() if k.startswith("step_000002") or k.startswith("step_000004")}
+    assert {k: v for k, v in after.items() if k.startswith("step_000002") or k.startswith("step_000004")} == {
+        k: v for k, v in before.items() if k.startswith("step_000002") or k.startswith("step_000004")
+    }
     assert not [p for p in (run / "checkpoints").iterdir() if p.name.startswith(".tmp")]
 
 
@@ -258,12 +351,32 @@ def test_ctrl_c_before_training_is_quiet(monkeypatch, capsys):
 
 
 @pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
-def test_an_interrupted_run_saves_and_exits_with_128_plus_the_signal(sig, code, tmp_path, text_corpus, cache_dir):
+def test_an_interrupted_run_saves_and_exits_with_128_plus_the_signal(
+    sig, code, tmp_path, text_corpus, cache_dir
+):
     out = tmp_path / "run"
     env = {**os.environ, "GPTOUGHTS_CACHE": str(cache_dir), "OMP_NUM_THREADS": "1"}
-    p = subprocess.Popen([sys.executable, "-m", "gptoughts", "train", "--data", str(text_corpus), "--out", str(out),
-                          "--max_steps", "100000", "--log_interval", "1", *[a for a in FASTRUN if a != "--no_progress"]],
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "gptoughts",
+            "train",
+            "--data",
+            str(text_corpus),
+            "--out",
+            str(out),
+            "--max_steps",
+            "100000",
+            "--log_interval",
+            "1",
+            *[a for a in FASTRUN if a != "--no_progress"],
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
     lines = []
     for line in p.stdout:  # wait until training runs
         lines.append(line)

@@ -25,9 +25,23 @@ README = (ROOT / "README.md").read_text(encoding="utf-8")
 sys.path.insert(0, str(ROOT / "tests" / "finetune"))
 
 # Added to each training command run for real: none of them changes what the command builds or reads.
-FAST_TRAIN = ["--device", "cpu", "--threads", "1", "--no_progress", "--run.tensorboard", "false",
-              "--eval_batches", "2", "--sample_max_new_tokens", "4"]
-SHRINK = {"--block_size": "32", "--batch_size": "2"}  # sizes of a batch: substituted where written (auto stays)
+FAST_TRAIN = [
+    "--device",
+    "cpu",
+    "--threads",
+    "1",
+    "--no_progress",
+    "--run.tensorboard",
+    "false",
+    "--eval_batches",
+    "2",
+    "--sample_max_new_tokens",
+    "4",
+]
+SHRINK = {
+    "--block_size": "32",
+    "--batch_size": "2",
+}  # sizes of a batch: substituted where written (auto stays)
 
 
 def bash_commands() -> list[str]:
@@ -37,7 +51,7 @@ def bash_commands() -> list[str]:
         for line in block.splitlines():
             tokens = shlex.split(line, comments=True)
             if "&&" in tokens:
-                tokens = tokens[tokens.index("&&") + 1:]
+                tokens = tokens[tokens.index("&&") + 1 :]
             if tokens and tokens[0] in ("gptoughts", "torchrun"):
                 out.append(shlex.join(tokens))
     return out
@@ -45,17 +59,27 @@ def bash_commands() -> list[str]:
 
 def table_commands() -> list[str]:
     """The commands of the "Other commands" table, optional parts ([...]) and alternatives ([A|B]) left out."""
-    table = README[README.index("### Other commands"):README.index("## Fine-tuning")]
+    table = README[README.index("### Other commands") : README.index("## Fine-tuning")]
     cmds = re.findall(r"^\| `(gptoughts [^`]+)`", table, re.M)
     return [re.sub(r"\s*\[[^\]]*\]", "", c).strip() for c in cmds]
 
 
 def size_table() -> dict[tuple[str, str], dict[str, int]]:
-    rows = re.findall(r"^\| (\w+) \| (\w+) \| ([\d,]+) \| (\d+) \| (\d+) \| (\d+) \| (\d+) \| ([\d,]+) \| ([\d,]+) \|",
-                      README, re.M)
-    return {(f, s): {"vocab": int(v.replace(",", "")), "d_model": int(d), "layers": int(n),
-                     "params": int(p.replace(",", "")), "params_non_embedding": int(ne.replace(",", ""))}
-            for f, s, v, d, n, _h, _kv, p, ne in rows}
+    rows = re.findall(
+        r"^\| (\w+) \| (\w+) \| ([\d,]+) \| (\d+) \| (\d+) \| (\d+) \| (\d+) \| ([\d,]+) \| ([\d,]+) \|",
+        README,
+        re.M,
+    )
+    return {
+        (f, s): {
+            "vocab": int(v.replace(",", "")),
+            "d_model": int(d),
+            "layers": int(n),
+            "params": int(p.replace(",", "")),
+            "params_non_embedding": int(ne.replace(",", "")),
+        }
+        for f, s, v, d, n, _h, _kv, p, ne in rows
+    }
 
 
 def _plan(text: str) -> tuple[str, str, int]:
@@ -73,8 +97,19 @@ def workdir(tmp_path_factory) -> Path:
 
     d = tmp_path_factory.mktemp("readme")
     std = Path(sysconfig.get_paths()["stdlib"])
-    texts = [(std / n).read_text(encoding="utf-8") for n in ("textwrap.py", "string.py", "shlex.py", "bisect.py",
-                                                              "heapq.py", "fnmatch.py", "glob.py", "keyword.py")]
+    texts = [
+        (std / n).read_text(encoding="utf-8")
+        for n in (
+            "textwrap.py",
+            "string.py",
+            "shlex.py",
+            "bisect.py",
+            "heapq.py",
+            "fnmatch.py",
+            "glob.py",
+            "keyword.py",
+        )
+    ]
     (d / "corpus.txt").write_text("\n\n".join(texts), encoding="utf-8")
     (d / "notes.txt").write_text("\n\n".join(texts[:3]), encoding="utf-8")
     (d / "data").mkdir()
@@ -82,7 +117,10 @@ def workdir(tmp_path_factory) -> Path:
         (d / "data" / f"part{i}.py").write_text(t, encoding="utf-8")
     with open(d / "chat.jsonl", "w", encoding="utf-8") as f:
         for i in range(40):
-            f.write(json.dumps({"prompt": f"What is {i} plus {i}?", "response": f"{i} plus {i} is {2 * i}."}) + "\n")
+            f.write(
+                json.dumps({"prompt": f"What is {i} plus {i}?", "response": f"{i} plus {i} is {2 * i}."})
+                + "\n"
+            )
     save_hf_model(d / "path" / "to" / "hf_model", "llama")
     return d
 
@@ -127,8 +165,19 @@ def test_readme_lists_the_commands_this_test_runs():
     cmds = bash_commands()
     assert "gptoughts train" in cmds and any("--resume auto" in c for c in cmds)
     assert sum(c.startswith("torchrun") for c in cmds) == 2 and sum("finetune" in c for c in cmds) == 2
-    assert {c.split()[1] for c in table_commands()} >= {"prepare", "sample", "eval", "plot", "env", "bench",
-                                                       "estimate", "tune", "finetune", "export", "config"}
+    assert {c.split()[1] for c in table_commands()} >= {
+        "prepare",
+        "sample",
+        "eval",
+        "plot",
+        "env",
+        "bench",
+        "estimate",
+        "tune",
+        "finetune",
+        "export",
+        "config",
+    }
 
 
 def test_size_table_matches_the_registry():
@@ -144,8 +193,13 @@ def test_size_table_matches_the_registry():
             vocab = -(-int(tok.split(":")[1]) // 64) * 64
             args = models.model_args(fam, size, {"vocab_size": vocab})
             m = models.build_model(fam, args, device="meta")
-            expected[(fam, size)] = {"vocab": vocab, "d_model": args.d_model, "layers": args.n_layers,
-                                     "params": m.num_params(), "params_non_embedding": m.num_params(True)}
+            expected[(fam, size)] = {
+                "vocab": vocab,
+                "d_model": args.d_model,
+                "layers": args.n_layers,
+                "params": m.num_params(),
+                "params_non_embedding": m.num_params(True),
+            }
     assert table == expected
 
 
@@ -155,7 +209,12 @@ def test_training_commands_build_what_they_ask(in_workdir, capsys):
     table = size_table()
     for line in bash_commands():
         argv = shlex.split(line)
-        if argv[:2] != ["gptoughts", "train"] or "--interactive" in argv or "--resume" in argv or len(argv) == 2:
+        if (
+            argv[:2] != ["gptoughts", "train"]
+            or "--interactive" in argv
+            or "--resume" in argv
+            or len(argv) == 2
+        ):
             continue
         args = argv[1:]
         text = _run([*args, "--dry_run"] if "--dry_run" not in args else args, capsys)
@@ -179,12 +238,28 @@ def test_resume_and_interactive_commands(in_workdir, capsys, monkeypatch):
     argv = shlex.split(resume)
     out = argv[argv.index("--out") + 1]
     if not (in_workdir / out / "run.json").exists():  # the first training command writes it
-        _run(["train", "--data", "corpus.txt", "--size", "debug", "--out", out, "--max_steps", "2", *FAST_TRAIN],
-             capsys)
+        _run(
+            [
+                "train",
+                "--data",
+                "corpus.txt",
+                "--size",
+                "debug",
+                "--out",
+                out,
+                "--max_steps",
+                "2",
+                *FAST_TRAIN,
+            ],
+            capsys,
+        )
     text = _run([*argv[1:], "--max_steps", "4", *FAST_TRAIN], capsys)
     assert "resumed from" in text
-    steps = [json.loads(x)["step"] for x in (in_workdir / out / "metrics.jsonl").read_text().splitlines()
-             if '"loss"' in x]
+    steps = [
+        json.loads(x)["step"]
+        for x in (in_workdir / out / "metrics.jsonl").read_text().splitlines()
+        if '"loss"' in x
+    ]
     assert steps == sorted(set(steps)) and steps[-1] == 4
     answers = iter(["debug", "corpus.txt", "0.05", "2"])
     monkeypatch.setattr("builtins.input", lambda prompt="": next(answers))
@@ -197,12 +272,32 @@ def test_torchrun_commands(in_workdir):
     """The torchrun lines on 2 CPU processes (gloo) at the debug size: DDP and FSDP2 both train."""
     for line in (c for c in bash_commands() if c.startswith("torchrun")):
         argv = shlex.split(line)
-        written = argv[argv.index("train") + 1:]
+        written = argv[argv.index("train") + 1 :]
         args, out = _substitute(written, "debug"), _default_out(written)
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "gptoughts",
-               "train", *args, "--out", out, "--max_steps", "2", *FAST_TRAIN]
-        r = subprocess.run(cmd, cwd=in_workdir, capture_output=True, text=True, timeout=600,
-                           env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            "-m",
+            "gptoughts",
+            "train",
+            *args,
+            "--out",
+            out,
+            "--max_steps",
+            "2",
+            *FAST_TRAIN,
+        ]
+        r = subprocess.run(
+            cmd,
+            cwd=in_workdir,
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env={**__import__("os").environ, "OMP_NUM_THREADS": "1"},
+        )
         assert r.returncode == 0, r.stderr[-3000:]
         run = json.loads((in_workdir / out / "run.json").read_text())
         assert run["world_size"] == 2 and run["family"] == "llama" and run["args"]["d_model"] == 64, line
@@ -229,8 +324,11 @@ def test_finetune_and_table_commands(in_workdir, capsys):
         argv = shlex.split(line)
         if argv[1] not in ("finetune", "sample", "export"):
             continue
-        extra = ["--max_steps", "2", "--block_size", "64", "--batch_size", "2", *FAST_TRAIN] \
-            if argv[1] == "finetune" else []
+        extra = (
+            ["--max_steps", "2", "--block_size", "64", "--batch_size", "2", *FAST_TRAIN]
+            if argv[1] == "finetune"
+            else []
+        )
         text = _run([*argv[1:], *extra], capsys)
         if argv[1] == "export":
             assert (in_workdir / "exported" / "config.json").is_file()
@@ -238,8 +336,15 @@ def test_finetune_and_table_commands(in_workdir, capsys):
             assert text.strip()
     assert json.loads((in_workdir / "runs/ft/run.json").read_text())["lora"] is True
     run = "runs/ft"
-    subs = {"RUN": run, "TEXT": "def", "PATH": "corpus.txt", "DIR": "shards", "HF_DIR": "path/to/hf_model",
-            "OUT": "exported2", "PRESET": "quickstart"}
+    subs = {
+        "RUN": run,
+        "TEXT": "def",
+        "PATH": "corpus.txt",
+        "DIR": "shards",
+        "HF_DIR": "path/to/hf_model",
+        "OUT": "exported2",
+        "PRESET": "quickstart",
+    }
     for cmd in table_commands():
         argv = shlex.split(cmd)[1:]
         argv = [subs.get(a, a) for a in argv]
@@ -250,7 +355,17 @@ def test_finetune_and_table_commands(in_workdir, capsys):
         if argv[0] == "tune":
             argv += ["--steps", "2", "--warmup", "1", "--out", "tuned.toml"]
         if argv[0] == "finetune":
-            argv += ["--out", "runs/ft2", "--max_steps", "2", "--block_size", "64", "--batch_size", "2", *FAST_TRAIN]
+            argv += [
+                "--out",
+                "runs/ft2",
+                "--max_steps",
+                "2",
+                "--block_size",
+                "64",
+                "--batch_size",
+                "2",
+                *FAST_TRAIN,
+            ]
         if argv[0] in ("sample", "eval", "export", "plot") and argv[1] == run:
             argv[1] = "runs/llama-125m"  # a run trained from scratch (the first training command wrote it)
         text = _run(argv, capsys)
@@ -258,7 +373,10 @@ def test_finetune_and_table_commands(in_workdir, capsys):
             assert "all of it" in text
         if argv[0] == "prepare":
             assert (in_workdir / "shards" / "manifest.json").is_file()
-            assert json.loads((in_workdir / "shards" / "manifest.json").read_text())["tokenizer_spec"] == "bpe:32768"
+            assert (
+                json.loads((in_workdir / "shards" / "manifest.json").read_text())["tokenizer_spec"]
+                == "bpe:32768"
+            )
         if argv[0] == "estimate":
             assert "GiB" in text and "$" in text
         if argv[0] == "config":

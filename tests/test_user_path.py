@@ -17,8 +17,23 @@ from gptoughts import cli, models
 from gptoughts.config import load_config, size_defaults
 from gptoughts.errors import ConfigError
 
-FASTRUN = ["--device", "cpu", "--threads", "1", "--no_progress", "--run.tensorboard", "false", "--eval_batches",
-           "2", "--sample_max_new_tokens", "4", "--block_size", "32", "--batch_size", "2"]
+FASTRUN = [
+    "--device",
+    "cpu",
+    "--threads",
+    "1",
+    "--no_progress",
+    "--run.tensorboard",
+    "false",
+    "--eval_batches",
+    "2",
+    "--sample_max_new_tokens",
+    "4",
+    "--block_size",
+    "32",
+    "--batch_size",
+    "2",
+]
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
@@ -48,13 +63,16 @@ def _plan(text: str) -> tuple[str, str, int]:
 def test_data_and_size_build_that_size(family, size, text_corpus, cache_dir):
     """`train --data X --model F --size S` builds S: the size preset's shape, its parameter count at the vocab
     the size trains with (counted on the meta device through a dry run), nothing of the quickstart."""
-    model, _, hist = gptoughts.train(data_path=str(text_corpus), model=family, size=size, dry_run=True,
-                                     **{"perf.device": "cpu"})
+    model, _, hist = gptoughts.train(
+        data_path=str(text_corpus), model=family, size=size, dry_run=True, **{"perf.device": "cpu"}
+    )
     preset = models.model_args(family, size)
     assert (model.args.d_model, model.args.n_layers) == (preset.d_model, preset.n_layers)
     tok = size_defaults(family, size).get("data", {}).get("tokenizer", "bpe:8192")
     vocab = -(-int(tok.split(":")[1]) // 64) * 64
-    expected = models.build_model(family, models.model_args(family, size, {"vocab_size": vocab}), device="meta")
+    expected = models.build_model(
+        family, models.model_args(family, size, {"vocab_size": vocab}), device="meta"
+    )
     assert hist.plan["params"] == expected.num_params() == model.num_params()
     assert hist.plan["model"] == f"{family}/{size}" and hist.plan["corpus"]["cut"] is False
     assert not Path(hist.run_dir).exists() and not cache_dir.exists()  # a dry run writes nothing at all
@@ -95,16 +113,42 @@ def test_a_12mb_corpus_is_read_whole(tmp_path, cache_dir, capsys):
             break
     assert total > 12_000_000
     out = tmp_path / "run"
-    _ok(["train", "--data", str(corpus), "--tokenizer", "bytes", "--out", str(out), "--max_steps", "1", *FASTRUN],
-        capsys)
+    _ok(
+        [
+            "train",
+            "--data",
+            str(corpus),
+            "--tokenizer",
+            "bytes",
+            "--out",
+            str(out),
+            "--max_steps",
+            "1",
+            *FASTRUN,
+        ],
+        capsys,
+    )
     plan = json.loads((out / "run.json").read_text())["plan"]
     assert plan["corpus"]["cut"] is False and plan["corpus"]["bytes_read"] == plan["corpus"]["bytes"] == total
 
 
 def test_plan_counts_equal_what_the_run_reports(text_corpus, cache_dir, tmp_path, capsys):
     out = tmp_path / "run"
-    text = _ok(["train", "--data", str(text_corpus), "--tokenizer", "bytes", "--out", str(out), "--epochs", "0.05",
-                *FASTRUN], capsys)
+    text = _ok(
+        [
+            "train",
+            "--data",
+            str(text_corpus),
+            "--tokenizer",
+            "bytes",
+            "--out",
+            str(out),
+            "--epochs",
+            "0.05",
+            *FASTRUN,
+        ],
+        capsys,
+    )
     run = json.loads((out / "run.json").read_text())
     plan = run["plan"]
     manifest = json.loads((Path(run["data"]) / "manifest.json").read_text())
@@ -122,7 +166,9 @@ def test_plan_counts_equal_what_the_run_reports(text_corpus, cache_dir, tmp_path
 
 def test_dry_run_of_an_uncached_corpus_estimates_and_writes_nothing(text_corpus, cache_dir, tmp_path, capsys):
     out = tmp_path / "never"
-    text = _ok(["train", "--data", str(text_corpus), "--size", "125m", "--out", str(out), "--dry_run"], capsys)
+    text = _ok(
+        ["train", "--data", str(text_corpus), "--size", "125m", "--out", str(out), "--dry_run"], capsys
+    )
     assert "estimated: not tokenized yet" in text and not out.exists() and not cache_dir.exists()
     assert "warning: the corpus" in text  # 60 KB of text for a 135M model
 
@@ -147,43 +193,94 @@ def test_the_stopping_rule_given_wins_and_two_are_an_error(text_corpus, capsys):
 def test_generate_is_the_function_twice_in_a_fresh_process(tmp_path, text_corpus, cache_dir):
     code = f"""
 import gptoughts
-m, t, h = gptoughts.train(data_path={str(text_corpus)!r}, size="debug", save_dir={str(tmp_path / 'r')!r},
+m, t, h = gptoughts.train(data_path={str(text_corpus)!r}, size="debug", save_dir={str(tmp_path / "r")!r},
                           device="cpu", max_steps=2, **{{"data.tokenizer": "bytes", "train.block_size": 32,
                           "run.progress": False, "run.tensorboard": False, "perf.threads": 1}})
-loaded = gptoughts.load({str(tmp_path / 'r')!r})
+loaded = gptoughts.load({str(tmp_path / "r")!r})
 a = gptoughts.generate(loaded, "def ", max_new_tokens=3, seed=1)
 b = gptoughts.generate(loaded, "def ", max_new_tokens=3, seed=1)
 assert a == b and a.startswith("def "), (a, b)
 print("OK")
 """
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                       env={**__import__("os").environ, "GPTOUGHTS_CACHE": str(cache_dir)})
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**__import__("os").environ, "GPTOUGHTS_CACHE": str(cache_dir)},
+    )
     assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-2000:]
 
 
 def test_resume_auto_takes_the_runs_own_config(text_corpus, cache_dir, tmp_path, capsys):
     out = tmp_path / "run"
-    _ok(["train", "--data", str(text_corpus), "--tokenizer", "bytes", "--out", str(out), "--max_steps", "2",
-         "--save_interval", "2", *FASTRUN], capsys)
+    _ok(
+        [
+            "train",
+            "--data",
+            str(text_corpus),
+            "--tokenizer",
+            "bytes",
+            "--out",
+            str(out),
+            "--max_steps",
+            "2",
+            "--save_interval",
+            "2",
+            *FASTRUN,
+        ],
+        capsys,
+    )
     text = _ok(["train", "--resume", "auto", "--out", str(out), "--max_steps", "4", "--no_progress"], capsys)
     assert "resumed from" in text and "corpus: 10 file(s)" in text  # its own data, not the stdlib
     cfg = load_config(None, {"run.resume": "auto", "run.out": str(out)})
-    assert cfg.data.tokenizer == "bytes" and cfg.train.block_size == 32 and cfg.train.max_steps == 4  # as extended
+    assert (
+        cfg.data.tokenizer == "bytes" and cfg.train.block_size == 32 and cfg.train.max_steps == 4
+    )  # as extended
     steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
     assert steps == sorted(set(steps)) and steps[-1] == 4
 
 
 def test_eval_scores_all_of_the_corpus(text_corpus, cache_dir, tmp_path, capsys):
     out = tmp_path / "run"
-    _ok(["train", "--data", str(text_corpus), "--tokenizer", "bytes", "--out", str(out), "--max_steps", "1",
-         *FASTRUN], capsys)
+    _ok(
+        [
+            "train",
+            "--data",
+            str(text_corpus),
+            "--tokenizer",
+            "bytes",
+            "--out",
+            str(out),
+            "--max_steps",
+            "1",
+            *FASTRUN,
+        ],
+        capsys,
+    )
     capsys.readouterr()
     assert cli.main(["eval", str(out), "--data", str(text_corpus), "--json", "--batch_size", "4"]) == 0
     res = json.loads(capsys.readouterr().out)
     corpus_bytes = sum(f.stat().st_size for f in text_corpus.iterdir())
-    assert res["scored"] == "all of it" and res["tokens"] > 0.9 * corpus_bytes  # bytes tokenizer: ~1 token a byte
-    assert cli.main(["eval", str(out), "--data", str(text_corpus), "--json", "--max_batches", "2",
-                     "--batch_size", "4"]) == 0
+    assert (
+        res["scored"] == "all of it" and res["tokens"] > 0.9 * corpus_bytes
+    )  # bytes tokenizer: ~1 token a byte
+    assert (
+        cli.main(
+            [
+                "eval",
+                str(out),
+                "--data",
+                str(text_corpus),
+                "--json",
+                "--max_batches",
+                "2",
+                "--batch_size",
+                "4",
+            ]
+        )
+        == 0
+    )
     part = json.loads(capsys.readouterr().out)
     assert part["tokens"] == 2 * 4 * 32 and "of its" in part["scored"]
 
@@ -215,8 +312,21 @@ def test_wandb_without_a_key_logs_offline_and_a_failure_costs_one_line(monkeypat
     assert code == 2 and "pip install" in text and not (tmp_path / "w").exists()
 
 
-@pytest.mark.parametrize("typo", ["--auto-batchh", "--versionn", "--weight_decai", "--schedul", "--num_epoch",
-                                  "--run.lrate", "--train.max_step", "--text_fild", "--extension", "--lr_rate"])
+@pytest.mark.parametrize(
+    "typo",
+    [
+        "--auto-batchh",
+        "--versionn",
+        "--weight_decai",
+        "--schedul",
+        "--num_epoch",
+        "--run.lrate",
+        "--train.max_step",
+        "--text_fild",
+        "--extension",
+        "--lr_rate",
+    ],
+)
 def test_every_option_the_cli_suggests_is_one_it_accepts(typo, capsys):
     code, text = _run(["train", typo, "1"], capsys)
     assert code == 2 and "unknown option" in text and "needs a value" not in text, text
@@ -242,14 +352,46 @@ def test_version_help_and_bare_command(capsys):
 
 
 def test_the_seeds_spellings_are_aliases():
-    _, o, _ = cli.parse_overrides(["--model_type", "llada", "--use_fp8", "--recover-nan", "--compile",
-                                   "--block_size", "64", "--batch_size", "2", "--num_epochs", "3", "--save_dir", "x",
-                                   "--threads", "2", "--weight_decay", "0.05"])
-    assert o == {"model.family": "llada", "perf.fp8": True, "train.batch_size": "2", "train.nan_policy": "rollback",
-                 "perf.compile": True, "train.block_size": "64", "train.epochs": "3", "run.out": "x",
-                 "perf.threads": "2", "train.weight_decay": "0.05"}
+    _, o, _ = cli.parse_overrides(
+        [
+            "--model_type",
+            "llada",
+            "--use_fp8",
+            "--recover-nan",
+            "--compile",
+            "--block_size",
+            "64",
+            "--batch_size",
+            "2",
+            "--num_epochs",
+            "3",
+            "--save_dir",
+            "x",
+            "--threads",
+            "2",
+            "--weight_decay",
+            "0.05",
+        ]
+    )
+    assert o == {
+        "model.family": "llada",
+        "perf.fp8": True,
+        "train.batch_size": "2",
+        "train.nan_policy": "rollback",
+        "perf.compile": True,
+        "train.block_size": "64",
+        "train.epochs": "3",
+        "run.out": "x",
+        "perf.threads": "2",
+        "train.weight_decay": "0.05",
+    }
     cfg = load_config(None, {**o, "data.sources": ["x"]})
-    assert (cfg.model.family, cfg.perf.fp8, cfg.recovery.nan_policy, cfg.train.epochs) == ("llada", True, "rollback", 3.0)
+    assert (cfg.model.family, cfg.perf.fp8, cfg.recovery.nan_policy, cfg.train.epochs) == (
+        "llada",
+        True,
+        "rollback",
+        3.0,
+    )
 
 
 def test_seeds_auto_batch_flag_sets_auto():
@@ -261,14 +403,17 @@ def test_tune_writes_a_config_without_the_quickstarts_out(tmp_path):
     from gptoughts.tools.tune import Trial, write_winner
 
     cfg = load_config("default", {"data.sources": ["x"]})
-    path = write_winner(Trial({"perf.activation_checkpointing": "none"}, 1.0, None, None), cfg, tmp_path / "t.toml")
+    path = write_winner(
+        Trial({"perf.activation_checkpointing": "none"}, 1.0, None, None), cfg, tmp_path / "t.toml"
+    )
     text = path.read_text()
     assert "quickstart" not in text and "\nout =" not in text
     assert load_config(str(path), {}).run.out == "runs/llama-debug"
 
 
-def test_curriculum_paths_are_relative_to_the_toml_and_phases_are_announced(tmp_path, text_corpus, cache_dir,
-                                                                           capsys, monkeypatch):
+def test_curriculum_paths_are_relative_to_the_toml_and_phases_are_announced(
+    tmp_path, text_corpus, cache_dir, capsys, monkeypatch
+):
     conf = tmp_path / "conf"
     (conf / "a").mkdir(parents=True)
     (conf / "b").mkdir()
@@ -277,31 +422,57 @@ def test_curriculum_paths_are_relative_to_the_toml_and_phases_are_announced(tmp_
         (conf / "a" / f.name).write_text(f.read_text())
     for f in files[5:]:
         (conf / "b" / f.name).write_text(f.read_text())
-    (conf / "run.toml").write_text('base = "default"\n[data]\nsources = ["a", "b"]\ntokenizer = "bytes"\n'
-                                   '[[data.phases]]\nname = "first"\nsources = ["a"]\ntokens = 256\n'
-                                   '[[data.phases]]\nname = "second"\nsources = ["b"]\n')
+    (conf / "run.toml").write_text(
+        'base = "default"\n[data]\nsources = ["a", "b"]\ntokenizer = "bytes"\n'
+        '[[data.phases]]\nname = "first"\nsources = ["a"]\ntokens = 256\n'
+        '[[data.phases]]\nname = "second"\nsources = ["b"]\n'
+    )
     monkeypatch.chdir(tmp_path)  # not the TOML's folder
-    text = _ok(["train", "conf/run.toml", "--out", "r", "--max_steps", "4", "--log_interval", "1", *FASTRUN], capsys)
+    text = _ok(
+        ["train", "conf/run.toml", "--out", "r", "--max_steps", "4", "--log_interval", "1", *FASTRUN], capsys
+    )
     assert "curriculum phase 'second' begins (after 'first')" in text
 
 
 def test_bench_headline_and_breakdown_agree():
     from gptoughts.tools.bench import run_bench
 
-    r = run_bench(load_config("default", {"perf.device": "cpu", "train.block_size": 32, "train.batch_size": 2,
-                                          "perf.threads": 1}), steps=3, warmup=1)
+    r = run_bench(
+        load_config(
+            "default",
+            {"perf.device": "cpu", "train.block_size": 32, "train.batch_size": 2, "perf.threads": 1},
+        ),
+        steps=3,
+        warmup=1,
+    )
     parts = sum(r["breakdown"][f"time/{k}_ms"] for k in ("data", "forward", "backward", "optimizer", "other"))
     assert parts == pytest.approx(r["step_ms"], rel=1e-6)
     assert r["tokens_per_s"] == pytest.approx(2 * 32 / (r["step_ms"] / 1e3), rel=1e-6)
 
 
-def test_progress_line_has_an_eta_and_threads_are_measured_or_given(text_corpus, cache_dir, tmp_path, capsys,
-                                                                      monkeypatch):
+def test_progress_line_has_an_eta_and_threads_are_measured_or_given(
+    text_corpus, cache_dir, tmp_path, capsys, monkeypatch
+):
     from gptoughts.perf import hardware
 
     shown = [a for a in FASTRUN if a != "--no_progress"]  # the progress lines (not a terminal: plain lines)
-    text = _ok(["train", "--data", str(text_corpus), "--tokenizer", "bytes", "--out", str(tmp_path / "a"),
-                "--max_steps", "4", "--log_interval", "2", *shown], capsys)
+    text = _ok(
+        [
+            "train",
+            "--data",
+            str(text_corpus),
+            "--tokenizer",
+            "bytes",
+            "--out",
+            str(tmp_path / "a"),
+            "--max_steps",
+            "4",
+            "--log_interval",
+            "2",
+            *shown,
+        ],
+        capsys,
+    )
     assert re.search(r"step 2/4 loss [\d.]+ lr \S+ [\d,]+ tok/s eta 0:00:\d\d", text), text
     assert json.loads((tmp_path / "a" / "run.json").read_text())["resolved"]["threads"] == "1 (--threads)"
     slow = {"n": 0}
@@ -324,11 +495,28 @@ def test_finetune_override_is_checked_against_the_folders_family(tmp_path, cache
     from hf_helpers import make_tokenizer
 
     folder = tmp_path / "ds"
-    transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
-        hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
-        first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
-        v_head_dim=16, vocab_size=320, max_position_embeddings=128)).save_pretrained(str(folder))
+    transformers.DeepseekV3ForCausalLM(
+        transformers.DeepseekV3Config(
+            hidden_size=64,
+            intermediate_size=128,
+            moe_intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_group=1,
+            topk_group=1,
+            first_k_dense_replace=1,
+            q_lora_rank=32,
+            kv_lora_rank=16,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            v_head_dim=16,
+            vocab_size=320,
+            max_position_embeddings=128,
+        )
+    ).save_pretrained(str(folder))
     make_tokenizer().save(folder)
     cfg = load_config("finetune", {"model.init_from": str(folder), "model.bias_update_rate": "0"})
     assert cfg.model.family == "deepseek" and cfg.model.overrides == {"bias_update_rate": 0.0}
@@ -336,6 +524,23 @@ def test_finetune_override_is_checked_against_the_folders_family(tmp_path, cache
         load_config("finetune", {"model.init_from": str(folder), "model.n_layer": 3})
     corpus = tmp_path / "notes.txt"
     corpus.write_text("some text to continue pretraining on. " * 400)
-    code = cli.main(["finetune", "--model", str(folder), "--data", str(corpus), "--model.bias_update_rate", "0",
-                     "--out", str(tmp_path / "ft"), "--max_steps", "1", *FASTRUN])
-    assert code == 0 and json.loads((tmp_path / "ft" / "run.json").read_text())["args"]["bias_update_rate"] == 0.0
+    code = cli.main(
+        [
+            "finetune",
+            "--model",
+            str(folder),
+            "--data",
+            str(corpus),
+            "--model.bias_update_rate",
+            "0",
+            "--out",
+            str(tmp_path / "ft"),
+            "--max_steps",
+            "1",
+            *FASTRUN,
+        ]
+    )
+    assert (
+        code == 0
+        and json.loads((tmp_path / "ft" / "run.json").read_text())["args"]["bias_update_rate"] == 0.0
+    )

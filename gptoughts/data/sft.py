@@ -45,8 +45,9 @@ from gptoughts.errors import ConfigError, DataError
 
 IGNORE_INDEX = -100
 STATE_VERSION = 1
-_EXPECTED = ('each line must be {"prompt": str, "response": str} or '
-             '{"messages": [{"role": str, "content": str}, ...]}')
+_EXPECTED = (
+    'each line must be {"prompt": str, "response": str} or {"messages": [{"role": str, "content": str}, ...]}'
+)
 # First-fit packing looks for room in this many most recent open rows: near-optimal fill (rows left open
 # longer rarely fit anything) at O(examples * this) cost.
 _OPEN_ROWS = 64
@@ -92,8 +93,10 @@ def resolve_format(fmt: str, sources: Sequence[str]) -> str:
         sft = bool(files) and all(is_sft_record(_first_record(f)) for f in files)
         kinds.add("sft" if sft else "text")
     if len(kinds) > 1:
-        raise ConfigError("data.sources mixes SFT .jsonl (prompt/response or messages) with plain text; train them "
-                          "in separate runs or set data.format explicitly")
+        raise ConfigError(
+            "data.sources mixes SFT .jsonl (prompt/response or messages) with plain text; train them "
+            "in separate runs or set data.format explicitly"
+        )
     return kinds.pop() if kinds else "text"
 
 
@@ -103,15 +106,19 @@ def _conversation(obj: Any, where: str) -> list[Message]:
     if "messages" in obj:
         msgs = obj["messages"]
         if not isinstance(msgs, list) or not msgs:
-            raise DataError(f"{where}: \"messages\" must be a non-empty list; {_EXPECTED}")
+            raise DataError(f'{where}: "messages" must be a non-empty list; {_EXPECTED}')
         out = []
         for i, m in enumerate(msgs):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                raise DataError(f"{where}: messages[{i}] needs string \"role\" and \"content\"; {_EXPECTED}")
+            if (
+                not isinstance(m, dict)
+                or not isinstance(m.get("role"), str)
+                or not isinstance(m.get("content"), str)
+            ):
+                raise DataError(f'{where}: messages[{i}] needs string "role" and "content"; {_EXPECTED}')
             out.append({"role": m["role"], "content": m["content"]})
     elif "prompt" in obj and "response" in obj:
         if not isinstance(obj["prompt"], str) or not isinstance(obj["response"], str):
-            raise DataError(f"{where}: \"prompt\" and \"response\" must be strings; {_EXPECTED}")
+            raise DataError(f'{where}: "prompt" and "response" must be strings; {_EXPECTED}')
         out = [{"role": "user", "content": obj["prompt"]}, {"role": "assistant", "content": obj["response"]}]
         if isinstance(obj.get("system"), str):
             out.insert(0, {"role": "system", "content": obj["system"]})
@@ -134,7 +141,9 @@ def read_conversations(sources: Sequence[str]) -> list[list[Message]]:
                     try:
                         obj = json.loads(line)
                     except ValueError as e:
-                        raise DataError(f"{path}:{lineno}: invalid JSON ({e.args[0][:60]}); {_EXPECTED}") from None
+                        raise DataError(
+                            f"{path}:{lineno}: invalid JSON ({e.args[0][:60]}); {_EXPECTED}"
+                        ) from None
                     convs.append(_conversation(obj, f"{path}:{lineno}"))
     if not convs:
         raise DataError(f"no SFT examples in {', '.join(map(str, sources))}; {_EXPECTED}")
@@ -185,8 +194,10 @@ def _template_segments(messages: list[Message], tokenizer: Any) -> list[Segment]
         last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
         before = _render(tokenizer, messages[:last], True)
         if not full.startswith(before):
-            raise DataError("the tokenizer's chat template does not render a conversation's prompt as a prefix of "
-                            "the whole conversation; give prompt/response pairs instead")
+            raise DataError(
+                "the tokenizer's chat template does not render a conversation's prompt as a prefix of "
+                "the whole conversation; give prompt/response pairs instead"
+            )
         spans = [(len(before), len(full))]
     segs: list[Segment] = []
     pos = 0
@@ -201,11 +212,15 @@ def _template_segments(messages: list[Message], tokenizer: Any) -> list[Segment]
     return segs
 
 
-def encode_conversations(convs: Sequence[list[Message]], tokenizer: Any) -> list[tuple[np.ndarray, np.ndarray]]:
+def encode_conversations(
+    convs: Sequence[list[Message]], tokenizer: Any
+) -> list[tuple[np.ndarray, np.ndarray]]:
     """``(ids, is_target)`` per conversation. All text segments are tokenized in one parallel batch."""
     use_template = tokenizer.chat_template is not None
-    all_segs = [_template_segments(c, tokenizer) if use_template else _default_segments(c, tokenizer, False)
-                for c in convs]
+    all_segs = [
+        _template_segments(c, tokenizer) if use_template else _default_segments(c, tokenizer, False)
+        for c in convs
+    ]
     texts = [s for segs in all_segs for s, _ in segs if isinstance(s, str)]
     # Template text holds special tokens by design (<|im_start|>...); the default template is plain text.
     encoded = iter(tokenizer.encode_batch(texts, special=use_template))
@@ -237,8 +252,16 @@ def render_prompt(tokenizer: Any, messages: list[Message]) -> list[int]:
 class SFTData:
     """Tokenized examples of both splits, truncated to fit a row, with counts of what was cut or skipped."""
 
-    def __init__(self, sources: Sequence[str], tokenizer: Any, *, block_size: int, truncation: str = "right",
-                 val_fraction: float = 0.0, seed: int = 0) -> None:
+    def __init__(
+        self,
+        sources: Sequence[str],
+        tokenizer: Any,
+        *,
+        block_size: int,
+        truncation: str = "right",
+        val_fraction: float = 0.0,
+        seed: int = 0,
+    ) -> None:
         if truncation not in ("right", "drop"):
             raise ConfigError(f"data.truncation must be right or drop, got {truncation!r}")
         self.block_size = block_size
@@ -260,9 +283,11 @@ class SFTData:
             keep_ids.append(ids)
             keep_tgt.append(tgt)
         if not keep_ids:
-            raise DataError(f"no usable SFT example: {stats['dropped_too_long']} longer than block_size+1 = "
-                            f"{block_size + 1} tokens, {stats['dropped_no_target']} without response tokens; raise "
-                            "--block_size or use data.truncation = right")
+            raise DataError(
+                f"no usable SFT example: {stats['dropped_too_long']} longer than block_size+1 = "
+                f"{block_size + 1} tokens, {stats['dropped_no_target']} without response tokens; raise "
+                "--block_size or use data.truncation = right"
+            )
         lengths = np.array([len(i) for i in keep_ids], dtype=np.int64)
         self.offsets = np.concatenate([[0], np.cumsum(lengths)])
         tokens = np.concatenate(keep_ids)
@@ -275,8 +300,12 @@ class SFTData:
         perm = np.random.default_rng([seed, 0x5F7]).permutation(n)
         self.val_idx = np.sort(perm[:n_val])
         self.train_idx = np.sort(perm[n_val:])
-        stats.update(train=len(self.train_idx), val=len(self.val_idx),
-                     target_tokens=int((self.y_tokens[1:] != IGNORE_INDEX).sum()), tokens=int(len(tokens)))
+        stats.update(
+            train=len(self.train_idx),
+            val=len(self.val_idx),
+            target_tokens=int((self.y_tokens[1:] != IGNORE_INDEX).sum()),
+            tokens=int(len(tokens)),
+        )
         self.stats = stats
 
     def indices(self, split: str) -> np.ndarray:
@@ -293,8 +322,11 @@ class SFTData:
             cut.append(f"{s['dropped_too_long']:,} dropped as too long")
         if s["dropped_no_target"]:
             cut.append(f"{s['dropped_no_target']:,} dropped with no response tokens left")
-        return (f"SFT data: {s['examples']:,} examples ({s['train']:,} train, {s['val']:,} val), "
-                f"{s['target_tokens']:,} target tokens of {s['tokens']:,}" + (f"; {', '.join(cut)}" if cut else ""))
+        return (
+            f"SFT data: {s['examples']:,} examples ({s['train']:,} train, {s['val']:,} val), "
+            f"{s['target_tokens']:,} target tokens of {s['tokens']:,}"
+            + (f"; {', '.join(cut)}" if cut else "")
+        )
 
     # ------------------------------------------------------------------------------------- rows
 
@@ -344,8 +376,14 @@ class SFTData:
             pos[b, c:] = np.arange(t - c)
             doc[b, c:] = len(row)
 
-    def eval_batches(self, *, batch_size: int, max_batches: int | None, packing: bool = True,
-                     device: str | torch.device = "cpu") -> Iterator[tuple[torch.Tensor, ...]]:
+    def eval_batches(
+        self,
+        *,
+        batch_size: int,
+        max_batches: int | None,
+        packing: bool = True,
+        device: str | torch.device = "cpu",
+    ) -> Iterator[tuple[torch.Tensor, ...]]:
         """The same fixed validation batches on every call (full batches, or one smaller if there are few)."""
         rows = self.pack(self.val_idx, packing)
         if not rows:
@@ -372,15 +410,26 @@ class SFTLoader:
     the row within it (plain ints): an epoch's packing is recomputed from the seed on resume.
     """
 
-    def __init__(self, data: SFTData, *, batch_size: int, seed: int = 0, rank: int = 0, world_size: int = 1,
-                 packing: bool = True, device: str | torch.device = "cpu") -> None:
+    def __init__(
+        self,
+        data: SFTData,
+        *,
+        batch_size: int,
+        seed: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+        packing: bool = True,
+        device: str | torch.device = "cpu",
+    ) -> None:
         if batch_size < 1:
             raise ConfigError(f"batch_size must be >= 1; got {batch_size}")
         if not 0 <= rank < world_size:
             raise ConfigError(f"rank must be in [0, world_size={world_size}); got {rank}")
         if len(data.train_idx) == 0:
-            raise DataError("no SFT training examples left after the validation split; add data or lower "
-                            "data.val_fraction")
+            raise DataError(
+                "no SFT training examples left after the validation split; add data or lower "
+                "data.val_fraction"
+            )
         self.data = data
         self.batch_size, self.seed, self.rank, self.world_size = batch_size, seed, rank, world_size
         self.packing = packing
@@ -420,8 +469,9 @@ class SFTLoader:
         if self.device.type != "cuda":
             return torch.empty(shape, dtype=torch.int64)
         if not self._ring:
-            self._ring = [(torch.empty(shape, dtype=torch.int64, pin_memory=True), torch.cuda.Event())
-                          for _ in range(4)]
+            self._ring = [
+                (torch.empty(shape, dtype=torch.int64, pin_memory=True), torch.cuda.Event()) for _ in range(4)
+            ]
         buf, event = self._ring[self._ring_i]
         event.synchronize()
         return buf
@@ -450,18 +500,31 @@ class SFTLoader:
     # ------------------------------------------------------------------------------------- state
 
     def state_dict(self) -> dict[str, Any]:
-        return {"version": STATE_VERSION, "kind": "sft", "seed": int(self.seed), "block_size": int(self.block_size),
-                "packing": bool(self.packing), "epoch": int(self._epoch), "pos": int(self._pos),
-                "rows": int(self._rows_done), "batch_size": int(self.batch_size), "world_size": int(self.world_size)}
+        return {
+            "version": STATE_VERSION,
+            "kind": "sft",
+            "seed": int(self.seed),
+            "block_size": int(self.block_size),
+            "packing": bool(self.packing),
+            "epoch": int(self._epoch),
+            "pos": int(self._pos),
+            "rows": int(self._rows_done),
+            "batch_size": int(self.batch_size),
+            "world_size": int(self.world_size),
+        }
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         if sd.get("kind") != "sft" or sd.get("version") != STATE_VERSION:
-            raise ConfigError("the checkpoint's data loader is not an SFT loader of this version; resume with the "
-                              "run's own data settings (see its config.toml)")
+            raise ConfigError(
+                "the checkpoint's data loader is not an SFT loader of this version; resume with the "
+                "run's own data settings (see its config.toml)"
+            )
         for key in ("seed", "block_size", "packing"):
             if sd[key] != getattr(self, key):
-                raise ConfigError(f"the checkpoint's data loader used {key}={sd[key]!r}, this run "
-                                  f"{getattr(self, key)!r}; resume with the same {key}")
+                raise ConfigError(
+                    f"the checkpoint's data loader used {key}={sd[key]!r}, this run "
+                    f"{getattr(self, key)!r}; resume with the same {key}"
+                )
         self._epoch, self._pos, self._rows_done = int(sd["epoch"]), int(sd["pos"]), int(sd["rows"])
 
     @property

@@ -28,8 +28,16 @@ from gptoughts.models.inl import INL, INL_SIZES, INLArgs
 from gptoughts.models.llada import LLADA_SIZES, LLaDA, LLaDAArgs
 from gptoughts.models.llama import LLAMA_SIZES, Llama, LlamaArgs
 
-__all__ = ["FAMILIES", "GENERIC_FAMILY", "Family", "build_model", "family_of", "get_family", "list_sizes",
-           "model_args"]
+__all__ = [
+    "FAMILIES",
+    "GENERIC_FAMILY",
+    "Family",
+    "build_model",
+    "family_of",
+    "get_family",
+    "list_sizes",
+    "model_args",
+]
 
 
 @dataclass(frozen=True)
@@ -50,7 +58,9 @@ class Family:
 
 def _hf(module: Any) -> HFAdapter:
     """The HF adapter a family's module defines (``HF_MODEL_TYPES, args_from_hf, hf_config, from_hf, to_hf``)."""
-    return HFAdapter(module.HF_MODEL_TYPES, module.args_from_hf, module.hf_config, module.from_hf, module.to_hf)
+    return HFAdapter(
+        module.HF_MODEL_TYPES, module.args_from_hf, module.hf_config, module.from_hf, module.to_hf
+    )
 
 
 FAMILIES: dict[str, Family] = {
@@ -58,7 +68,9 @@ FAMILIES: dict[str, Family] = {
     "llada": Family("llada", LLaDA, LLaDAArgs, LLADA_SIZES, objective="diffusion"),
     "inl": Family("inl", INL, INLArgs, INL_SIZES, objective="causal"),
     "gpt2": Family("gpt2", GPT2, GPT2Args, GPT2_SIZES, objective="causal", hf=_hf(gpt2)),
-    "deepseek": Family("deepseek", DeepSeek, DeepSeekArgs, DEEPSEEK_SIZES, objective="causal", hf=_hf(deepseek)),
+    "deepseek": Family(
+        "deepseek", DeepSeek, DeepSeekArgs, DEEPSEEK_SIZES, objective="causal", hf=_hf(deepseek)
+    ),
 }
 
 

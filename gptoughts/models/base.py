@@ -208,7 +208,10 @@ class DecoderLM(nn.Module):
             raise ValueError(f"cache of {max_len} positions exceeds max_seq_len={self.args.max_seq_len}")
         ref = self.output_weight
         return self.make_cache(
-            batch_size, max_len, ref.device if device is None else device, ref.dtype if dtype is None else dtype
+            batch_size,
+            max_len,
+            ref.device if device is None else device,
+            ref.dtype if dtype is None else dtype,
         )
 
     def make_cache(

@@ -81,7 +81,9 @@ def read_config(path: str | Path) -> dict[str, Any]:
     """The raw ``config.json`` of a model folder (UserError when it is not one)."""
     p = Path(path).expanduser()
     if not p.is_dir():
-        raise UserError(f"{p} is not a folder; pass a local Hugging Face model folder (what save_pretrained writes)")
+        raise UserError(
+            f"{p} is not a folder; pass a local Hugging Face model folder (what save_pretrained writes)"
+        )
     if not (p / CONFIG_NAME).is_file():
         raise UserError(f"{p} has no config.json; pass the folder that transformers' save_pretrained wrote")
     try:
@@ -123,12 +125,16 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
             try:  # weights_only: a pickle that holds code is refused instead of executed
                 sd.update(torch.load(p / name, map_location="cpu", weights_only=True, mmap=True))
             except Exception as e:
-                raise UserError(f"{p / name} is not a plain tensor file ({type(e).__name__}); convert the model "
-                                "to safetensors with transformers (save_pretrained) first") from None
+                raise UserError(
+                    f"{p / name} is not a plain tensor file ({type(e).__name__}); convert the model "
+                    "to safetensors with transformers (save_pretrained) first"
+                ) from None
         return sd
     else:
-        raise UserError(f"{p} holds no weights (model.safetensors, model.safetensors.index.json or "
-                        "pytorch_model.bin); re-save the model with save_pretrained")
+        raise UserError(
+            f"{p} holds no weights (model.safetensors, model.safetensors.index.json or "
+            "pytorch_model.bin); re-save the model with save_pretrained"
+        )
     sd = {}
     for name in files:
         _need(p / name)
@@ -143,14 +149,17 @@ def _index_files(folder: Path, index: str) -> list[str]:
         weight_map = json.loads((folder / index).read_text(encoding="utf-8"))["weight_map"]
         names = sorted(set(weight_map.values()))
     except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise UserError(f"{folder / index} is not a valid weight index ({type(e).__name__}); re-save the model") \
-            from None
+        raise UserError(
+            f"{folder / index} is not a valid weight index ({type(e).__name__}); re-save the model"
+        ) from None
     root = folder.resolve()
     for name in names:
         target = (folder / str(name)).resolve()
         if not isinstance(name, str) or target.parent != root:
-            raise UserError(f"{folder / index} names the shard {name!r}, outside the model folder; refusing to read "
-                            "it (re-save the model with save_pretrained)")
+            raise UserError(
+                f"{folder / index} names the shard {name!r}, outside the model folder; refusing to read "
+                "it (re-save the model with save_pretrained)"
+            )
     return names
 
 
@@ -194,8 +203,10 @@ def load_tokenizer(path: str | Path) -> Any:
 
     p = Path(path)
     if not any((p / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-        raise UserError(f"{p} has no tokenizer files (tokenizer.json / tokenizer_config.json); save the "
-                        "tokenizer next to the model (tokenizer.save_pretrained(folder))")
+        raise UserError(
+            f"{p} has no tokenizer files (tokenizer.json / tokenizer_config.json); save the "
+            "tokenizer next to the model (tokenizer.save_pretrained(folder))"
+        )
     return Tokenizer.load(p)
 
 
@@ -206,8 +217,14 @@ def _cast_params(model: nn.Module, dtype: torch.dtype) -> None:
             p.data = p.data.to(dtype)
 
 
-def load_pretrained(path: str | Path, *, device: torch.device | str = "cpu", trust_remote_code: bool = False,
-                    dtype: torch.dtype = torch.float32, overrides: dict[str, Any] | None = None) -> Pretrained:
+def load_pretrained(
+    path: str | Path,
+    *,
+    device: torch.device | str = "cpu",
+    trust_remote_code: bool = False,
+    dtype: torch.dtype = torch.float32,
+    overrides: dict[str, Any] | None = None,
+) -> Pretrained:
     """Load a local HF model folder: the native family when an adapter matches its ``model_type``, the generic
     ``transformers`` wrapper otherwise. Parameters end up in ``dtype`` (fp32 master weights by default).
 
@@ -236,17 +253,36 @@ def load_pretrained(path: str | Path, *, device: torch.device | str = "cpu", tru
                 model = models.build_model(family, args, device="meta")
             else:
                 model = _load_native(p, family, adapter, args, device, dtype)
-            return Pretrained(family=family, args=args, model=model, tokenizer=tokenizer, generic=False,
-                              config=config, path=p)
+            return Pretrained(
+                family=family,
+                args=args,
+                model=model,
+                tokenizer=tokenizer,
+                generic=False,
+                config=config,
+                path=p,
+            )
     if overrides:
-        raise ConfigError(f"model.{next(iter(overrides))}: {p} runs on the generic transformers path ({reason}), whose "
-                          "config cannot be overridden; drop the override")
-    notice = (f"note: {p.name} ({model_type}): {reason}; training the transformers implementation through the "
-              "same trainer (the native fast path covers llama, mistral, qwen2, qwen3)")
+        raise ConfigError(
+            f"model.{next(iter(overrides))}: {p} runs on the generic transformers path ({reason}), whose "
+            "config cannot be overridden; drop the override"
+        )
+    notice = (
+        f"note: {p.name} ({model_type}): {reason}; training the transformers implementation through the "
+        "same trainer (the native fast path covers llama, mistral, qwen2, qwen3)"
+    )
     log.debug(notice)  # the caller shows it (the training run prints it once, on rank 0)
     model = HFCausalLM.from_pretrained(p, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
-    return Pretrained(family=None, args=None, model=model, tokenizer=tokenizer, generic=True,
-                      config=resolved_config(p, trust_remote_code), path=p, notice=notice)
+    return Pretrained(
+        family=None,
+        args=None,
+        model=model,
+        tokenizer=tokenizer,
+        generic=True,
+        config=resolved_config(p, trust_remote_code),
+        path=p,
+        notice=notice,
+    )
 
 
 def _with_overrides(family: str, args: Any, overrides: dict[str, Any], path: Path) -> Any:
@@ -260,19 +296,24 @@ def _with_overrides(family: str, args: Any, overrides: dict[str, Any], path: Pat
     fields = {f.name for f in dataclasses.fields(args)}
     for key in overrides:
         if key not in fields:
-            raise ConfigError(f"unknown field `{key}` for model family {family!r} ({path} is a {family} model)"
-                              f"{did_you_mean(key, fields)}")
+            raise ConfigError(
+                f"unknown field `{key}` for model family {family!r} ({path} is a {family} model)"
+                f"{did_you_mean(key, fields)}"
+            )
     new = models.model_args(family, "debug", {**dataclasses.asdict(args), **overrides})
-    shapes = [{k: tuple(v.shape) for k, v in models.build_model(family, a, device="meta").state_dict().items()}
-              for a in (args, new)]
+    shapes = [
+        {k: tuple(v.shape) for k, v in models.build_model(family, a, device="meta").state_dict().items()}
+        for a in (args, new)
+    ]
     if shapes[0] != shapes[1]:
         changed = ", ".join(f"model.{k}" for k in overrides)
         raise ConfigError(f"{changed} changes the architecture of {path}, which fine-tuning keeps; drop it")
     return new
 
 
-def _load_native(path: Path, family: str, adapter: HFAdapter, args: Any, device: torch.device,
-                 dtype: torch.dtype) -> nn.Module:
+def _load_native(
+    path: Path, family: str, adapter: HFAdapter, args: Any, device: torch.device, dtype: torch.dtype
+) -> nn.Module:
     from gptoughts import models
 
     sd = adapter.from_hf(read_state_dict(path), args)
@@ -286,8 +327,10 @@ def _load_native(path: Path, family: str, adapter: HFAdapter, args: Any, device:
         model.init_weights()
     missing, unexpected = model.load_state_dict(sd, strict=False)
     if missing or unexpected:
-        raise UserError(f"the weights in {path} do not match its config.json as a {family} model (missing "
-                        f"{sorted(missing)[:4]}, unexpected {sorted(unexpected)[:4]}); is the folder complete?")
+        raise UserError(
+            f"the weights in {path} do not match its config.json as a {family} model (missing "
+            f"{sorted(missing)[:4]}, unexpected {sorted(unexpected)[:4]}); is the folder complete?"
+        )
     return model.eval()
 
 
@@ -312,11 +355,16 @@ def parse_size(text: str | int) -> int:
     try:
         return int(s)
     except ValueError:
-        raise ConfigError(f"shard size {text!r} is not a size; write e.g. 5GB, 200MB or a number of bytes") from None
+        raise ConfigError(
+            f"shard size {text!r} is not a size; write e.g. 5GB, 200MB or a number of bytes"
+        ) from None
 
 
-def save_state_dict(sd: dict[str, torch.Tensor], out_dir: Path, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-                    ) -> list[str]:
+def save_state_dict(
+    sd: dict[str, torch.Tensor],
+    out_dir: Path,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> list[str]:
     """Write ``sd`` as ``model.safetensors``, or as ``model-0000k-of-0000n.safetensors`` shards plus
     ``model.safetensors.index.json`` when it is larger than ``max_shard_bytes``. Returns the file names."""
     from safetensors.torch import save_file
@@ -341,8 +389,9 @@ def save_state_dict(sd: dict[str, torch.Tensor], out_dir: Path, max_shard_bytes:
     for fname, shard in zip(names, shards):
         save_file(shard, str(out_dir / fname), metadata=meta)
         weight_map.update({k: fname for k in shard})
-    (out_dir / SAFE_INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
-                                                 indent=2) + "\n")
+    (out_dir / SAFE_INDEX).write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n"
+    )
     return names + [SAFE_INDEX]
 
 
@@ -350,7 +399,9 @@ def prepare_out_dir(out_dir: str | Path, overwrite: bool = False) -> Path:
     out = Path(out_dir).expanduser()
     if out.exists() and any(out.iterdir()):
         if not overwrite:
-            raise UserError(f"{out} exists and is not empty; choose another output folder or pass --overwrite")
+            raise UserError(
+                f"{out} exists and is not empty; choose another output folder or pass --overwrite"
+            )
         for f in list(out.glob("*.safetensors")) + [out / SAFE_INDEX, out / BIN_WEIGHTS, out / BIN_INDEX]:
             if f.exists():
                 f.unlink()  # stale shards of an earlier export would be picked up by the index-less reader
@@ -359,8 +410,11 @@ def prepare_out_dir(out_dir: str | Path, overwrite: bool = False) -> Path:
 
 
 def _token_ids(tokenizer: Any) -> dict[str, int | None]:
-    return {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id,
-            "pad_token_id": tokenizer.pad_id if tokenizer.pad_id is not None else None}
+    return {
+        "bos_token_id": tokenizer.bos_id,
+        "eos_token_id": tokenizer.eos_id,
+        "pad_token_id": tokenizer.pad_id if tokenizer.pad_id is not None else None,
+    }
 
 
 def write_generation_config(out: Path, tokenizer: Any, base: dict[str, Any] | None = None) -> None:
@@ -371,10 +425,19 @@ def write_generation_config(out: Path, tokenizer: Any, base: dict[str, Any] | No
     (out / GENERATION_CONFIG).write_text(json.dumps(gen, indent=2, sort_keys=True) + "\n")
 
 
-def save_hf(model: nn.Module, family: str, args: Any, tokenizer: Any, out_dir: str | Path, *,
-            base_config: dict[str, Any] | None = None, base_generation_config: dict[str, Any] | None = None,
-            max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, dtype: torch.dtype | None = None,
-            overwrite: bool = False) -> Path:
+def save_hf(
+    model: nn.Module,
+    family: str,
+    args: Any,
+    tokenizer: Any,
+    out_dir: str | Path,
+    *,
+    base_config: dict[str, Any] | None = None,
+    base_generation_config: dict[str, Any] | None = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    dtype: torch.dtype | None = None,
+    overwrite: bool = False,
+) -> Path:
     """Write a native model as a ``transformers`` folder (see the module docstring). ``dtype`` defaults to the
     parameters' own; ``base_config`` is the config of the model the run started from, if any."""
     from gptoughts import models
@@ -382,8 +445,10 @@ def save_hf(model: nn.Module, family: str, args: Any, tokenizer: Any, out_dir: s
     fam = models.get_family(family)
     adapter: HFAdapter | None = getattr(fam, "hf", None)
     if adapter is None:
-        raise UserError(f"the {family} family has no transformers export yet; only families with an HF adapter "
-                        "(llama, mistral, qwen2, qwen3 layouts) can be exported")
+        raise UserError(
+            f"the {family} family has no transformers export yet; only families with an HF adapter "
+            "(llama, mistral, qwen2, qwen3 layouts) can be exported"
+        )
     out = prepare_out_dir(out_dir, overwrite)
     ours = {k: v for k, v in model.state_dict().items()}
     if dtype is None:
@@ -391,8 +456,11 @@ def save_hf(model: nn.Module, family: str, args: Any, tokenizer: Any, out_dir: s
     hf_sd = {}
     for k, v in adapter.to_hf(ours, args).items():
         v = v.detach().to("cpu", dtype=dtype if v.is_floating_point() else v.dtype)
-        hf_sd[k] = v.contiguous().clone() if v.data_ptr() in {t.data_ptr() for t in hf_sd.values()} else \
-            v.contiguous()
+        hf_sd[k] = (
+            v.contiguous().clone()
+            if v.data_ptr() in {t.data_ptr() for t in hf_sd.values()}
+            else v.contiguous()
+        )
     takes_base = len(inspect.signature(adapter.hf_config).parameters) > 1
     cfg = adapter.hf_config(args, base_config) if takes_base else adapter.hf_config(args)
     cfg.update({k: v for k, v in _token_ids(tokenizer).items()})
@@ -404,9 +472,15 @@ def save_hf(model: nn.Module, family: str, args: Any, tokenizer: Any, out_dir: s
     return out
 
 
-def save_generic(model: HFCausalLM, tokenizer: Any, out_dir: str | Path, *,
-                 max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, dtype: torch.dtype | None = None,
-                 overwrite: bool = False) -> Path:
+def save_generic(
+    model: HFCausalLM,
+    tokenizer: Any,
+    out_dir: str | Path,
+    *,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    dtype: torch.dtype | None = None,
+    overwrite: bool = False,
+) -> Path:
     """Write a generic (wrapped ``transformers``) model with transformers' own ``save_pretrained``."""
     out = prepare_out_dir(out_dir, overwrite)
     hf = model.hf
@@ -440,8 +514,11 @@ def _find_layers(model: nn.Module) -> nn.ModuleList:
     """The decoder blocks: the longest ModuleList of identical modules (``model.layers``, ``transformer.h``...)."""
     best = nn.ModuleList()
     for module in model.modules():
-        if isinstance(module, nn.ModuleList) and len(module) > len(best) and \
-                len({type(m) for m in module}) == 1:
+        if (
+            isinstance(module, nn.ModuleList)
+            and len(module) > len(best)
+            and len({type(m) for m in module}) == 1
+        ):
             best = module
     return best
 
@@ -461,12 +538,16 @@ class HFCausalLM(nn.Module):
         cfg = hf_model.config
         head = hf_model.get_output_embeddings()
         if not isinstance(head, nn.Linear):
-            raise UserError(f"{type(hf_model).__name__} has no linear LM head; the generic path cannot train it")
+            raise UserError(
+                f"{type(hf_model).__name__} has no linear LM head; the generic path cannot train it"
+            )
         for name in _HEAD_SCALES:
             value = getattr(cfg, name, None)
             if value not in (None, 1, 1.0):
-                raise UserError(f"{type(hf_model).__name__} rescales its logits ({name} = {value}); the generic "
-                                "path does not support that head yet")
+                raise UserError(
+                    f"{type(hf_model).__name__} rescales its logits ({name} = {value}); the generic "
+                    "path does not support that head yet"
+                )
         text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
         d = getattr(text_cfg, "hidden_size", None) or getattr(text_cfg, "n_embd", None) or head.in_features
         layers = _find_layers(hf_model)
@@ -475,8 +556,11 @@ class HFCausalLM(nn.Module):
             vocab_size=int(head.out_features),
             d_model=int(d),
             n_layers=len(layers),
-            max_seq_len=int(getattr(text_cfg, "max_position_embeddings", None) or getattr(text_cfg, "n_positions", None)
-                            or 2048),
+            max_seq_len=int(
+                getattr(text_cfg, "max_position_embeddings", None)
+                or getattr(text_cfg, "n_positions", None)
+                or 2048
+            ),
         )
         # Not registered as submodules: they are already under `hf`, and a second name would duplicate every
         # parameter in the state dict.
@@ -484,20 +568,30 @@ class HFCausalLM(nn.Module):
         self.__dict__["_head"] = head
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, *, device: torch.device | str = "cpu",
-                        dtype: torch.dtype = torch.float32, trust_remote_code: bool = False) -> HFCausalLM:
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        *,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        trust_remote_code: bool = False,
+    ) -> HFCausalLM:
         from transformers import AutoModelForCausalLM
 
         try:
-            hf = AutoModelForCausalLM.from_pretrained(str(path), trust_remote_code=trust_remote_code, dtype=dtype,
-                                                      attn_implementation="sdpa")
+            hf = AutoModelForCausalLM.from_pretrained(
+                str(path), trust_remote_code=trust_remote_code, dtype=dtype, attn_implementation="sdpa"
+            )
         except ValueError as e:
             if "trust_remote_code" in str(e) and not trust_remote_code:
-                raise UserError(f"{path} needs its own Python code to load; pass --trust_remote_code if you trust "
-                                "that code") from None
+                raise UserError(
+                    f"{path} needs its own Python code to load; pass --trust_remote_code if you trust "
+                    "that code"
+                ) from None
             try:  # some architectures have no SDPA implementation: their default attention then
-                hf = AutoModelForCausalLM.from_pretrained(str(path), trust_remote_code=trust_remote_code,
-                                                          dtype=dtype)
+                hf = AutoModelForCausalLM.from_pretrained(
+                    str(path), trust_remote_code=trust_remote_code, dtype=dtype
+                )
             except ValueError as e2:
                 raise UserError(f"transformers cannot load {path} as a causal LM: {e2}") from None
         return cls(hf.to(device)).eval()
@@ -516,13 +610,24 @@ class HFCausalLM(nn.Module):
     def init_weights(self) -> None:
         """A no-op: the weights come from the model folder."""
 
-    def forward(self, input_ids: torch.Tensor, *, position_ids: torch.Tensor | None = None, cache: Any = None,
-                return_hidden: bool = False, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        *,
+        position_ids: torch.Tensor | None = None,
+        cache: Any = None,
+        return_hidden: bool = False,
+        doc_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         if cache is not None:
-            raise UserError("generic transformers models decode through hf_generate, not a gptoughts KV cache")
+            raise UserError(
+                "generic transformers models decode through hf_generate, not a gptoughts KV cache"
+            )
         if doc_ids is not None:
-            raise UserError("packed rows (doc_ids) need the native fast path; set data.packing = false for "
-                            f"{self.args.model_type} models")
+            raise UserError(
+                "packed rows (doc_ids) need the native fast path; set data.packing = false for "
+                f"{self.args.model_type} models"
+            )
         out = self.hf.base_model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
         h = out[0]
         head = self.__dict__["_head"]
@@ -533,18 +638,30 @@ class HFCausalLM(nn.Module):
         return h
 
     @torch.no_grad()
-    def hf_generate(self, input_ids: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0,
-                    top_k: int | None = None, top_p: float | None = None, eos_id: int | None = None,
-                    generator: torch.Generator | None = None) -> torch.Tensor:
+    def hf_generate(
+        self,
+        input_ids: torch.Tensor,
+        max_new_tokens: int,
+        *,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        eos_id: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
         """transformers' ``generate`` (its own KV cache) with our sampling arguments; ``[B, T + n]``."""
-        kw: dict[str, Any] = dict(max_new_tokens=max_new_tokens, do_sample=temperature > 0,
-                                  eos_token_id=eos_id, pad_token_id=eos_id)
+        kw: dict[str, Any] = dict(
+            max_new_tokens=max_new_tokens, do_sample=temperature > 0, eos_token_id=eos_id, pad_token_id=eos_id
+        )
         if temperature > 0:
             kw.update(temperature=temperature, top_k=top_k or 0, top_p=top_p if top_p is not None else 1.0)
         was_training = self.training
         self.eval()
-        rng = torch.random.fork_rng(devices=[input_ids.device] if input_ids.device.type == "cuda" else []) \
-            if generator is not None else contextlib.nullcontext()
+        rng = (
+            torch.random.fork_rng(devices=[input_ids.device] if input_ids.device.type == "cuda" else [])
+            if generator is not None
+            else contextlib.nullcontext()
+        )
         try:
             with rng:
                 if generator is not None:  # transformers samples from the global RNG: seed it from ours
@@ -578,7 +695,13 @@ def copy_tokenizer_files(src: str | Path, out: str | Path) -> None:
     """Copy the original tokenizer files of a model folder over ours: same vocabulary, but the folder's own
     tokenizer class and settings (``model_max_length``, ``add_bos_token``...) survive the round trip."""
     src, out = Path(src), Path(out)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                 "chat_template.jinja", "chat_template.json"):
+    for name in (
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "tokenizer.model",
+        "chat_template.jinja",
+        "chat_template.json",
+    ):
         if (src / name).is_file():
             shutil.copy2(src / name, out / name)

@@ -93,7 +93,9 @@ class LLaDA(Llama):
         for layer in self.layers:
             layer.attention.causal = False
 
-    def forward(self, input_ids: torch.Tensor, *, cache: KVCache | None = None, **kwargs: Any) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, *, cache: KVCache | None = None, **kwargs: Any
+    ) -> torch.Tensor:
         """``Llama.forward`` (``position_ids``, ``return_hidden``, ``doc_ids`` of packed rows), without a cache."""
         if cache is not None:
             raise UserError(_NO_CACHE)

@@ -25,8 +25,12 @@ from gptoughts.models.hf import UnsupportedHFConfig
 from gptoughts.models.llama import LlamaArgs
 
 HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-         "qwen3": "Qwen3ForCausalLM"}
+_ARCH = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
 
 # Inside a block: our sub-module path -> the transformers one.
 _BLOCK = {
@@ -66,8 +70,10 @@ def _rope(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
         raise UnsupportedHFConfig("partial rotary embeddings")
     if kind == "default":
         return theta, None
-    needed = {"linear": ("factor",),
-              "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+    needed = {
+        "linear": ("factor",),
+        "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    }
     if kind not in needed:
         raise UnsupportedHFConfig(f"rope type {kind!r}")
     return theta, {"type": kind, **{k: scaling[k] for k in needed[kind]}}
@@ -155,8 +161,10 @@ def hf_model_type(args: LlamaArgs, preferred: str | None = None) -> str:
     for name in HF_MODEL_TYPES:
         if ok[name]:
             return name
-    raise UserError("no transformers architecture has both q/k/v biases and q/k norms; this model cannot be "
-                    "exported to Hugging Face format (train with model.qkv_bias or model.qk_norm, not both)")
+    raise UserError(
+        "no transformers architecture has both q/k/v biases and q/k norms; this model cannot be "
+        "exported to Hugging Face format (train with model.qkv_bias or model.qk_norm, not both)"
+    )
 
 
 def hf_config(args: LlamaArgs, base: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -166,8 +174,11 @@ def hf_config(args: LlamaArgs, base: dict[str, Any] | None = None) -> dict[str, 
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": args.rope_theta}
     if args.rope_scaling:
         kind = args.rope_scaling.get("type", args.rope_scaling.get("rope_type"))
-        rope = {**{k: v for k, v in args.rope_scaling.items() if k not in ("type", "rope_type")},
-                "rope_type": kind, "rope_theta": args.rope_theta}
+        rope = {
+            **{k: v for k, v in args.rope_scaling.items() if k not in ("type", "rope_type")},
+            "rope_type": kind,
+            "rope_theta": args.rope_theta,
+        }
     cfg: dict[str, Any] = dict(base) if base and base.get("model_type") == model_type else {}
     for stale in ("rope_scaling", "auto_map", "torch_dtype", "dtype"):
         cfg.pop(stale, None)
@@ -203,8 +214,10 @@ def hf_config(args: LlamaArgs, base: dict[str, Any] | None = None) -> dict[str, 
         cfg["use_sliding_window"] = sliding
         cfg["sliding_window"] = args.sliding_window
         cfg["max_window_layers"] = args.full_attention_layers if sliding else args.n_layers
-        cfg["layer_types"] = ["sliding_attention" if sliding and i >= args.full_attention_layers
-                              else "full_attention" for i in range(args.n_layers)]
+        cfg["layer_types"] = [
+            "sliding_attention" if sliding and i >= args.full_attention_layers else "full_attention"
+            for i in range(args.n_layers)
+        ]
     return cfg
 
 

@@ -55,8 +55,10 @@ def init(device: torch.device, backend: str = "auto", strategy: str = "auto") ->
     """Join the process group torchrun set up (idempotent); world size 1 when not under torchrun."""
     if not launched_by_torchrun() or int(os.environ["WORLD_SIZE"]) == 1:
         if strategy in ("ddp", "fsdp") and not launched_by_torchrun():
-            raise ConfigError(f"parallel.strategy = {strategy} needs several processes: launch with "
-                              "`torchrun --nproc_per_node=N -m gptoughts train ...`")
+            raise ConfigError(
+                f"parallel.strategy = {strategy} needs several processes: launch with "
+                "`torchrun --nproc_per_node=N -m gptoughts train ...`"
+            )
         return DistInfo()
     if strategy == "none":
         raise ConfigError("parallel.strategy = none but torchrun started several processes; use auto or ddp")
@@ -67,9 +69,14 @@ def init(device: torch.device, backend: str = "auto", strategy: str = "auto") ->
             backend = "nccl" if device.type == "cuda" else "gloo"
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=30),
-                                device_id=device if device.type == "cuda" else None)
-    return DistInfo(rank=rank, local_rank=local, world_size=world, strategy="fsdp" if strategy == "fsdp" else "ddp")
+        dist.init_process_group(
+            backend=backend,
+            timeout=datetime.timedelta(minutes=30),
+            device_id=device if device.type == "cuda" else None,
+        )
+    return DistInfo(
+        rank=rank, local_rank=local, world_size=world, strategy="fsdp" if strategy == "fsdp" else "ddp"
+    )
 
 
 def shutdown() -> None:
@@ -84,8 +91,12 @@ def wrap_ddp(model: nn.Module, device: torch.device, info: DistInfo) -> nn.Modul
 
     # gradient_as_bucket_view avoids a copy of every gradient into the all-reduce buckets; static_graph lets
     # DDP skip the unused-parameter search each step (our graphs never change shape).
-    return DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
-               gradient_as_bucket_view=True, static_graph=True)
+    return DDP(
+        model,
+        device_ids=[device.index] if device.type == "cuda" else None,
+        gradient_as_bucket_view=True,
+        static_graph=True,
+    )
 
 
 def wrap_fsdp(model: nn.Module, precision: str) -> nn.Module:
@@ -145,11 +156,14 @@ def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, info: Di
     return get_optimizer_state_dict(model, optimizer, options=_options(cpu_offload=True))
 
 
-def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict, info: DistInfo) -> None:
+def load_optimizer_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer, state: dict, info: DistInfo
+) -> None:
     """Inverse of :func:`optimizer_state`, across strategies: a state keyed by parameter index (one process or
     DDP) or by name (FSDP) loads into a plain, DDP or FSDP run."""
     by_name = any(isinstance(k, str) for k in state.get("state", {})) or any(
-        isinstance(p, str) for g in state.get("param_groups", []) for p in g["params"])
+        isinstance(p, str) for g in state.get("param_groups", []) for p in g["params"]
+    )
     if not info.sharded and not by_name:
         optimizer.load_state_dict(state)
         return
@@ -158,8 +172,10 @@ def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, sta
     if not by_name:  # index i = the i-th parameter of the param groups, in order
         names = {id(p): n for n, p in model.named_parameters()}
         order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
-        state = {"state": {order[i]: v for i, v in state["state"].items()},
-                 "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in state["param_groups"]]}
+        state = {
+            "state": {order[i]: v for i, v in state["state"].items()},
+            "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in state["param_groups"]],
+        }
     set_optimizer_state_dict(model, optimizer, state, options=_options())
 
 

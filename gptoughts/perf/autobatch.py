@@ -59,8 +59,14 @@ def search(fits: Callable[[int], bool], *, max_batch: int = 1024) -> int:
     return good
 
 
-def make_fits(try_step: Callable[[int], None], device: torch.device, *, safety: float = 0.9,
-              capacity: int | None = None, peak: Callable[[], int] | None = None) -> Callable[[int], bool]:
+def make_fits(
+    try_step: Callable[[int], None],
+    device: torch.device,
+    *,
+    safety: float = 0.9,
+    capacity: int | None = None,
+    peak: Callable[[], int] | None = None,
+) -> Callable[[int], bool]:
     """Wrap ``try_step(batch)`` (one or two real training steps) into a fits() predicate for :func:`search`.
 
     A try fits when it raises no OOM and its peak memory stays under ``safety`` × capacity: the margin leaves
@@ -87,7 +93,9 @@ def make_fits(try_step: Callable[[int], None], device: torch.device, *, safety: 
     return fits
 
 
-def accumulation_for(global_batch_tokens: int | None, micro_batch: int, block_size: int, world_size: int) -> int:
+def accumulation_for(
+    global_batch_tokens: int | None, micro_batch: int, block_size: int, world_size: int
+) -> int:
     """Gradient-accumulation steps so that one optimizer step sees about ``global_batch_tokens`` tokens."""
     if not global_batch_tokens:
         return 1
@@ -126,18 +134,30 @@ class BatchCache:
         os.replace(tmp, self.path)
 
 
-def find_batch_size(try_step: Callable[[int], None], device: torch.device, *, parts: dict[str, object],
-                    cache: BatchCache | None = None, max_batch: int = 256, safety: float = 0.9,
-                    capacity: int | None = None, peak: Callable[[], int] | None = None) -> tuple[int, bool]:
+def find_batch_size(
+    try_step: Callable[[int], None],
+    device: torch.device,
+    *,
+    parts: dict[str, object],
+    cache: BatchCache | None = None,
+    max_batch: int = 256,
+    safety: float = 0.9,
+    capacity: int | None = None,
+    peak: Callable[[], int] | None = None,
+) -> tuple[int, bool]:
     """(micro-batch, from_cache). Raises a UserError when not even one sequence fits."""
     cache = cache or BatchCache()
     key = cache_key(parts)
     hit = cache.get(key)
     if hit is not None:
         return hit, True
-    best = search(make_fits(try_step, device, safety=safety, capacity=capacity, peak=peak), max_batch=max_batch)
+    best = search(
+        make_fits(try_step, device, safety=safety, capacity=capacity, peak=peak), max_batch=max_batch
+    )
     if best == 0:
-        raise UserError("not even one sequence fits in memory: lower --block_size, use "
-                        "--activation_checkpointing full, a smaller --size, or more GPUs (FSDP)")
+        raise UserError(
+            "not even one sequence fits in memory: lower --block_size, use "
+            "--activation_checkpointing full, a smaller --size, or more GPUs (FSDP)"
+        )
     cache.put(key, best, parts)
     return best, False

@@ -27,8 +27,13 @@ def plain_linear_ce(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
     return F.cross_entropy(logits.float(), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum")
 
 
-def _chunk_grads(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor, need_w: bool = True,
-                 token_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def _chunk_grads(
+    h: torch.Tensor,
+    w: torch.Tensor,
+    t: torch.Tensor,
+    need_w: bool = True,
+    token_weight: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Loss sum, d loss / d h, and d loss / d w (fp32; None when the head is frozen) for one chunk of rows.
 
     ``token_weight`` (optional, per row, no gradient) scales each row's loss and gradient (LLaDA's 1/t).
@@ -48,8 +53,9 @@ def _chunk_grads(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor, need_w: bool
     return loss, grad_h, grad_w
 
 
-def ce_logit_grad(logits: torch.Tensor, lse: torch.Tensor, safe_t: torch.Tensor, scale: torch.Tensor, *,
-                  fused: bool) -> torch.Tensor:
+def ce_logit_grad(
+    logits: torch.Tensor, lse: torch.Tensor, safe_t: torch.Tensor, scale: torch.Tensor, *, fused: bool
+) -> torch.Tensor:
     """d CE / d logits = (softmax - one-hot) * scale, fp32, for ``[rows, vocab]`` logits.
 
     ``fused`` (under compile): one element-wise expression (the one-hot as ``iota == target``) that inductor
@@ -79,8 +85,16 @@ def _chunk_fn(compiled: bool) -> Callable:
 
 class _ChunkedLinearCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_size: int,
-                compute_dtype: torch.dtype, compiled: bool, token_weight: torch.Tensor | None) -> torch.Tensor:
+    def forward(
+        ctx,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        targets: torch.Tensor,
+        chunk_size: int,
+        compute_dtype: torch.dtype,
+        compiled: bool,
+        token_weight: torch.Tensor | None,
+    ) -> torch.Tensor:
         h_all = hidden.to(compute_dtype)
         w = weight.to(compute_dtype)
         fn = _chunk_fn(compiled)
@@ -109,8 +123,15 @@ class _ChunkedLinearCE(torch.autograd.Function):
         return (grad_h * grad_out).to(h_dtype), gw, None, None, None, None, None
 
 
-def chunked_linear_ce(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, chunk_size: int = 4096,
-                      compiled: bool = False, token_weight: torch.Tensor | None = None) -> torch.Tensor:
+def chunked_linear_ce(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    chunk_size: int = 4096,
+    compiled: bool = False,
+    token_weight: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Summed CE of ``hidden @ weight.T`` against ``targets`` with one chunk of logits alive at a time;
     with ``token_weight``, each token's term is multiplied by its weight."""
     h = hidden.reshape(-1, hidden.shape[-1])
@@ -131,7 +152,9 @@ def liger_linear_ce(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
     if torch.is_autocast_enabled(h.device.type):
         dtype = torch.get_autocast_dtype(h.device.type)
         h, w = h.to(dtype), weight.to(dtype)
-    return liger_fused_linear_cross_entropy(h, w, targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum")
+    return liger_fused_linear_cross_entropy(
+        h, w, targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
 
 
 def make_loss(kind: str, *, compiled: bool = False, chunk_size: int = 4096) -> Callable:

@@ -354,8 +354,15 @@ def format_estimate(e: Estimate) -> str:
     return "\n".join(lines)
 
 
-def estimate_config(cfg: Any, *, gpu: str = "H100", num_gpus: int = 1, tokens: int | None = None,
-                    mfu: float | None = None, price: float | None = None) -> tuple[Estimate, int, int]:
+def estimate_config(
+    cfg: Any,
+    *,
+    gpu: str = "H100",
+    num_gpus: int = 1,
+    tokens: int | None = None,
+    mfu: float | None = None,
+    price: float | None = None,
+) -> tuple[Estimate, int, int]:
     """The estimate of the run ``cfg`` describes (the same config ``gptoughts train`` resolves from the same
     flags): its family, size, overrides, block, activation checkpointing, residual dtype, strategy, and the
     vocabulary its tokenizer spec gives. ``batch_size = auto`` is the largest power of two whose estimate fits
@@ -375,10 +382,23 @@ def estimate_config(cfg: Any, *, gpu: str = "H100", num_gpus: int = 1, tokens: i
     loss = "plain" if p.loss == "plain" else "chunked"
 
     def at(batch: int) -> Estimate:
-        return estimate(cfg.model.family, cfg.model.size, overrides, batch_size=batch, block_size=t.block_size,
-                        activation_checkpointing=p.activation_checkpointing, loss=loss, loss_chunk=p.loss_chunk,
-                        gpu=gpu, tokens=tokens, mfu=mfu, price=price, num_gpus=num_gpus, residual_dtype=residual,
-                        strategy=strategy)
+        return estimate(
+            cfg.model.family,
+            cfg.model.size,
+            overrides,
+            batch_size=batch,
+            block_size=t.block_size,
+            activation_checkpointing=p.activation_checkpointing,
+            loss=loss,
+            loss_chunk=p.loss_chunk,
+            gpu=gpu,
+            tokens=tokens,
+            mfu=mfu,
+            price=price,
+            num_gpus=num_gpus,
+            residual_dtype=residual,
+            strategy=strategy,
+        )
 
     micro, accum = t.batch_size, t.grad_accum
     if not isinstance(micro, int):

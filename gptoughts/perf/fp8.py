@@ -19,13 +19,17 @@ RECIPES = ("tensorwise", "rowwise")
 
 def check_fp8_supported(device: torch.device) -> None:
     if device.type != "cuda":
-        raise HardwareError(f"--fp8 needs an NVIDIA GPU with fp8 tensor cores (Ada, Hopper or newer); this run is "
-                            f"on {device.type}. Drop --fp8 (bf16 is the fastest precision here).")
+        raise HardwareError(
+            f"--fp8 needs an NVIDIA GPU with fp8 tensor cores (Ada, Hopper or newer); this run is "
+            f"on {device.type}. Drop --fp8 (bf16 is the fastest precision here)."
+        )
     cc = torch.cuda.get_device_capability(device)
     if cc < (8, 9):
         name = torch.cuda.get_device_name(device)
-        raise HardwareError(f"--fp8 needs compute capability 8.9+ (Ada, Hopper); {name} is {cc[0]}.{cc[1]}. "
-                            "Use --precision bf16 instead.")
+        raise HardwareError(
+            f"--fp8 needs compute capability 8.9+ (Ada, Hopper); {name} is {cc[0]}.{cc[1]}. "
+            "Use --precision bf16 instead."
+        )
 
 
 def fp8_module_filter(module: nn.Module, fqn: str, n_layers: int = 0, bf16_end_layers: int = 0) -> bool:

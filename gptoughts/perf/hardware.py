@@ -106,7 +106,9 @@ def resolve_device(requested: str = "auto") -> torch.device:
     except RuntimeError:
         raise HardwareError(f"unknown device {requested!r}; use auto, cpu, cuda, cuda:N or mps") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise HardwareError(f"--device {requested} asked for a CUDA GPU but none is visible; use --device cpu or auto")
+        raise HardwareError(
+            f"--device {requested} asked for a CUDA GPU but none is visible; use --device cpu or auto"
+        )
     if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
         raise HardwareError(f"--device {requested}: only {torch.cuda.device_count()} GPU(s) visible")
     if dev.type == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
@@ -122,21 +124,48 @@ def detect(device: str | torch.device = "auto") -> HardwareProfile:
         cc = (props.major, props.minor)
         arch = _arch(cc)
         prof = HardwareProfile(
-            device=str(dev), name=props.name, arch=arch, compute_capability=cc,
-            memory_bytes=props.total_memory, gpu_count=torch.cuda.device_count(), cpu_count=cpus,
-            peak_bf16_flops=peak_flops(props.name), bf16=torch.cuda.is_bf16_supported(), fp16=True,
-            fp8=cc >= (8, 9), compile=_compile_works(),
+            device=str(dev),
+            name=props.name,
+            arch=arch,
+            compute_capability=cc,
+            memory_bytes=props.total_memory,
+            gpu_count=torch.cuda.device_count(),
+            cpu_count=cpus,
+            peak_bf16_flops=peak_flops(props.name),
+            bf16=torch.cuda.is_bf16_supported(),
+            fp16=True,
+            fp8=cc >= (8, 9),
+            compile=_compile_works(),
         )
     elif dev.type == "mps":
         prof = HardwareProfile(
-            device="mps", name="Apple GPU", arch="mps", compute_capability=None, memory_bytes=None, gpu_count=1,
-            cpu_count=cpus, peak_bf16_flops=None, bf16=True, fp16=True, fp8=False, compile=False,
+            device="mps",
+            name="Apple GPU",
+            arch="mps",
+            compute_capability=None,
+            memory_bytes=None,
+            gpu_count=1,
+            cpu_count=cpus,
+            peak_bf16_flops=None,
+            bf16=True,
+            fp16=True,
+            fp8=False,
+            compile=False,
         )
     else:
         prof = HardwareProfile(
-            device="cpu", name=platform.processor() or platform.machine(), arch="cpu", compute_capability=None,
-            memory_bytes=_host_memory(), gpu_count=0, cpu_count=cpus, peak_bf16_flops=None, bf16=True,
-            fp16=False, fp8=False, compile=_compile_works(),
+            device="cpu",
+            name=platform.processor() or platform.machine(),
+            arch="cpu",
+            compute_capability=None,
+            memory_bytes=_host_memory(),
+            gpu_count=0,
+            cpu_count=cpus,
+            peak_bf16_flops=None,
+            bf16=True,
+            fp16=False,
+            fp8=False,
+            compile=_compile_works(),
         )
     prof.recommended = recommend(prof)
     return prof
@@ -152,12 +181,25 @@ def _host_memory() -> int | None:
 def recommend(p: HardwareProfile) -> dict[str, object]:
     """What each ``auto`` setting resolves to on this hardware, with the reason."""
     if p.arch == "cpu":
-        return {"precision": "fp32", "compile": False, "fp8": False, "fused_adamw": False,
-                "batch_size": "small fixed (auto batch needs a GPU)", "activation_checkpointing": "none",
-                "residual_dtype": "fp32"}
+        return {
+            "precision": "fp32",
+            "compile": False,
+            "fp8": False,
+            "fused_adamw": False,
+            "batch_size": "small fixed (auto batch needs a GPU)",
+            "activation_checkpointing": "none",
+            "residual_dtype": "fp32",
+        }
     if p.arch == "mps":
-        return {"precision": "fp32", "compile": False, "fp8": False, "fused_adamw": False,
-                "batch_size": "fixed", "activation_checkpointing": "none", "residual_dtype": "fp32"}
+        return {
+            "precision": "fp32",
+            "compile": False,
+            "fp8": False,
+            "fused_adamw": False,
+            "batch_size": "fixed",
+            "activation_checkpointing": "none",
+            "residual_dtype": "fp32",
+        }
     precision = "bf16" if p.bf16 else "fp16"
     return {
         "precision": precision,
@@ -190,7 +232,11 @@ def apply_runtime_settings(device: torch.device, *, tf32: bool, expandable_segme
         torch.backends.cudnn.allow_tf32 = True
     # Read by the caching allocator when it starts (first allocation), so it must be set before; a user's own
     # PYTORCH_CUDA_ALLOC_CONF wins.
-    if expandable_segments and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ and not torch.cuda.is_initialized():
+    if (
+        expandable_segments
+        and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
+        and not torch.cuda.is_initialized()
+    ):
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
 
 
@@ -226,5 +272,7 @@ def choose_cpu_threads(requested: int | None, step: Callable[[], None]) -> tuple
     best = min(timings, key=timings.__getitem__)
     torch.set_num_threads(best)
     other = cores if best == 1 else 1
-    return (f"{best} (measured: {timings[best] * 1e3:.0f} ms per forward+backward vs {timings[other] * 1e3:.0f} ms "
-            f"with {other}; --threads N to choose)"), timings[best]
+    return (
+        f"{best} (measured: {timings[best] * 1e3:.0f} ms per forward+backward vs {timings[other] * 1e3:.0f} ms "
+        f"with {other}; --threads N to choose)"
+    ), timings[best]

@@ -34,8 +34,15 @@ class _MergedLoraLinear(torch.autograd.Function):
     Every tensor arrives in the compute dtype; ``A``/``B`` gradients go back through the caller's cast."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, a: torch.Tensor,
-                b: torch.Tensor, scaling: float) -> torch.Tensor:
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        scaling: float,
+    ) -> torch.Tensor:
         ctx.save_for_backward(x, weight, a, b)
         ctx.scaling = scaling
         return F.linear(x, torch.addmm(weight, b, a, alpha=scaling), bias)
@@ -81,8 +88,10 @@ class MergedLoraLinear(PeftLoraLinear):
         base = self.base_layer
         # Folding costs ~in*out*r FLOPs and a weight-sized write per call, PEFT's side path ~tokens*(in+out)*r:
         # below in*out/(in+out) tokens (decoding, tiny batches) PEFT's forward is the cheaper one.
-        if x.numel() // max(1, x.shape[-1]) * (base.in_features + base.out_features) < \
-                base.in_features * base.out_features:
+        if (
+            x.numel() // max(1, x.shape[-1]) * (base.in_features + base.out_features)
+            < base.in_features * base.out_features
+        ):
             return None
         if name in self.lora_variant or self.lora_bias.get(name, False) or base.weight.requires_grad:
             return None
@@ -100,4 +109,6 @@ class MergedLoraLinear(PeftLoraLinear):
         b = self.lora_B[name].weight.to(dt)
         bias = None if base.bias is None else base.bias.to(dt)
         with torch.autocast(x.device.type, enabled=False):
-            return _MergedLoraLinear.apply(x.to(dt), base.weight.to(dt), bias, a, b, float(self.scaling[name]))
+            return _MergedLoraLinear.apply(
+                x.to(dt), base.weight.to(dt), bias, a, b, float(self.scaling[name])
+            )

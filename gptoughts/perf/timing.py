@@ -111,12 +111,16 @@ def advice(t: dict[str, float], gpu: dict[str, float]) -> list[str]:
     """Concrete advice when the breakdown shows the GPU waiting."""
     tips = []
     if t.get("time/data_pct", 0.0) > 5.0:
-        tips.append(f"data wait is {t['time/data_pct']:.0f}% of the step: prepare shards ahead with `gptoughts "
-                    "prepare`, keep them on a local SSD, or raise the loader's prefetch")
+        tips.append(
+            f"data wait is {t['time/data_pct']:.0f}% of the step: prepare shards ahead with `gptoughts "
+            "prepare`, keep them on a local SSD, or raise the loader's prefetch"
+        )
     util = gpu.get("gpu/util_pct")
     if util is not None and util < 90.0:
-        tips.append(f"GPU utilisation {util:.0f}% (<90%): raise --batch_size (or use auto), turn on --compile, and "
-                    "check the data wait; small models are often launch-bound, where compile helps most")
+        tips.append(
+            f"GPU utilisation {util:.0f}% (<90%): raise --batch_size (or use auto), turn on --compile, and "
+            "check the data wait; small models are often launch-bound, where compile helps most"
+        )
     return tips
 
 
@@ -130,8 +134,24 @@ KERNEL_CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("attention", ("flash", "fmha", "attention", "sdpa", "attn", "cudnn")),
     ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "splitk", "_tem_")),
     ("memcpy", ("memcpy", "memset")),
-    ("elementwise", ("triton", "elementwise", "reduce", "softmax", "norm", "cat", "index", "scatter", "gather",
-                     "fill", "copy", "dropout", "embedding")),
+    (
+        "elementwise",
+        (
+            "triton",
+            "elementwise",
+            "reduce",
+            "softmax",
+            "norm",
+            "cat",
+            "index",
+            "scatter",
+            "gather",
+            "fill",
+            "copy",
+            "dropout",
+            "embedding",
+        ),
+    ),
 )
 
 
@@ -152,12 +172,19 @@ def summarize_kernels(kernel_us: dict[str, float], steps: int, top: int = 20) ->
         cat = kernel_category(name)
         by_cat[cat] = by_cat.get(cat, 0.0) + us
     busy = sum(by_cat.values())
-    cats = {c: {"ms_per_step": us / 1e3 / steps, "pct": 100.0 * us / busy if busy else 0.0}
-            for c, us in sorted(by_cat.items(), key=lambda kv: -kv[1])}
+    cats = {
+        c: {"ms_per_step": us / 1e3 / steps, "pct": 100.0 * us / busy if busy else 0.0}
+        for c, us in sorted(by_cat.items(), key=lambda kv: -kv[1])
+    }
     heavy = sorted(kernel_us.items(), key=lambda kv: -kv[1])[:top]
-    return {"gpu_busy_ms_per_step": busy / 1e3 / steps, "categories": cats,
-            "top_kernels": [{"name": n[:120], "category": kernel_category(n), "ms_per_step": us / 1e3 / steps}
-                            for n, us in heavy]}
+    return {
+        "gpu_busy_ms_per_step": busy / 1e3 / steps,
+        "categories": cats,
+        "top_kernels": [
+            {"name": n[:120], "category": kernel_category(n), "ms_per_step": us / 1e3 / steps}
+            for n, us in heavy
+        ],
+    }
 
 
 def format_kernels(summary: dict[str, object]) -> str:
@@ -199,8 +226,9 @@ def profile_intervals(prof: object) -> list[tuple[float, float, str]]:
     return out
 
 
-def summarize_gaps(intervals: list[tuple[float, float, str]], steps: int, min_us: float = 20.0,
-                   top: int = 10) -> dict[str, object]:
+def summarize_gaps(
+    intervals: list[tuple[float, float, str]], steps: int, min_us: float = 20.0, top: int = 10
+) -> dict[str, object]:
     """Idle GPU time between kernels (``intervals`` as from :func:`profile_intervals`, one stream or several):
     total idle ms per step, the gaps of at least ``min_us`` and the largest ones with the kernels around them,
     which says what the GPU was waiting for (a host sync, a slow launch, the data)."""
@@ -217,9 +245,13 @@ def summarize_gaps(intervals: list[tuple[float, float, str]], steps: int, min_us
         if busy_until is None or end >= busy_until:
             busy_until, last_name = end, name
     gaps.sort(key=lambda g: -g[0])
-    return {"idle_ms_per_step": idle / 1e3 / steps, "gaps_over_min": len(gaps), "min_gap_us": min_us,
-            "idle_in_gaps_over_min_ms_per_step": sum(g[0] for g in gaps) / 1e3 / steps,
-            "largest": [{"us": round(g, 1), "after": a[:90], "before": b[:90]} for g, a, b in gaps[:top]]}
+    return {
+        "idle_ms_per_step": idle / 1e3 / steps,
+        "gaps_over_min": len(gaps),
+        "min_gap_us": min_us,
+        "idle_in_gaps_over_min_ms_per_step": sum(g[0] for g in gaps) / 1e3 / steps,
+        "largest": [{"us": round(g, 1), "after": a[:90], "before": b[:90]} for g, a, b in gaps[:top]],
+    }
 
 
 def format_gaps(g: dict[str, object]) -> str:

@@ -26,8 +26,15 @@ from gptoughts.errors import ConfigError
 class SyntheticBatches:
     """Random token windows generated once on the device: the data never waits (pure model speed)."""
 
-    def __init__(self, vocab_size: int, batch_size: int, block_size: int, device: torch.device, seed: int = 0,
-                 pool: int = 8):
+    def __init__(
+        self,
+        vocab_size: int,
+        batch_size: int,
+        block_size: int,
+        device: torch.device,
+        seed: int = 0,
+        pool: int = 8,
+    ):
         g = torch.Generator(device="cpu").manual_seed(seed)
         data = torch.randint(0, vocab_size, (pool, batch_size, block_size + 1), generator=g)
         self.batches = [(d[:, :-1].to(device), d[:, 1:].to(device)) for d in data]
@@ -98,9 +105,16 @@ def profile_steps(step_fn, device: torch.device, steps: int) -> dict[str, Any] |
     return out
 
 
-def run_bench(cfg: Config, *, steps: int = 20, warmup: int = 5, compare: str | None = None,
-              data_dir: str | None = None, hf_modes: tuple[str, ...] = ("eager", "compiled"),
-              kernel_steps: int = 0) -> dict[str, Any]:
+def run_bench(
+    cfg: Config,
+    *,
+    steps: int = 20,
+    warmup: int = 5,
+    compare: str | None = None,
+    data_dir: str | None = None,
+    hf_modes: tuple[str, ...] = ("eager", "compiled"),
+    kernel_steps: int = 0,
+) -> dict[str, Any]:
     from gptoughts.train.build import (
         build_model,
         plan_batches,
@@ -121,8 +135,14 @@ def run_bench(cfg: Config, *, steps: int = 20, warmup: int = 5, compare: str | N
     if data_dir is not None:
         from gptoughts.data.loader import BatchLoader, TokenDataset
 
-        loader: Any = BatchLoader(TokenDataset(data_dir), split="train", batch_size=t.batch_size,
-                                  block_size=t.block_size, seed=t.seed, device=device)
+        loader: Any = BatchLoader(
+            TokenDataset(data_dir),
+            split="train",
+            batch_size=t.batch_size,
+            block_size=t.block_size,
+            seed=t.seed,
+            device=device,
+        )
     else:
         loader = SyntheticBatches(vocab, t.batch_size, t.block_size, device, seed=t.seed)
     trainer = timing_trainer(cfg, env, model, loader, batch)
@@ -141,12 +161,23 @@ def run_bench(cfg: Config, *, steps: int = 20, warmup: int = 5, compare: str | N
     flops_tok = raw.flops_per_token(t.block_size)
     peak = hw.peak_bf16_flops
     result: dict[str, Any] = {
-        "family": family.name, "size": cfg.model.size, "device": hw.name, "precision": precision,
-        "compile": cfg.perf.compile, "batch_size": t.batch_size, "block_size": t.block_size,
-        "grad_accum": t.grad_accum, "params": raw.num_params(), "params_non_embedding": raw.num_params(True),
-        "flops_per_token": flops_tok, "step_ms": step_s * 1e3, "tokens_per_s": tps,
-        "mfu": (flops_tok * tps / peak) if peak else None, "peak_memory_gib": _peak_memory(device),
-        "breakdown": breakdown, "data": "shards" if data_dir else "synthetic",
+        "family": family.name,
+        "size": cfg.model.size,
+        "device": hw.name,
+        "precision": precision,
+        "compile": cfg.perf.compile,
+        "batch_size": t.batch_size,
+        "block_size": t.block_size,
+        "grad_accum": t.grad_accum,
+        "params": raw.num_params(),
+        "params_non_embedding": raw.num_params(True),
+        "flops_per_token": flops_tok,
+        "step_ms": step_s * 1e3,
+        "tokens_per_s": tps,
+        "mfu": (flops_tok * tps / peak) if peak else None,
+        "peak_memory_gib": _peak_memory(device),
+        "breakdown": breakdown,
+        "data": "shards" if data_dir else "synthetic",
     }
     result["resolved"] = {**model.built.resolved, **batch.why}
     if kernels is not None:
@@ -160,8 +191,18 @@ def run_bench(cfg: Config, *, steps: int = 20, warmup: int = 5, compare: str | N
         for mode in hf_modes:
             if mode == "compiled" and not (hw.compile and result["resolved"].get("compile")):
                 continue  # like with like: transformers is compiled only when our side is
-            r = bench_hf(args, t.batch_size, t.block_size, t.grad_accum, device, precision, mode=mode, steps=steps,
-                         warmup=warmup, seed=t.seed)
+            r = bench_hf(
+                args,
+                t.batch_size,
+                t.block_size,
+                t.grad_accum,
+                device,
+                precision,
+                mode=mode,
+                steps=steps,
+                warmup=warmup,
+                seed=t.seed,
+            )
             r["mfu"] = (flops_tok * r["tokens_per_s"] / peak) if peak else None
             r["speedup"] = tps / r["tokens_per_s"]
             result["hf"][mode] = r
@@ -190,15 +231,34 @@ def hf_llama_config(args: Any) -> Any:
     from transformers import LlamaConfig
 
     return LlamaConfig(
-        hidden_size=args.d_model, intermediate_size=args.ffn_dim, num_hidden_layers=args.n_layers,
-        num_attention_heads=args.n_heads, num_key_value_heads=args.n_kv_heads, vocab_size=args.vocab_size,
-        max_position_embeddings=args.max_seq_len, rope_theta=args.rope_theta, rms_norm_eps=args.norm_eps,
-        tie_word_embeddings=args.tie_embeddings, attention_bias=args.qkv_bias, head_dim=args.d_model // args.n_heads,
+        hidden_size=args.d_model,
+        intermediate_size=args.ffn_dim,
+        num_hidden_layers=args.n_layers,
+        num_attention_heads=args.n_heads,
+        num_key_value_heads=args.n_kv_heads,
+        vocab_size=args.vocab_size,
+        max_position_embeddings=args.max_seq_len,
+        rope_theta=args.rope_theta,
+        rms_norm_eps=args.norm_eps,
+        tie_word_embeddings=args.tie_embeddings,
+        attention_bias=args.qkv_bias,
+        head_dim=args.d_model // args.n_heads,
     )
 
 
-def bench_hf(args: Any, batch_size: int, block_size: int, grad_accum: int, device: torch.device, precision: str, *,
-             mode: str, steps: int, warmup: int, seed: int) -> dict[str, Any]:
+def bench_hf(
+    args: Any,
+    batch_size: int,
+    block_size: int,
+    grad_accum: int,
+    device: torch.device,
+    precision: str,
+    *,
+    mode: str,
+    steps: int,
+    warmup: int,
+    seed: int,
+) -> dict[str, Any]:
     """The same shape through transformers' LlamaForCausalLM: fp32 weights, autocast, fused AdamW, its own loss."""
     from transformers import LlamaForCausalLM
 
@@ -225,8 +285,12 @@ def bench_hf(args: Any, batch_size: int, block_size: int, grad_accum: int, devic
 
     _reset_memory(device)
     step_s = time_steps(step, device, warmup, steps)
-    res = {"mode": mode, "step_ms": step_s * 1e3, "tokens_per_s": batch_size * block_size * grad_accum / step_s,
-           "peak_memory_gib": _peak_memory(device)}
+    res = {
+        "mode": mode,
+        "step_ms": step_s * 1e3,
+        "tokens_per_s": batch_size * block_size * grad_accum / step_s,
+        "peak_memory_gib": _peak_memory(device),
+    }
     return res
 
 
@@ -242,14 +306,18 @@ def format_result(r: dict[str, Any]) -> str:
     ]
     b = r.get("breakdown") or {}
     if b:
-        parts = [f"{k} {b.get(f'time/{k}_ms', 0):.1f} ms ({b.get(f'time/{k}_pct', 0):.0f}%)"
-                 for k in ("data", "forward", "backward", "optimizer", "other")]
+        parts = [
+            f"{k} {b.get(f'time/{k}_ms', 0):.1f} ms ({b.get(f'time/{k}_pct', 0):.0f}%)"
+            for k in ("data", "forward", "backward", "optimizer", "other")
+        ]
         lines.append("  breakdown: " + ", ".join(parts))
     if r.get("kernels"):
         from gptoughts.perf.timing import format_profile
 
         lines += ["  " + line for line in format_profile(r["kernels"])]
     for mode, h in (r.get("hf") or {}).items():
-        lines.append(f"  transformers {mode}: tokens/s {f(h['tokens_per_s'], ',.0f')}  MFU {f(h['mfu'], '.3f')}  "
-                     f"peak {f(h['peak_memory_gib'], '.2f')} GiB  -> ours is {h['speedup']:.2f}x")
+        lines.append(
+            f"  transformers {mode}: tokens/s {f(h['tokens_per_s'], ',.0f')}  MFU {f(h['mfu'], '.3f')}  "
+            f"peak {f(h['peak_memory_gib'], '.2f')} GiB  -> ours is {h['speedup']:.2f}x"
+        )
     return "\n".join(lines)

@@ -30,18 +30,31 @@ class Trial:
     error: str | None = None
 
 
-def search_space(cfg: Config, *, ac: list[str] | None, compile_modes: list[str] | None, fp8: list[str] | None,
-                 batches: list[int | str] | None) -> list[dict[str, Any]]:
+def search_space(
+    cfg: Config,
+    *,
+    ac: list[str] | None,
+    compile_modes: list[str] | None,
+    fp8: list[str] | None,
+    batches: list[int | str] | None,
+) -> list[dict[str, Any]]:
     hw = hardware.detect(cfg.perf.device)
     gpu = hw.arch not in ("cpu", "mps")
     ac = ac or ["none", "selective", "full"]
     compile_modes = compile_modes or (["blocks", "model"] if gpu else ["off"])
     fp8 = fp8 or (["off", "tensorwise", "rowwise"] if hw.fp8 else ["off"])
     batches = batches or (["auto"] if gpu else [cfg.train.batch_size])
-    return [{"perf.activation_checkpointing": a, "perf.compile_mode": c if c != "off" else "blocks",
-             "perf.compile": c != "off", "perf.fp8": f != "off", "perf.fp8_recipe": f if f != "off" else "tensorwise",
-             "train.batch_size": b}
-            for a, c, f, b in itertools.product(ac, compile_modes, fp8, batches)]
+    return [
+        {
+            "perf.activation_checkpointing": a,
+            "perf.compile_mode": c if c != "off" else "blocks",
+            "perf.compile": c != "off",
+            "perf.fp8": f != "off",
+            "perf.fp8_recipe": f if f != "off" else "tensorwise",
+            "train.batch_size": b,
+        }
+        for a, c, f, b in itertools.product(ac, compile_modes, fp8, batches)
+    ]
 
 
 def apply(cfg: Config, settings: dict[str, Any]) -> Config:
@@ -52,9 +65,16 @@ def apply(cfg: Config, settings: dict[str, Any]) -> Config:
     return new
 
 
-def run_tune(cfg: Config, *, steps: int = 10, warmup: int = 3, ac: list[str] | None = None,
-             compile_modes: list[str] | None = None, fp8: list[str] | None = None,
-             batches: list[int | str] | None = None) -> list[Trial]:
+def run_tune(
+    cfg: Config,
+    *,
+    steps: int = 10,
+    warmup: int = 3,
+    ac: list[str] | None = None,
+    compile_modes: list[str] | None = None,
+    fp8: list[str] | None = None,
+    batches: list[int | str] | None = None,
+) -> list[Trial]:
     from gptoughts.tools.bench import run_bench
 
     trials = []
@@ -64,7 +84,9 @@ def run_tune(cfg: Config, *, steps: int = 10, warmup: int = 3, ac: list[str] | N
         except Exception as e:  # noqa: BLE001 - one failing combination must not end the search
             if not (is_oom(e) or "fp8" in str(e).lower() or isinstance(e, RuntimeError)):
                 raise
-            trials.append(Trial(settings, None, None, None, f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"))
+            trials.append(
+                Trial(settings, None, None, None, f"{type(e).__name__}: {str(e).splitlines()[0][:120]}")
+            )
             torch.cuda.empty_cache() if torch.cuda.is_available() else None
             continue
         settings = {**settings, "train.batch_size": r["batch_size"]}
@@ -91,8 +113,10 @@ def format_table(trials: list[Trial]) -> str:
         mfu = f"{t.mfu:.3f}" if t.mfu is not None else "-"
         peak = f"{t.peak_memory_gib:.1f}" if t.peak_memory_gib is not None else "-"
         mark = "  <- best" if t is win else ""
-        lines.append(f"{s['perf.activation_checkpointing']:<13} {comp:<8} {fp8:<10} {s['train.batch_size']:>5} "
-                     f"{t.tokens_per_s:>12,.0f} {mfu:>6} {peak:>9}{mark}")
+        lines.append(
+            f"{s['perf.activation_checkpointing']:<13} {comp:<8} {fp8:<10} {s['train.batch_size']:>5} "
+            f"{t.tokens_per_s:>12,.0f} {mfu:>6} {peak:>9}{mark}"
+        )
     return "\n".join(lines)
 
 
@@ -102,7 +126,8 @@ def write_winner(trial: Trial, cfg: Config, out: str | Path) -> Path:
 
     out = Path(out)
     header = f"# Written by `gptoughts tune`: {trial.tokens_per_s:,.0f} tokens/s" + (
-        f", MFU {trial.mfu:.3f}" if trial.mfu is not None else "")
+        f", MFU {trial.mfu:.3f}" if trial.mfu is not None else ""
+    )
     tuned = apply(cfg, trial.settings)
     tuned.run.out = None  # a config for future runs: each writes where its own family and size say
     out.write_text(header + "\n" + to_toml(tuned))

@@ -61,7 +61,9 @@ def setup_environment(cfg: Config) -> Environment:
     warnings.filterwarnings("ignore", message="Mismatch dtype between input and weight")
     device = hardware.resolve_device(cfg.perf.device)
     # Before anything touches CUDA: the allocator reads its settings when it starts.
-    hardware.apply_runtime_settings(device, tf32=cfg.perf.tf32, expandable_segments=cfg.perf.expandable_segments)
+    hardware.apply_runtime_settings(
+        device, tf32=cfg.perf.tf32, expandable_segments=cfg.perf.expandable_segments
+    )
     info = pdist.init(device, cfg.parallel.backend, cfg.parallel.strategy)
     hw = hardware.detect(device)
     precision = hardware.resolve_precision(cfg.perf.precision, hw)
@@ -100,8 +102,10 @@ class Data:
 
 def resolve_sources(sources: list[str]) -> list[str]:
     if not sources:
-        raise ConfigError("no training data: pass --data PATH (a file, folder, .jsonl, .parquet or saved HF dataset; "
-                          "--data @stdlib trains on the Python standard library)")
+        raise ConfigError(
+            "no training data: pass --data PATH (a file, folder, .jsonl, .parquet or saved HF dataset; "
+            "--data @stdlib trains on the Python standard library)"
+        )
     return [str(stdlib_path()) if s == STDLIB_ALIAS else s for s in sources]
 
 
@@ -113,8 +117,10 @@ def init_from_dir(cfg: Config) -> Path | None:
 
     p = Path(cfg.model.init_from).expanduser()
     if (p / "config.toml").exists() or (p / "meta.json").exists() or (p / "checkpoints").is_dir():
-        raise UserError(f"{p} is a gptoughts run; export it first (gptoughts export {p} --format hf OUT) and "
-                        "fine-tune OUT")
+        raise UserError(
+            f"{p} is a gptoughts run; export it first (gptoughts export {p} --format hf OUT) and "
+            "fine-tune OUT"
+        )
     read_config(p)  # a clear error now rather than deep inside the model loading
     return p
 
@@ -129,15 +135,32 @@ def prepare_data(cfg: Config, env: Environment, *, dry_run: bool = False) -> Dat
     data_format = resolve_format(cfg.data.format, sources)
     if data_format == "sft":  # every rank tokenizes the (small) SFT set itself: deterministic, no cache
         tokenizer = _sft_tokenizer(tok_spec, sources)
-        sft = SFTData(sources, tokenizer, block_size=cfg.train.block_size, truncation=cfg.data.truncation,
-                      val_fraction=cfg.data.val_fraction, seed=cfg.train.seed)
-        return Data(sources=sources, format="sft", tokenizer=tokenizer, sft=sft, init_from=init_from,
-                    corpus={"examples": sft.stats["examples"], "summary": sft.summary()})
+        sft = SFTData(
+            sources,
+            tokenizer,
+            block_size=cfg.train.block_size,
+            truncation=cfg.data.truncation,
+            val_fraction=cfg.data.val_fraction,
+            seed=cfg.train.seed,
+        )
+        return Data(
+            sources=sources,
+            format="sft",
+            tokenizer=tokenizer,
+            sft=sft,
+            init_from=init_from,
+            corpus={"examples": sft.stats["examples"], "summary": sft.summary()},
+        )
     from gptoughts.data.prepare import cached_prepare, lookup_cached
 
-    kwargs = dict(text_field=cfg.data.text_field, extensions=cfg.data.extensions or None,
-                  val_fraction=cfg.data.val_fraction, max_bytes=cfg.data.max_bytes, seed=cfg.train.seed,
-                  cache_root=cfg.data.cache_dir)
+    kwargs = dict(
+        text_field=cfg.data.text_field,
+        extensions=cfg.data.extensions or None,
+        val_fraction=cfg.data.val_fraction,
+        max_bytes=cfg.data.max_bytes,
+        seed=cfg.train.seed,
+        cache_root=cfg.data.cache_dir,
+    )
     corpus = corpus_size(sources, cfg.data.extensions or None)
     if dry_run:
         manifest = lookup_cached(sources, tok_spec, **kwargs)
@@ -151,12 +174,25 @@ def prepare_data(cfg: Config, env: Environment, *, dry_run: bool = False) -> Dat
 
                 tokenizer = Tokenizer.load(tok_spec)
                 vocab = tokenizer.vocab_size
-            read = corpus["bytes"] if cfg.data.max_bytes is None else \
-                sum(min(b, cfg.data.max_bytes) for b in corpus["per_source"])
-            corpus.update(bytes_read=read, vocab=vocab or 256, tokens=int(read / _bytes_per_token(kind, vocab)),
-                          cut=read < corpus["bytes"])
-            return Data(sources=sources, format="text", tokenizer=tokenizer, init_from=init_from, estimated=True,
-                        corpus=corpus)
+            read = (
+                corpus["bytes"]
+                if cfg.data.max_bytes is None
+                else sum(min(b, cfg.data.max_bytes) for b in corpus["per_source"])
+            )
+            corpus.update(
+                bytes_read=read,
+                vocab=vocab or 256,
+                tokens=int(read / _bytes_per_token(kind, vocab)),
+                cut=read < corpus["bytes"],
+            )
+            return Data(
+                sources=sources,
+                format="text",
+                tokenizer=tokenizer,
+                init_from=init_from,
+                estimated=True,
+                corpus=corpus,
+            )
     else:
         manifest = None
         if env.dist.is_main:
@@ -164,11 +200,22 @@ def prepare_data(cfg: Config, env: Environment, *, dry_run: bool = False) -> Dat
         pdist.barrier(env.dist)
         if not env.dist.is_main:
             manifest = cached_prepare(sources, tok_spec, progress=False, **kwargs)
-    corpus.update(bytes_read=sum(s.bytes for s in manifest.sources), tokens=manifest.train_tokens,
-                  val_tokens=manifest.val_tokens, docs=manifest.totals["docs"], vocab=manifest.vocab_size,
-                  cut=any(s.truncated for s in manifest.sources))
-    return Data(sources=sources, format="text", tokenizer=manifest.tokenizer(), manifest=manifest,
-                init_from=init_from, corpus=corpus)
+    corpus.update(
+        bytes_read=sum(s.bytes for s in manifest.sources),
+        tokens=manifest.train_tokens,
+        val_tokens=manifest.val_tokens,
+        docs=manifest.totals["docs"],
+        vocab=manifest.vocab_size,
+        cut=any(s.truncated for s in manifest.sources),
+    )
+    return Data(
+        sources=sources,
+        format="text",
+        tokenizer=manifest.tokenizer(),
+        manifest=manifest,
+        init_from=init_from,
+        corpus=corpus,
+    )
 
 
 # Bytes of text per token of a byte-level BPE trained on the corpus, measured on the Python standard library
@@ -192,9 +239,11 @@ def corpus_size(sources: list[str], extensions: list[str] | None) -> dict[str, A
     for s in sources:
         p = Path(s).expanduser()
         if p.is_dir():
-            sizes = [f.stat().st_size for f in walk_files(p, exts)] if not (p / "dataset_info.json").exists() \
-                and not (p / "dataset_dict.json").exists() else \
-                [f.stat().st_size for f in p.rglob("*.arrow")]
+            sizes = (
+                [f.stat().st_size for f in walk_files(p, exts)]
+                if not (p / "dataset_info.json").exists() and not (p / "dataset_dict.json").exists()
+                else [f.stat().st_size for f in p.rglob("*.arrow")]
+            )
             files += len(sizes)
             per_source.append(sum(sizes))
         elif p.is_file():
@@ -244,16 +293,22 @@ def build_model(cfg: Config, env: Environment, data: Data, *, meta: bool = False
     if data.init_from is not None:
         pretrained, raw, perf = build_finetune_model(cfg, data.init_from, device, env.precision)
         if pretrained.generic and env.dist.sharded:
-            raise ConfigError(f"parallel.strategy = fsdp covers the native families; {data.init_from} runs on the "
-                              "generic transformers path (tied weights, generate): use DDP (the default)")
+            raise ConfigError(
+                f"parallel.strategy = fsdp covers the native families; {data.init_from} runs on the "
+                "generic transformers path (tied weights, generate): use DDP (the default)"
+            )
         args = pretrained.model.args
         family = models.family_of(pretrained.family)
         if args.vocab_size < data.vocab_size:
-            raise DataError(f"the tokenizer of {data.init_from} has {data.vocab_size} tokens but the model only "
-                            f"{args.vocab_size} embeddings; fix the model folder")
+            raise DataError(
+                f"the tokenizer of {data.init_from} has {data.vocab_size} tokens but the model only "
+                f"{args.vocab_size} embeddings; fix the model folder"
+            )
         if args.max_seq_len < cfg.train.block_size:
-            raise ConfigError(f"--block_size {cfg.train.block_size} exceeds the {args.max_seq_len} positions of "
-                              f"{data.init_from}; lower it")
+            raise ConfigError(
+                f"--block_size {cfg.train.block_size} exceeds the {args.max_seq_len} positions of "
+                f"{data.init_from}; lower it"
+            )
     else:
         family = models.get_family(cfg.model.family)
         overrides = dict(cfg.model.overrides)
@@ -261,12 +316,16 @@ def build_model(cfg: Config, env: Environment, data: Data, *, meta: bool = False
         if family.objective == "diffusion":
             mask_id = data.tokenizer.mask_id if data.tokenizer is not None else 2
             if mask_id is None:
-                raise ConfigError("LLaDA needs a mask token; use --tokenizer bpe:N or bytes (which reserve <|mask|>)")
+                raise ConfigError(
+                    "LLaDA needs a mask token; use --tokenizer bpe:N or bytes (which reserve <|mask|>)"
+                )
             overrides.setdefault("mask_token_id", mask_id)
         args = models.model_args(family.name, cfg.model.size, overrides)
         if getattr(args, "vocab_size", data.vocab_size) < data.vocab_size:
-            raise ConfigError(f"model.vocab_size = {args.vocab_size} is smaller than the tokenizer's "
-                              f"{data.vocab_size}; drop the override or raise it")
+            raise ConfigError(
+                f"model.vocab_size = {args.vocab_size} is smaller than the tokenizer's "
+                f"{data.vocab_size}; drop the override or raise it"
+            )
         if hasattr(args, "max_seq_len") and args.max_seq_len < cfg.train.block_size:
             args = replace(args, max_seq_len=cfg.train.block_size)
         if meta:
@@ -278,8 +337,9 @@ def build_model(cfg: Config, env: Environment, data: Data, *, meta: bool = False
     out = Model(family=family, args=args, raw=raw, weights=weights, pretrained=pretrained)
     if meta:
         return out
-    out.built = apply_transforms(raw, perf=perf, hw=env.hw, device=env.device, dist=env.dist,
-                                 precision=env.precision)
+    out.built = apply_transforms(
+        raw, perf=perf, hw=env.hw, device=env.device, dist=env.dist, precision=env.precision
+    )
     out.objective = make_objective(family, out.built, cfg.perf)
     return out
 
@@ -288,8 +348,9 @@ def round_up(n: int, multiple: int) -> int:
     return ((n + multiple - 1) // multiple) * multiple
 
 
-def build_finetune_model(cfg: Config, init_from: Path, device: torch.device,
-                         precision: str) -> tuple[Any, nn.Module, Any]:
+def build_finetune_model(
+    cfg: Config, init_from: Path, device: torch.device, precision: str
+) -> tuple[Any, nn.Module, Any]:
     """The model a fine-tuning run trains: ``init_from`` loaded (native or generic), LoRA applied when enabled.
 
     Returns ``(pretrained, model, perf)``; ``perf`` is ``cfg.perf`` with fp8 off under LoRA (fp8 would convert
@@ -300,20 +361,31 @@ def build_finetune_model(cfg: Config, init_from: Path, device: torch.device,
     from gptoughts.train.setup import apply_lora, lora_base_dtype
 
     base_dtype = lora_base_dtype(cfg.lora, precision) if cfg.lora.enabled else torch.float32
-    pretrained = load_pretrained(init_from, device=device, trust_remote_code=cfg.model.trust_remote_code,
-                                 dtype=base_dtype, overrides=cfg.model.overrides)
+    pretrained = load_pretrained(
+        init_from,
+        device=device,
+        trust_remote_code=cfg.model.trust_remote_code,
+        dtype=base_dtype,
+        overrides=cfg.model.overrides,
+    )
     model, perf = pretrained.model, cfg.perf
     if cfg.lora.enabled:
         if perf.fp8 is True:
-            raise ConfigError("--fp8 converts the frozen base layers; it does not combine with --lora (drop one)")
+            raise ConfigError(
+                "--fp8 converts the frozen base layers; it does not combine with --lora (drop one)"
+            )
         perf = replace(perf, fp8=False)
         if device.type == "meta":
             return pretrained, model, perf
         # The adapters' random init is a function of train.seed alone (not of what ran before in the process).
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             torch.manual_seed(cfg.train.seed)
-            model = apply_lora(model, cfg.lora, device=device,
-                               compute_dtype=torch.float16 if precision == "fp16" else torch.bfloat16)
+            model = apply_lora(
+                model,
+                cfg.lora,
+                device=device,
+                compute_dtype=torch.float16 if precision == "fp16" else torch.bfloat16,
+            )
     return pretrained, model, perf
 
 
@@ -339,8 +411,15 @@ def auto_interval(total_steps: int, count: int, cap: int, at_least: int = 1) -> 
 EVAL_EVERY_S, SAVE_EVERY_S = 60.0, 600.0
 
 
-def plan_batches(cfg: Config, env: Environment, data: Data, model: Model, *, dry_run: bool = False,
-                 resumed_run: dict[str, Any] | None = None) -> BatchPlan:
+def plan_batches(
+    cfg: Config,
+    env: Environment,
+    data: Data,
+    model: Model,
+    *,
+    dry_run: bool = False,
+    resumed_run: dict[str, Any] | None = None,
+) -> BatchPlan:
     """Micro-batch (auto: the largest that fits), accumulation, tokens per step, steps, epochs, warmup and the
     evaluation/checkpoint intervals, each with the rule that decided it."""
     from gptoughts.data.sft import epoch_rows
@@ -353,22 +432,47 @@ def plan_batches(cfg: Config, env: Environment, data: Data, model: Model, *, dry
     micro, accum = t.batch_size, t.grad_accum
     if not isinstance(micro, int):
         if info.sharded:
-            raise ConfigError("train.batch_size = auto probes memory with trial steps, which a sharded (FSDP) run "
-                              "cannot do safely (a rank out of memory would leave the others waiting in a "
-                              "collective); pass --batch_size N (`gptoughts estimate --num_gpus N --strategy fsdp`)")
+            raise ConfigError(
+                "train.batch_size = auto probes memory with trial steps, which a sharded (FSDP) run "
+                "cannot do safely (a rank out of memory would leave the others waiting in a "
+                "collective); pass --batch_size N (`gptoughts estimate --num_gpus N --strategy fsdp`)"
+            )
         if dry_run:
             micro, cached = _estimated_micro_batch(cfg, env, model), False
-            why["batch_size"] = "auto: estimated from memory (found with real steps when the run starts)" \
-                if env.device.type == "cuda" else "auto: 8 on a CPU"
+            why["batch_size"] = (
+                "auto: estimated from memory (found with real steps when the run starts)"
+                if env.device.type == "cuda"
+                else "auto: 8 on a CPU"
+            )
         else:
-            parts = {"family": model.family.name, "args": asdict(model.args) if hasattr(model.args, "__dataclass_fields__")
-                     else repr(model.args), "block": t.block_size, "gpu": env.hw.name, "precision": env.precision,
-                     "resolved": model.built.resolved, "world": info.world_size}
-            micro, cached = auto_micro_batch(model.built, model.objective, vocab_size=model.args.vocab_size,
-                                             block_size=t.block_size, precision=env.precision, perf=cfg.perf, t=t,
-                                             device=env.device, dist=info, parts=parts)
-            why["batch_size"] = "auto: largest that fits" + (" (cached)" if cached else "") \
-                if env.device.type == "cuda" else "auto: 8 on a CPU (the search needs a GPU)"
+            parts = {
+                "family": model.family.name,
+                "args": asdict(model.args)
+                if hasattr(model.args, "__dataclass_fields__")
+                else repr(model.args),
+                "block": t.block_size,
+                "gpu": env.hw.name,
+                "precision": env.precision,
+                "resolved": model.built.resolved,
+                "world": info.world_size,
+            }
+            micro, cached = auto_micro_batch(
+                model.built,
+                model.objective,
+                vocab_size=model.args.vocab_size,
+                block_size=t.block_size,
+                precision=env.precision,
+                perf=cfg.perf,
+                t=t,
+                device=env.device,
+                dist=info,
+                parts=parts,
+            )
+            why["batch_size"] = (
+                "auto: largest that fits" + (" (cached)" if cached else "")
+                if env.device.type == "cuda"
+                else "auto: 8 on a CPU (the search needs a GPU)"
+            )
         if t.global_batch_tokens:
             # A micro-batch larger than the global batch would overshoot the target: cap it there. Then the
             # fewest accumulation steps with a micro-batch that fits, and the smallest micro-batch that reaches
@@ -385,14 +489,18 @@ def plan_batches(cfg: Config, env: Environment, data: Data, model: Model, *, dry
             # schedule, the data position and the loss scale mean what they meant.
             k = old / (micro * t.block_size * info.world_size)
             if k != int(k):
-                raise ConfigError(f"resuming on {info.world_size} process(es) a run saved on {resumed_run['world_size']} "
-                                  f"changes the global batch from {old:,} to {tokens_per_step:,} tokens and no "
-                                  f"--grad_accum keeps it; pass --batch_size and --grad_accum with "
-                                  f"batch x grad_accum x {info.world_size} x {t.block_size} = {old:,}")
+                raise ConfigError(
+                    f"resuming on {info.world_size} process(es) a run saved on {resumed_run['world_size']} "
+                    f"changes the global batch from {old:,} to {tokens_per_step:,} tokens and no "
+                    f"--grad_accum keeps it; pass --batch_size and --grad_accum with "
+                    f"batch x grad_accum x {info.world_size} x {t.block_size} = {old:,}"
+                )
             accum = int(k)
             tokens_per_step = old
-            why["grad_accum"] = (f"{accum}: keeps the resumed run's global batch of {old:,} tokens on "
-                                 f"{info.world_size} process(es) (it was saved on {resumed_run['world_size']})")
+            why["grad_accum"] = (
+                f"{accum}: keeps the resumed run's global batch of {old:,} tokens on "
+                f"{info.world_size} process(es) (it was saved on {resumed_run['world_size']})"
+            )
     if data.sft is not None:
         packing = data_packing(cfg, model)
         train_tokens = epoch_rows(data.sft, t.seed, packing) * t.block_size
@@ -405,7 +513,11 @@ def plan_batches(cfg: Config, env: Environment, data: Data, model: Model, *, dry
     else:
         epochs = t.epochs if t.epochs is not None else 1.0
         total_steps = math.ceil(epochs * train_tokens / tokens_per_step)
-        rule = f"--epochs {epochs:g}" if t.epochs is not None else "one epoch (no --max_steps, --epochs or --max_tokens)"
+        rule = (
+            f"--epochs {epochs:g}"
+            if t.epochs is not None
+            else "one epoch (no --max_steps, --epochs or --max_tokens)"
+        )
     total_steps = max(1, total_steps)
     warmup = t.warmup_steps if t.warmup_steps is not None else default_warmup(total_steps)
     why["warmup_steps"] = "asked" if t.warmup_steps is not None else "auto: 2% of the run, at most 2000"
@@ -415,17 +527,32 @@ def plan_batches(cfg: Config, env: Environment, data: Data, model: Model, *, dry
     step_s = tokens_per_step / tps if tps else 0.0
     eval_interval, save_interval = cfg.eval.eval_interval, cfg.checkpoint.save_interval
     if eval_interval is None:
-        eval_interval = auto_interval(total_steps, 20, 1000, math.ceil(EVAL_EVERY_S / step_s) if step_s else 1)
+        eval_interval = auto_interval(
+            total_steps, 20, 1000, math.ceil(EVAL_EVERY_S / step_s) if step_s else 1
+        )
         why["eval_interval"] = "auto: ~20 per run, at least a minute apart (estimated)"
     if save_interval is None:
-        save_interval = auto_interval(total_steps, 10, 2000, math.ceil(SAVE_EVERY_S / step_s) if step_s else 1)
-        why["save_interval"] = ("auto: ~10 per run, at least 10 minutes apart (estimated); 0: at the end (and on "
-                                "Ctrl-C/SIGTERM)")
-    return BatchPlan(micro_batch=micro, grad_accum=accum, world_size=info.world_size, block_size=t.block_size,
-                     tokens_per_step=tokens_per_step, total_steps=total_steps, train_tokens=train_tokens,
-                     epochs=total_steps * tokens_per_step / max(1, train_tokens), stop_rule=rule,
-                     warmup_steps=min(warmup, total_steps), eval_interval=eval_interval, save_interval=save_interval,
-                     why=why)
+        save_interval = auto_interval(
+            total_steps, 10, 2000, math.ceil(SAVE_EVERY_S / step_s) if step_s else 1
+        )
+        why["save_interval"] = (
+            "auto: ~10 per run, at least 10 minutes apart (estimated); 0: at the end (and on Ctrl-C/SIGTERM)"
+        )
+    return BatchPlan(
+        micro_batch=micro,
+        grad_accum=accum,
+        world_size=info.world_size,
+        block_size=t.block_size,
+        tokens_per_step=tokens_per_step,
+        total_steps=total_steps,
+        train_tokens=train_tokens,
+        epochs=total_steps * tokens_per_step / max(1, train_tokens),
+        stop_rule=rule,
+        warmup_steps=min(warmup, total_steps),
+        eval_interval=eval_interval,
+        save_interval=save_interval,
+        why=why,
+    )
 
 
 def _estimated_micro_batch(cfg: Config, env: Environment, model: Model) -> int:
@@ -437,9 +564,15 @@ def _estimated_micro_batch(cfg: Config, env: Environment, model: Model) -> int:
     mem = (env.hw.memory_bytes or 0) / 2**30
     best = 1
     for b in (1, 2, 4, 8, 16, 32, 64, 128, 256):
-        e = estimate(model.family.name, cfg.model.size, cfg.model.overrides, batch_size=b,
-                     block_size=cfg.train.block_size, activation_checkpointing=cfg.perf.activation_checkpointing,
-                     gpu="H100")
+        e = estimate(
+            model.family.name,
+            cfg.model.size,
+            cfg.model.overrides,
+            batch_size=b,
+            block_size=cfg.train.block_size,
+            activation_checkpointing=cfg.perf.activation_checkpointing,
+            gpu="H100",
+        )
         if e.total_gib > 0.9 * mem:
             break
         best = b
@@ -512,31 +645,65 @@ def build(cfg: Config, *, dry_run: bool = False, env: Environment | None = None)
         raise
 
 
-def _assemble(cfg: Config, env: Environment, run_dir: Path, dry_run: bool, resume_from: Path | None,
-              resumed_run: dict[str, Any] | None, lock: Any) -> Assembly:
+def _assemble(
+    cfg: Config,
+    env: Environment,
+    run_dir: Path,
+    dry_run: bool,
+    resume_from: Path | None,
+    resumed_run: dict[str, Any] | None,
+    lock: Any,
+) -> Assembly:
     from gptoughts.train.metrics import console
 
     data = prepare_data(cfg, env, dry_run=dry_run)  # 3
     if data.format == "text" and not data.estimated and data.corpus["tokens"] < cfg.train.block_size + 1:
-        raise DataError(f"the corpus has {data.corpus['tokens']:,} training tokens, fewer than one block of "
-                        f"{cfg.train.block_size + 1:,}; lower --block_size or add data")
+        raise DataError(
+            f"the corpus has {data.corpus['tokens']:,} training tokens, fewer than one block of "
+            f"{cfg.train.block_size + 1:,}; lower --block_size or add data"
+        )
     if resume_from is not None and (run_dir / "tokenizer").exists():
         rundir.check_tokenizer(run_dir, data.tokenizer, cfg)
     model = build_model(cfg, env, data, meta=dry_run)  # 4
     # CPU threads: measured for a single process (under torchrun, OMP_NUM_THREADS set by the launcher stands).
     if not dry_run and env.device.type == "cpu" and not env.dist.enabled:
-        model.threads, model.probe_step_s = hardware.choose_cpu_threads(cfg.perf.threads,
-                                                                        _probe_step(cfg, model, data))
+        model.threads, model.probe_step_s = hardware.choose_cpu_threads(
+            cfg.perf.threads, _probe_step(cfg, model, data)
+        )
     batch = plan_batches(cfg, env, data, model, dry_run=dry_run, resumed_run=resumed_run)  # 5
-    built = {} if model.built is None else {
-        k: f"{v} ({model.built.why[k]})" if k in model.built.why else str(v) for k, v in model.built.resolved.items()}
+    built = (
+        {}
+        if model.built is None
+        else {
+            k: f"{v} ({model.built.why[k]})" if k in model.built.why else str(v)
+            for k, v in model.built.resolved.items()
+        }
+    )
     resolved = {**env.resolved, **built, **batch.why}
     if model.threads:
         resolved["threads"] = model.threads
-    plan = make_plan(cfg, env=env, data=data, model=model, batch=batch, run_dir=run_dir,  # 6
-                     resume_from=resume_from, resolved=resolved)
-    asm = Assembly(cfg=cfg, env=env, data=data, model=model, batch=batch, plan=plan, run_dir=run_dir,
-                   resume_from=resume_from, resolved=resolved, lock=lock)
+    plan = make_plan(
+        cfg,
+        env=env,
+        data=data,
+        model=model,
+        batch=batch,
+        run_dir=run_dir,  # 6
+        resume_from=resume_from,
+        resolved=resolved,
+    )
+    asm = Assembly(
+        cfg=cfg,
+        env=env,
+        data=data,
+        model=model,
+        batch=batch,
+        plan=plan,
+        run_dir=run_dir,
+        resume_from=resume_from,
+        resolved=resolved,
+        lock=lock,
+    )
     if dry_run:
         return asm
     # 7. optimizer, schedule, loaders, sampler: still nothing written
@@ -547,14 +714,21 @@ def _assemble(cfg: Config, env: Environment, run_dir: Path, dry_run: bool, resum
     t = replace(cfg.train, batch_size=batch.micro_batch, grad_accum=batch.grad_accum)
     evaluation = replace(cfg.eval, eval_interval=batch.eval_interval)
     checkpointing = replace(cfg.checkpoint, save_interval=batch.save_interval)
-    schedule = Schedule(t.schedule, t.learning_rate, batch.total_steps, batch.warmup_steps, t.min_lr_ratio,
-                        t.decay_fraction)
+    schedule = Schedule(
+        t.schedule, t.learning_rate, batch.total_steps, batch.warmup_steps, t.min_lr_ratio, t.decay_fraction
+    )
     optimizer = make_optimizer(model.built.model, t, cfg.perf, env.device)
     loader, eval_fn = make_loaders(cfg, env, data, model, t)
     asm.loader = loader
-    asm.sampler = Sampler(model.raw, data.tokenizer, diffusion=model.family.objective == "diffusion",
-                          chat=data.format == "sft", max_new_tokens=cfg.eval.sample_max_new_tokens,
-                          temperature=cfg.eval.sample_temperature, top_k=cfg.eval.sample_top_k)
+    asm.sampler = Sampler(
+        model.raw,
+        data.tokenizer,
+        diffusion=model.family.objective == "diffusion",
+        chat=data.format == "sft",
+        max_new_tokens=cfg.eval.sample_max_new_tokens,
+        temperature=cfg.eval.sample_temperature,
+        top_k=cfg.eval.sample_top_k,
+    )
     state = None
     if resume_from is not None:  # read and checked before anything of the run directory is rewritten
         asm.resume_from, state = load_resume_checkpoint(cfg, env, model, run_dir, resume_from)
@@ -566,24 +740,46 @@ def _assemble(cfg: Config, env: Environment, run_dir: Path, dry_run: bool, resum
     # seeding it here, after any autobatch probe, makes a run reproducible from train.seed. Ranks differ so
     # that they draw different masks.
     torch.manual_seed(t.seed + env.dist.rank)
-    asm.trainer = Trainer(model=model.built.model, objective=model.objective, optimizer=optimizer,
-                          schedule=schedule, loader=loader, eval_batches=eval_fn, cfg=t, run=cfg.run, run_dir=run_dir,
-                          dist=env.dist, device=env.device, precision=env.precision,
-                          metrics=MetricsLogger(run_dir, enabled=False), total_steps=batch.total_steps,
-                          tokens_per_step=batch.tokens_per_step, sample_fn=asm.sampler,
-                          save_weights=lambda: model.weights, forward_context=model.built.forward_context,
-                          static_token_count=data.sft is None,
-                          mfu_per_token_s=_mfu_per_token_s(env, model, t.block_size), evaluation=evaluation,
-                          checkpointing=checkpointing, recovery=cfg.recovery)
+    asm.trainer = Trainer(
+        model=model.built.model,
+        objective=model.objective,
+        optimizer=optimizer,
+        schedule=schedule,
+        loader=loader,
+        eval_batches=eval_fn,
+        cfg=t,
+        run=cfg.run,
+        run_dir=run_dir,
+        dist=env.dist,
+        device=env.device,
+        precision=env.precision,
+        metrics=MetricsLogger(run_dir, enabled=False),
+        total_steps=batch.total_steps,
+        tokens_per_step=batch.tokens_per_step,
+        sample_fn=asm.sampler,
+        save_weights=lambda: model.weights,
+        forward_context=model.built.forward_context,
+        static_token_count=data.sft is None,
+        mfu_per_token_s=_mfu_per_token_s(env, model, t.block_size),
+        evaluation=evaluation,
+        checkpointing=checkpointing,
+        recovery=cfg.recovery,
+    )
     if state is not None:  # the optimizer, loader and RNG state must fit this run before anything is written
         asm.trainer.load_state_dict(state)
     # 8. the run directory: written only now that everything has been checked
     if env.dist.is_main:
         write_run_files(asm)
     pdist.barrier(env.dist)
-    asm.metrics = MetricsLogger(run_dir, enabled=env.dist.is_main, tensorboard=cfg.run.tensorboard,
-                                wandb=cfg.run.wandb, wandb_project=cfg.run.wandb_project, config=cfg.to_dict(),
-                                resume_step=int(state["trainer"]["step"]) if state is not None else None)
+    asm.metrics = MetricsLogger(
+        run_dir,
+        enabled=env.dist.is_main,
+        tensorboard=cfg.run.tensorboard,
+        wandb=cfg.run.wandb,
+        wandb_project=cfg.run.wandb_project,
+        config=cfg.to_dict(),
+        resume_step=int(state["trainer"]["step"]) if state is not None else None,
+    )
     asm.trainer.metrics = asm.metrics
     asm.trainer.plots = PlotWriter(run_dir) if env.dist.is_main else None
     if state is not None and env.dist.is_main:
@@ -597,8 +793,9 @@ def _mfu_per_token_s(env: Environment, model: Model, block_size: int) -> float |
     return model.raw.flops_per_token(block_size) / (peak * env.dist.world_size) if peak else None
 
 
-def load_resume_checkpoint(cfg: Config, env: Environment, model: Model, run_dir: Path,
-                           path: Path) -> tuple[Path, dict[str, Any]]:
+def load_resume_checkpoint(
+    cfg: Config, env: Environment, model: Model, run_dir: Path, path: Path
+) -> tuple[Path, dict[str, Any]]:
     """Weights and trainer state of the checkpoint to resume. With ``--resume auto`` a checkpoint that verifies
     but cannot be read (forged or corrupt state.pt or weights) is skipped for the previous one, as a corrupt one
     is; when none is left, or for an explicit ``--resume PATH``, the run is refused with nothing changed."""
@@ -610,11 +807,16 @@ def load_resume_checkpoint(cfg: Config, env: Environment, model: Model, run_dir:
             # FSDP: the full optimizer state stays in host memory; each rank copies only its shard to the GPU
             return path, ckpt.load_state(path, "cpu" if env.dist.sharded else env.device)
         except ckpt.UnreadableCheckpoint as e:
-            older = ckpt.latest_valid(run_dir / "checkpoints", before=ckpt.step_of(path)) \
-                if cfg.run.resume == "auto" else None
+            older = (
+                ckpt.latest_valid(run_dir / "checkpoints", before=ckpt.step_of(path))
+                if cfg.run.resume == "auto"
+                else None
+            )
             if older is None:
-                raise UserError(f"{e}; no earlier usable checkpoint: nothing was changed (restore the checkpoint, "
-                                "or start over with --overwrite)") from None
+                raise UserError(
+                    f"{e}; no earlier usable checkpoint: nothing was changed (restore the checkpoint, "
+                    "or start over with --overwrite)"
+                ) from None
             if env.dist.is_main:
                 console.print(f"[yellow]warning:[/yellow] {e}; falling back to {older.name}", highlight=False)
             path = older
@@ -658,18 +860,55 @@ def make_loaders(cfg: Config, env: Environment, data: Data, model: Model, t: Tra
         if not packing and cfg.data.packing and info.is_main:
             from gptoughts.train.metrics import console
 
-            console.print("note: packed rows need the native fast path; one SFT example per row", highlight=False)
-        loader: Any = SFTLoader(sft, batch_size=t.batch_size, seed=t.seed, rank=info.rank,
-                                world_size=info.world_size, packing=packing, device=device)
-        eval_fn = (lambda: sft.eval_batches(batch_size=t.batch_size, max_batches=cfg.eval.eval_batches, packing=packing,
-                                            device=device)) if len(sft.val_idx) else None
+            console.print(
+                "note: packed rows need the native fast path; one SFT example per row", highlight=False
+            )
+        loader: Any = SFTLoader(
+            sft,
+            batch_size=t.batch_size,
+            seed=t.seed,
+            rank=info.rank,
+            world_size=info.world_size,
+            packing=packing,
+            device=device,
+        )
+        eval_fn = (
+            (
+                lambda: sft.eval_batches(
+                    batch_size=t.batch_size, max_batches=cfg.eval.eval_batches, packing=packing, device=device
+                )
+            )
+            if len(sft.val_idx)
+            else None
+        )
         return loader, eval_fn
     dataset = data.dataset
-    loader = BatchLoader(dataset, split="train", batch_size=t.batch_size, block_size=t.block_size, seed=t.seed,
-                         rank=info.rank, world_size=info.world_size, phases=phases(cfg), device=device)
+    loader = BatchLoader(
+        dataset,
+        split="train",
+        batch_size=t.batch_size,
+        block_size=t.block_size,
+        seed=t.seed,
+        rank=info.rank,
+        world_size=info.world_size,
+        phases=phases(cfg),
+        device=device,
+    )
     has_val = dataset.num_tokens("val") > t.block_size
-    eval_fn = (lambda: eval_batches(dataset, split="val", batch_size=t.batch_size, block_size=t.block_size,
-                                    max_batches=cfg.eval.eval_batches, device=device)) if has_val else None
+    eval_fn = (
+        (
+            lambda: eval_batches(
+                dataset,
+                split="val",
+                batch_size=t.batch_size,
+                block_size=t.block_size,
+                max_batches=cfg.eval.eval_batches,
+                device=device,
+            )
+        )
+        if has_val
+        else None
+    )
     return loader, eval_fn
 
 
@@ -684,9 +923,13 @@ def phases(cfg: Config) -> list | None:
         srcs = resolve_sources(p.sources)
         for s in srcs:
             if s not in known:
-                raise ConfigError(f"data.phases `{p.name}` uses {s}, which is not in data.sources; add it there")
+                raise ConfigError(
+                    f"data.phases `{p.name}` uses {s}, which is not in data.sources; add it there"
+                )
         # Bare sources are weighted by their token counts; explicit weights are used as given.
-        out.append(Phase(name=p.name, sources=list(zip(srcs, p.weights)) if p.weights else srcs, tokens=p.tokens))
+        out.append(
+            Phase(name=p.name, sources=list(zip(srcs, p.weights)) if p.weights else srcs, tokens=p.tokens)
+        )
     return out
 
 
@@ -699,22 +942,34 @@ def write_run_files(asm: Assembly) -> None:
         # wrote before (metrics rows, samples) goes, so that nothing is counted twice
         rundir.clear(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    saved = replace(cfg, data=replace(cfg.data, sources=[_absolute(s) for s in cfg.data.sources]),
-                    run=replace(cfg.run, resume=None, overwrite=False))
+    saved = replace(
+        cfg,
+        data=replace(cfg.data, sources=[_absolute(s) for s in cfg.data.sources]),
+        run=replace(cfg.run, resume=None, overwrite=False),
+    )
     rundir.write_text_atomic(run_dir / "config.toml", to_toml(saved))
     data.tokenizer.save(run_dir / "tokenizer")
     raw = model.raw
     record = {
         "gptoughts": 1,
-        "family": model.family.name, "args": asdict(model.args) if hasattr(model.args, "__dataclass_fields__") else {},
-        "device": str(env.device), "precision": env.precision, "world_size": env.dist.world_size,
-        "params": raw.num_params(), "hardware": env.hw.to_dict(),
-        "data": str(data.manifest.dir) if data.manifest is not None else data.sources, "data_format": data.format,
+        "family": model.family.name,
+        "args": asdict(model.args) if hasattr(model.args, "__dataclass_fields__") else {},
+        "device": str(env.device),
+        "precision": env.precision,
+        "world_size": env.dist.world_size,
+        "params": raw.num_params(),
+        "hardware": env.hw.to_dict(),
+        "data": str(data.manifest.dir) if data.manifest is not None else data.sources,
+        "data_format": data.format,
         "init_from": str(data.init_from) if data.init_from is not None else None,
-        "generic": bool(model.pretrained is not None and model.pretrained.generic), "lora": cfg.lora.enabled,
+        "generic": bool(model.pretrained is not None and model.pretrained.generic),
+        "lora": cfg.lora.enabled,
         "trainable_params": sum(p.numel() for p in raw.parameters() if p.requires_grad),
-        "tokens_per_step": asm.batch.tokens_per_step, "plan": asm.plan.to_dict(), "resolved": asm.resolved,
-        "torch": torch.__version__, "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "tokens_per_step": asm.batch.tokens_per_step,
+        "plan": asm.plan.to_dict(),
+        "resolved": asm.resolved,
+        "torch": torch.__version__,
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
     rundir.write_text_atomic(run_dir / "run.json", json.dumps(record, indent=2, default=str))
 
@@ -729,12 +984,18 @@ def _absolute(source: str) -> str:
 # ------------------------------------------------------------------------------- timing (bench, tune, scripts)
 def synthetic_data(vocab_size: int, init_from: Path | None = None, tokenizer: Any = None) -> Data:
     """Stand-in data for timing runs (random tokens): the vocabulary the model is built for, no corpus."""
-    return Data(sources=[], format="text", tokenizer=tokenizer, init_from=init_from,
-                corpus={"vocab": vocab_size, "tokens": 1 << 40, "files": 0, "bytes": 0, "bytes_read": 0})
+    return Data(
+        sources=[],
+        format="text",
+        tokenizer=tokenizer,
+        init_from=init_from,
+        corpus={"vocab": vocab_size, "tokens": 1 << 40, "files": 0, "bytes": 0, "bytes_read": 0},
+    )
 
 
-def timing_trainer(cfg: Config, env: Environment, model: Model, loader: Any, batch: BatchPlan,
-                   *, timing: bool = True) -> Any:
+def timing_trainer(
+    cfg: Config, env: Environment, model: Model, loader: Any, batch: BatchPlan, *, timing: bool = True
+) -> Any:
     """The trainer of a timing run: the real train_step (precision, fused AdamW, clipping, accumulation), no run
     directory, no metrics, no checkpoints (what ``bench``, ``tune`` and bench/finetune_vs_peft.py time)."""
     from gptoughts.train.metrics import MetricsLogger
@@ -744,10 +1005,25 @@ def timing_trainer(cfg: Config, env: Environment, model: Model, loader: Any, bat
 
     t = replace(cfg.train, batch_size=batch.micro_batch, grad_accum=batch.grad_accum)
     optimizer = make_optimizer(model.built.model, t, cfg.perf, env.device)
-    return Trainer(model=model.built.model, objective=model.objective, optimizer=optimizer,
-                   schedule=Schedule("constant", t.learning_rate, 1 << 40, 0), loader=loader, eval_batches=None,
-                   cfg=t, run=cfg.run, run_dir=Path("."), dist=env.dist, device=env.device, precision=env.precision,
-                   metrics=MetricsLogger(Path("."), enabled=False), total_steps=1 << 40,
-                   tokens_per_step=batch.tokens_per_step, forward_context=model.built.forward_context, timing=timing,
-                   evaluation=replace(cfg.eval, eval_interval=0),
-                   checkpointing=replace(cfg.checkpoint, save_interval=0, checkpoints=False), recovery=cfg.recovery)
+    return Trainer(
+        model=model.built.model,
+        objective=model.objective,
+        optimizer=optimizer,
+        schedule=Schedule("constant", t.learning_rate, 1 << 40, 0),
+        loader=loader,
+        eval_batches=None,
+        cfg=t,
+        run=cfg.run,
+        run_dir=Path("."),
+        dist=env.dist,
+        device=env.device,
+        precision=env.precision,
+        metrics=MetricsLogger(Path("."), enabled=False),
+        total_steps=1 << 40,
+        tokens_per_step=batch.tokens_per_step,
+        forward_context=model.built.forward_context,
+        timing=timing,
+        evaluation=replace(cfg.eval, eval_interval=0),
+        checkpointing=replace(cfg.checkpoint, save_interval=0, checkpoints=False),
+        recovery=cfg.recovery,
+    )

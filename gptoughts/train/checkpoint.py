@@ -79,9 +79,17 @@ def step_dir(root: Path, step: int) -> Path:
     return root / f"step_{step:06d}"
 
 
-def save(root: str | Path, step: int, model: nn.Module | dict[str, torch.Tensor], state: dict[str, Any], *,
-         val_loss: float | None = None, keep_last: int = 3, is_best: bool = False,
-         meta: dict[str, Any] | None = None) -> Path:
+def save(
+    root: str | Path,
+    step: int,
+    model: nn.Module | dict[str, torch.Tensor],
+    state: dict[str, Any],
+    *,
+    val_loss: float | None = None,
+    keep_last: int = 3,
+    is_best: bool = False,
+    meta: dict[str, Any] | None = None,
+) -> Path:
     """Write checkpoint ``step`` atomically, rotate old ones (never the best), return its directory.
     ``model`` is the module, or its full state dict (a sharded run gathers one); ``meta``: extra JSON fields
     for ``meta.json``."""
@@ -101,8 +109,13 @@ def save(root: str | Path, step: int, model: nn.Module | dict[str, torch.Tensor]
         for name in (MODEL_FILE, STATE_FILE):
             _fsync_file(tmp / name)
             files[name] = {"sha256": _sha256(tmp / name), "bytes": (tmp / name).stat().st_size}
-        info = {**(meta or {}), "step": step, "val_loss": val_loss, "files": files,
-                "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        info = {
+            **(meta or {}),
+            "step": step,
+            "val_loss": val_loss,
+            "files": files,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        }
         (tmp / META_FILE).write_text(json.dumps(info, indent=2))
         _fsync_file(tmp / META_FILE)
         _fsync_dir(tmp)
@@ -140,8 +153,10 @@ def recover(root: str | Path) -> None:
     root = Path(root)
     if not root.is_dir():
         return
-    olds = sorted(((m, p) for p in root.iterdir() if p.is_dir() and (m := _OLD_DIR.match(p.name))),
-                  key=lambda mp: -int(mp[0].group(2)))  # the newest first
+    olds = sorted(
+        ((m, p) for p in root.iterdir() if p.is_dir() and (m := _OLD_DIR.match(p.name))),
+        key=lambda mp: -int(mp[0].group(2)),
+    )  # the newest first
     for m, p in olds:
         final = root / m.group(1)
         if final.exists():
@@ -196,9 +211,14 @@ def verify(path: Path) -> str | None:
     except (ValueError, KeyError, TypeError, UnicodeDecodeError):
         return "meta.json unreadable"
     # A meta.json that is valid JSON but lists no files (or not both files, or wrong fields) verifies nothing.
-    if not isinstance(files, dict) or set(files) != {MODEL_FILE, STATE_FILE} or not all(
+    if (
+        not isinstance(files, dict)
+        or set(files) != {MODEL_FILE, STATE_FILE}
+        or not all(
             isinstance(i, dict) and isinstance(i.get("bytes"), int) and isinstance(i.get("sha256"), str)
-            for i in files.values()):
+            for i in files.values()
+        )
+    ):
         return "meta.json does not describe model.safetensors and state.pt"
     for name, info in files.items():
         f = path / name
@@ -223,7 +243,9 @@ def latest_valid(root: str | Path, *, before: int | None = None) -> Path | None:
         problem = verify(path)
         if problem is None:
             return path
-        warnings.warn(f"checkpoint {path} is unusable ({problem}); falling back to the previous one", stacklevel=2)
+        warnings.warn(
+            f"checkpoint {path} is unusable ({problem}); falling back to the previous one", stacklevel=2
+        )
     return None
 
 
@@ -263,15 +285,18 @@ def load_weights(model: nn.Module, path: Path, *, strict: bool = True, sharded: 
         else:
             missing, unexpected = load_model(model, str(path / MODEL_FILE), strict=False)
     except (OSError, ValueError, RuntimeError) as e:  # SafetensorError is an Exception: see below
-        raise UnreadableCheckpoint(f"{path / MODEL_FILE} cannot be read ({type(e).__name__}: "
-                                   f"{str(e).splitlines()[0][:120]})") from None
+        raise UnreadableCheckpoint(
+            f"{path / MODEL_FILE} cannot be read ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
+        ) from None
     except Exception as e:  # noqa: BLE001 - safetensors' own error type: the file is not a valid safetensors file
         if type(e).__name__ != "SafetensorError":
             raise
         raise UnreadableCheckpoint(f"{path / MODEL_FILE} is not a valid safetensors file ({e})") from None
     if strict and (missing or unexpected):
-        raise UserError(f"checkpoint {path} does not match the model (missing {sorted(missing)[:4]}, "
-                        f"unexpected {sorted(unexpected)[:4]}); was it trained with another --size or family?")
+        raise UserError(
+            f"checkpoint {path} does not match the model (missing {sorted(missing)[:4]}, "
+            f"unexpected {sorted(unexpected)[:4]}); was it trained with another --size or family?"
+        )
 
 
 def load_state(path: Path, device: torch.device | str = "cpu") -> dict[str, Any]:
@@ -281,10 +306,23 @@ def load_state(path: Path, device: torch.device | str = "cpu") -> dict[str, Any]
 
     try:
         state = torch.load(path / STATE_FILE, map_location=device, weights_only=True)
-    except (pickle.UnpicklingError, OSError, RuntimeError, EOFError, ValueError, AttributeError, ImportError) as e:
-        raise UnreadableCheckpoint(f"{path / STATE_FILE} cannot be read safely ({type(e).__name__}: "
-                                   f"{str(e).splitlines()[0][:120]})") from None
-    if not isinstance(state, dict) or not isinstance(state.get("trainer"), dict) or "step" not in state["trainer"]:
+    except (
+        pickle.UnpicklingError,
+        OSError,
+        RuntimeError,
+        EOFError,
+        ValueError,
+        AttributeError,
+        ImportError,
+    ) as e:
+        raise UnreadableCheckpoint(
+            f"{path / STATE_FILE} cannot be read safely ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
+        ) from None
+    if (
+        not isinstance(state, dict)
+        or not isinstance(state.get("trainer"), dict)
+        or "step" not in state["trainer"]
+    ):
         raise UnreadableCheckpoint(f"{path / STATE_FILE} is not a gptoughts trainer state")
     return state
 

@@ -34,8 +34,17 @@ def _clean(value: Any) -> Any:
 class MetricsLogger:
     """Writes one JSON object a line to ``metrics.jsonl``, mirrors scalars to TensorBoard and wandb."""
 
-    def __init__(self, run_dir: Path, *, enabled: bool, tensorboard: bool = True, wandb: bool = False,
-                 wandb_project: str = "gptoughts", config: dict | None = None, resume_step: int | None = None):
+    def __init__(
+        self,
+        run_dir: Path,
+        *,
+        enabled: bool,
+        tensorboard: bool = True,
+        wandb: bool = False,
+        wandb_project: str = "gptoughts",
+        config: dict | None = None,
+        resume_step: int | None = None,
+    ):
         self.enabled = enabled
         self.tb = None
         self.wandb = None
@@ -44,7 +53,9 @@ class MetricsLogger:
         self.path = run_dir / "metrics.jsonl"
         if resume_step is not None and self.path.exists():
             # Lines written after the checkpoint we resume from describe steps that will be run again.
-            kept = [ln for ln in self.path.read_text().splitlines() if ln.strip() and _step_of(ln) <= resume_step]
+            kept = [
+                ln for ln in self.path.read_text().splitlines() if ln.strip() and _step_of(ln) <= resume_step
+            ]
             self.path.write_text("".join(ln + "\n" for ln in kept))
         self.file = open(self.path, "a", buffering=1)
         if tensorboard:
@@ -111,14 +122,26 @@ def _start_wandb(run_dir: Path, project: str, config: dict | None) -> Any:
     mode = os.environ.get("WANDB_MODE")
     if not mode and not _has_wandb_key():
         mode = "offline"
-        console.print(f"note: no wandb API key (`wandb login` or WANDB_API_KEY): logging offline to {run_dir}/wandb; "
-                      f"`wandb sync {run_dir}/wandb/offline-run-*` uploads it later", highlight=False)
+        console.print(
+            f"note: no wandb API key (`wandb login` or WANDB_API_KEY): logging offline to {run_dir}/wandb; "
+            f"`wandb sync {run_dir}/wandb/offline-run-*` uploads it later",
+            highlight=False,
+        )
     try:
-        return wandb_mod.init(project=project, dir=str(run_dir), config=config, name=run_dir.name, resume="allow",
-                              mode=mode or None)
+        return wandb_mod.init(
+            project=project,
+            dir=str(run_dir),
+            config=config,
+            name=run_dir.name,
+            resume="allow",
+            mode=mode or None,
+        )
     except Exception as e:  # noqa: BLE001 - network, auth, service: the run goes on without wandb
-        console.print(f"note: wandb could not start ({type(e).__name__}: {str(e).splitlines()[0][:150]}); "
-                      "training without it (metrics.jsonl and TensorBoard still log)", highlight=False)
+        console.print(
+            f"note: wandb could not start ({type(e).__name__}: {str(e).splitlines()[0][:150]}); "
+            "training without it (metrics.jsonl and TensorBoard still log)",
+            highlight=False,
+        )
         return None
 
 
@@ -147,16 +170,30 @@ class ProgressBar:
             # The ETA is ours (remaining tokens / measured tokens/s at each log): rich's own column estimates speed
             # from updates of the last 30 s, and a log interval longer than that left it at -:--:-- for good.
             self.progress = Progress(
-                TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                TextColumn("[bold]train"),
+                BarColumn(),
+                MofNCompleteColumn(),
                 TextColumn("loss {task.fields[loss]}  lr {task.fields[lr]}  {task.fields[tps]} tok/s"),
-                TimeElapsedColumn(), TextColumn("eta {task.fields[eta]}"), console=console, transient=False,
+                TimeElapsedColumn(),
+                TextColumn("eta {task.fields[eta]}"),
+                console=console,
+                transient=False,
             )
-            self.task = self.progress.add_task("train", total=total, completed=start, loss="-", lr="-", tps="-",
-                                               eta="-")
+            self.task = self.progress.add_task(
+                "train", total=total, completed=start, loss="-", lr="-", tps="-", eta="-"
+            )
             self.progress.start()
 
-    def update(self, step: int, *, loss: float | None = None, lr: float | None = None, tps: float | None = None,
-               eta_s: float | None = None, line: str | None = None) -> None:
+    def update(
+        self,
+        step: int,
+        *,
+        loss: float | None = None,
+        lr: float | None = None,
+        tps: float | None = None,
+        eta_s: float | None = None,
+        line: str | None = None,
+    ) -> None:
         if not self.enabled:
             return
         if self.progress is not None:

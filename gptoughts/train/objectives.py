@@ -27,7 +27,9 @@ class CausalLM:
     def __init__(self, loss_fn: LossFn = plain_linear_ce):
         self.loss_fn = loss_fn
 
-    def __call__(self, model: nn.Module, batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(
+        self, model: nn.Module, batch: tuple[torch.Tensor, ...]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = batch[0], batch[1]
         position_ids = batch[2] if len(batch) > 2 else None
         # doc_ids is passed only when present, so families without packed-row support keep their signature.
@@ -119,7 +121,9 @@ class MaskedDiffusion:
         self.cut_multiple = max(1, cut_multiple)
         self.eval_seed = eval_seed
 
-    def __call__(self, model: nn.Module, batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(
+        self, model: nn.Module, batch: tuple[torch.Tensor, ...]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         x = batch[0]
         extras = list(batch[2:])
         prompt_mask = extras.pop() if extras and extras[-1].dtype == torch.bool else None
@@ -132,7 +136,11 @@ class MaskedDiffusion:
         bsz, full_len = x.shape
         gen = None
         if model.training:
-            if prompt_mask is None and self.cut_prob > 0 and float(torch.rand((), device="cpu")) < self.cut_prob:
+            if (
+                prompt_mask is None
+                and self.cut_prob > 0
+                and float(torch.rand((), device="cpu")) < self.cut_prob
+            ):
                 length = int(torch.randint(1, full_len + 1, (), device="cpu"))
                 length = min(full_len, -(-length // self.cut_multiple) * self.cut_multiple)
                 x = x[:, :length]
@@ -154,7 +162,11 @@ class MaskedDiffusion:
         targets = torch.where(masked, x, IGNORE_INDEX)
         hidden = model(noisy, return_hidden=True, **ids)
         loss_sum = weighted_linear_ce(
-            hidden, inner.output_weight, targets, row_weight[:, None].expand(x.shape), chunk_size=self.chunk_size
+            hidden,
+            inner.output_weight,
+            targets,
+            row_weight[:, None].expand(x.shape),
+            chunk_size=self.chunk_size,
         )
         return loss_sum * (trainer_norm / paper_norm), n_tokens
 

@@ -28,8 +28,9 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [g for g in groups if g["params"]]
 
 
-def build_adamw(model: nn.Module, *, lr: float, weight_decay: float, betas: tuple[float, float], eps: float,
-                fused: bool) -> torch.optim.AdamW:
+def build_adamw(
+    model: nn.Module, *, lr: float, weight_decay: float, betas: tuple[float, float], eps: float, fused: bool
+) -> torch.optim.AdamW:
     # The fused CUDA kernel updates all parameters in a few launches instead of one chain of kernels per tensor;
     # foreach (the default elsewhere) batches them at the Python level.
     kwargs = {"fused": True} if fused else {"foreach": True}
@@ -75,9 +76,15 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
         g["lr"] = lr
 
 
-def clip_and_step(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], max_norm: float,
-                  loss_sum: torch.Tensor, *, fused: bool, scaler: object | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+def clip_and_step(
+    optimizer: torch.optim.Optimizer,
+    params: list[torch.Tensor],
+    max_norm: float,
+    loss_sum: torch.Tensor,
+    *,
+    fused: bool,
+    scaler: object | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Clip the gradients to ``max_norm`` (global L2 norm) and step, skipping a non-finite step, with no host sync
     on the fused path. Returns ``(grad_norm before clipping, found_inf)`` as device tensors.
 
@@ -90,7 +97,9 @@ def clip_and_step(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], 
         grads = [p.grad for p in params if p.grad is not None]
         grad_norm = _full(torch.nn.utils.get_total_norm(grads, foreach=True))
         found_inf = (~torch.isfinite(grad_norm) | ~torch.isfinite(loss_sum)).float()
-        optimizer.grad_scale = ((grad_norm + 1e-6) / max_norm).clamp(min=1.0) if math.isfinite(max_norm) else None
+        optimizer.grad_scale = (
+            ((grad_norm + 1e-6) / max_norm).clamp(min=1.0) if math.isfinite(max_norm) else None
+        )
         optimizer.found_inf = found_inf
         optimizer.step()
         return grad_norm, found_inf

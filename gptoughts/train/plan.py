@@ -66,31 +66,49 @@ class RunPlan:
     def format(self) -> str:
         """The plan as the lines a person reads before the run starts."""
         c, b = self.corpus, self.batch
-        lines = [f"[bold]plan[/bold]: {self.model}, {self.params:,} parameters ({self.params_non_embedding:,} "
-                 f"non-embedding" + (f", {self.trainable_params:,} trainable" if self.trainable_params !=
-                                     self.params else "") + f"), vocab {self.vocab_size:,}, block {self.block_size:,}"]
+        lines = [
+            f"[bold]plan[/bold]: {self.model}, {self.params:,} parameters ({self.params_non_embedding:,} "
+            f"non-embedding"
+            + (f", {self.trainable_params:,} trainable" if self.trainable_params != self.params else "")
+            + f"), vocab {self.vocab_size:,}, block {self.block_size:,}"
+        ]
         if "examples" in c:
             lines.append(f"  corpus: {c['summary']}")
         else:
             approx = "≈" if c.get("estimated") else ""
-            read = "all of it" if not c.get("cut") else \
-                f"CUT to {_mb(c['bytes_read'])} of {_mb(c['bytes'])} by data.max_bytes = {c.get('max_bytes'):,}"
-            lines.append(f"  corpus: {c['files']:,} file(s), {_mb(c['bytes'])} on disk, read {read}; "
-                         f"{approx}{c['tokens']:,} train tokens" + (f" + {c['val_tokens']:,} held out"
-                                                                    if c.get("val_tokens") is not None else "")
-                         + (" (estimated: not tokenized yet)" if c.get("estimated") else ""))
-        lines.append(f"  batch: {b['micro_batch']} x {b['block_size']} tokens x accumulation {b['grad_accum']}"
-                     + (f" x {b['world_size']} GPUs" if b["world_size"] > 1 else "")
-                     + f" = {b['tokens_per_step']:,} tokens per step")
+            read = (
+                "all of it"
+                if not c.get("cut")
+                else f"CUT to {_mb(c['bytes_read'])} of {_mb(c['bytes'])} by data.max_bytes = {c.get('max_bytes'):,}"
+            )
+            lines.append(
+                f"  corpus: {c['files']:,} file(s), {_mb(c['bytes'])} on disk, read {read}; "
+                f"{approx}{c['tokens']:,} train tokens"
+                + (f" + {c['val_tokens']:,} held out" if c.get("val_tokens") is not None else "")
+                + (" (estimated: not tokenized yet)" if c.get("estimated") else "")
+            )
+        lines.append(
+            f"  batch: {b['micro_batch']} x {b['block_size']} tokens x accumulation {b['grad_accum']}"
+            + (f" x {b['world_size']} GPUs" if b["world_size"] > 1 else "")
+            + f" = {b['tokens_per_step']:,} tokens per step"
+        )
         ev = f"eval every {b['eval_interval']:,}" if b["eval_interval"] else "eval at the end"
         sv = f"checkpoint every {b['save_interval']:,}" if b["save_interval"] else "checkpoint at the end"
-        lines.append(f"  steps: {b['total_steps']:,} ({b['stop_rule']}) = {b['epochs']:.2f} epoch(s) over the data, "
-                     f"{b['total_steps'] * b['tokens_per_step']:,} tokens; warmup {b['warmup_steps']:,}, {ev}, {sv}")
-        mem = "memory: not estimated" if self.memory_gib is None else \
-            f"memory: ~{_gib(self.memory_gib)} peak" + (f" of {self.device_memory_gib:.0f} GiB"
-                                                        if self.device_memory_gib else "")
-        speed = "time: measured once the run starts" if self.tokens_per_s is None else \
-            f"time: ~{_duration(self.hours)} at ~{_rate(self.tokens_per_s)} tokens/s ({self.speed_basis})"
+        lines.append(
+            f"  steps: {b['total_steps']:,} ({b['stop_rule']}) = {b['epochs']:.2f} epoch(s) over the data, "
+            f"{b['total_steps'] * b['tokens_per_step']:,} tokens; warmup {b['warmup_steps']:,}, {ev}, {sv}"
+        )
+        mem = (
+            "memory: not estimated"
+            if self.memory_gib is None
+            else f"memory: ~{_gib(self.memory_gib)} peak"
+            + (f" of {self.device_memory_gib:.0f} GiB" if self.device_memory_gib else "")
+        )
+        speed = (
+            "time: measured once the run starts"
+            if self.tokens_per_s is None
+            else f"time: ~{_duration(self.hours)} at ~{_rate(self.tokens_per_s)} tokens/s ({self.speed_basis})"
+        )
         lines.append(f"  {mem}; {speed}")
         lines.append(f"  out: {self.out}" + (f" (resuming {self.resume})" if self.resume else ""))
         lines += [f"  [yellow]warning:[/yellow] {w}" for w in self.warnings]
@@ -119,30 +137,62 @@ def _duration(hours: float | None) -> str:
     return f"{hours:.1f} h" + (f" ({hours / 24:.1f} days)" if hours > 48 else "")
 
 
-def make_plan(cfg: Any, *, env: Any, data: Any, model: Any, batch: BatchPlan, run_dir: Path,
-              resume_from: Path | None, resolved: dict[str, Any]) -> RunPlan:
+def make_plan(
+    cfg: Any,
+    *,
+    env: Any,
+    data: Any,
+    model: Any,
+    batch: BatchPlan,
+    run_dir: Path,
+    resume_from: Path | None,
+    resolved: dict[str, Any],
+) -> RunPlan:
     raw = model.raw
     params, params_ne = raw.num_params(), raw.num_params(non_embedding=True)
     trainable = sum(p.numel() for p in raw.parameters() if p.requires_grad) if cfg.lora.enabled else params
-    what = f"{model.family.name}/{cfg.model.size}" if data.init_from is None else \
-        f"{model.family.name} from {data.init_from}" + (" + LoRA" if cfg.lora.enabled else "")
+    what = (
+        f"{model.family.name}/{cfg.model.size}"
+        if data.init_from is None
+        else f"{model.family.name} from {data.init_from}" + (" + LoRA" if cfg.lora.enabled else "")
+    )
     corpus = dict(data.corpus, estimated=data.estimated, max_bytes=cfg.data.max_bytes)
     corpus.pop("per_source", None)
     memory, device_memory = _memory(cfg, env, model, batch)
     tps, basis = _speed(cfg, env, model, batch)
     hours = batch.total_steps * batch.tokens_per_step / tps / 3600 if tps else None
-    warnings = _warnings(cfg, data, model, batch, params, memory, device_memory, on_cpu=env.device.type == "cpu")
-    return RunPlan(model=what, params=params, params_non_embedding=params_ne, trainable_params=trainable,
-                   vocab_size=int(getattr(model.args, "vocab_size", data.vocab_size)), block_size=batch.block_size,
-                   corpus=corpus, batch=asdict(batch), memory_gib=memory, device_memory_gib=device_memory,
-                   tokens_per_s=tps, speed_basis=basis, hours=hours, out=str(run_dir),
-                   resume=str(resume_from) if resume_from else None, resolved=resolved, warnings=warnings)
+    warnings = _warnings(
+        cfg, data, model, batch, params, memory, device_memory, on_cpu=env.device.type == "cpu"
+    )
+    return RunPlan(
+        model=what,
+        params=params,
+        params_non_embedding=params_ne,
+        trainable_params=trainable,
+        vocab_size=int(getattr(model.args, "vocab_size", data.vocab_size)),
+        block_size=batch.block_size,
+        corpus=corpus,
+        batch=asdict(batch),
+        memory_gib=memory,
+        device_memory_gib=device_memory,
+        tokens_per_s=tps,
+        speed_basis=basis,
+        hours=hours,
+        out=str(run_dir),
+        resume=str(resume_from) if resume_from else None,
+        resolved=resolved,
+        warnings=warnings,
+    )
 
 
 def _memory(cfg: Any, env: Any, model: Any, batch: BatchPlan) -> tuple[float | None, float | None]:
     """Peak training memory per device from ``perf/estimate.py`` (native families trained in full)."""
-    if cfg.lora.enabled or not hasattr(model.args, "__dataclass_fields__") or model.pretrained is not None \
-            and model.pretrained.generic:
+    if (
+        cfg.lora.enabled
+        or not hasattr(model.args, "__dataclass_fields__")
+        or model.pretrained is not None
+        and model.pretrained.generic
+    ):
         return None, None
     from gptoughts.perf.estimate import estimate
 
@@ -151,10 +201,19 @@ def _memory(cfg: Any, env: Any, model: Any, batch: BatchPlan) -> tuple[float | N
     residual = "bf16" if env.precision == "bf16" and cfg.perf.residual_dtype != "fp32" else "fp32"
     strategy = "fsdp" if env.dist.sharded else "ddp"
     try:
-        e = estimate(model.family.name, "debug", args, batch_size=batch.micro_batch, block_size=batch.block_size,
-                     activation_checkpointing=cfg.perf.activation_checkpointing,
-                     loss="chunked" if env.device.type == "cuda" else "plain", gpu=gpu, residual_dtype=residual,
-                     num_gpus=batch.world_size, strategy=strategy)
+        e = estimate(
+            model.family.name,
+            "debug",
+            args,
+            batch_size=batch.micro_batch,
+            block_size=batch.block_size,
+            activation_checkpointing=cfg.perf.activation_checkpointing,
+            loss="chunked" if env.device.type == "cuda" else "plain",
+            gpu=gpu,
+            residual_dtype=residual,
+            num_gpus=batch.world_size,
+            strategy=strategy,
+        )
     except Exception:  # noqa: BLE001 - an estimate must never stop a run
         return None, None
     device_mem = (env.hw.memory_bytes or 0) / 2**30 or None  # the GPU's, or on a CPU the machine's RAM
@@ -165,8 +224,9 @@ def _speed(cfg: Any, env: Any, model: Any, batch: BatchPlan) -> tuple[float | No
     return estimate_speed(env, model, batch.block_size, batch.micro_batch, batch.world_size)
 
 
-def estimate_speed(env: Any, model: Any, block_size: int, micro_batch: int, world_size: int
-                   ) -> tuple[float | None, str]:
+def estimate_speed(
+    env: Any, model: Any, block_size: int, micro_batch: int, world_size: int
+) -> tuple[float | None, str]:
     """Tokens/s: on a GPU from its peak and the MFU ``bench`` measured for the size class; on a CPU from the
     timed forward+backward of the thread-count probe (or a matmul probe in a dry run)."""
     probe = getattr(model, "probe_step_s", None)
@@ -197,39 +257,64 @@ def _cpu_matmul_flops() -> float:
     return 8 * 2 * 512**3 / max(time.perf_counter() - t, 1e-6)
 
 
-def _warnings(cfg: Any, data: Any, model: Any, batch: BatchPlan, params: int, memory: float | None,
-              device_memory: float | None, *, on_cpu: bool) -> list[str]:
+def _warnings(
+    cfg: Any,
+    data: Any,
+    model: Any,
+    batch: BatchPlan,
+    params: int,
+    memory: float | None,
+    device_memory: float | None,
+    *,
+    on_cpu: bool,
+) -> list[str]:
     out = []
     tokens = batch.train_tokens
     if batch.epochs > MAX_USEFUL_EPOCHS:
-        out.append(f"{batch.epochs:.1f} epochs over {tokens:,} tokens: beyond ~{MAX_USEFUL_EPOCHS:g} epochs repeated "
-                   "data adds little and the model memorises it; add data or train fewer steps")
+        out.append(
+            f"{batch.epochs:.1f} epochs over {tokens:,} tokens: beyond ~{MAX_USEFUL_EPOCHS:g} epochs repeated "
+            "data adds little and the model memorises it; add data or train fewer steps"
+        )
     if data.init_from is None and tokens < params:
         suggestion = _size_for(model.family, cfg, tokens)
-        out.append(f"the corpus ({tokens:,} tokens) is smaller than the model ({params:,} parameters): compute-"
-                   f"optimal training wants ~{TOKENS_PER_PARAM_OPTIMAL} tokens per parameter"
-                   + (f"; --size {suggestion} suits this corpus better" if suggestion else "; add data"))
+        out.append(
+            f"the corpus ({tokens:,} tokens) is smaller than the model ({params:,} parameters): compute-"
+            f"optimal training wants ~{TOKENS_PER_PARAM_OPTIMAL} tokens per parameter"
+            + (f"; --size {suggestion} suits this corpus better" if suggestion else "; add data")
+        )
     if data.corpus.get("cut"):
-        out.append(f"data.max_bytes = {cfg.data.max_bytes:,} cuts the corpus: "
-                   f"{data.corpus['bytes_read']:,} of {data.corpus['bytes']:,} bytes are read; drop the cap to read it all")
+        out.append(
+            f"data.max_bytes = {cfg.data.max_bytes:,} cuts the corpus: "
+            f"{data.corpus['bytes_read']:,} of {data.corpus['bytes']:,} bytes are read; drop the cap to read it all"
+        )
     short = _short_document_share(data, batch.block_size)
     if short is not None and short > 0.5:
-        out.append(f"{short:.0%} of the documents are shorter than the block ({batch.block_size:,} tokens): they are "
-                   "packed end to end (separated by an end-of-text token), which is fine for pretraining; a shorter "
-                   "--block_size trains faster if long context is not needed")
+        out.append(
+            f"{short:.0%} of the documents are shorter than the block ({batch.block_size:,} tokens): they are "
+            "packed end to end (separated by an end-of-text token), which is fine for pretraining; a shorter "
+            "--block_size trains faster if long context is not needed"
+        )
     if batch.total_steps < 20 and cfg.train.max_steps is None:
-        out.append(f"only {batch.total_steps} optimizer step(s) of {batch.tokens_per_step:,} tokens: too few for the "
-                   "schedule; add data, raise --epochs, or lower --train.global_batch_tokens / --batch_size")
+        out.append(
+            f"only {batch.total_steps} optimizer step(s) of {batch.tokens_per_step:,} tokens: too few for the "
+            "schedule; add data, raise --epochs, or lower --train.global_batch_tokens / --batch_size"
+        )
     if memory is not None and device_memory and memory > 0.95 * device_memory:
         if on_cpu:
-            out.append(f"the estimated peak ({memory:.0f} GiB) exceeds this machine's {device_memory:.0f} GiB of RAM: "
-                       "train a smaller size here, or on a GPU")
+            out.append(
+                f"the estimated peak ({memory:.0f} GiB) exceeds this machine's {device_memory:.0f} GiB of RAM: "
+                "train a smaller size here, or on a GPU"
+            )
         else:
-            out.append(f"the estimated peak ({memory:.0f} GiB) exceeds this GPU's {device_memory:.0f} GiB: use "
-                       "--activation_checkpointing selective|full, --batch_size auto or several GPUs (FSDP)")
+            out.append(
+                f"the estimated peak ({memory:.0f} GiB) exceeds this GPU's {device_memory:.0f} GiB: use "
+                "--activation_checkpointing selective|full, --batch_size auto or several GPUs (FSDP)"
+            )
     if cfg.model.size == "debug" and data.init_from is None and cfg.model.overrides == {}:
-        out.append("model.size = debug is the test size (about a million parameters): name a size with "
-                   "--size (e.g. 125m)")
+        out.append(
+            "model.size = debug is the test size (about a million parameters): name a size with "
+            "--size (e.g. 125m)"
+        )
     return out
 
 

@@ -57,8 +57,10 @@ def compile_rule(perf: PerfConfig, hw: HardwareProfile) -> tuple[bool, str]:
         on = bool(hw.recommended.get("compile")) and hw.arch not in ("cpu", "mps")
         return on, "auto: on for CUDA GPUs" if on else f"auto: off on {hw.arch} (tiny graphs, long compiles)"
     if perf.compile and not hw.compile:
-        raise HardwareError("--compile needs a working torch.compile backend (a C compiler on CPU, Triton on GPU);"
-                            " install one or drop --compile")
+        raise HardwareError(
+            "--compile needs a working torch.compile backend (a C compiler on CPU, Triton on GPU);"
+            " install one or drop --compile"
+        )
     return bool(perf.compile), "asked"
 
 
@@ -88,7 +90,12 @@ def resolve_loss(perf: PerfConfig, device: torch.device) -> str:
     return "chunked" if device.type == "cuda" else "plain"
 
 
-_SDPA = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "math": "MATH"}
+_SDPA = {
+    "flash": "FLASH_ATTENTION",
+    "cudnn": "CUDNN_ATTENTION",
+    "efficient": "EFFICIENT_ATTENTION",
+    "math": "MATH",
+}
 
 
 def sdpa_context(backend: str) -> Callable[[], contextlib.AbstractContextManager]:
@@ -102,13 +109,21 @@ def sdpa_context(backend: str) -> Callable[[], contextlib.AbstractContextManager
 
 def inductor_mode(perf: PerfConfig) -> str | None:
     """torch.compile ``mode`` for the perf switches (None: the default mode)."""
-    return {(False, False): None, (True, False): "reduce-overhead", (False, True): "max-autotune-no-cudagraphs",
-            (True, True): "max-autotune"}[(bool(perf.cuda_graphs), bool(perf.max_autotune))]
+    return {
+        (False, False): None,
+        (True, False): "reduce-overhead",
+        (False, True): "max-autotune-no-cudagraphs",
+        (True, True): "max-autotune",
+    }[(bool(perf.cuda_graphs), bool(perf.max_autotune))]
 
 
 def _residual_to_bf16(module: nn.Module, args: object, out: torch.Tensor) -> torch.Tensor:
     dev = out.device.type
-    if out.is_floating_point() and torch.is_autocast_enabled(dev) and torch.get_autocast_dtype(dev) == torch.bfloat16:
+    if (
+        out.is_floating_point()
+        and torch.is_autocast_enabled(dev)
+        and torch.get_autocast_dtype(dev) == torch.bfloat16
+    ):
         return out.to(torch.bfloat16)
     return out
 
@@ -144,8 +159,15 @@ def _forward_context(perf: PerfConfig) -> Callable[[], contextlib.AbstractContex
     return ctx
 
 
-def apply_transforms(raw: nn.Module, *, perf: PerfConfig, hw: HardwareProfile, device: torch.device,
-                     dist: pdist.DistInfo, precision: str = "fp32") -> Built:
+def apply_transforms(
+    raw: nn.Module,
+    *,
+    perf: PerfConfig,
+    hw: HardwareProfile,
+    device: torch.device,
+    dist: pdist.DistInfo,
+    precision: str = "fp32",
+) -> Built:
     resolved: dict[str, object] = {}
     why: dict[str, str] = {}
     # 0. precision of the residual stream (a hook on the embeddings; model code untouched)
@@ -153,7 +175,9 @@ def apply_transforms(raw: nn.Module, *, perf: PerfConfig, hw: HardwareProfile, d
     why["residual_dtype"] = "asked"
     if residual == "auto":
         residual = str(hw.recommended.get("residual_dtype", "fp32"))
-        why["residual_dtype"] = f"auto: {residual} on {hw.arch} (bf16 where the GPU has it; acts under bf16 only)"
+        why["residual_dtype"] = (
+            f"auto: {residual} on {hw.arch} (bf16 where the GPU has it; acts under bf16 only)"
+        )
     if set_residual_dtype(raw, residual):
         resolved["residual_dtype"] = residual
     # 1. fp8 (before compile, so the compiled graph contains the fp8 casts and can fuse them)
@@ -185,14 +209,18 @@ def apply_transforms(raw: nn.Module, *, perf: PerfConfig, hw: HardwareProfile, d
         else:
             raw.compile(mode=mode)
     elif perf.cuda_graphs or perf.max_autotune:
-        raise ConfigError("perf.cuda_graphs and perf.max_autotune are torch.compile modes: add --compile true "
-                          "(or drop them)")
+        raise ConfigError(
+            "perf.cuda_graphs and perf.max_autotune are torch.compile modes: add --compile true "
+            "(or drop them)"
+        )
     # 5. data parallel: DDP, or FSDP2 (each compiled block sharded in place)
     model = pdist.wrap(model, device, dist, precision)
     if dist.enabled:
         resolved["parallel"] = f"{dist.strategy} x{dist.world_size}"
     resolved["loss"] = resolve_loss(perf, device)
-    why["loss"] = "asked" if perf.loss != "auto" else "auto: chunked on CUDA (no fp32 logits of the whole batch)"
+    why["loss"] = (
+        "asked" if perf.loss != "auto" else "auto: chunked on CUDA (no fp32 logits of the whole batch)"
+    )
     resolved["sdpa_backend"] = perf.sdpa_backend
     return Built(model=model, raw=raw, forward_context=_forward_context(perf), resolved=resolved, why=why)
 
@@ -201,29 +229,50 @@ def make_objective(family: models.Family, built: Built, perf: PerfConfig) -> Cal
     from gptoughts.perf.ce import make_loss
     from gptoughts.train.objectives import build_objective
 
-    loss_fn = make_loss(str(built.resolved["loss"]), compiled=bool(built.resolved["compile"]),
-                        chunk_size=perf.loss_chunk)
+    loss_fn = make_loss(
+        str(built.resolved["loss"]), compiled=bool(built.resolved["compile"]), chunk_size=perf.loss_chunk
+    )
     return build_objective(family.objective, loss_fn)
 
 
-def make_optimizer(model: nn.Module, t: TrainConfig, perf: PerfConfig, device: torch.device) -> torch.optim.Optimizer:
+def make_optimizer(
+    model: nn.Module, t: TrainConfig, perf: PerfConfig, device: torch.device
+) -> torch.optim.Optimizer:
     from gptoughts.train.optim import build_adamw
 
     fused = perf.fused_adamw is True or (perf.fused_adamw == "auto" and device.type == "cuda")
-    return build_adamw(model, lr=t.learning_rate, weight_decay=t.weight_decay, betas=(t.beta1, t.beta2), eps=t.eps,
-                       fused=fused)
+    return build_adamw(
+        model,
+        lr=t.learning_rate,
+        weight_decay=t.weight_decay,
+        betas=(t.beta1, t.beta2),
+        eps=t.eps,
+        fused=fused,
+    )
 
 
-
-def auto_micro_batch(built: Built, objective: Callable, *, vocab_size: int, block_size: int, precision: str,
-                     perf: PerfConfig, t: TrainConfig, device: torch.device, dist: pdist.DistInfo,
-                     parts: dict[str, object], cache_path: str | None = None) -> tuple[int, bool]:
+def auto_micro_batch(
+    built: Built,
+    objective: Callable,
+    *,
+    vocab_size: int,
+    block_size: int,
+    precision: str,
+    perf: PerfConfig,
+    t: TrainConfig,
+    device: torch.device,
+    dist: pdist.DistInfo,
+    parts: dict[str, object],
+    cache_path: str | None = None,
+) -> tuple[int, bool]:
     """The largest micro-batch that fits (see perf/autobatch.py), agreed on by all ranks (their minimum)."""
     from gptoughts.perf.autobatch import BatchCache, find_batch_size
 
     if device.type != "cuda":
         return 8, False
-    model = built.raw  # no DDP: a rank that runs out of memory must not leave the others waiting in a collective
+    model = (
+        built.raw
+    )  # no DDP: a rank that runs out of memory must not leave the others waiting in a collective
     # lr = 0 makes AdamW a no-op on the weights (decoupled decay is lr * wd) while allocating its real state.
     probe = make_optimizer(model, t, perf, device)
     for g in probe.param_groups:
@@ -246,8 +295,9 @@ def auto_micro_batch(built: Built, objective: Callable, *, vocab_size: int, bloc
             probe.zero_grad(set_to_none=True)
 
     try:
-        best, cached = find_batch_size(try_step, device, parts=parts,
-                                       cache=BatchCache(cache_path) if cache_path else None)
+        best, cached = find_batch_size(
+            try_step, device, parts=parts, cache=BatchCache(cache_path) if cache_path else None
+        )
     finally:
         probe.state.clear()  # the real optimizer allocates its own state at the first real step
     if dist.enabled:
@@ -268,8 +318,10 @@ def lora_base_dtype(lora: LoraConfig, precision: str) -> torch.dtype:
     if lora.base_dtype == "auto":
         return torch.bfloat16 if precision == "bf16" else torch.float32
     if lora.base_dtype != "fp32" and lora.base_dtype != precision:
-        raise ConfigError(f"lora.base_dtype = {lora.base_dtype} needs --precision {lora.base_dtype} (the adapters "
-                          "compute in that dtype under autocast); or use lora.base_dtype = auto")
+        raise ConfigError(
+            f"lora.base_dtype = {lora.base_dtype} needs --precision {lora.base_dtype} (the adapters "
+            "compute in that dtype under autocast); or use lora.base_dtype = auto"
+        )
     return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[lora.base_dtype]
 
 
@@ -290,13 +342,15 @@ def default_lora_targets(model: nn.Module) -> list[str]:
 
 def check_qlora(device: torch.device) -> None:
     if device.type != "cuda":
-        raise HardwareError("QLoRA (4-bit) needs a CUDA GPU and bitsandbytes; run LoRA without --lora.quantize "
-                            "or on a GPU")
+        raise HardwareError(
+            "QLoRA (4-bit) needs a CUDA GPU and bitsandbytes; run LoRA without --lora.quantize or on a GPU"
+        )
     try:
         import bitsandbytes  # noqa: F401
     except ImportError:
-        raise HardwareError("QLoRA (4-bit) needs bitsandbytes: pip install bitsandbytes (or drop "
-                            "--lora.quantize)") from None
+        raise HardwareError(
+            "QLoRA (4-bit) needs bitsandbytes: pip install bitsandbytes (or drop --lora.quantize)"
+        ) from None
 
 
 def quantize_base_4bit(model: nn.Module, compute_dtype: torch.dtype) -> int:
@@ -310,8 +364,13 @@ def quantize_base_4bit(model: nn.Module, compute_dtype: torch.dtype) -> int:
         for name, child in list(module.named_children()):
             if not isinstance(child, nn.Linear):
                 continue
-            q = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
-                                  compute_dtype=compute_dtype, quant_type="nf4")
+            q = bnb.nn.Linear4bit(
+                child.in_features,
+                child.out_features,
+                bias=child.bias is not None,
+                compute_dtype=compute_dtype,
+                quant_type="nf4",
+            )
             q.weight = bnb.nn.Params4bit(child.weight.data.to("cpu"), requires_grad=False, quant_type="nf4")
             if child.bias is not None:
                 q.bias = nn.Parameter(child.bias.data.to("cpu"), requires_grad=False)
@@ -320,8 +379,9 @@ def quantize_base_4bit(model: nn.Module, compute_dtype: torch.dtype) -> int:
     return n
 
 
-def apply_lora(model: nn.Module, lora: LoraConfig, *, device: torch.device,
-               compute_dtype: torch.dtype = torch.bfloat16) -> nn.Module:
+def apply_lora(
+    model: nn.Module, lora: LoraConfig, *, device: torch.device, compute_dtype: torch.dtype = torch.bfloat16
+) -> nn.Module:
     """Wrap ``model`` with PEFT LoRA adapters (base frozen). The result still obeys the model protocol: PEFT
     forwards attribute reads (``layers``, ``output_weight``, ``args``...) to the wrapped model."""
     import peft
@@ -330,9 +390,12 @@ def apply_lora(model: nn.Module, lora: LoraConfig, *, device: torch.device,
         check_qlora(device)
         quantize_base_4bit(model, compute_dtype)
     targets = list(lora.target_modules) or default_lora_targets(model)
-    config = peft.LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets,
-                             bias="none")
-    if lora.merged_forward and lora.quantize == "none":  # (a 4-bit layer is an nn.Linear too: PEFT's bnb layer)
+    config = peft.LoraConfig(
+        r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets, bias="none"
+    )
+    if (
+        lora.merged_forward and lora.quantize == "none"
+    ):  # (a 4-bit layer is an nn.Linear too: PEFT's bnb layer)
         from gptoughts.perf.lora import MergedLoraLinear
 
         config._register_custom_module({nn.Linear: MergedLoraLinear})
@@ -342,8 +405,10 @@ def apply_lora(model: nn.Module, lora: LoraConfig, *, device: torch.device,
         if "target" not in str(e).lower():
             raise
         names = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
-        raise ConfigError(f"lora.target_modules {lora.target_modules} match no layer; the linear layers are "
-                          f"named {', '.join(names)}") from None
+        raise ConfigError(
+            f"lora.target_modules {lora.target_modules} match no layer; the linear layers are "
+            f"named {', '.join(names)}"
+        ) from None
 
 
 class TrainableWeights(nn.Module):
@@ -365,13 +430,19 @@ class TrainableWeights(nn.Module):
     def state_dict(self, *args: object, **kwargs: object) -> dict[str, torch.Tensor]:  # type: ignore[override]
         return {n: p.detach() for n, p in self.__dict__["_params"].items()}
 
-    def load_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True,  # type: ignore[override]
-                        assign: bool = False) -> nn.modules.module._IncompatibleKeys:
+    def load_state_dict(
+        self,
+        state_dict: dict[str, torch.Tensor],
+        strict: bool = True,  # type: ignore[override]
+        assign: bool = False,
+    ) -> nn.modules.module._IncompatibleKeys:
         params = self.__dict__["_params"]
         missing = [n for n in params if n not in state_dict]
         unexpected = [n for n in state_dict if n not in params]
         if strict and (missing or unexpected):
-            raise RuntimeError(f"trainable weights mismatch: missing {missing[:4]}, unexpected {unexpected[:4]}")
+            raise RuntimeError(
+                f"trainable weights mismatch: missing {missing[:4]}, unexpected {unexpected[:4]}"
+            )
         with torch.no_grad():
             for n, p in params.items():
                 if n in state_dict:

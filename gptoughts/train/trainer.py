@@ -188,7 +188,9 @@ class Trainer:
         self.forward_context = forward_context
         # MFU of a logged window = its tokens/s x this (FLOPs per token / the GPUs' total bf16 peak); None off CUDA
         self.mfu_per_token_s = mfu_per_token_s
-        self.plots = plots  # plots.PlotWriter: redraws RUN/plots/ after each evaluation, off the training thread
+        self.plots = (
+            plots  # plots.PlotWriter: redraws RUN/plots/ after each evaluation, off the training thread
+        )
         self.stop_signal: int | None = None
         self._phase: str | None = None
         # Pretraining batches have no ignored targets: the token count of a step is known without looking at the
@@ -255,7 +257,9 @@ class Trainer:
         return self._run_step(micro)
 
     def _run_step(self, micro: list[Batch]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if self._gate_armed:  # keep what a re-run of this step needs (references and a 5 KB RNG copy: no sync)
+        if (
+            self._gate_armed
+        ):  # keep what a re-run of this step needs (references and a 5 KB RNG copy: no sync)
             self._last_micro, self._last_rng = micro, self._rng_state()
         else:
             self._last_micro = self._last_rng = None
@@ -271,22 +275,28 @@ class Trainer:
                 self.timer.start()  # drop the failed step's partial marks
                 free_memory(self.device)
                 self.split *= 2
-                self.log_line(f"step {self.state.step}: out of memory; micro-batch halved to {rows // self.split} "
-                              f"rows, accumulation doubled (same data, same global batch)")
+                self.log_line(
+                    f"step {self.state.step}: out of memory; micro-batch halved to {rows // self.split} "
+                    f"rows, accumulation doubled (same data, same global batch)"
+                )
 
     def _step_on(self, loaded: list[Batch]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         timer = self.timer
         # After an OOM back-off each loaded batch runs as `split` smaller micro-batches.
-        micro = [piece for b in loaded for piece in zip(*(t.chunk(self.split) for t in b))] if self.split > 1 \
+        micro = (
+            [piece for b in loaded for piece in zip(*(t.chunk(self.split) for t in b))]
+            if self.split > 1
             else loaded
+        )
         accum = len(micro)
         if self.static_token_count:
             # torch.full, not torch.tensor(host number, device=cuda): the latter is a pageable host-to-device copy
             # that waits for the GPU to drain the previous step, so the GPU idled while the host queued the next
             # one (1b b8 step 214.0 ms before, 210.6 ms after; 125m b128 +1.9% tokens/s; measured in two runs on
             # the same H200 kind, not side by side: bench/BENCHMARKS.md, 2026-11-22).
-            n_total = torch.full((), float(sum(b[1].numel() for b in micro) * self.dist.world_size),
-                                 device=self.device)
+            n_total = torch.full(
+                (), float(sum(b[1].numel() for b in micro) * self.dist.world_size), device=self.device
+            )
         else:
             n_total = sum((b[1] != -100).sum() for b in micro).float()
             n_total = pdist.all_reduce_sum(n_total, self.dist)
@@ -315,8 +325,9 @@ class Trainer:
         lr = self.schedule.lr_at(self.state.step) * self.state.lr_scale
         set_lr(self.optimizer, lr)
         max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
-        grad_norm, found_inf = clip_and_step(self.optimizer, self.params, max_norm, gate_loss, fused=self.fused,
-                                             scaler=self.scaler)
+        grad_norm, found_inf = clip_and_step(
+            self.optimizer, self.params, max_norm, gate_loss, fused=self.fused, scaler=self.scaler
+        )
         self.optimizer.zero_grad(set_to_none=True)
         if self._after_step is not None:
             with torch.no_grad():
@@ -331,13 +342,23 @@ class Trainer:
 
     def _record(self, loss_sum: torch.Tensor, n_tokens: torch.Tensor, found_inf: torch.Tensor) -> _StepRecord:
         """The step just run (``state.step + 1``), kept for the next flush."""
-        return _StepRecord(self.state.step + 1, loss_sum, n_tokens, self._last_grad_norm, found_inf,
-                           self._last_hold, self._last_micro, self._last_rng)
+        return _StepRecord(
+            self.state.step + 1,
+            loss_sum,
+            n_tokens,
+            self._last_grad_norm,
+            found_inf,
+            self._last_hold,
+            self._last_micro,
+            self._last_rng,
+        )
 
     def _rng_state(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         # Host copies: the CUDA generator's state is its seed and offset, kept on the host (no sync).
-        return (torch.get_rng_state(),
-                torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None)
+        return (
+            torch.get_rng_state(),
+            torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None,
+        )
 
     def _set_rng_state(self, rng: tuple[torch.Tensor, torch.Tensor | None] | None) -> None:
         if rng is None:
@@ -434,8 +455,10 @@ class Trainer:
         problem = self._checkpoint_problem()
         if problem is not None:
             good = self._last_good(self.state.step + 1)
-            self.log_line(f"step {self.state.step}: checkpoint not written ({problem}); "
-                          + (f"the last good one is {good}" if good is not None else "no good one was written yet"))
+            self.log_line(
+                f"step {self.state.step}: checkpoint not written ({problem}); "
+                + (f"the last good one is {good}" if good is not None else "no good one was written yet")
+            )
             return False
         weights: nn.Module | dict[str, torch.Tensor] = self.weights_module()
         if self.dist.sharded:  # gather the full tensors to rank 0 (every rank takes part)
@@ -443,10 +466,22 @@ class Trainer:
         state = self.state_dict()
         st = self.state
         if self.dist.is_main:
-            meta = {"tokens_seen": st.tokens_seen, "data_steps_skipped": st.data_steps_skipped,
-                    "rollbacks": st.rollbacks, "lr_scale": st.lr_scale}
-            ckpt.save(self.ckpt_dir, st.step, weights, state, val_loss=val_loss, keep_last=self.ck.keep_last,
-                      is_best=is_best, meta=meta)
+            meta = {
+                "tokens_seen": st.tokens_seen,
+                "data_steps_skipped": st.data_steps_skipped,
+                "rollbacks": st.rollbacks,
+                "lr_scale": st.lr_scale,
+            }
+            ckpt.save(
+                self.ckpt_dir,
+                st.step,
+                weights,
+                state,
+                val_loss=val_loss,
+                keep_last=self.ck.keep_last,
+                is_best=is_best,
+                meta=meta,
+            )
         pdist.barrier(self.dist)
         return True
 
@@ -463,8 +498,10 @@ class Trainer:
 
     def _diverged(self, what: str, before: int) -> UserError:
         st = self.state
-        return UserError(f"training diverged at step {st.step} ({what}, {st.rollbacks} rollback"
-                         f"{'' if st.rollbacks == 1 else 's'}); {self._last_good_text(before)}")
+        return UserError(
+            f"training diverged at step {st.step} ({what}, {st.rollbacks} rollback"
+            f"{'' if st.rollbacks == 1 else 's'}); {self._last_good_text(before)}"
+        )
 
     def rollback(self, reason: str, bad_from: int) -> str:
         """Reload the newest good checkpoint of a step < ``bad_from`` (weights, optimizer, RNG, step), keep the
@@ -472,16 +509,21 @@ class Trainer:
         re-save that checkpoint with the new state. Raises the divergence error when no rollback is left."""
         cfg, old = self.cfg, self.state
         if old.rollbacks >= self.rc.max_rollbacks:
-            raise self._diverged(f"{reason}; recovery.max_rollbacks = {self.rc.max_rollbacks} reached", bad_from)
+            raise self._diverged(
+                f"{reason}; recovery.max_rollbacks = {self.rc.max_rollbacks} reached", bad_from
+            )
         path = self._last_good(bad_from) if self.ck.checkpoints else None
         if path is None:
             raise self._diverged(reason, bad_from)
         ckpt.load_weights(self.weights_module(), path, sharded=self.dist.sharded)
         if not self.weights_finite():  # checkpoints written before this check existed
-            raise UserError(f"cannot roll back at step {old.step}: {path} holds non-finite weights; resume from an "
-                            f"earlier checkpoint with a lower --learning_rate")
-        self.load_state_dict(ckpt.load_state(path, "cpu" if self.dist.sharded else self.device),
-                             restore_loader=False)
+            raise UserError(
+                f"cannot roll back at step {old.step}: {path} holds non-finite weights; resume from an "
+                f"earlier checkpoint with a lower --learning_rate"
+            )
+        self.load_state_dict(
+            ckpt.load_state(path, "cpu" if self.dist.sharded else self.device), restore_loader=False
+        )
         new = self.state
         skipped = old.step - new.step
         new.lr_scale = old.lr_scale * self.rc.rollback_lr_factor
@@ -492,14 +534,26 @@ class Trainer:
         self._pending = []
         self._arm_spike_gate()
         batches = skipped * cfg.grad_accum
-        self.log_line(f"step {old.step}: {reason}; rolled back to {path.name}, skipping the {batches} batch"
-                      f"{'' if batches == 1 else 'es'} of steps {new.step + 1}-{old.step}, learning rate "
-                      f"x{new.lr_scale:g} (rollback {new.rollbacks} of at most {self.rc.max_rollbacks})")
+        self.log_line(
+            f"step {old.step}: {reason}; rolled back to {path.name}, skipping the {batches} batch"
+            f"{'' if batches == 1 else 'es'} of steps {new.step + 1}-{old.step}, learning rate "
+            f"x{new.lr_scale:g} (rollback {new.rollbacks} of at most {self.rc.max_rollbacks})"
+        )
         if self.dist.is_main:
-            self.metrics.log(new.step, {"event": "rollback", "reason": reason, "from_step": old.step,
-                                        "to_step": new.step, "checkpoint": path.name, "skipped_steps": skipped,
-                                        "skipped_batches": batches, "lr_scale": new.lr_scale,
-                                        "rollbacks": new.rollbacks})
+            self.metrics.log(
+                new.step,
+                {
+                    "event": "rollback",
+                    "reason": reason,
+                    "from_step": old.step,
+                    "to_step": new.step,
+                    "checkpoint": path.name,
+                    "skipped_steps": skipped,
+                    "skipped_batches": batches,
+                    "lr_scale": new.lr_scale,
+                    "rollbacks": new.rollbacks,
+                },
+            )
         # Record the decision where a resume finds it: the checkpoint returned to, now with the loader past the
         # bad batches, the cut learning rate and the rollback count (an atomic replace; see checkpoint.py).
         meta = ckpt.read_meta(path) if self.dist.is_main else {}
@@ -529,8 +583,9 @@ class Trainer:
     def fit(self) -> TrainState:
         cfg = self.cfg
         self.model.train()
-        self.progress = ProgressBar(self.total_steps, self.state.step,
-                                    enabled=self.dist.is_main and self.run.progress)
+        self.progress = ProgressBar(
+            self.total_steps, self.state.step, enabled=self.dist.is_main and self.run.progress
+        )
         old_handlers = {}
         try:
             for sig in (signal.SIGINT, signal.SIGTERM):
@@ -556,7 +611,9 @@ class Trainer:
                 at_end = step >= self.total_steps
                 log_due = step % cfg.log_interval == 0 or at_end
                 eval_due = bool(self.ev.eval_interval and step % self.ev.eval_interval == 0) or at_end
-                sample_due = bool(self.sample_fn is not None and sample_every and (step % sample_every == 0 or at_end))
+                sample_due = bool(
+                    self.sample_fn is not None and sample_every and (step % sample_every == 0 or at_end)
+                )
                 save_due = bool(self.ck.save_interval and step % self.ck.save_interval == 0) or at_end
                 # Alone, a signal stops at the next step; with several ranks only where they agree (log steps),
                 # or one rank would save (a collective under FSDP) while the others start the next step.
@@ -573,8 +630,10 @@ class Trainer:
                 val_loss, improved = None, False
                 if eval_due:
                     val_loss, improved = self._eval_and_track()
-                    if self.ev.early_stopping_patience is not None and \
-                            self.state.evals_without_improvement >= self.ev.early_stopping_patience:
+                    if (
+                        self.ev.early_stopping_patience is not None
+                        and self.state.evals_without_improvement >= self.ev.early_stopping_patience
+                    ):
                         stop, stop_reason = True, "early stopping"
                 if sample_due:
                     self._sample()
@@ -603,8 +662,11 @@ class Trainer:
     def _read(self, recs: list[_StepRecord]) -> list[list[float]]:
         """The records' values as floats: one stack, one all-reduce of the loss column, one transfer."""
         zero = torch.zeros((), device=self.device)
-        flat = [t.float() for r in recs
-                for t in (r.loss_sum, r.n_tokens, r.grad_norm, r.found_inf, zero if r.hold is None else r.hold)]
+        flat = [
+            t.float()
+            for r in recs
+            for t in (r.loss_sum, r.n_tokens, r.grad_norm, r.found_inf, zero if r.hold is None else r.hold)
+        ]
         table = torch.stack(flat).view(len(recs), 5)
         if self.dist.enabled:  # each rank summed its own rows' loss; the counts and flags are global already
             col = table[:, _LOSS].contiguous()
@@ -646,8 +708,10 @@ class Trainer:
 
         if nonfinite:
             if self.policy == "stop":
-                raise UserError(f"non-finite loss or gradient at step {nonfinite[0]} (recovery.nan_policy = stop); "
-                                f"{self._last_good_text(nonfinite[0])}")
+                raise UserError(
+                    f"non-finite loss or gradient at step {nonfinite[0]} (recovery.nan_policy = stop); "
+                    f"{self._last_good_text(nonfinite[0])}"
+                )
             self.log_line(f"step {st.step}: {len(nonfinite)} step(s) skipped (non-finite loss or gradient)")
         if st.bad_steps >= self.rc.max_bad_steps:
             what = f"{st.bad_steps} consecutive non-finite steps"
@@ -656,13 +720,21 @@ class Trainer:
             return self.rollback(what, self._streak_start)
 
         thr = self._spike_thr
-        self._update_loss_stats([v[_LOSS] / max(v[_TOKENS], 1.0) for v in good]
-                                + [thr for drop in dropped if drop and thr is not None])
+        self._update_loss_stats(
+            [v[_LOSS] / max(v[_TOKENS], 1.0) for v in good]
+            + [thr for drop in dropped if drop and thr is not None]
+        )
         self._arm_spike_gate()
         return None
 
-    def _log_window(self, recs: list[_StepRecord], vals: list[list[float]], good: list[list[float]], bad: int,
-                    dropped: int) -> None:
+    def _log_window(
+        self,
+        recs: list[_StepRecord],
+        vals: list[list[float]],
+        good: list[list[float]],
+        bad: int,
+        dropped: int,
+    ) -> None:
         st = self.state
         n_steps = len(recs)
         n_tokens = sum(v[_TOKENS] for v in good)
@@ -670,8 +742,15 @@ class Trainer:
         elapsed = time.perf_counter() - self._window_t0
         self._window_t0 = time.perf_counter()
         tps = n_steps * self.tokens_per_step / max(elapsed, 1e-9)
-        row = {"loss": loss, "lr": self._last_lr, "tokens_per_s": tps, "grad_norm": vals[-1][_NORM],
-               "tokens": st.tokens_seen, "epoch": getattr(self.loader, "epoch", None), "skipped_steps": bad}
+        row = {
+            "loss": loss,
+            "lr": self._last_lr,
+            "tokens_per_s": tps,
+            "grad_norm": vals[-1][_NORM],
+            "tokens": st.tokens_seen,
+            "epoch": getattr(self.loader, "epoch", None),
+            "skipped_steps": bad,
+        }
         if dropped:
             row["dropped_spikes"] = dropped
         phase = getattr(self.loader, "phase_name", None)
@@ -679,7 +758,9 @@ class Trainer:
             row["phase"] = phase
             if phase != self._phase:
                 if self._phase is not None:  # the curriculum moved on: say so, once
-                    self.log_line(f"step {st.step}: curriculum phase '{phase}' begins (after '{self._phase}')")
+                    self.log_line(
+                        f"step {st.step}: curriculum phase '{phase}' begins (after '{self._phase}')"
+                    )
                 self._phase = phase
         if self.mfu_per_token_s:
             row["mfu"] = tps * self.mfu_per_token_s
@@ -692,15 +773,23 @@ class Trainer:
         row.update(breakdown)
         row.update(gpu)
         self._logs += 1
-        if self.dist.is_main and (self._logs in (3, 30) or self._logs % 300 == 0):  # after warm-up, then rarely
+        if self.dist.is_main and (
+            self._logs in (3, 30) or self._logs % 300 == 0
+        ):  # after warm-up, then rarely
             for tip in advice(breakdown, gpu):
                 self.log_line(f"[yellow]hint:[/yellow] {tip}")
         if self.dist.is_main:
             self.metrics.log(st.step, {k: v for k, v in row.items() if v is not None})
             eta = (self.total_steps - st.step) * self.tokens_per_step / tps if tps > 0 else None
-            self.progress.update(st.step, loss=loss, lr=self._last_lr, tps=tps, eta_s=eta,
-                                 line=f"step {st.step}/{self.total_steps} loss {loss:.4f} lr {self._last_lr:.2e} "
-                                      f"{tps:,.0f} tok/s" + (f" eta {format_eta(eta)}" if eta is not None else ""))
+            self.progress.update(
+                st.step,
+                loss=loss,
+                lr=self._last_lr,
+                tps=tps,
+                eta_s=eta,
+                line=f"step {st.step}/{self.total_steps} loss {loss:.4f} lr {self._last_lr:.2e} "
+                f"{tps:,.0f} tok/s" + (f" eta {format_eta(eta)}" if eta is not None else ""),
+            )
 
     # -------------------------------------------------------------------------------------------- spikes
     def _arm_spike_gate(self) -> None:
@@ -739,7 +828,9 @@ class Trainer:
         st.step += 1
         return new
 
-    def _rerun_held(self, recs: list[_StepRecord], vals: list[list[float]], dropped: list[bool]) -> str | None:
+    def _rerun_held(
+        self, recs: list[_StepRecord], vals: list[list[float]], dropped: list[bool]
+    ) -> str | None:
         """Re-run each held spike once from its pre-step state, classify it, apply the policy, then run the
         window's later steps (held only because the flag is sticky) from their kept batches. Edits the lists."""
         st = self.state
@@ -763,16 +854,18 @@ class Trainer:
                 action = {"skip": "step dropped", "rollback": "rolling back", "stop": "stopping"}[self.policy]
                 self._report_spike(rec.step, "reproducible", spike, rerun, action)
                 if self.policy == "stop":
-                    raise UserError(f"reproducible loss spike at step {rec.step} (loss {rerun:.4g}, threshold "
-                                    f"{thr:.4g}; train.nan_policy = stop); {self._last_good_text(rec.step)}")
+                    raise UserError(
+                        f"reproducible loss spike at step {rec.step} (loss {rerun:.4g}, threshold "
+                        f"{thr:.4g}; train.nan_policy = stop); {self._last_good_text(rec.step)}"
+                    )
                 if self.policy == "rollback":
                     st.step, st.tokens_seen = end_step, end_tokens  # the loader is at the window's end
                     return self.rollback(f"reproducible loss spike at step {rec.step}", rec.step)
             self._hold = torch.zeros((), dtype=torch.bool, device=self.device)
-            later = [self._replay(r) for r in recs[i + 1:]]
+            later = [self._replay(r) for r in recs[i + 1 :]]
             if later:
-                recs[i + 1:] = later
-                vals[i + 1:] = self._read(later)
+                recs[i + 1 :] = later
+                vals[i + 1 :] = self._read(later)
             nxt = [k for k in range(i + 1, len(vals)) if vals[k][_HOLD]]
             if not nxt:
                 break
@@ -785,12 +878,19 @@ class Trainer:
         if kind == "unchecked":
             text = f"step {step}: loss spike {loss:.4g} (threshold {thr:.4g}); not re-run (several processes or fp16)"
         else:
-            text = (f"step {step}: loss spike {loss:.4g} (threshold {thr:.4g}); the re-run on the same batch gives "
-                    f"{rerun:.4g}: {'transient' if kind == 'transient' else 'reproducible spike'}, {action}")
+            text = (
+                f"step {step}: loss spike {loss:.4g} (threshold {thr:.4g}); the re-run on the same batch gives "
+                f"{rerun:.4g}: {'transient' if kind == 'transient' else 'reproducible spike'}, {action}"
+            )
         self.log_line(text)
         if self.dist.is_main:
-            row: dict[str, Any] = {"event": "spike", "kind": kind, "spike_loss": loss, "threshold": thr,
-                                   "action": action}
+            row: dict[str, Any] = {
+                "event": "spike",
+                "kind": kind,
+                "spike_loss": loss,
+                "threshold": thr,
+                "action": action,
+            }
             if rerun is not None:
                 row["rerun_loss"] = rerun
             self.metrics.log(step, row)
@@ -808,8 +908,10 @@ class Trainer:
         st.history.append({"step": st.step, "val_loss": val_loss, "val_ppl": ppl})
         if self.dist.is_main:
             self.metrics.log(st.step, {"val_loss": val_loss, "val_ppl": ppl})
-            self.log_line(f"step {st.step}: val loss {val_loss:.4f}, perplexity {ppl:.2f}"
-                          + (" (best)" if improved else ""))
+            self.log_line(
+                f"step {st.step}: val loss {val_loss:.4f}, perplexity {ppl:.2f}"
+                + (" (best)" if improved else "")
+            )
             if self.plots is not None:
                 self.plots.request()
         return val_loss, improved
@@ -867,10 +969,12 @@ class _Profiler:
         path = self.out_dir / f"trace_rank{self.rank}_steps{self.start}-{self.end}.pt.trace.json"
         self.prof.export_chrome_trace(str(path))
         summary = summarize_profile(self.prof, self.end - self.start + 1)
-        if summary:  # CUDA runs: where the GPU time went, by kernel category, and its idle gaps, next to the trace
+        if (
+            summary
+        ):  # CUDA runs: where the GPU time went, by kernel category, and its idle gaps, next to the trace
             (self.out_dir / f"kernels_rank{self.rank}_steps{self.start}-{self.end}.json").write_text(
-                json.dumps(summary, indent=2))
+                json.dumps(summary, indent=2)
+            )
             log.info("profile steps %d-%d: %s", self.start, self.end, "; ".join(format_profile(summary)))
         log.info("profiler trace written to %s (open in Perfetto or TensorBoard)", path)
         self.prof = None
-

@@ -13,15 +13,23 @@ from gptoughts.data.sft import IGNORE_INDEX, SFTData, SFTLoader, render_prompt, 
 from gptoughts.data.tokenizer import EOS_TOKEN, MASK_TOKEN, PAD_TOKEN, Tokenizer, _bytes_backend
 from gptoughts.errors import ConfigError, DataError
 
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 def _tok(template: str | None = None) -> Tokenizer:
     backend = _bytes_backend()
     backend.add_special_tokens(["<|im_start|>", "<|im_end|>"])
-    return Tokenizer(backend, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN, mask_token=MASK_TOKEN,
-                     chat_template=template, spec="test")
+    return Tokenizer(
+        backend,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        mask_token=MASK_TOKEN,
+        chat_template=template,
+        spec="test",
+    )
 
 
 def _write(path: Path, records: list) -> Path:
@@ -31,8 +39,13 @@ def _write(path: Path, records: list) -> Path:
 
 def _pairs(n: int, seed: int = 0) -> list[dict]:
     rng = np.random.default_rng(seed)
-    return [{"prompt": "q" * int(rng.integers(1, 12)) + f" {i}?", "response": "a" * int(rng.integers(1, 10)) + "."}
-            for i in range(n)]
+    return [
+        {
+            "prompt": "q" * int(rng.integers(1, 12)) + f" {i}?",
+            "response": "a" * int(rng.integers(1, 10)) + ".",
+        }
+        for i in range(n)
+    ]
 
 
 def _targets(data: SFTData, e: int) -> tuple[list[int], list[int]]:
@@ -42,15 +55,26 @@ def _targets(data: SFTData, e: int) -> tuple[list[int], list[int]]:
 
 @pytest.mark.parametrize("template", [None, CHATML])
 def test_loss_only_on_response_tokens(tmp_path, template):
-    src = _write(tmp_path / "d.jsonl", [
-        {"prompt": "What is two plus two?", "response": "Four."},
-        {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
-                      {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye"},
-                      {"role": "assistant", "content": "Ciao."}]},
-    ])
+    src = _write(
+        tmp_path / "d.jsonl",
+        [
+            {"prompt": "What is two plus two?", "response": "Four."},
+            {
+                "messages": [
+                    {"role": "system", "content": "Be brief."},
+                    {"role": "user", "content": "Hi"},
+                    {"role": "assistant", "content": "Hello."},
+                    {"role": "user", "content": "Bye"},
+                    {"role": "assistant", "content": "Ciao."},
+                ]
+            },
+        ],
+    )
     tok = _tok(template)
     data = SFTData([str(src)], tok, block_size=256)
-    end = "<|im_end|>\n" if template else EOS_TOKEN  # ChatML ends a turn with <|im_end|>; the default with eos
+    end = (
+        "<|im_end|>\n" if template else EOS_TOKEN
+    )  # ChatML ends a turn with <|im_end|>; the default with eos
     ids, tgt = _targets(data, 0)
     assert tok.decode(tgt) == "Four." + end
     full = tok.decode(ids)
@@ -61,7 +85,7 @@ def test_loss_only_on_response_tokens(tmp_path, template):
         assert full.startswith("<|user|>\nWhat is two plus two?\n<|assistant|>\nFour.")
     # the prompt a sampler feeds is exactly the context before the answer
     prompt = render_prompt(tok, [{"role": "user", "content": "What is two plus two?"}])
-    assert ids[: len(prompt)] == prompt and tok.decode(ids[len(prompt):]) == "Four." + end
+    assert ids[: len(prompt)] == prompt and tok.decode(ids[len(prompt) :]) == "Four." + end
 
 
 def test_bad_records_name_the_line(tmp_path):
@@ -90,11 +114,14 @@ def test_format_detection(tmp_path):
 
 
 def test_truncation_policy_is_counted(tmp_path):
-    src = _write(tmp_path / "d.jsonl", [
-        {"prompt": "short", "response": "ok"},
-        {"prompt": "p", "response": "r" * 100},  # too long, but the cut keeps response tokens
-        {"prompt": "p" * 100, "response": "r"},  # too long, and the cut removes the whole response
-    ])
+    src = _write(
+        tmp_path / "d.jsonl",
+        [
+            {"prompt": "short", "response": "ok"},
+            {"prompt": "p", "response": "r" * 100},  # too long, but the cut keeps response tokens
+            {"prompt": "p" * 100, "response": "r"},  # too long, and the cut removes the whole response
+        ],
+    )
     right = SFTData([str(src)], _tok(), block_size=32, truncation="right")
     assert right.stats["truncated"] == 2 and right.stats["dropped_no_target"] == 1
     assert len(right.pairs) == 2 and right.pairs.max() == 32
@@ -156,7 +183,9 @@ def test_loader_resume_epochs_and_ranks(tmp_path):
     assert not torch.equal(next(other)[0], stream[0][0])
     evals = list(data.eval_batches(batch_size=2, max_batches=None))
     assert evals and all(len(b) == 4 for b in evals)
-    assert all(torch.equal(p, q) for p, q in zip(evals[0], next(data.eval_batches(batch_size=2, max_batches=1))))
+    assert all(
+        torch.equal(p, q) for p, q in zip(evals[0], next(data.eval_batches(batch_size=2, max_batches=1)))
+    )
 
 
 def test_byte_order_mark_and_invalid_utf8_in_sft_jsonl(tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ from hf_helpers import FT_FAST, save_hf_model
 @pytest.fixture
 def hf_model(tmp_path: Path) -> Callable[..., Path]:
     """``hf_model(kind, **config_overrides)`` -> a folder with config.json, safetensors and tokenizer files."""
+
     def make(kind: str = "llama", name: str | None = None, **kw) -> Path:
         return save_hf_model(tmp_path / (name or f"hf-{kind}"), kind, **kw)
 
@@ -28,7 +29,6 @@ def ft_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     d = tmp_path / "cache"
     monkeypatch.setenv("GPTOUGHTS_CACHE", str(d))
     return d
-
 
 
 @pytest.fixture(autouse=True)

@@ -45,8 +45,14 @@ def make_tokenizer(chat_template: str | None = CHATML):
 
     backend = _bytes_backend()
     backend.add_special_tokens(["<|im_start|>", "<|im_end|>"])
-    return Tokenizer(backend, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN, mask_token=MASK_TOKEN,
-                     chat_template=chat_template, spec="test")
+    return Tokenizer(
+        backend,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        mask_token=MASK_TOKEN,
+        chat_template=chat_template,
+        spec="test",
+    )
 
 
 def _rope_kwargs(cls, theta: float) -> dict:
@@ -56,9 +62,20 @@ def _rope_kwargs(cls, theta: float) -> dict:
 
 
 def hf_config(kind: str, **kw):
-    common = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                  intermediate_size=128, vocab_size=320, max_position_embeddings=256, rms_norm_eps=1e-5,
-                  tie_word_embeddings=False, bos_token_id=None, eos_token_id=0, pad_token_id=1)
+    common = dict(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=320,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=0,
+        pad_token_id=1,
+    )
     common.update(kw)
     if kind == "llama":
         cls = transformers.LlamaConfig
@@ -90,9 +107,13 @@ def randomize(model: torch.nn.Module, seed: int = 7) -> None:
 
 def save_hf_model(folder: Path, kind: str, *, chat_template: str | None = CHATML, **kw) -> Path:
     cfg = hf_config(kind, **kw)
-    cls = {"llama": transformers.LlamaForCausalLM, "mistral": transformers.MistralForCausalLM,
-           "qwen2": transformers.Qwen2ForCausalLM, "qwen3": transformers.Qwen3ForCausalLM,
-           "gpt_neox": transformers.GPTNeoXForCausalLM}[kind]
+    cls = {
+        "llama": transformers.LlamaForCausalLM,
+        "mistral": transformers.MistralForCausalLM,
+        "qwen2": transformers.Qwen2ForCausalLM,
+        "qwen3": transformers.Qwen3ForCausalLM,
+        "gpt_neox": transformers.GPTNeoXForCausalLM,
+    }[kind]
     torch.manual_seed(0)
     model = cls(cfg)
     randomize(model)
@@ -102,7 +123,8 @@ def save_hf_model(folder: Path, kind: str, *, chat_template: str | None = CHATML
 
 
 def hf_logits(folder: Path, ids: torch.Tensor, attn: str = "eager") -> torch.Tensor:
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32,
-                                                              attn_implementation=attn).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(folder), dtype=torch.float32, attn_implementation=attn
+    ).eval()
     with torch.no_grad():
         return model(input_ids=ids).logits

@@ -42,8 +42,13 @@ def _o(fast: dict, **kw) -> dict:
 def test_lora_finetune_then_export_matches_transformers(kind, hf_model, tmp_path, ft_fast, ft_cache):
     base = hf_model(kind, **({"sliding_window": 16} if kind == "mistral" else {}))
     run = tmp_path / "run"
-    api.finetune(model_path=str(base), data_path=str(_sft(tmp_path / "d.jsonl")), lora=True, save_dir=str(run),
-                 **_o(ft_fast, **{"train.max_steps": 30, "train.learning_rate": 1e-2}))
+    api.finetune(
+        model_path=str(base),
+        data_path=str(_sft(tmp_path / "d.jsonl")),
+        lora=True,
+        save_dir=str(run),
+        **_o(ft_fast, **{"train.max_steps": 30, "train.learning_rate": 1e-2}),
+    )
     losses = _losses(run)
     first, last = sum(losses[s] for s in range(1, 6)) / 5, sum(losses[s] for s in range(26, 31)) / 5
     assert last < 0.8 * first, (first, last)
@@ -115,9 +120,13 @@ def test_packed_document_logits_equal_its_logits_alone(hf_model, tmp_path):
 def test_generic_architecture_trains_through_the_trainer(hf_model, tmp_path, ft_fast, ft_cache, capsys):
     base = hf_model("gpt_neox")
     run = tmp_path / "run"
-    model, _, hist = api.finetune(model_path=str(base), data_path=str(_sft(tmp_path / "d.jsonl")), lora=True,
-                                  save_dir=str(run), **_o(ft_fast, **{"train.max_steps": 4,
-                                                                      "train.learning_rate": 1e-2}))
+    model, _, hist = api.finetune(
+        model_path=str(base),
+        data_path=str(_sft(tmp_path / "d.jsonl")),
+        lora=True,
+        save_dir=str(run),
+        **_o(ft_fast, **{"train.max_steps": 4, "train.learning_rate": 1e-2}),
+    )
     out = capsys.readouterr().out
     assert "gpt_neox" in out and "native fast path" in out and "one SFT example per row" in out
     losses = _losses(run)
@@ -132,22 +141,35 @@ def test_generic_architecture_trains_through_the_trainer(hf_model, tmp_path, ft_
 
 def test_qlora_is_refused_without_a_gpu(hf_model, tmp_path, ft_fast, ft_cache):
     with pytest.raises(HardwareError, match="QLoRA .* needs a CUDA GPU"):
-        api.finetune(model_path=str(hf_model("llama")), data_path=str(_sft(tmp_path / "d.jsonl")), lora=True,
-                     save_dir=str(tmp_path / "run"), **_o(ft_fast, **{"lora.quantize": "4bit"}))
+        api.finetune(
+            model_path=str(hf_model("llama")),
+            data_path=str(_sft(tmp_path / "d.jsonl")),
+            lora=True,
+            save_dir=str(tmp_path / "run"),
+            **_o(ft_fast, **{"lora.quantize": "4bit"}),
+        )
 
 
 def test_full_finetune_chat_sample_and_hf_folder_sample(hf_model, tmp_path, ft_fast, ft_cache, capsys):
     base = hf_model("qwen3")
     run = tmp_path / "run"
-    api.finetune(model_path=str(base), data_path=str(_sft(tmp_path / "d.jsonl")), save_dir=str(run),
-                 **_o(ft_fast, **{"train.max_steps": 3, "train.learning_rate": 1e-3}))
+    api.finetune(
+        model_path=str(base),
+        data_path=str(_sft(tmp_path / "d.jsonl")),
+        save_dir=str(run),
+        **_o(ft_fast, **{"train.max_steps": 3, "train.learning_rate": 1e-3}),
+    )
     assert len(load_file(str(run / "checkpoints" / "step_000003" / "model.safetensors"))) > 20  # full weights
     loaded = api.load(run)
     assert loaded.chat and loaded.family == "llama"
     capsys.readouterr()
     for path in (run, base):
-        assert cli.main(["sample", str(path), "--prompt", "add 1 2", "--max_new_tokens", "4", "--temperature",
-                         "0"]) == 0
+        assert (
+            cli.main(
+                ["sample", str(path), "--prompt", "add 1 2", "--max_new_tokens", "4", "--temperature", "0"]
+            )
+            == 0
+        )
     assert api.load(base).chat  # the folder's tokenizer has a chat template
     # chat rendering: the answer is the continuation of the templated prompt, prompt not echoed
     from gptoughts.data.sft import render_prompt
@@ -164,8 +186,16 @@ def test_export_of_a_from_scratch_llama_run_shards(tmp_path, ft_fast, ft_cache):
     corpus.write_text("def f(x):\n    return x + 1\n" * 300)
     run = tmp_path / "run"
     o = dict(ft_fast)
-    o.update({"model.tie_embeddings": True, "data.tokenizer": "bytes", "train.max_steps": 3,
-              "data.sources": [str(corpus)], "run.out": str(run), "train.sample_prompts": []})
+    o.update(
+        {
+            "model.tie_embeddings": True,
+            "data.tokenizer": "bytes",
+            "train.max_steps": 3,
+            "data.sources": [str(corpus)],
+            "run.out": str(run),
+            "train.sample_prompts": [],
+        }
+    )
     api.run_training(load_config("default", o))
     out = tmp_path / "out"
     assert cli.main(["export", str(run), "--format", "hf", str(out), "--max_shard_size", "30KB"]) == 0
@@ -186,50 +216,97 @@ def test_plain_text_continues_pretraining_with_the_model_tokenizer(hf_model, tmp
     corpus = tmp_path / "c.txt"
     corpus.write_text("the cat sat on the mat. " * 400)
     run = tmp_path / "run"
-    _, tok, hist = api.finetune(model_path=str(base), data_path=str(corpus), save_dir=str(run),
-                                **_o(ft_fast, **{"train.max_steps": 3, "data.val_fraction": 0.1}))
+    _, tok, hist = api.finetune(
+        model_path=str(base),
+        data_path=str(corpus),
+        save_dir=str(run),
+        **_o(ft_fast, **{"train.max_steps": 3, "data.val_fraction": 0.1}),
+    )
     info = json.loads((run / "run.json").read_text())
     assert info["data_format"] == "text" and info["init_from"] == str(base) and hist.steps == 3
     from gptoughts.data.tokenizer import Tokenizer
 
     assert tok.fingerprint() == Tokenizer.load(base).fingerprint()
-    res = api.evaluate(api.load(base), [str(corpus)], batch_size=2, block_size=32, max_batches=2)  # an HF folder
+    res = api.evaluate(
+        api.load(base), [str(corpus)], batch_size=2, block_size=32, max_batches=2
+    )  # an HF folder
     assert 0 < res["loss"] < 20 and res["tokens"] > 0
 
 
 def test_finetune_command_line_and_config_checks(tmp_path, hf_model):
-    preset, o, _ = cli.parse_overrides(["--model", "M", "--lora", "--trust_remote_code", "--lora_r", "8",
-                                        "--target_modules", "wq,wv", "--data", "d.jsonl"],
-                                       cli.FINETUNE_ALIASES, cli.FINETUNE_FLAGS)
-    assert o == {"model.init_from": "M", "lora.enabled": True, "model.trust_remote_code": True, "lora.r": "8",
-                 "lora.target_modules": "wq,wv", "data.sources": ["d.jsonl"]}
+    preset, o, _ = cli.parse_overrides(
+        [
+            "--model",
+            "M",
+            "--lora",
+            "--trust_remote_code",
+            "--lora_r",
+            "8",
+            "--target_modules",
+            "wq,wv",
+            "--data",
+            "d.jsonl",
+        ],
+        cli.FINETUNE_ALIASES,
+        cli.FINETUNE_FLAGS,
+    )
+    assert o == {
+        "model.init_from": "M",
+        "lora.enabled": True,
+        "model.trust_remote_code": True,
+        "lora.r": "8",
+        "lora.target_modules": "wq,wv",
+        "data.sources": ["d.jsonl"],
+    }
     cfg = load_config("finetune", o)
     assert cfg.lora.r == 8 and cfg.lora.target_modules == ["wq", "wv"] and cfg.model.trust_remote_code
     assert load_config("finetune", {"model.init_from": "M"}).model.trust_remote_code is False
     assert cli.main(["finetune", "--data", "d.jsonl"]) == 2  # no --model
     with pytest.raises(ConfigError, match="--model HF_DIR"):
         load_config("default", {"lora.enabled": True})
-    with pytest.raises(UserError, match="M is not a folder"):  # overrides are checked against the folder's family
+    with pytest.raises(
+        UserError, match="M is not a folder"
+    ):  # overrides are checked against the folder's family
         load_config("finetune", {"model.init_from": "M", "model.n_layers": 4})
     with pytest.raises(ConfigError, match="model.n_layers changes the architecture"):
-        api.finetune(model_path=str(hf_model("llama")), data_path=str(_sft(tmp_path / "d.jsonl")),
-                     save_dir=str(tmp_path / "arch"), **{"model.n_layers": 4, "perf.device": "cpu",
-                                                         "run.progress": False, "train.block_size": 64})
+        api.finetune(
+            model_path=str(hf_model("llama")),
+            data_path=str(_sft(tmp_path / "d.jsonl")),
+            save_dir=str(tmp_path / "arch"),
+            **{"model.n_layers": 4, "perf.device": "cpu", "run.progress": False, "train.block_size": 64},
+        )
     with pytest.raises(ConfigError, match="lora.target_modules"):
-        api.finetune(model_path=str(hf_model("llama")), data_path=str(_sft(tmp_path / "d.jsonl")), lora=True,
-                     save_dir=str(tmp_path / "run"), **{"lora.target_modules": ["nope"], "perf.device": "cpu",
-                                                        "run.progress": False, "train.block_size": 64})
+        api.finetune(
+            model_path=str(hf_model("llama")),
+            data_path=str(_sft(tmp_path / "d.jsonl")),
+            lora=True,
+            save_dir=str(tmp_path / "run"),
+            **{
+                "lora.target_modules": ["nope"],
+                "perf.device": "cpu",
+                "run.progress": False,
+                "train.block_size": 64,
+            },
+        )
 
 
 def test_lora_keeps_the_frozen_base_in_bf16_under_bf16_training(hf_model, tmp_path, ft_fast, ft_cache):
-    model, _, hist = api.finetune(model_path=str(hf_model("qwen2")), data_path=str(_sft(tmp_path / "d.jsonl")),
-                                  lora=True, save_dir=str(tmp_path / "run"),
-                                  **_o(ft_fast, **{"train.max_steps": 3, "perf.precision": "bf16",
-                                                   "train.learning_rate": 1e-2}))
+    model, _, hist = api.finetune(
+        model_path=str(hf_model("qwen2")),
+        data_path=str(_sft(tmp_path / "d.jsonl")),
+        lora=True,
+        save_dir=str(tmp_path / "run"),
+        **_o(ft_fast, **{"train.max_steps": 3, "perf.precision": "bf16", "train.learning_rate": 1e-2}),
+    )
     frozen = {p.dtype for p in model.parameters() if not p.requires_grad}
     trainable = {p.dtype for p in model.parameters() if p.requires_grad}
     assert frozen == {torch.bfloat16} and trainable == {torch.float32}  # no fp32 copy of the base at all
     assert hist.steps == 3 and all(v == v for v in _losses(tmp_path / "run").values())
     with pytest.raises(ConfigError, match="base_dtype = bf16 needs --precision bf16"):
-        api.finetune(model_path=str(hf_model("qwen2", name="b")), data_path=str(_sft(tmp_path / "e.jsonl")),
-                     lora=True, save_dir=str(tmp_path / "run2"), **_o(ft_fast, **{"lora.base_dtype": "bf16"}))
+        api.finetune(
+            model_path=str(hf_model("qwen2", name="b")),
+            data_path=str(_sft(tmp_path / "e.jsonl")),
+            lora=True,
+            save_dir=str(tmp_path / "run2"),
+            **_o(ft_fast, **{"lora.base_dtype": "bf16"}),
+        )

@@ -17,13 +17,16 @@ def _ids(t: int = 24, seed: int = 1) -> torch.Tensor:
     return torch.randint(0, 320, (2, t), generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("kind, kw", [
-    ("llama", {}),
-    ("llama", {"tie_word_embeddings": True}),
-    ("mistral", {"sliding_window": 8}),  # 24 tokens > window: the banded mask matters
-    ("qwen2", {}),
-    ("qwen3", {}),
-])
+@pytest.mark.parametrize(
+    "kind, kw",
+    [
+        ("llama", {}),
+        ("llama", {"tie_word_embeddings": True}),
+        ("mistral", {"sliding_window": 8}),  # 24 tokens > window: the banded mask matters
+        ("qwen2", {}),
+        ("qwen3", {}),
+    ],
+)
 def test_native_import_matches_transformers(hf_model, kind, kw):
     folder = hf_model(kind, **kw)
     pre = load_pretrained(folder)
@@ -41,7 +44,9 @@ def test_native_import_matches_transformers(hf_model, kind, kw):
 def test_sliding_window_matches_sdpa_and_changes_logits(hf_model):
     windowed_dir = hf_model("mistral", name="w", sliding_window=6)
     windowed = load_pretrained(windowed_dir).model
-    full = load_pretrained(hf_model("mistral", name="f", sliding_window=None)).model  # same weights, no window
+    full = load_pretrained(
+        hf_model("mistral", name="f", sliding_window=None)
+    ).model  # same weights, no window
     ids = _ids(t=20)
     with torch.no_grad():
         got = windowed(ids)
@@ -138,13 +143,39 @@ def test_generic_wrapper_protocol_and_trust_remote_code_off(hf_model, monkeypatc
 
 def _other_family(kind: str):
     if kind == "gpt2":
-        return transformers.GPT2LMHeadModel(transformers.GPT2Config(
-            n_embd=64, n_layer=2, n_head=4, vocab_size=320, n_positions=128, bos_token_id=0, eos_token_id=0))
-    return transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
-        hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
-        first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
-        v_head_dim=16, vocab_size=320, max_position_embeddings=128))
+        return transformers.GPT2LMHeadModel(
+            transformers.GPT2Config(
+                n_embd=64,
+                n_layer=2,
+                n_head=4,
+                vocab_size=320,
+                n_positions=128,
+                bos_token_id=0,
+                eos_token_id=0,
+            )
+        )
+    return transformers.DeepseekV3ForCausalLM(
+        transformers.DeepseekV3Config(
+            hidden_size=64,
+            intermediate_size=128,
+            moe_intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_group=1,
+            topk_group=1,
+            first_k_dense_replace=1,
+            q_lora_rank=32,
+            kv_lora_rank=16,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            v_head_dim=16,
+            vocab_size=320,
+            max_position_embeddings=128,
+        )
+    )
 
 
 @pytest.mark.parametrize("kind, family", [("gpt2", "gpt2"), ("deepseek_v3", "deepseek")])

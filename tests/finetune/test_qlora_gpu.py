@@ -28,15 +28,28 @@ def test_qlora_trains_a_4bit_base_and_exports(hf_model, tmp_path, ft_cache, comp
     base = hf_model("llama")
     run = tmp_path / "run"
     o = dict(FT_FAST)
-    o.update({"train.block_size": 64, "train.sample_prompts": [], "data.val_fraction": 0.0, "perf.device": "cuda",
-              "perf.precision": "bf16", "perf.compile": compile_, "lora.quantize": "4bit", "train.max_steps": 30,
-              "train.learning_rate": 1e-2})
+    o.update(
+        {
+            "train.block_size": 64,
+            "train.sample_prompts": [],
+            "data.val_fraction": 0.0,
+            "perf.device": "cuda",
+            "perf.precision": "bf16",
+            "perf.compile": compile_,
+            "lora.quantize": "4bit",
+            "train.max_steps": 30,
+            "train.learning_rate": 1e-2,
+        }
+    )
     model, _, _ = api.finetune(model_path=str(base), data_path=str(data), lora=True, save_dir=str(run), **o)
     quantized = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
     assert len(quantized) == 2 * 7  # every projection of both blocks is 4-bit
     assert all(not p.requires_grad for m in quantized for p in m.parameters())  # frozen 4-bit base
-    losses = {r["step"]: r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
-              if "loss" in r}
+    losses = {
+        r["step"]: r["loss"]
+        for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+        if "loss" in r
+    }
     first, last = sum(losses[s] for s in range(1, 6)) / 5, sum(losses[s] for s in range(26, 31)) / 5
     assert last < 0.8 * first, (first, last)
     weights = load_file(str(run / "checkpoints" / "step_000030" / "model.safetensors"))

@@ -43,7 +43,9 @@ def test_sliding_window_kv_cache_matches_full_forward():
     with torch.no_grad():
         full = model(ids)
         cache = model.new_cache(2, 16)
-        parts = [model(ids[:, :7], cache=cache)] + [model(ids[:, t : t + 1], cache=cache) for t in range(7, 16)]
+        parts = [model(ids[:, :7], cache=cache)] + [
+            model(ids[:, t : t + 1], cache=cache) for t in range(7, 16)
+        ]
     torch.testing.assert_close(torch.cat(parts, 1), full, rtol=0, atol=1e-5)
 
 

@@ -213,8 +213,9 @@ def test_moe_dispatch_handles_empty_experts_and_bf16_grouped_gemm():
     gates = torch.rand(20, 1)
     out, counts = experts(x, idx, gates)
     assert counts[3:].sum() == 0
-    torch.testing.assert_close(out, _naive_experts(x, idx, gates, experts.w1, experts.w3, experts.w2),
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        out, _naive_experts(x, idx, gates, experts.w1, experts.w3, experts.w2), rtol=1e-5, atol=1e-5
+    )
     if torch.bfloat16 in experts._gmm_dtypes:  # the CUDA training path (grouped GEMM under bf16 autocast)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             low, _ = experts(x, idx, gates)
@@ -344,8 +345,13 @@ def test_extra_loss_is_finite_has_grads_and_is_summed_over_tokens():
     loss = extra(ids, targets)
     assert loss is not None and loss.ndim == 0 and torch.isfinite(loss)
     loss.backward()
-    for name in ("mtp.eh_proj.weight", "mtp.block.feed_forward.gate.weight", "layers.1.feed_forward.gate.weight",
-                 "layers.0.attention.wkv_a.weight", "tok_embeddings.weight"):
+    for name in (
+        "mtp.eh_proj.weight",
+        "mtp.block.feed_forward.gate.weight",
+        "layers.1.feed_forward.gate.weight",
+        "layers.0.attention.wkv_a.weight",
+        "tok_embeddings.weight",
+    ):
         p = dict(model.named_parameters())[name]
         assert p.grad is not None and p.grad.abs().sum() > 0, name
     assert model.extra_loss(targets, _plain_ce) is None  # consumed
@@ -436,13 +442,33 @@ def test_block_compiles_without_graph_breaks():
 transformers = pytest.importorskip("transformers")
 
 
-def _hf_model(q_lora_rank: int | None, groups: tuple[int, int], rope: dict | None = None, interleave: bool = True):
+def _hf_model(
+    q_lora_rank: int | None, groups: tuple[int, int], rope: dict | None = None, interleave: bool = True
+):
     cfg = transformers.DeepseekV3Config(
-        vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8, kv_lora_rank=32,
-        q_lora_rank=q_lora_rank, qk_rope_head_dim=8, v_head_dim=12, qk_nope_head_dim=16, n_group=groups[0],
-        topk_group=groups[1], num_experts_per_tok=2, first_k_dense_replace=1, max_position_embeddings=256,
-        routed_scaling_factor=2.5, norm_topk_prob=True, rope_interleave=interleave, tie_word_embeddings=False,
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_shared_experts=1,
+        n_routed_experts=8,
+        kv_lora_rank=32,
+        q_lora_rank=q_lora_rank,
+        qk_rope_head_dim=8,
+        v_head_dim=12,
+        qk_nope_head_dim=16,
+        n_group=groups[0],
+        topk_group=groups[1],
+        num_experts_per_tok=2,
+        first_k_dense_replace=1,
+        max_position_embeddings=256,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+        rope_interleave=interleave,
+        tie_word_embeddings=False,
         rope_parameters=rope or {"rope_type": "default", "rope_theta": 10000.0},
     )
     cfg._attn_implementation = "eager"  # an independent reference: plain matmul + softmax
@@ -460,8 +486,16 @@ def _hf_model(q_lora_rank: int | None, groups: tuple[int, int], rope: dict | Non
     return hf
 
 
-YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "original_max_position_embeddings": 32,
-        "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
+YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 8.0,
+    "original_max_position_embeddings": 32,
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+}
 
 
 @pytest.mark.parametrize(
@@ -479,7 +513,9 @@ def test_parity_with_transformers(q_lora_rank, groups, rope, interleave):
     assert (args.q_lora_rank, args.n_expert_groups, args.n_limited_groups) == (q_lora_rank, *groups)
     ours = DeepSeek(args)
     ours.init_weights()
-    ours.load_state_dict(ds.from_hf(hf.state_dict(), args), strict=True)  # transformers 5 fused-experts layout
+    ours.load_state_dict(
+        ds.from_hf(hf.state_dict(), args), strict=True
+    )  # transformers 5 fused-experts layout
     ours.eval()
     ids = _ids(b=2, t=24, vocab=256)
     pos = torch.arange(24).expand(2, 24) + 90  # beyond yarn's original_max_position_embeddings
@@ -490,7 +526,9 @@ def test_parity_with_transformers(q_lora_rank, groups, rope, interleave):
     if interleave:  # the rope permutation matters: skipping it breaks parity
         plain = DeepSeek(args)
         plain.init_weights()
-        plain.load_state_dict(ds.from_hf(hf.state_dict(), ds.DeepSeekArgs(**{**vars(args), "hf_rope_interleave": False})))
+        plain.load_state_dict(
+            ds.from_hf(hf.state_dict(), ds.DeepSeekArgs(**{**vars(args), "hf_rope_interleave": False}))
+        )
         with torch.no_grad():
             assert (plain.eval()(ids) - ref).abs().max() > 1e-3
 
@@ -525,8 +563,15 @@ def test_mtp_weights_use_deepseek_layer_names():
     args = _args(mtp_depth=1)
     model = _model(mtp_depth=1)
     hf_sd = ds.to_hf(model.state_dict(), args)
-    for name in ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight",
-                 "self_attn.kv_b_proj.weight", "mlp.gate.e_score_correction_bias", "mlp.experts.0.up_proj.weight"):
+    for name in (
+        "enorm.weight",
+        "hnorm.weight",
+        "eh_proj.weight",
+        "shared_head.norm.weight",
+        "self_attn.kv_b_proj.weight",
+        "mlp.gate.e_score_correction_bias",
+        "mlp.experts.0.up_proj.weight",
+    ):
         assert f"model.layers.3.{name}" in hf_sd, name
     assert ds.hf_config(args)["num_nextn_predict_layers"] == 1
     back = ds.from_hf(hf_sd, args)
@@ -560,8 +605,14 @@ def test_import_of_a_save_pretrained_folder(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "change", [{"attention_bias": True}, {"hidden_act": "gelu"}, {"rope_parameters": {"rope_type": "dynamic"}},
-               {"num_key_value_heads": 2}, {"model_type": "deepseek_v2"}],
+    "change",
+    [
+        {"attention_bias": True},
+        {"hidden_act": "gelu"},
+        {"rope_parameters": {"rope_type": "dynamic"}},
+        {"num_key_value_heads": 2},
+        {"model_type": "deepseek_v2"},
+    ],
 )
 def test_configs_the_native_code_cannot_reproduce_are_refused(change):
     from gptoughts.models.hf import UnsupportedHFConfig
@@ -572,8 +623,13 @@ def test_configs_the_native_code_cannot_reproduce_are_refused(change):
 
 
 def test_hf_config_keeps_the_base_config_keys():
-    base = {"model_type": "deepseek_v3", "bos_token_id": 5, "eos_token_id": 6, "quantization_config": {"x": 1},
-            "hidden_size": 7168}
+    base = {
+        "model_type": "deepseek_v3",
+        "bos_token_id": 5,
+        "eos_token_id": 6,
+        "quantization_config": {"x": 1},
+        "hidden_size": 7168,
+    }
     cfg = ds.hf_config(_args(), base)
     assert cfg["bos_token_id"] == 5 and cfg["eos_token_id"] == 6
     assert cfg["hidden_size"] == 64 and "quantization_config" not in cfg  # ours win; stale keys dropped

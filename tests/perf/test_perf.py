@@ -14,16 +14,31 @@ from gptoughts.perf import autobatch
 from gptoughts.perf.estimate import estimate
 from gptoughts.perf.timing import StepTimer, advice
 
-BENCH = {"model.size": "debug", "train.block_size": 32, "train.batch_size": 2, "perf.device": "cpu",
-         "perf.precision": "fp32", "perf.compile": False}
+BENCH = {
+    "model.size": "debug",
+    "train.block_size": 32,
+    "train.batch_size": 2,
+    "perf.device": "cpu",
+    "perf.precision": "fp32",
+    "perf.compile": False,
+}
 
 
 def test_bench_debug_returns_every_field():
     from gptoughts.tools.bench import format_result, run_bench
 
     r = run_bench(load_config("default", BENCH), steps=2, warmup=1, compare="hf", hf_modes=("eager",))
-    for key in ("tokens_per_s", "step_ms", "mfu", "peak_memory_gib", "breakdown", "params", "flops_per_token",
-                "resolved", "hf"):
+    for key in (
+        "tokens_per_s",
+        "step_ms",
+        "mfu",
+        "peak_memory_gib",
+        "breakdown",
+        "params",
+        "flops_per_token",
+        "resolved",
+        "hf",
+    ):
         assert key in r, key
     assert r["tokens_per_s"] > 0 and r["step_ms"] > 0
     assert r["mfu"] is None  # no known peak FLOP/s on a CPU: MFU is not invented
@@ -31,7 +46,10 @@ def test_bench_debug_returns_every_field():
     for phase in ("data", "forward", "backward", "optimizer"):
         assert b[f"time/{phase}_ms"] >= 0
     assert b["time/forward_ms"] > 0 and b["time/backward_ms"] > 0
-    assert abs(sum(b[f"time/{p}_pct"] for p in ("data", "forward", "backward", "optimizer", "other")) - 100) < 1e-6
+    assert (
+        abs(sum(b[f"time/{p}_pct"] for p in ("data", "forward", "backward", "optimizer", "other")) - 100)
+        < 1e-6
+    )
     hf = r["hf"]["eager"]
     assert hf["tokens_per_s"] > 0 and hf["speedup"] == pytest.approx(r["tokens_per_s"] / hf["tokens_per_s"])
     assert "transformers eager" in format_result(r)
@@ -46,8 +64,10 @@ def test_bench_cli_json(capsys):
 
 @pytest.mark.parametrize("size", ["125m", "1b", "3b"])
 def test_estimate_activations_shrink_with_checkpointing_and_scale_with_batch(size):
-    acts = {m: estimate("llama", size, activation_checkpointing=m, batch_size=4).activations_gib
-            for m in ("none", "selective", "full")}
+    acts = {
+        m: estimate("llama", size, activation_checkpointing=m, batch_size=4).activations_gib
+        for m in ("none", "selective", "full")
+    }
     assert acts["none"] > acts["selective"] > acts["full"] > 0
     for mode in ("none", "selective", "full"):
         one = estimate("llama", size, activation_checkpointing=mode, batch_size=1).activations_gib
@@ -121,23 +141,36 @@ def test_autobatch_safety_margin_and_cache(tmp_path):
     cache = autobatch.BatchCache(tmp_path / "ab.json")
     parts = {"model": "x", "block": 128, "gpu": "fake"}
     # capacity 1000 "bytes", peak = 100 * batch, margin 0.9 -> the largest batch under 900 is 9
-    best, cached = autobatch.find_batch_size(fake.step, torch.device("cpu"), parts=parts, cache=cache,
-                                             capacity=1000, peak=fake.peak, safety=0.9)
+    best, cached = autobatch.find_batch_size(
+        fake.step, torch.device("cpu"), parts=parts, cache=cache, capacity=1000, peak=fake.peak, safety=0.9
+    )
     assert (best, cached) == (9, False)
     n = len(fake.calls)
-    best2, cached2 = autobatch.find_batch_size(fake.step, torch.device("cpu"), parts=parts, cache=cache,
-                                               capacity=1000, peak=fake.peak)
+    best2, cached2 = autobatch.find_batch_size(
+        fake.step, torch.device("cpu"), parts=parts, cache=cache, capacity=1000, peak=fake.peak
+    )
     assert (best2, cached2) == (9, True) and len(fake.calls) == n  # no new tries
-    other, cached3 = autobatch.find_batch_size(fake.step, torch.device("cpu"), parts={**parts, "block": 256},
-                                               cache=cache, capacity=1000, peak=fake.peak)
+    other, cached3 = autobatch.find_batch_size(
+        fake.step,
+        torch.device("cpu"),
+        parts={**parts, "block": 256},
+        cache=cache,
+        capacity=1000,
+        peak=fake.peak,
+    )
     assert not cached3
 
 
 def test_autobatch_nothing_fits_is_a_clear_error(tmp_path):
     fake = FakeMemory(0)
     with pytest.raises(UserError, match="not even one sequence fits"):
-        autobatch.find_batch_size(fake.step, torch.device("cpu"), parts={"k": 1},
-                                  cache=autobatch.BatchCache(tmp_path / "c.json"), peak=fake.peak)
+        autobatch.find_batch_size(
+            fake.step,
+            torch.device("cpu"),
+            parts={"k": 1},
+            cache=autobatch.BatchCache(tmp_path / "c.json"),
+            peak=fake.peak,
+        )
 
 
 def test_autobatch_other_errors_propagate():
@@ -164,8 +197,20 @@ def test_fp8_refused_on_cpu():
 
 def test_fp8_refused_through_the_cli(tmp_path, text_corpus, cache_dir, fast, capsys):
     args = [f"--{k}={v}" for k, v in fast.items() if k != "train.sample_prompts"]
-    code = cli.main(["train", "default", "--data", str(text_corpus), "--out", str(tmp_path / "r"), "--max_steps",
-                     "1", "--fp8", *args])
+    code = cli.main(
+        [
+            "train",
+            "default",
+            "--data",
+            str(text_corpus),
+            "--out",
+            str(tmp_path / "r"),
+            "--max_steps",
+            "1",
+            "--fp8",
+            *args,
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2 and "fp8" in err and "Traceback" not in err
     assert not (tmp_path / "r" / "checkpoints").exists()
@@ -185,7 +230,9 @@ def test_fp8_filter_skips_head_router_and_odd_dims():
     lin = nn.Linear(64, 128)
     picked = [i for i in range(6) if fp8_module_filter(lin, f"layers.{i}.attention.wq", 6, 1)]
     assert picked == [1, 2, 3, 4]
-    assert [i for i in range(6) if fp8_module_filter(lin, f"layers.{i}.feed_forward.w2", 6, 0)] == list(range(6))
+    assert [i for i in range(6) if fp8_module_filter(lin, f"layers.{i}.feed_forward.w2", 6, 0)] == list(
+        range(6)
+    )
 
 
 def test_step_timer_and_advice():
@@ -298,8 +345,13 @@ def test_kernel_categories_and_summary():
     }
     for name, cat in names.items():
         assert kernel_category(name) == cat, name
-    us = {"nvjet_a": 3000.0, "nvjet_b": 1000.0, "flash_fwd": 2000.0, "triton_poi_fused_add_0": 1000.0,
-          "multi_tensor_apply_kernel": 1000.0}
+    us = {
+        "nvjet_a": 3000.0,
+        "nvjet_b": 1000.0,
+        "flash_fwd": 2000.0,
+        "triton_poi_fused_add_0": 1000.0,
+        "multi_tensor_apply_kernel": 1000.0,
+    }
     s = summarize_kernels(us, steps=2)
     assert s["gpu_busy_ms_per_step"] == pytest.approx(4.0)  # 8000 us over 2 steps
     cats = s["categories"]
@@ -351,7 +403,13 @@ def test_gpu_idle_gaps_between_kernels():
     from gptoughts.perf.timing import summarize_gaps
 
     # two steps: kernels a,b back to back, a 500 us gap before c, an overlapping kernel d inside c, 10 us gap
-    iv = [(0.0, 100.0, "a"), (100.0, 200.0, "b"), (700.0, 900.0, "c"), (750.0, 800.0, "d"), (910.0, 950.0, "e")]
+    iv = [
+        (0.0, 100.0, "a"),
+        (100.0, 200.0, "b"),
+        (700.0, 900.0, "c"),
+        (750.0, 800.0, "d"),
+        (910.0, 950.0, "e"),
+    ]
     s = summarize_gaps(iv, steps=2, min_us=20.0)
     assert s["idle_ms_per_step"] == pytest.approx((500.0 + 10.0) / 1e3 / 2)
     assert s["gaps_over_min"] == 1
@@ -359,14 +417,27 @@ def test_gpu_idle_gaps_between_kernels():
     assert summarize_gaps([], steps=1)["idle_ms_per_step"] == 0.0
 
 
-@pytest.mark.parametrize("arch,bf16,expected", [("hopper", True, "bf16"), ("ampere", True, "bf16"),
-                                                ("older", False, "fp32"), ("cpu", True, "fp32")])
+@pytest.mark.parametrize(
+    "arch,bf16,expected",
+    [("hopper", True, "bf16"), ("ampere", True, "bf16"), ("older", False, "fp32"), ("cpu", True, "fp32")],
+)
 def test_hardware_profile_recommends_the_residual_dtype(arch, bf16, expected):
     from gptoughts.perf.hardware import HardwareProfile, recommend
 
-    p = HardwareProfile(device="cuda:0" if arch != "cpu" else "cpu", name="x", arch=arch, compute_capability=None,
-                        memory_bytes=None, gpu_count=1, cpu_count=2, peak_bf16_flops=None, bf16=bf16, fp16=True,
-                        fp8=arch == "hopper", compile=True)
+    p = HardwareProfile(
+        device="cuda:0" if arch != "cpu" else "cpu",
+        name="x",
+        arch=arch,
+        compute_capability=None,
+        memory_bytes=None,
+        gpu_count=1,
+        cpu_count=2,
+        peak_bf16_flops=None,
+        bf16=bf16,
+        fp16=True,
+        fp8=arch == "hopper",
+        compile=True,
+    )
     rec = recommend(p)
     assert rec["residual_dtype"] == expected
     assert rec["precision"] == ("fp32" if arch == "cpu" else "bf16" if bf16 else "fp16")
@@ -384,9 +455,16 @@ def test_summarize_profile_from_profiler_events():
 
     annotation = ev(0, 700, "## Call CompiledFxGraph abc ##")
     annotation.is_user_annotation = True
-    prof = SimpleNamespace(events=lambda: [ev(0, 300, "nvjet_x"), ev(400, 500, "triton_poi_fused_add"),
-                                           ev(0, 1000, "aten::mm", DeviceType.CPU), ev(500, 600, "nvjet_x"),
-                                           annotation, ev(0, 650, "Optimizer.step#AdamW.step")])
+    prof = SimpleNamespace(
+        events=lambda: [
+            ev(0, 300, "nvjet_x"),
+            ev(400, 500, "triton_poi_fused_add"),
+            ev(0, 1000, "aten::mm", DeviceType.CPU),
+            ev(500, 600, "nvjet_x"),
+            annotation,
+            ev(0, 650, "Optimizer.step#AdamW.step"),
+        ]
+    )
     s = summarize_profile(prof, steps=1)
     assert s["categories"]["matmul"]["ms_per_step"] == pytest.approx(0.4)
     assert s["categories"]["elementwise"]["ms_per_step"] == pytest.approx(0.1)
@@ -395,4 +473,8 @@ def test_summarize_profile_from_profiler_events():
     from gptoughts.perf.timing import format_profile
 
     lines = format_profile(s)
-    assert len(lines) == 2 and lines[0].startswith("kernels: GPU busy") and lines[1].startswith("GPU idle 0.10 ms")
+    assert (
+        len(lines) == 2
+        and lines[0].startswith("kernels: GPU busy")
+        and lines[1].startswith("GPU idle 0.10 ms")
+    )

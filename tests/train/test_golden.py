@@ -38,12 +38,50 @@ def test_golden_loss_curve(tmp_path, monkeypatch):
     monkeypatch.setenv("GPTOUGHTS_CACHE", str(tmp_path / "cache"))
     corpus = synthetic_corpus(tmp_path / "corpus")
     out = tmp_path / "run"
-    code = cli.main(["train", "default", "--data", str(corpus), "--out", str(out), "--max_steps", str(STEPS),
-                     "--tokenizer", "bytes", "--block_size", "32", "--batch_size", "4", "--learning_rate", "1e-3",
-                     "--warmup_steps", "2", "--train.schedule", "constant", "--log_interval", "1",
-                     "--eval_interval", "10", "--train.eval_batches", "2", "--train.checkpoints", "false",
-                     "--train.sample_prompts=", "--seed", "0", "--device", "cpu", "--precision", "fp32",
-                     "--threads", "1", "--no_progress", "--run.tensorboard", "false"])
+    code = cli.main(
+        [
+            "train",
+            "default",
+            "--data",
+            str(corpus),
+            "--out",
+            str(out),
+            "--max_steps",
+            str(STEPS),
+            "--tokenizer",
+            "bytes",
+            "--block_size",
+            "32",
+            "--batch_size",
+            "4",
+            "--learning_rate",
+            "1e-3",
+            "--warmup_steps",
+            "2",
+            "--train.schedule",
+            "constant",
+            "--log_interval",
+            "1",
+            "--eval_interval",
+            "10",
+            "--train.eval_batches",
+            "2",
+            "--train.checkpoints",
+            "false",
+            "--train.sample_prompts=",
+            "--seed",
+            "0",
+            "--device",
+            "cpu",
+            "--precision",
+            "fp32",
+            "--threads",
+            "1",
+            "--no_progress",
+            "--run.tensorboard",
+            "false",
+        ]
+    )
     assert code == 0
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     losses = {r["step"]: r["loss"] for r in rows if "loss" in r}

@@ -125,21 +125,45 @@ def _check_checkpoints(run: Path) -> list[int]:
     return steps
 
 
-def test_transient_nan_rolls_back_past_the_bad_batches(tmp_path, text_corpus, cache_dir, fast, monkeypatch, capsys):
+def test_transient_nan_rolls_back_past_the_bad_batches(
+    tmp_path, text_corpus, cache_dir, fast, monkeypatch, capsys
+):
     """NaN at steps 6-8: rollback to step 4, the batches of steps 5-8 are never replayed, the LR is halved, the
     step counter restarts at 4 and the run finishes at max_steps with a consistent last checkpoint."""
     install_fault(monkeypatch.setattr, nan_on_calls(6, 8))
     out = tmp_path / "run"
-    code, stdout, err = _main(_argv(text_corpus, out, fast, "--train.max_steps", "14", "--train.save_interval", "4",
-                                    "--train.nan_policy", "rollback", "--train.max_bad_steps", "3"), capsys)
+    code, stdout, err = _main(
+        _argv(
+            text_corpus,
+            out,
+            fast,
+            "--train.max_steps",
+            "14",
+            "--train.save_interval",
+            "4",
+            "--train.nan_policy",
+            "rollback",
+            "--train.max_bad_steps",
+            "3",
+        ),
+        capsys,
+    )
     assert code == 0, err
     assert "rolled back to step_000004, skipping the 4 batches of steps 5-8, learning rate x0.5" in stdout
     rows = _rows(out)
     (rb,) = [r for r in rows if r.get("event") == "rollback"]
-    assert (rb["step"], rb["from_step"], rb["to_step"], rb["skipped_steps"], rb["lr_scale"]) == (4, 8, 4, 4, 0.5)
+    assert (rb["step"], rb["from_step"], rb["to_step"], rb["skipped_steps"], rb["lr_scale"]) == (
+        4,
+        8,
+        4,
+        4,
+        0.5,
+    )
     before, after = _segments(rows)
     assert before == list(range(1, 9)) and after == list(range(5, 15))
-    lr = {(seg, r["step"]): r["lr"] for seg, part in enumerate(_split_rows(rows)) for r in part if "loss" in r}
+    lr = {
+        (seg, r["step"]): r["lr"] for seg, part in enumerate(_split_rows(rows)) for r in part if "loss" in r
+    }
     assert lr[(1, 5)] == pytest.approx(0.5 * lr[(0, 5)])  # same schedule position, halved
     assert [r["skipped_steps"] for r in rows if "loss" in r and r["step"] in (6, 7, 8)][:3] == [1, 1, 1]
     assert _check_checkpoints(out)[-1] == 14
@@ -159,28 +183,63 @@ def _split_rows(rows: list[dict]) -> list[list[dict]]:
 
 def test_permanent_nan_from_init_exits_2_without_checkpoints(tmp_path, text_corpus, cache_dir, fast, capsys):
     out = tmp_path / "run"
-    code, _, err = _main(_argv(text_corpus, out, fast, "--train.max_steps", "10", "--train.save_interval", "2",
-                               "--train.nan_policy", "rollback", "--train.max_bad_steps", "3", "--model.init_std", "1e30"),
-                         capsys)
+    code, _, err = _main(
+        _argv(
+            text_corpus,
+            out,
+            fast,
+            "--train.max_steps",
+            "10",
+            "--train.save_interval",
+            "2",
+            "--train.nan_policy",
+            "rollback",
+            "--train.max_bad_steps",
+            "3",
+            "--model.init_std",
+            "1e30",
+        ),
+        capsys,
+    )
     line = _one_line_error(code, err)
     assert "training diverged at step 3 (3 consecutive non-finite steps, 0 rollbacks)" in line, line
     assert "no good checkpoint was written" in line, line
     assert ckpt.list_steps(out / "checkpoints") == [] and not (out / "checkpoints" / "best.json").exists()
 
 
-def test_permanent_nan_after_rollbacks_names_the_last_good_checkpoint(tmp_path, text_corpus, cache_dir, fast,
-                                                                       monkeypatch, capsys):
+def test_permanent_nan_after_rollbacks_names_the_last_good_checkpoint(
+    tmp_path, text_corpus, cache_dir, fast, monkeypatch, capsys
+):
     """save_interval (2) <= max_bad_steps (2): the error is still reached, after max_rollbacks rollbacks."""
     install_fault(monkeypatch.setattr, nan_on_calls(6, None))
     out = tmp_path / "run"
-    code, stdout, err = _main(_argv(text_corpus, out, fast, "--train.max_steps", "20", "--train.save_interval", "2",
-                                    "--train.nan_policy", "rollback", "--train.max_bad_steps", "2", "--train.max_rollbacks", "2",
-                                    "--train.eval_interval", "2"), capsys)
+    code, stdout, err = _main(
+        _argv(
+            text_corpus,
+            out,
+            fast,
+            "--train.max_steps",
+            "20",
+            "--train.save_interval",
+            "2",
+            "--train.nan_policy",
+            "rollback",
+            "--train.max_bad_steps",
+            "2",
+            "--train.max_rollbacks",
+            "2",
+            "--train.eval_interval",
+            "2",
+        ),
+        capsys,
+    )
     line = _one_line_error(code, err)
     good = out / "checkpoints" / "step_000004"
-    assert line == (f"error: training diverged at step 6 (2 consecutive non-finite steps; recovery.max_rollbacks = 2 "
-                    f"reached, 2 rollbacks); the last good checkpoint is {good}; resume from it with a lower "
-                    f"--learning_rate"), line
+    assert line == (
+        f"error: training diverged at step 6 (2 consecutive non-finite steps; recovery.max_rollbacks = 2 "
+        f"reached, 2 rollbacks); the last good checkpoint is {good}; resume from it with a lower "
+        f"--learning_rate"
+    ), line
     assert stdout.count("rolled back to step_000004") == 2
     assert "checkpoint not written (the last 1 step(s) were non-finite)" in stdout
     assert _check_checkpoints(out) == [2, 4]
@@ -188,21 +247,41 @@ def test_permanent_nan_after_rollbacks_names_the_last_good_checkpoint(tmp_path, 
 
 
 @pytest.mark.parametrize("policy", ["stop", "raise", "skip", "rollback"])
-def test_policies_differ_on_the_same_fault(policy, tmp_path, text_corpus, cache_dir, fast, monkeypatch, capsys):
+def test_policies_differ_on_the_same_fault(
+    policy, tmp_path, text_corpus, cache_dir, fast, monkeypatch, capsys
+):
     install_fault(monkeypatch.setattr, nan_on_calls(6, 8))
     out = tmp_path / "run"
-    code, stdout, err = _main(_argv(text_corpus, out, fast, "--train.max_steps", "10", "--train.save_interval", "4",
-                                    "--train.nan_policy", policy, "--train.max_bad_steps", "3"), capsys)
+    code, stdout, err = _main(
+        _argv(
+            text_corpus,
+            out,
+            fast,
+            "--train.max_steps",
+            "10",
+            "--train.save_interval",
+            "4",
+            "--train.nan_policy",
+            policy,
+            "--train.max_bad_steps",
+            "3",
+        ),
+        capsys,
+    )
     good = out / "checkpoints" / "step_000004"
     if policy in ("stop", "raise"):  # the first non-finite step stops the run
-        assert _one_line_error(code, err) == (f"error: non-finite loss or gradient at step 6 (recovery.nan_policy = "
-                                              f"stop); the last good checkpoint is {good}; resume from it with a "
-                                              f"lower --learning_rate")
+        assert _one_line_error(code, err) == (
+            f"error: non-finite loss or gradient at step 6 (recovery.nan_policy = "
+            f"stop); the last good checkpoint is {good}; resume from it with a "
+            f"lower --learning_rate"
+        )
         assert max(_segments(_rows(out))[0]) == 6
     elif policy == "skip":  # skipped until max_bad_steps in a row, then an error
-        assert _one_line_error(code, err) == (f"error: training diverged at step 8 (3 consecutive non-finite steps, "
-                                              f"0 rollbacks); the last good checkpoint is {good}; resume from it "
-                                              f"with a lower --learning_rate")
+        assert _one_line_error(code, err) == (
+            f"error: training diverged at step 8 (3 consecutive non-finite steps, "
+            f"0 rollbacks); the last good checkpoint is {good}; resume from it "
+            f"with a lower --learning_rate"
+        )
         assert "1 step(s) skipped (non-finite loss or gradient)" in stdout
     else:  # rolled back and finished
         assert code == 0, err
@@ -213,8 +292,20 @@ def test_policies_differ_on_the_same_fault(policy, tmp_path, text_corpus, cache_
 def test_skip_policy_drops_a_short_streak(tmp_path, text_corpus, cache_dir, fast, monkeypatch, capsys):
     install_fault(monkeypatch.setattr, nan_on_calls(3, 4))
     out = tmp_path / "run"
-    code, _, err = _main(_argv(text_corpus, out, fast, "--train.max_steps", "6", "--train.save_interval", "3",
-                               "--train.max_bad_steps", "3"), capsys)
+    code, _, err = _main(
+        _argv(
+            text_corpus,
+            out,
+            fast,
+            "--train.max_steps",
+            "6",
+            "--train.save_interval",
+            "3",
+            "--train.max_bad_steps",
+            "3",
+        ),
+        capsys,
+    )
     assert code == 0, err
     rows = [r for r in _rows(out) if "loss" in r]
     assert [r["step"] for r in rows] == list(range(1, 7))
@@ -223,15 +314,28 @@ def test_skip_policy_drops_a_short_streak(tmp_path, text_corpus, cache_dir, fast
 
 
 def test_bad_recovery_settings_are_one_line_errors(tmp_path, text_corpus, cache_dir, fast, capsys):
-    assert load_config("default", {"train.nan_policy": "raise"}).recovery.nan_policy == "raise"  # old keys load
+    assert (
+        load_config("default", {"train.nan_policy": "raise"}).recovery.nan_policy == "raise"
+    )  # old keys load
     with pytest.raises(ConfigError, match="nan_policy"):
         load_config("default", {"train.nan_policy": "retry"})
-    code, _, err = _main(_argv(text_corpus, tmp_path / "r", fast, "--train.max_steps", "2", "--train.max_bad_steps", "0"),
-                         capsys)
+    code, _, err = _main(
+        _argv(text_corpus, tmp_path / "r", fast, "--train.max_steps", "2", "--train.max_bad_steps", "0"),
+        capsys,
+    )
     assert _one_line_error(code, err) == "error: recovery.max_bad_steps must be >= 1, got 0"
 
 
-SPIKE = ["--train.max_steps", "16", "--train.log_interval", "4", "--train.save_interval", "0", "--train.spike_warmup_steps", "6"]
+SPIKE = [
+    "--train.max_steps",
+    "16",
+    "--train.log_interval",
+    "4",
+    "--train.save_interval",
+    "0",
+    "--train.spike_warmup_steps",
+    "6",
+]
 
 
 def _train_losses(run: Path) -> dict[int, float]:
@@ -239,7 +343,9 @@ def _train_losses(run: Path) -> dict[int, float]:
 
 
 @pytest.mark.parametrize("kind", ["transient", "reproducible"])
-def test_loss_spike_is_rerun_and_classified(kind, tmp_path, text_corpus, cache_dir, fast, monkeypatch, capsys):
+def test_loss_spike_is_rerun_and_classified(
+    kind, tmp_path, text_corpus, cache_dir, fast, monkeypatch, capsys
+):
     """Batch 10 gives 100x its loss once (transient) or every time (reproducible). The spike is held back on the
     device, re-run from the same state at the log step, and reported; a transient one leaves the run identical
     to a clean one."""
@@ -248,7 +354,9 @@ def test_loss_spike_is_rerun_and_classified(kind, tmp_path, text_corpus, cache_d
     assert not [r for r in _rows(clean) if r.get("event")]
 
     if kind == "transient":
-        install_fault(monkeypatch.setattr, lambda _c, batch, seen: 100.0 if batch == 10 and seen == 1 else None)
+        install_fault(
+            monkeypatch.setattr, lambda _c, batch, seen: 100.0 if batch == 10 and seen == 1 else None
+        )
     else:
         install_fault(monkeypatch.setattr, lambda _c, batch, _s: 100.0 if batch == 10 else None)
     out = tmp_path / kind
@@ -316,10 +424,23 @@ sys.exit(cli.main(sys.argv[1:]))
 def test_sigkill_while_rolling_back_then_resume(kill_at, tmp_path, text_corpus, cache_dir, fast, capsys):
     out = tmp_path / "run"
     driver = DRIVER.format(tests=str(Path(__file__).parent))
-    argv = _argv(text_corpus, out, fast, "--train.max_steps", "12", "--train.save_interval", "4", "--train.nan_policy", "rollback",
-                 "--train.max_bad_steps", "3")
+    argv = _argv(
+        text_corpus,
+        out,
+        fast,
+        "--train.max_steps",
+        "12",
+        "--train.save_interval",
+        "4",
+        "--train.nan_policy",
+        "rollback",
+        "--train.max_bad_steps",
+        "3",
+    )
     env = {**os.environ, "KILL_AT": kill_at, "OMP_NUM_THREADS": "1"}
-    r = subprocess.run([sys.executable, "-c", driver, *argv], env=env, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-c", driver, *argv], env=env, capture_output=True, text=True, timeout=120
+    )
     assert r.returncode == -9, r.stderr[-2000:]
     assert "rolled back to step_000004" in r.stdout
     root = out / "checkpoints"

@@ -53,8 +53,13 @@ def _stop_after(monkeypatch: pytest.MonkeyPatch, step: int) -> None:
 
 
 def test_exact_resume_bit_identical(tmp_path, text_corpus, cache_dir, monkeypatch):
-    common = {"train.max_steps": 20, "train.log_interval": 1, "train.eval_interval": 0, "train.save_interval": 0,
-              "train.sample_interval": 0}
+    common = {
+        "train.max_steps": 20,
+        "train.log_interval": 1,
+        "train.eval_interval": 0,
+        "train.save_interval": 0,
+        "train.sample_interval": 0,
+    }
     api.run_training(_cfg(text_corpus, tmp_path / "a", **common))
     full = _losses(tmp_path / "a")
     assert sorted(full) == list(range(1, 21))
@@ -72,8 +77,13 @@ def test_exact_resume_bit_identical(tmp_path, text_corpus, cache_dir, monkeypatc
 
 
 def test_corrupt_newest_checkpoint_falls_back(tmp_path, text_corpus, cache_dir):
-    common = {"train.max_steps": 6, "train.log_interval": 1, "train.eval_interval": 0, "train.save_interval": 3,
-              "train.sample_interval": 0}
+    common = {
+        "train.max_steps": 6,
+        "train.log_interval": 1,
+        "train.eval_interval": 0,
+        "train.save_interval": 3,
+        "train.sample_interval": 0,
+    }
     api.run_training(_cfg(text_corpus, tmp_path / "r", **common))
     root = tmp_path / "r" / "checkpoints"
     assert ckpt.list_steps(root) == [3, 6]
@@ -99,13 +109,25 @@ def test_gradient_accumulation_equivalence():
     for batch, accum in ((8, 1), (1, 8)):
         torch.manual_seed(1)
         model = models.build_model("llama", models.model_args("llama", "debug", {"vocab_size": 256}))
-        batches = [(data[i:i + batch, :-1], data[i:i + batch, 1:]) for i in range(0, 8, batch)]
+        batches = [(data[i : i + batch, :-1], data[i : i + batch, 1:]) for i in range(0, 8, batch)]
         opt = torch.optim.SGD(model.parameters(), lr=0.5)
-        t = Trainer(model=model, objective=build_objective("causal"), optimizer=opt,
-                    schedule=Schedule("constant", 0.5, 1, 0), loader=iter(batches), eval_batches=None,
-                    cfg=TrainConfig(batch_size=batch, grad_accum=accum, grad_clip=0.0), run=RunConfig(),
-                    run_dir=Path("."), dist=DistInfo(), device=torch.device("cpu"), precision="fp32",
-                    metrics=MetricsLogger(Path("."), enabled=False), total_steps=1, tokens_per_step=8 * 16)
+        t = Trainer(
+            model=model,
+            objective=build_objective("causal"),
+            optimizer=opt,
+            schedule=Schedule("constant", 0.5, 1, 0),
+            loader=iter(batches),
+            eval_batches=None,
+            cfg=TrainConfig(batch_size=batch, grad_accum=accum, grad_clip=0.0),
+            run=RunConfig(),
+            run_dir=Path("."),
+            dist=DistInfo(),
+            device=torch.device("cpu"),
+            precision="fp32",
+            metrics=MetricsLogger(Path("."), enabled=False),
+            total_steps=1,
+            tokens_per_step=8 * 16,
+        )
         loss_sum, n_tokens, found_inf = t.train_step()
         assert float(n_tokens) == 8 * 16 and float(found_inf) == 0
         params.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
@@ -128,11 +150,23 @@ def test_nonfinite_step_is_skipped(tmp_path):
         return out.sum() * float("nan"), torch.tensor(batch[1].numel())
 
     x = torch.randint(0, 256, (2, 9))
-    t = Trainer(model=model, objective=nan_objective, optimizer=torch.optim.AdamW(model.parameters()),
-                schedule=Schedule("constant", 1e-3, 1, 0), loader=iter([(x[:, :-1], x[:, 1:])]), eval_batches=None,
-                cfg=TrainConfig(batch_size=2), run=RunConfig(), run_dir=tmp_path, dist=DistInfo(),
-                device=torch.device("cpu"), precision="fp32", metrics=MetricsLogger(tmp_path, enabled=False),
-                total_steps=1, tokens_per_step=16)
+    t = Trainer(
+        model=model,
+        objective=nan_objective,
+        optimizer=torch.optim.AdamW(model.parameters()),
+        schedule=Schedule("constant", 1e-3, 1, 0),
+        loader=iter([(x[:, :-1], x[:, 1:])]),
+        eval_batches=None,
+        cfg=TrainConfig(batch_size=2),
+        run=RunConfig(),
+        run_dir=tmp_path,
+        dist=DistInfo(),
+        device=torch.device("cpu"),
+        precision="fp32",
+        metrics=MetricsLogger(tmp_path, enabled=False),
+        total_steps=1,
+        tokens_per_step=16,
+    )
     _, _, found_inf = t.train_step()
     assert float(found_inf) == 1.0
     for a, b in zip(before, model.parameters()):
@@ -159,11 +193,23 @@ def test_oom_backoff_halves_micro_batch(tmp_path):
         return causal(m, batch)
 
     x = torch.randint(0, 256, (8, 9))
-    t = Trainer(model=model, objective=objective, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                schedule=Schedule("constant", 0.1, 1, 0), loader=iter([(x[:, :-1], x[:, 1:])]), eval_batches=None,
-                cfg=TrainConfig(batch_size=8), run=RunConfig(), run_dir=tmp_path, dist=DistInfo(),
-                device=torch.device("cpu"), precision="fp32", metrics=MetricsLogger(tmp_path, enabled=False),
-                total_steps=1, tokens_per_step=64)
+    t = Trainer(
+        model=model,
+        objective=objective,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        schedule=Schedule("constant", 0.1, 1, 0),
+        loader=iter([(x[:, :-1], x[:, 1:])]),
+        eval_batches=None,
+        cfg=TrainConfig(batch_size=8),
+        run=RunConfig(),
+        run_dir=tmp_path,
+        dist=DistInfo(),
+        device=torch.device("cpu"),
+        precision="fp32",
+        metrics=MetricsLogger(tmp_path, enabled=False),
+        total_steps=1,
+        tokens_per_step=64,
+    )
     _, n_tokens, found_inf = t.train_step()
     assert t.split == 4 and rows_seen == [8, 4, 2, 2, 2, 2]
     assert float(n_tokens) == 64 and float(found_inf) == 0
@@ -171,17 +217,28 @@ def test_oom_backoff_halves_micro_batch(tmp_path):
 
 def test_early_stopping(tmp_path, text_corpus, cache_dir):
     # A zero learning-rate run never improves after its first evaluation: patience 2 stops it at the 3rd.
-    cfg = _cfg(text_corpus, tmp_path / "es", **{"train.max_steps": 50, "train.eval_interval": 2,
-                                                 "train.early_stopping_patience": 2, "train.learning_rate": 1e-12,
-                                                 "train.early_stopping_min_delta": 0.01})
+    cfg = _cfg(
+        text_corpus,
+        tmp_path / "es",
+        **{
+            "train.max_steps": 50,
+            "train.eval_interval": 2,
+            "train.early_stopping_patience": 2,
+            "train.learning_rate": 1e-12,
+            "train.early_stopping_min_delta": 0.01,
+        },
+    )
     _, _, hist = api.run_training(cfg)
     assert hist.stop_reason == "early stopping" and hist.steps == 6
 
 
 def test_outputs_of_a_run(tmp_path, text_corpus, cache_dir):
     out = tmp_path / "run"
-    cfg = _cfg(text_corpus, out, **{"train.max_steps": 4, "train.eval_interval": 2, "train.log_interval": 2,
-                                    "run.tensorboard": True})
+    cfg = _cfg(
+        text_corpus,
+        out,
+        **{"train.max_steps": 4, "train.eval_interval": 2, "train.log_interval": 2, "run.tensorboard": True},
+    )
     model, tok, hist = api.run_training(cfg)
     for name in ("config.toml", "metrics.jsonl", "samples.txt", "run.json", "tokenizer"):
         assert (out / name).exists(), name
@@ -200,10 +257,21 @@ def test_outputs_of_a_run(tmp_path, text_corpus, cache_dir):
 
 def test_python_api_mirrors_inl_guide(tmp_path, text_corpus, cache_dir):
     model, tokenizer, history = api.train(
-        "default", data_path=str(text_corpus), model="llama", size="debug", num_epochs=0.05, batch_size=4,
-        learning_rate=1e-3, save_dir=str(tmp_path / "inl"), device="cpu",
-        **{k: v for k, v in FAST.items() if k not in ("model.family", "model.size", "train.batch_size",
-                                                       "perf.device")})
+        "default",
+        data_path=str(text_corpus),
+        model="llama",
+        size="debug",
+        num_epochs=0.05,
+        batch_size=4,
+        learning_rate=1e-3,
+        save_dir=str(tmp_path / "inl"),
+        device="cpu",
+        **{
+            k: v
+            for k, v in FAST.items()
+            if k not in ("model.family", "model.size", "train.batch_size", "perf.device")
+        },
+    )
     assert history.steps >= 1 and tokenizer.vocab_size > 256 and isinstance(model, torch.nn.Module)
 
 
@@ -211,8 +279,16 @@ def test_python_api_mirrors_inl_guide(tmp_path, text_corpus, cache_dir):
 def test_every_preset_runs_one_step_at_debug_size(preset, tmp_path, text_corpus, cache_dir):
     o = dict(FAST)
     o.pop("model.family")
-    o.update({"data.sources": [str(text_corpus)], "run.out": str(tmp_path / "p"), "train.max_steps": 1,
-              "train.eval_interval": 1, "perf.fp8": False, "model.init_from": None})
+    o.update(
+        {
+            "data.sources": [str(text_corpus)],
+            "run.out": str(tmp_path / "p"),
+            "train.max_steps": 1,
+            "train.eval_interval": 1,
+            "perf.fp8": False,
+            "model.init_from": None,
+        }
+    )
     cfg = load_config(preset, o)
     if cfg.model.overrides:  # presets that pin a custom shape keep it; keep it small enough for CPU
         cfg.model.overrides = {k: v for k, v in cfg.model.overrides.items() if k in ("tie_embeddings",)}
@@ -223,17 +299,61 @@ def test_every_preset_runs_one_step_at_debug_size(preset, tmp_path, text_corpus,
 @pytest.mark.distributed
 def test_ddp_two_processes_match_single_process(tmp_path, text_corpus, cache_dir):
     """2 gloo ranks x batch 2 see the same global rows as 1 process x batch 4: same losses."""
-    args = ["--data", str(text_corpus), "--max_steps", "3", "--log_interval", "1", "--eval_interval", "3",
-            "--save_interval", "3"] + [f"--{k}={v}" for k, v in FAST.items() if k not in ("train.batch_size",
-                                                                                            "train.sample_prompts")]
+    args = [
+        "--data",
+        str(text_corpus),
+        "--max_steps",
+        "3",
+        "--log_interval",
+        "1",
+        "--eval_interval",
+        "3",
+        "--save_interval",
+        "3",
+    ] + [f"--{k}={v}" for k, v in FAST.items() if k not in ("train.batch_size", "train.sample_prompts")]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     single = tmp_path / "single"
-    subprocess.run([sys.executable, "-m", "gptoughts", "train", "default", "--out", str(single), "--batch_size",
-                    "4", *args], check=True, env=env, capture_output=True, timeout=300)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gptoughts",
+            "train",
+            "default",
+            "--out",
+            str(single),
+            "--batch_size",
+            "4",
+            *args,
+        ],
+        check=True,
+        env=env,
+        capture_output=True,
+        timeout=300,
+    )
     ddp = tmp_path / "ddp"
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                        "-m", "gptoughts", "train", "default", "--out", str(ddp), "--batch_size", "2", *args],
-                       env=env, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            "-m",
+            "gptoughts",
+            "train",
+            "default",
+            "--out",
+            str(ddp),
+            "--batch_size",
+            "2",
+            *args,
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     a, b = _losses(single), _losses(ddp)
     assert sorted(a) == sorted(b) == [1, 2, 3]
@@ -250,22 +370,72 @@ def test_fsdp_matches_one_process_and_checkpoints_move_between_them(tmp_path, te
     resumes in the other (full weights + optimizer state keyed by index or by name) and continues alike.
     DeepSeek (MoE): its expert-balancing biases only match the one-process run if the ranks' expert loads are
     summed before each bias update."""
-    args = ["--data", str(text_corpus), "--log_interval", "1", "--eval_interval", "3", "--save_interval", "3",
-            "--train.schedule", "constant"] + [
-        f"--{k}={v}" for k, v in FAST.items() if k not in ("train.batch_size", "train.sample_prompts",
-                                                            "train.warmup_steps", "model.family")]
+    args = [
+        "--data",
+        str(text_corpus),
+        "--log_interval",
+        "1",
+        "--eval_interval",
+        "3",
+        "--save_interval",
+        "3",
+        "--train.schedule",
+        "constant",
+    ] + [
+        f"--{k}={v}"
+        for k, v in FAST.items()
+        if k not in ("train.batch_size", "train.sample_prompts", "train.warmup_steps", "model.family")
+    ]
     args += ["--warmup_steps", "0", "--model.family", "deepseek", "--model.bias_update_rate", "0.01"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
 
     def one(out: Path, *extra: str) -> None:
-        subprocess.run([sys.executable, "-m", "gptoughts", "train", "default", "--out", str(out), "--batch_size", "4",
-                        *args, *extra], check=True, env=env, capture_output=True, timeout=300)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "gptoughts",
+                "train",
+                "default",
+                "--out",
+                str(out),
+                "--batch_size",
+                "4",
+                *args,
+                *extra,
+            ],
+            check=True,
+            env=env,
+            capture_output=True,
+            timeout=300,
+        )
 
     def fsdp(out: Path, *extra: str) -> None:
-        r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                            "-m", "gptoughts", "train", "default", "--out", str(out), "--batch_size", "2",
-                            "--parallel.strategy", "fsdp", *args, *extra],
-                           env=env, capture_output=True, text=True, timeout=300)
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc_per_node=2",
+                "-m",
+                "gptoughts",
+                "train",
+                "default",
+                "--out",
+                str(out),
+                "--batch_size",
+                "2",
+                "--parallel.strategy",
+                "fsdp",
+                *args,
+                *extra,
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert r.returncode == 0, r.stderr[-3000:]
 
     def close(a: dict[int, float], b: dict[int, float], steps: list[int]) -> None:
@@ -295,7 +465,9 @@ def test_fsdp_matches_one_process_and_checkpoints_move_between_them(tmp_path, te
 
 def test_profile_writes_a_trace(tmp_path, text_corpus, cache_dir):
     out = tmp_path / "prof"
-    api.run_training(_cfg(text_corpus, out, **{"train.max_steps": 4, "train.profile": "2:3", "train.eval_interval": 0}))
+    api.run_training(
+        _cfg(text_corpus, out, **{"train.max_steps": 4, "train.profile": "2:3", "train.eval_interval": 0})
+    )
     traces = list((out / "profile").glob("*.json"))
     assert len(traces) == 1
     trace = json.loads(traces[0].read_text())
@@ -313,12 +485,30 @@ def test_quickstart_pipeline_learns_on_a_stdlib_slice(tmp_path, cache_dir):
     """The embedded default end to end (stdlib corpus, BPE trained on it), on a small slice and a smaller model."""
     import math
 
-    cfg = load_config("quickstart", {
-        "data.max_bytes": 300_000, "data.tokenizer": "bpe:2048", "model.d_model": 128, "model.n_heads": 4,
-        "model.n_kv_heads": 2, "model.ffn_dim": 384, "model.n_layers": 2, "train.max_steps": 80,
-        "train.batch_size": 8, "train.block_size": 64, "train.eval_interval": 10, "train.learning_rate": 3e-3,
-        "train.warmup_steps": 5, "train.save_interval": 0, "run.out": str(tmp_path / "qs"), "run.progress": False,
-        "run.tensorboard": False, "perf.device": "cpu", "train.sample_max_new_tokens": 16})
+    cfg = load_config(
+        "quickstart",
+        {
+            "data.max_bytes": 300_000,
+            "data.tokenizer": "bpe:2048",
+            "model.d_model": 128,
+            "model.n_heads": 4,
+            "model.n_kv_heads": 2,
+            "model.ffn_dim": 384,
+            "model.n_layers": 2,
+            "train.max_steps": 80,
+            "train.batch_size": 8,
+            "train.block_size": 64,
+            "train.eval_interval": 10,
+            "train.learning_rate": 3e-3,
+            "train.warmup_steps": 5,
+            "train.save_interval": 0,
+            "run.out": str(tmp_path / "qs"),
+            "run.progress": False,
+            "run.tensorboard": False,
+            "perf.device": "cpu",
+            "train.sample_max_new_tokens": 16,
+        },
+    )
     _, tok, hist = api.run_training(cfg)
     assert cfg.data.sources == ["@stdlib"] and tok.vocab_size == 2048
     # An untrained model predicts ~uniformly: its val loss starts at ln(2048) = 7.6 nats.

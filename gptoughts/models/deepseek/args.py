@@ -84,9 +84,21 @@ class DeepSeekArgs:
 
     def __post_init__(self) -> None:
         for name in (
-            "d_model", "n_layers", "n_heads", "vocab_size", "max_seq_len", "kv_lora_rank", "qk_nope_head_dim",
-            "qk_rope_head_dim", "v_head_dim", "n_routed_experts", "n_activated_experts", "moe_inter_dim",
-            "dense_inter_dim", "n_expert_groups", "n_limited_groups",
+            "d_model",
+            "n_layers",
+            "n_heads",
+            "vocab_size",
+            "max_seq_len",
+            "kv_lora_rank",
+            "qk_nope_head_dim",
+            "qk_rope_head_dim",
+            "v_head_dim",
+            "n_routed_experts",
+            "n_activated_experts",
+            "moe_inter_dim",
+            "dense_inter_dim",
+            "n_expert_groups",
+            "n_limited_groups",
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"model.{name} must be positive, got {getattr(self, name)}")
@@ -97,7 +109,9 @@ class DeepSeekArgs:
         if self.n_shared_experts < 0:
             raise ConfigError(f"model.n_shared_experts must be >= 0, got {self.n_shared_experts}")
         if not 0 <= self.n_dense_layers <= self.n_layers:
-            raise ConfigError(f"model.n_dense_layers must be in [0, n_layers={self.n_layers}], got {self.n_dense_layers}")
+            raise ConfigError(
+                f"model.n_dense_layers must be in [0, n_layers={self.n_layers}], got {self.n_dense_layers}"
+            )
         if self.n_activated_experts > self.n_routed_experts:
             raise ConfigError(
                 f"model.n_activated_experts ({self.n_activated_experts}) exceeds n_routed_experts ({self.n_routed_experts})"
@@ -111,11 +125,15 @@ class DeepSeekArgs:
                 raise ConfigError(f"model.{name} must be >= 0, got {getattr(self, name)}")
         g, tg = self.n_expert_groups, self.n_limited_groups
         if self.n_routed_experts % g:
-            raise ConfigError(f"model.n_expert_groups ({g}) must divide n_routed_experts ({self.n_routed_experts})")
+            raise ConfigError(
+                f"model.n_expert_groups ({g}) must divide n_routed_experts ({self.n_routed_experts})"
+            )
         if tg > g:
             raise ConfigError(f"model.n_limited_groups ({tg}) exceeds n_expert_groups ({g})")
         if g > 1 and self.n_routed_experts // g < 2:
-            raise ConfigError("group-limited routing needs at least 2 experts per group (groups score their top 2)")
+            raise ConfigError(
+                "group-limited routing needs at least 2 experts per group (groups score their top 2)"
+            )
         if g > 1 and tg * (self.n_routed_experts // g) < self.n_activated_experts:
             raise ConfigError("n_limited_groups groups hold fewer experts than n_activated_experts")
         check_rope_scaling(self.rope_scaling)
@@ -142,20 +160,54 @@ class DeepSeekArgs:
 # Size presets: field overrides of DeepSeekArgs.
 DEEPSEEK_SIZES: dict[str, dict[str, Any]] = {
     "debug": dict(
-        d_model=64, n_layers=3, n_heads=4, vocab_size=512, max_seq_len=256, kv_lora_rank=32,
-        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, n_shared_experts=1,
-        n_activated_experts=2, moe_inter_dim=32, dense_inter_dim=128, n_dense_layers=1,
+        d_model=64,
+        n_layers=3,
+        n_heads=4,
+        vocab_size=512,
+        max_seq_len=256,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        n_activated_experts=2,
+        moe_inter_dim=32,
+        dense_inter_dim=128,
+        n_dense_layers=1,
     ),
     # 1.12B total / 263M active with vocab 32768.
     "small": dict(
-        d_model=1024, n_layers=16, n_heads=8, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
-        v_head_dim=128, n_routed_experts=64, n_shared_experts=2, n_activated_experts=6, moe_inter_dim=320,
-        dense_inter_dim=2816, n_dense_layers=1,
+        d_model=1024,
+        n_layers=16,
+        n_heads=8,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        n_routed_experts=64,
+        n_shared_experts=2,
+        n_activated_experts=6,
+        moe_inter_dim=320,
+        dense_inter_dim=2816,
+        n_dense_layers=1,
     ),
     # DeepSeek-V2-Lite shape: 15.7B total, 2.45B active without the input embedding (DeepSeek: 2.4B).
     "16b": dict(
-        d_model=2048, n_layers=27, n_heads=16, vocab_size=102400, q_lora_rank=None, kv_lora_rank=512,
-        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=64, n_shared_experts=2,
-        n_activated_experts=6, moe_inter_dim=1408, dense_inter_dim=10944, n_dense_layers=1,
+        d_model=2048,
+        n_layers=27,
+        n_heads=16,
+        vocab_size=102400,
+        q_lora_rank=None,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        n_routed_experts=64,
+        n_shared_experts=2,
+        n_activated_experts=6,
+        moe_inter_dim=1408,
+        dense_inter_dim=10944,
+        n_dense_layers=1,
     ),
 }

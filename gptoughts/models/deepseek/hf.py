@@ -100,7 +100,9 @@ def hf_config(args: DeepSeekArgs, base: dict[str, Any] | None = None) -> dict[st
     ``rope_theta``/``rope_scaling`` keys that transformers 4, vLLM and SGLang read). ``base``: the config of the
     model the run started from, if any; its other keys (token ids, ...) are kept underneath ours."""
     if args.score_func != "sigmoid":
-        raise ConfigError("DeepseekV3ForCausalLM routes with sigmoid scores; a softmax router cannot be exported")
+        raise ConfigError(
+            "DeepseekV3ForCausalLM routes with sigmoid scores; a softmax router cannot be exported"
+        )
     rope_params: dict[str, Any] = {"rope_type": "default", "rope_theta": args.rope_theta}
     legacy_scaling = None
     if args.rope_scaling:
@@ -110,45 +112,47 @@ def hf_config(args: DeepSeekArgs, base: dict[str, Any] | None = None) -> dict[st
     cfg: dict[str, Any] = dict(base) if base and base.get("model_type") == "deepseek_v3" else {}
     for stale in ("auto_map", "torch_dtype", "dtype", "quantization_config"):
         cfg.pop(stale, None)
-    cfg.update({
-        "architectures": ["DeepseekV3ForCausalLM"],
-        "model_type": "deepseek_v3",
-        "vocab_size": args.vocab_size,
-        "hidden_size": args.d_model,
-        "intermediate_size": args.dense_inter_dim,
-        "moe_intermediate_size": args.moe_inter_dim,
-        "num_hidden_layers": args.n_layers,
-        "num_attention_heads": args.n_heads,
-        "num_key_value_heads": args.n_heads,
-        "n_shared_experts": args.n_shared_experts,
-        "n_routed_experts": args.n_routed_experts,
-        "num_experts_per_tok": args.n_activated_experts,
-        "routed_scaling_factor": args.route_scale,
-        "norm_topk_prob": args.norm_topk_prob,
-        "n_group": args.n_expert_groups,
-        "topk_group": args.n_limited_groups,
-        "topk_method": "noaux_tc",
-        "scoring_func": "sigmoid",
-        "first_k_dense_replace": args.n_dense_layers,
-        "kv_lora_rank": args.kv_lora_rank,
-        "q_lora_rank": args.q_lora_rank,
-        "qk_nope_head_dim": args.qk_nope_head_dim,
-        "qk_rope_head_dim": args.qk_rope_head_dim,
-        "v_head_dim": args.v_head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": args.max_seq_len,
-        "rms_norm_eps": args.norm_eps,
-        "rope_parameters": rope_params,
-        "rope_theta": args.rope_theta,
-        "rope_scaling": legacy_scaling,
-        "rope_interleave": args.hf_rope_interleave,
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "tie_word_embeddings": args.tie_embeddings,
-        "initializer_range": args.init_std,
-        "num_nextn_predict_layers": args.mtp_depth,
-        "use_cache": True,
-    })
+    cfg.update(
+        {
+            "architectures": ["DeepseekV3ForCausalLM"],
+            "model_type": "deepseek_v3",
+            "vocab_size": args.vocab_size,
+            "hidden_size": args.d_model,
+            "intermediate_size": args.dense_inter_dim,
+            "moe_intermediate_size": args.moe_inter_dim,
+            "num_hidden_layers": args.n_layers,
+            "num_attention_heads": args.n_heads,
+            "num_key_value_heads": args.n_heads,
+            "n_shared_experts": args.n_shared_experts,
+            "n_routed_experts": args.n_routed_experts,
+            "num_experts_per_tok": args.n_activated_experts,
+            "routed_scaling_factor": args.route_scale,
+            "norm_topk_prob": args.norm_topk_prob,
+            "n_group": args.n_expert_groups,
+            "topk_group": args.n_limited_groups,
+            "topk_method": "noaux_tc",
+            "scoring_func": "sigmoid",
+            "first_k_dense_replace": args.n_dense_layers,
+            "kv_lora_rank": args.kv_lora_rank,
+            "q_lora_rank": args.q_lora_rank,
+            "qk_nope_head_dim": args.qk_nope_head_dim,
+            "qk_rope_head_dim": args.qk_rope_head_dim,
+            "v_head_dim": args.v_head_dim,
+            "hidden_act": "silu",
+            "max_position_embeddings": args.max_seq_len,
+            "rms_norm_eps": args.norm_eps,
+            "rope_parameters": rope_params,
+            "rope_theta": args.rope_theta,
+            "rope_scaling": legacy_scaling,
+            "rope_interleave": args.hf_rope_interleave,
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "tie_word_embeddings": args.tie_embeddings,
+            "initializer_range": args.init_std,
+            "num_nextn_predict_layers": args.mtp_depth,
+            "use_cache": True,
+        }
+    )
     return cfg
 
 
@@ -279,10 +283,7 @@ def from_hf(state_dict: dict[str, torch.Tensor], args: DeepSeekArgs) -> dict[str
     if args.mtp_depth:
         for o, h in _MTP_NAMES:
             out[o] = take(mtp_prefix + h)
-    leftover = [
-        k for k in sd
-        if not k.startswith(mtp_prefix) and not k.endswith("rotary_emb.inv_freq")
-    ]
+    leftover = [k for k in sd if not k.startswith(mtp_prefix) and not k.endswith("rotary_emb.inv_freq")]
     if leftover:
         raise UserError(f"DeepSeek checkpoint has {len(leftover)} unexpected tensors, e.g. {leftover[:3]}")
     return out

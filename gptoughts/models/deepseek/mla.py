@@ -40,7 +40,9 @@ class MLACache:
         device: torch.device | str | None = None,
         dtype: torch.dtype = torch.float32,
     ) -> None:
-        self.latent = [torch.zeros(batch_size, max_len, dim, device=device, dtype=dtype) for _ in range(n_layers)]
+        self.latent = [
+            torch.zeros(batch_size, max_len, dim, device=device, dtype=dtype) for _ in range(n_layers)
+        ]
         self.batch_size = batch_size
         self.max_len = max_len
         self.length = 0
@@ -136,7 +138,9 @@ class MLA(nn.Module):
             q = torch.cat([q_nope, q_pe], dim=-1)
             k = torch.cat([k_nope, k_pe.expand(-1, -1, k_nope.size(2), -1)], dim=-1)
             # v_head_dim may differ from the q/k head dim: SDPA's cuDNN and memory-efficient kernels accept that.
-            out = _causal_sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.softmax_scale, doc_ids)
+            out = _causal_sdpa(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.softmax_scale, doc_ids
+            )
             out = out.transpose(1, 2)
         else:
             if doc_ids is not None:

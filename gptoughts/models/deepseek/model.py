@@ -116,7 +116,9 @@ class DeepSeek(DecoderLM):
     def __init__(self, args: DeepSeekArgs) -> None:
         super().__init__(args)
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.d_model)
-        self.rope = DeepSeekRotary(args.qk_rope_head_dim, args.max_seq_len, args.rope_theta, args.rope_scaling)
+        self.rope = DeepSeekRotary(
+            args.qk_rope_head_dim, args.max_seq_len, args.rope_theta, args.rope_scaling
+        )
         self.layers = nn.ModuleList(
             DeepSeekBlock(args, i, moe=i >= args.n_dense_layers) for i in range(args.n_layers)
         )

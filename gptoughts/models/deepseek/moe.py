@@ -52,7 +52,11 @@ def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> tuple[bool
         fn = getattr(torch, "_grouped_mm", None)
         if fn is not None and device.type != "meta":
             try:
-                with torch.inference_mode(False), torch.enable_grad(), torch.autocast(device.type, enabled=False):
+                with (
+                    torch.inference_mode(False),
+                    torch.enable_grad(),
+                    torch.autocast(device.type, enabled=False),
+                ):
                     g = torch.Generator(device="cpu").manual_seed(0)
                     x = torch.randn(32, 16, generator=g).to(device, dtype).requires_grad_()
                     w = torch.randn(2, 16, 16, generator=g).to(device, dtype).requires_grad_()
@@ -60,7 +64,10 @@ def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> tuple[bool
                     y = fn(x, w.transpose(-2, -1), offs=offs)
                     ref = torch.cat([x[:16] @ w[0].T, x[16:] @ w[1].T])
                     y.backward(torch.ones_like(y))
-                    eager = bool(torch.allclose(y.float(), ref.float(), atol=0.1, rtol=0.05)) and w.grad is not None
+                    eager = (
+                        bool(torch.allclose(y.float(), ref.float(), atol=0.1, rtol=0.05))
+                        and w.grad is not None
+                    )
             except Exception:  # any failure means "use the per-expert fallback"
                 eager = False
             if eager:
@@ -98,7 +105,9 @@ class GroupedExperts(nn.Module):
 
     def _probe(self, device: torch.device) -> None:
         # Decided outside forward, so the compiled block only reads Python sets (guards, not graph breaks).
-        support = {dt: grouped_mm_supported(device, dt) for dt in (torch.float32, torch.bfloat16, torch.float16)}
+        support = {
+            dt: grouped_mm_supported(device, dt) for dt in (torch.float32, torch.bfloat16, torch.float16)
+        }
         self._gmm_device = device.type
         self._gmm_dtypes = frozenset(dt for dt, (eager, _) in support.items() if eager)
         self._gmm_compiled_dtypes = frozenset(dt for dt, (_, compiled) in support.items() if compiled)
@@ -109,7 +118,9 @@ class GroupedExperts(nn.Module):
         nn.init.normal_(self.w2, mean=0.0, std=out_std)
         self._probe(self.w1.device)
 
-    def forward(self, x: torch.Tensor, idx: torch.Tensor, gates: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, x: torch.Tensor, idx: torch.Tensor, gates: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``x [N, d]``, chosen experts ``idx [N, K]`` and their ``gates [N, K]`` -> (``sum_k gate * expert(x)``
         ``[N, d]``, tokens per expert ``[E]`` int64). No host sync on the grouped-GEMM path."""
         n, k = idx.shape
@@ -193,7 +204,9 @@ class MoE(nn.Module):
         self.register_buffer("expert_bias", torch.zeros(args.n_routed_experts, dtype=torch.float32))
         self.experts = GroupedExperts(args.d_model, args.moe_inter_dim, args.n_routed_experts)
         self.shared_experts = (
-            SwiGLU(args.d_model, args.n_shared_experts * args.moe_inter_dim) if args.n_shared_experts else None
+            SwiGLU(args.d_model, args.n_shared_experts * args.moe_inter_dim)
+            if args.n_shared_experts
+            else None
         )
 
     def reset_parameters(self, std: float, out_std: float) -> None:
@@ -237,7 +250,9 @@ class MoE(nn.Module):
         aux = self._seq_balance_loss(scores, idx, bsz, seqlen) if (self.seq_aux and self.training) else None
         return out, counts, aux
 
-    def _seq_balance_loss(self, scores: torch.Tensor, idx: torch.Tensor, bsz: int, seqlen: int) -> torch.Tensor:
+    def _seq_balance_loss(
+        self, scores: torch.Tensor, idx: torch.Tensor, bsz: int, seqlen: int
+    ) -> torch.Tensor:
         """DeepSeek-V3's sequence-wise balance loss ``sum_i f_i P_i``, averaged over the batch's sequences.
 
         ``f_i = E / (K T) * #{t: i chosen at t}`` (no gradient), ``P_i = mean_t s'_{i,t}`` with ``s'`` the scores
