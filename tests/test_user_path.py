@@ -544,3 +544,53 @@ def test_finetune_override_is_checked_against_the_folders_family(tmp_path, cache
         code == 0
         and json.loads((tmp_path / "ft" / "run.json").read_text())["args"]["bias_update_rate"] == 0.0
     )
+
+
+def test_an_fsdp_run_resumed_on_one_process_keeps_its_global_batch(text_corpus, cache_dir, tmp_path, capsys):
+    """Saved by 2 FSDP ranks with batch 2 (4 rows a step), resumed alone: accumulation 2 keeps 4 rows a step."""
+    import os
+
+    out = tmp_path / "run"
+    args = [
+        "--data",
+        str(text_corpus),
+        "--out",
+        str(out),
+        "--max_steps",
+        "2",
+        "--save_interval",
+        "2",
+        "--parallel.strategy",
+        "fsdp",
+        *[a for a in FASTRUN if a not in ("--threads", "1")],
+    ]
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            "-m",
+            "gptoughts",
+            "train",
+            *args,
+            "--tokenizer",
+            "bytes",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "GPTOUGHTS_CACHE": str(cache_dir)},
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    saved = json.loads((out / "run.json").read_text())["plan"]["batch"]
+    assert saved["world_size"] == 2 and saved["tokens_per_step"] == 2 * 2 * 32
+    text = _ok(["train", "--resume", "auto", "--out", str(out), "--max_steps", "3", "--no_progress"], capsys)
+    plan = json.loads((out / "run.json").read_text())["plan"]["batch"]
+    assert (
+        plan["world_size"] == 1
+        and plan["grad_accum"] == 2
+        and plan["tokens_per_step"] == saved["tokens_per_step"]
+    )
+    assert "keeps the resumed run's global batch" in json.dumps(plan["why"]) and "resumed from" in text
