@@ -75,24 +75,50 @@ def train(
     plan and return (``history.plan``) without training or writing anything.
     """
     if not isinstance(config, Config):
-        kw: dict[str, Any] = {}
-        if data_path is not None:
-            kw["data.sources"] = [data_path] if isinstance(data_path, str) else list(data_path)
-        for key, value in (
-            ("model.family", model),
-            ("model.size", size),
-            ("train.epochs", num_epochs),
-            ("train.batch_size", batch_size),
-            ("train.learning_rate", learning_rate),
-            ("run.out", save_dir),
-            ("perf.device", device),
-            ("train.max_steps", max_steps),
-        ):
-            if value is not None:
-                kw[key] = value
-        kw.update(overrides)
-        config = load_config(config, kw)
+        named = {"model.family": model, "model.size": size}
+        config = load_config(
+            config,
+            _overrides(
+                data_path,
+                num_epochs,
+                batch_size,
+                learning_rate,
+                save_dir,
+                device,
+                max_steps,
+                named,
+                overrides,
+            ),
+        )
     return run_training(config, dry_run=dry_run)
+
+
+def _overrides(
+    data_path: str | list[str] | None,
+    num_epochs: float | None,
+    batch_size: int | str | None,
+    learning_rate: float | None,
+    save_dir: str | None,
+    device: str | None,
+    max_steps: int | None,
+    named: dict[str, Any],
+    overrides: dict[str, Any],
+) -> dict[str, Any]:
+    """The API's keyword arguments as the dotted keys of the command line (the ones left None are not given)."""
+    kw: dict[str, Any] = {}
+    if data_path is not None:
+        kw["data.sources"] = [data_path] if isinstance(data_path, str) else list(data_path)
+    common = {
+        "train.epochs": num_epochs,
+        "train.batch_size": batch_size,
+        "train.learning_rate": learning_rate,
+        "run.out": save_dir,
+        "perf.device": device,
+        "train.max_steps": max_steps,
+    }
+    kw.update({k: v for k, v in {**named, **common}.items() if v is not None})
+    kw.update(overrides)
+    return kw
 
 
 def finetune(
@@ -118,24 +144,25 @@ def finetune(
     trains PEFT LoRA adapters (``lora.*`` overrides: ``**{"lora.r": 8}``).
     """
     if not isinstance(config, Config):
-        kw: dict[str, Any] = {}
-        if data_path is not None:
-            kw["data.sources"] = [data_path] if isinstance(data_path, str) else list(data_path)
-        for key, value in (
-            ("model.init_from", model_path),
-            ("lora.enabled", lora),
-            ("train.epochs", num_epochs),
-            ("train.batch_size", batch_size),
-            ("train.learning_rate", learning_rate),
-            ("run.out", save_dir),
-            ("perf.device", device),
-            ("train.max_steps", max_steps),
-            ("model.trust_remote_code", trust_remote_code),
-        ):
-            if value is not None:
-                kw[key] = value
-        kw.update(overrides)
-        config = load_config(config if config is not None else "finetune", kw)
+        named = {
+            "model.init_from": model_path,
+            "lora.enabled": lora,
+            "model.trust_remote_code": trust_remote_code,
+        }
+        config = load_config(
+            config if config is not None else "finetune",
+            _overrides(
+                data_path,
+                num_epochs,
+                batch_size,
+                learning_rate,
+                save_dir,
+                device,
+                max_steps,
+                named,
+                overrides,
+            ),
+        )
     if config.model.init_from is None:
         raise ConfigError("finetune needs a pretrained model: pass model_path (--model HF_DIR)")
     return run_training(config, dry_run=dry_run)

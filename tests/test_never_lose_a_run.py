@@ -16,36 +16,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_helpers import FASTRUN as CPU_FASTRUN
+from cli_helpers import run_cli
 
-from gptoughts import cli
 from gptoughts.train import checkpoint as ckpt
 from gptoughts.train.rundir import RunLock
 
-FASTRUN = [
-    "--device",
-    "cpu",
-    "--threads",
-    "1",
-    "--no_progress",
-    "--run.tensorboard",
-    "false",
-    "--eval_batches",
-    "2",
-    "--sample_max_new_tokens",
-    "4",
-    "--block_size",
-    "32",
-    "--batch_size",
-    "2",
-    "--tokenizer",
-    "bytes",
-]
+FASTRUN = [*CPU_FASTRUN, "--tokenizer", "bytes"]
 
 
-def _run(argv: list[str], capsys) -> tuple[int, str]:
-    code = cli.main(argv)
-    out = capsys.readouterr()
-    return code, out.out + out.err
+_run = run_cli
 
 
 def _refused(argv: list[str], capsys, *needles: str) -> str:

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from cli_helpers import QUIET_CPU, ok, plan_of
 
 from gptoughts import cli, models
 
@@ -24,20 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text(encoding="utf-8")
 sys.path.insert(0, str(ROOT / "tests" / "finetune"))
 
-# Added to each training command run for real: none of them changes what the command builds or reads.
-FAST_TRAIN = [
-    "--device",
-    "cpu",
-    "--threads",
-    "1",
-    "--no_progress",
-    "--run.tensorboard",
-    "false",
-    "--eval_batches",
-    "2",
-    "--sample_max_new_tokens",
-    "4",
-]
+FAST_TRAIN = QUIET_CPU  # added to each training command run for real
 SHRINK = {
     "--block_size": "32",
     "--batch_size": "2",
@@ -82,10 +70,7 @@ def size_table() -> dict[tuple[str, str], dict[str, int]]:
     }
 
 
-def _plan(text: str) -> tuple[str, str, int]:
-    m = re.search(r"plan: (\w+)/(\w+), ([\d,]+) parameters", text)
-    assert m, text[-2000:]
-    return m.group(1), m.group(2), int(m.group(3).replace(",", ""))
+_plan = plan_of
 
 
 @pytest.fixture(scope="module")
@@ -132,12 +117,7 @@ def in_workdir(workdir, monkeypatch, tmp_path):
     return workdir
 
 
-def _run(argv: list[str], capsys) -> str:
-    code = cli.main(argv)
-    out = capsys.readouterr()
-    assert code == 0, f"{argv} exited {code}: {out.err[-1500:]}"
-    assert "Traceback" not in out.err, out.err[-2000:]
-    return out.out + out.err
+_run = ok
 
 
 def _default_out(args: list[str]) -> str:

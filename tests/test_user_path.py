@@ -11,49 +11,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_helpers import FASTRUN, ok, plan_of, run_cli
 
 import gptoughts
 from gptoughts import cli, models
 from gptoughts.config import load_config, size_defaults
 from gptoughts.errors import ConfigError
 
-FASTRUN = [
-    "--device",
-    "cpu",
-    "--threads",
-    "1",
-    "--no_progress",
-    "--run.tensorboard",
-    "false",
-    "--eval_batches",
-    "2",
-    "--sample_max_new_tokens",
-    "4",
-    "--block_size",
-    "32",
-    "--batch_size",
-    "2",
-]
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
-def _run(argv: list[str], capsys) -> tuple[int, str]:
-    code = cli.main(argv)
-    out = capsys.readouterr()
-    return code, out.out + out.err
-
-
-def _ok(argv: list[str], capsys) -> str:
-    code, text = _run(argv, capsys)
-    assert code == 0, text[-2000:]
-    assert "Traceback" not in text
-    return text
-
-
-def _plan(text: str) -> tuple[str, str, int]:
-    m = re.search(r"plan: (\w+)/(\w+), ([\d,]+) parameters", text)
-    assert m, text[-1500:]
-    return m.group(1), m.group(2), int(m.group(3).replace(",", ""))
+_run, _ok, _plan = run_cli, ok, plan_of
 
 
 # ------------------------------------------------------------------------------------- what is built

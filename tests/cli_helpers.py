@@ -1,0 +1,39 @@
+"""Helpers of the tests that run the CLI as a user types it (test_readme, test_user_path, test_never_lose_a_run).
+
+Imported by name (``from cli_helpers import ...``): pytest puts this folder on sys.path for the tests beside it.
+"""
+
+from __future__ import annotations
+
+import re
+
+from gptoughts import cli
+
+# Added to a training command run in a test: CPU, one thread, quiet, short evaluations and samples. None of them
+# changes what the command builds or reads.
+QUIET_CPU = ["--device", "cpu", "--threads", "1", "--no_progress", "--run.tensorboard", "false", "--eval_batches", "2",
+             "--sample_max_new_tokens", "4"]  # fmt: skip
+# ...and small batches of short blocks, for the tests' own commands.
+FASTRUN = [*QUIET_CPU, "--block_size", "32", "--batch_size", "2"]
+
+
+def run_cli(argv: list[str], capsys) -> tuple[int, str]:
+    """``gptoughts ARGV`` in this process: (exit code, stdout + stderr)."""
+    code = cli.main(argv)
+    out = capsys.readouterr()
+    return code, out.out + out.err
+
+
+def ok(argv: list[str], capsys) -> str:
+    """``gptoughts ARGV``, which must succeed without a traceback; its output."""
+    code, text = run_cli(argv, capsys)
+    assert code == 0, f"{argv} exited {code}: {text[-2000:]}"
+    assert "Traceback" not in text, text[-2000:]
+    return text
+
+
+def plan_of(text: str) -> tuple[str, str, int]:
+    """(family, size, parameters) of the run plan a command printed."""
+    m = re.search(r"plan: (\w+)/(\w+), ([\d,]+) parameters", text)
+    assert m, text[-1500:]
+    return m.group(1), m.group(2), int(m.group(3).replace(",", ""))
