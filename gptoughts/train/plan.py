@@ -79,7 +79,7 @@ class RunPlan:
             read = (
                 "all of it"
                 if not c.get("cut")
-                else f"CUT to {_mb(c['bytes_read'])} of {_mb(c['bytes'])} by data.max_bytes = {c.get('max_bytes'):,}"
+                else f"{_mb(c['bytes_read'])} of it (cut by data.max_bytes = {c.get('max_bytes'):,})"
             )
             lines.append(
                 f"  corpus: {c['files']:,} file(s), {_mb(c['bytes'])} on disk, read {read}; "
