@@ -125,6 +125,16 @@ class TrainConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
+    optimizer: Literal["adamw", "muon"] = "adamw"
+    """adamw, or muon: Muon (momentum orthogonalized by Newton-Schulz, as torch.optim.Muon) for the hidden
+    matrices (attention, MLP, experts), AdamW for embeddings, head, norms and biases. LoRA adapters keep AdamW."""
+    muon_learning_rate: float | None = None
+    """Muon's peak learning rate; None: learning_rate (Muon's update is scaled to AdamW's RMS, 0.2·√max(rows,
+    cols), so AdamW's rate carries over). The schedule scales both alike."""
+    muon_weight_decay: float | None = None
+    """Muon's decoupled weight decay; None: weight_decay."""
+    muon_momentum: float = 0.95
+    """Muon's (Nesterov) momentum."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this; 0 disables."""
     seed: int = 1337
@@ -905,6 +915,20 @@ def check_train_ranges(
         ("train.min_lr_ratio", 0.0 <= t.min_lr_ratio <= 1.0, "in [0, 1]", t.min_lr_ratio),
         ("train.decay_fraction", 0.0 <= t.decay_fraction <= 1.0, "in [0, 1]", t.decay_fraction),
         ("train.grad_clip", t.grad_clip >= 0 and math.isfinite(t.grad_clip), ">= 0", t.grad_clip),
+        ("train.muon_momentum", 0.0 <= t.muon_momentum < 1.0, "in [0, 1)", t.muon_momentum),
+        (
+            "train.muon_learning_rate",
+            t.muon_learning_rate is None
+            or (math.isfinite(t.muon_learning_rate) and t.muon_learning_rate > 0),
+            "a finite number > 0",
+            t.muon_learning_rate,
+        ),
+        (
+            "train.muon_weight_decay",
+            t.muon_weight_decay is None or t.muon_weight_decay >= 0,
+            ">= 0",
+            t.muon_weight_decay,
+        ),
     ):
         if not ok:
             raise ConfigError(f"{where} must be {rule}, got {value}")

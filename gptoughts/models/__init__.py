@@ -151,3 +151,21 @@ def build_model(family: str | Family, args: Any, device: torch.device | str | No
     model.to_empty(device=device)
     model.init_weights()
     return model
+
+
+def hidden_matrices(model: nn.Module) -> set[int]:
+    """ids of the parameters Muon trains: every trainable parameter of two or more dimensions (the blocks'
+    projections, MoE experts, MLA's low-rank factors, INL's integrator matrices, a router) except embeddings
+    and the output head (a linear layer onto the vocabulary; tied heads are the embedding)."""
+    embedding = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    head = getattr(model, "output_weight", None)  # our families' protocol
+    if head is None and hasattr(model, "get_output_embeddings"):  # a transformers model
+        out = model.get_output_embeddings()
+        head = None if out is None else out.weight
+    if head is None:  # anything else: the linear layer onto the largest embedding table (the vocabulary)
+        vocab = max((m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)), default=None)
+        head = next(
+            (m.weight for m in model.modules() if isinstance(m, nn.Linear) and m.out_features == vocab), None
+        )
+    embedding.add(id(head))
+    return {id(p) for p in model.parameters() if p.requires_grad and p.ndim >= 2 and id(p) not in embedding}

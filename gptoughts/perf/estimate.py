@@ -238,6 +238,7 @@ def estimate(
     num_gpus: int = 1,
     residual_dtype: str = "bf16",
     strategy: str = "ddp",
+    optimizer: str = "adamw",
 ) -> Estimate:
     """Peak memory of one training step, speed and cost for ``family`` at ``size`` (module docstring: each line).
 
@@ -284,7 +285,13 @@ def estimate(
         logits += vocab * args.d_model * 4 if loss == "chunked" else rows * vocab * (2 + 4 + 4)
     if strategy not in ("ddp", "fsdp"):
         raise ConfigError(f"strategy must be ddp or fsdp; got {strategy!r}")
-    weights, grads, optim = 4 * n, 4 * n, 8 * n
+    # AdamW keeps two fp32 moments per parameter (8 bytes); Muon one momentum buffer (4 bytes) for the hidden
+    # matrices it trains, AdamW's two for the rest (models.hidden_matrices).
+    optim = 8 * n
+    if optimizer == "muon":
+        hidden = models.hidden_matrices(model)
+        optim -= 4 * sum(p.numel() for p in model.parameters() if id(p) in hidden)
+    weights, grads = 4 * n, 4 * n
     copies = 2 * matmul_params
     if strategy == "fsdp" and num_gpus > 1:
         # The largest block (DeepSeek's MoE blocks outweigh its dense ones).
@@ -398,6 +405,7 @@ def estimate_config(
             num_gpus=num_gpus,
             residual_dtype=residual,
             strategy=strategy,
+            optimizer=t.optimizer,
         )
 
     micro, accum = t.batch_size, t.grad_accum

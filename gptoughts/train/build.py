@@ -680,6 +680,15 @@ def _assemble(
         }
     )
     resolved = {**env.resolved, **built, **batch.why}
+    if model.raw is not None:
+        from gptoughts.train.setup import optimizer_rule
+
+        name, why = optimizer_rule(model.raw, cfg.train)
+        t = cfg.train
+        lr = f"peak lr {t.learning_rate:.1e}" + (
+            f" (Muon {t.muon_learning_rate:.1e})" if name == "muon" and t.muon_learning_rate else ""
+        )
+        resolved["optimizer"] = f"{name}, {lr}, {t.schedule} schedule ({why})"
     if model.threads:
         resolved["threads"] = model.threads
     plan = make_plan(

@@ -1,4 +1,4 @@
-"""AdamW with the usual parameter groups, and learning-rate schedules as pure functions of the step.
+"""AdamW or Muon with the usual parameter groups, and learning-rate schedules as pure functions of the step.
 
 The schedule has no state of its own: the learning rate of step ``s`` is ``lr_at(s)``, so resuming only needs
 the step counter (exact resume for free).
@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from gptoughts.models import hidden_matrices
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -26,6 +28,198 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
             decay.append(p)
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return [g for g in groups if g["params"]]
+
+
+def build_muon(
+    model: nn.Module,
+    *,
+    lr: float,
+    weight_decay: float,
+    betas: tuple[float, float],
+    eps: float,
+    fused: bool,
+    muon_lr: float | None = None,
+    muon_weight_decay: float | None = None,
+    momentum: float = 0.95,
+) -> Muon:
+    """Muon for the hidden matrices, AdamW (the same groups as :func:`build_adamw`) for everything else."""
+    hidden = hidden_matrices(model)
+    groups = [
+        {**g, "params": [p for p in g["params"] if id(p) not in hidden], "muon": False}
+        for g in param_groups(model, weight_decay)
+    ]
+    muon_group = {
+        "params": [p for p in model.parameters() if id(p) in hidden],
+        "muon": True,
+        "weight_decay": weight_decay if muon_weight_decay is None else muon_weight_decay,
+        "lr_ratio": 1.0 if muon_lr is None else muon_lr / lr,
+    }
+    groups = [g for g in [muon_group, *groups] if g["params"]]
+    for g in groups:
+        g["lr"] = lr * g.get("lr_ratio", 1.0)
+    return Muon(groups, lr=lr, betas=betas, eps=eps, momentum=momentum, fused=fused)
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon (momentum, then the update orthogonalized by a Newton-Schulz iteration) for the groups marked
+    ``muon``, AdamW for the others, as one optimizer: one state dict, one ``step``, one set of groups for the
+    schedule, checkpoints and FSDP's state-dict helpers.
+
+    The Muon update is ``torch.optim.Muon``'s, step for step (same coefficients, nesterov momentum, bf16
+    iteration, decoupled weight decay; ``adjust_lr = "match_rms_adamw"`` by default, Moonshot's 0.2·√max(A, B)
+    scaling, so AdamW's learning rate and weight decay carry over), and tests/train/test_muon.py checks it
+    against ``torch.optim.Muon``. We do not call that class because it refuses what we need: parameters of
+    more than two dimensions (MoE experts are stacked ``[E, out, in]``: each expert is orthogonalized alone,
+    as a batch), sharded parameters (under FSDP2 the update of a DTensor is computed on the whole matrix,
+    gathered once per parameter, and each rank keeps its own shard), and skipping a non-finite step on the
+    device: like the fused AdamW, ``step`` reads ``self.grad_scale`` (gradient clipping folded in) and
+    ``self.found_inf`` (a device flag; 1 leaves parameters and state untouched) without a host sync.
+    The AdamW groups go through ``torch.optim.adamw.adamw`` (fused on CUDA).
+    """
+
+    def __init__(
+        self,
+        params: list[dict],
+        *,
+        lr: float,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_steps: int = 5,
+        ns_coefficients: tuple[float, float, float] = (3.4445, -4.7750, 2.0315),
+        adjust_lr: str = "match_rms_adamw",
+        fused: bool = False,
+    ) -> None:
+        defaults = dict(
+            lr=lr, weight_decay=0.0, betas=betas, eps=eps, momentum=momentum, nesterov=nesterov,
+            ns_steps=ns_steps, ns_coefficients=ns_coefficients, adjust_lr=adjust_lr, muon=False, fused=fused,
+        )  # fmt: skip
+        super().__init__(params, defaults)
+        self.grad_scale: torch.Tensor | None = None
+        self.found_inf: torch.Tensor | None = None
+
+    @torch.no_grad()
+    def step(self, closure=None):  # noqa: ANN001, ANN201 - torch.optim.Optimizer's signature
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if params:
+                (self._muon_group if group["muon"] else self._adamw_group)(group, params)
+        self.grad_scale = self.found_inf = None
+        return loss
+
+    def _adamw_group(self, group: dict, params: list[torch.Tensor]) -> None:
+        exp_avgs, exp_avg_sqs, steps = [], [], []
+        for p in params:
+            state = self.state[p]
+            if not state:
+                state["step"] = torch.zeros(
+                    (), dtype=torch.float32, device=p.device if group["fused"] else "cpu"
+                )
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            exp_avgs.append(state["exp_avg"])
+            exp_avg_sqs.append(state["exp_avg_sq"])
+            steps.append(state["step"])
+        grads = [p.grad for p in params]
+        fused = group["fused"]
+        if not fused and self.grad_scale is not None:  # the fused kernel divides as it reads; here, a pass
+            grads = torch._foreach_div(grads, self.grad_scale)
+        if not fused and self.found_inf is not None:
+            raise RuntimeError(
+                "found_inf needs the fused AdamW (clip_and_step checks it on the host otherwise)"
+            )
+        beta1, beta2 = group["betas"]
+        from torch.optim.adamw import adamw
+
+        adamw(
+            params, grads, exp_avgs, exp_avg_sqs, [], steps,
+            foreach=not fused, fused=fused, grad_scale=self.grad_scale if fused else None,
+            found_inf=self.found_inf if fused else None, amsgrad=False, beta1=beta1, beta2=beta2,
+            lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
+        )  # fmt: skip
+
+    def _muon_group(self, group: dict, params: list[torch.Tensor]) -> None:
+        lr, wd, mu = group["lr"], group["weight_decay"], group["momentum"]
+        keep = None if self.found_inf is None else 1.0 - self.found_inf  # 0 on a non-finite step
+        for p in params:
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            # Element-wise work on this rank's shard (the whole tensor when not sharded); in-place on the
+            # local tensor updates the DTensor it belongs to.
+            grad, buf, weight = _local(p.grad), _local(state["momentum_buffer"]), _local(p)
+            if self.grad_scale is not None:
+                grad = grad / self.grad_scale
+            if keep is None:
+                buf.lerp_(grad, 1 - mu)
+            else:
+                grad = torch.where(keep > 0, grad, torch.zeros_like(grad))
+                buf.lerp_(grad, (1 - mu) * keep)
+            update = grad.lerp(buf, mu) if group["nesterov"] else buf
+            update = _orthogonalize(update, p, group["ns_coefficients"], group["ns_steps"])
+            scale = lr * _lr_adjustment(group["adjust_lr"], p.shape)
+            if keep is None:
+                weight.mul_(1 - lr * wd)
+                weight.add_(update, alpha=-scale)
+            else:
+                weight.mul_(1 - lr * wd * keep)
+                weight.add_(update * (-scale * keep))
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _lr_adjustment(kind: str, shape: torch.Size) -> float:
+    """``torch.optim.Muon``'s learning-rate adjustment, for one matrix (the last two dimensions)."""
+    rows, cols = shape[-2], shape[-1]
+    if kind == "match_rms_adamw":
+        return 0.2 * math.sqrt(max(rows, cols))
+    if kind == "original":
+        return math.sqrt(max(1.0, rows / cols))
+    return 1.0
+
+
+def _orthogonalize(
+    local: torch.Tensor, param: torch.Tensor, coefficients: tuple[float, float, float], steps: int
+) -> torch.Tensor:
+    """The Newton-Schulz iteration of ``torch.optim.Muon`` over the last two dimensions (leading dimensions
+    are a batch of matrices: MoE experts). When ``param`` is sharded (a DTensor), ``local`` is this rank's
+    shard of the update: it is gathered, orthogonalized whole (Newton-Schulz needs the whole matrix; every
+    rank does the same work) and cut back to this rank's shard."""
+    if hasattr(param, "device_mesh"):
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        mesh, placements = param.device_mesh, param.placements
+        full = DTensor.from_local(
+            local, mesh, placements, shape=param.shape, stride=param.stride()
+        ).full_tensor()
+        full = _orthogonalize(full, full, coefficients, steps)
+        return distribute_tensor(full, mesh, placements, src_data_rank=None).to_local()
+    a, b, c = coefficients
+    x = local.bfloat16()
+    tall = x.size(-2) > x.size(-1)
+    if tall:
+        x = x.mT
+    if x.ndim == 2:  # torch.optim.Muon's exact sequence (addmm rounds once)
+        x = x / x.norm().clamp(min=1e-7)
+        for _ in range(steps):
+            gram = x @ x.T
+            x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    else:
+        shape = x.shape
+        x = x.reshape(-1, *shape[-2:])
+        x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=1e-7)
+        for _ in range(steps):
+            gram = x @ x.mT
+            x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+        x = x.reshape(shape)
+    return x.mT if tall else x
 
 
 def build_adamw(
@@ -72,8 +266,9 @@ def default_warmup(total_steps: int) -> int:
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """Set the schedule's learning rate; a group with its own peak (Muon's) keeps its ratio to it."""
     for g in optimizer.param_groups:
-        g["lr"] = lr
+        g["lr"] = lr * g.get("lr_ratio", 1.0)
 
 
 def clip_and_step(

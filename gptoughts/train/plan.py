@@ -98,6 +98,8 @@ class RunPlan:
             f"  steps: {b['total_steps']:,} ({b['stop_rule']}) = {b['epochs']:.2f} epoch(s) over the data, "
             f"{b['total_steps'] * b['tokens_per_step']:,} tokens; warmup {b['warmup_steps']:,}, {ev}, {sv}"
         )
+        if "optimizer" in self.resolved:
+            lines.append(f"  optimizer: {self.resolved['optimizer']}")
         mem = (
             "memory: not estimated"
             if self.memory_gib is None

@@ -238,17 +238,35 @@ def make_objective(family: models.Family, built: Built, perf: PerfConfig) -> Cal
 def make_optimizer(
     model: nn.Module, t: TrainConfig, perf: PerfConfig, device: torch.device
 ) -> torch.optim.Optimizer:
-    from gptoughts.train.optim import build_adamw
+    """``train.optimizer``: AdamW, or Muon for the hidden matrices + AdamW for the rest. A model with LoRA
+    adapters keeps AdamW (:func:`optimizer_rule` says so in the plan)."""
+    from gptoughts.train.optim import build_adamw, build_muon
 
     fused = perf.fused_adamw is True or (perf.fused_adamw == "auto" and device.type == "cuda")
-    return build_adamw(
-        model,
-        lr=t.learning_rate,
-        weight_decay=t.weight_decay,
-        betas=(t.beta1, t.beta2),
-        eps=t.eps,
-        fused=fused,
+    common = dict(
+        lr=t.learning_rate, weight_decay=t.weight_decay, betas=(t.beta1, t.beta2), eps=t.eps, fused=fused
     )
+    if optimizer_rule(model, t)[0] == "muon":
+        return build_muon(
+            model,
+            muon_lr=t.muon_learning_rate,
+            muon_weight_decay=t.muon_weight_decay,
+            momentum=t.muon_momentum,
+            **common,
+        )
+    return build_adamw(model, **common)
+
+
+def optimizer_rule(model: nn.Module, t: TrainConfig) -> tuple[str, str]:
+    """The optimizer this run uses, and why."""
+    if t.optimizer == "muon":
+        if any("lora_" in n for n, p in model.named_parameters() if p.requires_grad):
+            return "adamw", "train.optimizer = muon, but LoRA adapters train with AdamW (low-rank factors)"
+        return (
+            "muon",
+            "train.optimizer = muon: Muon for the hidden matrices, AdamW for embeddings, head, norms",
+        )
+    return "adamw", "train.optimizer = adamw"
 
 
 def auto_micro_batch(
