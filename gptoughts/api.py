@@ -170,13 +170,17 @@ def finetune(
 
 def run_training(cfg: Config, *, dry_run: bool = False) -> tuple[nn.Module, Any, History]:
     """Assemble the run (``train/build.py``), print its plan, train, print and write the summary."""
+    from gptoughts.perf.startup import Startup, startup_clock
     from gptoughts.train.build import build, setup_environment
     from gptoughts.train.metrics import console
 
+    startup = Startup(imports_s=0.0, origin=startup_clock())
+    startup.imports_s = startup.age()
     env = setup_environment(cfg)
     try:
         with _disk_full_is_a_user_error():
             asm = build(cfg, dry_run=dry_run, env=env)
+        startup.assembly_s = startup.age() - startup.imports_s
         main = env.dist.is_main
         if main:
             console.print(asm.plan.format(), highlight=False)
@@ -192,6 +196,7 @@ def run_training(cfg: Config, *, dry_run: bool = False) -> tuple[nn.Module, Any,
                 )
             if main and asm.model.pretrained is not None and asm.model.pretrained.notice:
                 console.print(asm.model.pretrained.notice, highlight=False)
+            asm.trainer.startup = startup
             start_tokens, t0 = asm.trainer.state.tokens_seen, time.perf_counter()
             try:
                 with _disk_full_is_a_user_error():
@@ -269,6 +274,7 @@ def _summary(asm: Any, history: History, wall: float, tokens: int) -> dict[str, 
         "final_val_loss": history.final_val_loss if math.isfinite(history.final_val_loss) else None,
         "final_val_ppl": history.final_val_ppl if math.isfinite(history.final_val_ppl) else None,
         "stop_reason": history.stop_reason,
+        "startup": asm.trainer.startup.to_dict() if asm.trainer.startup.first_step_s else None,
         "checkpoints": str(asm.run_dir / "checkpoints"),
         "plots": [str(p) for p in plots],
         "sample": history.sample,

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -60,6 +61,13 @@ def setup_environment(cfg: Config) -> Environment:
     # (perf.residual_dtype), and compiled blocks fuse the norm anyway. Not a thing for the user to act on.
     warnings.filterwarnings("ignore", message="Mismatch dtype between input and weight")
     device = hardware.resolve_device(cfg.perf.device)
+    # torch.compile's caches (inductor's FX graphs, AOTAutograd's graphs, autotuning results) default to /tmp,
+    # which a reboot or a cluster's job cleanup empties; beside the token cache they last, so a second run of
+    # the same config compiles from cache (its start-up is printed after the first step). A user's own wins.
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        from gptoughts.data.prepare import default_cache_dir
+
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(default_cache_dir() / "inductor")
     # Before anything touches CUDA: the allocator reads its settings when it starts.
     hardware.apply_runtime_settings(
         device, tf32=cfg.perf.tf32, expandable_segments=cfg.perf.expandable_segments

@@ -185,6 +185,9 @@ class Trainer:
         self.total_steps = total_steps
         self.tokens_per_step = tokens_per_step
         self.sample_fn = sample_fn
+        self.startup: Any = None
+        """A :class:`~gptoughts.perf.startup.Startup` the caller fills before :meth:`fit`: the first step
+        completes it (one device sync) and prints it."""
         self.forward_context = forward_context
         # MFU of a logged window = its tokens/s x this (FLOPs per token / the GPUs' total bf16 peak); None off CUDA
         self.mfu_per_token_s = mfu_per_token_s
@@ -580,6 +583,14 @@ class Trainer:
         self.stop_signal = signum  # the CLI exits with 128 + signum (130 for SIGINT, 143 for SIGTERM)
 
     # ---------------------------------------------------------------------------------------------- fit
+    def _first_step_done(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        su = self.startup
+        su.first_step_s = max(1e-3, su.age() - su.imports_s - su.assembly_s)
+        if self.dist.is_main:
+            console.print(su.line(), highlight=False)
+
     def fit(self) -> TrainState:
         cfg = self.cfg
         self.model.train()
@@ -605,6 +616,8 @@ class Trainer:
                 profiler.before_step(st.step + 1)
                 self._pending.append(self._record(*self.train_step()))
                 profiler.after_step(st.step + 1)
+                if self.startup is not None and not self.startup.first_step_s:
+                    self._first_step_done()
                 st.step += 1
                 st.tokens_seen += self.tokens_per_step
                 step = st.step

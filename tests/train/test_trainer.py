@@ -252,6 +252,11 @@ def test_outputs_of_a_run(tmp_path, text_corpus, cache_dir):
     assert "time/forward_ms" in train_rows[-1]
     assert hist.val_loss and hist.sample.startswith("def ")
     assert load_config(str(out / "config.toml")).train.max_steps == 4
+    startup = json.loads((out / "summary.json").read_text())["startup"]  # command -> first finished step
+    parts = startup["imports_s"] + startup["assembly_s"] + startup["first_step_s"]
+    assert startup["imports_s"] < 1.0  # a Python API call: the clock starts at the call, not the process
+    assert startup["assembly_s"] > 0 and startup["first_step_s"] > 0
+    assert startup["to_first_step_s"] == pytest.approx(parts, abs=0.02)
     loaded = api.load(out)
     text = api.generate_text(loaded, "def ", max_new_tokens=5, seed=0)
     assert text.startswith("def ")

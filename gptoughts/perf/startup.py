@@ -1,0 +1,79 @@
+"""Time from the command to the first finished training step, and its parts (no torch import: the CLI
+starts this clock before anything heavy is imported)."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+_IMPORTED_AT = time.time()
+
+
+def process_age_s() -> float:
+    """Seconds since this process started: Linux's ``/proc/self/stat`` start time (so Python's own start and
+    the imports count), elsewhere since this module was imported."""
+    try:
+        with open("/proc/self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        start_ticks = int(fields[19])  # field 22 of stat(5); the two before the split are pid and comm
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return time.time() - _IMPORTED_AT
+
+
+_command_origin: float | None = None
+_commands = 0
+
+
+def mark_command() -> None:
+    """The CLI calls this on entry: the first command of a process counts from the process's start (Python and
+    the imports included); a later one (tests call the CLI in-process) from this call."""
+    global _command_origin, _commands
+    _command_origin = 0.0 if _commands == 0 else process_age_s()
+    _commands += 1
+
+
+def startup_clock() -> float:
+    """Process age at which this run's start-up clock starts: the command's (consumed once), else now (a
+    Python API call: its imports are the caller's business)."""
+    global _command_origin
+    origin, _command_origin = _command_origin, None
+    return process_age_s() if origin is None else origin
+
+
+@dataclass
+class Startup:
+    """Time from the command to the first finished step, in parts: ``imports`` (Python, torch, gptoughts, up
+    to the assembly), ``assembly`` (device, data cache check or preparation, tokenizer, model build, batch
+    plan), ``first_step`` (compile and the first optimizer step, synchronized)."""
+
+    imports_s: float
+    assembly_s: float = 0.0
+    first_step_s: float = 0.0
+    origin: float = 0.0
+    """Process age (:func:`process_age_s`) where the clock starts."""
+
+    def age(self) -> float:
+        """Seconds on this run's start-up clock."""
+        return process_age_s() - self.origin
+
+    @property
+    def total_s(self) -> float:
+        return self.imports_s + self.assembly_s + self.first_step_s
+
+    def to_dict(self) -> dict[str, float]:
+        return {
+            "to_first_step_s": round(self.total_s, 2),
+            "imports_s": round(self.imports_s, 2),
+            "assembly_s": round(self.assembly_s, 2),
+            "first_step_s": round(self.first_step_s, 2),
+        }
+
+    def line(self) -> str:
+        return (
+            f"first step done {self.total_s:.1f} s after the command (imports {self.imports_s:.1f} s, "
+            f"data + model {self.assembly_s:.1f} s, compile + first step {self.first_step_s:.1f} s)"
+        )
