@@ -226,10 +226,12 @@ class PerfConfig:
     compile: bool | str = "auto"
     """torch.compile the model: true, false or auto (on for CUDA GPUs, off on CPU)."""
     compile_mode: Literal["blocks", "model"] = "blocks"
-    """blocks (compile each transformer block: one graph reused, fast to compile) or model (whole model)."""
+    """blocks (compile each transformer block: one graph reused, fast to compile) or model (whole model: +3-4%
+    steady tokens/s at 125m-350m, +30% at 47M, but each auto-batch probe recompiles it: ~60 s more start-up)."""
     cuda_graphs: bool = False
     """Replay the compiled graphs as CUDA graphs (torch.compile mode reduce-overhead): no kernel-launch gaps,
-    more memory. Off by default: it only pays where the GPU waits on launches (bench/BENCHMARKS.md)."""
+    more memory. Off by default: it pays where the GPU waits on launches (a 47M model: 1.32x with whole-model
+    compile, bench/BENCHMARKS.md), not at 125m and above, and train's gradient accumulation trips it today."""
     max_autotune: bool = False
     """Inductor benchmarks Triton matmul templates against cuBLAS and fuses epilogues (compile takes minutes)."""
     residual_dtype: Literal["auto", "fp32", "bf16"] = "auto"

@@ -190,3 +190,24 @@ def test_sharded_parameters_step_like_whole_ones(tmp_path):
         opt.step()
     for a, b in zip(torch.load(out, weights_only=True), params):
         torch.testing.assert_close(a, b.detach(), rtol=0, atol=0)
+
+
+def test_matrices_of_one_shape_are_orthogonalized_together_like_alone():
+    """Same-shape matrices go through Newton-Schulz as one batch (speed); each gets torch.optim.Muon's step
+    for it alone, to bf16 rounding of the iteration (batched matmuls may round differently)."""
+    ours = [nn.Parameter(torch.randn(12, 20, generator=torch.Generator().manual_seed(i))) for i in range(3)]
+    ref = [nn.Parameter(p.detach().clone()) for p in ours]
+    start = [p.detach().clone() for p in ours]
+    o = Muon([{"params": ours, "muon": True, "weight_decay": 0.1}], lr=0.02)
+    r = torch.optim.Muon(ref, lr=0.02, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
+    g = torch.Generator().manual_seed(9)
+    for _ in range(3):
+        for a, b in zip(ours, ref):
+            a.grad = torch.randn(a.shape, generator=g)
+            b.grad = a.grad.clone()
+        o.step()
+        r.step()
+    for a, b, s in zip(ours, ref, start):
+        step = (b - s).abs().max().item()
+        assert step > 1e-3
+        assert (a - b).abs().max().item() < 0.02 * step  # a bug (wrong matrix, scale) moves it by ~step

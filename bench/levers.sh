@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# Speed levers of issues 13 and 14 on one GPU, side by side in one command per part.
+# Usage: bash bench/levers.sh OUT_DIR PART    PART = startup | bench | modes | user125
+#   startup: the same 1b command run twice (cold: data + compile; warm: every cache), at batch 8 and as a user
+#            types it; prints each run's "first step done ... after the command" line (summary.json: startup).
+#   bench:   1b b8 ours vs transformers (eager, compiled); Muon vs AdamW step time at 1b and 125m; the 47M
+#            small shape (d 512, 12 layers, seq 512, batch 32) with per-block compile, whole-model compile and
+#            CUDA graphs, beside compiled transformers. One JSON line per config in OUT_DIR/bench.jsonl.
+set -uo pipefail
+out=$1 part=$2
+mkdir -p "$out"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+G="python3 -m gptoughts"
+if [ "$part" = startup ]; then
+  for run in cold warm; do
+    $G train --data @stdlib --size 1b --batch_size 8 --grad_accum 1 --max_steps 2 --eval_interval 0 \
+      --no_progress --out "/tmp/su-b8-$run" > "$out/startup-b8-$run.log" 2>&1
+    echo "b8 $run: $(grep -E 'first step done|error' "$out/startup-b8-$run.log")" | tee -a "$out/startup.txt"
+  done
+  for run in cold warm; do
+    $G train --data @stdlib --size 1b --max_steps 1 --no_progress --out "/tmp/su-user-$run" \
+      > "$out/startup-user-$run.log" 2>&1
+    echo "user $run: $(grep -E 'batch:|first step done|error' "$out/startup-user-$run.log" | tr '\n' ' ')" \
+      | tee -a "$out/startup.txt"
+  done
+fi
+B="$G bench --json --steps 12 --warmup 5"
+mkdir -p /tmp/levers-err
+cat > /tmp/levers-err/row.py <<'PY'
+import json, sys
+r = json.loads(sys.argv[1])
+hf = r.get("hf", {})
+extra = "  ".join(
+    f"hf {m} {v['tokens_per_s']:,.0f} ({v['step_ms']:.1f} ms, ours {v['speedup']:.2f}x)" for m, v in hf.items()
+)
+print(
+    f"{r['name']:22s} {r['params'] / 1e6:7.1f}M  {r['tokens_per_s']:>10,.0f} tok/s  {r['step_ms']:7.1f} ms  "
+    f"MFU {r['mfu'] or 0:.3f}  {r['peak_memory_gib'] or 0:5.1f} GiB  {r['resolved'].get('compile', '')}  {extra}"
+)
+PY
+row() { python3 /tmp/levers-err/row.py "$1"; }
+# One JSON line per config in OUT_DIR/bench.jsonl, and its row printed as soon as it is measured (a command
+# stopped at its limit keeps what it measured); stderr of each run in /tmp/levers-err/NAME.err.
+run() { local name=$1; shift
+  local line
+  line=$($B "$@" 2> "/tmp/levers-err/$name.err" | tail -1 | python3 -c "import json,sys; r=json.loads(sys.stdin.read()); \
+r['name']='$name'; print(json.dumps(r))") || { echo "$name failed: $(tail -2 "/tmp/levers-err/$name.err")"; return; }
+  echo "$line" >> "$out/bench.jsonl"
+  row "$line" | tee -a "$out/summary.txt"; }
+if [ "$part" = modes ]; then
+  # whole-model compile and CUDA graphs by size (the auto rule's threshold), Muon's batched step
+  for size in "125m --batch_size 32 --block_size 1024" "350m --batch_size 16 --block_size 1024"; do
+    n=${size%% *}
+    run $n-blocks --size $size --perf.compile_mode blocks --perf.cuda_graphs false
+    run $n-model --size $size --perf.compile_mode model --perf.cuda_graphs false
+    run $n-graphs --size $size --perf.compile_mode model --perf.cuda_graphs true
+  done
+  run 125m-muon-graphs --size 125m --batch_size 32 --block_size 1024 --optimizer muon
+  run 1b-muon --size 1b --block_size 2048 --batch_size 8 --optimizer muon
+fi
+if [ "$part" = user125 ]; then
+  # the user's path at 125m under the auto rule, beside per-block compile (train: auto batch, eval, samples)
+  for v in auto "blocks --perf.cuda_graphs false"; do
+    n=${v%% *}
+    $G train --data @stdlib --size 125m --max_steps 40 --log_interval 5 --no_progress --out "/tmp/u125-$n" \
+      --perf.compile_mode $v > "/tmp/levers-err/user125-$n.log" 2>&1
+    echo "user 125m $n: $(grep -E 'batch:|first step done|^done|error' "/tmp/levers-err/user125-$n.log" \
+      | tr '\n' ' ')" | tee -a "$out/summary.txt"
+  done
+fi
+if [ "$part" = bench ]; then
+  small="--size 125m --model.d_model 512 --model.n_layers 12 --model.n_heads 8 --model.n_kv_heads 8
+    --model.ffn_dim 1408 --model.vocab_size 8192 --block_size 512 --batch_size 32"
+  run 1b-adamw-hf --size 1b --block_size 2048 --batch_size 8 --compare hf
+  run 1b-muon --size 1b --block_size 2048 --batch_size 8 --optimizer muon
+  run 125m-adamw --size 125m --block_size 1024 --batch_size 32
+  run 125m-muon --size 125m --block_size 1024 --batch_size 32 --optimizer muon
+  run small-blocks-hf $small --compare hf
+  run small-model $small --perf.compile_mode model
+  run small-model-graphs $small --perf.compile_mode model --perf.cuda_graphs true
+fi
