@@ -31,6 +31,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from gptoughts.errors import UserError
+from gptoughts.models.layers import softcap
 
 __all__ = ["Sampler", "diffusion_generate", "eager", "filter_top_k_top_p", "generate", "sample_top_k_top_p"]
 
@@ -174,7 +175,7 @@ def _decode(
             step_input = out[:, max(0, cur - max_seq_len) : cur]
         hidden = model(step_input, cache=cache, return_hidden=True)
         # Only the last position needs logits: skips a [B, T, V] matmul over the prompt at prefill.
-        logits = F.linear(hidden[:, -1], model.output_weight)
+        logits = _head(model, hidden[:, -1])
         token = sample_top_k_top_p(logits, **sampling)
         if eos_id is not None:
             token = token.masked_fill(done, eos_id)
@@ -298,10 +299,15 @@ def _block_logits(
         uncond = x.clone()
         uncond[:, :prompt_len] = mask_id
         hidden = model(torch.cat([x, uncond]), return_hidden=True)[:, start:end]
-        cond, unc = F.linear(hidden, model.output_weight).float().chunk(2)
+        cond, unc = _head(model, hidden).float().chunk(2)
         return unc + (cfg_scale + 1) * (cond - unc)
     hidden = model(x, return_hidden=True)[:, start:end]
-    return F.linear(hidden, model.output_weight).float()
+    return _head(model, hidden).float()
+
+
+def _head(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """The logits ``forward`` would return for ``hidden``: the LM head, then the model's logit soft-cap if any."""
+    return softcap(F.linear(hidden, model.output_weight), getattr(model, "logit_softcap", None))
 
 
 def _gumbel_argmax(

@@ -5,7 +5,8 @@ own file its blocks and what is genuinely its own. Written once here:
 
 * ``forward``: the ``max_seq_len`` check, the family's ``trunk`` (embeddings and blocks), advancing the KV cache,
   then the forward tail: the final norm, and the LM head unless ``return_hidden``;
-* ``output_weight``; ``init_weights`` (its fixed order of RNG draws and the residual-branch std);
+* ``output_weight`` and ``logit_softcap`` (the head); ``init_weights`` (its fixed order of RNG draws and the
+  residual-branch std);
 * ``num_params``, ``flops_per_token`` (the MFU formula), ``new_cache`` (a ``layers.KVCache`` by default);
 * ``unwrap``: the block under compile / activation-checkpointing wrappers.
 
@@ -23,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gptoughts.models.layers import KVCache
+from gptoughts.models.layers import KVCache, softcap
 
 __all__ = ["DecoderLM", "unwrap"]
 
@@ -75,6 +76,12 @@ class DecoderLM(nn.Module):
         """The ``[vocab_size, d_model]`` LM-head weight (the embedding matrix when tied)."""
         return self.token_embedding.weight if self.output is None else self.output.weight
 
+    @property
+    def logit_softcap(self) -> float | None:
+        """The cap of ``layers.softcap`` applied to the logits (``args.logit_softcap``), or None. Code that applies
+        ``output_weight`` itself (the objectives' losses, sampling) reads it here."""
+        return getattr(self.args, "logit_softcap", None)
+
     # ------------------------------------------------------------------------------------------ forward
 
     def forward(
@@ -86,8 +93,9 @@ class DecoderLM(nn.Module):
         return_hidden: bool = False,
         doc_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Logits ``[B, T, V]`` (in the head's compute dtype), or the final normed hidden state ``[B, T, d]``
-        when ``return_hidden`` (the objective then applies ``output_weight`` in chunks).
+        """Logits ``[B, T, V]`` (in the head's compute dtype; soft-capped when ``logit_softcap``), or the final
+        normed hidden state ``[B, T, d]`` when ``return_hidden`` (the objective then applies ``output_weight``, and
+        the cap, in chunks).
 
         With ``cache`` (from ``new_cache``), the tokens are placed after the ``cache.length`` tokens already
         cached and the cache is advanced by ``T``. ``position_ids [B, T]`` overrides the positions (not the
@@ -108,7 +116,7 @@ class DecoderLM(nn.Module):
         h = self.final_norm(h)
         if return_hidden:
             return h
-        return F.linear(h, self.output_weight)
+        return softcap(F.linear(h, self.output_weight), self.logit_softcap)
 
     def trunk(
         self,

@@ -185,6 +185,20 @@ def _init_linear(linear: nn.Linear, std: float) -> None:
         nn.init.zeros_(linear.bias)
 
 
+# --------------------------------------------------------------------------------------------- logits
+
+
+def softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """``cap * tanh(logits / cap)`` (Gemma 2's logit soft-capping), or ``logits`` unchanged when ``cap`` is None.
+
+    The one formula of every path that makes logits from hidden states: the model's forward, the losses of
+    ``perf/ce.py`` (whose chunked gradient uses its derivative ``1 - (z / cap)²``) and sampling.
+    """
+    if cap is None:
+        return logits
+    return torch.tanh(logits / cap) * cap
+
+
 # --------------------------------------------------------------------------------------------- KV cache
 
 

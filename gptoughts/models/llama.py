@@ -1,7 +1,9 @@
 """Llama-style decoder (Llama 2/3, and Qwen2/Qwen3 through ``qkv_bias`` / ``qk_norm``).
 
 Pre-norm blocks (RMSNorm -> GQA attention with RoPE -> residual, RMSNorm -> SwiGLU -> residual), a final
-RMSNorm and an untied (or tied) LM head. Parameter counts of the size presets (vocab 32768, untied
+RMSNorm and an untied (or tied) LM head. The speedrun switches of modded-nanogpt are fields of ``LlamaArgs``, all
+off by default: ``qk_norm``, ``mlp = "relu2"``, ``zero_init_output``, ``zero_init_proj`` and ``logit_softcap``
+(preset ``llama-125m-speedrun``). Parameter counts of the size presets (vocab 32768, untied
 embeddings; "non-embedding" excludes only the input embedding table, see ``Llama.num_params``):
 
 | size | d_model | layers | heads | kv heads | ffn_dim | parameters | non-embedding |
@@ -33,14 +35,16 @@ same RoPE layout (rotate_half), so HF weights load by renaming only:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from gptoughts.errors import ConfigError
-from gptoughts.models.base import DecoderLM
+from gptoughts.models.base import DecoderLM, unwrap
 from gptoughts.models.layers import Attention, KVCache, RMSNorm, RotaryEmbedding, SwiGLU
 
 
@@ -57,7 +61,8 @@ class LlamaArgs:
     n_kv_heads: int = 12
     """Key/value heads; fewer than ``n_heads`` gives grouped-query attention. Must divide ``n_heads``."""
     ffn_dim: int = 2048
-    """Hidden width of the SwiGLU MLP (HF ``intermediate_size``)."""
+    """Hidden width of the SwiGLU MLP (HF ``intermediate_size``); with ``mlp = "relu2"``, the width of the SwiGLU
+    whose parameter count the ReLU² MLP matches (see ``mlp``)."""
     vocab_size: int = 32768
     """Embedding rows and logits; normally set from the tokenizer. Multiples of 64/128 keep matmuls fast."""
     max_seq_len: int = 2048
@@ -74,7 +79,9 @@ class LlamaArgs:
     qkv_bias: bool = False
     """Bias on the q/k/v projections (Qwen2 style)."""
     qk_norm: bool = False
-    """RMSNorm over ``head_dim`` on q and k before RoPE (Qwen3 style); stabilises attention logits."""
+    """RMSNorm over ``head_dim`` on q and k, per head, before RoPE (Qwen3 style: a learned ``head_dim`` scale
+    shared by the heads, initialised to 1); bounds the attention logits, so higher learning rates stay stable.
+    Exported to transformers as Qwen3."""
     init_std: float = 0.02
     """Std of the normal init of embeddings and linears; ``wo``/``w2`` get ``init_std / sqrt(2 n_layers)``."""
     head_dim: int | None = None
@@ -85,6 +92,21 @@ class LlamaArgs:
     full_attention_layers: int = 0
     """With ``sliding_window``: the first this-many layers keep full attention (HF Qwen2/Qwen3
     ``max_window_layers``); 0 windows every layer (Mistral)."""
+    mlp: Literal["swiglu", "relu2"] = "swiglu"
+    """MLP of each block: ``swiglu`` (``w2(silu(w1 x) * w3 x)``, Llama) or ``relu2`` (``w2(relu(w3 x)²)``: two
+    matrices, So et al. 2021, modded-nanogpt). relu2's hidden width is ``3 * ffn_dim // 2`` (``ffn_hidden``), so a
+    size keeps its parameter count (125m: 3072 = 4 d_model). Exported to transformers as Arcee (without
+    ``qk_norm``/``qkv_bias``)."""
+    zero_init_output: bool = False
+    """Initialise the LM head to zero: every logit is 0 at step 0 (uniform predictions, loss ln(vocab)), and the
+    head learns from the first step. Needs an untied head (``tie_embeddings = false``)."""
+    zero_init_proj: bool = False
+    """Initialise each block's output projections (``wo`` and the MLP's ``w2``) to zero: every block starts as
+    the identity of the residual stream (modded-nanogpt). Init only: the model computes the same function."""
+    logit_softcap: float | None = None
+    """Soft-cap the logits to ``(-cap, cap)``: ``cap * tanh(logits / cap)`` (Gemma 2; modded-nanogpt uses 15).
+    Applied wherever logits are made: ``forward``, the plain and chunked training losses, evaluation and
+    sampling. transformers' Llama has no such cap: a model with it cannot be exported. None: off."""
 
     def __post_init__(self) -> None:
         for name in ("d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len"):
@@ -119,11 +141,32 @@ class LlamaArgs:
             missing = [k for k in needed[kind] if k not in self.rope_scaling]
             if missing:
                 raise ConfigError(f"model.rope_scaling of type {kind!r} lacks {', '.join(missing)}")
+        if self.mlp not in ("swiglu", "relu2"):
+            raise ConfigError(f"model.mlp must be swiglu or relu2, got {self.mlp!r}")
+        if self.zero_init_output and self.tie_embeddings:
+            raise ConfigError(
+                "model.zero_init_output needs an untied head: with model.tie_embeddings the head is the "
+                "token embedding, which cannot start at zero"
+            )
+        if self.logit_softcap is not None:
+            if not (math.isfinite(self.logit_softcap) and self.logit_softcap > 0):
+                raise ConfigError(
+                    f"model.logit_softcap must be a positive number or None, got {self.logit_softcap}"
+                )
+            if type(self) is not LlamaArgs:
+                # A family built on LlamaArgs (LLaDA) has LM-head paths of its own (its likelihood estimate) that
+                # do not apply the cap: refused rather than computed inconsistently.
+                raise ConfigError("model.logit_softcap is supported by the llama family only")
 
     @property
     def hd(self) -> int:
         """The effective head dimension."""
         return self.head_dim if self.head_dim is not None else self.d_model // self.n_heads
+
+    @property
+    def ffn_hidden(self) -> int:
+        """The MLP's hidden width: ``ffn_dim`` (SwiGLU), or ``3 * ffn_dim // 2`` (ReLU², same parameters)."""
+        return self.ffn_dim if self.mlp == "swiglu" else 3 * self.ffn_dim // 2
 
     @property
     def kv_heads(self) -> int:
@@ -145,6 +188,26 @@ LLAMA_SIZES: dict[str, dict[str, Any]] = {
 }
 
 
+class ReLU2MLP(nn.Module):
+    """``w2(relu(w3 x)²)``: one up- and one down-projection (modded-nanogpt's MLP; transformers' Arcee).
+
+    The up-projection is called ``w3`` because it maps onto HF's ``up_proj``, like SwiGLU's ``w3``: the renaming
+    table of ``llama_hf.py`` serves both MLPs unchanged.
+    """
+
+    def __init__(self, dim: int, hidden_dim: int) -> None:
+        super().__init__()
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+
+    def reset_parameters(self, std: float, out_std: float) -> None:
+        nn.init.normal_(self.w3.weight, mean=0.0, std=std)
+        nn.init.normal_(self.w2.weight, mean=0.0, std=out_std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.relu(self.w3(x)).square())
+
+
 class TransformerBlock(nn.Module):
     """Pre-norm block; the unit of activation checkpointing, per-block compile and FSDP sharding."""
 
@@ -162,7 +225,11 @@ class TransformerBlock(nn.Module):
             causal=True,
             sliding_window=args.sliding_window if layer_idx >= args.full_attention_layers else None,
         )
-        self.feed_forward = SwiGLU(args.d_model, args.ffn_dim)
+        self.feed_forward = (
+            SwiGLU(args.d_model, args.ffn_dim)
+            if args.mlp == "swiglu"
+            else ReLU2MLP(args.d_model, args.ffn_hidden)
+        )
         self.attention_norm = RMSNorm(args.d_model, args.norm_eps)
         self.ffn_norm = RMSNorm(args.d_model, args.norm_eps)
 
@@ -189,7 +256,8 @@ class Llama(DecoderLM):
 
     ``forward``, ``init_weights`` (Normal(0, init_std) for embeddings and linears, ``init_std / sqrt(2 n_layers)``
     for ``wo``/``w2``, norms to 1, biases to 0, RoPE tables recomputed), ``num_params`` (``non_embedding``
-    excludes the input embedding table only), ``flops_per_token`` and ``new_cache`` come from ``DecoderLM``.
+    excludes the input embedding table only), ``flops_per_token``, ``new_cache`` and ``logit_softcap`` come from
+    ``DecoderLM``; ``init_weights`` then zeroes what ``zero_init_output`` / ``zero_init_proj`` ask for.
     """
 
     def __init__(self, args: LlamaArgs) -> None:
@@ -201,3 +269,15 @@ class Llama(DecoderLM):
         # Tied: no `output` module at all, so the state dict holds the matrix once (safetensors refuses
         # aliased tensors) and FSDP sees a single parameter.
         self.output = None if args.tie_embeddings else nn.Linear(args.d_model, args.vocab_size, bias=False)
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        # The same RNG draws as without the switches (then zeroed): the other weights do not change with them.
+        super().init_weights()
+        if self.args.zero_init_output and self.output is not None:
+            self.output.weight.zero_()
+        if self.args.zero_init_proj:
+            for layer in self.layers:
+                block = unwrap(layer)
+                block.attention.wo.weight.zero_()
+                block.feed_forward.w2.weight.zero_()

@@ -1,13 +1,16 @@
-"""Hugging Face interop of the Llama family: ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``
-and ``Qwen3ForCausalLM`` checkpoints <-> :class:`~gptoughts.models.llama.Llama`.
+"""Hugging Face interop of the Llama family: ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``,
+``Qwen3ForCausalLM`` and ``ArceeForCausalLM`` checkpoints <-> :class:`~gptoughts.models.llama.Llama`.
 
-The four share one layout (pre-norm, GQA, RoPE in the rotate_half convention, SwiGLU); they differ by flags our
+The five share one layout (pre-norm, GQA, RoPE in the rotate_half convention); they differ by flags our
 ``LlamaArgs`` already has: q/k/v bias (Qwen2), q/k RMSNorm and an explicit ``head_dim`` (Qwen3), a sliding
-window (Mistral; Qwen2/Qwen3 when ``use_sliding_window``), tied embeddings. Weights map by renaming only (see
-the table in ``llama.py``), no permutation. Configs this code does not reproduce exactly (other RoPE scalings,
-biases on ``o_proj`` or the MLP, another activation, irregular ``layer_types``) raise
-:class:`~gptoughts.models.hf.UnsupportedHFConfig`, and ``load_pretrained`` then takes the generic
-``transformers`` path instead of loading a model that would compute something else.
+window (Mistral; Qwen2/Qwen3 when ``use_sliding_window``), tied embeddings, and the MLP: SwiGLU, or Arcee's
+ReLU² (``mlp = "relu2"``: ``up_proj``/``down_proj`` only, no gate; our ``w3``/``w2``). Of the speedrun
+switches, ``qk_norm`` exports as Qwen3 and ``relu2`` as Arcee (not both: no architecture has both), the zero
+inits need nothing, and ``logit_softcap`` has no counterpart: such a model is refused with one line naming the
+switch. Weights map by renaming only (see the table in ``llama.py``), no permutation. Configs this code does
+not reproduce exactly (other RoPE scalings, biases on ``o_proj`` or the MLP, another activation, irregular
+``layer_types``) raise :class:`~gptoughts.models.hf.UnsupportedHFConfig`, and ``load_pretrained`` then takes the
+generic ``transformers`` path instead of loading a model that would compute something else.
 
 The adapter is the module-level ``HF_MODEL_TYPES, args_from_hf, hf_config, from_hf, to_hf`` (the contract of
 ``docs/internals.md``), registered on the llama ``Family`` in ``models/__init__.py``.
@@ -24,12 +27,13 @@ from gptoughts.errors import UserError
 from gptoughts.models.hf import UnsupportedHFConfig
 from gptoughts.models.llama import LlamaArgs
 
-HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "arcee")
 _ARCH = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "arcee": "ArceeForCausalLM",
 }
 
 # Inside a block: our sub-module path -> the transformers one.
@@ -107,9 +111,14 @@ def args_from_hf(config: dict[str, Any]) -> LlamaArgs:
     model_type = config.get("model_type")
     if model_type not in HF_MODEL_TYPES:
         raise UnsupportedHFConfig(f"model_type {model_type!r}")
-    act = config.get("hidden_act", "silu")
-    if act not in ("silu", "swish"):
+    act = config.get("hidden_act", "relu2" if model_type == "arcee" else "silu")
+    if act not in (("relu2",) if model_type == "arcee" else ("silu", "swish")):
         raise UnsupportedHFConfig(f"activation {act!r}")
+    ffn_dim = int(config["intermediate_size"])
+    if model_type == "arcee":  # our relu2 width is 3 * ffn_dim // 2 (LlamaArgs.ffn_hidden): invert it
+        ffn_dim = 2 * ffn_dim // 3
+        if 3 * ffn_dim // 2 != int(config["intermediate_size"]):
+            raise UnsupportedHFConfig(f"a ReLU² width of {config['intermediate_size']} (not 3 * n // 2)")
     if config.get("mlp_bias"):
         raise UnsupportedHFConfig("bias on the MLP projections")
     # Llama/Qwen3 `attention_bias` also puts a bias on o_proj; Qwen2 has q/k/v biases only, always.
@@ -128,7 +137,7 @@ def args_from_hf(config: dict[str, Any]) -> LlamaArgs:
         n_layers=n_layers,
         n_heads=n_heads,
         n_kv_heads=int(config.get("num_key_value_heads") or n_heads),
-        ffn_dim=int(config["intermediate_size"]),
+        ffn_dim=ffn_dim,
         vocab_size=int(config["vocab_size"]),
         max_seq_len=int(config.get("max_position_embeddings") or 2048),
         rope_theta=theta,
@@ -141,30 +150,46 @@ def args_from_hf(config: dict[str, Any]) -> LlamaArgs:
         head_dim=int(head_dim) if head_dim is not None else None,
         sliding_window=window,
         full_attention_layers=full_layers,
+        mlp="relu2" if model_type == "arcee" else "swiglu",
     )
 
 
 def _compatible(args: LlamaArgs) -> dict[str, bool]:
+    swiglu = args.mlp == "swiglu"
     return {
-        "llama": not args.qkv_bias and not args.qk_norm and args.sliding_window is None,
-        "mistral": not args.qkv_bias and not args.qk_norm and args.full_attention_layers == 0,
-        "qwen2": args.qkv_bias and not args.qk_norm,
-        "qwen3": args.qk_norm and not args.qkv_bias,
+        "llama": swiglu and not args.qkv_bias and not args.qk_norm and args.sliding_window is None,
+        "mistral": swiglu and not args.qkv_bias and not args.qk_norm and args.full_attention_layers == 0,
+        "qwen2": swiglu and args.qkv_bias and not args.qk_norm,
+        "qwen3": swiglu and args.qk_norm and not args.qkv_bias,
+        "arcee": not swiglu and not args.qkv_bias and not args.qk_norm and args.sliding_window is None,
     }
 
 
 def hf_model_type(args: LlamaArgs, preferred: str | None = None) -> str:
-    """The transformers architecture that computes exactly what ``args`` describes (``preferred`` if it can)."""
+    """The transformers architecture that computes exactly what ``args`` describes (``preferred`` if it can).
+
+    A model none computes is refused with one line naming the switch."""
+    why = _not_exportable(args)
+    if why:
+        raise UserError(f"cannot export to Hugging Face format: {why}")
     ok = _compatible(args)
     if preferred in ok and ok[preferred]:
         return preferred
-    for name in HF_MODEL_TYPES:
-        if ok[name]:
-            return name
-    raise UserError(
-        "no transformers architecture has both q/k/v biases and q/k norms; this model cannot be "
-        "exported to Hugging Face format (train with model.qkv_bias or model.qk_norm, not both)"
-    )
+    return next(name for name in HF_MODEL_TYPES if ok[name])
+
+
+def _not_exportable(args: LlamaArgs) -> str | None:
+    """Why no architecture of :data:`HF_MODEL_TYPES` computes what ``args`` describes, or None."""
+    if args.logit_softcap is not None:
+        return f"model.logit_softcap = {args.logit_softcap} (transformers' Llama has no logit soft-cap)"
+    if args.qkv_bias and args.qk_norm:
+        return "model.qkv_bias with model.qk_norm (no transformers architecture has both; train with one)"
+    if args.mlp == "relu2" and (args.qk_norm or args.qkv_bias):
+        extra = "model.qk_norm" if args.qk_norm else "model.qkv_bias"
+        return f"model.mlp = relu2 with {extra} (transformers' Arcee has the ReLU² MLP, not {extra})"
+    if args.mlp == "relu2" and args.sliding_window is not None:
+        return "model.mlp = relu2 with model.sliding_window (transformers' Arcee has no sliding window)"
+    return None
 
 
 def hf_config(args: LlamaArgs, base: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -186,7 +211,7 @@ def hf_config(args: LlamaArgs, base: dict[str, Any] | None = None) -> dict[str, 
         architectures=[_ARCH[model_type]],
         model_type=model_type,
         hidden_size=args.d_model,
-        intermediate_size=args.ffn_dim,
+        intermediate_size=args.ffn_hidden,
         num_hidden_layers=args.n_layers,
         num_attention_heads=args.n_heads,
         num_key_value_heads=args.n_kv_heads,
@@ -195,7 +220,7 @@ def hf_config(args: LlamaArgs, base: dict[str, Any] | None = None) -> dict[str, 
         max_position_embeddings=args.max_seq_len,
         rms_norm_eps=args.norm_eps,
         tie_word_embeddings=args.tie_embeddings,
-        hidden_act="silu",
+        hidden_act="relu2" if model_type == "arcee" else "silu",
         initializer_range=args.init_std,
         attention_dropout=0.0,
         use_cache=True,
@@ -203,9 +228,9 @@ def hf_config(args: LlamaArgs, base: dict[str, Any] | None = None) -> dict[str, 
         rope_parameters=rope,
         rope_theta=args.rope_theta,
     )
-    if model_type in ("llama", "qwen3"):
+    if model_type in ("llama", "qwen3", "arcee"):
         cfg["attention_bias"] = False
-    if model_type == "llama":
+    if model_type in ("llama", "arcee"):
         cfg["mlp_bias"] = False
     if model_type == "mistral":
         cfg["sliding_window"] = args.sliding_window

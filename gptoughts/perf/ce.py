@@ -10,6 +10,10 @@ exists; backward just scales the stored gradients. Same FLOPs as plain (the thre
 into forward). The per-chunk body is compiled when compile is on, fusing the softmax/gather/subtract passes
 into few kernels. This is the technique of Liger-Kernel's fused linear cross-entropy, written in PyTorch so
 it runs (and is tested) on CPU too; bench measures it against ``liger`` where that package is installed.
+
+``softcap`` (every kind): the logits are ``cap * tanh(logits / cap)`` (``models.layers.softcap``, the model's
+``logit_softcap``); the chunked gradient is multiplied by the cap's derivative ``1 - (z / cap)²``, computed from
+the capped logits in place, so the cap adds no ``[rows, vocab]`` buffer.
 """
 
 from __future__ import annotations
@@ -19,12 +23,17 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from gptoughts.models.layers import softcap as apply_softcap
+
 IGNORE_INDEX = -100
 
 
-def plain_linear_ce(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def plain_linear_ce(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, softcap: float | None = None
+) -> torch.Tensor:
     logits = F.linear(hidden.reshape(-1, hidden.shape[-1]), weight)
-    return F.cross_entropy(logits.float(), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum")
+    logits = apply_softcap(logits.float(), softcap)
+    return F.cross_entropy(logits, targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum")
 
 
 def _chunk_grads(
@@ -33,19 +42,28 @@ def _chunk_grads(
     t: torch.Tensor,
     need_w: bool = True,
     token_weight: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Loss sum, d loss / d h, and d loss / d w (fp32; None when the head is frozen) for one chunk of rows.
 
     ``token_weight`` (optional, per row, no gradient) scales each row's loss and gradient (LLaDA's 1/t).
+    ``softcap``: the loss of ``cap * tanh(logits / cap)``.
     """
     logits = (h @ w.t()).float()
+    if softcap is not None:
+        logits = apply_softcap(logits, softcap)
     valid = t != IGNORE_INDEX
     safe_t = torch.where(valid, t, 0)
     scale = valid.float() if token_weight is None else torch.where(valid, token_weight, 0.0)
     lse = torch.logsumexp(logits, dim=-1)
     target_logit = logits.gather(1, safe_t.unsqueeze(1)).squeeze(1)
     loss = ((lse - target_logit) * scale).sum()
-    g = ce_logit_grad(logits, lse, safe_t, scale, fused=torch.compiler.is_compiling()).to(h.dtype)
+    g = ce_logit_grad(logits, lse, safe_t, scale, fused=torch.compiler.is_compiling())
+    if softcap is not None:
+        # Chain rule through the cap: d z / d logits = 1 - (z / cap)². The capped logits are dead past this
+        # point, so they become the factor in place (eager: no extra [rows, vocab] buffer).
+        g = g * logits.div_(softcap).square_().neg_().add_(1.0)
+    g = g.to(h.dtype)
     grad_h = g @ w
     # A frozen head (LoRA with tied embeddings) needs no weight gradient: skipping it saves a third of the
     # head's matmuls and the [V, d] fp32 accumulator.
@@ -94,6 +112,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
         compute_dtype: torch.dtype,
         compiled: bool,
         token_weight: torch.Tensor | None,
+        softcap: float | None,
     ) -> torch.Tensor:
         h_all = hidden.to(compute_dtype)
         w = weight.to(compute_dtype)
@@ -106,7 +125,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
         for start in range(0, n, chunk_size):
             end = min(start + chunk_size, n)
             tw = token_weight[start:end] if token_weight is not None else None
-            l_c, gh, gw = fn(h_all[start:end], w, targets[start:end], need_w, tw)
+            l_c, gh, gw = fn(h_all[start:end], w, targets[start:end], need_w, tw, softcap)
             loss += l_c
             grad_h[start:end] = gh
             if grad_w is not None:
@@ -120,7 +139,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
         grad_h, grad_w = ctx.saved_tensors
         h_dtype, w_dtype = ctx.dtypes
         gw = (grad_w * grad_out).to(w_dtype) if grad_w is not None else None
-        return (grad_h * grad_out).to(h_dtype), gw, None, None, None, None, None
+        return (grad_h * grad_out).to(h_dtype), gw, None, None, None, None, None, None
 
 
 def chunked_linear_ce(
@@ -131,9 +150,10 @@ def chunked_linear_ce(
     chunk_size: int = 4096,
     compiled: bool = False,
     token_weight: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Summed CE of ``hidden @ weight.T`` against ``targets`` with one chunk of logits alive at a time;
-    with ``token_weight``, each token's term is multiplied by its weight."""
+    """Summed CE of ``hidden @ weight.T`` (soft-capped when ``softcap``) against ``targets`` with one chunk of
+    logits alive at a time; with ``token_weight``, each token's term is multiplied by its weight."""
     h = hidden.reshape(-1, hidden.shape[-1])
     t = targets.reshape(-1)
     tw = token_weight.reshape(-1).float().detach() if token_weight is not None else None
@@ -142,27 +162,35 @@ def chunked_linear_ce(
     else:
         compute_dtype = h.dtype
     with torch.autocast(h.device.type, enabled=False):
-        return _ChunkedLinearCE.apply(h, weight, t, chunk_size, compute_dtype, compiled, tw)
+        return _ChunkedLinearCE.apply(h, weight, t, chunk_size, compute_dtype, compiled, tw, softcap)
 
 
-def liger_linear_ce(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def liger_linear_ce(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, softcap: float | None = None
+) -> torch.Tensor:
     from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
 
     h, w = hidden.reshape(-1, hidden.shape[-1]), weight
     if torch.is_autocast_enabled(h.device.type):
         dtype = torch.get_autocast_dtype(h.device.type)
         h, w = h.to(dtype), weight.to(dtype)
+    # Liger's kernel applies the same tanh cap (its ``softcap`` argument) inside its fused pass; the argument is
+    # passed only when set, so versions without it still run uncapped models.
+    cap = {} if softcap is None else {"softcap": softcap}
     return liger_fused_linear_cross_entropy(
-        h, w, targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
+        h, w, targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum", **cap
     )
 
 
 def make_loss(kind: str, *, compiled: bool = False, chunk_size: int = 4096) -> Callable:
-    """``plain``, ``chunked`` or ``liger`` -> fn(hidden, weight, targets) returning the summed loss."""
+    """``plain``, ``chunked`` or ``liger`` -> fn(hidden, weight, targets, *, softcap=None) returning the summed
+    loss (the objective passes the model's ``logit_softcap``)."""
     if kind == "plain":
         return plain_linear_ce
     if kind == "chunked":
-        return lambda h, w, t: chunked_linear_ce(h, w, t, chunk_size=chunk_size, compiled=compiled)
+        return lambda h, w, t, *, softcap=None: chunked_linear_ce(
+            h, w, t, chunk_size=chunk_size, compiled=compiled, softcap=softcap
+        )
     if kind == "liger":
         return liger_linear_ce
     raise ValueError(kind)

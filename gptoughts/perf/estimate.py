@@ -99,17 +99,24 @@ def _layer_activation_bytes(args: Any, mode: str, residual_bytes: int = 4) -> fl
     26.9 KB per token and layer at 125m (formula 27.6 KB) and 81.5 KB at 1b (formula 84.0 KB); bf16 residual,
     77.4 KB at 1b (formula 75.8 KB). selective keeps matmul outputs and recomputes norms and activations; full
     keeps only the block input (r d).
+
+    Speedrun switches (not measured; counted as above): ``qk_norm`` adds q and k before their norm (2(d + d_kv));
+    ``mlp = "relu2"`` keeps w3's output and its square (2 × 2h, h = ``ffn_hidden`` = 3f/2: the same 6f as the
+    SwiGLU), and selective keeps w3's output only (2h = 3f instead of 4f).
     """
     r = residual_bytes
     d = args.d_model
     head_dim = getattr(args, "head_dim", None) or d // args.n_heads
     d_kv = getattr(args, "n_kv_heads", args.n_heads) * head_dim
     f = getattr(args, "ffn_dim", 4 * d)
+    relu2 = getattr(args, "mlp", "swiglu") == "relu2"
     if mode == "none":
-        return (8 + 2 * r) * d + 4 * d_kv + 6 * f
+        qk_norm = 2 * (d + d_kv) if getattr(args, "qk_norm", False) else 0
+        mlp = 4 * args.ffn_hidden if relu2 else 6 * f
+        return (8 + 2 * r) * d + 4 * d_kv + mlp + qk_norm
     # selective: measured 45.4 KB/token/layer at 3b (d 3072, ffn 8192, fp32 residual), per-block compile
     if mode == "selective":
-        return r * d + 4 * f
+        return r * d + (2 * args.ffn_hidden if relu2 else 4 * f)
     if mode == "full":
         return r * d
     raise ConfigError(f"activation checkpointing must be none, selective or full; got {mode!r}")

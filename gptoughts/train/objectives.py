@@ -7,6 +7,7 @@ and ranks, so gradient accumulation is exactly equivalent to one large batch.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -35,11 +36,11 @@ class CausalLM:
         # doc_ids is passed only when present, so families without packed-row support keep their signature.
         docs = {"doc_ids": batch[3]} if len(batch) > 3 else {}
         hidden = model(x, position_ids=position_ids, return_hidden=True, **docs)
-        weight = _output_weight(model)
-        loss_sum = self.loss_fn(hidden, weight, y)
         inner = _inner(model)
+        loss_fn = _capped(self.loss_fn, inner)
+        loss_sum = loss_fn(hidden, inner.output_weight, y)
         if hasattr(inner, "extra_loss"):  # MoE balance, multi-token prediction: already summed over tokens
-            extra = inner.extra_loss(y, self.loss_fn)
+            extra = inner.extra_loss(y, loss_fn)
             if extra is not None:
                 loss_sum = loss_sum + extra
         n_tokens = (y != IGNORE_INDEX).sum()
@@ -54,8 +55,11 @@ def _inner(model: nn.Module) -> nn.Module:
     return inner
 
 
-def _output_weight(model: nn.Module) -> torch.Tensor:
-    return _inner(model).output_weight
+def _capped(loss_fn: LossFn, inner: nn.Module) -> LossFn:
+    """``loss_fn`` applying the model's logit soft-cap (``logit_softcap``, Llama's speedrun switch) when it has
+    one: the loss then sees the logits ``forward`` returns. Uncapped models get ``loss_fn`` itself."""
+    cap = getattr(inner, "logit_softcap", None)
+    return loss_fn if cap is None else functools.partial(loss_fn, softcap=cap)
 
 
 # ---------------------------------------------------------------------------------------- masked diffusion
