@@ -64,7 +64,8 @@ def setup_environment(cfg: Config) -> Environment:
     # torch.compile's caches (inductor's FX graphs, AOTAutograd's graphs, autotuning results) default to /tmp,
     # which a reboot or a cluster's job cleanup empties; beside the token cache they last, so a second run of
     # the same config compiles from cache (its start-up is printed after the first step). A user's own wins.
-    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    # (torch writes its /tmp default into the variable the first time it looks, so that value counts as unset.)
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, _torch_inductor_default()):
         from gptoughts.data.prepare import default_cache_dir
 
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(default_cache_dir() / "inductor")
@@ -77,6 +78,14 @@ def setup_environment(cfg: Config) -> Environment:
     precision = hardware.resolve_precision(cfg.perf.precision, hw)
     why = {"precision": f"{precision} ({'asked' if cfg.perf.precision != 'auto' else 'auto: ' + hw.arch})"}
     return Environment(device=device, dist=info, hw=hw, precision=precision, resolved=why)
+
+
+def _torch_inductor_default() -> str | None:
+    try:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir as torch_default
+    except ImportError:  # a torch without it: only an unset variable is ours to set
+        return None
+    return os.path.abspath(torch_default())
 
 
 # ------------------------------------------------------------------------------------------------ 3. data

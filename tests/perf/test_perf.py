@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -478,3 +479,26 @@ def test_summarize_profile_from_profiler_events():
         and lines[0].startswith("kernels: GPU busy")
         and lines[1].startswith("GPU idle 0.10 ms")
     )
+
+
+def test_compile_caches_live_beside_the_token_cache(tmp_path, monkeypatch):
+    """torch.compile's caches go to $GPTOUGHTS_CACHE/inductor (torch's /tmp default counts as unset, since
+    torch writes it into the variable when it first looks); a user's own choice is kept."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    from gptoughts.config import load_config
+    from gptoughts.train.build import setup_environment
+
+    monkeypatch.setenv("GPTOUGHTS_CACHE", str(tmp_path / "cache"))
+    cfg = load_config("default", {"perf.device": "cpu"})
+    for before, after in (
+        (None, tmp_path / "cache" / "inductor"),
+        (default_cache_dir(), tmp_path / "cache" / "inductor"),
+        (str(tmp_path / "mine"), tmp_path / "mine"),
+    ):
+        if before is None:
+            monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+        else:
+            monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", before)
+        setup_environment(cfg)
+        assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(after)
