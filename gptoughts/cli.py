@@ -584,10 +584,12 @@ def cmd_bench(argv: Sequence[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(
             "usage: gptoughts bench [PRESET|FILE.toml] [--model F --size S --block_size T --batch_size B ...]\n"
-            "                       [--steps 20] [--warmup 5] [--compare hf] [--shards DIR] [--kernels N] [--json]\n"
+            "                       [--steps 20] [--warmup 5] [--compare hf|torchtitan[:flex,sdpa,nographs]]\n"
+            "                       [--shards DIR] [--kernels N] [--json]\n"
             "Times training steps (synthetic tokens, or prepared --shards) and prints tokens/s, MFU, peak memory\n"
             "and the step breakdown; --compare hf runs transformers' LlamaForCausalLM (eager and compiled) on the\n"
-            "same shape in the same process and prints the ratios. --kernels N profiles N more steps and\n"
+            "same shape in the same process and prints the ratios; --compare torchtitan runs torchtitan's own\n"
+            "Llama 3 model and parallelize functions (pip install torchtitan==0.3.0). --kernels N profiles N more steps and\n"
             "reports GPU time by kernel category (matmul, attention, element-wise, optimizer, ...)."
         )
         return 0

@@ -199,7 +199,8 @@ def test_training_commands_build_what_they_ask(in_workdir, capsys):
         args = argv[1:]
         text = _run([*args, "--dry_run"] if "--dry_run" not in args else args, capsys)
         family, size, params = _plan(text)
-        assert params == table[(family, size)]["params"], line
+        # The size's shape (a preset's switches may add a little: the speedrun's q/k norms add 1,536 of 135M)
+        assert abs(params - table[(family, size)]["params"]) <= 1e-4 * params, line
         assert "read all of it" in text, line
         assert not (in_workdir / _default_out(args[1:])).exists(), f"--dry_run wrote {line}"
         if "--dry_run" in args:
