@@ -680,8 +680,16 @@ def bench_torchtitan(
             # final norm (the same FSDP unit) before the decoder's backward reads it: a segfault on CPU, found on
             # torch 2.11 and not on 2.13. Kept unsharded instead (one more bf16 copy of norm + lm_head resident).
             model.lm_head.reshard = lambda: None
+            # torch 2.11's FSDP2 also reduces the [norm, lm_head] unit only once, in the decoder's backward
+            # (2.13 detects the lm_head-only forwards of the chunk loop): the wrapper's no-sync chunks 0..6 have by
+            # then upcast lm_head's gradient to the fp32 reduce dtype while norm's is bf16, and that one reduce-
+            # scatter refuses the mix. Kept syncing instead: lm_head's chunk gradients stay bf16 like norm's and are
+            # reduced (in fp32, into the fp32 sharded .grad) at each post-backward 2.11 fires for the unit, a few times
+            # a step; in fp32 the gradients are the same either way.
+            model.lm_head.set_requires_gradient_sync = lambda *a, **k: None
             notes.append(
-                f"torch {torch.__version__.split('+')[0]}: the chunked loss's lm_head.reshard() skipped"
+                f"torch {torch.__version__.split('+')[0]}: the chunked loss's lm_head.reshard() and no-sync "
+                "chunks skipped"
             )
         params = [p for p in model.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(

@@ -73,6 +73,22 @@ def test_tiny_compare_runs_the_same_model(torchtitan):
     assert "torchtitan sdpa: tokens/s" in text and "params, ours" not in text
 
 
+def test_bf16_compare_reduces_uniform_gradient_dtypes(torchtitan):
+    # FSDP2 mixed precision (param bf16, reduce fp32) with the chunked loss: on torch 2.11 the [norm, lm_head]
+    # unit once reduced norm's bf16 gradient with lm_head's fp32 no-sync accumulation, and FSDP refused the mix
+    r = bench.run_bench(
+        load_config("default", {**BENCH, "perf.precision": "bf16"}),
+        steps=1,
+        warmup=1,
+        compare="torchtitan:sdpa",
+    )
+    tt = r["torchtitan"]["sdpa"]
+    assert "error" not in tt, tt.get("error")
+    assert "FSDP2 x1 bfloat16" in tt["label"]
+    if bench._torch_version() < (2, 13):
+        assert "no-sync chunks skipped" in tt["label"]
+
+
 def test_flex_on_cpu_is_reported_not_fatal(torchtitan):
     r = bench.run_bench(load_config("default", BENCH), steps=1, warmup=0, compare="torchtitan:flex")
     assert r["tokens_per_s"] > 0  # our measurement survives the peer's failure
