@@ -110,3 +110,21 @@ MEASURED = [
 def test_estimate_matches_measured_peaks(family, size, batch, block, peak_gib):
     e = estimate(family, size, batch_size=batch, block_size=block, residual_dtype="fp32")
     assert e.total_gib == pytest.approx(peak_gib, rel=0.05)
+
+
+def test_muon_state_is_one_buffer_per_hidden_matrix():
+    """Muon keeps one fp32 momentum per hidden matrix (AdamW two moments); embeddings, head and norms keep
+    AdamW's two: the optimizer state shrinks by 4 bytes per hidden-matrix parameter, no more."""
+    import torch
+
+    from gptoughts import models
+    from gptoughts.perf.estimate import estimate
+
+    adamw = estimate("llama", "125m", batch_size=1, block_size=256)
+    muon = estimate("llama", "125m", batch_size=1, block_size=256, optimizer="muon")
+    with torch.device("meta"):
+        model = models.build_model("llama", models.model_args("llama", "125m"))
+    hidden = models.hidden_matrices(model)
+    n_hidden = sum(p.numel() for p in model.parameters() if id(p) in hidden)
+    assert 0 < n_hidden < model.num_params()
+    assert (adamw.optimizer_gib - muon.optimizer_gib) * 2**30 == pytest.approx(4 * n_hidden)
