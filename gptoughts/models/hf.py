@@ -449,7 +449,6 @@ def save_hf(
             f"the {family} family has no transformers export yet; only families with an HF adapter "
             "(llama, mistral, qwen2, qwen3 layouts) can be exported"
         )
-    out = prepare_out_dir(out_dir, overwrite)
     ours = {k: v for k, v in model.state_dict().items()}
     if dtype is None:
         dtype = next((v.dtype for v in ours.values() if v.is_floating_point()), torch.float32)
@@ -465,6 +464,9 @@ def save_hf(
     cfg = adapter.hf_config(args, base_config) if takes_base else adapter.hf_config(args)
     cfg.update({k: v for k, v in _token_ids(tokenizer).items()})
     cfg["torch_dtype"] = cfg["dtype"] = _dtype_name(dtype)  # 4.x reads torch_dtype, 5.x dtype
+    # Only now, with the weights mapped and the config accepted (a switch transformers cannot represent is
+    # refused above), is the folder created or an old export cleared: a refusal leaves it as it was.
+    out = prepare_out_dir(out_dir, overwrite)
     (out / CONFIG_NAME).write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     save_state_dict(hf_sd, out, max_shard_bytes)
     tokenizer.save(out)

@@ -275,7 +275,18 @@ def test_export_refuses_a_switch_transformers_cannot_compute(overrides, named, t
         _export(_model(**overrides), tmp_path)
     msg = str(e.value)
     assert named in msg and "\n" not in msg
-    assert not list((tmp_path / "out").glob("*.safetensors"))
+    assert not (tmp_path / "out").exists()  # refused before anything is written
+    # over an earlier export, even with overwrite: the old files stay (validate everything, then write)
+    from gptoughts.data.tokenizer import bytes_tokenizer
+    from gptoughts.models.hf import save_hf
+
+    old = _export(_model(), tmp_path, "old")
+    before = {f.name: f.read_bytes() for f in old.iterdir() if f.is_file()}
+    with pytest.raises(UserError):
+        save_hf(
+            _model(**overrides), "llama", _model(**overrides).args, bytes_tokenizer(), old, overwrite=True
+        )
+    assert {f.name: f.read_bytes() for f in old.iterdir() if f.is_file()} == before
 
 
 # ----------------------------------------------------------------------------------------------- preset
