@@ -271,6 +271,24 @@ class ParallelConfig:
     optimizer state sharded across the ranks; for models whose training state does not fit one GPU), or none."""
     backend: Literal["auto", "nccl", "gloo"] = "auto"
     """Process-group backend: auto (nccl on CUDA, gloo on CPU), nccl or gloo."""
+    tp: int = 1
+    """Tensor-parallel degree: each transformer block's matrices are split over ``tp`` ranks (DTensor, with
+    sequence parallelism for the norms); the ranks of a tensor-parallel group read the same data. The world
+    size must be a multiple of ``tp * pp``; the rest is data-parallel (``strategy``)."""
+    pp: int = 1
+    """Pipeline-parallel degree: the blocks are split into ``pp`` stages by layers, one per rank of a
+    pipeline group, micro-batches flow through them (torch.distributed.pipelining)."""
+    pp_schedule: Literal["1f1b", "interleaved"] = "1f1b"
+    """Pipeline schedule: 1f1b (one stage per rank) or interleaved (interleaved 1F1B: two stages per rank,
+    a smaller bubble)."""
+    pp_microbatches: int = 0
+    """Micro-batches per pipeline step (the micro-batch is split into this many); 0: auto (2 x the stages)."""
+    pp_layers: list[int] = field(default_factory=list)
+    """Layers per stage, overriding the even split (e.g. ``[7, 9]`` for 16 layers on 2 stages: the last
+    stage also holds the head); empty: as even as the layers allow."""
+    cpu_offload: bool = False
+    """Keep parameters, gradients and optimizer state in CPU memory between uses (FSDP2 CPUOffloadPolicy; the
+    optimizer steps on the CPU). Fits models several times larger than the GPU, slower; also on one GPU."""
 
 
 @dataclass
@@ -835,6 +853,7 @@ def validate(cfg: Config) -> None:
     if isinstance(t.batch_size, int) and t.batch_size < 1:
         raise ConfigError(f"train.batch_size must be >= 1, got {t.batch_size}")
     check_train_ranges(t, cfg.eval, cfg.checkpoint, cfg.recovery)
+    check_parallel(cfg.parallel)
     for name in ("compile", "fp8", "fused_adamw"):
         value = getattr(cfg.perf, name)
         if isinstance(value, str) and value != "auto":
@@ -934,6 +953,26 @@ def check_train_ranges(
     ):
         if not ok:
             raise ConfigError(f"{where} must be {rule}, got {value}")
+
+
+def check_parallel(p: ParallelConfig) -> None:
+    """The ranges of ``[parallel]`` (the world size is checked against them when the process group starts)."""
+    for name in ("tp", "pp"):
+        if getattr(p, name) < 1:
+            raise ConfigError(f"parallel.{name} must be >= 1, got {getattr(p, name)}")
+    if p.pp_microbatches < 0:
+        raise ConfigError(f"parallel.pp_microbatches must be >= 0 (0: auto), got {p.pp_microbatches}")
+    if p.pp_layers and (len(p.pp_layers) != p.pp * (2 if p.pp_schedule == "interleaved" else 1)):
+        raise ConfigError(
+            f"parallel.pp_layers has {len(p.pp_layers)} entries; it needs one per stage "
+            f"({p.pp} with --parallel.pp {p.pp}{', x2 for interleaved' if p.pp_schedule == 'interleaved' else ''})"
+        )
+    if any(n < 1 for n in p.pp_layers):
+        raise ConfigError(f"parallel.pp_layers entries must be >= 1, got {p.pp_layers}")
+    if p.strategy == "none" and (p.tp > 1 or p.pp > 1):
+        raise ConfigError(
+            "parallel.strategy = none runs one process; tensor/pipeline parallelism needs torchrun"
+        )
 
 
 def _validate_finetune(cfg: Config) -> None:

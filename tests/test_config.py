@@ -157,3 +157,38 @@ def test_train_is_split_into_eval_checkpoint_recovery_and_old_keys_still_load(tm
     assert "[recovery]" in to_toml(back) and config_from_toml_text(to_toml(back)) == back
     with pytest.raises(ConfigError, match="eval.eval_interval must be >= 0"):
         load_config("default", {"eval.eval_interval": -1})
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"parallel.tp": 0}, "parallel.tp must be >= 1"),
+        ({"parallel.pp": -1}, "parallel.pp must be >= 1"),
+        ({"parallel.pp_microbatches": -2}, "pp_microbatches must be >= 0"),
+        ({"parallel.pp": 2, "parallel.pp_layers": [3, 3, 3]}, "needs one per stage"),
+        ({"parallel.tp": 2, "parallel.strategy": "none"}, "needs torchrun"),
+    ],
+)
+def test_parallel_ranges(overrides: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, {"model.size": "debug", **overrides})
+
+
+def test_tensor_parallel_without_enough_processes_is_one_line() -> None:
+    import torch
+
+    from gptoughts.parallel import dist
+
+    with pytest.raises(ConfigError, match="does not divide the 1 process"):
+        dist.init(torch.device("cpu"), tp=2)
+    info = dist.init(torch.device("cpu"))
+    assert (info.dp_size, info.dp_rank, info.tp_rank, info.pp_rank, info.model_parallel) == (
+        1,
+        0,
+        0,
+        0,
+        False,
+    )
+    # rank order (pp, dp, tp), tp innermost: rank 5 of 8 with tp 2, pp 2 is stage 1, dp rank 0, tp rank 1
+    info = dist.DistInfo(rank=5, world_size=8, strategy="fsdp", tp=2, pp=2)
+    assert (info.dp_size, info.dp_rank, info.tp_rank, info.pp_rank) == (2, 0, 1, 1)

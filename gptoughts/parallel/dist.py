@@ -17,6 +17,7 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -31,7 +32,43 @@ class DistInfo:
     local_rank: int = 0
     world_size: int = 1
     strategy: str = "none"
-    """none (one process), ddp or fsdp."""
+    """none (one process), ddp or fsdp: how the data-parallel dimension is handled."""
+    tp: int = 1
+    """Tensor-parallel degree (ranks that split each block's matrices and read the same data)."""
+    pp: int = 1
+    """Pipeline-parallel degree (stages)."""
+    mesh: Any = None
+    """The DeviceMesh ``(pp, dp, tp)`` (dims named so) when tensor or pipeline parallelism is on, else None
+    (plain data parallelism over the default group, the path every earlier run took)."""
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel ranks: how many different micro-batches one step reads."""
+        return self.world_size // (self.tp * self.pp)
+
+    @property
+    def dp_rank(self) -> int:
+        """Which slice of the data this rank reads (the same for every rank of a tensor/pipeline group)."""
+        return (self.rank // self.tp) % self.dp_size
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp
+
+    @property
+    def pp_rank(self) -> int:
+        """The pipeline stage (rank order: pp outermost, tp innermost, like torchtitan's mesh)."""
+        return self.rank // (self.tp * self.dp_size)
+
+    @property
+    def dp_group(self) -> Any:
+        """The process group of the data-parallel dimension (None: the default group)."""
+        return self.mesh["dp"].get_group() if self.mesh is not None else None
+
+    @property
+    def model_parallel(self) -> bool:
+        """Tensor or pipeline parallelism: a rank holds a part of each layer or only some layers."""
+        return self.tp > 1 or self.pp > 1
 
     @property
     def sharded(self) -> bool:
@@ -51,9 +88,18 @@ def launched_by_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def init(device: torch.device, backend: str = "auto", strategy: str = "auto") -> DistInfo:
-    """Join the process group torchrun set up (idempotent); world size 1 when not under torchrun."""
-    if not launched_by_torchrun() or int(os.environ["WORLD_SIZE"]) == 1:
+def init(
+    device: torch.device, backend: str = "auto", strategy: str = "auto", tp: int = 1, pp: int = 1
+) -> DistInfo:
+    """Join the process group torchrun set up (idempotent); world size 1 when not under torchrun. With
+    ``tp``/``pp`` > 1, also the device mesh ``(pp, dp, tp)``."""
+    world_env = int(os.environ["WORLD_SIZE"]) if launched_by_torchrun() else 1
+    if world_env % (tp * pp):
+        raise ConfigError(
+            f"parallel.tp x parallel.pp = {tp} x {pp} does not divide the {world_env} process(es) torchrun "
+            f"started; use --nproc_per_node a multiple of {tp * pp}"
+        )
+    if world_env == 1:
         if strategy in ("ddp", "fsdp") and not launched_by_torchrun():
             raise ConfigError(
                 f"parallel.strategy = {strategy} needs several processes: launch with "
@@ -74,8 +120,19 @@ def init(device: torch.device, backend: str = "auto", strategy: str = "auto") ->
             timeout=datetime.timedelta(minutes=30),
             device_id=device if device.type == "cuda" else None,
         )
+    mesh = None
+    if tp > 1 or pp > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(device.type, (pp, world // (tp * pp), tp), mesh_dim_names=("pp", "dp", "tp"))
     return DistInfo(
-        rank=rank, local_rank=local, world_size=world, strategy="fsdp" if strategy == "fsdp" else "ddp"
+        rank=rank,
+        local_rank=local,
+        world_size=world,
+        strategy="fsdp" if strategy == "fsdp" else "ddp",
+        tp=tp,
+        pp=pp,
+        mesh=mesh,
     )
 
 

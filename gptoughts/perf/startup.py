@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 _IMPORTED_AT = time.time()
 
@@ -55,10 +55,13 @@ class Startup:
     first_step_s: float = 0.0
     origin: float = 0.0
     """Process age (:func:`process_age_s`) where the clock starts."""
+    _made: tuple[float, float] = field(default_factory=lambda: (process_age_s(), time.monotonic()))
+    """Process age and monotonic time when this was made: later readings use the monotonic clock (the process
+    age has /proc's 10 ms resolution, which rounded a tiny model's first step to 0)."""
 
     def age(self) -> float:
         """Seconds on this run's start-up clock."""
-        return process_age_s() - self.origin
+        return self._made[0] + time.monotonic() - self._made[1] - self.origin
 
     @property
     def total_s(self) -> float:
@@ -66,10 +69,10 @@ class Startup:
 
     def to_dict(self) -> dict[str, float]:
         return {
-            "to_first_step_s": round(self.total_s, 2),
-            "imports_s": round(self.imports_s, 2),
-            "assembly_s": round(self.assembly_s, 2),
-            "first_step_s": round(self.first_step_s, 2),
+            "to_first_step_s": round(self.total_s, 3),
+            "imports_s": round(self.imports_s, 3),
+            "assembly_s": round(self.assembly_s, 3),
+            "first_step_s": round(self.first_step_s, 3),
         }
 
     def line(self) -> str:

@@ -73,7 +73,8 @@ def setup_environment(cfg: Config) -> Environment:
     hardware.apply_runtime_settings(
         device, tf32=cfg.perf.tf32, expandable_segments=cfg.perf.expandable_segments
     )
-    info = pdist.init(device, cfg.parallel.backend, cfg.parallel.strategy)
+    par = cfg.parallel
+    info = pdist.init(device, par.backend, par.strategy, par.tp, par.pp)
     hw = hardware.detect(device)
     precision = hardware.resolve_precision(cfg.perf.precision, hw)
     why = {"precision": f"{precision} ({'asked' if cfg.perf.precision != 'auto' else 'auto: ' + hw.arch})"}
@@ -494,29 +495,30 @@ def plan_batches(
             # A micro-batch larger than the global batch would overshoot the target: cap it there. Then the
             # fewest accumulation steps with a micro-batch that fits, and the smallest micro-batch that reaches
             # the target with them (115 x 3 x 2048 would overshoot 0.5M by 35%; 86 x 3 is within 1%).
-            micro = max(1, min(micro, t.global_batch_tokens // (t.block_size * info.world_size)))
-            accum = accumulation_for(t.global_batch_tokens, micro, t.block_size, info.world_size)
-            micro = min(micro, -(-t.global_batch_tokens // (accum * t.block_size * info.world_size)))
+            micro = max(1, min(micro, t.global_batch_tokens // (t.block_size * info.dp_size)))
+            accum = accumulation_for(t.global_batch_tokens, micro, t.block_size, info.dp_size)
+            micro = min(micro, -(-t.global_batch_tokens // (accum * t.block_size * info.dp_size)))
             why["grad_accum"] = f"to reach train.global_batch_tokens = {t.global_batch_tokens:,}"
-    tokens_per_step = micro * t.block_size * accum * info.world_size
-    if resumed_run and resumed_run.get("world_size") and resumed_run["world_size"] != info.world_size:
+    tokens_per_step = micro * t.block_size * accum * info.dp_size
+    saved_dp = resumed_run.get("dp_size", resumed_run.get("world_size")) if resumed_run else None
+    if saved_dp and saved_dp != info.dp_size:
         old = resumed_run.get("tokens_per_step")
         if old and old != tokens_per_step:
             # Another number of ranks (an FSDP run resumed on one GPU): keep the global batch, so that the
             # schedule, the data position and the loss scale mean what they meant.
-            k = old / (micro * t.block_size * info.world_size)
+            k = old / (micro * t.block_size * info.dp_size)
             if k != int(k):
                 raise ConfigError(
-                    f"resuming on {info.world_size} process(es) a run saved on {resumed_run['world_size']} "
+                    f"resuming on {info.dp_size} process(es) a run saved on {saved_dp} "
                     f"changes the global batch from {old:,} to {tokens_per_step:,} tokens and no "
                     f"--grad_accum keeps it; pass --batch_size and --grad_accum with "
-                    f"batch x grad_accum x {info.world_size} x {t.block_size} = {old:,}"
+                    f"batch x grad_accum x {info.dp_size} x {t.block_size} = {old:,}"
                 )
             accum = int(k)
             tokens_per_step = old
             why["grad_accum"] = (
                 f"{accum}: keeps the resumed run's global batch of {old:,} tokens on "
-                f"{info.world_size} process(es) (it was saved on {resumed_run['world_size']})"
+                f"{info.dp_size} process(es) (it was saved on {saved_dp})"
             )
     if data.sft is not None:
         packing = data_packing(cfg, model)
@@ -893,8 +895,8 @@ def make_loaders(cfg: Config, env: Environment, data: Data, model: Model, t: Tra
             sft,
             batch_size=t.batch_size,
             seed=t.seed,
-            rank=info.rank,
-            world_size=info.world_size,
+            rank=info.dp_rank,
+            world_size=info.dp_size,
             packing=packing,
             device=device,
         )
@@ -915,8 +917,8 @@ def make_loaders(cfg: Config, env: Environment, data: Data, model: Model, t: Tra
         batch_size=t.batch_size,
         block_size=t.block_size,
         seed=t.seed,
-        rank=info.rank,
-        world_size=info.world_size,
+        rank=info.dp_rank,
+        world_size=info.dp_size,
         phases=phases(cfg),
         device=device,
     )
@@ -983,6 +985,7 @@ def write_run_files(asm: Assembly) -> None:
         "device": str(env.device),
         "precision": env.precision,
         "world_size": env.dist.world_size,
+        "dp_size": env.dist.dp_size,
         "params": raw.num_params(),
         "hardware": env.hw.to_dict(),
         "data": str(data.manifest.dir) if data.manifest is not None else data.sources,

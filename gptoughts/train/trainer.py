@@ -298,14 +298,14 @@ class Trainer:
             # one (1b b8 step 214.0 ms before, 210.6 ms after; 125m b128 +1.9% tokens/s; measured in two runs on
             # the same H200 kind, not side by side: bench/BENCHMARKS.md, 2026-11-22).
             n_total = torch.full(
-                (), float(sum(b[1].numel() for b in micro) * self.dist.world_size), device=self.device
+                (), float(sum(b[1].numel() for b in micro) * self.dist.dp_size), device=self.device
             )
         else:
             n_total = sum((b[1] != -100).sum() for b in micro).float()
             n_total = pdist.all_reduce_sum(n_total, self.dist)
-        # DDP averages gradients over ranks; scaling by world_size makes the result the gradient of the global
-        # token-mean loss.
-        scale = self.dist.world_size / n_total.clamp_min(1.0)
+        # DDP averages gradients over the data-parallel ranks; scaling by their number makes the result the
+        # gradient of the global token-mean loss.
+        scale = self.dist.dp_size / n_total.clamp_min(1.0)
         loss_sum = torch.zeros((), device=self.device)
         for i, batch in enumerate(micro):
             with self._no_sync(i == accum - 1):
