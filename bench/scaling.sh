@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
 # Multi-GPU scaling on one host (issue 16), every run in one command on the same machine:
 #   1b (seq 2048, batch 8 per GPU, bf16, compile) on 1 GPU, then DDP and FSDP2 on every GPU of the machine;
-#   8b at seq 8192, batch 1 per GPU, FSDP2 bf16.
-# Usage: bash bench/scaling.sh OUT_DIR [1b|8b|both] [GPU COUNTS, e.g. "2 4"]   (default: both, every GPU)
+#   8b at seq 8192, batch 1 per GPU, FSDP2 bf16;
+#   8b-fp8: the same 8b runs in bf16, fp8 tensorwise, fp8 tensorwise with fp8 all-gather (needs torchao);
+#   deepseek16b: the DeepSeek-V2-Lite shape under FSDP2, seq 4096, batch 1 per GPU, Muon, full activation
+#   checkpointing (its AdamW state alone is ~250 GB), with the routed experts' loads.
+# Usage: bash bench/scaling.sh OUT_DIR [1b|8b|both|8b-fp8|deepseek16b] [GPU COUNTS, e.g. "2 4"]
+#   (default: both, every GPU)
 #   writes OUT_DIR/scaling.txt and the runs' metrics
 set -uo pipefail
 out=$1
@@ -44,6 +48,31 @@ if [[ $what == 8b || $what == both ]]; then
     torchrun --standalone --nproc_per_node="$n" -m gptoughts train "${big[@]}" --parallel.strategy fsdp \
       --out "$out/8b-fsdp$n" > "$out/8b-fsdp$n.log" 2>&1
     steady "$out/8b-fsdp$n" "8b seq 8192 fsdp bf16 x$n" "$n" | tee -a "$out/scaling.txt"
+  done
+fi
+if [[ $what == 8b-fp8 ]]; then
+  big=(--size 8b --block_size 8192 --batch_size 1 --max_steps 15 "${common[@]}")
+  for n in $counts; do
+    for v in bf16 fp8 fp8ag; do
+      extra=()
+      [[ $v == fp8* ]] && extra=(--fp8 true --fp8_recipe tensorwise)
+      [[ $v == fp8ag ]] && extra+=(--perf.fp8_all_gather true)
+      torchrun --standalone --nproc_per_node="$n" -m gptoughts train "${big[@]}" "${extra[@]}" \
+        --parallel.strategy fsdp --out "$out/8b-$v$n" > "$out/8b-$v$n.log" 2>&1
+      steady "$out/8b-$v$n" "8b seq 8192 fsdp $v x$n" "$n" | tee -a "$out/scaling.txt"
+    done
+  done
+fi
+if [[ $what == deepseek16b ]]; then
+  ds=(--model deepseek --size 16b --block_size 4096 --batch_size 1 --max_steps 12 --optimizer muon
+      --activation_checkpointing full "${common[@]}")
+  for n in $counts; do
+    torchrun --standalone --nproc_per_node="$n" -m gptoughts train "${ds[@]}" --parallel.strategy fsdp \
+      --out "$out/ds16-fsdp$n" > "$out/ds16-fsdp$n.log" 2>&1
+    steady "$out/ds16-fsdp$n" "deepseek 16b seq 4096 fsdp muon x$n" "$n" | tee -a "$out/scaling.txt"
+    python3 -c "import json,sys; r=[json.loads(l) for l in open(sys.argv[1]) if 'moe/load_cv' in l][-1]; \
+print('  expert loads at step', r['step'], {k: round(r[k], 3) for k in r if k[4:] in ('load_max', 'load_min', \
+'load_cv', 'maxvio')})" "$out/ds16-fsdp$n/metrics.jsonl" | tee -a "$out/scaling.txt"
   done
 fi
 grep -h -E "^error|Error" "$out"/*.log | head -5

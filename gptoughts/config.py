@@ -245,6 +245,10 @@ class PerfConfig:
     """tensorwise (one scale per tensor, fastest) or rowwise (one scale per row, more robust)."""
     fp8_bf16_end_layers: int = 0
     """With fp8: keep the first and the last this-many transformer blocks in bf16 (closer loss, less speed)."""
+    fp8_all_gather: bool = False
+    """With fp8 tensorwise under FSDP2: all-gather the weights in fp8 (half the bytes of bf16), their scales
+    computed for all weights at once after each optimizer step (torchao's FSDP float8 all-gather). No effect
+    without FSDP."""
     activation_checkpointing: Literal["none", "selective", "full"] = "none"
     """none, selective (recompute cheap ops, keep matmul outputs) or full (recompute whole blocks)."""
     sdpa_backend: Literal["auto", "flash", "cudnn", "efficient", "math"] = "auto"

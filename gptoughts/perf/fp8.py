@@ -50,10 +50,18 @@ def fp8_module_filter(module: nn.Module, fqn: str, n_layers: int = 0, bf16_end_l
     return module.in_features % 16 == 0 and module.out_features % 16 == 0
 
 
-def convert_to_fp8(model: nn.Module, recipe: str = "tensorwise", bf16_end_layers: int = 0) -> int:
-    """Swap eligible ``nn.Linear`` modules for torchao ``Float8Linear``; returns how many were converted."""
+def convert_to_fp8(
+    model: nn.Module, recipe: str = "tensorwise", bf16_end_layers: int = 0, fsdp_all_gather: bool = False
+) -> int:
+    """Swap eligible ``nn.Linear`` modules for torchao ``Float8Linear``; returns how many were converted.
+    ``fsdp_all_gather``: FSDP2 all-gathers their weights in fp8 (tensorwise only; call
+    :func:`precompute_scales` after each optimizer step)."""
     if recipe not in RECIPES:
         raise UserError(f"unknown fp8 recipe {recipe!r}; use one of {', '.join(RECIPES)}")
+    if fsdp_all_gather and recipe != "tensorwise":
+        raise UserError(
+            "perf.fp8_all_gather needs --fp8_recipe tensorwise (torchao gathers one scale per tensor)"
+        )
     try:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     except ImportError:
@@ -65,5 +73,17 @@ def convert_to_fp8(model: nn.Module, recipe: str = "tensorwise", bf16_end_layers
 
     count = sum(1 for fqn, m in model.named_modules() if keep(m, fqn))
     config = Float8LinearConfig.from_recipe_name(recipe)
+    if fsdp_all_gather:
+        from dataclasses import replace
+
+        config = replace(config, enable_fsdp_float8_all_gather=True)
     convert_to_float8_training(model, config=config, module_filter_fn=keep)
     return count
+
+
+def precompute_scales(model: nn.Module) -> None:
+    """The fp8 scales of every FSDP-sharded Float8Linear weight in one all-reduce of their amaxes (instead of one
+    per weight at its all-gather); after each optimizer step, when the weights have changed."""
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+    precompute_float8_dynamic_scale_for_fsdp(model)

@@ -35,6 +35,8 @@ class Built:
     """What each ``auto`` became, for the run record and bench output."""
     why: dict[str, str] = field(default_factory=dict)
     """The rule that decided each entry of ``resolved`` ("asked", or the ``auto`` rule that applied)."""
+    after_optimizer_step: Callable[[], None] | None = None
+    """Run by the trainer after each optimizer step (fp8 all-gather: the next step's weight scales)."""
 
 
 def build_raw_model(family: str, args: object, device: torch.device, seed: int) -> nn.Module:
@@ -186,8 +188,12 @@ def apply_transforms(
         from gptoughts.perf.fp8 import check_fp8_supported, convert_to_fp8
 
         check_fp8_supported(device)
-        resolved["fp8_linears"] = convert_to_fp8(raw, perf.fp8_recipe, perf.fp8_bf16_end_layers)
+        gather = perf.fp8_all_gather and dist.sharded
+        resolved["fp8_linears"] = convert_to_fp8(raw, perf.fp8_recipe, perf.fp8_bf16_end_layers, gather)
         resolved["fp8"] = perf.fp8_recipe
+        if perf.fp8_all_gather:
+            resolved["fp8_all_gather"] = gather
+            why["fp8_all_gather"] = "asked" if gather else "asked, but only FSDP all-gathers weights: off"
     else:
         resolved["fp8"] = False
     # 2. (tensor parallel: not yet)  3. activation checkpointing, inside the compiled region
@@ -222,7 +228,21 @@ def apply_transforms(
         "asked" if perf.loss != "auto" else "auto: chunked on CUDA (no fp32 logits of the whole batch)"
     )
     resolved["sdpa_backend"] = perf.sdpa_backend
-    return Built(model=model, raw=raw, forward_context=_forward_context(perf), resolved=resolved, why=why)
+    after = None
+    if use_fp8 and resolved.get("fp8_all_gather"):
+        from gptoughts.perf.fp8 import precompute_scales
+
+        def after() -> None:
+            precompute_scales(raw)
+
+    return Built(
+        model=model,
+        raw=raw,
+        forward_context=_forward_context(perf),
+        resolved=resolved,
+        why=why,
+        after_optimizer_step=after,
+    )
 
 
 def make_objective(family: models.Family, built: Built, perf: PerfConfig) -> Callable:

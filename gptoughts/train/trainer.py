@@ -157,6 +157,7 @@ class Trainer:
         save_weights: Callable[[], nn.Module] | None = None,
         timing: bool = True,
         forward_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+        after_optimizer_step: Callable[[], None] | None = None,
         mfu_per_token_s: float | None = None,
         plots: Any = None,
         evaluation: EvalConfig | None = None,
@@ -209,6 +210,7 @@ class Trainer:
         self._interrupts = 0
         inner = self.weights_module()
         self._after_step = getattr(inner, "after_optimizer_step", None)
+        self._after_transforms = after_optimizer_step
         self._rank_summed = getattr(inner, "rank_summed_state", None) if dist.enabled else None
         self._model_metrics = getattr(inner, "log_metrics", None)
         self.timer = StepTimer(device, enabled=timing)
@@ -337,6 +339,9 @@ class Trainer:
                 for t in self._rank_summed() if self._rank_summed is not None else ():
                     pdist.all_reduce_sum(t, self.dist)  # global statistics: every rank updates alike
                 self._after_step()
+        if self._after_transforms is not None:
+            with torch.no_grad():
+                self._after_transforms()
         timer.mark("optimizer")
         timer.stop()
         self._last_grad_norm = grad_norm.detach()
