@@ -615,7 +615,7 @@ def cmd_estimate(argv: Sequence[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(
             "usage: gptoughts estimate [PRESET|FILE.toml] [train's options: --model F --size S --batch_size N|auto\n"
-            "                          --block_size T --activation_checkpointing M --strategy fsdp ...]\n"
+            "                          --block_size T --activation_checkpointing M --strategy fsdp --cpu_offload ...]\n"
             "                          [--gpu H100] [--num_gpus N] [--tokens 50e9] [--mfu 0.5] [--price 2.5] [--json]\n"
             "Memory, time and cost of the run `gptoughts train` would make with the same options (same keys, same\n"
             "defaults: --size 1b means its block 2048 and automatic batch), on --gpu (default H100)."

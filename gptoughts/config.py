@@ -245,6 +245,10 @@ class PerfConfig:
     """tensorwise (one scale per tensor, fastest) or rowwise (one scale per row, more robust)."""
     fp8_bf16_end_layers: int = 0
     """With fp8: keep the first and the last this-many transformer blocks in bf16 (closer loss, less speed)."""
+    gpu_memory_gib: float | None = None
+    """Use at most this much of the GPU's memory (``torch.cuda.set_per_process_memory_fraction``); the plan, the
+    estimate and ``--batch_size auto`` see a GPU of this size. To rehearse a run meant for a smaller GPU, or to
+    share one. None: all of it."""
     fp8_all_gather: bool = False
     """With fp8 tensorwise under FSDP2: all-gather the weights in fp8 (half the bytes of bf16), their scales
     computed for all weights at once after each optimizer step (torchao's FSDP float8 all-gather). No effect
@@ -862,6 +866,8 @@ def validate(cfg: Config) -> None:
         value = getattr(cfg.perf, name)
         if isinstance(value, str) and value != "auto":
             raise ConfigError(f"perf.{name} must be true, false or auto; got {value!r}")
+    if cfg.perf.gpu_memory_gib is not None and not cfg.perf.gpu_memory_gib > 0:
+        raise ConfigError(f"perf.gpu_memory_gib must be > 0 GiB, got {cfg.perf.gpu_memory_gib}")
     if cfg.perf.fp8_bf16_end_layers < 0:
         raise ConfigError(f"perf.fp8_bf16_end_layers must be >= 0, got {cfg.perf.fp8_bf16_end_layers}")
     if cfg.perf.residual_dtype == "bf16" and cfg.perf.precision not in ("auto", "bf16"):

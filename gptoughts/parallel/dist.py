@@ -40,6 +40,9 @@ class DistInfo:
     mesh: Any = None
     """The DeviceMesh ``(pp, dp, tp)`` (dims named so) when tensor or pipeline parallelism is on, else None
     (plain data parallelism over the default group, the path every earlier run took)."""
+    cpu_offload: bool = False
+    """FSDP2 keeps parameters, gradients and optimizer state in CPU memory (``parallel.cpu_offload``); also a
+    one-process run, then in a process group of one."""
 
     @property
     def dp_size(self) -> int:
@@ -89,16 +92,41 @@ def launched_by_torchrun() -> bool:
 
 
 def init(
-    device: torch.device, backend: str = "auto", strategy: str = "auto", tp: int = 1, pp: int = 1
+    device: torch.device,
+    backend: str = "auto",
+    strategy: str = "auto",
+    tp: int = 1,
+    pp: int = 1,
+    cpu_offload: bool = False,
 ) -> DistInfo:
     """Join the process group torchrun set up (idempotent); world size 1 when not under torchrun. With
-    ``tp``/``pp`` > 1, also the device mesh ``(pp, dp, tp)``."""
+    ``tp``/``pp`` > 1, also the device mesh ``(pp, dp, tp)``. ``cpu_offload``: FSDP2 on any number of
+    processes (one process joins a group of one), with a gloo backend beside NCCL for the collectives on
+    CPU tensors (the global gradient norm, Muon's gathers of offloaded shards)."""
     world_env = int(os.environ["WORLD_SIZE"]) if launched_by_torchrun() else 1
     if world_env % (tp * pp):
         raise ConfigError(
             f"parallel.tp x parallel.pp = {tp} x {pp} does not divide the {world_env} process(es) torchrun "
             f"started; use --nproc_per_node a multiple of {tp * pp}"
         )
+    if cpu_offload:
+        if strategy in ("ddp", "none"):
+            raise ConfigError(
+                f"parallel.cpu_offload keeps FSDP2's shards in CPU memory; parallel.strategy = {strategy} "
+                "does not shard: use --parallel.strategy fsdp (or auto)"
+            )
+        if tp > 1 or pp > 1:
+            raise ConfigError("parallel.cpu_offload is for FSDP alone; drop --parallel.tp / --parallel.pp")
+        strategy = "fsdp"
+        if backend == "auto":
+            backend = "cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo"
+    if world_env == 1 and cpu_offload:
+        if not dist.is_initialized():
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
+            # One process: an in-memory store, no rendezvous (no port, no torchrun).
+            dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
+        return DistInfo(strategy="fsdp", cpu_offload=True)
     if world_env == 1:
         if strategy in ("ddp", "fsdp") and not launched_by_torchrun():
             raise ConfigError(
@@ -133,6 +161,7 @@ def init(
         tp=tp,
         pp=pp,
         mesh=mesh,
+        cpu_offload=cpu_offload,
     )
 
 
@@ -156,30 +185,36 @@ def wrap_ddp(model: nn.Module, device: torch.device, info: DistInfo) -> nn.Modul
     )
 
 
-def wrap_fsdp(model: nn.Module, precision: str) -> nn.Module:
+def wrap_fsdp(model: nn.Module, precision: str, cpu_offload: bool = False) -> nn.Module:
     """FSDP2: shard each transformer block (the unit that is gathered just before it runs and freed after),
     then the root (embeddings, final norm, head). Compute in bf16/fp16 when training in it, gradients reduced in
     fp32. ``fully_shard`` works in place: parameter names, per-block compile and checkpointing are unchanged.
 
     One difference from DDP + autocast: the bf16 policy applies to every parameter, so the weights autocast
     would keep in fp32 (norm weights, DeepSeek's router) also compute from bf16 copies; routing can then differ
-    slightly from a DDP run of the same config."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    slightly from a DDP run of the same config.
+
+    ``cpu_offload``: the shards (fp32 weights, gradients, and so the optimizer state and its step) stay in pinned
+    CPU memory; each block is copied to the GPU when it is gathered and its gradient copied back after the
+    reduce-scatter."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
     mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    # Pinned host memory makes the copies asynchronous; there is nothing to pin for on a machine without a GPU.
+    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
     blocks = list(model.layers)
     for i, block in enumerate(blocks):
         # the last block's parameters are needed again at once by the backward: keep them gathered
-        fully_shard(block, mp_policy=mp, reshard_after_forward=i < len(blocks) - 1)
-    fully_shard(model, mp_policy=mp)
+        fully_shard(block, mp_policy=mp, reshard_after_forward=i < len(blocks) - 1, offload_policy=offload)
+    fully_shard(model, mp_policy=mp, offload_policy=offload)
     return model
 
 
 def wrap(model: nn.Module, device: torch.device, info: DistInfo, precision: str) -> nn.Module:
     """The data-parallel wrapper ``info.strategy`` asks for (the model itself when running alone)."""
     if info.sharded:
-        return wrap_fsdp(model, precision)
+        return wrap_fsdp(model, precision, info.cpu_offload)
     return wrap_ddp(model, device, info)
 
 

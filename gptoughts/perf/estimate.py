@@ -84,6 +84,8 @@ class Estimate:
     price_per_hour: float | None
     cost: float | None
     strategy: str = "ddp"
+    host_gib: float = 0.0
+    """CPU memory per process for what ``cpu_offload`` keeps there (fp32 weights, gradients, optimizer state)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -246,6 +248,7 @@ def estimate(
     residual_dtype: str = "bf16",
     strategy: str = "ddp",
     optimizer: str = "adamw",
+    cpu_offload: bool = False,
 ) -> Estimate:
     """Peak memory of one training step, speed and cost for ``family`` at ``size`` (module docstring: each line).
 
@@ -259,6 +262,10 @@ def estimate(
     * deepseek: MLA (latent, q/k/v, output) plus, in the dense layers, a SwiGLU, and in the MoE layers the router,
       each token's copies through its *active* experts only and the shared experts (``_deepseek_layer_bytes``);
       an MTP block counts as one more, never checkpointed, block.
+
+    ``cpu_offload`` (FSDP2's CPUOffloadPolicy, on any number of GPUs): the fp32 weights, gradients and optimizer
+    state live in host memory (``host_gib``, per process); the GPU holds the gathered bf16 blocks, one block's
+    unsharded fp32 gradient before it is reduced and moved out, the logits working set and the activations.
     """
     args = models.model_args(family, size, dict(overrides or {}))
     import torch
@@ -300,7 +307,16 @@ def estimate(
         optim -= 4 * sum(p.numel() for p in model.parameters() if id(p) in hidden)
     weights, grads = 4 * n, 4 * n
     copies = 2 * matmul_params
-    if strategy == "fsdp" and num_gpus > 1:
+    host = 0.0
+    if cpu_offload:
+        block = max(sum(p.numel() for p in layer.parameters()) for layer in model.layers)
+        root = n - sum(p.numel() for p in model.layers.parameters())
+        host = (weights + grads + optim) / num_gpus
+        weights, grads, optim = 0.0, 4 * block, 0.0
+        copies = 2 * (2 * block + root) + 6 * block
+        total = copies + grads + logits + act
+        strategy = "fsdp"
+    elif strategy == "fsdp" and num_gpus > 1:
         # The largest block (DeepSeek's MoE blocks outweigh its dense ones).
         block = max(sum(p.numel() for p in layer.parameters()) for layer in model.layers)
         root = n - sum(p.numel() for p in model.layers.parameters())
@@ -344,7 +360,8 @@ def estimate(
         hours=hours,
         price_per_hour=pph,
         cost=(hours * pph * num_gpus) if (hours is not None and pph is not None) else None,
-        strategy=strategy if num_gpus > 1 else "ddp",
+        strategy=strategy if num_gpus > 1 or cpu_offload else "ddp",
+        host_gib=host / GIB,
     )
 
 
@@ -360,6 +377,8 @@ def format_estimate(e: Estimate) -> str:
     fit = "" if e.fits is None else ("  fits" if e.fits else "  DOES NOT FIT")
     mem = f" of {e.gpu_memory_gib} on {e.gpu}" if e.gpu_memory_gib else ""
     lines.append(f"  {'total':<16} {e.total_gib:8.2f}{mem}{fit}")
+    if e.host_gib:
+        lines.append(f"  {'host (offload)':<16} {e.host_gib:8.2f} of CPU memory per process")
     lines.append(f"speed: {e.tokens_per_s:,.0f} tokens/s at MFU {e.mfu:.2f} on {e.gpu}")
     if e.hours is not None:
         cost = f", ${e.cost:,.0f} at ${e.price_per_hour}/h per GPU" if e.cost is not None else ""
@@ -413,6 +432,7 @@ def estimate_config(
             residual_dtype=residual,
             strategy=strategy,
             optimizer=t.optimizer,
+            cpu_offload=cfg.parallel.cpu_offload,
         )
 
     micro, accum = t.batch_size, t.grad_accum

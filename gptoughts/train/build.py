@@ -74,10 +74,15 @@ def setup_environment(cfg: Config) -> Environment:
         device, tf32=cfg.perf.tf32, expandable_segments=cfg.perf.expandable_segments
     )
     par = cfg.parallel
-    info = pdist.init(device, par.backend, par.strategy, par.tp, par.pp)
+    info = pdist.init(device, par.backend, par.strategy, par.tp, par.pp, par.cpu_offload)
     hw = hardware.detect(device)
     precision = hardware.resolve_precision(cfg.perf.precision, hw)
     why = {"precision": f"{precision} ({'asked' if cfg.perf.precision != 'auto' else 'auto: ' + hw.arch})"}
+    if cfg.perf.gpu_memory_gib is not None and device.type == "cuda" and hw.memory_bytes:
+        cap = min(hw.memory_bytes, int(cfg.perf.gpu_memory_gib * 2**30))
+        torch.cuda.set_per_process_memory_fraction(cap / hw.memory_bytes, device)
+        hw = replace(hw, memory_bytes=cap)
+        why["gpu_memory"] = f"capped at {cap / 2**30:.1f} GiB (perf.gpu_memory_gib)"
     return Environment(device=device, dist=info, hw=hw, precision=precision, resolved=why)
 
 
@@ -350,7 +355,9 @@ def build_model(cfg: Config, env: Environment, data: Data, *, meta: bool = False
             with torch.device("meta"):
                 raw = models.build_model(family.name, args, device="meta")
         else:
-            raw = build_raw_model(family.name, args, device, cfg.train.seed)
+            # Offloaded runs keep the weights in CPU memory: build them there (the model may not fit the GPU).
+            where = torch.device("cpu") if env.dist.cpu_offload else device
+            raw = build_raw_model(family.name, args, where, cfg.train.seed)
     weights = TrainableWeights(raw) if cfg.lora.enabled else raw
     out = Model(family=family, args=args, raw=raw, weights=weights, pretrained=pretrained)
     if meta:
@@ -449,7 +456,7 @@ def plan_batches(
     why: dict[str, str] = {}
     micro, accum = t.batch_size, t.grad_accum
     if not isinstance(micro, int):
-        if info.sharded:
+        if info.sharded and info.enabled:  # one offloading process probes like any single-GPU run
             raise ConfigError(
                 "train.batch_size = auto probes memory with trial steps, which a sharded (FSDP) run "
                 "cannot do safely (a rank out of memory would leave the others waiting in a "
@@ -591,6 +598,10 @@ def _estimated_micro_batch(cfg: Config, env: Environment, model: Model) -> int:
             block_size=cfg.train.block_size,
             activation_checkpointing=cfg.perf.activation_checkpointing,
             gpu="H100",
+            num_gpus=env.dist.world_size,
+            strategy="fsdp" if env.dist.sharded else "ddp",
+            optimizer=cfg.train.optimizer,
+            cpu_offload=env.dist.cpu_offload,
         )
         if e.total_gib > 0.9 * mem:
             break

@@ -213,11 +213,15 @@ def _orthogonalize(
         from torch.distributed.tensor import DTensor, distribute_tensor
 
         mesh, placements = param.device_mesh, param.placements
+        home = local.device
+        # Offloaded shards (FSDP2 CPUOffloadPolicy) live on the CPU: gather and orthogonalize them on the mesh's
+        # accelerator (NCCL, tensor cores) rather than through gloo and CPU matmuls.
+        work = local.to(mesh.device_type) if home.type != mesh.device_type else local
         full = DTensor.from_local(
-            local, mesh, placements, shape=param.shape, stride=param.stride()
+            work, mesh, placements, shape=param.shape, stride=param.stride()
         ).full_tensor()
         full = _orthogonalize(full, full, coefficients, steps)
-        return distribute_tensor(full, mesh, placements, src_data_rank=None).to_local()
+        return distribute_tensor(full, mesh, placements, src_data_rank=None).to_local().to(home)
     a, b, c = coefficients
     x = local.bfloat16()
     tall = x.size(-2) > x.size(-1)

@@ -59,6 +59,8 @@ class RunPlan:
     resume: str | None
     resolved: dict[str, Any]
     warnings: list[str]
+    host_memory_gib: float | None = None
+    """CPU memory per process for the offloaded training state (``parallel.cpu_offload``)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -105,6 +107,7 @@ class RunPlan:
             if self.memory_gib is None
             else f"memory: ~{_gib(self.memory_gib)} peak"
             + (f" of {self.device_memory_gib:.0f} GiB" if self.device_memory_gib else "")
+            + (f" + ~{_gib(self.host_memory_gib)} of CPU memory (offload)" if self.host_memory_gib else "")
         )
         speed = (
             "time: measured once the run starts"
@@ -160,7 +163,7 @@ def make_plan(
     )
     corpus = dict(data.corpus, estimated=data.estimated, max_bytes=cfg.data.max_bytes)
     corpus.pop("per_source", None)
-    memory, device_memory = _memory(cfg, env, model, batch)
+    memory, device_memory, host = _memory(cfg, env, model, batch)
     tps, basis = _speed(cfg, env, model, batch)
     hours = batch.total_steps * batch.tokens_per_step / tps / 3600 if tps else None
     warnings = _warnings(
@@ -177,6 +180,7 @@ def make_plan(
         batch=asdict(batch),
         memory_gib=memory,
         device_memory_gib=device_memory,
+        host_memory_gib=host,
         tokens_per_s=tps,
         speed_basis=basis,
         hours=hours,
@@ -187,15 +191,18 @@ def make_plan(
     )
 
 
-def _memory(cfg: Any, env: Any, model: Any, batch: BatchPlan) -> tuple[float | None, float | None]:
-    """Peak training memory per device from ``perf/estimate.py`` (native families trained in full)."""
+def _memory(
+    cfg: Any, env: Any, model: Any, batch: BatchPlan
+) -> tuple[float | None, float | None, float | None]:
+    """Peak training memory per device from ``perf/estimate.py`` (native families trained in full), the device's
+    memory, and the host memory an offloaded run keeps per process."""
     if (
         cfg.lora.enabled
         or not hasattr(model.args, "__dataclass_fields__")
         or model.pretrained is not None
         and model.pretrained.generic
     ):
-        return None, None
+        return None, None, None
     from gptoughts.perf.estimate import estimate
 
     args = {k: v for k, v in asdict(model.args).items()}
@@ -215,11 +222,13 @@ def _memory(cfg: Any, env: Any, model: Any, batch: BatchPlan) -> tuple[float | N
             residual_dtype=residual,
             num_gpus=batch.world_size,
             strategy=strategy,
+            optimizer=cfg.train.optimizer,
+            cpu_offload=env.dist.cpu_offload,
         )
     except Exception:  # noqa: BLE001 - an estimate must never stop a run
-        return None, None
+        return None, None, None
     device_mem = (env.hw.memory_bytes or 0) / 2**30 or None  # the GPU's, or on a CPU the machine's RAM
-    return e.total_gib, device_mem
+    return e.total_gib, device_mem, e.host_gib or None
 
 
 def _speed(cfg: Any, env: Any, model: Any, batch: BatchPlan) -> tuple[float | None, str]:

@@ -221,8 +221,10 @@ def apply_transforms(
         )
     # 5. data parallel: DDP, or FSDP2 (each compiled block sharded in place)
     model = pdist.wrap(model, device, dist, precision)
-    if dist.enabled:
-        resolved["parallel"] = f"{dist.strategy} x{dist.world_size}"
+    if dist.enabled or dist.sharded:
+        resolved["parallel"] = f"{dist.strategy} x{dist.world_size}" + (
+            " + cpu offload" if dist.cpu_offload else ""
+        )
     resolved["loss"] = resolve_loss(perf, device)
     why["loss"] = (
         "asked" if perf.loss != "auto" else "auto: chunked on CUDA (no fp32 logits of the whole batch)"
@@ -262,7 +264,9 @@ def make_optimizer(
     adapters keeps AdamW (:func:`optimizer_rule` says so in the plan)."""
     from gptoughts.train.optim import build_adamw, build_muon
 
-    fused = perf.fused_adamw is True or (perf.fused_adamw == "auto" and device.type == "cuda")
+    # The parameters' device, not the run's: offloaded (FSDP2 CPUOffloadPolicy) parameters step on the CPU.
+    where = next((p.device for p in model.parameters()), device)
+    fused = perf.fused_adamw is True or (perf.fused_adamw == "auto" and where.type == "cuda")
     common = dict(
         lr=t.learning_rate, weight_decay=t.weight_decay, betas=(t.beta1, t.beta2), eps=t.eps, fused=fused
     )
