@@ -312,7 +312,8 @@ def clip_and_step(
     if fused and scaler is None:
         grads = [p.grad for p in params if p.grad is not None]
         grad_norm = _full(torch.nn.utils.get_total_norm(grads, foreach=True))
-        found_inf = (~torch.isfinite(grad_norm) | ~torch.isfinite(loss_sum)).float()
+        # Offloaded parameters step on the CPU, where the loss is not: the flag goes where the kernel runs.
+        found_inf = (~torch.isfinite(grad_norm) | ~torch.isfinite(loss_sum)).float().to(grad_norm.device)
         optimizer.grad_scale = (
             ((grad_norm + 1e-6) / max_norm).clamp(min=1.0) if math.isfinite(max_norm) else None
         )

@@ -232,6 +232,8 @@ def _memory(
 
 
 def _speed(cfg: Any, env: Any, model: Any, batch: BatchPlan) -> tuple[float | None, str]:
+    if env.dist.cpu_offload:  # bound by host-device copies and the CPU's optimizer step, not by the matmuls
+        return None, ""
     return estimate_speed(env, model, batch.block_size, batch.micro_batch, batch.world_size)
 
 

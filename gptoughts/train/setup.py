@@ -264,9 +264,9 @@ def make_optimizer(
     adapters keeps AdamW (:func:`optimizer_rule` says so in the plan)."""
     from gptoughts.train.optim import build_adamw, build_muon
 
-    # The parameters' device, not the run's: offloaded (FSDP2 CPUOffloadPolicy) parameters step on the CPU.
-    where = next((p.device for p in model.parameters()), device)
-    fused = perf.fused_adamw is True or (perf.fused_adamw == "auto" and where.type == "cuda")
+    # On a GPU run, fused whatever the parameters' device: offloaded ones (FSDP2 CPUOffloadPolicy) step on the CPU
+    # with torch's fused CPU kernel.
+    fused = perf.fused_adamw is True or (perf.fused_adamw == "auto" and device.type == "cuda")
     common = dict(
         lr=t.learning_rate, weight_decay=t.weight_decay, betas=(t.beta1, t.beta2), eps=t.eps, fused=fused
     )

@@ -681,7 +681,7 @@ class Trainer:
         """The records' values as floats: one stack, one all-reduce of the loss column, one transfer."""
         zero = torch.zeros((), device=self.device)
         flat = [
-            t.float()
+            t.float().to(self.device)  # a no-op, except an offloaded run's grad norm, computed on the CPU
             for r in recs
             for t in (r.loss_sum, r.n_tokens, r.grad_norm, r.found_inf, zero if r.hold is None else r.hold)
         ]
