@@ -193,6 +193,15 @@ def broadcast_object(obj: object, info: DistInfo, src: int = 0) -> object:
     return box[0]
 
 
+def all_gather_object(obj: object, info: DistInfo) -> list[object]:
+    """Every rank's ``obj``, in rank order (``[obj]`` alone)."""
+    if not info.enabled:
+        return [obj]
+    out: list[object] = [None] * info.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
 def barrier(info: DistInfo) -> None:
     if info.enabled:
         dist.barrier()
