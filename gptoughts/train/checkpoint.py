@@ -592,6 +592,10 @@ class ShardedSaver:
         self.async_save = async_save
         self.keep_last = keep_last
         self.group = dist.new_group(backend="gloo") if dist.is_available() and dist.is_initialized() else None
+        if (
+            self.group is None
+        ):  # one process: DCP says so from its writer thread too, where no catch_warnings holds
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninit")
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self.blocked_s = 0.0
