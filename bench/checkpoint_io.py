@@ -36,11 +36,13 @@ def build(size: str, with_state: bool) -> tuple[torch.nn.Module, torch.optim.Opt
         torch.manual_seed(0)
         model.init_weights()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, foreach=False)
-    if with_state:  # allocate the AdamW state (exp_avg, exp_avg_sq) with one zero-gradient step
+    if with_state:  # the AdamW state of a step taken (allocated directly: no gradients, less peak memory)
         for p in model.parameters():
-            p.grad = torch.zeros_like(p)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+            opt.state[p] = {
+                "step": torch.tensor(1.0),
+                "exp_avg": torch.randn_like(p) * 1e-3,
+                "exp_avg_sq": torch.rand_like(p) * 1e-6,
+            }
     return model, opt
 
 

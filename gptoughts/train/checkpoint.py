@@ -520,6 +520,74 @@ def _dcp_load(dest: dict[str, Any], path: Path) -> None:
         raise UnreadableCheckpoint(f"{path} cannot be read ({type(e).__name__}: {text[:160]})") from None
 
 
+_WRAPPER_NAMES = {"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"}
+
+
+def _optimizer_dest(
+    model: nn.Module, model_sd: dict[str, Any], optimizer: torch.optim.Optimizer, index: Any
+) -> tuple[dict[str, Any], list[str]] | None:
+    """Where DCP reads a checkpoint's optimizer state to, built from its index: each state tensor shaped (and,
+    under FSDP, sharded) like its parameter. Avoids ``get_optimizer_state_dict``'s way of materialising the state
+    (a zero-gradient optimizer step: seconds and a gradient's worth of memory on CPU at 125m). Returns the
+    destination and the parameter names in the optimizer's order; None when names cannot be matched."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    names = {
+        id(p): ".".join(c for c in n.split(".") if c not in _WRAPPER_NAMES)
+        for n, p in model.named_parameters()
+    }
+    order = [p for g in optimizer.param_groups for p in g["params"]]
+    if any(id(p) not in names for p in order):
+        return None
+    fqns = [names[id(p)] for p in order]
+    if not set(fqns) <= set(model_sd):
+        return None
+    longest_first = sorted(fqns, key=len, reverse=True)
+    state: dict[str, dict[str, Any]] = {}
+    prefix = "optimizer.state."
+    for key, md in index.state_dict_metadata.items():
+        if not key.startswith(prefix):
+            continue
+        rest = key[len(prefix) :]
+        fqn = next((f for f in longest_first if rest.startswith(f + ".")), None)
+        if fqn is None:
+            continue
+        like = model_sd[fqn]
+        if not isinstance(md, TensorStorageMetadata):
+            value: Any = None  # a non-tensor entry: DCP replaces the placeholder
+        elif len(md.size) and tuple(md.size) == tuple(like.shape):
+            value = torch.empty_like(like, dtype=md.properties.dtype)  # the parameter's sharding
+        else:
+            value = torch.empty(md.size, dtype=md.properties.dtype)  # a scalar (step) or another shape: whole
+        state.setdefault(fqn, {})[rest[len(fqn) + 1 :]] = value
+    groups, start = [], 0
+    for i, g in enumerate(optimizer.param_groups):
+        keys = [k for k in g if f"optimizer.param_groups.{i}.{k}" in index.state_dict_metadata]
+        # "params": placeholders (the saved names replace them), never the parameters themselves
+        groups.append({k: fqns[start : start + len(g["params"])] if k == "params" else g[k] for k in keys})
+        start += len(g["params"])
+    return {"state": state, "param_groups": groups}, fqns
+
+
+def _load_optimizer_by_index(
+    optimizer: torch.optim.Optimizer, loaded: dict[str, Any], fqns: list[str]
+) -> bool:
+    """``optimizer.load_state_dict`` of a state keyed by name, when its groups hold the same parameters as the
+    optimizer's (else False: the caller maps it the general way)."""
+    groups, start = [], 0
+    for g, saved in zip(optimizer.param_groups, loaded["param_groups"]):
+        mine = fqns[start : start + len(g["params"])]
+        if list(saved.get("params", [])) != mine:
+            return False
+        groups.append({**saved, "params": list(range(start, start + len(mine)))})
+        start += len(mine)
+    if len(loaded["param_groups"]) != len(optimizer.param_groups):
+        return False
+    state = {i: loaded["state"][f] for i, f in enumerate(fqns) if f in loaded["state"]}
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
+    return True
+
+
 def load_dcp(
     path: Path,
     model: nn.Module,
@@ -531,33 +599,45 @@ def load_dcp(
     """Load a sharded checkpoint into ``model`` (and ``optimizer``), whatever their sharding: FSDP on any number
     of ranks (DCP reads each rank's part of every tensor), DDP or one process (whole tensors). Every rank of a
     process group calls it."""
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
 
     path = Path(path)
     index = read_dcp_metadata(path)
-    sd = sharded_state(model, optimizer)
+    own = _own_state_dict(model)
+    model_sd = model.state_dict() if own else get_model_state_dict(model, options=_options())
+    dest: dict[str, Any] = {}
     if weights:
         saved = {k[len("model.") :] for k in index.state_dict_metadata if k.startswith("model.")}
-        expected = set(sd["model"])
+        expected = set(model_sd)
         missing, unexpected = sorted(expected - saved), sorted(saved - expected)
         if strict and (missing or unexpected):
             raise UserError(
                 f"checkpoint {path} does not match the model (missing {missing[:4]}, unexpected "
                 f"{unexpected[:4]}); was it trained with another --size or family?"
             )
-        sd["model"] = {k: v for k, v in sd["model"].items() if k in saved}
-    else:
-        del sd["model"]
-    if optimizer is not None and not any(k.startswith("optimizer.") for k in index.state_dict_metadata):
-        raise UnreadableCheckpoint(f"{path} holds no optimizer state")
-    _dcp_load(sd, path)
-    if weights:
-        if _own_state_dict(model):
-            model.load_state_dict(sd["model"], strict=strict)
-        else:
-            set_model_state_dict(model, sd["model"], options=_options(strict=strict))
+        dest["model"] = {k: v for k, v in model_sd.items() if k in saved}
+    plan = None
     if optimizer is not None:
-        set_optimizer_state_dict(model, optimizer, sd["optimizer"], options=_options())
+        if not any(k.startswith("optimizer.") for k in index.state_dict_metadata):
+            raise UnreadableCheckpoint(f"{path} holds no optimizer state")
+        plan = None if own else _optimizer_dest(model, model_sd, optimizer, index)
+        dest["optimizer"] = (
+            plan[0] if plan else get_optimizer_state_dict(model, optimizer, options=_options())
+        )
+    _dcp_load(dest, path)
+    if weights:
+        if own:
+            model.load_state_dict(dest["model"], strict=strict)
+        else:
+            set_model_state_dict(model, dest["model"], options=_options(strict=strict))
+    if optimizer is not None:
+        if plan is None or not _load_optimizer_by_index(optimizer, dest["optimizer"], plan[1]):
+            set_optimizer_state_dict(model, optimizer, dest["optimizer"], options=_options())
 
 
 def consolidated_weights(path: Path) -> dict[str, torch.Tensor]:
@@ -598,6 +678,7 @@ class ShardedSaver:
             warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninit")
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._stager: Any = None
         self.blocked_s = 0.0
         """Seconds the caller was blocked by the last :meth:`save` (for the log and the benchmarks)."""
 
@@ -613,6 +694,43 @@ class ShardedSaver:
         if self._error is not None:
             err, self._error = self._error, None
             raise UserError(str(err)) from None
+
+    def close(self) -> None:
+        """Wait for the pending save, then free the host staging buffers (a later save makes new ones)."""
+        try:
+            self.wait()
+        finally:
+            if self._stager is not None:
+                self._stager.close()
+                self._stager = None
+
+    def _stager_kw(self) -> dict[str, Any]:
+        """A stager kept across saves, so that its host buffers (pinned on CUDA: faster copies) are allocated
+        once, at the first save, instead of at every save; without it (torch without DCP's DefaultStager) DCP
+        allocates a fresh host copy per save."""
+        import inspect
+
+        import torch.distributed.checkpoint as dcp
+
+        if self._stager is None:
+            try:
+                from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+            except ImportError:
+                return {}
+            if "async_stager" not in inspect.signature(dcp.async_save).parameters:
+                return {}
+            cuda = torch.cuda.is_available()
+            # Staging stays synchronous: save() returns once the copy is complete, so training may go on
+            # changing the weights at once.
+            self._stager = DefaultStager(
+                StagingOptions(
+                    use_pinned_memory=cuda,
+                    use_shared_memory=False,
+                    use_async_staging=False,
+                    use_non_blocking_copy=False,
+                )
+            )
+        return {"async_stager": self._stager}
 
     def _broadcast(self, obj: Any) -> Any:
         if self.group is None:
@@ -676,7 +794,9 @@ class ShardedSaver:
                 self.blocked_s = time.perf_counter() - t0
                 self.wait()
                 return
-            future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.group)
+            future = dcp.async_save(
+                state, checkpoint_id=str(tmp), process_group=self.group, **self._stager_kw()
+            )
         self.blocked_s = time.perf_counter() - t0
 
         def complete() -> None:

@@ -699,9 +699,9 @@ class Trainer:
                     break
             self.wait_for_save()  # the run ends with its last checkpoint on disk (or with its write error)
         finally:
-            if self.saver is not None and self.saver.pending:  # leaving on an error: still never mid-write
+            if self.saver is not None:  # leaving on an error too: never mid-write; frees the staging buffers
                 try:
-                    self.saver.wait()
+                    self.saver.close()
                 except UserError as e:
                     log.warning("%s", e)
             profiler.close()

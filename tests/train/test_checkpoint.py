@@ -336,3 +336,20 @@ def test_dcp_two_ranks_resume_on_one_and_four(tmp_path, text_corpus, cache_dir, 
     out = api.export(step3, tmp_path / "hf")  # one process consolidates the shards
     a, b = api.load(step3).model.state_dict(), api.load(out).model.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_async_saves_in_a_row_each_write_their_own_state(tmp_path):
+    """The saver keeps its host staging buffers from one save to the next: each save still writes the state of
+    its own step (the next staging waits for the previous write)."""
+    m, opt = _trained(0)
+    saver = ckpt.ShardedSaver(tmp_path, async_save=True)
+    expected = {}
+    for step in (1, 2, 3):
+        with torch.no_grad():
+            m[0].weight.fill_(float(step))
+        saver.save(step, ckpt.sharded_state(m, opt), {"trainer": {"step": step}})
+        expected[step] = m[0].weight.clone()
+    saver.close()
+    for step in (1, 2, 3):
+        full = ckpt.consolidated_weights(ckpt.step_dir(tmp_path, step))
+        assert torch.equal(full["0.weight"], expected[step])
