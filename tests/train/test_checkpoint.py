@@ -281,8 +281,8 @@ def test_dcp_shared_weights(tmp_path):
 @pytest.mark.distributed
 def test_dcp_two_ranks_resume_on_one_and_four(tmp_path, text_corpus, cache_dir, fast):
     """An FSDP run on 2 gloo ranks writes sharded checkpoints (async); step 3's resumes on 1 process and on 4
-    ranks (DCP reshards; the loader's position comes along) with the next step's loss of the 2-rank run. Its
-    files equal those of a sync save of the same state, and it exports to a HF folder on one process."""
+    ranks (DCP reshards; the loader's position comes along) with the next step's loss of the 2-rank run, and
+    it exports to a HF folder on one process."""
     import json
     import os
     import subprocess
@@ -326,12 +326,6 @@ def test_dcp_two_ranks_resume_on_one_and_four(tmp_path, text_corpus, cache_dir, 
         resumed = train(tmp_path / f"on{ranks}", ranks, "--max_steps", "5", "--resume", str(step3))
         assert sorted(resumed) == [4, 5]
         assert abs(resumed[4] - ref[4]) <= 1e-6 * abs(ref[4]), (ranks, resumed[4], ref[4])
-
-    sync = train(tmp_path / "sync", 2, "--max_steps", "3", "--checkpoint.async_save", "false")
-    assert sync[3] == ref[3]
-    other = tmp_path / "sync" / "checkpoints" / "step_000003"
-    for name in ("__0_0.distcp", "__1_0.distcp"):
-        assert (other / name).read_bytes() == (step3 / name).read_bytes()
 
     out = api.export(step3, tmp_path / "hf")  # one process consolidates the shards
     a, b = api.load(step3).model.state_dict(), api.load(out).model.state_dict()
