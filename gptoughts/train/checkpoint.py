@@ -516,8 +516,12 @@ def _dcp_load(dest: dict[str, Any], path: Path) -> None:
     except UnreadableCheckpoint:
         raise
     except (CheckpointException, OSError, RuntimeError, ValueError, EOFError, pickle.UnpicklingError) as e:
-        text = str(e).replace("\n", " ")
-        raise UnreadableCheckpoint(f"{path} cannot be read ({type(e).__name__}: {text[:160]})") from None
+        # A CheckpointException carries each failed rank's exception: name the first, not the traceback text
+        failures = list(getattr(e, "failures", {}).values())
+        inner = failures[0] if failures else e
+        inner = inner[0] if isinstance(inner, tuple) and inner else getattr(inner, "exc", inner)
+        text = str(inner).replace("\n", " ")
+        raise UnreadableCheckpoint(f"{path} cannot be read ({type(inner).__name__}: {text[:160]})") from None
 
 
 _WRAPPER_NAMES = {"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"}
@@ -672,9 +676,8 @@ class ShardedSaver:
         self.async_save = async_save
         self.keep_last = keep_last
         self.group = dist.new_group(backend="gloo") if dist.is_available() and dist.is_initialized() else None
-        if (
-            self.group is None
-        ):  # one process: DCP says so from its writer thread too, where no catch_warnings holds
+        # One process: DCP says so from its writer thread too, where no catch_warnings holds.
+        if self.group is None:
             warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninit")
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
