@@ -33,16 +33,19 @@ sharded checkpoint loads on any number of ranks (DCP reshards), on one process (
 ``gptoughts export``, a one-process resume) and into a DDP run.
 
 Why two formats: one process and DDP keep ``model.safetensors`` + ``state.pt``. Every reader of a run's
-weights outside training (``gptoughts generate``/``export``, fine-tuning from a run, other tools) reads one
-safetensors file without torch.distributed, and on one process DCP brings no speed: measured in
-bench/BENCHMARKS.md (session 6), saving and loading were within noise of each other at 125m and 1b.
-What DCP brings is for sharded runs: no gather of the full model and optimizer to rank 0 (whose host memory
-bounded the size of a run), ranks writing in parallel, resharding on resume, and async saving.
+weights outside training (``gptoughts sample``/``generate``/``export``, the tests, anything with safetensors)
+reads one file without torch.distributed, and on one process DCP brings no speed (bench/BENCHMARKS.md, session 6,
+this 2-core CPU machine, fp32 + AdamW): saving took the same time in both formats (125m: 6.5 s each; 1b: 58 s
+vs 55 s: bound by writing and hashing the bytes), loading was slower with DCP (125m: 9.5 s vs 2.7 s; 1b: 70 s vs
+41 s: DCP reads each tensor into a new buffer, then copies it into the destination). What DCP brings is for
+sharded runs: no gather of the full model and optimizer to rank 0 (whose host memory bounded the size of a
+run), ranks writing in parallel, resharding on resume, and async saving.
 
-Loading is never unpickling of code: state.pt is read with ``torch.load(weights_only=True)``; DCP reads its
-tensors raw and its small objects with ``weights_only=True``, but its ``.metadata`` with a plain
-``pickle.load`` (torch 2.11 and 2.13): we first read that file with an unpickler that allows only DCP's own
-metadata classes, ``torch.Size``, dtypes and paths, and refuse the checkpoint otherwise.
+Loading is never unpickling of code: state.pt is read with ``torch.load(weights_only=True)``; DCP reads the
+shards' tensors and small objects with ``torch.load(weights_only=True)`` too, but its ``.metadata`` with a plain
+``pickle.load`` (``FileSystemReader.read_metadata``, checked in torch 2.13): :func:`read_dcp_metadata` reads that
+file first with an unpickler that allows only DCP's own metadata classes, ``torch.Size``, dtypes and paths, and
+the checkpoint is refused (an unusable one: ``--resume auto`` falls back) if it names anything else.
 """
 
 from __future__ import annotations
@@ -431,10 +434,28 @@ _DCP_CLASSES = {
 }
 
 
+def _dcp_data_class(module: str, name: str) -> bool:
+    """A dataclass or enum of DCP's own modules (another torch version may pickle one we have not listed):
+    rebuilt from its fields, never by calling code."""
+    import dataclasses
+    import enum
+    import sys
+
+    if not module.startswith("torch.distributed.checkpoint.") or "." in name:
+        return False
+    obj = getattr(sys.modules.get(module), name, None)
+    return isinstance(obj, type) and (dataclasses.is_dataclass(obj) or issubclass(obj, enum.Enum))
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
-        allowed = name in _DCP_CLASSES.get(module, ()) or (
-            module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.memory_format))
+        allowed = (
+            name in _DCP_CLASSES.get(module, ())
+            or (
+                module == "torch"
+                and isinstance(getattr(torch, name, None), (torch.dtype, torch.memory_format))
+            )
+            or _dcp_data_class(module, name)
         )
         if not allowed:
             raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a checkpoint index")
