@@ -181,6 +181,10 @@ class CheckpointConfig:
     """Checkpoints kept besides the best one."""
     checkpoints: bool = True
     """Write checkpoints at all (false only for throwaway runs such as benchmarks: nothing can be resumed)."""
+    async_save: bool = True
+    """Sharded (FSDP) runs: write checkpoints in the background (training goes on once each rank's shards are
+    copied to host memory; the next save, a rollback and the end of the run wait for it). One-process and DDP
+    runs write their single-file checkpoints synchronously."""
 
 
 @dataclass

@@ -5,11 +5,11 @@ process of world size 1 and no process group; ``torchrun --nproc_per_node=N -m g
 RANK/WORLD_SIZE/LOCAL_RANK and we join the group (NCCL on CUDA, gloo on CPU).
 
 Under FSDP2 (``parallel.strategy = fsdp``) every rank holds 1/N of each parameter, gradient and optimizer
-state. Checkpoints stay in the one format every strategy reads: the full model (safetensors) and the full
-optimizer state, gathered to rank 0 at save time and loaded by every rank at resume time (so a run can move
-between one GPU, DDP and FSDP, and between world sizes). Gathering to one host's memory is the limit of this
-format: for models whose optimizer state does not fit in the CPU memory of rank 0, a sharded (DCP) format
-would be needed.
+state, and checkpoints are sharded (``torch.distributed.checkpoint``, see ``train/checkpoint.py``): each rank
+writes its own shards, in the background by default, with nothing gathered to one host; they load on any
+number of ranks (DCP reshards), on one process and under DDP. One-process and DDP runs keep the single-file
+format (``model.safetensors`` + ``state.pt``), which FSDP runs also resume from: every rank reads the full
+weights and optimizer state (:func:`load_full_state_dict`, :func:`load_optimizer_state`) and keeps its shard.
 """
 
 from __future__ import annotations
@@ -283,6 +283,15 @@ def broadcast_object(obj: object, info: DistInfo, src: int = 0) -> object:
     box = [obj]
     dist.broadcast_object_list(box, src=src)
     return box[0]
+
+
+def all_gather_object(obj: object, info: DistInfo) -> list[object]:
+    """Every rank's ``obj``, in rank order (``[obj]`` alone)."""
+    if not info.enabled:
+        return [obj]
+    out: list[object] = [None] * info.world_size
+    dist.all_gather_object(out, obj)
+    return out
 
 
 def barrier(info: DistInfo) -> None:

@@ -1,12 +1,17 @@
-"""Atomic, verifiable checkpoints.
+"""Atomic, verifiable checkpoints, in one of two formats.
 
 Layout of ``RUN/checkpoints/``::
 
-    step_000120/
+    step_000120/                    one process or DDP: the single-file format
         model.safetensors   weights (safetensors: no pickle, loadable anywhere)
         state.pt            optimizer, step, RNG, loader and trainer state; torch.load(weights_only=True) reads it
         meta.json           step, val loss, sha256 of each file (written last), and what the trainer adds
                             (tokens seen, data steps skipped by rollbacks, rollbacks, learning-rate scale)
+    step_000240/                    FSDP: the sharded format (torch.distributed.checkpoint, "DCP")
+        __0_0.distcp …      each rank's shards of the weights and of the optimizer state (rank r writes __r_*)
+        .metadata           DCP's index of every tensor's chunks (a pickle: read with an allow-list, below)
+        state.pt            step, RNG of every rank, loader and trainer state (no optimizer: it is in the shards)
+        meta.json           as above, with "format": "dcp" and the sha256 of every rank's files
     best.json               {"step": ..., "val_loss": ...}: the best checkpoint, never rotated away
 
 A checkpoint is written into a hidden temp dir, every file fsynced, then the dir is renamed into place, so
@@ -17,15 +22,42 @@ Re-saving a step that exists (a rollback records its decision in the checkpoint 
 dir aside as ``.old-step_N-*`` before renaming the new one in; a crash between the two renames leaves only the
 ``.old`` dir, which :func:`recover` (run by ``save`` and ``latest_valid``) renames back, so a step dir is
 never lost.
+
+Sharded checkpoints (:class:`ShardedSaver`): every rank writes its own shards (``dcp.save``, or
+``dcp.async_save``: the trainer is blocked only while its shards are copied to host memory, the files are
+written by a background thread). When every rank's files are written, each rank hashes its own files, rank 0
+gathers the hashes into meta.json and renames the temp dir: all of it on the checkpoint thread, over a gloo
+process group of its own (the training collectives never share a group with a thread). The trainer waits for
+a pending save before the next one, before a rollback reads the checkpoints, and at the end of the run. A
+sharded checkpoint loads on any number of ranks (DCP reshards), on one process (``load_weights``: sampling,
+``gptoughts export``, a one-process resume) and into a DDP run.
+
+Why two formats: one process and DDP keep ``model.safetensors`` + ``state.pt``. Every reader of a run's
+weights outside training (``gptoughts sample``/``generate``/``export``, the tests, anything with safetensors)
+reads one file without torch.distributed, and on one process DCP brings no speed (bench/BENCHMARKS.md, session 6,
+this 2-core CPU machine, fp32 + AdamW): saving took the same time in both formats (125m: 6.5 s each; 1b: 58 s
+vs 55 s: bound by writing and hashing the bytes), loading was slower with DCP (125m: 9.5 s vs 2.7 s; 1b: 70 s vs
+41 s: DCP reads each tensor into a new buffer, then copies it into the destination). What DCP brings is for
+sharded runs: no gather of the full model and optimizer to rank 0 (whose host memory bounded the size of a
+run), ranks writing in parallel, resharding on resume, and async saving.
+
+Loading is never unpickling of code: state.pt is read with ``torch.load(weights_only=True)``; DCP reads the
+shards' tensors and small objects with ``torch.load(weights_only=True)`` too, but its ``.metadata`` with a plain
+``pickle.load`` (``FileSystemReader.read_metadata``, checked in torch 2.13): :func:`read_dcp_metadata` reads that
+file first with an unpickler that allows only DCP's own metadata classes, ``torch.Size``, dtypes and paths, and
+the checkpoint is refused (an unusable one: ``--resume auto`` falls back) if it names anything else.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
+import pickle
 import re
 import shutil
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -41,6 +73,9 @@ STEP_DIR = re.compile(r"^step_(\d{6,})$")
 MODEL_FILE = "model.safetensors"
 STATE_FILE = "state.pt"
 META_FILE = "meta.json"
+DCP_METADATA = ".metadata"
+"""DCP's index file; its presence (and ``"format": "dcp"`` in meta.json) marks a sharded checkpoint."""
+DCP_FORMAT = "dcp"
 
 
 def _sha256(path: Path, chunk: int = 1 << 22) -> str:
@@ -109,27 +144,43 @@ def save(
         for name in (MODEL_FILE, STATE_FILE):
             _fsync_file(tmp / name)
             files[name] = {"sha256": _sha256(tmp / name), "bytes": (tmp / name).stat().st_size}
-        info = {
-            **(meta or {}),
-            "step": step,
-            "val_loss": val_loss,
-            "files": files,
-            "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        }
-        (tmp / META_FILE).write_text(json.dumps(info, indent=2))
-        _fsync_file(tmp / META_FILE)
-        _fsync_dir(tmp)
-        if final.exists():  # re-saving the same step (end of run right after a periodic save, a rollback)
-            _replace(final, tmp, root)
-        else:
-            tmp.rename(final)
-        _fsync_dir(root)
+        _commit(root, tmp, step, files, val_loss=val_loss, meta=meta)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     if is_best:
         write_json_atomic(root / "best.json", {"step": step, "val_loss": val_loss})
     rotate(root, keep_last)
+    return final
+
+
+def _commit(
+    root: Path,
+    tmp: Path,
+    step: int,
+    files: dict[str, dict[str, Any]],
+    *,
+    val_loss: float | None,
+    meta: dict[str, Any] | None,
+) -> Path:
+    """Write meta.json (the files' checksums) last into the complete temp dir ``tmp``, then rename it into
+    place as ``step_N`` (atomically replacing an existing one)."""
+    final = step_dir(root, step)
+    info = {
+        **(meta or {}),
+        "step": step,
+        "val_loss": val_loss,
+        "files": files,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+    (tmp / META_FILE).write_text(json.dumps(info, indent=2))
+    _fsync_file(tmp / META_FILE)
+    _fsync_dir(tmp)
+    if final.exists():  # re-saving the same step (end of run right after a periodic save, a rollback)
+        _replace(final, tmp, root)
+    else:
+        tmp.rename(final)
+    _fsync_dir(root)
     return final
 
 
@@ -211,15 +262,23 @@ def verify(path: Path) -> str | None:
     except (ValueError, KeyError, TypeError, UnicodeDecodeError):
         return "meta.json unreadable"
     # A meta.json that is valid JSON but lists no files (or not both files, or wrong fields) verifies nothing.
+    dcp_format = isinstance(meta, dict) and meta.get("format") == DCP_FORMAT
     if (
         not isinstance(files, dict)
-        or set(files) != {MODEL_FILE, STATE_FILE}
         or not all(
             isinstance(i, dict) and isinstance(i.get("bytes"), int) and isinstance(i.get("sha256"), str)
             for i in files.values()
         )
+        or (not dcp_format and set(files) != {MODEL_FILE, STATE_FILE})
+        or (dcp_format and not {DCP_METADATA, STATE_FILE} <= set(files))
     ):
+        if dcp_format:
+            return "meta.json does not describe .metadata, state.pt and the shards"
         return "meta.json does not describe model.safetensors and state.pt"
+    if dcp_format:
+        names = [n for n in files if n not in (DCP_METADATA, STATE_FILE)]
+        if any("/" in n or "\\" in n or n.startswith(".") or not n.endswith(".distcp") for n in names):
+            return "meta.json lists a file that is not a shard"
     for name, info in files.items():
         f = path / name
         if not f.exists():
@@ -228,6 +287,15 @@ def verify(path: Path) -> str | None:
             return f"{name} truncated ({f.stat().st_size} of {info['bytes']} bytes)"
         if _sha256(f) != info["sha256"]:
             return f"{name} checksum mismatch (corrupted)"
+    if dcp_format:
+        # The cheap check of DCP's own index: it reads safely and every shard file it points to is listed.
+        try:
+            index = read_dcp_metadata(path)
+        except UnreadableCheckpoint as e:
+            return str(e)
+        wanted = {str(getattr(i, "relative_path", "")) for i in (index.storage_data or {}).values()}
+        if not wanted <= set(files):
+            return f".metadata points to shards meta.json does not list ({sorted(wanted - set(files))[:3]})"
     return None
 
 
@@ -254,7 +322,7 @@ def resolve(path_or_run: str | Path) -> Path:
     p = Path(path_or_run)
     if not p.exists():
         raise UserError(f"{p} does not exist; pass a run directory or a checkpoint directory")
-    if (p / META_FILE).exists() or (p / MODEL_FILE).exists():
+    if (p / META_FILE).exists() or (p / MODEL_FILE).exists() or (p / DCP_METADATA).exists():
         problem = verify(p)
         if problem:
             raise UserError(f"checkpoint {p} is unusable: {problem}")
@@ -272,7 +340,11 @@ class UnreadableCheckpoint(UserError):
 
 
 def load_weights(model: nn.Module, path: Path, *, strict: bool = True, sharded: bool = False) -> None:
-    """Load a checkpoint's weights; ``sharded``: into an FSDP model (every rank reads the file, keeps its shard)."""
+    """Load a checkpoint's weights; ``sharded``: into an FSDP model (every rank reads the file, keeps its shard).
+    A sharded (DCP) checkpoint loads into any model: sharded (resharded to this run's ranks) or whole."""
+    if is_dcp(path):
+        load_dcp(path, model, strict=strict)
+        return
     try:
         if sharded:
             from gptoughts.parallel.dist import load_full_state_dict
@@ -324,8 +396,493 @@ def load_state(path: Path, device: torch.device | str = "cpu") -> dict[str, Any]
         or "step" not in state["trainer"]
     ):
         raise UnreadableCheckpoint(f"{path / STATE_FILE} is not a gptoughts trainer state")
+    if is_dcp(path):
+        # The optimizer state is in the shards: Trainer.load_state_dict reads it into the live optimizer.
+        state["optimizer"] = None
+        state[DCP_FORMAT] = str(path)
     return state
 
 
 def read_meta(path: Path) -> dict[str, Any]:
     return json.loads((path / META_FILE).read_text())
+
+
+# ------------------------------------------------------------------------------------- sharded (DCP) format
+def is_dcp(path: Path) -> bool:
+    """Whether ``path`` is a sharded (DCP) checkpoint."""
+    return (Path(path) / DCP_METADATA).exists()
+
+
+# What DCP's .metadata pickle may name (torch 2.11-2.13): its own dataclasses, torch.Size, dtypes, a layout
+# helper, the checkpoint's path. Anything else (a forged file naming os.system, say) is refused unread.
+_DCP_CLASSES = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata",
+        "StorageMeta",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "MetadataIndex",
+        "_MEM_FORMAT_ENCODING",
+    },
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "pathlib": {"Path", "PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
+    "collections": {"OrderedDict"},
+}
+
+
+def _dcp_data_class(module: str, name: str) -> bool:
+    """A dataclass or enum of DCP's own modules (another torch version may pickle one we have not listed):
+    rebuilt from its fields, never by calling code."""
+    import dataclasses
+    import enum
+    import sys
+
+    if not module.startswith("torch.distributed.checkpoint.") or "." in name:
+        return False
+    obj = getattr(sys.modules.get(module), name, None)
+    return isinstance(obj, type) and (dataclasses.is_dataclass(obj) or issubclass(obj, enum.Enum))
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        allowed = (
+            name in _DCP_CLASSES.get(module, ())
+            or (
+                module == "torch"
+                and isinstance(getattr(torch, name, None), (torch.dtype, torch.memory_format))
+            )
+            or _dcp_data_class(module, name)
+        )
+        if not allowed:
+            raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a checkpoint index")
+        return super().find_class(module, name)
+
+
+def read_dcp_metadata(path: Path, name: str = DCP_METADATA) -> Any:
+    """DCP's index of a sharded checkpoint, read with the allow-list above (never running code)."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    try:
+        with open(Path(path) / name, "rb") as f:
+            index = _MetadataUnpickler(f).load()
+    except (
+        pickle.UnpicklingError,
+        OSError,
+        EOFError,
+        AttributeError,
+        ValueError,
+        TypeError,
+        IndexError,
+    ) as e:
+        raise UnreadableCheckpoint(
+            f"{Path(path) / name} cannot be read safely ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
+        ) from None
+    if not isinstance(index, Metadata):
+        raise UnreadableCheckpoint(f"{Path(path) / name} is not a DCP checkpoint index")
+    return index
+
+
+def _safe_reader(path: Path) -> Any:
+    """DCP's file reader, with its ``.metadata`` checked by :func:`read_dcp_metadata` before DCP unpickles it."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    class SafeReader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            rank = kwargs.get("rank")
+            read_dcp_metadata(path, DCP_METADATA if rank is None else f"__{rank}{DCP_METADATA}")
+            return super().read_metadata(*args, **kwargs)
+
+    return SafeReader(str(path))
+
+
+def _own_state_dict(model: nn.Module) -> bool:
+    """A module that defines its own state dict (LoRA's TrainableWeights): read and written as it says."""
+    return type(model).state_dict is not nn.Module.state_dict
+
+
+def _options(**kw: bool) -> Any:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=False, **kw)
+
+
+def sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
+    """What a sharded checkpoint holds: ``{"model": ..., "optimizer": ...}``, each rank only its own shards
+    (DTensors under FSDP; plain tensors on one process), the optimizer keyed by parameter name. No gather,
+    no copy: DCP reads the tensors where they are."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    out: dict[str, Any] = {
+        "model": model.state_dict()
+        if _own_state_dict(model)
+        else get_model_state_dict(model, options=_options())
+    }
+    if optimizer is not None:
+        out["optimizer"] = get_optimizer_state_dict(model, optimizer, options=_options())
+    return out
+
+
+def _dcp_load(dest: dict[str, Any], path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.filterwarnings("ignore", message=".*single process.*")
+            dcp.load(dest, storage_reader=_safe_reader(path))
+    except UnreadableCheckpoint:
+        raise
+    except (CheckpointException, OSError, RuntimeError, ValueError, EOFError, pickle.UnpicklingError) as e:
+        # A CheckpointException carries each failed rank's exception: name the first, not the traceback text
+        failures = list(getattr(e, "failures", {}).values())
+        inner = failures[0] if failures else e
+        inner = inner[0] if isinstance(inner, tuple) and inner else getattr(inner, "exc", inner)
+        text = str(inner).replace("\n", " ")
+        raise UnreadableCheckpoint(f"{path} cannot be read ({type(inner).__name__}: {text[:160]})") from None
+
+
+_WRAPPER_NAMES = {"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"}
+
+
+def _optimizer_dest(
+    model: nn.Module, model_sd: dict[str, Any], optimizer: torch.optim.Optimizer, index: Any
+) -> tuple[dict[str, Any], list[str]] | None:
+    """Where DCP reads a checkpoint's optimizer state to, built from its index: each state tensor shaped (and,
+    under FSDP, sharded) like its parameter. Avoids ``get_optimizer_state_dict``'s way of materialising the state
+    (a zero-gradient optimizer step: seconds and a gradient's worth of memory on CPU at 125m). Returns the
+    destination and the parameter names in the optimizer's order; None when names cannot be matched."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    names = {
+        id(p): ".".join(c for c in n.split(".") if c not in _WRAPPER_NAMES)
+        for n, p in model.named_parameters()
+    }
+    order = [p for g in optimizer.param_groups for p in g["params"]]
+    if any(id(p) not in names for p in order):
+        return None
+    fqns = [names[id(p)] for p in order]
+    if not set(fqns) <= set(model_sd):
+        return None
+    longest_first = sorted(fqns, key=len, reverse=True)
+    state: dict[str, dict[str, Any]] = {}
+    prefix = "optimizer.state."
+    for key, md in index.state_dict_metadata.items():
+        if not key.startswith(prefix):
+            continue
+        rest = key[len(prefix) :]
+        fqn = next((f for f in longest_first if rest.startswith(f + ".")), None)
+        if fqn is None:
+            continue
+        like = model_sd[fqn]
+        if not isinstance(md, TensorStorageMetadata):
+            value: Any = None  # a non-tensor entry: DCP replaces the placeholder
+        elif len(md.size) and tuple(md.size) == tuple(like.shape):
+            value = torch.empty_like(like, dtype=md.properties.dtype)  # the parameter's sharding
+        else:
+            value = torch.empty(md.size, dtype=md.properties.dtype)  # a scalar (step) or another shape: whole
+        state.setdefault(fqn, {})[rest[len(fqn) + 1 :]] = value
+    groups, start = [], 0
+    for i, g in enumerate(optimizer.param_groups):
+        keys = [k for k in g if f"optimizer.param_groups.{i}.{k}" in index.state_dict_metadata]
+        # "params": placeholders (the saved names replace them), never the parameters themselves
+        groups.append({k: fqns[start : start + len(g["params"])] if k == "params" else g[k] for k in keys})
+        start += len(g["params"])
+    return {"state": state, "param_groups": groups}, fqns
+
+
+def _load_optimizer_by_index(
+    optimizer: torch.optim.Optimizer, loaded: dict[str, Any], fqns: list[str]
+) -> bool:
+    """``optimizer.load_state_dict`` of a state keyed by name, when its groups hold the same parameters as the
+    optimizer's (else False: the caller maps it the general way)."""
+    groups, start = [], 0
+    for g, saved in zip(optimizer.param_groups, loaded["param_groups"]):
+        mine = fqns[start : start + len(g["params"])]
+        if list(saved.get("params", [])) != mine:
+            return False
+        groups.append({**saved, "params": list(range(start, start + len(mine)))})
+        start += len(mine)
+    if len(loaded["param_groups"]) != len(optimizer.param_groups):
+        return False
+    state = {i: loaded["state"][f] for i, f in enumerate(fqns) if f in loaded["state"]}
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
+    return True
+
+
+def load_dcp(
+    path: Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    weights: bool = True,
+    strict: bool = True,
+) -> None:
+    """Load a sharded checkpoint into ``model`` (and ``optimizer``), whatever their sharding: FSDP on any number
+    of ranks (DCP reads each rank's part of every tensor), DDP or one process (whole tensors). Every rank of a
+    process group calls it."""
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    path = Path(path)
+    index = read_dcp_metadata(path)
+    own = _own_state_dict(model)
+    model_sd = model.state_dict() if own else get_model_state_dict(model, options=_options())
+    dest: dict[str, Any] = {}
+    if weights:
+        saved = {k[len("model.") :] for k in index.state_dict_metadata if k.startswith("model.")}
+        expected = set(model_sd)
+        missing, unexpected = sorted(expected - saved), sorted(saved - expected)
+        if strict and (missing or unexpected):
+            raise UserError(
+                f"checkpoint {path} does not match the model (missing {missing[:4]}, unexpected "
+                f"{unexpected[:4]}); was it trained with another --size or family?"
+            )
+        dest["model"] = {k: v for k, v in model_sd.items() if k in saved}
+    plan = None
+    if optimizer is not None:
+        if not any(k.startswith("optimizer.") for k in index.state_dict_metadata):
+            raise UnreadableCheckpoint(f"{path} holds no optimizer state")
+        plan = None if own else _optimizer_dest(model, model_sd, optimizer, index)
+        dest["optimizer"] = (
+            plan[0] if plan else get_optimizer_state_dict(model, optimizer, options=_options())
+        )
+    _dcp_load(dest, path)
+    if weights:
+        if own:
+            model.load_state_dict(dest["model"], strict=strict)
+        else:
+            set_model_state_dict(model, dest["model"], options=_options(strict=strict))
+    if optimizer is not None:
+        if plan is None or not _load_optimizer_by_index(optimizer, dest["optimizer"], plan[1]):
+            set_optimizer_state_dict(model, optimizer, dest["optimizer"], options=_options())
+
+
+def consolidated_weights(path: Path) -> dict[str, torch.Tensor]:
+    """The full weights of a sharded checkpoint as one state dict on this process (no model needed: the shapes
+    and dtypes come from DCP's index)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    path = Path(path)
+    index = read_dcp_metadata(path)
+    out = {
+        k[len("model.") :]: torch.empty(m.size, dtype=m.properties.dtype)
+        for k, m in index.state_dict_metadata.items()
+        if k.startswith("model.") and isinstance(m, TensorStorageMetadata)
+    }
+    _dcp_load({"model": out}, path)
+    return out
+
+
+class ShardedSaver:
+    """Writes sharded checkpoints (every rank calls :meth:`save` with its own shards) under ``root``.
+
+    ``async_save``: :meth:`save` returns once this rank's shards are copied to host memory; a background thread
+    writes them, then finishes the checkpoint (hashes, meta.json, rename, best.json, rotation: see the module
+    docstring). Its collectives run over a gloo group of this saver's own, made at construction (a collective:
+    every rank constructs it). :meth:`wait` joins a pending save and raises its error, if any."""
+
+    def __init__(self, root: str | Path, *, rank: int = 0, async_save: bool = True, keep_last: int = 3):
+        import torch.distributed as dist
+
+        self.root = Path(root)
+        self.rank = rank
+        self.async_save = async_save
+        self.keep_last = keep_last
+        self.group = dist.new_group(backend="gloo") if dist.is_available() and dist.is_initialized() else None
+        # One process: DCP says so from its writer thread too, where no catch_warnings holds.
+        if self.group is None:
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninit")
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._stager: Any = None
+        self.blocked_s = 0.0
+        """Seconds the caller was blocked by the last :meth:`save` (for the log and the benchmarks)."""
+
+    @property
+    def pending(self) -> bool:
+        return self._thread is not None
+
+    def wait(self) -> None:
+        """Block until the pending save (if any) is on disk; raise its error as a :class:`UserError`."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise UserError(str(err)) from None
+
+    def close(self) -> None:
+        """Wait for the pending save, then free the host staging buffers (a later save makes new ones)."""
+        try:
+            self.wait()
+        finally:
+            if self._stager is not None:
+                self._stager.close()
+                self._stager = None
+
+    def _stager_kw(self) -> dict[str, Any]:
+        """A stager kept across saves, so that its host buffers (pinned on CUDA: faster copies) are allocated
+        once, at the first save, instead of at every save; without it (torch without DCP's DefaultStager) DCP
+        allocates a fresh host copy per save."""
+        import inspect
+
+        import torch.distributed.checkpoint as dcp
+
+        if self._stager is None:
+            try:
+                from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+            except ImportError:
+                return {}
+            if "async_stager" not in inspect.signature(dcp.async_save).parameters:
+                return {}
+            cuda = torch.cuda.is_available()
+            # Staging stays synchronous: save() returns once the copy is complete, so training may go on
+            # changing the weights at once.
+            self._stager = DefaultStager(
+                StagingOptions(
+                    use_pinned_memory=cuda,
+                    use_shared_memory=False,
+                    use_async_staging=False,
+                    use_non_blocking_copy=False,
+                )
+            )
+        return {"async_stager": self._stager}
+
+    def _broadcast(self, obj: Any) -> Any:
+        if self.group is None:
+            return obj
+        import torch.distributed as dist
+
+        box = [obj]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
+        return box[0]
+
+    def _gather(self, obj: Any) -> list[Any]:
+        if self.group is None:
+            return [obj]
+        import torch.distributed as dist
+
+        out = [None] * dist.get_world_size(self.group) if self.rank == 0 else None
+        dist.gather_object(obj, out, dst=dist.get_global_rank(self.group, 0), group=self.group)
+        return out or []
+
+    def save(
+        self,
+        step: int,
+        state: dict[str, Any],
+        trainer_state: dict[str, Any] | None,
+        *,
+        val_loss: float | None = None,
+        is_best: bool = False,
+        meta: dict[str, Any] | None = None,
+    ) -> None:
+        """Write checkpoint ``step``: ``state`` from :func:`sharded_state` (each rank its own), ``trainer_state``
+        (rank 0's; saved as state.pt). Waits for a pending save first."""
+        import torch.distributed.checkpoint as dcp
+
+        t0 = time.perf_counter()
+        self.wait()
+        tmp_name, error = None, None
+        if self.rank == 0:
+            try:
+                self.root.mkdir(parents=True, exist_ok=True)
+                recover(self.root)
+                tmp_name = f".tmp-step_{step:06d}-{os.getpid()}-{time.monotonic_ns()}"
+                (self.root / tmp_name).mkdir()
+                torch.save(trainer_state, self.root / tmp_name / STATE_FILE)
+            except Exception as e:  # noqa: BLE001 - every rank must learn of it, not only rank 0
+                error = f"checkpoint step {step} could not be written: {type(e).__name__}: {e}"
+                if tmp_name is not None:
+                    shutil.rmtree(self.root / tmp_name, ignore_errors=True)
+        tmp_name, error = self._broadcast((tmp_name, error))
+        if error is not None:
+            raise UserError(error)
+        tmp = self.root / tmp_name
+        done = functools.partial(self._finish, tmp, step, val_loss=val_loss, is_best=is_best, meta=meta)
+        with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
+            warnings.filterwarnings("ignore", message=".*single process.*")
+            if not self.async_save:
+                try:
+                    dcp.save(state, checkpoint_id=str(tmp), process_group=self.group)
+                except BaseException as e:  # noqa: BLE001 - CheckpointException is a BaseException
+                    self._error = e
+                done()
+                self.blocked_s = time.perf_counter() - t0
+                self.wait()
+                return
+            future = dcp.async_save(
+                state, checkpoint_id=str(tmp), process_group=self.group, **self._stager_kw()
+            )
+        self.blocked_s = time.perf_counter() - t0
+
+        def complete() -> None:
+            try:
+                future.result()
+            except BaseException as e:  # noqa: BLE001 - reported by wait() in the caller's thread
+                self._error = e
+            done()
+
+        # Not a daemon: the interpreter waits for it at exit, so a process never ends with a save in flight.
+        self._thread = threading.Thread(target=complete, name=f"checkpoint-step-{step}")
+        self._thread.start()
+
+    def _finish(
+        self,
+        tmp: Path,
+        step: int,
+        *,
+        val_loss: float | None,
+        is_best: bool,
+        meta: dict[str, Any] | None,
+    ) -> None:
+        """Every rank hashes the shard files it wrote; rank 0 gathers the hashes, writes meta.json last and
+        renames the dir into place, and every rank learns the outcome."""
+        mine: dict[str, Any] | str
+        if self._error is not None:
+            mine = f"rank {self.rank}: {type(self._error).__name__}: {str(self._error).splitlines()[0][:200]}"
+        else:
+            try:
+                mine = {
+                    f.name: {"sha256": _sha256(f), "bytes": f.stat().st_size}
+                    for f in sorted(tmp.glob(f"__{self.rank}_*.distcp"))
+                }
+            except OSError as e:
+                mine = f"rank {self.rank}: {e}"
+        gathered = self._gather(mine)
+        status = None
+        if self.rank == 0:
+            problems = [g for g in gathered if isinstance(g, str)]
+            try:
+                if problems:
+                    raise OSError("; ".join(problems))
+                files: dict[str, Any] = {}
+                for g in gathered:
+                    files.update(g)
+                for name in (DCP_METADATA, STATE_FILE):
+                    _fsync_file(tmp / name)
+                    files[name] = {"sha256": _sha256(tmp / name), "bytes": (tmp / name).stat().st_size}
+                world = len(gathered)
+                _commit(
+                    self.root,
+                    tmp,
+                    step,
+                    files,
+                    val_loss=val_loss,
+                    meta={**(meta or {}), "format": DCP_FORMAT, "world_size": world},
+                )
+                if is_best:
+                    write_json_atomic(self.root / "best.json", {"step": step, "val_loss": val_loss})
+                rotate(self.root, self.keep_last)
+            except BaseException as e:  # noqa: BLE001 - every rank must learn of it
+                shutil.rmtree(tmp, ignore_errors=True)
+                status = f"checkpoint step {step} could not be written: {type(e).__name__}: {e}"
+        status = self._broadcast(status)
+        self._error = RuntimeError(status) if status is not None else None

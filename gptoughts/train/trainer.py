@@ -229,6 +229,15 @@ class Trainer:
         self._last_hold: torch.Tensor | None = None
         self._last_micro: list[Batch] | None = None
         self._last_rng: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        # Sharded runs write sharded (DCP) checkpoints, each rank its own shards, by default in the background
+        # (see checkpoint.py); constructing the saver is a collective (its own gloo group).
+        self.saver = (
+            ckpt.ShardedSaver(
+                self.ckpt_dir, rank=dist.rank, async_save=self.ck.async_save, keep_last=self.ck.keep_last
+            )
+            if dist.sharded and self.ck.checkpoints
+            else None
+        )
 
     # ------------------------------------------------------------------------------------------ precision
     def autocast(self) -> contextlib.AbstractContextManager:
@@ -407,32 +416,47 @@ class Trainer:
         return loss, math.exp(min(loss, 50.0))
 
     # --------------------------------------------------------------------------------------- checkpoints
-    def state_dict(self) -> dict[str, Any]:
-        """Everything but the weights; a collective under FSDP (the optimizer state is gathered to rank 0)."""
+    def state_dict(self, *, optimizer: bool = True) -> dict[str, Any]:
+        """Everything but the weights; a collective under FSDP (the optimizer state is gathered to rank 0).
+        ``optimizer=False``: without the optimizer (a sharded checkpoint holds it in its shards), with every
+        rank's RNG state instead (a collective when distributed)."""
         st = asdict(self.state)
         st["best_val_loss"] = float(st["best_val_loss"])
         rng = {"torch": torch.get_rng_state()}
         if self.device.type == "cuda":
             rng["cuda"] = torch.cuda.get_rng_state(self.device)
-        return {
+        out = {
             "trainer": st,
-            "optimizer": pdist.optimizer_state(self.weights_module(), self.optimizer, self.dist),
+            "optimizer": (
+                pdist.optimizer_state(self.weights_module(), self.optimizer, self.dist) if optimizer else None
+            ),
             "scaler": self.scaler.state_dict() if self.scaler else None,
             "loader": self.loader.state_dict(),
             "rng": rng,
         }
+        if not optimizer:
+            # Ranks draw from RNGs seeded apart (diffusion masks, dropout): each gets its own back on a resume
+            # at the same world size.
+            out["rng_ranks"] = pdist.all_gather_object(rng, self.dist)
+        return out
 
     def load_state_dict(self, sd: dict[str, Any], *, restore_loader: bool = True) -> None:
         known = {f.name for f in fields(TrainState)}
         self.state = TrainState(**{k: v for k, v in sd["trainer"].items() if k in known})
-        pdist.load_optimizer_state(self.weights_module(), self.optimizer, sd["optimizer"], self.dist)
+        if sd.get("optimizer") is None and sd.get(ckpt.DCP_FORMAT):
+            # A sharded checkpoint: DCP reads this rank's part of the optimizer state into the live optimizer
+            ckpt.load_dcp(Path(sd[ckpt.DCP_FORMAT]), self.weights_module(), self.optimizer, weights=False)
+        else:
+            pdist.load_optimizer_state(self.weights_module(), self.optimizer, sd["optimizer"], self.dist)
         if self.scaler is not None and sd.get("scaler"):
             self.scaler.load_state_dict(sd["scaler"])
         if restore_loader:
             self.loader.load_state_dict(sd["loader"])
-        torch.set_rng_state(sd["rng"]["torch"].cpu())
-        if self.device.type == "cuda" and "cuda" in sd["rng"]:
-            torch.cuda.set_rng_state(sd["rng"]["cuda"].cpu(), self.device)
+        ranks = sd.get("rng_ranks")
+        rng = ranks[self.dist.rank] if ranks and len(ranks) == self.dist.world_size else sd["rng"]
+        torch.set_rng_state(rng["torch"].cpu())
+        if self.device.type == "cuda" and "cuda" in rng:
+            torch.cuda.set_rng_state(rng["cuda"].cpu(), self.device)
 
     def weights_finite(self) -> bool:
         """Whether every trained parameter and floating buffer is finite: one fused max-abs reduction (no
@@ -468,18 +492,29 @@ class Trainer:
                 + (f"the last good one is {good}" if good is not None else "no good one was written yet")
             )
             return False
-        weights: nn.Module | dict[str, torch.Tensor] = self.weights_module()
-        if self.dist.sharded:  # gather the full tensors to rank 0 (every rank takes part)
-            weights = pdist.full_state_dict(weights)
-        state = self.state_dict()
         st = self.state
+        meta = {
+            "tokens_seen": st.tokens_seen,
+            "data_steps_skipped": st.data_steps_skipped,
+            "rollbacks": st.rollbacks,
+            "lr_scale": st.lr_scale,
+        }
+        if self.saver is not None:  # sharded: every rank writes its own shards, no gather
+            state = self.state_dict(optimizer=False)
+            self.saver.save(
+                st.step,
+                ckpt.sharded_state(self.weights_module(), self.optimizer),
+                state if self.dist.is_main else None,
+                val_loss=val_loss,
+                is_best=is_best,
+                meta=meta,
+            )
+            if self.dist.is_main:  # how long training stood still for it (the shards' copy to host memory)
+                self.metrics.log(st.step, {"checkpoint_blocked_s": self.saver.blocked_s})
+            return True
+        weights: nn.Module | dict[str, torch.Tensor] = self.weights_module()
+        state = self.state_dict()
         if self.dist.is_main:
-            meta = {
-                "tokens_seen": st.tokens_seen,
-                "data_steps_skipped": st.data_steps_skipped,
-                "rollbacks": st.rollbacks,
-                "lr_scale": st.lr_scale,
-            }
             ckpt.save(
                 self.ckpt_dir,
                 st.step,
@@ -493,8 +528,14 @@ class Trainer:
         pdist.barrier(self.dist)
         return True
 
+    def wait_for_save(self) -> None:
+        """Block until a background checkpoint write is on disk (raises its error, if it failed)."""
+        if self.saver is not None:
+            self.saver.wait()
+
     def _last_good(self, before: int) -> Path | None:
         """The newest intact checkpoint of a step < ``before`` (rank 0 looks, every rank gets the answer)."""
+        self.wait_for_save()  # the newest one may still be being written
         path = ckpt.latest_valid(self.ckpt_dir, before=before) if self.dist.is_main else None
         return pdist.broadcast_object(path, self.dist)  # type: ignore[return-value]
 
@@ -661,7 +702,13 @@ class Trainer:
                     if self.stop_requested:
                         stop_reason = "interrupted (checkpoint saved; resume with --resume auto)"
                     break
+            self.wait_for_save()  # the run ends with its last checkpoint on disk (or with its write error)
         finally:
+            if self.saver is not None:  # leaving on an error too: never mid-write; frees the staging buffers
+                try:
+                    self.saver.close()
+                except UserError as e:
+                    log.warning("%s", e)
             profiler.close()
             for sig, handler in old_handlers.items():
                 signal.signal(sig, handler)

@@ -84,3 +84,266 @@ def test_shared_weights_save(tmp_path):
     m2["head"].weight = m2["emb"].weight
     ckpt.load_weights(m2, path)
     assert torch.equal(m2["head"].weight, emb.weight)
+
+
+# ------------------------------------------------------------------------------------- sharded (DCP) format
+def _trained(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """A model and its AdamW state (one step)."""
+    m = _model(seed)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    m(torch.randn(4, 8)).square().sum().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return m, opt
+
+
+def _dcp_save(root, step: int, m: nn.Module, opt, *, async_save: bool = False, **kw):
+    saver = ckpt.ShardedSaver(root, async_save=async_save)
+    state = {"trainer": {"step": step}, "rng": {"torch": torch.get_rng_state()}, "loader": {"rows": 12}}
+    saver.save(step, ckpt.sharded_state(m, opt), state, **kw)
+    return saver
+
+
+def test_dcp_one_process_roundtrip(tmp_path):
+    m, opt = _trained(0)
+    _dcp_save(tmp_path, 3, m, opt, val_loss=1.5, is_best=True).wait()
+    path = ckpt.step_dir(tmp_path, 3)
+    assert ckpt.verify(path) is None and ckpt.is_dcp(path)
+    meta = ckpt.read_meta(path)
+    assert meta["format"] == "dcp" and meta["world_size"] == 1 and "__0_0.distcp" in meta["files"]
+    assert ckpt.best_step(tmp_path) == 3 and not list(tmp_path.glob(".tmp-*"))
+    m2, opt2 = _model(1), None
+    ckpt.load_weights(m2, path)  # what sampling and export do: no optimizer, no process group
+    assert all(torch.equal(a, b) for a, b in zip(m.parameters(), m2.parameters()))
+    state = ckpt.load_state(path)
+    assert state["trainer"]["step"] == 3 and state["loader"]["rows"] == 12 and state["optimizer"] is None
+    opt2 = torch.optim.AdamW(m2.parameters(), lr=1e-2)
+    ckpt.load_dcp(path, m2, opt2, weights=False)
+    for p, q in zip(m.parameters(), m2.parameters()):
+        assert torch.equal(opt.state[p]["exp_avg_sq"], opt2.state[q]["exp_avg_sq"])
+    full = ckpt.consolidated_weights(path)
+    assert full.keys() == m.state_dict().keys()
+    with pytest.raises(UserError, match="does not match the model"):
+        ckpt.load_weights(nn.Sequential(nn.Linear(8, 8)), path)
+
+
+def test_async_save_writes_what_a_sync_save_writes(tmp_path):
+    """The async save stages a copy: the weights changing right after save() returns do not reach the files."""
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+    m, opt = _trained(0)
+    _dcp_save(tmp_path / "sync", 1, m, opt).wait()
+    saver = _dcp_save(tmp_path / "async", 1, m, opt, async_save=True)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.zero_()
+    saver.wait()
+    a, b = ckpt.step_dir(tmp_path / "sync", 1), ckpt.step_dir(tmp_path / "async", 1)
+    assert ckpt.verify(b) is None
+    shards = sorted(f.name for f in a.glob("*.distcp"))
+    assert shards == sorted(f.name for f in b.glob("*.distcp")) and shards
+    assert all((a / f).read_bytes() == (b / f).read_bytes() for f in shards)
+    ma, mb = FileSystemReader(str(a)).read_metadata(), FileSystemReader(str(b)).read_metadata()
+    assert ma.state_dict_metadata == mb.state_dict_metadata and ma.storage_data == mb.storage_data
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "no_meta", "no_index"])
+def test_dcp_corrupt_newest_falls_back_with_warning(tmp_path, damage):
+    m, opt = _trained(0)
+    _dcp_save(tmp_path, 1, m, opt)
+    _dcp_save(tmp_path, 2, m, opt)
+    newest = ckpt.step_dir(tmp_path, 2)
+    f = newest / "__0_0.distcp"
+    data = f.read_bytes()
+    if damage == "truncate":
+        f.write_bytes(data[: len(data) // 2])
+    elif damage == "flip":
+        f.write_bytes(data[:-1] + bytes([data[-1] ^ 0xFF]))
+    elif damage == "no_meta":
+        (newest / ckpt.META_FILE).unlink()
+    else:
+        (newest / ckpt.DCP_METADATA).unlink()
+    with pytest.warns(UserWarning, match="unusable"):
+        found = ckpt.latest_valid(tmp_path)
+    assert found == ckpt.step_dir(tmp_path, 1)
+
+
+class _Evil:
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (exec, (f"open({self.marker!r}, 'w').close()",))
+
+
+def test_dcp_forged_index_is_refused_unrun(tmp_path):
+    """DCP unpickles .metadata with plain pickle: ours is read first with an allow-list, so a forged index (even
+    with its checksum updated in meta.json) is an unusable checkpoint and its code never runs."""
+    import json
+    import pickle
+
+    m, opt = _trained(0)
+    _dcp_save(tmp_path, 1, m, opt)
+    _dcp_save(tmp_path, 2, m, opt)
+    newest = ckpt.step_dir(tmp_path, 2)
+    marker = tmp_path / "pwned"
+    index = newest / ckpt.DCP_METADATA
+    index.write_bytes(pickle.dumps(_Evil(marker)))
+    meta = json.loads((newest / ckpt.META_FILE).read_text())
+    meta["files"][ckpt.DCP_METADATA] = {"sha256": ckpt._sha256(index), "bytes": index.stat().st_size}
+    (newest / ckpt.META_FILE).write_text(json.dumps(meta))
+    assert "cannot be read safely" in ckpt.verify(newest)
+    with pytest.warns(UserWarning, match="unusable"):
+        assert ckpt.latest_valid(tmp_path) == ckpt.step_dir(tmp_path, 1)
+    with pytest.raises(ckpt.UnreadableCheckpoint, match="not allowed"):
+        ckpt.load_weights(_model(1), newest)
+    assert not marker.exists()
+
+
+_KILL_CHILD = """
+import sys, time, torch
+from torch import nn
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
+from gptoughts.train import checkpoint as ckpt
+
+root, where = sys.argv[1], sys.argv[2]
+torch.manual_seed(0)
+m = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 2))
+opt = torch.optim.AdamW(m.parameters())
+state = {"trainer": {"step": 1}, "rng": {"torch": torch.get_rng_state()}, "loader": {"rows": 0}}
+ckpt.ShardedSaver(root, async_save=False).save(1, ckpt.sharded_state(m, opt), state)
+
+def hang(*a, **k):
+    print("IN FLIGHT", flush=True)
+    time.sleep(120)
+
+if where == "writing":  # the shards are being written
+    FileSystemWriter.write_data = hang
+else:  # every shard written and hashed, meta.json and the rename not yet done
+    ckpt._commit = hang
+saver = ckpt.ShardedSaver(root, async_save=True)
+saver.save(2, ckpt.sharded_state(m, opt), {**state, "trainer": {"step": 2}})
+print("SAVE RETURNED", flush=True)
+saver.wait()
+"""
+
+
+@pytest.mark.parametrize("where", ["writing", "renaming"])
+def test_kill_9_during_async_save_leaves_previous_checkpoint(tmp_path, where):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    root = tmp_path / "checkpoints"
+    child = subprocess.Popen(
+        [sys.executable, "-c", _KILL_CHILD, str(root), where],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    try:
+        seen = []
+        for line in child.stdout:
+            seen.append(line)
+            if "IN FLIGHT" in line:
+                break
+        assert any("IN FLIGHT" in s for s in seen), (
+            seen,
+            child.stderr.read()[-2000:] if child.poll() else "",
+        )
+        assert any("SAVE RETURNED" in s for s in seen) or where == "writing"  # training went on meanwhile
+        os.kill(child.pid, signal.SIGKILL)
+    finally:
+        child.kill()
+        child.wait()
+    assert ckpt.list_steps(root) == [1]
+    assert ckpt.latest_valid(root) == ckpt.step_dir(root, 1)  # no warning: nothing looks complete
+    assert list(root.glob(".tmp-step_000002-*"))  # the interrupted write, which the next save removes
+    m, opt = _trained(0)
+    _dcp_save(root, 3, m, opt)
+    assert ckpt.list_steps(root) == [1, 3] and not list(root.glob(".tmp-*"))
+
+
+def test_dcp_shared_weights(tmp_path):
+    emb = nn.Embedding(10, 4)
+    head = nn.Linear(4, 10, bias=False)
+    head.weight = emb.weight
+    m = nn.ModuleDict({"emb": emb, "head": head})
+    ckpt.ShardedSaver(tmp_path, async_save=False).save(1, ckpt.sharded_state(m), {"trainer": {"step": 1}})
+    m2 = nn.ModuleDict({"emb": nn.Embedding(10, 4), "head": nn.Linear(4, 10, bias=False)})
+    m2["head"].weight = m2["emb"].weight
+    ckpt.load_weights(m2, ckpt.step_dir(tmp_path, 1))
+    assert torch.equal(m2["head"].weight, emb.weight) and m2["head"].weight is m2["emb"].weight
+
+
+@pytest.mark.distributed
+def test_dcp_two_ranks_resume_on_one_and_four(tmp_path, text_corpus, cache_dir, fast):
+    """An FSDP run on 2 gloo ranks writes sharded checkpoints (async); step 3's resumes on 1 process and on 4
+    ranks (DCP reshards; the loader's position comes along) with the next step's loss of the 2-rank run, and
+    it exports to a HF folder on one process."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from gptoughts import api
+
+    args = ["--data", str(text_corpus), "--log_interval", "1", "--eval_interval", "3", "--save_interval", "3"]
+    args += ["--train.schedule", "constant", "--warmup_steps", "0"]
+    args += [
+        f"--{k}={v}"
+        for k, v in fast.items()
+        if k not in ("train.batch_size", "train.sample_prompts", "train.warmup_steps")
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+    def train(out, ranks: int, *extra: str) -> dict[int, float]:
+        launch = [sys.executable, "-m", "gptoughts"]
+        if ranks > 1:
+            launch = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                f"--nproc_per_node={ranks}",
+            ]
+            launch += ["-m", "gptoughts"]
+            extra = ("--parallel.strategy", "fsdp", *extra)
+        cmd = [*launch, "train", "default", "--out", str(out), "--batch_size", str(4 // ranks), *args, *extra]
+        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+    ref = train(tmp_path / "two", 2, "--max_steps", "5")
+    step3 = tmp_path / "two" / "checkpoints" / "step_000003"
+    meta = ckpt.read_meta(step3)
+    assert meta["format"] == "dcp" and meta["world_size"] == 2 and ckpt.verify(step3) is None
+    assert {"__0_0.distcp", "__1_0.distcp"} <= set(meta["files"])  # each rank wrote (and hashed) its shard
+    for ranks in (1, 4):
+        resumed = train(tmp_path / f"on{ranks}", ranks, "--max_steps", "5", "--resume", str(step3))
+        assert sorted(resumed) == [4, 5]
+        assert abs(resumed[4] - ref[4]) <= 1e-6 * abs(ref[4]), (ranks, resumed[4], ref[4])
+
+    out = api.export(step3, tmp_path / "hf")  # one process consolidates the shards
+    a, b = api.load(step3).model.state_dict(), api.load(out).model.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_async_saves_in_a_row_each_write_their_own_state(tmp_path):
+    """The saver keeps its host staging buffers from one save to the next: each save still writes the state of
+    its own step (the next staging waits for the previous write)."""
+    m, opt = _trained(0)
+    saver = ckpt.ShardedSaver(tmp_path, async_save=True)
+    expected = {}
+    for step in (1, 2, 3):
+        with torch.no_grad():
+            m[0].weight.fill_(float(step))
+        saver.save(step, ckpt.sharded_state(m, opt), {"trainer": {"step": step}})
+        expected[step] = m[0].weight.clone()
+    saver.close()
+    for step in (1, 2, 3):
+        full = ckpt.consolidated_weights(ckpt.step_dir(tmp_path, step))
+        assert torch.equal(full["0.weight"], expected[step])

@@ -377,7 +377,8 @@ def test_fsdp_matches_one_process_and_checkpoints_move_between_them(
     optimizer, tmp_path, text_corpus, cache_dir
 ):
     """2 gloo ranks under FSDP2 x batch 2 train like 1 process x batch 4; a checkpoint written by either
-    resumes in the other (full weights + optimizer state keyed by index or by name) and continues alike.
+    resumes in the other (FSDP's sharded DCP checkpoint; the one process's single file, optimizer state keyed
+    by index) and continues alike.
     DeepSeek (MoE): its expert-balancing biases only match the one-process run if the ranks' expert loads are
     summed before each bias update. Muon: each rank orthogonalizes the whole (gathered) matrix of its shards,
     MoE experts and MLA factors included."""
@@ -462,16 +463,16 @@ def test_fsdp_matches_one_process_and_checkpoints_move_between_them(
     assert json.loads((sharded / "run.json").read_text())["world_size"] == 2
     assert (sharded / "samples.txt").exists()  # every rank took part in generation; rank 0 wrote
     a = load_file(str(single / "checkpoints" / "step_000003" / ckpt.MODEL_FILE))
-    b = load_file(str(sharded / "checkpoints" / "step_000003" / ckpt.MODEL_FILE))
+    b = ckpt.consolidated_weights(sharded / "checkpoints" / "step_000003")  # FSDP: sharded (DCP) checkpoints
     # Muon orthogonalizes in bf16 (as torch.optim.Muon): the last-bit differences of the ranks' summed
     # gradients flip a few bf16 roundings (tests/train/test_muon.py checks the sharded step bit for bit).
     atol = 1e-5 if optimizer == "adamw" else 2e-4
     assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=atol) for k in a)
     biases = [k for k in a if k.endswith("expert_bias")]
     assert biases and any(a[k].abs().sum() > 0 for k in biases)  # the balancing did move them
-    state = ckpt.load_state(sharded / "checkpoints" / "step_000003")
-    assert all(isinstance(k, str) for k in state["optimizer"]["state"])  # FSDP's full state, keyed by name
-    # FSDP checkpoint (optimizer keyed by name) -> one process; one-process checkpoint (by index) -> FSDP
+    index = ckpt.read_dcp_metadata(sharded / "checkpoints" / "step_000003")
+    assert any(k.startswith("optimizer.state.layers.0.") for k in index.state_dict_metadata)  # keyed by name
+    # FSDP checkpoint (sharded, by name) -> one process; one-process checkpoint (single file, by index) -> FSDP
     one(tmp_path / "s2", "--max_steps", "5", "--resume", str(sharded / "checkpoints" / "step_000003"))
     close(ref, _losses(tmp_path / "s2"), [4, 5])
     fsdp(tmp_path / "f2", "--max_steps", "5", "--resume", str(single / "checkpoints" / "step_000003"))
