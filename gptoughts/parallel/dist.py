@@ -2,7 +2,9 @@
 
 The trainer works with a :class:`DistInfo` whatever the launch: a plain ``python -m gptoughts train`` is one
 process of world size 1 and no process group; ``torchrun --nproc_per_node=N -m gptoughts train`` sets
-RANK/WORLD_SIZE/LOCAL_RANK and we join the group (NCCL on CUDA, gloo on CPU).
+RANK/WORLD_SIZE/LOCAL_RANK and we join the group (NCCL on CUDA, gloo on CPU). With ``parallel.pp`` (or
+``tp``) > 1 the ranks form the device mesh ``(pp, dp, tp)``: data parallelism (DDP or FSDP2) then runs over the
+``dp`` dimension only, and pipeline stages (``parallel/pp.py``) talk over the ``pp`` dimension.
 
 Under FSDP2 (``parallel.strategy = fsdp``) every rank holds 1/N of each parameter, gradient and optimizer
 state. Checkpoints stay in the one format every strategy reads: the full model (safetensors) and the full
@@ -142,28 +144,35 @@ def shutdown() -> None:
 
 
 def wrap_ddp(model: nn.Module, device: torch.device, info: DistInfo) -> nn.Module:
-    if not info.enabled:
+    """DDP over the data-parallel ranks (all of them, or the ``dp`` group of the mesh); the model itself when
+    there is only one."""
+    if info.dp_size == 1:
         return model
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     # gradient_as_bucket_view avoids a copy of every gradient into the all-reduce buckets; static_graph lets
-    # DDP skip the unused-parameter search each step (our graphs never change shape).
+    # DDP skip the unused-parameter search each step (our graphs never change shape). A pipeline stage runs
+    # forward and backward under the schedule's control (several micro-batches, no-sync but the last), which
+    # static_graph's one-backward-per-forward bookkeeping does not expect.
     return DDP(
         model,
         device_ids=[device.index] if device.type == "cuda" else None,
         gradient_as_bucket_view=True,
-        static_graph=True,
+        static_graph=info.pp == 1,
+        process_group=info.dp_group,
     )
 
 
-def wrap_fsdp(model: nn.Module, precision: str) -> nn.Module:
+def wrap_fsdp(model: nn.Module, precision: str, mesh: Any = None) -> nn.Module:
     """FSDP2: shard each transformer block (the unit that is gathered just before it runs and freed after),
     then the root (embeddings, final norm, head). Compute in bf16/fp16 when training in it, gradients reduced in
     fp32. ``fully_shard`` works in place: parameter names, per-block compile and checkpointing are unchanged.
 
     One difference from DDP + autocast: the bf16 policy applies to every parameter, so the weights autocast
     would keep in fp32 (norm weights, DeepSeek's router) also compute from bf16 copies; routing can then differ
-    slightly from a DDP run of the same config."""
+    slightly from a DDP run of the same config.
+
+    ``mesh``: the data-parallel sub-mesh (a pipeline stage is sharded over the ranks holding that stage)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
@@ -171,15 +180,15 @@ def wrap_fsdp(model: nn.Module, precision: str) -> nn.Module:
     blocks = list(model.layers)
     for i, block in enumerate(blocks):
         # the last block's parameters are needed again at once by the backward: keep them gathered
-        fully_shard(block, mp_policy=mp, reshard_after_forward=i < len(blocks) - 1)
-    fully_shard(model, mp_policy=mp)
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=i < len(blocks) - 1)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
     return model
 
 
 def wrap(model: nn.Module, device: torch.device, info: DistInfo, precision: str) -> nn.Module:
     """The data-parallel wrapper ``info.strategy`` asks for (the model itself when running alone)."""
     if info.sharded:
-        return wrap_fsdp(model, precision)
+        return wrap_fsdp(model, precision, info.mesh["dp"] if info.mesh is not None else None)
     return wrap_ddp(model, device, info)
 
 
@@ -236,9 +245,10 @@ def load_optimizer_state(
     set_optimizer_state_dict(model, optimizer, state, options=_options())
 
 
-def all_reduce_sum(t: torch.Tensor, info: DistInfo) -> torch.Tensor:
+def all_reduce_sum(t: torch.Tensor, info: DistInfo, group: Any = None) -> torch.Tensor:
+    """Sum over all ranks, or over ``group`` (e.g. ``info.dp_group``: the ranks reading different data)."""
     if info.enabled:
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
     return t
 
 

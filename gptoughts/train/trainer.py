@@ -162,9 +162,13 @@ class Trainer:
         evaluation: EvalConfig | None = None,
         checkpointing: CheckpointConfig | None = None,
         recovery: RecoveryConfig | None = None,
+        pipeline: Any = None,
     ):
         check_train_ranges(cfg, evaluation, checkpointing, recovery)
         self.model = model
+        # parallel.pp.Pipeline under pipeline parallelism: forward/backward run through its schedule, `model` is
+        # the rank's stages as one module (parameters, train/eval mode), evaluation and checkpoints go through it.
+        self.pipeline = pipeline
         self.objective = objective
         self.optimizer = optimizer
         self.schedule = schedule
@@ -302,11 +306,19 @@ class Trainer:
             )
         else:
             n_total = sum((b[1] != -100).sum() for b in micro).float()
-            n_total = pdist.all_reduce_sum(n_total, self.dist)
+            n_total = pdist.all_reduce_sum(n_total, self.dist, self.dist.dp_group)
         # DDP averages gradients over the data-parallel ranks; scaling by their number makes the result the
         # gradient of the global token-mean loss.
         scale = self.dist.dp_size / n_total.clamp_min(1.0)
         loss_sum = torch.zeros((), device=self.device)
+        if self.pipeline is not None:
+            # The step's rows in one batch: the schedule splits them into its micro-batches, runs forward and
+            # backward through the stages, and syncs data-parallel gradients once, after the last.
+            rows = tuple(torch.cat(ts) for ts in zip(*micro)) if accum > 1 else micro[0]
+            with self.autocast():
+                loss_sum = self.pipeline.step(rows, scale)
+            timer.mark("forward")  # forward and backward interleave: all of it counts as forward
+            micro = []
         for i, batch in enumerate(micro):
             with self._no_sync(i == accum - 1):
                 with self.autocast():
@@ -329,7 +341,13 @@ class Trainer:
         set_lr(self.optimizer, lr)
         max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
         grad_norm, found_inf = clip_and_step(
-            self.optimizer, self.params, max_norm, gate_loss, fused=self.fused, scaler=self.scaler
+            self.optimizer,
+            self.params,
+            max_norm,
+            gate_loss,
+            fused=self.fused,
+            scaler=self.scaler,
+            norm_reduce=self.pipeline.global_norm if self.pipeline is not None else None,
         )
         self.optimizer.zero_grad(set_to_none=True)
         if self._after_step is not None:
@@ -380,21 +398,27 @@ class Trainer:
         total = torch.zeros((), device=self.device, dtype=torch.float64)
         count = torch.zeros((), device=self.device, dtype=torch.float64)
         model = pdist.unwrap(self.model) if self.dist.enabled else self.model  # no DDP hooks during eval
-        world, rank = self.dist.world_size, self.dist.rank
+
+        def loss_of(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+            with self.autocast():
+                if self.pipeline is not None:  # (0, 0) on ranks without the last stage
+                    return self.pipeline.eval_loss(batch)
+                return self.objective(model, batch)
+
+        # Batches are shared by the data-parallel ranks (the ranks of one pipeline read the same ones).
+        world, rank = self.dist.dp_size, self.dist.dp_rank
         n_batches, batch = 0, None
         for i, batch in enumerate(self.eval_batches()):
             n_batches = i + 1
             if i % world != rank:
                 continue
-            with self.autocast():
-                ls, n = self.objective(model, batch)
+            ls, n = loss_of(batch)
             total += ls.double()
             count += n.double()
         if self.dist.sharded and n_batches % world and rank >= n_batches % world:
             # Under FSDP every forward is a collective: a rank without a batch in the last round runs one
             # (discarded) forward so that all ranks run the same number.
-            with self.autocast():
-                self.objective(model, batch)
+            loss_of(batch)
         self.model.train()
         pdist.all_reduce_sum(total, self.dist)
         pdist.all_reduce_sum(count, self.dist)
@@ -411,7 +435,9 @@ class Trainer:
             rng["cuda"] = torch.cuda.get_rng_state(self.device)
         return {
             "trainer": st,
-            "optimizer": pdist.optimizer_state(self.weights_module(), self.optimizer, self.dist),
+            "optimizer": self.pipeline.optimizer_state(self.optimizer)
+            if self.pipeline is not None
+            else pdist.optimizer_state(self.weights_module(), self.optimizer, self.dist),
             "scaler": self.scaler.state_dict() if self.scaler else None,
             "loader": self.loader.state_dict(),
             "rng": rng,
@@ -420,7 +446,10 @@ class Trainer:
     def load_state_dict(self, sd: dict[str, Any], *, restore_loader: bool = True) -> None:
         known = {f.name for f in fields(TrainState)}
         self.state = TrainState(**{k: v for k, v in sd["trainer"].items() if k in known})
-        pdist.load_optimizer_state(self.weights_module(), self.optimizer, sd["optimizer"], self.dist)
+        if self.pipeline is not None:
+            self.pipeline.load_optimizer_state(self.optimizer, sd["optimizer"])
+        else:
+            pdist.load_optimizer_state(self.weights_module(), self.optimizer, sd["optimizer"], self.dist)
         if self.scaler is not None and sd.get("scaler"):
             self.scaler.load_state_dict(sd["scaler"])
         if restore_loader:
@@ -464,7 +493,9 @@ class Trainer:
             )
             return False
         weights: nn.Module | dict[str, torch.Tensor] = self.weights_module()
-        if self.dist.sharded:  # gather the full tensors to rank 0 (every rank takes part)
+        if self.pipeline is not None:  # every stage's tensors gathered to rank 0
+            weights = self.pipeline.full_state_dict()
+        elif self.dist.sharded:  # gather the full tensors to rank 0 (every rank takes part)
             weights = pdist.full_state_dict(weights)
         state = self.state_dict()
         st = self.state
@@ -518,7 +549,10 @@ class Trainer:
         path = self._last_good(bad_from) if self.ck.checkpoints else None
         if path is None:
             raise self._diverged(reason, bad_from)
-        ckpt.load_weights(self.weights_module(), path, sharded=self.dist.sharded)
+        if self.pipeline is not None:
+            self.pipeline.load_weights(path)
+        else:
+            ckpt.load_weights(self.weights_module(), path, sharded=self.dist.sharded)
         if not self.weights_finite():  # checkpoints written before this check existed
             raise UserError(
                 f"cannot roll back at step {old.step}: {path} holds non-finite weights; resume from an "
