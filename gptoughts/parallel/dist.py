@@ -151,14 +151,12 @@ def wrap_ddp(model: nn.Module, device: torch.device, info: DistInfo) -> nn.Modul
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     # gradient_as_bucket_view avoids a copy of every gradient into the all-reduce buckets; static_graph lets
-    # DDP skip the unused-parameter search each step (our graphs never change shape). A pipeline stage runs
-    # forward and backward under the schedule's control (several micro-batches, no-sync but the last), which
-    # static_graph's one-backward-per-forward bookkeeping does not expect.
+    # DDP skip the unused-parameter search each step (our graphs never change shape).
     return DDP(
         model,
         device_ids=[device.index] if device.type == "cuda" else None,
         gradient_as_bucket_view=True,
-        static_graph=info.pp == 1,
+        static_graph=True,
         process_group=info.dp_group,
     )
 
@@ -189,6 +187,11 @@ def wrap(model: nn.Module, device: torch.device, info: DistInfo, precision: str)
     """The data-parallel wrapper ``info.strategy`` asks for (the model itself when running alone)."""
     if info.sharded:
         return wrap_fsdp(model, precision, info.mesh["dp"] if info.mesh is not None else None)
+    if info.pp > 1:
+        # DDP's reducer cannot follow a pipeline schedule's backward passes (several per step, in its own order:
+        # the bucket rebuild after the first step fails an internal assertion, torch 2.13): the pipeline
+        # all-reduces the gradients over the data-parallel group itself, after the step (parallel/pp.py).
+        return model
     return wrap_ddp(model, device, info)
 
 

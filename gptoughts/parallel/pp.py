@@ -24,7 +24,8 @@ before fp8, activation checkpointing, compile and FSDP/DDP, which then apply to 
   off: the schedule must not divide again). The loss sum is kept on the last stage and is 0 elsewhere: the
   trainer's flush sums the loss column over all ranks, which yields the global sum.
 * **Data parallel** across pipelines: each stage wrapped by FSDP2 on the ``dp`` sub-mesh (``strategy =
-  fsdp``) or by DDP on the ``dp`` group; the schedule runs no-sync on all but the last micro-batch.
+  fsdp``; the schedule syncs gradients with the last micro-batch only); with ``ddp`` the gradients are
+  averaged over the ``dp`` group after the step (DDP's reducer cannot follow the schedule's backward passes).
 * **Clipping and the non-finite check** use the norm over all stages (:meth:`Pipeline.global_norm`).
 * **Evaluation** runs forward only, stage by stage, with blocking sends and receives of the hidden state
   (:meth:`Pipeline.eval_loss`; ``schedule.eval`` is not in every torch we support).
@@ -278,11 +279,26 @@ class Pipeline:
         kwargs: dict[str, Any] = {"target": y, "losses": []} if self.last else {}
         self._schedule(self.n_micro).step(*((x,) if self.first else ()), **kwargs)
         self._scale = None
+        if self.info.dp_size > 1 and not self.info.sharded:
+            self._average_grads()
         if not self.last:
             return torch.zeros((), device=self.device)
         # The schedule calls the loss once per micro-batch; newer torch also once before, on the shape-inference
         # pass of the first step (on placeholder data): only the last n_micro calls are the step's.
         return torch.stack(self._loss_sums[-self.n_micro :]).sum()
+
+    def _average_grads(self) -> None:
+        """DDP's part under a pipeline (``dist.wrap`` leaves stages unwrapped): average the gradients over the
+        data-parallel group, one flat all-reduce per dtype after the step (no overlap with the backward, unlike
+        DDP's buckets: for speed at scale, FSDP (``--parallel.strategy fsdp``) is the pipeline's partner)."""
+        grads = [p.grad for p in self.view.parameters() if p.grad is not None]
+        for dtype in {g.dtype for g in grads}:
+            same = [g for g in grads if g.dtype == dtype]
+            flat = torch.cat([g.reshape(-1) for g in same])
+            dist.all_reduce(flat, group=self.info.dp_group)
+            flat /= self.info.dp_size
+            for g, part in zip(same, flat.split([g.numel() for g in same])):
+                g.copy_(part.view_as(g))
 
     def global_norm(self, local: torch.Tensor) -> torch.Tensor:
         """The L2 norm over all stages from this rank's (already global over data-parallel shards)."""
