@@ -1,8 +1,8 @@
 """Pipeline parallelism (``--parallel.pp N``): the blocks split into stages by layers, micro-batches flowing
 through them under a ``torch.distributed.pipelining`` schedule (1F1B, or interleaved 1F1B).
 
-What happens, in the transform order of ``train/setup.py`` (right after the weights are initialised or loaded,
-before fp8, activation checkpointing, compile and FSDP/DDP, which then apply to each stage):
+What happens, in the transform order of ``train/setup.py`` (after the weights are initialised or loaded and
+fp8 has swapped its modules; activation checkpointing, compile and FSDP/DDP then apply to each stage):
 
 * **Split** (:func:`split_layers`). ``S`` stages (``pp`` with 1F1B, ``2 x pp`` interleaved; stage ``s`` runs on
   pipeline rank ``s % pp``). The first stage also holds the token embedding, the last the final norm and the
@@ -15,8 +15,10 @@ before fp8, activation checkpointing, compile and FSDP/DDP, which then apply to 
   stay ``layers.N...`` and the model's ``forward`` runs unchanged (``models/base.py``: without an embedding the
   input is the previous stage's hidden state; without a final norm the blocks' output is returned). The
   stages share the parameter tensors of the model they were cut from: every rank builds and initialises the
-  whole model once, from the run's seed, so the weights are exactly those of a one-process run (what remains:
-  a per-stage build for models whose weights do not fit one device whole).
+  whole model once, from the run's seed, so the weights are exactly those of a one-process run; then what the
+  rank's stages do not hold goes to the meta device (what remains: a per-stage build, for models whose weights
+  do not fit one device whole even for a moment). The whole model object (``Model.raw``) is thus not a
+  trained model under a pipeline: checkpoints are (gathered from the stages).
 * **Step** (:class:`Pipeline`). The optimizer step's rows (``grad_accum`` loaded batches, concatenated) are
   split into the schedule's micro-batches; the last stage's loss function is the objective's own (the final
   hidden state, the head weight and the chunked or plain cross-entropy), times ``dp_size / n_total`` as in the
@@ -28,7 +30,7 @@ before fp8, activation checkpointing, compile and FSDP/DDP, which then apply to 
   averaged over the ``dp`` group after the step (DDP's reducer cannot follow the schedule's backward passes).
 * **Clipping and the non-finite check** use the norm over all stages (:meth:`Pipeline.global_norm`).
 * **Evaluation** runs forward only, stage by stage, with blocking sends and receives of the hidden state
-  (:meth:`Pipeline.eval_loss`; ``schedule.eval`` is not in every torch we support).
+  (:meth:`Pipeline.eval_loss`: no dependence on the schedules' eval API, which differs across torch versions).
 * **Checkpoints** keep the one format: the full state dict and the optimizer state keyed by parameter name,
   gathered to rank 0 across the pipeline (:meth:`Pipeline.full_state_dict`, :meth:`Pipeline.optimizer_state`).
 * **Sampling** is skipped (the run plan says so): generation would need the KV cache passed between stages.

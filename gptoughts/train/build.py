@@ -791,7 +791,9 @@ def _assemble(
         # The order a one-process run's optimizer holds the parameters in (its checkpoints key them by index):
         # an optimizer over the whole model, built but never stepped (no state is allocated).
         names = {id(p): n for n, p in model.raw.named_parameters()}
-        whole = make_optimizer(model.raw, t, cfg.perf, env.device)
+        whole = make_optimizer(
+            model.raw, t, replace(cfg.perf, fused_adamw=False), env.device
+        )  # meta: unfused
         model.built.pipeline.param_order = [names[id(p)] for g in whole.param_groups for p in g["params"]]
         del whole
     loader, eval_fn = make_loaders(cfg, env, data, model, t)
@@ -1090,7 +1092,9 @@ def timing_trainer(
         # The order a one-process run's optimizer holds the parameters in (its checkpoints key them by index):
         # an optimizer over the whole model, built but never stepped (no state is allocated).
         names = {id(p): n for n, p in model.raw.named_parameters()}
-        whole = make_optimizer(model.raw, t, cfg.perf, env.device)
+        whole = make_optimizer(
+            model.raw, t, replace(cfg.perf, fused_adamw=False), env.device
+        )  # meta: unfused
         model.built.pipeline.param_order = [names[id(p)] for g in whole.param_groups for p in g["params"]]
         del whole
     return Trainer(

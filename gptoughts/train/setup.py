@@ -9,6 +9,7 @@ compile → FSDP / DDP → optimizer. Model code stays single-device; everything
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -252,6 +253,21 @@ def apply_transforms(
             hidden_dtype=torch.bfloat16 if bf16_stream else torch.float32,
         )
         model = pipeline.view
+        # The whole model was built on every rank (the weights of a one-process run); what this rank's stages do not
+        # hold (or, under FSDP, hold as shards of their own) is now dead weight: the rest of `raw` goes to the meta
+        # device, keeping shapes and names (parameter counts, the plan, the optimizer's order of parameters).
+        live = {id(t) for part in parts for t in itertools.chain(part.parameters(), part.buffers())}
+        dead: dict[int, torch.Tensor] = {}
+        for module in raw.modules():  # `raw`'s own module objects: the stages' are copies
+            for table in (module._parameters, module._buffers):
+                for name, t in table.items():
+                    if t is not None and id(t) not in live:
+                        if id(t) not in dead:
+                            meta = torch.empty_like(t, device="meta")
+                            dead[id(t)] = (
+                                nn.Parameter(meta, t.requires_grad) if isinstance(t, nn.Parameter) else meta
+                            )
+                        table[name] = dead[id(t)]
     resolved["loss"] = resolve_loss(perf, device)
     why["loss"] = (
         "asked" if perf.loss != "auto" else "auto: chunked on CUDA (no fp32 logits of the whole batch)"
