@@ -294,10 +294,12 @@ class ParallelConfig:
     """Pipeline schedule: 1f1b (one stage per rank) or interleaved (interleaved 1F1B: two stages per rank,
     a smaller bubble)."""
     pp_microbatches: int = 0
-    """Micro-batches per pipeline step (the micro-batch is split into this many); 0: auto (2 x the stages)."""
+    """Micro-batches of one pipeline step: the optimizer step's rows (``batch_size x grad_accum``) are split into
+    this many, which flow through the stages in one schedule step (a divisor of the rows, >= ``pp``; a multiple
+    of ``pp`` for interleaved); 0: auto (the most that divide the rows, up to 2 x ``pp``)."""
     pp_layers: list[int] = field(default_factory=list)
-    """Layers per stage, overriding the even split (e.g. ``[7, 9]`` for 16 layers on 2 stages: the last
-    stage also holds the head); empty: as even as the layers allow."""
+    """Layers per stage, overriding the even split (e.g. ``[9, 7]`` for 16 layers on 2 stages: the last
+    stage also holds the head); empty: as even as the layers allow, the head counting as one layer."""
     cpu_offload: bool = False
     """Keep parameters, gradients and optimizer state in CPU memory between uses (FSDP2 CPUOffloadPolicy; the
     optimizer steps on the CPU). Fits models several times larger than the GPU, slower; also on one GPU."""

@@ -103,7 +103,7 @@ class DecoderLM(nn.Module):
         pass ``position_ids`` restarting at 0 per document too, so each document sees the positions it would
         alone.
         """
-        _, seqlen = input_ids.shape
+        seqlen = input_ids.shape[1]
         start = 0 if cache is None else cache.length
         # Host-side ints only: this check costs no device sync.
         if position_ids is None and start + seqlen > self.args.max_seq_len:
@@ -113,6 +113,10 @@ class DecoderLM(nn.Module):
         h = self.trunk(input_ids, start, position_ids, cache, doc_ids)
         if cache is not None:
             cache.advance(seqlen)
+        if (
+            self.final_norm is None
+        ):  # a pipeline stage before the last: the next stage takes the blocks' output
+            return h
         h = self.final_norm(h)
         if return_hidden:
             return h
@@ -131,9 +135,13 @@ class DecoderLM(nn.Module):
 
         Default, shared by the RoPE families (Llama, LLaDA, INL): RoPE tables from ``self.rope``, the token
         embedding, then every block as ``layer(h, cos, sin, cache, doc_ids)``.
+
+        A pipeline stage (``parallel/pp.py``) is this module with the parts it does not hold set to None: without
+        the token embedding ``input_ids`` is the previous stage's hidden state ``[B, T, d]``, and without the final
+        norm ``forward`` returns the blocks' output.
         """
         cos, sin = self.rope(input_ids.size(1), start, position_ids)
-        h = self.token_embedding(input_ids)
+        h = input_ids if self.token_embedding is None else self.token_embedding(input_ids)
         for layer in self.layers:
             h = layer(h, cos, sin, cache, doc_ids)
         return h

@@ -2,7 +2,9 @@
 
 The trainer works with a :class:`DistInfo` whatever the launch: a plain ``python -m gptoughts train`` is one
 process of world size 1 and no process group; ``torchrun --nproc_per_node=N -m gptoughts train`` sets
-RANK/WORLD_SIZE/LOCAL_RANK and we join the group (NCCL on CUDA, gloo on CPU).
+RANK/WORLD_SIZE/LOCAL_RANK and we join the group (NCCL on CUDA, gloo on CPU). With ``parallel.pp`` (or
+``tp``) > 1 the ranks form the device mesh ``(pp, dp, tp)``: data parallelism (DDP or FSDP2) then runs over the
+``dp`` dimension only, and pipeline stages (``parallel/pp.py``) talk over the ``pp`` dimension.
 
 Under FSDP2 (``parallel.strategy = fsdp``) every rank holds 1/N of each parameter, gradient and optimizer
 state, and checkpoints are sharded (``torch.distributed.checkpoint``, see ``train/checkpoint.py``): each rank
@@ -171,7 +173,9 @@ def shutdown() -> None:
 
 
 def wrap_ddp(model: nn.Module, device: torch.device, info: DistInfo) -> nn.Module:
-    if not info.enabled:
+    """DDP over the data-parallel ranks (all of them, or the ``dp`` group of the mesh); the model itself when
+    there is only one."""
+    if info.dp_size == 1:
         return model
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -182,10 +186,11 @@ def wrap_ddp(model: nn.Module, device: torch.device, info: DistInfo) -> nn.Modul
         device_ids=[device.index] if device.type == "cuda" else None,
         gradient_as_bucket_view=True,
         static_graph=True,
+        process_group=info.dp_group,
     )
 
 
-def wrap_fsdp(model: nn.Module, precision: str, cpu_offload: bool = False) -> nn.Module:
+def wrap_fsdp(model: nn.Module, precision: str, mesh: Any = None, cpu_offload: bool = False) -> nn.Module:
     """FSDP2: shard each transformer block (the unit that is gathered just before it runs and freed after),
     then the root (embeddings, final norm, head). Compute in bf16/fp16 when training in it, gradients reduced in
     fp32. ``fully_shard`` works in place: parameter names, per-block compile and checkpointing are unchanged.
@@ -193,6 +198,8 @@ def wrap_fsdp(model: nn.Module, precision: str, cpu_offload: bool = False) -> nn
     One difference from DDP + autocast: the bf16 policy applies to every parameter, so the weights autocast
     would keep in fp32 (norm weights, DeepSeek's router) also compute from bf16 copies; routing can then differ
     slightly from a DDP run of the same config.
+
+    ``mesh``: the data-parallel sub-mesh (a pipeline stage is sharded over the ranks holding that stage).
 
     ``cpu_offload``: the shards (fp32 weights, gradients, and so the optimizer state and its step) stay in pinned
     CPU memory; each block is copied to the GPU when it is gathered and its gradient copied back after the
@@ -206,15 +213,24 @@ def wrap_fsdp(model: nn.Module, precision: str, cpu_offload: bool = False) -> nn
     blocks = list(model.layers)
     for i, block in enumerate(blocks):
         # the last block's parameters are needed again at once by the backward: keep them gathered
-        fully_shard(block, mp_policy=mp, reshard_after_forward=i < len(blocks) - 1, offload_policy=offload)
-    fully_shard(model, mp_policy=mp, offload_policy=offload)
+        fully_shard(
+            block, mesh=mesh, mp_policy=mp, reshard_after_forward=i < len(blocks) - 1, offload_policy=offload
+        )
+    fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload)
     return model
 
 
 def wrap(model: nn.Module, device: torch.device, info: DistInfo, precision: str) -> nn.Module:
     """The data-parallel wrapper ``info.strategy`` asks for (the model itself when running alone)."""
     if info.sharded:
-        return wrap_fsdp(model, precision, info.cpu_offload)
+        return wrap_fsdp(
+            model, precision, info.mesh["dp"] if info.mesh is not None else None, info.cpu_offload
+        )
+    if info.pp > 1:
+        # DDP's reducer cannot follow a pipeline schedule's backward passes (several per step, in its own order:
+        # the bucket rebuild after the first step fails an internal assertion, torch 2.13): the pipeline
+        # all-reduces the gradients over the data-parallel group itself, after the step (parallel/pp.py).
+        return model
     return wrap_ddp(model, device, info)
 
 
@@ -271,9 +287,10 @@ def load_optimizer_state(
     set_optimizer_state_dict(model, optimizer, state, options=_options())
 
 
-def all_reduce_sum(t: torch.Tensor, info: DistInfo) -> torch.Tensor:
+def all_reduce_sum(t: torch.Tensor, info: DistInfo, group: Any = None) -> torch.Tensor:
+    """Sum over all ranks, or over ``group`` (e.g. ``info.dp_group``: the ranks reading different data)."""
     if info.enabled:
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
     return t
 
 

@@ -48,5 +48,6 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
     # wrapped block puts the recomputation inside the compiled graph. Its state-dict hooks strip the wrapper's
     # prefix, so checkpoints written with and without activation checkpointing are interchangeable.
     extra = {} if mode == "full" else {"context_fn": _selective_context}
-    for i, block in enumerate(model.layers):
-        model.layers[i] = checkpoint_wrapper(block, preserve_rng_state=False, **extra)
+    # By child name: ``layers`` is a ModuleList, or a pipeline stage's ModuleDict keyed by block index.
+    for name, block in list(model.layers.named_children()):
+        setattr(model.layers, name, checkpoint_wrapper(block, preserve_rng_state=False, **extra))

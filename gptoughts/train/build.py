@@ -358,12 +358,28 @@ def build_model(cfg: Config, env: Environment, data: Data, *, meta: bool = False
             # Offloaded runs keep the weights in CPU memory: build them there (the model may not fit the GPU).
             where = torch.device("cpu") if env.dist.cpu_offload else device
             raw = build_raw_model(family.name, args, where, cfg.train.seed)
+    if env.dist.pp > 1:  # refused in one line before anything is written
+        from gptoughts.parallel import pp
+
+        pp.check_supported(
+            family.name,
+            args,
+            lora=cfg.lora.enabled,
+            generic=bool(pretrained is not None and pretrained.generic),
+            objective=family.objective,
+        )
     weights = TrainableWeights(raw) if cfg.lora.enabled else raw
     out = Model(family=family, args=args, raw=raw, weights=weights, pretrained=pretrained)
     if meta:
         return out
     out.built = apply_transforms(
-        raw, perf=perf, hw=env.hw, device=env.device, dist=env.dist, precision=env.precision
+        raw,
+        perf=perf,
+        hw=env.hw,
+        device=env.device,
+        dist=env.dist,
+        precision=env.precision,
+        parallel=cfg.parallel,
     )
     out.objective = make_objective(family, out.built, cfg.perf)
     return out
@@ -456,6 +472,11 @@ def plan_batches(
     why: dict[str, str] = {}
     micro, accum = t.batch_size, t.grad_accum
     if not isinstance(micro, int):
+        if info.pp > 1:
+            raise ConfigError(
+                "train.batch_size = auto probes memory with whole-model trial steps, not a pipeline stage's; "
+                "with --parallel.pp pass --batch_size N"
+            )
         if info.sharded and info.enabled:  # one offloading process probes like any single-GPU run
             raise ConfigError(
                 "train.batch_size = auto probes memory with trial steps, which a sharded (FSDP) run "
@@ -529,6 +550,11 @@ def plan_batches(
             )
     if data.sft is not None:
         packing = data_packing(cfg, model)
+        if packing and info.pp > 1:
+            raise ConfigError(
+                "parallel.pp passes only the hidden state between stages, not the packed rows' document "
+                "ids: add --data.packing false"
+            )
         train_tokens = epoch_rows(data.sft, t.seed, packing) * t.block_size
     else:
         train_tokens = int(data.corpus["tokens"])
@@ -568,6 +594,7 @@ def plan_batches(
         micro_batch=micro,
         grad_accum=accum,
         world_size=info.world_size,
+        dp_size=info.dp_size if info.dp_size != info.world_size else 0,
         block_size=t.block_size,
         tokens_per_step=tokens_per_step,
         total_steps=total_steps,
@@ -710,6 +737,20 @@ def _assemble(
         }
     )
     resolved = {**env.resolved, **built, **batch.why}
+    pp_micro = 0
+    if env.dist.pp > 1:
+        from gptoughts.parallel import pp
+
+        par = cfg.parallel
+        pp_micro = pp.microbatches(
+            batch.micro_batch * batch.grad_accum, env.dist.pp, par.pp_schedule, par.pp_microbatches
+        )
+        split = pp.split_layers(
+            model.args.n_layers, pp.stages_of(env.dist.pp, par.pp_schedule), par.pp_layers
+        )
+        resolved["pipeline"] = pp.describe(split, env.dist.pp, par.pp_schedule, pp_micro)
+        if model.built is not None:
+            model.built.pipeline.n_micro = pp_micro
     if model.raw is not None:
         from gptoughts.train.setup import optimizer_rule
 
@@ -757,6 +798,15 @@ def _assemble(
         t.schedule, t.learning_rate, batch.total_steps, batch.warmup_steps, t.min_lr_ratio, t.decay_fraction
     )
     optimizer = make_optimizer(model.built.model, t, cfg.perf, env.device)
+    if model.built.pipeline is not None:
+        # The order a one-process run's optimizer holds the parameters in (its checkpoints key them by index):
+        # an optimizer over the whole model, built but never stepped (no state is allocated).
+        names = {id(p): n for n, p in model.raw.named_parameters()}
+        whole = make_optimizer(
+            model.raw, t, replace(cfg.perf, fused_adamw=False), env.device
+        )  # meta: unfused
+        model.built.pipeline.param_order = [names[id(p)] for g in whole.param_groups for p in g["params"]]
+        del whole
     loader, eval_fn = make_loaders(cfg, env, data, model, t)
     asm.loader = loader
     asm.sampler = Sampler(
@@ -795,8 +845,9 @@ def _assemble(
         metrics=MetricsLogger(run_dir, enabled=False),
         total_steps=batch.total_steps,
         tokens_per_step=batch.tokens_per_step,
-        sample_fn=asm.sampler,
+        sample_fn=asm.sampler if model.built.pipeline is None else None,
         save_weights=lambda: model.weights,
+        pipeline=model.built.pipeline,
         forward_context=model.built.forward_context,
         after_optimizer_step=model.built.after_optimizer_step,
         static_token_count=data.sft is None,
@@ -843,7 +894,10 @@ def load_resume_checkpoint(
 
     while True:
         try:
-            ckpt.load_weights(model.weights, path, sharded=env.dist.sharded)
+            if model.built.pipeline is not None:
+                model.built.pipeline.load_weights(path)
+            else:
+                ckpt.load_weights(model.weights, path, sharded=env.dist.sharded)
             # FSDP: the full optimizer state stays in host memory; each rank copies only its shard to the GPU
             return path, ckpt.load_state(path, "cpu" if env.dist.sharded else env.device)
         except ckpt.UnreadableCheckpoint as e:
@@ -1046,6 +1100,15 @@ def timing_trainer(
 
     t = replace(cfg.train, batch_size=batch.micro_batch, grad_accum=batch.grad_accum)
     optimizer = make_optimizer(model.built.model, t, cfg.perf, env.device)
+    if model.built.pipeline is not None:
+        # The order a one-process run's optimizer holds the parameters in (its checkpoints key them by index):
+        # an optimizer over the whole model, built but never stepped (no state is allocated).
+        names = {id(p): n for n, p in model.raw.named_parameters()}
+        whole = make_optimizer(
+            model.raw, t, replace(cfg.perf, fused_adamw=False), env.device
+        )  # meta: unfused
+        model.built.pipeline.param_order = [names[id(p)] for g in whole.param_groups for p in g["params"]]
+        del whole
     return Trainer(
         model=model.built.model,
         objective=model.objective,

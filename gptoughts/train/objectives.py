@@ -36,15 +36,19 @@ class CausalLM:
         # doc_ids is passed only when present, so families without packed-row support keep their signature.
         docs = {"doc_ids": batch[3]} if len(batch) > 3 else {}
         hidden = model(x, position_ids=position_ids, return_hidden=True, **docs)
-        inner = _inner(model)
+        n_tokens = (y != IGNORE_INDEX).sum()
+        return self.hidden_loss(_inner(model), hidden, y), n_tokens
+
+    def hidden_loss(self, inner: nn.Module, hidden: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The summed token loss of the final hidden state ``hidden`` through ``inner``'s head (and its extra
+        losses); also the loss function of a pipeline's last stage (``parallel/pp.py``)."""
         loss_fn = _capped(self.loss_fn, inner)
         loss_sum = loss_fn(hidden, inner.output_weight, y)
         if hasattr(inner, "extra_loss"):  # MoE balance, multi-token prediction: already summed over tokens
             extra = inner.extra_loss(y, loss_fn)
             if extra is not None:
                 loss_sum = loss_sum + extra
-        n_tokens = (y != IGNORE_INDEX).sum()
-        return loss_sum, n_tokens
+        return loss_sum
 
 
 def _inner(model: nn.Module) -> nn.Module:

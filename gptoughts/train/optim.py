@@ -7,6 +7,7 @@ the step counter (exact resume for free).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -300,6 +301,7 @@ def clip_and_step(
     *,
     fused: bool,
     scaler: object | None = None,
+    norm_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Clip the gradients to ``max_norm`` (global L2 norm) and step, skipping a non-finite step, with no host sync
     on the fused path. Returns ``(grad_norm before clipping, found_inf)`` as device tensors.
@@ -308,10 +310,14 @@ def clip_and_step(
     gradient by ``grad_scale = max(1, norm / max_norm)`` as it reads it, instead of a separate read-and-write
     pass over all gradients (``clip_grad_norm_``'s ``_foreach_mul_``), and it reads ``found_inf`` on the device
     to leave parameters and state untouched when the step is not finite.
+
+    ``norm_reduce``: the global norm from this rank's (pipeline parallelism: each rank holds some stages'
+    parameters), so that every stage clips, and skips a non-finite step, alike.
     """
+    reduce = norm_reduce or (lambda n: n)
     if fused and scaler is None:
         grads = [p.grad for p in params if p.grad is not None]
-        grad_norm = _full(torch.nn.utils.get_total_norm(grads, foreach=True))
+        grad_norm = reduce(_full(torch.nn.utils.get_total_norm(grads, foreach=True)))
         # Offloaded parameters step on the CPU, where the loss is not: the flag goes where the kernel runs.
         found_inf = (~torch.isfinite(grad_norm) | ~torch.isfinite(loss_sum)).float().to(grad_norm.device)
         optimizer.grad_scale = (
@@ -322,7 +328,12 @@ def clip_and_step(
         return grad_norm, found_inf
     if scaler is not None:
         scaler.unscale_(optimizer)  # type: ignore[attr-defined]
-    grad_norm = _full(torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True))
+    if norm_reduce is None:
+        grad_norm = _full(torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True))
+    else:
+        grads = [p.grad for p in params if p.grad is not None]
+        grad_norm = reduce(_full(torch.nn.utils.get_total_norm(grads, foreach=True)))
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, grad_norm, foreach=True)
     found_inf = (~torch.isfinite(grad_norm) | ~torch.isfinite(loss_sum)).float()
     if scaler is not None:
         scaler.step(optimizer)  # type: ignore[attr-defined]  # skips on overflow; fused optimizers skip without a sync

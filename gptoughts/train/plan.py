@@ -38,6 +38,9 @@ class BatchPlan:
     eval_interval: int
     save_interval: int
     why: dict[str, str] = field(default_factory=dict)
+    dp_size: int = 0
+    """Data-parallel ranks (reading different data), when fewer than ``world_size`` (pipeline/tensor
+    parallelism); 0: all of them."""
 
 
 @dataclass
@@ -91,7 +94,8 @@ class RunPlan:
             )
         lines.append(
             f"  batch: {b['micro_batch']} x {b['block_size']} tokens x accumulation {b['grad_accum']}"
-            + (f" x {b['world_size']} GPUs" if b["world_size"] > 1 else "")
+            + (f" x {b['world_size']} GPUs" if b["world_size"] > 1 and not b.get("dp_size") else "")
+            + (f" x {b['dp_size']} data-parallel" if (b.get("dp_size") or 1) > 1 else "")
             + f" = {b['tokens_per_step']:,} tokens per step"
         )
         ev = f"eval every {b['eval_interval']:,}" if b["eval_interval"] else "eval at the end"
@@ -100,6 +104,8 @@ class RunPlan:
             f"  steps: {b['total_steps']:,} ({b['stop_rule']}) = {b['epochs']:.2f} epoch(s) over the data, "
             f"{b['total_steps'] * b['tokens_per_step']:,} tokens; warmup {b['warmup_steps']:,}, {ev}, {sv}"
         )
+        if "pipeline" in self.resolved:
+            lines.append(f"  pipeline: {self.resolved['pipeline']}")
         if "optimizer" in self.resolved:
             lines.append(f"  optimizer: {self.resolved['optimizer']}")
         mem = (

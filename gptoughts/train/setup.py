@@ -1,22 +1,24 @@
 """Building the model that the trainer runs: the one place where transforms are applied, in one order.
 
 Order (each step only if configured): build on the meta device → materialise on the target device and
-initialise (or load) weights → residual-stream dtype (an embedding hook) → fp8 conversion → tensor parallel →
-activation checkpointing → compile → FSDP / DDP → optimizer. Model code stays single-device; everything here
-wraps or converts it.
+initialise (or load) weights → residual-stream dtype (an embedding hook) → fp8 conversion → pipeline split
+(this rank's stages; every later step applies to each stage) → tensor parallel → activation checkpointing →
+compile → FSDP / DDP → optimizer. Model code stays single-device; everything here wraps or converts it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
 
 from gptoughts import models
-from gptoughts.config import LoraConfig, PerfConfig, TrainConfig
+from gptoughts.config import LoraConfig, ParallelConfig, PerfConfig, TrainConfig
 from gptoughts.errors import ConfigError, HardwareError, UserError
 from gptoughts.parallel import dist as pdist
 from gptoughts.perf.checkpointing import apply_activation_checkpointing
@@ -37,6 +39,8 @@ class Built:
     """The rule that decided each entry of ``resolved`` ("asked", or the ``auto`` rule that applied)."""
     after_optimizer_step: Callable[[], None] | None = None
     """Run by the trainer after each optimizer step (fp8 all-gather: the next step's weight scales)."""
+    pipeline: Any = None
+    """``parallel.pp.Pipeline`` under pipeline parallelism (``model`` is then its ``RankModel``), else None."""
 
 
 def build_raw_model(family: str, args: object, device: torch.device, seed: int) -> nn.Module:
@@ -169,6 +173,7 @@ def apply_transforms(
     device: torch.device,
     dist: pdist.DistInfo,
     precision: str = "fp32",
+    parallel: ParallelConfig | None = None,
 ) -> Built:
     resolved: dict[str, object] = {}
     why: dict[str, str] = {}
@@ -196,35 +201,81 @@ def apply_transforms(
             why["fp8_all_gather"] = "asked" if gather else "asked, but only FSDP all-gathers weights: off"
     else:
         resolved["fp8"] = False
+    # 1b. pipeline split: this rank's stages (after fp8, which swaps modules in place: the stages share them);
+    # each of the following transforms applies to every stage
+    parts, stage_ids, n_stages = [raw], [0], 1
+    if dist.pp > 1:
+        from gptoughts.parallel import pp
+
+        par = parallel or ParallelConfig()
+        n_stages = pp.stages_of(dist.pp, par.pp_schedule)
+        split = pp.split_layers(len(raw.layers), n_stages, par.pp_layers)
+        stage_ids = [s for s in range(n_stages) if s % dist.pp == dist.pp_rank]
+        parts = [pp.make_stage(raw, split[s], first=s == 0, last=s == n_stages - 1) for s in stage_ids]
     # 2. (tensor parallel: not yet)  3. activation checkpointing, inside the compiled region
-    apply_activation_checkpointing(raw, perf.activation_checkpointing)
+    for part in parts:
+        apply_activation_checkpointing(part, perf.activation_checkpointing)
     resolved["activation_checkpointing"] = perf.activation_checkpointing
     # 4. compile
-    model: nn.Module = raw
     compiled, why["compile"] = compile_rule(perf, hw)
     resolved["compile"] = perf.compile_mode if compiled else False
     if compiled:
         mode = inductor_mode(perf)
         if mode:
             resolved["inductor_mode"] = mode
-        if perf.compile_mode == "blocks":
-            # Module.compile() compiles in place, so parameter names (and checkpoints) are unchanged. Per-block
-            # compile keeps compile time flat in depth; the blocks are identical, so one graph is reused.
-            for block in raw.layers:
-                block.compile(mode=mode)
-        else:
-            raw.compile(mode=mode)
+        for part in parts:
+            if perf.compile_mode == "blocks":
+                # Module.compile() compiles in place, so parameter names (and checkpoints) are unchanged.
+                # Per-block compile keeps compile time flat in depth; the blocks are identical, so one graph
+                # is reused.
+                for block in part.layers:
+                    block.compile(mode=mode)
+            else:
+                part.compile(mode=mode)
     elif perf.cuda_graphs or perf.max_autotune:
         raise ConfigError(
             "perf.cuda_graphs and perf.max_autotune are torch.compile modes: add --compile true "
             "(or drop them)"
         )
-    # 5. data parallel: DDP, or FSDP2 (each compiled block sharded in place)
-    model = pdist.wrap(model, device, dist, precision)
+    # 5. data parallel: DDP, or FSDP2 (each compiled block sharded in place), over the data-parallel ranks
+    parts = [pdist.wrap(part, device, dist, precision) for part in parts]
+    model: nn.Module = parts[0]
     if dist.enabled or dist.sharded:
-        resolved["parallel"] = f"{dist.strategy} x{dist.world_size}" + (
-            " + cpu offload" if dist.cpu_offload else ""
+        resolved["parallel"] = (
+            f"{dist.strategy} x{dist.dp_size}"
+            + (f", pipeline x{dist.pp}" if dist.pp > 1 else "")
+            + (" + cpu offload" if dist.cpu_offload else "")
         )
+    pipeline = None
+    if dist.pp > 1:
+        bf16_stream = resolved.get("residual_dtype") == "bf16" and precision == "bf16"
+        pipeline = pp.Pipeline(
+            parts,
+            stage_ids,
+            n_stages,
+            info=dist,
+            device=device,
+            schedule=par.pp_schedule,
+            hidden_loss=_no_loss,  # the objective's, set by make_objective
+            hidden_dim=int(raw.args.d_model),
+            hidden_dtype=torch.bfloat16 if bf16_stream else torch.float32,
+        )
+        model = pipeline.view
+        # The whole model was built on every rank (the weights of a one-process run); what this rank's stages do not
+        # hold (or, under FSDP, hold as shards of their own) is now dead weight: the rest of `raw` goes to the meta
+        # device, keeping shapes and names (parameter counts, the plan, the optimizer's order of parameters).
+        live = {id(t) for part in parts for t in itertools.chain(part.parameters(), part.buffers())}
+        dead: dict[int, torch.Tensor] = {}
+        for module in raw.modules():  # `raw`'s own module objects: the stages' are copies
+            for table in (module._parameters, module._buffers):
+                for name, t in table.items():
+                    if t is not None and id(t) not in live:
+                        if id(t) not in dead:
+                            meta = torch.empty_like(t, device="meta")
+                            dead[id(t)] = (
+                                nn.Parameter(meta, t.requires_grad) if isinstance(t, nn.Parameter) else meta
+                            )
+                        table[name] = dead[id(t)]
     resolved["loss"] = resolve_loss(perf, device)
     why["loss"] = (
         "asked" if perf.loss != "auto" else "auto: chunked on CUDA (no fp32 logits of the whole batch)"
@@ -244,7 +295,12 @@ def apply_transforms(
         resolved=resolved,
         why=why,
         after_optimizer_step=after,
+        pipeline=pipeline,
     )
+
+
+def _no_loss(*args: object) -> torch.Tensor:
+    raise RuntimeError("the pipeline's loss is set by make_objective")
 
 
 def make_objective(family: models.Family, built: Built, perf: PerfConfig) -> Callable:
@@ -254,7 +310,10 @@ def make_objective(family: models.Family, built: Built, perf: PerfConfig) -> Cal
     loss_fn = make_loss(
         str(built.resolved["loss"]), compiled=bool(built.resolved["compile"]), chunk_size=perf.loss_chunk
     )
-    return build_objective(family.objective, loss_fn)
+    objective = build_objective(family.objective, loss_fn)
+    if built.pipeline is not None:  # the last stage computes the objective's loss from the final hidden state
+        built.pipeline.hidden_loss = objective.hidden_loss
+    return objective
 
 
 def make_optimizer(

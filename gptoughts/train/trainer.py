@@ -163,9 +163,13 @@ class Trainer:
         evaluation: EvalConfig | None = None,
         checkpointing: CheckpointConfig | None = None,
         recovery: RecoveryConfig | None = None,
+        pipeline: Any = None,
     ):
         check_train_ranges(cfg, evaluation, checkpointing, recovery)
         self.model = model
+        # parallel.pp.Pipeline under pipeline parallelism: forward/backward run through its schedule, `model` is
+        # the rank's stages as one module (parameters, train/eval mode), evaluation and checkpoints go through it.
+        self.pipeline = pipeline
         self.objective = objective
         self.optimizer = optimizer
         self.schedule = schedule
@@ -230,12 +234,13 @@ class Trainer:
         self._last_micro: list[Batch] | None = None
         self._last_rng: tuple[torch.Tensor, torch.Tensor | None] | None = None
         # Sharded runs write sharded (DCP) checkpoints, each rank its own shards, by default in the background
-        # (see checkpoint.py); constructing the saver is a collective (its own gloo group).
+        # (see checkpoint.py); constructing the saver is a collective (its own gloo group). A pipeline run gathers
+        # its stages to rank 0 into the single-file format instead (its ranks hold different keys).
         self.saver = (
             ckpt.ShardedSaver(
                 self.ckpt_dir, rank=dist.rank, async_save=self.ck.async_save, keep_last=self.ck.keep_last
             )
-            if dist.sharded and self.ck.checkpoints
+            if dist.sharded and self.ck.checkpoints and pipeline is None
             else None
         )
 
@@ -313,11 +318,19 @@ class Trainer:
             )
         else:
             n_total = sum((b[1] != -100).sum() for b in micro).float()
-            n_total = pdist.all_reduce_sum(n_total, self.dist)
+            n_total = pdist.all_reduce_sum(n_total, self.dist, self.dist.dp_group)
         # DDP averages gradients over the data-parallel ranks; scaling by their number makes the result the
         # gradient of the global token-mean loss.
         scale = self.dist.dp_size / n_total.clamp_min(1.0)
         loss_sum = torch.zeros((), device=self.device)
+        if self.pipeline is not None:
+            # The step's rows in one batch: the schedule splits them into its micro-batches, runs forward and
+            # backward through the stages, and syncs data-parallel gradients once, after the last.
+            rows = tuple(torch.cat(ts) for ts in zip(*micro)) if accum > 1 else micro[0]
+            with self.autocast():
+                loss_sum = self.pipeline.step(rows, scale)
+            timer.mark("forward")  # forward and backward interleave: all of it counts as forward
+            micro = []
         for i, batch in enumerate(micro):
             with self._no_sync(i == accum - 1):
                 with self.autocast():
@@ -340,7 +353,13 @@ class Trainer:
         set_lr(self.optimizer, lr)
         max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
         grad_norm, found_inf = clip_and_step(
-            self.optimizer, self.params, max_norm, gate_loss, fused=self.fused, scaler=self.scaler
+            self.optimizer,
+            self.params,
+            max_norm,
+            gate_loss,
+            fused=self.fused,
+            scaler=self.scaler,
+            norm_reduce=self.pipeline.global_norm if self.pipeline is not None else None,
         )
         self.optimizer.zero_grad(set_to_none=True)
         if self._after_step is not None:
@@ -394,21 +413,27 @@ class Trainer:
         total = torch.zeros((), device=self.device, dtype=torch.float64)
         count = torch.zeros((), device=self.device, dtype=torch.float64)
         model = pdist.unwrap(self.model) if self.dist.enabled else self.model  # no DDP hooks during eval
-        world, rank = self.dist.world_size, self.dist.rank
+
+        def loss_of(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+            with self.autocast():
+                if self.pipeline is not None:  # (0, 0) on ranks without the last stage
+                    return self.pipeline.eval_loss(batch)
+                return self.objective(model, batch)
+
+        # Batches are shared by the data-parallel ranks (the ranks of one pipeline read the same ones).
+        world, rank = self.dist.dp_size, self.dist.dp_rank
         n_batches, batch = 0, None
         for i, batch in enumerate(self.eval_batches()):
             n_batches = i + 1
             if i % world != rank:
                 continue
-            with self.autocast():
-                ls, n = self.objective(model, batch)
+            ls, n = loss_of(batch)
             total += ls.double()
             count += n.double()
         if self.dist.sharded and n_batches % world and rank >= n_batches % world:
             # Under FSDP every forward is a collective: a rank without a batch in the last round runs one
             # (discarded) forward so that all ranks run the same number.
-            with self.autocast():
-                self.objective(model, batch)
+            loss_of(batch)
         self.model.train()
         pdist.all_reduce_sum(total, self.dist)
         pdist.all_reduce_sum(count, self.dist)
@@ -428,7 +453,11 @@ class Trainer:
         out = {
             "trainer": st,
             "optimizer": (
-                pdist.optimizer_state(self.weights_module(), self.optimizer, self.dist) if optimizer else None
+                None
+                if not optimizer
+                else self.pipeline.optimizer_state(self.optimizer)
+                if self.pipeline is not None
+                else pdist.optimizer_state(self.weights_module(), self.optimizer, self.dist)
             ),
             "scaler": self.scaler.state_dict() if self.scaler else None,
             "loader": self.loader.state_dict(),
@@ -446,6 +475,8 @@ class Trainer:
         if sd.get("optimizer") is None and sd.get(ckpt.DCP_FORMAT):
             # A sharded checkpoint: DCP reads this rank's part of the optimizer state into the live optimizer
             ckpt.load_dcp(Path(sd[ckpt.DCP_FORMAT]), self.weights_module(), self.optimizer, weights=False)
+        elif self.pipeline is not None:
+            self.pipeline.load_optimizer_state(self.optimizer, sd["optimizer"])
         else:
             pdist.load_optimizer_state(self.weights_module(), self.optimizer, sd["optimizer"], self.dist)
         if self.scaler is not None and sd.get("scaler"):
@@ -513,6 +544,8 @@ class Trainer:
                 self.metrics.log(st.step, {"checkpoint_blocked_s": self.saver.blocked_s})
             return True
         weights: nn.Module | dict[str, torch.Tensor] = self.weights_module()
+        if self.pipeline is not None:  # every stage's tensors gathered to rank 0
+            weights = self.pipeline.full_state_dict()
         state = self.state_dict()
         if self.dist.is_main:
             ckpt.save(
@@ -564,7 +597,10 @@ class Trainer:
         path = self._last_good(bad_from) if self.ck.checkpoints else None
         if path is None:
             raise self._diverged(reason, bad_from)
-        ckpt.load_weights(self.weights_module(), path, sharded=self.dist.sharded)
+        if self.pipeline is not None:
+            self.pipeline.load_weights(path)
+        else:
+            ckpt.load_weights(self.weights_module(), path, sharded=self.dist.sharded)
         if not self.weights_finite():  # checkpoints written before this check existed
             raise UserError(
                 f"cannot roll back at step {old.step}: {path} holds non-finite weights; resume from an "
