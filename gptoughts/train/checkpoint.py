@@ -743,6 +743,10 @@ class ShardedSaver:
                 return {}
             if "async_stager" not in inspect.signature(dcp.async_save).parameters:
                 return {}
+            # torch 2.11's stager fails on its second use with our state (KeyError: <class 'type'> in its
+            # deepcopy, seen on an H200 at the 1b step-10 save): reuse it only where it was tested (2.13).
+            if tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13):
+                return {}
             cuda = torch.cuda.is_available()
             # Staging stays synchronous: save() returns once the copy is complete, so training may go on
             # changing the weights at once.
