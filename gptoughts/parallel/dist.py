@@ -10,6 +10,14 @@ optimizer state, gathered to rank 0 at save time and loaded by every rank at res
 between one GPU, DDP and FSDP, and between world sizes). Gathering to one host's memory is the limit of this
 format: for models whose optimizer state does not fit in the CPU memory of rank 0, a sharded (DCP) format
 would be needed.
+
+With tensor parallelism (``parallel.tp = N``, see ``parallel/tp.py``) the ranks form a device mesh
+``(pp, dp, tp)``: the ``N`` ranks of a ``tp`` group split each block's matrices and read the same data, the
+``dp`` dimension reads different data and is handled by FSDP2 on its sub-mesh (2-D ``(dp, tp)`` parameters) or,
+with one data-parallel rank, by nothing. DDP does not combine with tensor parallelism (it does not reduce
+DTensor gradients): ``auto`` then means FSDP. Every reduction of per-rank data (token counts, losses) runs over
+the ``dp`` group, since the ranks of a ``tp`` group hold the same values. The full-state checkpoints above also
+hold for TP runs: they gather the DTensor shards to rank 0, so a TP run resumes on one process and back.
 """
 
 from __future__ import annotations
@@ -72,8 +80,9 @@ class DistInfo:
 
     @property
     def sharded(self) -> bool:
-        """Parameters are sharded across ranks (FSDP): state dicts, eval and sampling are collectives."""
-        return self.strategy == "fsdp"
+        """Parameters are sharded across ranks (FSDP or tensor parallel): state dicts, eval and sampling are
+        collectives."""
+        return self.strategy == "fsdp" or self.tp > 1
 
     @property
     def is_main(self) -> bool:
@@ -120,11 +129,23 @@ def init(
             timeout=datetime.timedelta(minutes=30),
             device_id=device if device.type == "cuda" else None,
         )
+    dp = world // (tp * pp)
+    if (tp > 1 or pp > 1) and dp > 1 and strategy == "ddp":
+        raise ConfigError(
+            "parallel.strategy = ddp does not combine with --parallel.tp/--parallel.pp (DDP does not reduce "
+            "DTensor gradients); use --parallel.strategy fsdp (or auto)"
+        )
+    if strategy == "auto" and (tp > 1 or pp > 1) and dp > 1:
+        strategy = "fsdp"
     mesh = None
     if tp > 1 or pp > 1:
         from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh(device.type, (pp, world // (tp * pp), tp), mesh_dim_names=("pp", "dp", "tp"))
+        mesh = init_device_mesh(device.type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
+        if dp > 1 and tp > 1 and hasattr(mesh, "_flatten"):
+            # A DTensor reduced over both dimensions (the gradient norm of the (dp, tp)-sharded blocks) then
+            # takes one all-reduce over the flattened mesh instead of two in a row (DTensor warns otherwise).
+            mesh["dp", "tp"]._flatten("dp_tp")
     return DistInfo(
         rank=rank,
         local_rank=local,
@@ -156,10 +177,12 @@ def wrap_ddp(model: nn.Module, device: torch.device, info: DistInfo) -> nn.Modul
     )
 
 
-def wrap_fsdp(model: nn.Module, precision: str) -> nn.Module:
+def wrap_fsdp(model: nn.Module, precision: str, mesh: Any = None) -> nn.Module:
     """FSDP2: shard each transformer block (the unit that is gathered just before it runs and freed after),
     then the root (embeddings, final norm, head). Compute in bf16/fp16 when training in it, gradients reduced in
     fp32. ``fully_shard`` works in place: parameter names, per-block compile and checkpointing are unchanged.
+    ``mesh``: the data-parallel sub-mesh under tensor parallelism (the blocks' DTensors become 2-D), else the
+    default group.
 
     One difference from DDP + autocast: the bf16 policy applies to every parameter, so the weights autocast
     would keep in fp32 (norm weights, DeepSeek's router) also compute from bf16 copies; routing can then differ
@@ -171,15 +194,18 @@ def wrap_fsdp(model: nn.Module, precision: str) -> nn.Module:
     blocks = list(model.layers)
     for i, block in enumerate(blocks):
         # the last block's parameters are needed again at once by the backward: keep them gathered
-        fully_shard(block, mp_policy=mp, reshard_after_forward=i < len(blocks) - 1)
-    fully_shard(model, mp_policy=mp)
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=i < len(blocks) - 1)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
     return model
 
 
 def wrap(model: nn.Module, device: torch.device, info: DistInfo, precision: str) -> nn.Module:
-    """The data-parallel wrapper ``info.strategy`` asks for (the model itself when running alone)."""
-    if info.sharded:
-        return wrap_fsdp(model, precision)
+    """The data-parallel wrapper ``info.strategy`` asks for (the model itself when running alone, or when a
+    tensor-parallel run has one data-parallel rank and did not ask for FSDP)."""
+    if info.strategy == "fsdp":
+        return wrap_fsdp(model, precision, info.mesh["dp"] if info.mesh is not None else None)
+    if info.model_parallel:  # dp == 1 here (init refused DDP with several data-parallel ranks)
+        return model
     return wrap_ddp(model, device, info)
 
 
@@ -237,8 +263,17 @@ def load_optimizer_state(
 
 
 def all_reduce_sum(t: torch.Tensor, info: DistInfo) -> torch.Tensor:
+    """Sum over every rank (flags, counts of problems)."""
     if info.enabled:
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def all_reduce_dp(t: torch.Tensor, info: DistInfo) -> torch.Tensor:
+    """Sum over the data-parallel ranks only: per-rank data (losses, token counts) that the ranks of a tensor
+    or pipeline group hold alike is counted once."""
+    if info.enabled and info.dp_size > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=info.dp_group)
     return t
 
 

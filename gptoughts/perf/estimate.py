@@ -246,6 +246,7 @@ def estimate(
     residual_dtype: str = "bf16",
     strategy: str = "ddp",
     optimizer: str = "adamw",
+    tp: int = 1,
 ) -> Estimate:
     """Peak memory of one training step, speed and cost for ``family`` at ``size`` (module docstring: each line).
 
@@ -259,6 +260,11 @@ def estimate(
     * deepseek: MLA (latent, q/k/v, output) plus, in the dense layers, a SwiGLU, and in the MoE layers the router,
       each token's copies through its *active* experts only and the shared experts (``_deepseek_layer_bytes``);
       an MTP block counts as one more, never checkpointed, block.
+
+    ``tp`` (tensor parallelism over ``tp`` of the ``num_gpus``; parallel/tp.py): each rank holds ``1/tp`` of the
+    blocks' parameters (the embeddings and head whole) and about ``1/tp`` of their activations (sequence
+    parallelism splits the residual stream and norms, tensor parallelism the heads and MLP units; the gathered
+    sub-layer inputs are not counted apart: a slight underestimate); FSDP then shards over ``num_gpus / tp``.
     """
     args = models.model_args(family, size, dict(overrides or {}))
     import torch
@@ -300,11 +306,17 @@ def estimate(
         optim -= 4 * sum(p.numel() for p in model.parameters() if id(p) in hidden)
     weights, grads = 4 * n, 4 * n
     copies = 2 * matmul_params
-    if strategy == "fsdp" and num_gpus > 1:
+    if tp > 1:
+        in_blocks = sum(p.numel() for p in model.layers.parameters())
+        kept = (n - in_blocks + in_blocks / tp) / n  # the share of the parameters a rank holds
+        weights, grads, optim, copies = weights * kept, grads * kept, optim * kept, copies * kept
+        act = act / tp
+    dp = max(1, num_gpus // tp)
+    if strategy == "fsdp" and dp > 1:
         # The largest block (DeepSeek's MoE blocks outweigh its dense ones).
-        block = max(sum(p.numel() for p in layer.parameters()) for layer in model.layers)
+        block = max(sum(p.numel() for p in layer.parameters()) for layer in model.layers) / tp
         root = n - sum(p.numel() for p in model.layers.parameters())
-        weights, grads, optim = weights / num_gpus, grads / num_gpus, optim / num_gpus
+        weights, grads, optim = weights / dp, grads / dp, optim / dp
         copies = 2 * (2 * block + root) + 6 * block
         # Sharded gradients are small and fill up while activations are freed: counted in full (conservative).
         total = weights + optim + grads + copies + logits + act
@@ -413,6 +425,7 @@ def estimate_config(
             residual_dtype=residual,
             strategy=strategy,
             optimizer=t.optimizer,
+            tp=cfg.parallel.tp,
         )
 
     micro, accum = t.batch_size, t.grad_accum

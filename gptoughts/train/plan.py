@@ -38,6 +38,8 @@ class BatchPlan:
     eval_interval: int
     save_interval: int
     why: dict[str, str] = field(default_factory=dict)
+    tp: int = 1
+    """Tensor-parallel degree: ``world_size / tp`` data-parallel ranks read different micro-batches."""
 
 
 @dataclass
@@ -89,7 +91,14 @@ class RunPlan:
             )
         lines.append(
             f"  batch: {b['micro_batch']} x {b['block_size']} tokens x accumulation {b['grad_accum']}"
-            + (f" x {b['world_size']} GPUs" if b["world_size"] > 1 else "")
+            + (
+                f" x {b['world_size'] // b.get('tp', 1)} data-parallel rank(s) (tensor parallel x{b['tp']}: "
+                f"{b['world_size']} GPUs)"
+                if b.get("tp", 1) > 1
+                else f" x {b['world_size']} GPUs"
+                if b["world_size"] > 1
+                else ""
+            )
             + f" = {b['tokens_per_step']:,} tokens per step"
         )
         ev = f"eval every {b['eval_interval']:,}" if b["eval_interval"] else "eval at the end"
@@ -201,7 +210,7 @@ def _memory(cfg: Any, env: Any, model: Any, batch: BatchPlan) -> tuple[float | N
     args = {k: v for k, v in asdict(model.args).items()}
     gpu = env.hw.name if env.device.type == "cuda" else "H100"  # the bytes do not depend on the GPU's name
     residual = "bf16" if env.precision == "bf16" and cfg.perf.residual_dtype != "fp32" else "fp32"
-    strategy = "fsdp" if env.dist.sharded else "ddp"
+    strategy = "fsdp" if env.dist.strategy == "fsdp" else "ddp"
     try:
         e = estimate(
             model.family.name,
@@ -215,6 +224,7 @@ def _memory(cfg: Any, env: Any, model: Any, batch: BatchPlan) -> tuple[float | N
             residual_dtype=residual,
             num_gpus=batch.world_size,
             strategy=strategy,
+            tp=batch.tp,
         )
     except Exception:  # noqa: BLE001 - an estimate must never stop a run
         return None, None

@@ -167,6 +167,7 @@ def apply_transforms(
     device: torch.device,
     dist: pdist.DistInfo,
     precision: str = "fp32",
+    family: str = "",
 ) -> Built:
     resolved: dict[str, object] = {}
     why: dict[str, str] = {}
@@ -190,7 +191,12 @@ def apply_transforms(
         resolved["fp8"] = perf.fp8_recipe
     else:
         resolved["fp8"] = False
-    # 2. (tensor parallel: not yet)  3. activation checkpointing, inside the compiled region
+    # 2. tensor parallel (+ sequence parallel) over the mesh's tp dimension; build_model ran check_tp before
+    if dist.tp > 1:
+        from gptoughts.parallel.tp import apply_tp
+
+        apply_tp(raw, dist.mesh["tp"], family)
+    # 3. activation checkpointing, inside the compiled region
     apply_activation_checkpointing(raw, perf.activation_checkpointing)
     resolved["activation_checkpointing"] = perf.activation_checkpointing
     # 4. compile
@@ -215,7 +221,10 @@ def apply_transforms(
         )
     # 5. data parallel: DDP, or FSDP2 (each compiled block sharded in place)
     model = pdist.wrap(model, device, dist, precision)
-    if dist.enabled:
+    if dist.enabled and dist.model_parallel:
+        dp = f"{dist.strategy} x{dist.dp_size}" if dist.strategy == "fsdp" else f"dp x{dist.dp_size}"
+        resolved["parallel"] = f"{dp}, tp x{dist.tp}" + (f", pp x{dist.pp}" if dist.pp > 1 else "")
+    elif dist.enabled:
         resolved["parallel"] = f"{dist.strategy} x{dist.world_size}"
     resolved["loss"] = resolve_loss(perf, device)
     why["loss"] = (

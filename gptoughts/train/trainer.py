@@ -227,6 +227,7 @@ class Trainer:
         self._last_hold: torch.Tensor | None = None
         self._last_micro: list[Batch] | None = None
         self._last_rng: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        self._said_no_samples = False
 
     # ------------------------------------------------------------------------------------------ precision
     def autocast(self) -> contextlib.AbstractContextManager:
@@ -302,7 +303,7 @@ class Trainer:
             )
         else:
             n_total = sum((b[1] != -100).sum() for b in micro).float()
-            n_total = pdist.all_reduce_sum(n_total, self.dist)
+            n_total = pdist.all_reduce_dp(n_total, self.dist)
         # DDP averages gradients over the data-parallel ranks; scaling by their number makes the result the
         # gradient of the global token-mean loss.
         scale = self.dist.dp_size / n_total.clamp_min(1.0)
@@ -335,7 +336,7 @@ class Trainer:
         if self._after_step is not None:
             with torch.no_grad():
                 for t in self._rank_summed() if self._rank_summed is not None else ():
-                    pdist.all_reduce_sum(t, self.dist)  # global statistics: every rank updates alike
+                    pdist.all_reduce_dp(t, self.dist)  # global statistics: every rank updates alike
                 self._after_step()
         timer.mark("optimizer")
         timer.stop()
@@ -380,7 +381,8 @@ class Trainer:
         total = torch.zeros((), device=self.device, dtype=torch.float64)
         count = torch.zeros((), device=self.device, dtype=torch.float64)
         model = pdist.unwrap(self.model) if self.dist.enabled else self.model  # no DDP hooks during eval
-        world, rank = self.dist.world_size, self.dist.rank
+        # Split by data-parallel rank: the ranks of a tensor-parallel group evaluate the same batches together.
+        world, rank = self.dist.dp_size, self.dist.dp_rank
         n_batches, batch = 0, None
         for i, batch in enumerate(self.eval_batches()):
             n_batches = i + 1
@@ -391,13 +393,13 @@ class Trainer:
             total += ls.double()
             count += n.double()
         if self.dist.sharded and n_batches % world and rank >= n_batches % world:
-            # Under FSDP every forward is a collective: a rank without a batch in the last round runs one
+            # Under FSDP or TP every forward is a collective: a rank without a batch in the last round runs one
             # (discarded) forward so that all ranks run the same number.
             with self.autocast():
                 self.objective(model, batch)
         self.model.train()
-        pdist.all_reduce_sum(total, self.dist)
-        pdist.all_reduce_sum(count, self.dist)
+        pdist.all_reduce_dp(total, self.dist)
+        pdist.all_reduce_dp(count, self.dist)
         loss = (total / count.clamp_min(1)).item()
         return loss, math.exp(min(loss, 50.0))
 
@@ -683,7 +685,7 @@ class Trainer:
         table = torch.stack(flat).view(len(recs), 5)
         if self.dist.enabled:  # each rank summed its own rows' loss; the counts and flags are global already
             col = table[:, _LOSS].contiguous()
-            pdist.all_reduce_sum(col, self.dist)
+            pdist.all_reduce_dp(col, self.dist)  # a tensor-parallel group's ranks hold the same loss
             table[:, _LOSS] = col
         return table.tolist()
 
@@ -932,6 +934,13 @@ class Trainer:
     def _sample(self) -> None:
         # Under FSDP every rank generates (each forward gathers parameters from all of them); rank 0 writes.
         if self.sample_fn is None or not (self.dist.is_main or self.dist.sharded):
+            return
+        if self.dist.tp > 1:
+            # Decoding feeds sequences of any length (one token at a time with the cache), which the sequence-
+            # parallel split of the blocks cannot take, and the KV cache is sized for all heads: not yet.
+            if not self._said_no_samples:
+                self._said_no_samples = True
+                self.log_line("samples are not generated under tensor parallelism (--parallel.tp) yet")
             return
         self.model.eval()
         texts = []

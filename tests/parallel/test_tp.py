@@ -1,0 +1,135 @@
+"""Tensor parallelism (+ sequence parallelism, parallel/tp.py), alone and under FSDP2 on a 2-D mesh, on gloo.
+
+The distributed runs train the debug models for a few steps and compare their losses with one process reading
+the same global batch: the ranks of a tensor-parallel group read the same rows, so TP=2 with batch 4 and
+FSDP 2 x TP 2 with batch 2 per data-parallel rank both train like one process with batch 4.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gptoughts.errors import ConfigError
+from gptoughts.models import model_args
+from gptoughts.parallel.tp import check_tp
+from gptoughts.train import checkpoint as ckpt
+
+ARGS = [
+    "--model.size", "debug", "--data.tokenizer", "bytes", "--block_size", "32", "--eval_batches", "2",
+    "--perf.device", "cpu", "--precision", "fp32", "--compile", "false", "--perf.threads", "1",
+    "--run.progress", "false", "--log_interval", "1", "--eval_interval", "3", "--save_interval", "3",
+    "--train.schedule", "constant", "--warmup_steps", "0", "--sample_prompts", "def ",
+    "--sample_max_new_tokens", "4",
+]  # fmt: skip
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def _losses(run: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def _train(out: Path, corpus: Path, *extra: str, procs: int = 1) -> subprocess.CompletedProcess:
+    launch = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={procs}"] if procs > 1 else []
+    return subprocess.run(
+        [sys.executable, *launch, "-m", "gptoughts", "train", "default", "--out", str(out),
+         "--data", str(corpus), *ARGS, *extra],
+        env=ENV, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+
+
+def _ok(r: subprocess.CompletedProcess) -> None:
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
+def _close(a: dict[int, float], b: dict[int, float], steps: list[int]) -> None:
+    for s in steps:
+        assert abs(a[s] - b[s]) < 1e-4 * abs(a[s]), (s, a[s], b[s])
+
+
+@pytest.mark.distributed
+def test_tp_and_fsdp_x_tp_match_one_process_and_checkpoints_move(tmp_path, text_corpus, cache_dir):
+    """Llama: TP=2 (2 ranks, no data-parallel wrapper) and FSDP 2 x TP 2 (4 ranks, 2-D mesh) give the losses of
+    one process over 5 steps; the TP run's checkpoint (full weights gathered from the DTensor shards, optimizer
+    state by name) resumes on one process and continues like the one-process run."""
+    one, tp, fsdp_tp = tmp_path / "one", tmp_path / "tp", tmp_path / "fsdp_tp"
+    llama = ["--model.family", "llama"]
+    _ok(_train(one, text_corpus, *llama, "--batch_size", "4", "--max_steps", "7"))
+    r = _train(
+        tp, text_corpus, *llama, "--batch_size", "4", "--max_steps", "5", "--parallel.tp", "2", procs=2
+    )
+    _ok(r)
+    assert "x 1 data-parallel rank(s) (tensor parallel x2: 2 GPUs)" in r.stdout
+    assert "samples are not generated under tensor parallelism" in r.stdout
+    run = json.loads((tp / "run.json").read_text())
+    assert run["world_size"] == 2 and run["dp_size"] == 1
+    a, b = _losses(one), _losses(tp)
+    _close(a, b, [1, 2, 3, 4, 5])
+    assert ckpt.list_steps(tp / "checkpoints") == [3, 5]
+
+    _ok(_train(tp, text_corpus, "--batch_size", "4", "--max_steps", "7", "--run.resume", "auto"))
+    _close(a, _losses(tp), [6, 7])
+
+    r = _train(
+        fsdp_tp, text_corpus, *llama, "--batch_size", "2", "--max_steps", "5", "--parallel.tp", "2", procs=4
+    )
+    _ok(r)
+    assert "x 2 data-parallel rank(s) (tensor parallel x2: 4 GPUs) = 128 tokens per step" in r.stdout
+    run = json.loads((fsdp_tp / "run.json").read_text())
+    assert run["dp_size"] == 2 and "fsdp x2, tp x2" in run["resolved"]["parallel"]
+    _close(a, _losses(fsdp_tp), [1, 2, 3, 4, 5])
+
+
+@pytest.mark.distributed
+def test_tp_inl_with_muon_matches_one_process(tmp_path, text_corpus, cache_dir):
+    """INL (its integrator on each rank's positions with replicated weights) under TP=2 with Muon (each
+    TP-sharded matrix orthogonalized whole) trains like one process."""
+    common = ["--model.family", "inl", "--optimizer", "muon", "--batch_size", "4", "--max_steps", "4"]
+    _ok(_train(tmp_path / "one", text_corpus, *common))
+    _ok(_train(tmp_path / "tp", text_corpus, *common, "--parallel.tp", "2", procs=2))
+    _close(_losses(tmp_path / "one"), _losses(tmp_path / "tp"), [1, 2, 3, 4])
+
+
+@pytest.mark.distributed
+def test_tp_refuses_deepseek_in_one_line_before_writing(tmp_path, text_corpus, cache_dir):
+    out = tmp_path / "ds"
+    r = _train(
+        out, text_corpus, "--model.family", "deepseek", "--max_steps", "2", "--parallel.tp", "2", procs=2
+    )
+    assert r.returncode != 0
+    lines = [line for line in (r.stdout + r.stderr).splitlines() if line.startswith("error:")]
+    assert lines and "--parallel.tp 2: DeepSeek" in lines[0] and "Traceback" not in r.stdout
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    ("family", "overrides", "block", "needle"),
+    [
+        ("deepseek", {}, 32, "DeepSeek's MoE experts"),
+        ("gpt2", {}, 32, "fused q/k/v"),
+        ("llama", {"n_heads": 6, "n_kv_heads": 2, "d_model": 96}, 32, "n_heads (6) is not divisible by 4"),
+        ("llama", {"n_heads": 8, "n_kv_heads": 2}, 32, "key/value heads (2) is not divisible by 4"),
+        ("llama", {"ffn_dim": 130, "n_kv_heads": 4}, 32, "MLP width (130) is not divisible by 4"),
+        ("llama", {"n_kv_heads": 4}, 30, "--block_size 30 is not divisible by 4"),
+    ],
+)
+def test_check_tp_refusals(family, overrides, block, needle):
+    args = model_args(family, "debug", overrides)
+    with pytest.raises(ConfigError) as e:
+        check_tp(family, args, 4, block_size=block)
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_check_tp_accepts_the_llama_layouts():
+    for family in ("llama", "llada", "inl"):
+        check_tp(family, model_args(family, "debug", {"n_heads": 4, "n_kv_heads": 4}), 4, block_size=32)
+    with pytest.raises(ConfigError, match="LoRA"):
+        check_tp("llama", model_args("llama", "debug", {}), 2, block_size=32, lora=True)
+    with pytest.raises(ConfigError, match="generic transformers"):
+        check_tp(None, None, 2, block_size=32, generic=True)
