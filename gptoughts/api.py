@@ -209,9 +209,7 @@ def run_training(cfg: Config, *, dry_run: bool = False) -> tuple[nn.Module, Any,
             wall = time.perf_counter() - t0
             history = _history(asm, st, history)
             prompts = cfg.eval.sample_prompts
-            # Under FSDP every rank takes part in generation; under tensor parallelism none samples yet (the
-            # trainer says so once: decoding lengths do not fit the sequence-parallel split).
-            if prompts and (main or env.dist.sharded) and env.dist.tp == 1:
+            if prompts and (main or env.dist.sharded):  # under FSDP or TP every rank takes part in generation
                 asm.model.raw.eval()
                 with asm.trainer.autocast():
                     history.sample = asm.sampler(prompts[0])

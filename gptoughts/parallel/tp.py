@@ -8,11 +8,12 @@ collective forward and one backward. Attention then sees its rank's heads only: 
 counts from the tensors (``view(..., -1, head_dim)``), so it runs unchanged.
 
 Sequence parallelism: between sub-layers the residual stream is split along the sequence (each rank holds
-``T / N`` positions, a plain local tensor), the norms run on their rank's positions (``SequenceParallel``: their
-weights become replicated DTensors whose gradients are summed over the group), and the sub-layer's input is
+``T / N`` positions, as a DTensor sharded on dim 1, so that a length ``N`` does not divide, a decoded token
+included, is split unevenly rather than refused), the norms run on their rank's positions (``SequenceParallel``:
+their weights become replicated DTensors whose gradients are summed over the group), and the sub-layer's input is
 all-gathered just before its first projection, its output reduce-scattered by the last one. Activation memory of
 the norms and the residual stream is divided by ``N``. Entering the first block the (replicated) embedding output
-is cut along the sequence (no communication); leaving the last block it is all-gathered.
+is cut along the sequence (no communication); entering the final norm it is all-gathered.
 
 What stays replicated (every rank of a group holds and computes it whole, with identical gradients): the token
 embedding, the final norm and the LM head. The head's matmul is therefore not split (a vocabulary-parallel head
@@ -20,10 +21,11 @@ with a parallel loss is what remains to gain at large vocabularies), and the tra
 evaluation code see plain tensors.
 
 Where it applies: the Llama layout (Llama, Mistral and Qwen configs: GQA, q/k norms, biases, sliding windows,
-ReLU² MLPs), LLaDA (the same blocks, bidirectional) and INL (whose integrator runs on its rank's positions with
-replicated weights). :func:`check_tp` refuses, in one line and before anything is written, what it does not
-cover: DeepSeek (MoE and MLA), GPT-2 (one fused q/k/v matrix), generic transformers models and LoRA, head counts
-or widths that ``N`` does not divide, and a sequence length it does not divide.
+ReLU² MLPs), LLaDA (the same blocks, bidirectional) and INL (whose integrator runs on the whole sequence on every
+rank, with replicated weights). :func:`check_tp` refuses, in one line and before anything is written, what it does not
+cover: DeepSeek (MoE and MLA), GPT-2 (one fused q/k/v matrix), generic transformers models and LoRA, and head
+counts or widths that ``N`` does not divide. Sampling works as on one GPU: every rank decodes the same tokens,
+each caching the keys and values of its own heads.
 
 Order (``train/setup.py``): after fp8 conversion, before activation checkpointing, compile and FSDP (which then
 shards each block's DTensors over the ``dp`` dimension: a 2-D ``(dp, tp)`` layout).
@@ -31,11 +33,13 @@ shards each block's DTensors over the ``dp`` dimension: a 2-D ``(dp, tp)`` layou
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 from torch import nn
 
 from gptoughts.errors import ConfigError
+from gptoughts.models.layers import KVCache
 
 # The families whose blocks have a plan here (family name -> the block's attention / MLP layout).
 SUPPORTED = ("llama", "llada", "inl")
@@ -63,11 +67,10 @@ def check_family(family: str | None, tp: int, *, generic: bool = False, lora: bo
         )
 
 
-def check_tp(
-    family: str | None, args: Any, tp: int, *, block_size: int, generic: bool = False, lora: bool = False
-) -> None:
+def check_tp(family: str | None, args: Any, tp: int, *, generic: bool = False, lora: bool = False) -> None:
     """Refuse, with a one-line ConfigError, a model that ``tp``-way tensor parallelism cannot split: the family
-    (:func:`check_family`), then head counts, MLP width and sequence length that ``tp`` must divide."""
+    (:func:`check_family`), then head counts and MLP width that ``tp`` must divide (the sequence length need not
+    be divisible: the sequence-parallel split is uneven then)."""
     if tp <= 1:
         return
     check_family(family, tp, generic=generic, lora=lora)
@@ -80,10 +83,6 @@ def check_tp(
     for name, n in sizes.items():
         if n % tp:
             raise ConfigError(f"{where}: {name} ({n}) is not divisible by {tp}")
-    if block_size % tp:
-        raise ConfigError(
-            f"{where}: --block_size {block_size} is not divisible by {tp} (sequence parallelism splits it)"
-        )
 
 
 def apply_tp(model: nn.Module, mesh: Any, family: str) -> None:
@@ -93,6 +92,7 @@ def apply_tp(model: nn.Module, mesh: Any, family: str) -> None:
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         PrepareModuleInput,
+        PrepareModuleOutput,
         RowwiseParallel,
         SequenceParallel,
         parallelize_module,
@@ -117,7 +117,7 @@ def apply_tp(model: nn.Module, mesh: Any, family: str) -> None:
             "attention.wq": ColwiseParallel(),
             "attention.wk": ColwiseParallel(),
             "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
             "ffn_norm": SequenceParallel(),
             "feed_forward": mlp_in,
         }
@@ -131,26 +131,69 @@ def apply_tp(model: nn.Module, mesh: Any, family: str) -> None:
         down = next(n for n in ("w2", "fc2") if hasattr(ff, n))
         for n in up:
             plan[f"feed_forward.{n}"] = ColwiseParallel()
-        plan[f"feed_forward.{down}"] = RowwiseParallel(output_layouts=Shard(1))
-        if getattr(block, "integrator", None) is not None:
-            # INL: a per-position refinement of the attention output; it runs on the rank's positions with
-            # replicated weights (gradients summed over the group).
-            plan["integrator"] = SequenceParallel(use_local_output=True)
+        plan[f"feed_forward.{down}"] = RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
         parallelize_module(block, mesh, plan)
-    # The residual stream: cut along the sequence entering the first block, gathered entering the final norm
-    # (an input hook there rather than an output hook on the last block: FSDP warns about blocks that return
-    # views, which ``to_local()`` is).
+        block.attention.wo.register_forward_hook(_local_if_even)
+        getattr(ff, down).register_forward_hook(_local_if_even)
+        if getattr(block, "integrator", None) is not None:
+            # INL: a per-position refinement of the attention output with small replicated weights. It runs on
+            # the whole (gathered) sequence on every rank of the group, then each keeps its positions: its weights
+            # and their gradients stay plain tensors, identical on every rank. (Run on the rank's positions only,
+            # its weights would need DTensor matmuls over an uneven sequence split.) The integrator's activations
+            # are therefore not divided by the group size.
+            parallelize_module(
+                block.integrator,
+                mesh,
+                PrepareModuleInput(
+                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
+                ),
+            )
+            parallelize_module(
+                block.integrator,
+                mesh,
+                PrepareModuleOutput(
+                    output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=False
+                ),
+            )
+            block.integrator.register_forward_hook(_local_if_even)
+    # The residual stream: cut along the sequence entering the first block, gathered into a plain tensor entering
+    # the final norm (see _local_if_even for its type in between).
     parallelize_module(
         blocks[0],
         mesh,
         PrepareModuleInput(
-            input_layouts=(Replicate(), *rest), desired_input_layouts=(Shard(1), *rest), use_local_output=True
+            input_layouts=(Replicate(), *rest),
+            desired_input_layouts=(Shard(1), *rest),
+            use_local_output=False,
         ),
     )
+    blocks[0].register_forward_pre_hook(_first_input_local_if_even)
     parallelize_module(
         model.final_norm,
         mesh,
         PrepareModuleInput(
             input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
         ),
+    )
+    # Decoding: each rank caches the keys and values of its own heads (the model's cache is sized for all).
+    if hasattr(model, "make_cache"):
+        model.make_cache = partial(_local_cache, model.args, mesh.size())
+
+
+def _local_if_even(module: nn.Module, args: Any, out: Any) -> Any:
+    """The residual stream's type between blocks: this rank's positions as a plain tensor when the group size
+    divides the sequence (training: the path torch.compile and activation checkpointing handle, as in
+    torchtitan), else a DTensor sharded on dim 1 that knows its global length (an uneven split: decoding one
+    token, prompts of any length, a --block_size the group size does not divide; run eagerly). Every producer
+    of the stream applies the same rule, so the residual additions never mix the two."""
+    return out.to_local() if out.shape[1] % out.device_mesh.size() == 0 else out
+
+
+def _first_input_local_if_even(module: nn.Module, args: tuple) -> tuple:
+    return (_local_if_even(module, args, args[0]), *args[1:])
+
+
+def _local_cache(args: Any, tp: int, batch_size: int, max_len: int, device: Any, dtype: Any) -> KVCache:
+    return KVCache(
+        args.n_layers, batch_size, args.kv_heads // tp, max_len, args.hd, device=device, dtype=dtype
     )

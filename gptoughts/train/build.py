@@ -374,14 +374,7 @@ def _check_tp(cfg: Config, env: Environment, family: str, args: object, *, gener
     """Tensor parallelism's one-line refusals (parallel/tp.py), before any weight is loaded or file written."""
     from gptoughts.parallel.tp import check_tp
 
-    check_tp(
-        family,
-        args,
-        env.dist.tp,
-        block_size=cfg.train.block_size,
-        generic=generic,
-        lora=cfg.lora.enabled,
-    )
+    check_tp(family, args, env.dist.tp, generic=generic, lora=cfg.lora.enabled)
 
 
 def round_up(n: int, multiple: int) -> int:

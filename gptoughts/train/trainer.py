@@ -227,7 +227,6 @@ class Trainer:
         self._last_hold: torch.Tensor | None = None
         self._last_micro: list[Batch] | None = None
         self._last_rng: tuple[torch.Tensor, torch.Tensor | None] | None = None
-        self._said_no_samples = False
 
     # ------------------------------------------------------------------------------------------ precision
     def autocast(self) -> contextlib.AbstractContextManager:
@@ -932,15 +931,9 @@ class Trainer:
         return val_loss, improved
 
     def _sample(self) -> None:
-        # Under FSDP every rank generates (each forward gathers parameters from all of them); rank 0 writes.
+        # Under FSDP or TP every rank generates (each forward is a collective), the same tokens (same logits, same
+        # seeded generator); rank 0 writes.
         if self.sample_fn is None or not (self.dist.is_main or self.dist.sharded):
-            return
-        if self.dist.tp > 1:
-            # Decoding feeds sequences of any length (one token at a time with the cache), which the sequence-
-            # parallel split of the blocks cannot take, and the KV cache is sized for all heads: not yet.
-            if not self._said_no_samples:
-                self._said_no_samples = True
-                self.log_line("samples are not generated under tensor parallelism (--parallel.tp) yet")
             return
         self.model.eval()
         texts = []

@@ -21,7 +21,7 @@ from gptoughts.parallel.tp import check_tp
 from gptoughts.train import checkpoint as ckpt
 
 ARGS = [
-    "--model.size", "debug", "--data.tokenizer", "bytes", "--block_size", "32", "--eval_batches", "2",
+    "--model.size", "debug", "--data.tokenizer", "bytes", "--eval_batches", "2",
     "--perf.device", "cpu", "--precision", "fp32", "--compile", "false", "--perf.threads", "1",
     "--run.progress", "false", "--log_interval", "1", "--eval_interval", "3", "--save_interval", "3",
     "--train.schedule", "constant", "--warmup_steps", "0", "--sample_prompts", "def ",
@@ -35,11 +35,13 @@ def _losses(run: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
-def _train(out: Path, corpus: Path, *extra: str, procs: int = 1) -> subprocess.CompletedProcess:
+def _train(
+    out: Path, corpus: Path, *extra: str, procs: int = 1, block: int = 32
+) -> subprocess.CompletedProcess:
     launch = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={procs}"] if procs > 1 else []
     return subprocess.run(
         [sys.executable, *launch, "-m", "gptoughts", "train", "default", "--out", str(out),
-         "--data", str(corpus), *ARGS, *extra],
+         "--data", str(corpus), "--block_size", str(block), *ARGS, *extra],
         env=ENV, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
 
@@ -66,11 +68,13 @@ def test_tp_and_fsdp_x_tp_match_one_process_and_checkpoints_move(tmp_path, text_
     )
     _ok(r)
     assert "x 1 data-parallel rank(s) (tensor parallel x2: 2 GPUs)" in r.stdout
-    assert "samples are not generated under tensor parallelism" in r.stdout
     run = json.loads((tp / "run.json").read_text())
     assert run["world_size"] == 2 and run["dp_size"] == 1
     a, b = _losses(one), _losses(tp)
     _close(a, b, [1, 2, 3, 4, 5])
+    # Sampling under TP: every rank decodes (token by token with a KV cache of its own heads), the same tokens
+    steps = (tp / "samples.txt").read_text().split("=== step ")
+    assert steps[1].startswith("3\n") and steps[1] in (one / "samples.txt").read_text()
     assert ckpt.list_steps(tp / "checkpoints") == [3, 5]
 
     _ok(_train(tp, text_corpus, "--batch_size", "4", "--max_steps", "7", "--run.resume", "auto"))
@@ -89,10 +93,10 @@ def test_tp_and_fsdp_x_tp_match_one_process_and_checkpoints_move(tmp_path, text_
 @pytest.mark.distributed
 def test_tp_inl_with_muon_matches_one_process(tmp_path, text_corpus, cache_dir):
     """INL (its integrator on each rank's positions with replicated weights) under TP=2 with Muon (each
-    TP-sharded matrix orthogonalized whole) trains like one process."""
+    TP-sharded matrix orthogonalized whole) trains like one process, on blocks of 31 tokens (split 16 + 15)."""
     common = ["--model.family", "inl", "--optimizer", "muon", "--batch_size", "4", "--max_steps", "4"]
-    _ok(_train(tmp_path / "one", text_corpus, *common))
-    _ok(_train(tmp_path / "tp", text_corpus, *common, "--parallel.tp", "2", procs=2))
+    _ok(_train(tmp_path / "one", text_corpus, *common, block=31))
+    _ok(_train(tmp_path / "tp", text_corpus, *common, "--parallel.tp", "2", procs=2, block=31))
     _close(_losses(tmp_path / "one"), _losses(tmp_path / "tp"), [1, 2, 3, 4])
 
 
@@ -109,27 +113,26 @@ def test_tp_refuses_deepseek_in_one_line_before_writing(tmp_path, text_corpus, c
 
 
 @pytest.mark.parametrize(
-    ("family", "overrides", "block", "needle"),
+    ("family", "overrides", "needle"),
     [
-        ("deepseek", {}, 32, "DeepSeek's MoE experts"),
-        ("gpt2", {}, 32, "fused q/k/v"),
-        ("llama", {"n_heads": 6, "n_kv_heads": 2, "d_model": 96}, 32, "n_heads (6) is not divisible by 4"),
-        ("llama", {"n_heads": 8, "n_kv_heads": 2}, 32, "key/value heads (2) is not divisible by 4"),
-        ("llama", {"ffn_dim": 130, "n_kv_heads": 4}, 32, "MLP width (130) is not divisible by 4"),
-        ("llama", {"n_kv_heads": 4}, 30, "--block_size 30 is not divisible by 4"),
+        ("deepseek", {}, "DeepSeek's MoE experts"),
+        ("gpt2", {}, "fused q/k/v"),
+        ("llama", {"n_heads": 6, "n_kv_heads": 2, "d_model": 96}, "n_heads (6) is not divisible by 4"),
+        ("llama", {"n_heads": 8, "n_kv_heads": 2}, "key/value heads (2) is not divisible by 4"),
+        ("llama", {"ffn_dim": 130, "n_kv_heads": 4}, "MLP width (130) is not divisible by 4"),
     ],
 )
-def test_check_tp_refusals(family, overrides, block, needle):
+def test_check_tp_refusals(family, overrides, needle):
     args = model_args(family, "debug", overrides)
     with pytest.raises(ConfigError) as e:
-        check_tp(family, args, 4, block_size=block)
+        check_tp(family, args, 4)
     assert needle in str(e.value) and "\n" not in str(e.value)
 
 
 def test_check_tp_accepts_the_llama_layouts():
     for family in ("llama", "llada", "inl"):
-        check_tp(family, model_args(family, "debug", {"n_heads": 4, "n_kv_heads": 4}), 4, block_size=32)
+        check_tp(family, model_args(family, "debug", {"n_heads": 4, "n_kv_heads": 4}), 4)
     with pytest.raises(ConfigError, match="LoRA"):
-        check_tp("llama", model_args("llama", "debug", {}), 2, block_size=32, lora=True)
+        check_tp("llama", model_args("llama", "debug", {}), 2, lora=True)
     with pytest.raises(ConfigError, match="generic transformers"):
-        check_tp(None, None, 2, block_size=32, generic=True)
+        check_tp(None, None, 2, generic=True)
