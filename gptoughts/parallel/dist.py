@@ -119,6 +119,14 @@ def init(
         raise ConfigError("parallel.strategy = none but torchrun started several processes; use auto or ddp")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local = int(os.environ.get("LOCAL_RANK", 0))
+    dp = world // (tp * pp)
+    if tp > 1 and dp > 1:
+        if strategy == "ddp":  # refused before joining the group: every rank says it alone
+            raise ConfigError(
+                "parallel.strategy = ddp does not combine with --parallel.tp (DDP does not reduce DTensor "
+                "gradients); use --parallel.strategy fsdp (or auto)"
+            )
+        strategy = "fsdp"  # auto
     if not dist.is_initialized():
         if backend == "auto":
             backend = "nccl" if device.type == "cuda" else "gloo"
@@ -129,14 +137,6 @@ def init(
             timeout=datetime.timedelta(minutes=30),
             device_id=device if device.type == "cuda" else None,
         )
-    dp = world // (tp * pp)
-    if (tp > 1 or pp > 1) and dp > 1 and strategy == "ddp":
-        raise ConfigError(
-            "parallel.strategy = ddp does not combine with --parallel.tp/--parallel.pp (DDP does not reduce "
-            "DTensor gradients); use --parallel.strategy fsdp (or auto)"
-        )
-    if strategy == "auto" and (tp > 1 or pp > 1) and dp > 1:
-        strategy = "fsdp"
     mesh = None
     if tp > 1 or pp > 1:
         from torch.distributed.device_mesh import init_device_mesh

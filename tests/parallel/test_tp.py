@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from gptoughts.errors import ConfigError
 from gptoughts.models import model_args
@@ -101,7 +102,15 @@ def test_tp_inl_with_muon_matches_one_process(tmp_path, text_corpus, cache_dir):
 
 
 @pytest.mark.distributed
-def test_tp_refuses_deepseek_in_one_line_before_writing(tmp_path, text_corpus, cache_dir):
+def test_tp_refuses_deepseek_and_auto_batch_in_one_line_before_writing(tmp_path, text_corpus, cache_dir):
+    """DeepSeek has no tensor-parallel plan; ``batch_size = auto`` would probe memory rank by rank (one rank out of
+    memory would leave the others waiting in a collective)."""
+    out = tmp_path / "auto"
+    r = _train(out, text_corpus, "--batch_size", "auto", "--max_steps", "2", "--parallel.tp", "2", procs=2)
+    assert r.returncode != 0
+    lines = [line for line in (r.stdout + r.stderr).splitlines() if line.startswith("error:")]
+    assert lines and "train.batch_size = auto" in lines[0] and "tensor-parallel" in lines[0]
+    assert not (out / "run.json").exists()
     out = tmp_path / "ds"
     r = _train(
         out, text_corpus, "--model.family", "deepseek", "--max_steps", "2", "--parallel.tp", "2", procs=2
@@ -136,3 +145,14 @@ def test_check_tp_accepts_the_llama_layouts():
         check_tp("llama", model_args("llama", "debug", {}), 2, lora=True)
     with pytest.raises(ConfigError, match="generic transformers"):
         check_tp(None, None, 2, generic=True)
+
+
+def test_ddp_with_several_data_parallel_ranks_is_refused_before_joining(monkeypatch):
+    """DDP does not reduce DTensor gradients: 4 ranks with tp 2 (2 data-parallel) and strategy ddp are refused
+    in one line, before the process group is joined; auto means FSDP there."""
+    from gptoughts.parallel import dist as pdist
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(ConfigError, match="ddp does not combine with --parallel.tp"):
+        pdist.init(torch.device("cpu"), "gloo", "ddp", tp=2)
