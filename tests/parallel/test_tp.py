@@ -156,3 +156,18 @@ def test_ddp_with_several_data_parallel_ranks_is_refused_before_joining(monkeypa
     monkeypatch.setenv("WORLD_SIZE", "4")
     with pytest.raises(ConfigError, match="ddp does not combine with --parallel.tp"):
         pdist.init(torch.device("cpu"), "gloo", "ddp", tp=2)
+
+
+def test_estimate_divides_the_blocks_by_tp():
+    """``estimate(tp=...)``: a rank holds 1/tp of the blocks (the embeddings and head whole) and about 1/tp of the
+    activations; FSDP then shards over the data-parallel ranks only."""
+    from gptoughts.perf.estimate import estimate
+
+    one = estimate("llama", "1b", batch_size=4, block_size=2048)
+    tp2 = estimate("llama", "1b", batch_size=4, block_size=2048, num_gpus=2, tp=2)
+    blocks = one.params_non_embedding - 2048 * 32768 - 2048  # the untied head and the final norm are not
+    kept = (one.params - blocks / 2) / one.params
+    assert abs(tp2.weights_gib - one.weights_gib * kept) < 1e-6
+    assert abs(tp2.activations_gib - one.activations_gib / 2) < 1e-6
+    fsdp_tp = estimate("llama", "1b", batch_size=4, block_size=2048, num_gpus=4, tp=2, strategy="fsdp")
+    assert abs(fsdp_tp.weights_gib - tp2.weights_gib / 2) < 1e-6
