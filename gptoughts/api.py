@@ -209,7 +209,7 @@ def run_training(cfg: Config, *, dry_run: bool = False) -> tuple[nn.Module, Any,
             wall = time.perf_counter() - t0
             history = _history(asm, st, history)
             prompts = cfg.eval.sample_prompts
-            # Under FSDP every rank takes part in generation; a pipeline's stages do not generate (run plan).
+            # Under FSDP or TP every rank takes part in generation; a pipeline's stages do not generate (run plan).
             if prompts and (main or env.dist.sharded) and env.dist.pp == 1:
                 asm.model.raw.eval()
                 with asm.trainer.autocast():

@@ -985,6 +985,10 @@ def check_parallel(p: ParallelConfig) -> None:
         )
     if any(n < 1 for n in p.pp_layers):
         raise ConfigError(f"parallel.pp_layers entries must be >= 1, got {p.pp_layers}")
+    if p.tp > 1 and p.pp > 1:
+        raise ConfigError(
+            "parallel.tp and parallel.pp do not combine yet: use one of them (with FSDP over the rest)"
+        )
     if p.strategy == "none" and (p.tp > 1 or p.pp > 1):
         raise ConfigError(
             "parallel.strategy = none runs one process; tensor/pipeline parallelism needs torchrun"

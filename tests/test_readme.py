@@ -144,7 +144,7 @@ def _substitute(argv: list[str], size: str | None) -> list[str]:
 def test_readme_lists_the_commands_this_test_runs():
     cmds = bash_commands()
     assert "gptoughts train" in cmds and any("--resume auto" in c for c in cmds)
-    assert sum(c.startswith("torchrun") for c in cmds) == 4 and sum("finetune" in c for c in cmds) == 2
+    assert sum(c.startswith("torchrun") for c in cmds) == 5 and sum("finetune" in c for c in cmds) == 2
     assert {c.split()[1] for c in table_commands()} >= {
         "prepare",
         "sample",
@@ -250,8 +250,8 @@ def test_resume_and_interactive_commands(in_workdir, capsys, monkeypatch):
 
 
 def test_torchrun_commands(in_workdir):
-    """The torchrun lines on 2 CPU processes (gloo) at the debug size: DDP, FSDP2 and a 2-stage pipeline
-    (over one FSDP rank here) all train."""
+    """The torchrun lines on 2 CPU processes (gloo) at the debug size: DDP, FSDP2 (one node or two), a 2-stage
+    pipeline (over one FSDP rank here) and tensor parallelism (2 ranks of one tensor-parallel group) train."""
     for line in (c for c in bash_commands() if c.startswith("torchrun")):
         argv = shlex.split(line)
         written = argv[argv.index("train") + 1 :]

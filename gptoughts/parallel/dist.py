@@ -12,6 +12,17 @@ writes its own shards, in the background by default, with nothing gathered to on
 number of ranks (DCP reshards), on one process and under DDP. One-process and DDP runs keep the single-file
 format (``model.safetensors`` + ``state.pt``), which FSDP runs also resume from: every rank reads the full
 weights and optimizer state (:func:`load_full_state_dict`, :func:`load_optimizer_state`) and keeps its shard.
+
+With tensor parallelism (``parallel.tp = N``, see ``parallel/tp.py``) the ranks form a device mesh
+``(pp, dp, tp)``: the ``N`` ranks of a ``tp`` group split each block's matrices and read the same data, the
+``dp`` dimension reads different data and is handled by FSDP2 on its sub-mesh (2-D ``(dp, tp)`` parameters) or,
+with one data-parallel rank, by nothing. DDP does not combine with tensor parallelism (it does not reduce
+DTensor gradients): ``auto`` then means FSDP. Every reduction of per-rank data (token counts, losses) runs over
+the ``dp`` group, since the ranks of a ``tp`` group hold the same values. TP runs write
+sharded checkpoints like FSDP runs (DTensor shards through DCP), which resume on one process and back.
+Pipeline runs gather their stages' weights and optimizer state to rank 0 into the single-file format (their
+ranks hold different keys). Tensor and pipeline parallelism do not combine yet. ``parallel.cpu_offload``: FSDP2
+with its shards in CPU memory, also in a one-process group.
 """
 
 from __future__ import annotations
@@ -77,8 +88,9 @@ class DistInfo:
 
     @property
     def sharded(self) -> bool:
-        """Parameters are sharded across ranks (FSDP): state dicts, eval and sampling are collectives."""
-        return self.strategy == "fsdp"
+        """Parameters are sharded across ranks (FSDP or tensor parallel): state dicts, eval and sampling are
+        collectives."""
+        return self.strategy == "fsdp" or self.tp > 1
 
     @property
     def is_main(self) -> bool:
@@ -140,6 +152,14 @@ def init(
         raise ConfigError("parallel.strategy = none but torchrun started several processes; use auto or ddp")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local = int(os.environ.get("LOCAL_RANK", 0))
+    dp = world // (tp * pp)
+    if tp > 1 and dp > 1:
+        if strategy == "ddp":  # refused before joining the group: every rank says it alone
+            raise ConfigError(
+                "parallel.strategy = ddp does not combine with --parallel.tp (DDP does not reduce DTensor "
+                "gradients); use --parallel.strategy fsdp (or auto)"
+            )
+        strategy = "fsdp"  # auto
     if not dist.is_initialized():
         if backend == "auto":
             backend = "nccl" if device.type == "cuda" else "gloo"
@@ -154,7 +174,11 @@ def init(
     if tp > 1 or pp > 1:
         from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh(device.type, (pp, world // (tp * pp), tp), mesh_dim_names=("pp", "dp", "tp"))
+        mesh = init_device_mesh(device.type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
+        if dp > 1 and tp > 1 and hasattr(mesh, "_flatten"):
+            # A DTensor reduced over both dimensions (the gradient norm of the (dp, tp)-sharded blocks) then
+            # takes one all-reduce over the flattened mesh instead of two in a row (DTensor warns otherwise).
+            mesh["dp", "tp"]._flatten("dp_tp")
     return DistInfo(
         rank=rank,
         local_rank=local,
@@ -194,6 +218,8 @@ def wrap_fsdp(model: nn.Module, precision: str, mesh: Any = None, cpu_offload: b
     """FSDP2: shard each transformer block (the unit that is gathered just before it runs and freed after),
     then the root (embeddings, final norm, head). Compute in bf16/fp16 when training in it, gradients reduced in
     fp32. ``fully_shard`` works in place: parameter names, per-block compile and checkpointing are unchanged.
+    ``mesh``: the data-parallel sub-mesh under tensor parallelism (the blocks' DTensors become 2-D), else the
+    default group.
 
     One difference from DDP + autocast: the bf16 policy applies to every parameter, so the weights autocast
     would keep in fp32 (norm weights, DeepSeek's router) also compute from bf16 copies; routing can then differ
@@ -221,8 +247,9 @@ def wrap_fsdp(model: nn.Module, precision: str, mesh: Any = None, cpu_offload: b
 
 
 def wrap(model: nn.Module, device: torch.device, info: DistInfo, precision: str) -> nn.Module:
-    """The data-parallel wrapper ``info.strategy`` asks for (the model itself when running alone)."""
-    if info.sharded:
+    """The data-parallel wrapper ``info.strategy`` asks for (the model itself when running alone, or when a
+    tensor-parallel run has one data-parallel rank and did not ask for FSDP)."""
+    if info.strategy == "fsdp":
         return wrap_fsdp(
             model, precision, info.mesh["dp"] if info.mesh is not None else None, info.cpu_offload
         )
@@ -230,6 +257,10 @@ def wrap(model: nn.Module, device: torch.device, info: DistInfo, precision: str)
         # DDP's reducer cannot follow a pipeline schedule's backward passes (several per step, in its own order:
         # the bucket rebuild after the first step fails an internal assertion, torch 2.13): the pipeline
         # all-reduces the gradients over the data-parallel group itself, after the step (parallel/pp.py).
+        return model
+    if (
+        info.model_parallel
+    ):  # tensor parallel, dp == 1 here (init refused DDP with several data-parallel ranks)
         return model
     return wrap_ddp(model, device, info)
 
@@ -288,10 +319,27 @@ def load_optimizer_state(
 
 
 def all_reduce_sum(t: torch.Tensor, info: DistInfo, group: Any = None) -> torch.Tensor:
-    """Sum over all ranks, or over ``group`` (e.g. ``info.dp_group``: the ranks reading different data)."""
+    """Sum over every rank (flags, counts of problems), or over ``group``."""
     if info.enabled:
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
     return t
+
+
+def all_reduce_dp(t: torch.Tensor, info: DistInfo) -> torch.Tensor:
+    """Sum over the data-parallel ranks only: per-rank data (losses, token counts) that the ranks of a tensor
+    or pipeline group hold alike is counted once."""
+    if info.enabled and info.dp_size > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=info.dp_group)
+    return t
+
+
+def all_reduce_loss(t: torch.Tensor, info: DistInfo) -> torch.Tensor:
+    """Sum of per-rank loss sums: over the data-parallel ranks and, under pipeline parallelism, over the stages
+    (only the last holds a loss; the others add 0). Tensor and pipeline parallelism do not combine, so with
+    ``pp > 1`` that is every rank."""
+    if info.pp > 1:
+        return all_reduce_sum(t, info)
+    return all_reduce_dp(t, info)
 
 
 def broadcast_object(obj: object, info: DistInfo, src: int = 0) -> object:

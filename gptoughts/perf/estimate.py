@@ -249,6 +249,7 @@ def estimate(
     strategy: str = "ddp",
     optimizer: str = "adamw",
     cpu_offload: bool = False,
+    tp: int = 1,
 ) -> Estimate:
     """Peak memory of one training step, speed and cost for ``family`` at ``size`` (module docstring: each line).
 
@@ -266,6 +267,11 @@ def estimate(
     ``cpu_offload`` (FSDP2's CPUOffloadPolicy, on any number of GPUs): the fp32 weights, gradients and optimizer
     state live in host memory (``host_gib``, per process); the GPU holds the gathered bf16 blocks, one block's
     unsharded fp32 gradient before it is reduced and moved out, the logits working set and the activations.
+
+    ``tp`` (tensor parallelism over ``tp`` of the ``num_gpus``; parallel/tp.py): each rank holds ``1/tp`` of the
+    blocks' parameters (the embeddings and head whole) and about ``1/tp`` of their activations (sequence
+    parallelism splits the residual stream and norms, tensor parallelism the heads and MLP units; the gathered
+    sub-layer inputs are not counted apart: a slight underestimate); FSDP then shards over ``num_gpus / tp``.
     """
     args = models.model_args(family, size, dict(overrides or {}))
     import torch
@@ -307,6 +313,12 @@ def estimate(
         optim -= 4 * sum(p.numel() for p in model.parameters() if id(p) in hidden)
     weights, grads = 4 * n, 4 * n
     copies = 2 * matmul_params
+    if tp > 1:
+        in_blocks = sum(p.numel() for p in model.layers.parameters())
+        kept = (n - in_blocks + in_blocks / tp) / n  # the share of the parameters a rank holds
+        weights, grads, optim, copies = weights * kept, grads * kept, optim * kept, copies * kept
+        act = act / tp
+    dp = max(1, num_gpus // tp)
     host = 0.0
     if cpu_offload:
         block = max(sum(p.numel() for p in layer.parameters()) for layer in model.layers)
@@ -316,11 +328,11 @@ def estimate(
         copies = 2 * (2 * block + root) + 6 * block
         total = copies + grads + logits + act
         strategy = "fsdp"
-    elif strategy == "fsdp" and num_gpus > 1:
+    elif strategy == "fsdp" and dp > 1:
         # The largest block (DeepSeek's MoE blocks outweigh its dense ones).
-        block = max(sum(p.numel() for p in layer.parameters()) for layer in model.layers)
+        block = max(sum(p.numel() for p in layer.parameters()) for layer in model.layers) / tp
         root = n - sum(p.numel() for p in model.layers.parameters())
-        weights, grads, optim = weights / num_gpus, grads / num_gpus, optim / num_gpus
+        weights, grads, optim = weights / dp, grads / dp, optim / dp
         copies = 2 * (2 * block + root) + 6 * block
         # Sharded gradients are small and fill up while activations are freed: counted in full (conservative).
         total = weights + optim + grads + copies + logits + act
@@ -433,6 +445,7 @@ def estimate_config(
             strategy=strategy,
             optimizer=t.optimizer,
             cpu_offload=cfg.parallel.cpu_offload,
+            tp=cfg.parallel.tp,
         )
 
     micro, accum = t.batch_size, t.grad_accum

@@ -315,6 +315,7 @@ def build_model(cfg: Config, env: Environment, data: Data, *, meta: bool = False
     perf = cfg.perf
     if data.init_from is not None:
         pretrained, raw, perf = build_finetune_model(cfg, data.init_from, device, env.precision)
+        _check_tp(cfg, env, pretrained.family, pretrained.model.args, generic=pretrained.generic)
         if pretrained.generic and env.dist.sharded:
             raise ConfigError(
                 f"parallel.strategy = fsdp covers the native families; {data.init_from} runs on the "
@@ -351,6 +352,7 @@ def build_model(cfg: Config, env: Environment, data: Data, *, meta: bool = False
             )
         if hasattr(args, "max_seq_len") and args.max_seq_len < cfg.train.block_size:
             args = replace(args, max_seq_len=cfg.train.block_size)
+        _check_tp(cfg, env, family.name, args)
         if meta:
             with torch.device("meta"):
                 raw = models.build_model(family.name, args, device="meta")
@@ -380,9 +382,17 @@ def build_model(cfg: Config, env: Environment, data: Data, *, meta: bool = False
         dist=env.dist,
         precision=env.precision,
         parallel=cfg.parallel,
+        family=family.name,
     )
     out.objective = make_objective(family, out.built, cfg.perf)
     return out
+
+
+def _check_tp(cfg: Config, env: Environment, family: str, args: object, *, generic: bool = False) -> None:
+    """Tensor parallelism's one-line refusals (parallel/tp.py), before any weight is loaded or file written."""
+    from gptoughts.parallel.tp import check_tp
+
+    check_tp(family, args, env.dist.tp, generic=generic, lora=cfg.lora.enabled)
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -479,8 +489,8 @@ def plan_batches(
             )
         if info.sharded and info.enabled:  # one offloading process probes like any single-GPU run
             raise ConfigError(
-                "train.batch_size = auto probes memory with trial steps, which a sharded (FSDP) run "
-                "cannot do safely (a rank out of memory would leave the others waiting in a "
+                "train.batch_size = auto probes memory with trial steps, which a sharded (FSDP or tensor-"
+                "parallel) run cannot do safely (a rank out of memory would leave the others waiting in a "
                 "collective); pass --batch_size N (`gptoughts estimate --num_gpus N --strategy fsdp`)"
             )
         if dry_run:
@@ -605,6 +615,7 @@ def plan_batches(
         eval_interval=eval_interval,
         save_interval=save_interval,
         why=why,
+        tp=info.tp,
     )
 
 
@@ -674,6 +685,10 @@ def build(cfg: Config, *, dry_run: bool = False, env: Environment | None = None)
     """The whole assembly (see the module docstring); ``env`` from :func:`setup_environment` (made here when
     None; the caller shuts the process group down with ``pdist.shutdown()``)."""
     env = env or setup_environment(cfg)
+    if env.dist.tp > 1 and cfg.model.init_from is None:  # refused before any data is prepared
+        from gptoughts.parallel.tp import check_family
+
+        check_family(cfg.model.family, env.dist.tp, lora=cfg.lora.enabled)
     run_dir = Path(cfg.run.out)
     if cfg.run.wandb and not dry_run:
         from gptoughts.train.metrics import check_wandb
@@ -826,9 +841,10 @@ def _assemble(
     from gptoughts.train.trainer import Trainer
 
     # Masked-diffusion objectives draw their noise from torch's global RNG (checkpoints save and restore it);
-    # seeding it here, after any autobatch probe, makes a run reproducible from train.seed. Ranks differ so
-    # that they draw different masks.
-    torch.manual_seed(t.seed + env.dist.rank)
+    # seeding it here, after any autobatch probe, makes a run reproducible from train.seed. Data-parallel ranks
+    # differ so that they draw different masks; the ranks of a tensor-parallel group read the same rows and must
+    # draw the same ones.
+    torch.manual_seed(t.seed + env.dist.dp_rank)
     asm.trainer = Trainer(
         model=model.built.model,
         objective=model.objective,

@@ -27,8 +27,27 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
             no_decay.append(p)
         else:
             decay.append(p)
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = [
+        {"params": part, "weight_decay": wd}
+        for params, wd in ((decay, weight_decay), (no_decay, 0.0))
+        for part in by_layout(params)
+    ]
     return [g for g in groups if g["params"]]
+
+
+def _layout(t: torch.Tensor) -> object:
+    return getattr(t, "device_mesh", None)
+
+
+def by_layout(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """``tensors`` split by device mesh (plain tensors together), in first-seen order. Under tensor parallelism
+    a model mixes plain parameters (replicated: embeddings, head) and DTensors of one or two meshes (the blocks',
+    on the tp or (dp, tp) mesh), and foreach kernels refuse lists that mix them; with one layout (one process,
+    DDP, FSDP) this is ``[tensors]``."""
+    parts: dict[object, list[torch.Tensor]] = {}
+    for t in tensors:
+        parts.setdefault(_layout(t), []).append(t)
+    return list(parts.values()) or [[]]
 
 
 def build_muon(
@@ -317,7 +336,7 @@ def clip_and_step(
     reduce = norm_reduce or (lambda n: n)
     if fused and scaler is None:
         grads = [p.grad for p in params if p.grad is not None]
-        grad_norm = reduce(_full(torch.nn.utils.get_total_norm(grads, foreach=True)))
+        grad_norm = reduce(total_norm(grads))
         # Offloaded parameters step on the CPU, where the loss is not: the flag goes where the kernel runs.
         found_inf = (~torch.isfinite(grad_norm) | ~torch.isfinite(loss_sum)).float().to(grad_norm.device)
         optimizer.grad_scale = (
@@ -328,12 +347,15 @@ def clip_and_step(
         return grad_norm, found_inf
     if scaler is not None:
         scaler.unscale_(optimizer)  # type: ignore[attr-defined]
-    if norm_reduce is None:
+    grads = [p.grad for p in params if p.grad is not None]
+    if norm_reduce is None and len(by_layout(grads)) == 1:
         grad_norm = _full(torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True))
-    else:
-        grads = [p.grad for p in params if p.grad is not None]
-        grad_norm = reduce(_full(torch.nn.utils.get_total_norm(grads, foreach=True)))
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, grad_norm, foreach=True)
+    else:  # several layouts (tensor parallel: DTensors beside plain tensors) or several pipeline stages
+        grad_norm = reduce(total_norm(grads))
+        if math.isfinite(max_norm):  # clip_grad_norm_'s rule, one foreach pass per layout
+            coef = (max_norm / (grad_norm + 1e-6)).clamp(max=1.0)
+            for part in by_layout(grads):
+                torch._foreach_mul_(part, coef)
     found_inf = (~torch.isfinite(grad_norm) | ~torch.isfinite(loss_sum)).float()
     if scaler is not None:
         scaler.step(optimizer)  # type: ignore[attr-defined]  # skips on overflow; fused optimizers skip without a sync
@@ -344,6 +366,17 @@ def clip_and_step(
     elif found_inf.item() == 0:  # free on CPU; a sync on CUDA only when fused AdamW is turned off
         optimizer.step()
     return grad_norm, found_inf
+
+
+def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The global L2 norm of ``grads`` as a plain tensor, whatever mix of plain tensors and DTensors they are:
+    one norm per layout (:func:`by_layout`; a DTensor part's norm summed over its mesh), then the norm of those.
+    A replicated gradient (a plain tensor under tensor parallelism) is counted once, as it should be."""
+    parts = by_layout(grads)
+    if len(parts) == 1:
+        return _full(torch.nn.utils.get_total_norm(grads, foreach=True))
+    norms = [_full(torch.nn.utils.get_total_norm(part, foreach=True)) for part in parts]
+    return torch.linalg.vector_norm(torch.stack([n.float() for n in norms]))
 
 
 def _full(norm: torch.Tensor) -> torch.Tensor:

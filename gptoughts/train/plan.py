@@ -41,6 +41,8 @@ class BatchPlan:
     dp_size: int = 0
     """Data-parallel ranks (reading different data), when fewer than ``world_size`` (pipeline/tensor
     parallelism); 0: all of them."""
+    tp: int = 1
+    """Tensor-parallel degree: ``world_size / tp`` data-parallel ranks read different micro-batches."""
 
 
 @dataclass
@@ -94,8 +96,16 @@ class RunPlan:
             )
         lines.append(
             f"  batch: {b['micro_batch']} x {b['block_size']} tokens x accumulation {b['grad_accum']}"
-            + (f" x {b['world_size']} GPUs" if b["world_size"] > 1 and not b.get("dp_size") else "")
-            + (f" x {b['dp_size']} data-parallel" if (b.get("dp_size") or 1) > 1 else "")
+            + (
+                f" x {b['world_size'] // b.get('tp', 1)} data-parallel rank(s) (tensor parallel x{b['tp']}: "
+                f"{b['world_size']} GPUs)"
+                if b.get("tp", 1) > 1
+                else f" x {b['dp_size']} data-parallel"
+                if (b.get("dp_size") or 1) > 1 and b.get("dp_size") != b["world_size"]
+                else f" x {b['world_size']} GPUs"
+                if b["world_size"] > 1 and not b.get("dp_size")
+                else ""
+            )
             + f" = {b['tokens_per_step']:,} tokens per step"
         )
         ev = f"eval every {b['eval_interval']:,}" if b["eval_interval"] else "eval at the end"
@@ -214,7 +224,7 @@ def _memory(
     args = {k: v for k, v in asdict(model.args).items()}
     gpu = env.hw.name if env.device.type == "cuda" else "H100"  # the bytes do not depend on the GPU's name
     residual = "bf16" if env.precision == "bf16" and cfg.perf.residual_dtype != "fp32" else "fp32"
-    strategy = "fsdp" if env.dist.sharded else "ddp"
+    strategy = "fsdp" if env.dist.strategy == "fsdp" else "ddp"
     try:
         e = estimate(
             model.family.name,
@@ -230,6 +240,7 @@ def _memory(
             strategy=strategy,
             optimizer=cfg.train.optimizer,
             cpu_offload=env.dist.cpu_offload,
+            tp=batch.tp,
         )
     except Exception:  # noqa: BLE001 - an estimate must never stop a run
         return None, None, None

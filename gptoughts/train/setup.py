@@ -174,6 +174,7 @@ def apply_transforms(
     dist: pdist.DistInfo,
     precision: str = "fp32",
     parallel: ParallelConfig | None = None,
+    family: str = "",
 ) -> Built:
     resolved: dict[str, object] = {}
     why: dict[str, str] = {}
@@ -212,7 +213,13 @@ def apply_transforms(
         split = pp.split_layers(len(raw.layers), n_stages, par.pp_layers)
         stage_ids = [s for s in range(n_stages) if s % dist.pp == dist.pp_rank]
         parts = [pp.make_stage(raw, split[s], first=s == 0, last=s == n_stages - 1) for s in stage_ids]
-    # 2. (tensor parallel: not yet)  3. activation checkpointing, inside the compiled region
+    # 2. tensor parallel (+ sequence parallel) over the mesh's tp dimension; build_model ran check_tp before
+    # (tensor and pipeline parallelism do not combine: config.check_parallel)
+    if dist.tp > 1:
+        from gptoughts.parallel.tp import apply_tp
+
+        apply_tp(raw, dist.mesh["tp"], family)
+    # 3. activation checkpointing, inside the compiled region
     for part in parts:
         apply_activation_checkpointing(part, perf.activation_checkpointing)
     resolved["activation_checkpointing"] = perf.activation_checkpointing
@@ -241,8 +248,14 @@ def apply_transforms(
     parts = [pdist.wrap(part, device, dist, precision) for part in parts]
     model: nn.Module = parts[0]
     if dist.enabled or dist.sharded:
-        resolved["parallel"] = (
+        dp = (
             f"{dist.strategy} x{dist.dp_size}"
+            if dist.strategy == "fsdp" or dist.tp == 1
+            else f"dp x{dist.dp_size}"
+        )
+        resolved["parallel"] = (
+            dp
+            + (f", tp x{dist.tp}" if dist.tp > 1 else "")
             + (f", pipeline x{dist.pp}" if dist.pp > 1 else "")
             + (" + cpu offload" if dist.cpu_offload else "")
         )

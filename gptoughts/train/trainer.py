@@ -318,7 +318,7 @@ class Trainer:
             )
         else:
             n_total = sum((b[1] != -100).sum() for b in micro).float()
-            n_total = pdist.all_reduce_sum(n_total, self.dist, self.dist.dp_group)
+            n_total = pdist.all_reduce_dp(n_total, self.dist)
         # DDP averages gradients over the data-parallel ranks; scaling by their number makes the result the
         # gradient of the global token-mean loss.
         scale = self.dist.dp_size / n_total.clamp_min(1.0)
@@ -365,7 +365,7 @@ class Trainer:
         if self._after_step is not None:
             with torch.no_grad():
                 for t in self._rank_summed() if self._rank_summed is not None else ():
-                    pdist.all_reduce_sum(t, self.dist)  # global statistics: every rank updates alike
+                    pdist.all_reduce_dp(t, self.dist)  # global statistics: every rank updates alike
                 self._after_step()
         if self._after_transforms is not None:
             with torch.no_grad():
@@ -420,7 +420,8 @@ class Trainer:
                     return self.pipeline.eval_loss(batch)
                 return self.objective(model, batch)
 
-        # Batches are shared by the data-parallel ranks (the ranks of one pipeline read the same ones).
+        # Split by data-parallel rank: the ranks of a tensor-parallel group or of one pipeline evaluate the same
+        # batches together.
         world, rank = self.dist.dp_size, self.dist.dp_rank
         n_batches, batch = 0, None
         for i, batch in enumerate(self.eval_batches()):
@@ -431,12 +432,12 @@ class Trainer:
             total += ls.double()
             count += n.double()
         if self.dist.sharded and n_batches % world and rank >= n_batches % world:
-            # Under FSDP every forward is a collective: a rank without a batch in the last round runs one
+            # Under FSDP or TP every forward is a collective: a rank without a batch in the last round runs one
             # (discarded) forward so that all ranks run the same number.
             loss_of(batch)
         self.model.train()
-        pdist.all_reduce_sum(total, self.dist)
-        pdist.all_reduce_sum(count, self.dist)
+        pdist.all_reduce_loss(total, self.dist)
+        pdist.all_reduce_loss(count, self.dist)
         loss = (total / count.clamp_min(1)).item()
         return loss, math.exp(min(loss, 50.0))
 
@@ -771,7 +772,7 @@ class Trainer:
         table = torch.stack(flat).view(len(recs), 5)
         if self.dist.enabled:  # each rank summed its own rows' loss; the counts and flags are global already
             col = table[:, _LOSS].contiguous()
-            pdist.all_reduce_sum(col, self.dist)
+            pdist.all_reduce_loss(col, self.dist)  # a tensor-parallel group's ranks hold the same loss
             table[:, _LOSS] = col
         return table.tolist()
 
@@ -1018,7 +1019,8 @@ class Trainer:
         return val_loss, improved
 
     def _sample(self) -> None:
-        # Under FSDP every rank generates (each forward gathers parameters from all of them); rank 0 writes.
+        # Under FSDP or TP every rank generates (each forward is a collective), the same tokens (same logits, same
+        # seeded generator); rank 0 writes.
         if self.sample_fn is None or not (self.dist.is_main or self.dist.sharded):
             return
         self.model.eval()

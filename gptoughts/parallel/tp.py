@@ -1,0 +1,199 @@
+"""Tensor parallelism (+ sequence parallelism) of the native families, with DTensor ``parallelize_module``.
+
+``--parallel.tp N`` splits each transformer block over the ``N`` ranks of the mesh's ``tp`` dimension
+(Megatron-style): the projections that open a sub-layer are split by output features (``ColwiseParallel``:
+attention ``wq``/``wk``/``wv`` by heads, the MLP's up/gate projections by hidden units), the projections that
+close it by input features (``RowwiseParallel``: ``wo``, the MLP's down projection), so each sub-layer costs one
+collective forward and one backward. Attention then sees its rank's heads only: the model code infers head
+counts from the tensors (``view(..., -1, head_dim)``), so it runs unchanged.
+
+Sequence parallelism: between sub-layers the residual stream is split along the sequence (each rank holds
+``T / N`` positions, as a DTensor sharded on dim 1, so that a length ``N`` does not divide, a decoded token
+included, is split unevenly rather than refused), the norms run on their rank's positions (``SequenceParallel``:
+their weights become replicated DTensors whose gradients are summed over the group), and the sub-layer's input is
+all-gathered just before its first projection, its output reduce-scattered by the last one. Activation memory of
+the norms and the residual stream is divided by ``N``. Entering the first block the (replicated) embedding output
+is cut along the sequence (no communication); entering the final norm it is all-gathered.
+
+What stays replicated (every rank of a group holds and computes it whole, with identical gradients): the token
+embedding, the final norm and the LM head. The head's matmul is therefore not split (a vocabulary-parallel head
+with a parallel loss is what remains to gain at large vocabularies), and the training losses, sampling and
+evaluation code see plain tensors.
+
+Where it applies: the Llama layout (Llama, Mistral and Qwen configs: GQA, q/k norms, biases, sliding windows,
+ReLU² MLPs), LLaDA (the same blocks, bidirectional) and INL (whose integrator runs on the whole sequence on every
+rank, with replicated weights). :func:`check_tp` refuses, in one line and before anything is written, what it does not
+cover: DeepSeek (MoE and MLA), GPT-2 (one fused q/k/v matrix), generic transformers models and LoRA, and head
+counts or widths that ``N`` does not divide. Sampling works as on one GPU: every rank decodes the same tokens,
+each caching the keys and values of its own heads.
+
+Order (``train/setup.py``): after fp8 conversion, before activation checkpointing, compile and FSDP (which then
+shards each block's DTensors over the ``dp`` dimension: a 2-D ``(dp, tp)`` layout).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+from torch import nn
+
+from gptoughts.errors import ConfigError
+from gptoughts.models.layers import KVCache
+
+# The families whose blocks have a plan here (family name -> the block's attention / MLP layout).
+SUPPORTED = ("llama", "llada", "inl")
+
+_WHY_NOT = {
+    "deepseek": "DeepSeek's MoE experts and latent attention (MLA) have no tensor-parallel plan; use FSDP",
+    "gpt2": "GPT-2's fused q/k/v projection (c_attn) does not split by heads; use FSDP",
+}
+
+
+def check_family(family: str | None, tp: int, *, generic: bool = False, lora: bool = False) -> None:
+    """The refusals that need only the family (run before the data is prepared): one-line ConfigErrors."""
+    if tp <= 1:
+        return
+    where = f"--parallel.tp {tp}"
+    if generic:
+        raise ConfigError(f"{where}: a generic transformers model has no tensor-parallel plan; use FSDP")
+    if lora:
+        raise ConfigError(f"{where}: LoRA adapters are not tensor-parallel; drop --lora or --parallel.tp")
+    if family in _WHY_NOT:
+        raise ConfigError(f"{where}: {_WHY_NOT[family]}")
+    if family not in SUPPORTED:
+        raise ConfigError(
+            f"{where}: the {family} family has no tensor-parallel plan (supported: {', '.join(SUPPORTED)})"
+        )
+
+
+def check_tp(family: str | None, args: Any, tp: int, *, generic: bool = False, lora: bool = False) -> None:
+    """Refuse, with a one-line ConfigError, a model that ``tp``-way tensor parallelism cannot split: the family
+    (:func:`check_family`), then head counts and MLP width that ``tp`` must divide (the sequence length need not
+    be divisible: the sequence-parallel split is uneven then)."""
+    if tp <= 1:
+        return
+    check_family(family, tp, generic=generic, lora=lora)
+    where = f"--parallel.tp {tp}"
+    sizes = {"model.n_heads": args.n_heads, "the key/value heads": args.kv_heads}
+    if family == "inl":
+        sizes["the FFN width"] = args.ffn
+    else:
+        sizes["the MLP width"] = args.ffn_hidden
+    for name, n in sizes.items():
+        if n % tp:
+            raise ConfigError(f"{where}: {name} ({n}) is not divisible by {tp}")
+
+
+def apply_tp(model: nn.Module, mesh: Any, family: str) -> None:
+    """Parallelize ``model``'s blocks in place over the 1-D ``mesh`` (the ``tp`` dimension), see the module
+    docstring. Parameters keep their names; block parameters become DTensors (sharded or replicated)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        PrepareModuleOutput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    if family not in SUPPORTED:  # check_tp ran before; this guards direct callers
+        raise ConfigError(f"--parallel.tp: the {family} family has no tensor-parallel plan")
+    blocks = list(model.layers)
+    # Block arguments are (x, cos, sin, cache, doc_ids): only x changes layout; None leaves an argument alone.
+    rest = (None, None, None, None)
+    # Into a sub-layer: its sequence-sharded input all-gathered (local tensor out: the projections take it).
+    gather_in = PrepareModuleInput(
+        input_layouts=(Shard(1), *rest), desired_input_layouts=(Replicate(), *rest), use_local_output=True
+    )
+    mlp_in = PrepareModuleInput(
+        input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
+    )
+    for block in blocks:
+        plan: dict[str, Any] = {
+            "attention_norm": SequenceParallel(),
+            "attention": gather_in,
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+            "ffn_norm": SequenceParallel(),
+            "feed_forward": mlp_in,
+        }
+        if block.attention.q_norm is not None:
+            # q/k norms act per head on [B, T, H, hd]: each rank holds its heads (dim 2); their shared weight's
+            # gradient is summed over the group like a sequence-parallel norm's.
+            plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+            plan["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+        ff = block.feed_forward
+        up = [n for n in ("w1", "w3", "fc1") if hasattr(ff, n)]
+        down = next(n for n in ("w2", "fc2") if hasattr(ff, n))
+        for n in up:
+            plan[f"feed_forward.{n}"] = ColwiseParallel()
+        plan[f"feed_forward.{down}"] = RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
+        parallelize_module(block, mesh, plan)
+        block.attention.wo.register_forward_hook(_local_if_even)
+        getattr(ff, down).register_forward_hook(_local_if_even)
+        if getattr(block, "integrator", None) is not None:
+            # INL: a per-position refinement of the attention output with small replicated weights. It runs on
+            # the whole (gathered) sequence on every rank of the group, then each keeps its positions: its weights
+            # and their gradients stay plain tensors, identical on every rank. (Run on the rank's positions only,
+            # its weights would need DTensor matmuls over an uneven sequence split.) The integrator's activations
+            # are therefore not divided by the group size.
+            parallelize_module(
+                block.integrator,
+                mesh,
+                PrepareModuleInput(
+                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
+                ),
+            )
+            parallelize_module(
+                block.integrator,
+                mesh,
+                PrepareModuleOutput(
+                    output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=False
+                ),
+            )
+            block.integrator.register_forward_hook(_local_if_even)
+    # The residual stream: cut along the sequence entering the first block, gathered into a plain tensor entering
+    # the final norm (see _local_if_even for its type in between).
+    parallelize_module(
+        blocks[0],
+        mesh,
+        PrepareModuleInput(
+            input_layouts=(Replicate(), *rest),
+            desired_input_layouts=(Shard(1), *rest),
+            use_local_output=False,
+        ),
+    )
+    blocks[0].register_forward_pre_hook(_first_input_local_if_even)
+    parallelize_module(
+        model.final_norm,
+        mesh,
+        PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
+        ),
+    )
+    # Decoding: each rank caches the keys and values of its own heads (the model's cache is sized for all).
+    if hasattr(model, "make_cache"):
+        model.make_cache = partial(_local_cache, model.args, mesh.size())
+
+
+def _local_if_even(module: nn.Module, args: Any, out: Any) -> Any:
+    """The residual stream's type between blocks: this rank's positions as a plain tensor when the group size
+    divides the sequence (training: the path torch.compile and activation checkpointing handle, as in
+    torchtitan), else a DTensor sharded on dim 1 that knows its global length (an uneven split: decoding one
+    token, prompts of any length, a --block_size the group size does not divide; run eagerly). Every producer
+    of the stream applies the same rule, so the residual additions never mix the two."""
+    return out.to_local() if out.shape[1] % out.device_mesh.size() == 0 else out
+
+
+def _first_input_local_if_even(module: nn.Module, args: tuple) -> tuple:
+    return (_local_if_even(module, args, args[0]), *args[1:])
+
+
+def _local_cache(args: Any, tp: int, batch_size: int, max_len: int, device: Any, dtype: Any) -> KVCache:
+    return KVCache(
+        args.n_layers, batch_size, args.kv_heads // tp, max_len, args.hd, device=device, dtype=dtype
+    )

@@ -1,0 +1,61 @@
+"""Fine-tuning a Hugging Face model under tensor parallelism (parallel/tp.py), on gloo."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+
+def _sft(path: Path, n: int = 48) -> Path:
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for _ in range(n):
+        a, b = torch.randint(0, 10, (2,), generator=g).tolist()
+        rows.append({"prompt": f"add {a} {b}", "response": f"{a + b}"})
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return path
+
+
+def _losses(run: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+@pytest.mark.distributed
+def test_qwen3_sft_under_tp_matches_one_process(hf_model, tmp_path, ft_cache):
+    """A Qwen3 folder (q/k norms over a head_dim apart from d_model / heads) fine-tuned on chat rows (masked
+    targets: the token count is summed over data-parallel ranks only) under TP=2 trains like one process, and
+    samples the same answer."""
+    base = hf_model("qwen3")
+    data = _sft(tmp_path / "d.jsonl")
+    argv = [
+        "finetune", "--model", str(base), "--data", str(data), "--block_size", "64", "--batch_size", "4",
+        "--max_steps", "4", "--perf.device", "cpu", "--precision", "fp32", "--compile", "false",
+        "--run.progress", "false", "--log_interval", "1", "--eval_interval", "0", "--save_interval", "0",
+        "--warmup_steps", "0", "--data.val_fraction", "0", "--sample_prompts", "hi", "--sample_max_new_tokens", "4",
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    runs = {}
+    for name, launch in (
+        ("one", []),
+        ("tp", ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]),
+    ):
+        out = tmp_path / name
+        extra = ["--parallel.tp", "2"] if launch else []
+        r = subprocess.run(
+            [sys.executable, *launch, "-m", "gptoughts", *argv, "--out", str(out), *extra],
+            env=env, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert r.returncode == 0, r.stderr[-3000:]
+        runs[name] = (_losses(out), r.stdout.split("sample ('hi'):")[-1].splitlines()[1])
+    (a, sample_a), (b, sample_b) = runs["one"], runs["tp"]
+    assert sorted(a) == sorted(b) == [1, 2, 3, 4]
+    for s in a:
+        assert abs(a[s] - b[s]) < 1e-4 * abs(a[s]), (s, a[s], b[s])
+    assert sample_a == sample_b
