@@ -98,12 +98,27 @@ def test_two_nodes_through_c10d_rendezvous_train_like_one_process(tmp_path, text
         "--rdzv-id=gptoughts-test",
         "--max-restarts=0",
     ]
-    cmd = [sys.executable, "-m", *launcher, "-m", "gptoughts", "train", "--out", str(multi), *args]
-    cmd += ["--batch_size", "1"]
-    nodes = [subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)]
-    nodes.append(subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    train = ["-m", "gptoughts", "train", "--out", str(multi), *args, "--batch_size", "1"]
+    # On one machine both launchers would race to host the rendezvous store on the endpoint's port: the first
+    # node hosts it, as the head node of a cluster does.
+    nodes = [
+        subprocess.Popen(
+            [sys.executable, "-m", *launcher, f"--rdzv-conf=is_host={int(i == 0)}", *train],
+            env=ENV,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
     for p in nodes:
-        _, err = p.communicate(timeout=300)
+        try:
+            _, err = p.communicate(timeout=240)
+        except subprocess.TimeoutExpired:
+            for q in nodes:
+                q.kill()
+            outs = [q.communicate() for q in nodes]
+            raise AssertionError("\n".join(o[1][-2500:] for o in outs)) from None
         assert p.returncode == 0, err[-3000:]
     assert json.loads((multi / "run.json").read_text())["world_size"] == 4
     _close(_losses(single), _losses(multi))
