@@ -30,10 +30,12 @@ Two passes over the sources: the first counts documents and decides the split (a
 training text, at most ``tokenizer_train_bytes``), the second tokenises. Reading is cheap next to
 tokenising (measured ~60 MB/s vs ~3 MB/s per core), and the two passes keep memory bounded whatever the
 corpus size: every reader streams (text files in ~1 MB documents, JSONL by line, Parquet and arrow by record
-batch), the first pass keeps O(min_val_docs + a few long documents) of state, the second O(workers)
-batches of :data:`_ENCODE_BATCH_BYTES` (measured: ~50 MB of peak RSS above the baseline with one worker,
-the same for 32 MB as for 200 MB of text; the manifest's per-document val indices are the only list that
-grows, by 0.5% of the documents).
+batch), the first pass keeps O(min_val_docs + a few long documents) of state plus the BPE training text,
+the second O(workers) batches of :data:`_ENCODE_BATCH_BYTES`; the manifest's per-document val indices are
+the only list that grows (by ``val_fraction`` of the documents). Measured: bytes tokenizer, one worker,
+~50 MB of peak RSS above the baseline for 32 MB as for 200 MB of text; bpe:8192 on 2.0 GB with 2 workers,
+parent ~0.75 GB (~0.35 GB of it the interpreter with torch, imported by gptoughts; the rest mostly BPE
+training) and ~0.25 GB private per worker.
 
 Parallelism: the parent reads, labels and writes; ``workers`` processes (default: one per available core)
 tokenise batches of whole documents, and their results are written in submission order, so the output is
@@ -73,6 +75,8 @@ import multiprocessing
 import os
 import re
 import shutil
+import threading
+import time
 import uuid
 import zlib
 from collections import deque
@@ -1103,6 +1107,16 @@ def _worker_init(tok: Tokenizer) -> None:
     # forked child that used it would deadlock.)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     _worker_tokenizer = tok
+    # A parent killed outright (SIGKILL, OOM killer) cannot stop its workers, and they would wait forever on a
+    # queue whose write end they inherited: each exits once it is orphaned.
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True).start()
 
 
 def _worker_encode(texts: list[str], splits: list[str], dtype: np.dtype) -> dict[str, np.ndarray]:
@@ -1117,10 +1131,12 @@ def _encoded(
 
     The parent reads, labels and writes; the workers only tokenise. At most ``2 * workers`` batches are in
     flight (memory stays bounded; ``Pool.imap`` would read the whole corpus ahead), and results are taken in
-    submission order, so the shards are byte-identical whatever ``workers`` is. Measured on the 2-core dev
-    machine (bpe:8192 on stdlib text): the tokenizers library's own parallel ``encode_batch`` (Rust threads,
-    one process) ran at 2.7 MB/s, serial 2.8 MB/s: its threads gave nothing there, processes do (see
-    bench/BENCHMARKS.md, "prepare at scale"). The bytes tokenizer runs at memory speed in the parent.
+    submission order, so the shards are byte-identical whatever ``workers`` is. Processes rather than the
+    tokenizers library's own parallel ``encode_batch`` (Rust threads, which ``workers=1`` uses): they also
+    spread the Python side (ids to numpy, concatenation), and were faster. Measured on the 2-core dev
+    machine, 2.0 GB, bpe:8192 (bench/BENCHMARKS.md, "prepare at scale"): 2 processes 350 s (5.8 MB/s), one
+    process with the library's threads 491 s (4.1 MB/s), identical shards. The bytes tokenizer runs at
+    memory speed in the parent.
     """
     if workers <= 1 or tok.is_bytes:
         for b in batches:

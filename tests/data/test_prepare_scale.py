@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -84,7 +85,6 @@ print(json.dumps({"growth_kib": kib("VmHWM") - before, "bytes": m.totals["bytes"
 """
 
 
-@pytest.mark.slow  # ~15 s on 2 idle cores: 72 MB read twice
 @pytest.mark.skipif(
     not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc to reset the RSS peak"
 )
@@ -251,3 +251,42 @@ def test_a_damaged_or_foreign_partial_build_is_not_resumed(
     count[0] = 0
     _same_output(whole, prepare([corpus], tmp_path / "out", "bytes", progress=False, workers=1))
     assert not other.exists() and count[0] == 80
+
+
+_KILLED = """
+import importlib, json, os, signal, sys
+from gptoughts.data import prepare
+P = importlib.import_module("gptoughts.data.prepare")
+args = json.loads(sys.argv[1])
+P.SHARD_TOKENS, P._ENCODE_BATCH_BYTES = 2000, 600
+write, filled = P._ShardWriter.write, [0]
+
+def killing(self, arr):
+    n = write(self, arr)
+    filled[0] += n
+    if filled[0] >= args["shards"] and not n:  # buffered bytes past the last checkpoint: lost or partial
+        os.kill(os.getpid(), signal.SIGKILL)
+    return n
+
+P._ShardWriter.write = killing
+prepare(args["sources"], args["out"], "bpe:300", progress=False, workers=2)
+"""
+
+
+def test_a_killed_prepare_resumes(
+    tmp_path: Path,
+    write_folder: Callable[..., Path],
+    make_docs: Callable[..., list[str]],
+    small_shards: None,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """SIGKILL with two workers: no cleanup runs, buffered bytes are lost, the orphaned workers exit."""
+    corpus = write_folder(tmp_path / "corpus", make_docs(120))
+    whole = prepare([corpus], tmp_path / "whole", "bpe:300", progress=False, workers=2)
+    args = {"sources": [str(corpus)], "out": str(tmp_path / "out"), "shards": 4}
+    run = subprocess.run([sys.executable, "-c", _KILLED, json.dumps(args)], capture_output=True, text=True)
+    assert run.returncode == -9, run.stderr[-2000:]
+    assert not (tmp_path / "out").exists() and list(tmp_path.glob(".out.partial-*"))
+    with caplog.at_level(logging.INFO, logger="gptoughts.data"):
+        _same_output(whole, prepare([corpus], tmp_path / "out", "bpe:300", progress=False, workers=2))
+    assert "resuming the interrupted preparation" in caplog.text and "from document" in caplog.text
