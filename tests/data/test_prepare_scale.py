@@ -290,3 +290,16 @@ def test_a_killed_prepare_resumes(
     with caplog.at_level(logging.INFO, logger="gptoughts.data"):
         _same_output(whole, prepare([corpus], tmp_path / "out", "bpe:300", progress=False, workers=2))
     assert "resuming the interrupted preparation" in caplog.text and "from document" in caplog.text
+
+
+def _die(*args: object) -> None:
+    os._exit(3)  # a worker killed (the OOM killer, say)
+
+
+def test_a_dead_worker_is_a_one_line_error(
+    tmp_path: Path, corpus: Path, small_shards: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(prepare_module, "_worker_encode", _die)
+    with pytest.raises(prepare_module.DataError, match=r"a tokenizing worker process died .*\(it resumes\)"):
+        prepare([corpus], tmp_path / "out", "bpe:300", progress=False, workers=2)
+    assert list(tmp_path.glob(".out.partial-*"))  # kept for the next run
