@@ -117,12 +117,12 @@ _CHECKSUM_BLOCK = 1 << 22
 # nearly those learnt on 10 GB, and training cost grows with the text.
 TOKENIZER_TRAIN_BYTES = 50_000_000
 # Text per batch (one worker's unit of work): large enough that sending it to a worker costs little next to
-# tokenising it, small enough that the 2 * workers batches in flight bound memory (~6x the text per batch
-# in a worker: the library's encodings, then the id arrays).
+# tokenising it, small enough that the 2 * workers batches in flight (and the library's encodings of one in
+# each worker) keep memory small.
 _ENCODE_BATCH_BYTES = 4 << 20
 _ENCODE_BATCH_DOCS = 8192
-# An interrupted build loses at most this much tokenising (plus what its last shard held): a checkpoint is
-# also written whenever a shard fills.
+# An interrupted build redoes at most this much tokenising: a checkpoint is written every _CHECKPOINT_CHARS
+# characters of text and whenever a shard fills.
 _CHECKPOINT_CHARS = 64 << 20
 # The split (module docstring): with min_val_docs > 0, val holds at least ~_MIN_VAL_CHARS characters of a
 # small corpus, but never more than _SMALL_CORPUS_VAL_SHARE of it; a tail shorter than _MIN_TAIL_CHARS is
