@@ -27,8 +27,28 @@ the characters read and ``f = val_fraction``, let ``s = max(f, min(10%, 1 KiB / 
   train.
 
 Two passes over the sources: the first counts documents and decides the split (and collects the BPE
-training text), the second tokenises. Reading is cheap next to tokenising (measured ~60 MB/s vs ~3.5 MB/s
-on 2 cores), and the two passes keep memory bounded whatever the corpus size.
+training text, at most ``tokenizer_train_bytes``), the second tokenises. Reading is cheap next to
+tokenising (measured ~60 MB/s vs ~3 MB/s per core), and the two passes keep memory bounded whatever the
+corpus size: every reader streams (text files in ~1 MB documents, JSONL by line, Parquet and arrow by record
+batch), the first pass keeps O(min_val_docs + a few long documents) of state plus the BPE training text,
+the second O(workers) batches of :data:`_ENCODE_BATCH_BYTES`; the manifest's per-document val indices are
+the only list that grows (by ``val_fraction`` of the documents). Measured: bytes tokenizer, one worker,
+~50 MB of peak RSS above the baseline for 32 MB as for 200 MB of text; bpe:8192 on 2.0 GB with 2 workers,
+parent ~0.75 GB (~0.35 GB of it the interpreter with torch, imported by gptoughts; the rest mostly BPE
+training) and ~0.25 GB private per worker.
+
+Parallelism: the parent reads, labels and writes; ``workers`` processes (default: one per available core)
+tokenise batches of whole documents, and their results are written in submission order, so the output is
+byte-identical whatever the number of workers (which is therefore not in the cache key).
+
+Resuming: the build goes into ``.<out>.partial-<key>`` beside ``out``. Once pass 1 is done it holds the
+tokenizer and ``plan.json`` (the split decided); pass 2 then writes ``progress.json`` (atomically, after
+making the shards durable) whenever a shard fills, every :data:`_CHECKPOINT_CHARS` characters and at the
+end of each source: the finished sources' shards and checksums, and for the current one the next document
+and each open shard's durable length and running crc32. A prepare of the same key finds that folder,
+checks every recorded shard against its crc32, cuts the open shards back to their durable length and goes
+on from the next document (read, not tokenised again); anything that does not check out is rebuilt from
+scratch. A build that fails while reading (bad input) leaves nothing.
 
 Integrity: the manifest records a crc32 of every shard (computed while it is written) and of every
 tokenizer file. ``prepare`` verifies them before reusing a folder and rebuilds a damaged one;
@@ -37,24 +57,29 @@ load would double the start-up cost; :meth:`Manifest.verify` reads them on deman
 every batch's ids against the vocabulary, so a damaged shard never indexes past the embedding.
 
 Caching: :func:`cache_key` hashes everything the output depends on. ``prepare`` returns an existing folder
-with the same key untouched; otherwise it builds into a temporary sibling and renames it into place, under
+with the same key untouched; otherwise it builds into the partial sibling and renames it into place, under
 a file lock, so a half-written folder never looks valid and concurrent callers (all ranks of a node) build
 once and share. It never replaces a folder that does not look like one it wrote.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import datetime as _dt
 import hashlib
 import heapq
 import json
 import logging
+import multiprocessing
 import os
 import re
 import shutil
+import threading
+import time
 import uuid
 import zlib
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -91,9 +116,14 @@ _CHECKSUM_BLOCK = 1 << 22
 # BPE training sees at most this much text (split evenly between sources): merges learnt on 50 MB are
 # nearly those learnt on 10 GB, and training cost grows with the text.
 TOKENIZER_TRAIN_BYTES = 50_000_000
-# Text per encode_batch call: enough documents to keep every core busy, little enough to bound memory.
-_ENCODE_BATCH_BYTES = 8 << 20
+# Text per batch (one worker's unit of work): large enough that sending it to a worker costs little next to
+# tokenising it, small enough that the 2 * workers batches in flight (and the library's encodings of one in
+# each worker) keep memory small.
+_ENCODE_BATCH_BYTES = 4 << 20
 _ENCODE_BATCH_DOCS = 8192
+# An interrupted build redoes at most this much tokenising: a checkpoint is written every _CHECKPOINT_CHARS
+# characters of text and whenever a shard fills.
+_CHECKPOINT_CHARS = 64 << 20
 # The split (module docstring): with min_val_docs > 0, val holds at least ~_MIN_VAL_CHARS characters of a
 # small corpus, but never more than _SMALL_CORPUS_VAL_SHARE of it; a tail shorter than _MIN_TAIL_CHARS is
 # not worth cutting (the document is then held out whole or not at all).
@@ -292,13 +322,20 @@ def _one_line(text: str, limit: int = 160) -> str:
     return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
-def _crc32_file(path: Path) -> str:
+def _crc32_file(path: Path, limit: int | None = None) -> str:
+    """crc32 of a file's bytes (of its first ``limit`` bytes when given), as 8 hex digits."""
     crc = 0
     buf = bytearray(_CHECKSUM_BLOCK)
     view = memoryview(buf)
+    left = limit
     with open(path, "rb", buffering=0) as f:
         while n := f.readinto(buf):
+            if left is not None:
+                n = min(n, left)
+                left -= n
             crc = zlib.crc32(view[:n], crc)  # releases the GIL on large buffers
+            if left == 0:
+                break
     return f"{crc:08x}"
 
 
@@ -546,7 +583,10 @@ def _tail_start(doc: str, t: int) -> int:
 
 class _ShardWriter:
     """Appends token arrays to ``<prefix>_<k>.bin`` files of at most ``max_tokens`` tokens each, computing
-    each file's crc32 on the bytes as they are written (no second pass over the shards)."""
+    each file's crc32 on the bytes as they are written (no second pass over the shards).
+
+    :meth:`state` is what a resumed build needs to go on writing (:meth:`restore`): the closed files with
+    their checksums, and how many tokens of the open one (and their running crc) are durable."""
 
     def __init__(self, directory: Path, prefix: str, dtype: np.dtype, max_tokens: int) -> None:
         self.directory, self.prefix, self.dtype, self.max_tokens = directory, prefix, dtype, max_tokens
@@ -557,8 +597,10 @@ class _ShardWriter:
         self._in_file = 0
         self._crc = 0
 
-    def write(self, arr: np.ndarray) -> None:
+    def write(self, arr: np.ndarray) -> int:
+        """Append ``arr``; returns how many files it filled (and closed)."""
         arr = np.ascontiguousarray(arr, dtype=self.dtype)
+        closed = 0
         while arr.size:
             if self._f is None:
                 name = f"{self.prefix}_{len(self.files)}.bin"
@@ -574,6 +616,35 @@ class _ShardWriter:
             arr = arr[part.size :]
             if self._in_file >= self.max_tokens:
                 self._close_file()
+                closed += 1
+        return closed
+
+    def sync(self) -> None:
+        """Make what was written so far durable (before a checkpoint records it)."""
+        if self._f is not None:
+            self._f.flush()
+            os.fsync(self._f.fileno())
+
+    def state(self) -> dict[str, Any]:
+        return {
+            "files": list(self.files),
+            "checksums": list(self.checksums),
+            "tokens": self.tokens,
+            "in_file": self._in_file if self._f is not None else 0,
+            "crc": f"{self._crc:08x}" if self._f is not None else "00000000",
+        }
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Go on from ``state`` (checked by :func:`_intact`): the open file is cut back to its recorded size
+        (a killed build may have written past its last checkpoint)."""
+        self.files, self.checksums = list(state["files"]), list(state["checksums"])
+        self.tokens = state["tokens"]
+        if len(self.files) > len(self.checksums):
+            self._in_file = state["in_file"]
+            self._crc = int(state["crc"], 16)
+            self._f = open(self.directory / self.files[-1], "r+b")
+            self._f.truncate(self._in_file * self.dtype.itemsize)
+            self._f.seek(0, os.SEEK_END)
 
     def _close_file(self) -> None:
         if self._f is not None:
@@ -585,6 +656,30 @@ class _ShardWriter:
 
     def close(self) -> None:
         self._close_file()
+
+
+def _intact(directory: Path, state: dict[str, Any], itemsize: int, shard_tokens: int) -> bool:
+    """Whether the shard files of a writer's :meth:`_ShardWriter.state` (or of a finished source's shard list)
+    are on disk as recorded: closed files with their size and crc32, the open one with at least its durable
+    prefix, whose crc32 matches."""
+    files, sums, left = state["files"], state["checksums"], state["tokens"]
+    try:
+        for k, name in enumerate(files):
+            path = directory / name
+            n = min(left, shard_tokens)
+            left -= n
+            if k < len(sums):
+                if path.stat().st_size != n * itemsize or _crc32_file(path) != sums[k]:
+                    return False
+            elif (
+                n != state["in_file"]
+                or path.stat().st_size < n * itemsize
+                or _crc32_file(path, n * itemsize) != state["crc"]
+            ):
+                return False
+    except OSError:
+        return False
+    return left == 0
 
 
 class _Progress:
@@ -722,6 +817,7 @@ def prepare(
     tokenizer_train_bytes: int = TOKENIZER_TRAIN_BYTES,
     verify: bool = True,
     owned: bool = False,
+    workers: int | None = None,
 ) -> Manifest:
     """Tokenise ``sources`` into ``out_dir`` (see the module docstring) and return its manifest.
 
@@ -730,6 +826,11 @@ def prepare(
     its files' checksums when ``verify`` (a damaged folder is rebuilt). ``owned``: ``out_dir`` is a folder
     only gptoughts writes to (the cache), rebuilt even when its manifest is unreadable; a folder the user
     named is replaced only when it holds a manifest gptoughts wrote.
+
+    ``workers``: processes that tokenise (None: one per core this process may use). It does not change the
+    output (the shards are byte-identical whatever it is), so it is not part of the cache key. An
+    interrupted preparation (killed, Ctrl-C, disk full) keeps its work in a hidden sibling folder; running
+    the same prepare again resumes it from its last checkpoint.
     """
     if isinstance(sources, (str, os.PathLike)):
         sources = [sources]
@@ -743,6 +844,11 @@ def prepare(
         raise ConfigError(f"min_val_docs must be >= 0; got {min_val_docs}")
     if max_bytes is not None and max_bytes <= 0:
         raise ConfigError(f"max_bytes must be positive or None; got {max_bytes}")
+    if workers is not None and (type(workers) is not int or workers < 1):
+        raise ConfigError(
+            f"workers must be a number of processes >= 1, or None for all cores; got {workers!r}"
+        )
+    n_workers = workers if workers is not None else _available_cores()
     exts = normalize_extensions(extensions)
     given = [str(s) for s in sources]
     paths = [resolve_source(s) for s in sources]  # DataError for a missing path, before any work
@@ -762,15 +868,26 @@ def prepare(
             if cache and (m := _cached(out, key, verify)) is not None:
                 log.info("reusing cached shards in %s (%s train tokens)", out, f"{m.train_tokens:,}")
                 return m
-            for stale in out.parent.glob(f".{out.name}.tmp-*"):  # left by a killed build (we hold the lock)
-                shutil.rmtree(stale, ignore_errors=True)
-            tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-            tmp.mkdir()
+            # The build folder is named by the key: a killed build of the same inputs is resumed from it, any
+            # other (another key, or the per-process folders of older versions) is stale (we hold the lock).
+            tmp = out.parent / f".{out.name}.partial-{key[:16]}"
+            for pattern in (f".{out.name}.tmp-*", f".{out.name}.partial-*"):
+                for stale in out.parent.glob(pattern):
+                    if stale != tmp:
+                        shutil.rmtree(stale, ignore_errors=True)
+            tmp.mkdir(exist_ok=True)
             try:
-                manifest = _build(tmp, given, paths, tokenizer, spec, key, settings, exts, progress)
+                manifest = _build(
+                    tmp, given, paths, tokenizer, spec, key, settings, exts, progress, n_workers
+                )
                 _install(tmp, out)
             except BaseException:
-                shutil.rmtree(tmp, ignore_errors=True)
+                if (tmp / _PLAN_FILE).is_file():
+                    log.warning(
+                        "preparation interrupted: its work is kept in %s; the same prepare resumes it", tmp
+                    )
+                else:  # failed while reading (bad input): nothing worth keeping
+                    shutil.rmtree(tmp, ignore_errors=True)
                 raise
     except OSError as e:  # reading errors are DataErrors already (sources.py): this one is about the output
         where = e.filename or out
@@ -921,6 +1038,139 @@ def _scan(reader: _Reader, settings: dict[str, Any], train_bpe: bool, bar: _Prog
     return plan
 
 
+@dataclass
+class _Batch:
+    """Whole documents of one source, tokenised together: the unit of parallel work and of checkpoints."""
+
+    texts: list[str] = field(default_factory=list)
+    splits: list[str] = field(default_factory=list)  # "train" | "val", one per text
+    end: int = 0  # index of the source's next document after this batch
+    chars: int = 0
+    train_docs: int = 0  # documents with text in train (whole, or the head of a cut one)
+    val_docs: list[int] = field(default_factory=list)  # indices of documents held out whole
+    cut_docs: list[int] = field(default_factory=list)  # indices of documents cut into head and tail
+
+
+def _batches(i: int, reader: _Reader, plan: _Plan, start: int) -> Iterator[_Batch]:
+    """Source ``i``'s documents from index ``start`` on (those before are read, not tokenised: they are in
+    the shards of an interrupted build), labelled by the plan and grouped in batches."""
+    it = reader.docs(i)
+    try:
+        for _ in range(start):
+            next(it)
+        b = _Batch(end=start)
+        for j in range(start, plan.n_docs[i]):
+            doc = next(it)
+            kind, at = plan.label(i, j, doc, reader.draw(i, j, doc))
+            if kind == "cut":
+                b.cut_docs.append(j)
+                b.train_docs += 1
+                b.texts += [doc[:at], doc[at:]]
+                b.splits += ["train", "val"]
+            else:
+                if kind == "val":
+                    b.val_docs.append(j)
+                else:
+                    b.train_docs += 1
+                b.texts.append(doc)
+                b.splits.append(kind)
+            b.chars += len(doc)
+            b.end = j + 1
+            if b.chars >= _ENCODE_BATCH_BYTES or len(b.texts) >= _ENCODE_BATCH_DOCS:
+                yield b
+                b = _Batch(end=j + 1)
+        if b.texts:
+            yield b
+    finally:
+        it.close()
+
+
+def _encode(tok: Tokenizer, texts: list[str], splits: list[str], dtype: np.dtype) -> dict[str, np.ndarray]:
+    """The token stream of each split for a batch: ``[bos] + ids + [eos]`` per text, in order."""
+    has_bos = tok.bos_id is not None and tok.bos_id != tok.eos_id
+    bos = np.array([tok.bos_id] if has_bos else [], dtype=dtype)
+    eos = np.array([tok.eos_id], dtype=dtype)
+    encoded = tok.encode_batch_numpy(texts, dtype=dtype)
+    out = {}
+    for split in ("train", "val"):
+        parts = [p for ids, s in zip(encoded, splits) if s == split for p in (bos, ids, eos)]
+        out[split] = np.concatenate(parts) if parts else np.empty(0, dtype=dtype)
+    return out
+
+
+_worker_tokenizer: Tokenizer | None = None
+
+
+def _worker_init(tok: Tokenizer) -> None:
+    global _worker_tokenizer
+    # One process per core, each encoding serially. (Rust's thread pool also does not survive a fork: a
+    # forked child that used it would deadlock.)
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    _worker_tokenizer = tok
+    # A parent killed outright (SIGKILL, OOM killer) cannot stop its workers, and they would wait forever on a
+    # queue whose write end they inherited: each exits once it is orphaned.
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def _worker_encode(texts: list[str], splits: list[str], dtype: np.dtype) -> dict[str, np.ndarray]:
+    assert _worker_tokenizer is not None
+    return _encode(_worker_tokenizer, texts, splits, dtype)
+
+
+def _encoded(
+    batches: Iterator[_Batch], tok: Tokenizer, dtype: np.dtype, workers: int
+) -> Iterator[tuple[_Batch, dict[str, np.ndarray]]]:
+    """``(batch, its token streams)`` in the order of ``batches``, tokenised by ``workers`` processes.
+
+    The parent reads, labels and writes; the workers only tokenise. At most ``2 * workers`` batches are in
+    flight (memory stays bounded; ``Pool.imap`` would read the whole corpus ahead), and results are taken in
+    submission order, so the shards are byte-identical whatever ``workers`` is. Processes rather than the
+    tokenizers library's own parallel ``encode_batch`` (Rust threads, which ``workers=1`` uses): they also
+    spread the Python side (ids to numpy, concatenation), and were faster. Measured on the 2-core dev
+    machine, 2.0 GB, bpe:8192 (bench/BENCHMARKS.md, "prepare at scale"): 2 processes 350 s (5.8 MB/s), one
+    process with the library's threads 491 s (4.1 MB/s), identical shards. The bytes tokenizer runs at
+    memory speed in the parent.
+    """
+    if workers <= 1 or tok.is_bytes:
+        for b in batches:
+            streams = _encode(tok, b.texts, b.splits, dtype)
+            b.texts, b.splits = [], []
+            yield b, streams
+        return
+    # fork: the workers start at once, without re-importing gptoughts (which imports torch: ~3 s and ~300 MB
+    # per process under spawn). They touch no lock of the parent's threads: they only tokenise.
+    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+    pending: deque[tuple[_Batch, concurrent.futures.Future]] = deque()
+    with concurrent.futures.ProcessPoolExecutor(
+        workers, mp_context=multiprocessing.get_context(method), initializer=_worker_init, initargs=(tok,)
+    ) as pool:
+        try:
+            for b in batches:
+                pending.append((b, pool.submit(_worker_encode, b.texts, b.splits, dtype)))
+                b.texts, b.splits = [], []  # the pool holds them until they are sent
+                if len(pending) >= 2 * workers:
+                    done, fut = pending.popleft()
+                    yield done, fut.result()
+            while pending:
+                done, fut = pending.popleft()
+                yield done, fut.result()
+        except concurrent.futures.process.BrokenProcessPool:
+            raise DataError(
+                "a tokenizing worker process died (killed, or out of memory); run prepare again (it resumes) "
+                "with fewer workers"
+            ) from None
+        finally:
+            for _, fut in pending:
+                fut.cancel()
+
+
 def _write_source(
     i: int,
     reader: _Reader,
@@ -928,58 +1178,127 @@ def _write_source(
     tok: Tokenizer,
     tmp: Path,
     dtype: np.dtype,
+    workers: int,
+    resume: dict[str, Any] | None,
+    checkpoint: Callable[[dict[str, Any]], None],
     bar: _Progress,
     task: int,
-) -> tuple[dict[str, _ShardWriter], dict[str, list[int]]]:
-    """Pass 2 for one source: tokenise in batches (parallel in Rust) and append to its shards."""
+) -> tuple[dict[str, _ShardWriter], dict[str, Any]]:
+    """Pass 2 for one source: tokenise in batches and append to its shards, from ``resume`` (a checkpoint
+    of an interrupted build) when given. ``checkpoint(state)`` is called, with every byte it counts durable,
+    after each batch that filled a shard and every :data:`_CHECKPOINT_CHARS` characters."""
     writers = {split: _ShardWriter(tmp, f"{split}_{i}", dtype, SHARD_TOKENS) for split in ("train", "val")}
-    # Document indices: with text in train, held out whole, cut (head train, tail val).
-    docs: dict[str, list[int]] = {"train": [], "val": [], "cut": []}
-    bos = np.array([tok.bos_id] if tok.bos_id is not None and tok.bos_id != tok.eos_id else [], dtype=dtype)
-    eos = np.array([tok.eos_id], dtype=dtype)
-
-    def labelled() -> Iterator[tuple[str, str]]:
-        it = reader.docs(i)
-        for j in range(plan.n_docs[i]):
-            doc = next(it)
-            kind, at = plan.label(i, j, doc, reader.draw(i, j, doc))
-            if kind == "cut":
-                docs["cut"].append(j)
-                docs["train"].append(j)
-                yield doc[:at], "train"
-                yield doc[at:], "val"
-            else:
-                docs[kind].append(j)
-                yield doc, kind
-        it.close()
-
-    def flush(batch: list[str], splits: list[str]) -> None:
-        encoded = tok.encode_batch_numpy(batch, dtype=dtype)
-        for split in ("train", "val"):
-            parts = [p for ids, s in zip(encoded, splits) if s == split for p in (bos, ids, eos)]
-            if parts:
-                writers[split].write(np.concatenate(parts))
-        bar.advance(task, sum(len(t) for t in batch))
-
-    batch: list[str] = []
-    splits: list[str] = []
-    size = 0
-    for text, split in labelled():
-        batch.append(text)
-        splits.append(split)
-        size += len(text)
-        if size >= _ENCODE_BATCH_BYTES or len(batch) >= _ENCODE_BATCH_DOCS:
-            flush(batch, splits)
-            batch, splits, size = [], [], 0
-    if batch:
-        flush(batch, splits)
+    done: dict[str, Any] = {"source": i, "next_doc": 0, "train_docs": 0, "val_docs": [], "cut_docs": []}
+    if resume is not None:
+        for split, w in writers.items():
+            w.restore(resume["writers"][split])
+        done = {k: resume[k] for k in done}
+    since = 0
+    for b, streams in _encoded(_batches(i, reader, plan, done["next_doc"]), tok, dtype, workers):
+        filled = sum(w.write(streams[split]) for split, w in writers.items())
+        del streams  # before the next batch is read: one batch's tokens in memory, not two
+        done["next_doc"] = b.end
+        done["train_docs"] += b.train_docs
+        done["val_docs"] += b.val_docs
+        done["cut_docs"] += b.cut_docs
+        bar.advance(task, b.chars)
+        since += b.chars
+        if filled or since >= _CHECKPOINT_CHARS:
+            for w in writers.values():
+                w.sync()
+            checkpoint({**done, "writers": {split: w.state() for split, w in writers.items()}})
+            since = 0
     for w in writers.values():
         w.close()
-    return writers, docs
+    return writers, done
 
 
 def _file_checksums(folder: Path) -> dict[str, str]:
     return {f.name: _crc32_file(f) for f in sorted(folder.iterdir()) if f.is_file()}
+
+
+# Files of a build in progress (removed before the folder is installed).
+_PLAN_FILE = "plan.json"
+_PROGRESS_FILE = "progress.json"
+
+
+def _write_json(path: Path, data: Any) -> None:
+    """Write ``data`` to ``path`` atomically and durably (a kill leaves the old file or the new one)."""
+    part = path.with_name(path.name + ".part")
+    with open(part, "w", encoding="utf-8") as f:
+        json.dump(data, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(part, path)
+
+
+def _plan_record(plan: _Plan, key: str, tok: Tokenizer) -> dict[str, Any]:
+    return {
+        "key": key,
+        "shard_tokens": SHARD_TOKENS,
+        "tokenizer_fingerprint": tok.fingerprint(),
+        "n_docs": plan.n_docs,
+        "stats": [st.as_dict() for st in plan.stats],
+        "truncated": plan.truncated,
+        "chars": plan.chars,
+        "forced_val": sorted(plan.forced_val),
+        "forced_train": sorted(plan.forced_train),
+        "n_cut": plan.n_cut,
+    }
+
+
+def _resumable(
+    tmp: Path, key: str, spec: str, tokenizer: str | Tokenizer, settings: dict[str, Any]
+) -> tuple[_Plan, Tokenizer, dict[str, Any]] | None:
+    """(plan, tokenizer, progress) of an interrupted build of the same key in ``tmp`` whose files are intact
+    (sizes and checksums of every shard written), else None."""
+    try:
+        rec = json.loads((tmp / _PLAN_FILE).read_text(encoding="utf-8"))
+        progress_path = tmp / _PROGRESS_FILE
+        progress = (
+            json.loads(progress_path.read_text(encoding="utf-8"))
+            if progress_path.is_file()
+            else {"key": key, "done": [], "current": None}
+        )
+        if rec["key"] != key or progress["key"] != key or rec["shard_tokens"] != SHARD_TOKENS:
+            return None
+        if isinstance(tokenizer, Tokenizer):
+            tok = tokenizer
+        elif parse_spec(spec)[0] == "bpe":
+            tok = Tokenizer.load(tmp / "tokenizer", spec=spec)
+        else:
+            tok = build_tokenizer(spec)
+        if tok.fingerprint() != rec["tokenizer_fingerprint"]:
+            return None
+        rule = _SplitRule(settings["val_fraction"], settings["min_val_docs"])
+        plan = _Plan(
+            rec["n_docs"],
+            [SourceStats(**d) for d in rec["stats"]],
+            rec["truncated"],
+            rec["chars"],
+            rule,
+            {tuple(x) for x in rec["forced_val"]},
+            {tuple(x) for x in rec["forced_train"]},
+            rec["n_cut"],
+            [],
+        )
+        item = token_dtype(tok.vocab_size).itemsize
+        states = [
+            {
+                "files": d[f"{split}_shards"],
+                "checksums": d[f"{split}_checksums"],
+                "tokens": d[f"{split}_tokens"],
+            }
+            for d in progress["done"]
+            for split in ("train", "val")
+        ]
+        if progress["current"] is not None:
+            states += list(progress["current"]["writers"].values())
+        if not all(_intact(tmp, st, item, SHARD_TOKENS) for st in states):
+            return None
+    except (OSError, ValueError, KeyError, TypeError, ConfigError, DataError):
+        return None
+    return plan, tok, progress
 
 
 def _build(
@@ -992,31 +1311,57 @@ def _build(
     settings: dict[str, Any],
     exts: tuple[str, ...],
     progress: bool,
+    workers: int,
 ) -> Manifest:
     reader = _Reader(paths, settings, exts)
-    train_bpe = isinstance(tokenizer, str) and parse_spec(tokenizer)[0] == "bpe"
-    with _Progress(progress) as bar:
-        plan = _scan(reader, settings, train_bpe, bar)
-
-    if isinstance(tokenizer, Tokenizer):
-        tok = tokenizer
+    resumed = _resumable(tmp, key, spec, tokenizer, settings)
+    if resumed is not None:
+        plan, tok, state = resumed
+        cur = state["current"]
+        log.info(
+            "resuming the interrupted preparation in %s: %d of %d source(s) done%s",
+            tmp, len(state["done"]), len(paths),
+            f", source {cur['source']} from document {cur['next_doc']:,}" if cur else "",
+        )  # fmt: skip
     else:
-        texts = plan.train_texts
-        tok = build_tokenizer(spec, (lambda: iter(texts)) if train_bpe else None)
-        wanted = parse_spec(spec)[1]
-        if wanted is not None and tok.vocab_size < wanted:
-            log.warning(
-                "the corpus is too small for %s: the trained vocabulary has %d tokens", spec, tok.vocab_size
-            )
-    plan.train_texts = []  # up to 50 MB: free it before tokenising
-    tok.save(tmp / "tokenizer")
+        for entry in tmp.iterdir():  # an unusable earlier attempt: start over
+            shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+        train_bpe = isinstance(tokenizer, str) and parse_spec(tokenizer)[0] == "bpe"
+        with _Progress(progress) as bar:
+            plan = _scan(reader, settings, train_bpe, bar)
+        if isinstance(tokenizer, Tokenizer):
+            tok = tokenizer
+        else:
+            texts = plan.train_texts
+            tok = build_tokenizer(spec, (lambda: iter(texts)) if train_bpe else None)
+            wanted = parse_spec(spec)[1]
+            if wanted is not None and tok.vocab_size < wanted:
+                log.warning(
+                    "the corpus is too small for %s: the trained vocabulary has %d tokens",
+                    spec,
+                    tok.vocab_size,
+                )
+        plan.train_texts = []  # up to 50 MB: free it before tokenising
+        tok.save(tmp / "tokenizer")
+        _write_json(tmp / _PLAN_FILE, _plan_record(plan, key, tok))  # from here on, a kill is resumable
+        state = {"key": key, "done": [], "current": None}
     dtype = token_dtype(tok.vocab_size)
 
-    infos: list[SourceInfo] = []
+    infos = [SourceInfo(**d) for d in state["done"]]
+
+    def checkpoint(current: dict[str, Any] | None) -> None:
+        _write_json(
+            tmp / _PROGRESS_FILE, {"key": key, "done": [asdict(s) for s in infos], "current": current}
+        )
+
     with _Progress(progress) as bar:
         task = bar.task("tokenizing", plan.chars)
-        for i, path in enumerate(paths):
-            writers, docs = _write_source(i, reader, plan, tok, tmp, dtype, bar, task)
+        for i in range(len(infos), len(paths)):
+            path = paths[i]
+            resume = state["current"] if state["current"] and state["current"]["source"] == i else None
+            writers, docs = _write_source(
+                i, reader, plan, tok, tmp, dtype, workers, resume, checkpoint, bar, task
+            )
             single_file = path.is_file()
             infos.append(
                 SourceInfo(
@@ -1030,8 +1375,8 @@ def _build(
                     else source_fingerprint(path, exts)["stat_sha256"],
                     hash_method="content" if single_file else "stat",
                     docs=plan.n_docs[i],
-                    train_docs=len(docs["train"]),
-                    val_docs=len(docs["val"]),
+                    train_docs=docs["train_docs"],
+                    val_docs=len(docs["val_docs"]),
                     train_tokens=writers["train"].tokens,
                     val_tokens=writers["val"].tokens,
                     train_shards=writers["train"].files,
@@ -1039,11 +1384,12 @@ def _build(
                     train_checksums=writers["train"].checksums,
                     val_checksums=writers["val"].checksums,
                     truncated=plan.truncated[i],
-                    val_doc_indices=docs["val"],
-                    val_tail_doc_indices=docs["cut"],
+                    val_doc_indices=docs["val_docs"],
+                    val_tail_doc_indices=docs["cut_docs"],
                     stats=plan.stats[i].as_dict(),
                 )
             )
+            checkpoint(None)
 
     totals = {
         "docs": sum(plan.n_docs),
@@ -1079,8 +1425,18 @@ def _build(
         val_split=plan.describe(),
         settings=settings,
     )
+    (tmp / _PLAN_FILE).unlink()
+    (tmp / _PROGRESS_FILE).unlink()
     manifest._write(tmp)  # last: a folder with a manifest is a complete folder
     return manifest
+
+
+def _available_cores() -> int:
+    """Cores this process may run on (its affinity mask: a container or taskset limit, not the machine's)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # macOS, Windows
+        return os.cpu_count() or 1
 
 
 def _slug(sources: Sequence[str | os.PathLike[str]], tokenizer: str | Tokenizer) -> str:

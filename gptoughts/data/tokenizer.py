@@ -117,6 +117,11 @@ class Tokenizer:
         # The bytes tokenizer (built here or loaded back from disk) gets a numpy fast path.
         self._is_bytes = self.vocab_size == MIN_BPE_VOCAB and self.fingerprint() == _bytes_fingerprint()
 
+    @property
+    def is_bytes(self) -> bool:
+        """The bytes tokenizer (encoded by numpy at memory speed rather than by the library)."""
+        return self._is_bytes
+
     # ------------------------------------------------------------------------------------- encoding
 
     def encode(self, text: str, *, special: bool = False) -> list[int]:
