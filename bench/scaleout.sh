@@ -45,8 +45,8 @@ for w in $what; do
       tr 2 8b-pp2 "${big[@]}" --batch_size 4 --grad_accum 2 --parallel.pp 2 --parallel.pp_microbatches 8
       summary "$runs/8b-pp2" "8b pp2 1f1b (8 rows in 8 micro-batches)" 2 | tee -a "$out/scaleout.txt" ;;
     tp)
-      tr 2 8b-tp2 "${big[@]}" --batch_size 4 --grad_accum 2 --parallel.tp 2
-      summary "$runs/8b-tp2" "8b tp2 (b4 x accum 2, both ranks the same rows)" 2 | tee -a "$out/scaleout.txt" ;;
+      tr 2 8b-tp2 "${big[@]}" --batch_size 2 --grad_accum 4 --parallel.tp 2
+      summary "$runs/8b-tp2" "8b tp2 (b2 x accum 4, both ranks the same rows)" 2 | tee -a "$out/scaleout.txt" ;;
     dcp)
       one=(--size 1b --block_size 2048 --batch_size 8 "${common[@]}" --save_interval 5)
       tr 2 1b-dcp "${one[@]}" --max_steps 20 --parallel.strategy fsdp
