@@ -4,7 +4,8 @@
 #        4 rows per step in 4 micro-batches) - the same 8 x 8192 tokens per step, bf16, per-block compile;
 #   tp:  the same 8b step with --parallel.tp 2 (one tensor-parallel group of 2);
 #   dcp: 1b FSDP2 on 2 GPUs saving a sharded checkpoint (async) every 5 steps: the time training is blocked per
-#        save (checkpoint_blocked_s), then the step-10 checkpoint resumed on 1 GPU (DCP resharding).
+#        save (checkpoint_blocked_s; after the first, a save also waits for the previous one to be on disk, which
+#        5 steps of 1b do not cover), then the step-10 checkpoint resumed on 1 GPU (DCP resharding).
 # Usage: bash bench/scaleout.sh OUT_DIR "pp tp dcp"     writes OUT_DIR/scaleout.txt (runs in /tmp/scaleout)
 set -uo pipefail
 out=$1
@@ -56,8 +57,9 @@ for w in $what; do
       rm -rf "$runs/1b-dcp-one/checkpoints/step_0000"{15,20}
       python3 -c "import json, sys; f = sys.argv[1]; rows = [l for l in open(f) if json.loads(l).get('step', 0) <= 10]; \
 open(f, 'w').writelines(rows)" "$runs/1b-dcp-one/metrics.jsonl"
-      python3 -m gptoughts train --resume "$runs/1b-dcp-one/checkpoints/step_000010" --out "$runs/1b-dcp-one" \
-        --max_steps 20 --batch_size 8 --grad_accum 2 --log_interval 2 --no_progress > "$out/1b-dcp-one.log" 2>&1
+      # --resume auto: the run's own config (data, tokenizer), its newest checkpoint (step 10, the later ones removed)
+      python3 -m gptoughts train --resume auto --out "$runs/1b-dcp-one" \
+        --batch_size 8 --grad_accum 2 --log_interval 2 --no_progress > "$out/1b-dcp-one.log" 2>&1
       grep -E "resum|^error" "$out/1b-dcp-one.log" | head -3 | tee -a "$out/scaleout.txt"
       summary "$runs/1b-dcp-one" "1b from the 2-GPU step-10 checkpoint on 1 GPU" 1 | tee -a "$out/scaleout.txt"
       python3 -c "import json, sys; [print(f'{sys.argv[1][-10:]} loss at steps 12-20:', [(r['step'], round(r['loss'], 4)) \

@@ -661,8 +661,14 @@ def load_dcp(
         else:
             set_model_state_dict(model, dest["model"], options=_options(strict=strict))
     if optimizer is not None:
+        hyper = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
         if plan is None or not _load_optimizer_by_index(optimizer, dest["optimizer"], plan[1]):
             set_optimizer_state_dict(model, optimizer, dest["optimizer"], options=_options())
+        # A run saved with other parameter groups (tensor parallelism groups parameters by layout) leaves groups
+        # without some hyperparameters (betas, ...): this run's own, which its config sets anyway, fill them.
+        for g, own_values in zip(optimizer.param_groups, hyper):
+            for k, v in own_values.items():
+                g.setdefault(k, v)
 
 
 def consolidated_weights(path: Path) -> dict[str, torch.Tensor]:
