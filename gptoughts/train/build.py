@@ -804,7 +804,6 @@ def _assemble(
     # 7. optimizer, schedule, loaders, sampler: still nothing written
     from gptoughts.sampling import Sampler
     from gptoughts.train.optim import Schedule
-    from gptoughts.train.setup import make_optimizer
 
     t = replace(cfg.train, batch_size=batch.micro_batch, grad_accum=batch.grad_accum)
     evaluation = replace(cfg.eval, eval_interval=batch.eval_interval)
@@ -812,16 +811,7 @@ def _assemble(
     schedule = Schedule(
         t.schedule, t.learning_rate, batch.total_steps, batch.warmup_steps, t.min_lr_ratio, t.decay_fraction
     )
-    optimizer = make_optimizer(model.built.model, t, cfg.perf, env.device)
-    if model.built.pipeline is not None:
-        # The order a one-process run's optimizer holds the parameters in (its checkpoints key them by index):
-        # an optimizer over the whole model, built but never stepped (no state is allocated).
-        names = {id(p): n for n, p in model.raw.named_parameters()}
-        whole = make_optimizer(
-            model.raw, t, replace(cfg.perf, fused_adamw=False), env.device
-        )  # meta: unfused
-        model.built.pipeline.param_order = [names[id(p)] for g in whole.param_groups for p in g["params"]]
-        del whole
+    optimizer = train_optimizer(cfg, env, model, t)
     loader, eval_fn = make_loaders(cfg, env, data, model, t)
     asm.loader = loader
     asm.sampler = Sampler(
@@ -1104,6 +1094,20 @@ def synthetic_data(vocab_size: int, init_from: Path | None = None, tokenizer: An
     )
 
 
+def train_optimizer(cfg: Config, env: Environment, model: Model, t: TrainConfig) -> Any:
+    """The run's optimizer; under pipeline parallelism also the order in which a one-process run's optimizer holds
+    the parameters (its checkpoints key them by index): an optimizer over the whole model, built but never stepped
+    (no state is allocated; unfused: the parameters a rank does not hold are on the meta device)."""
+    from gptoughts.train.setup import make_optimizer
+
+    optimizer = make_optimizer(model.built.model, t, cfg.perf, env.device)
+    if model.built.pipeline is not None:
+        names = {id(p): n for n, p in model.raw.named_parameters()}
+        whole = make_optimizer(model.raw, t, replace(cfg.perf, fused_adamw=False), env.device)
+        model.built.pipeline.param_order = [names[id(p)] for g in whole.param_groups for p in g["params"]]
+    return optimizer
+
+
 def timing_trainer(
     cfg: Config, env: Environment, model: Model, loader: Any, batch: BatchPlan, *, timing: bool = True
 ) -> Any:
@@ -1111,20 +1115,10 @@ def timing_trainer(
     directory, no metrics, no checkpoints (what ``bench``, ``tune`` and bench/finetune_vs_peft.py time)."""
     from gptoughts.train.metrics import MetricsLogger
     from gptoughts.train.optim import Schedule
-    from gptoughts.train.setup import make_optimizer
     from gptoughts.train.trainer import Trainer
 
     t = replace(cfg.train, batch_size=batch.micro_batch, grad_accum=batch.grad_accum)
-    optimizer = make_optimizer(model.built.model, t, cfg.perf, env.device)
-    if model.built.pipeline is not None:
-        # The order a one-process run's optimizer holds the parameters in (its checkpoints key them by index):
-        # an optimizer over the whole model, built but never stepped (no state is allocated).
-        names = {id(p): n for n, p in model.raw.named_parameters()}
-        whole = make_optimizer(
-            model.raw, t, replace(cfg.perf, fused_adamw=False), env.device
-        )  # meta: unfused
-        model.built.pipeline.param_order = [names[id(p)] for g in whole.param_groups for p in g["params"]]
-        del whole
+    optimizer = train_optimizer(cfg, env, model, t)
     return Trainer(
         model=model.built.model,
         objective=model.objective,

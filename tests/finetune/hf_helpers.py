@@ -6,6 +6,7 @@ folders and cannot be imported that way."""
 from __future__ import annotations
 
 import inspect
+import json
 from pathlib import Path
 
 import pytest
@@ -128,3 +129,18 @@ def hf_logits(folder: Path, ids: torch.Tensor, attn: str = "eager") -> torch.Ten
     ).eval()
     with torch.no_grad():
         return model(input_ids=ids).logits
+
+
+def sft_rows(path: Path, n: int = 48) -> Path:
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for _ in range(n):
+        a, b = torch.randint(0, 10, (2,), generator=g).tolist()
+        rows.append({"prompt": f"add {a} {b}", "response": f"{a + b}"})
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return path
+
+
+def losses(run: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}

@@ -7,28 +7,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_helpers import hf_logits, transformers
+from hf_helpers import hf_logits, sft_rows, transformers
+from hf_helpers import losses as run_losses
 from safetensors.torch import load_file
 
 from gptoughts import api, cli
 from gptoughts.config import load_config
 from gptoughts.errors import ConfigError, HardwareError, UserError
 from gptoughts.train.trainer import Trainer
-
-
-def _sft(path: Path, n: int = 48) -> Path:
-    g = torch.Generator().manual_seed(0)
-    rows = []
-    for _ in range(n):
-        a, b = torch.randint(0, 10, (2,), generator=g).tolist()
-        rows.append({"prompt": f"add {a} {b}", "response": f"{a + b}"})
-    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    return path
-
-
-def _losses(run: Path) -> dict[int, float]:
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
 def _o(fast: dict, **kw) -> dict:
@@ -44,12 +30,12 @@ def test_lora_finetune_then_export_matches_transformers(kind, hf_model, tmp_path
     run = tmp_path / "run"
     api.finetune(
         model_path=str(base),
-        data_path=str(_sft(tmp_path / "d.jsonl")),
+        data_path=str(sft_rows(tmp_path / "d.jsonl")),
         lora=True,
         save_dir=str(run),
         **_o(ft_fast, **{"train.max_steps": 30, "train.learning_rate": 1e-2}),
     )
-    losses = _losses(run)
+    losses = run_losses(run)
     first, last = sum(losses[s] for s in range(1, 6)) / 5, sum(losses[s] for s in range(26, 31)) / 5
     assert last < 0.8 * first, (first, last)
     # the checkpoint holds the adapters only: the base is reloaded from model.init_from
@@ -72,7 +58,7 @@ def test_lora_finetune_then_export_matches_transformers(kind, hf_model, tmp_path
 
 
 def test_lora_resume_matches_uninterrupted_run(hf_model, tmp_path, ft_fast, ft_cache, monkeypatch):
-    base, data = hf_model("llama"), _sft(tmp_path / "d.jsonl")
+    base, data = hf_model("llama"), sft_rows(tmp_path / "d.jsonl")
     o = _o(ft_fast, **{"train.max_steps": 12, "train.learning_rate": 1e-2, "lora.dropout": 0.1})
 
     def go(out: Path, **kw) -> None:
@@ -90,9 +76,9 @@ def test_lora_resume_matches_uninterrupted_run(hf_model, tmp_path, ft_fast, ft_c
     monkeypatch.setattr(Trainer, "train_step", stop_at_6)
     go(tmp_path / "b")
     monkeypatch.setattr(Trainer, "train_step", original)
-    assert sorted(_losses(tmp_path / "b")) == list(range(1, 7))
+    assert sorted(run_losses(tmp_path / "b")) == list(range(1, 7))
     go(tmp_path / "b", **{"run.resume": "auto"})
-    full, resumed = _losses(tmp_path / "a"), _losses(tmp_path / "b")
+    full, resumed = run_losses(tmp_path / "a"), run_losses(tmp_path / "b")
     assert sorted(resumed) == list(range(1, 13))
     for step in range(1, 13):
         assert resumed[step] == pytest.approx(full[step], rel=1e-5, abs=1e-6), step
@@ -103,7 +89,7 @@ def test_packed_document_logits_equal_its_logits_alone(hf_model, tmp_path):
     from gptoughts.models.hf import load_pretrained
 
     pre = load_pretrained(hf_model("qwen3"))
-    data = SFTData([str(_sft(tmp_path / "d.jsonl"))], pre.tokenizer, block_size=96)
+    data = SFTData([str(sft_rows(tmp_path / "d.jsonl"))], pre.tokenizer, block_size=96)
     x, y, pos, doc = next(SFTLoader(data, batch_size=2, seed=0))
     assert int(doc[0].max()) >= 2  # at least two examples (plus padding) in the row
     with torch.no_grad():
@@ -122,14 +108,14 @@ def test_generic_architecture_trains_through_the_trainer(hf_model, tmp_path, ft_
     run = tmp_path / "run"
     model, _, hist = api.finetune(
         model_path=str(base),
-        data_path=str(_sft(tmp_path / "d.jsonl")),
+        data_path=str(sft_rows(tmp_path / "d.jsonl")),
         lora=True,
         save_dir=str(run),
         **_o(ft_fast, **{"train.max_steps": 4, "train.learning_rate": 1e-2}),
     )
     out = capsys.readouterr().out
     assert "gpt_neox" in out and "native fast path" in out and "one SFT example per row" in out
-    losses = _losses(run)
+    losses = run_losses(run)
     assert sorted(losses) == [1, 2, 3, 4] and all(v == v for v in losses.values())
     assert json.loads((run / "run.json").read_text())["generic"] is True
     exported = api.export(run, tmp_path / "out")
@@ -143,7 +129,7 @@ def test_qlora_is_refused_without_a_gpu(hf_model, tmp_path, ft_fast, ft_cache):
     with pytest.raises(HardwareError, match="QLoRA .* needs a CUDA GPU"):
         api.finetune(
             model_path=str(hf_model("llama")),
-            data_path=str(_sft(tmp_path / "d.jsonl")),
+            data_path=str(sft_rows(tmp_path / "d.jsonl")),
             lora=True,
             save_dir=str(tmp_path / "run"),
             **_o(ft_fast, **{"lora.quantize": "4bit"}),
@@ -155,7 +141,7 @@ def test_full_finetune_chat_sample_and_hf_folder_sample(hf_model, tmp_path, ft_f
     run = tmp_path / "run"
     api.finetune(
         model_path=str(base),
-        data_path=str(_sft(tmp_path / "d.jsonl")),
+        data_path=str(sft_rows(tmp_path / "d.jsonl")),
         save_dir=str(run),
         **_o(ft_fast, **{"train.max_steps": 3, "train.learning_rate": 1e-3}),
     )
@@ -271,14 +257,14 @@ def test_finetune_command_line_and_config_checks(tmp_path, hf_model):
     with pytest.raises(ConfigError, match="model.n_layers changes the architecture"):
         api.finetune(
             model_path=str(hf_model("llama")),
-            data_path=str(_sft(tmp_path / "d.jsonl")),
+            data_path=str(sft_rows(tmp_path / "d.jsonl")),
             save_dir=str(tmp_path / "arch"),
             **{"model.n_layers": 4, "perf.device": "cpu", "run.progress": False, "train.block_size": 64},
         )
     with pytest.raises(ConfigError, match="lora.target_modules"):
         api.finetune(
             model_path=str(hf_model("llama")),
-            data_path=str(_sft(tmp_path / "d.jsonl")),
+            data_path=str(sft_rows(tmp_path / "d.jsonl")),
             lora=True,
             save_dir=str(tmp_path / "run"),
             **{
@@ -293,7 +279,7 @@ def test_finetune_command_line_and_config_checks(tmp_path, hf_model):
 def test_lora_keeps_the_frozen_base_in_bf16_under_bf16_training(hf_model, tmp_path, ft_fast, ft_cache):
     model, _, hist = api.finetune(
         model_path=str(hf_model("qwen2")),
-        data_path=str(_sft(tmp_path / "d.jsonl")),
+        data_path=str(sft_rows(tmp_path / "d.jsonl")),
         lora=True,
         save_dir=str(tmp_path / "run"),
         **_o(ft_fast, **{"train.max_steps": 3, "perf.precision": "bf16", "train.learning_rate": 1e-2}),
@@ -301,11 +287,11 @@ def test_lora_keeps_the_frozen_base_in_bf16_under_bf16_training(hf_model, tmp_pa
     frozen = {p.dtype for p in model.parameters() if not p.requires_grad}
     trainable = {p.dtype for p in model.parameters() if p.requires_grad}
     assert frozen == {torch.bfloat16} and trainable == {torch.float32}  # no fp32 copy of the base at all
-    assert hist.steps == 3 and all(v == v for v in _losses(tmp_path / "run").values())
+    assert hist.steps == 3 and all(v == v for v in run_losses(tmp_path / "run").values())
     with pytest.raises(ConfigError, match="base_dtype = bf16 needs --precision bf16"):
         api.finetune(
             model_path=str(hf_model("qwen2", name="b")),
-            data_path=str(_sft(tmp_path / "e.jsonl")),
+            data_path=str(sft_rows(tmp_path / "e.jsonl")),
             lora=True,
             save_dir=str(tmp_path / "run2"),
             **_o(ft_fast, **{"lora.base_dtype": "bf16"}),

@@ -2,29 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-import torch
-
-
-def _sft(path: Path, n: int = 48) -> Path:
-    g = torch.Generator().manual_seed(0)
-    rows = []
-    for _ in range(n):
-        a, b = torch.randint(0, 10, (2,), generator=g).tolist()
-        rows.append({"prompt": f"add {a} {b}", "response": f"{a + b}"})
-    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    return path
-
-
-def _losses(run: Path) -> dict[int, float]:
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+from hf_helpers import losses, sft_rows
 
 
 @pytest.mark.distributed
@@ -33,7 +16,7 @@ def test_qwen3_sft_under_tp_matches_one_process(hf_model, tmp_path, ft_cache):
     targets: the token count is summed over data-parallel ranks only) under TP=2 trains like one process, and
     samples the same answer."""
     base = hf_model("qwen3")
-    data = _sft(tmp_path / "d.jsonl")
+    data = sft_rows(tmp_path / "d.jsonl")
     argv = [
         "finetune", "--model", str(base), "--data", str(data), "--block_size", "64", "--batch_size", "4",
         "--max_steps", "4", "--perf.device", "cpu", "--precision", "fp32", "--compile", "false",
@@ -53,7 +36,7 @@ def test_qwen3_sft_under_tp_matches_one_process(hf_model, tmp_path, ft_cache):
             env=env, capture_output=True, text=True, timeout=300,
         )  # fmt: skip
         assert r.returncode == 0, r.stderr[-3000:]
-        runs[name] = (_losses(out), r.stdout.split("sample ('hi'):")[-1].splitlines()[1])
+        runs[name] = (losses(out), r.stdout.split("sample ('hi'):")[-1].splitlines()[1])
     (a, sample_a), (b, sample_b) = runs["one"], runs["tp"]
     assert sorted(a) == sorted(b) == [1, 2, 3, 4]
     for s in a:
