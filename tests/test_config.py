@@ -179,7 +179,7 @@ def test_tensor_parallel_without_enough_processes_is_one_line() -> None:
 
     from gptoughts.parallel import dist
 
-    with pytest.raises(ConfigError, match="does not divide the 1 process"):
+    with pytest.raises(ConfigError, match="needs 2 processes or a multiple: launch with `torchrun"):
         dist.init(torch.device("cpu"), tp=2)
     info = dist.init(torch.device("cpu"))
     assert (info.dp_size, info.dp_rank, info.tp_rank, info.pp_rank, info.model_parallel) == (

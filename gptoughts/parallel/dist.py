@@ -118,6 +118,11 @@ def init(
     processes (one process joins a group of one), with a gloo backend beside NCCL for the collectives on
     CPU tensors (the global gradient norm, Muon's gathers of offloaded shards)."""
     world_env = int(os.environ["WORLD_SIZE"]) if launched_by_torchrun() else 1
+    if tp * pp > 1 and not launched_by_torchrun():
+        raise ConfigError(
+            f"parallel.tp x parallel.pp = {tp} x {pp} needs {tp * pp} processes or a multiple: launch with "
+            f"`torchrun --nproc_per_node={tp * pp} -m gptoughts train ...`"
+        )
     if world_env % (tp * pp):
         raise ConfigError(
             f"parallel.tp x parallel.pp = {tp} x {pp} does not divide the {world_env} process(es) torchrun "
