@@ -1003,7 +1003,7 @@ def _validate_finetune(cfg: Config) -> None:
         raise ConfigError(f"lora.alpha must be > 0, got {lo.alpha}")
     if not 0.0 <= lo.dropout < 1.0:
         raise ConfigError(f"lora.dropout must be in [0, 1), got {lo.dropout}")
-    if lo.enabled and cfg.parallel.strategy == "fsdp":
+    if lo.enabled and (cfg.parallel.strategy == "fsdp" or cfg.parallel.cpu_offload):
         raise ConfigError(
             "LoRA runs are data-parallel with DDP (parallel.strategy = auto or ddp): the frozen base "
             "is not sharded by this version's FSDP path"

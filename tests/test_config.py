@@ -192,3 +192,15 @@ def test_tensor_parallel_without_enough_processes_is_one_line() -> None:
     # rank order (pp, dp, tp), tp innermost: rank 5 of 8 with tp 2, pp 2 is stage 1, dp rank 0, tp rank 1
     info = dist.DistInfo(rank=5, world_size=8, strategy="fsdp", tp=2, pp=2)
     assert (info.dp_size, info.dp_rank, info.tp_rank, info.pp_rank) == (2, 0, 1, 1)
+
+
+def test_lora_is_refused_under_offload_as_under_fsdp():
+    from gptoughts.config import _validate_finetune
+
+    cfg = Config()
+    cfg.lora.enabled, cfg.parallel.cpu_offload = (
+        True,
+        True,
+    )  # offload means FSDP2, which LoRA does not run under
+    with pytest.raises(ConfigError, match="LoRA runs are data-parallel with DDP"):
+        _validate_finetune(cfg)

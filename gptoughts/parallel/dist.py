@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gptoughts.errors import ConfigError
+from gptoughts.errors import ConfigError, UserError
 
 
 @dataclass(frozen=True)
@@ -276,13 +276,6 @@ def _options(**kw: bool) -> object:
     return StateDictOptions(full_state_dict=True, **kw)
 
 
-def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """A sharded model's full state dict, gathered to CPU on rank 0 (empty on the other ranks). Collective."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-    return get_model_state_dict(model, options=_options(cpu_offload=True))
-
-
 def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
     """Load a full state dict (every rank holds it) into a sharded model: each rank keeps its shard."""
     from torch.distributed.checkpoint.state_dict import set_model_state_dict
@@ -314,6 +307,15 @@ def load_optimizer_state(
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
     if not by_name:  # index i = the i-th parameter of the param groups, in order
+        saved = [len(g["params"]) for g in state.get("param_groups", [])]
+        if saved != [len(g["params"]) for g in optimizer.param_groups]:
+            # Tensor parallelism splits each group by layout (plain tensors / DTensors): positions would land
+            # on other parameters (same-shape norms silently). Refuse rather than guess.
+            raise UserError(
+                "this checkpoint's optimizer state was written by a one-process or DDP run, whose parameter "
+                "groups differ from this run's (tensor parallelism splits them); resume it on one process or "
+                "under DDP/FSDP, then switch to --parallel.tp from that run's next (sharded) checkpoint"
+            )
         names = {id(p): n for n, p in model.named_parameters()}
         order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
         state = {

@@ -199,6 +199,13 @@ class RankModel(nn.Module):
                     setattr(self, name, child)
         self.layers = StageLayers(dict(sorted(layers.items(), key=lambda kv: int(kv[0]))))
 
+    @property
+    def output_weight(self) -> torch.Tensor | None:
+        """The LM head's weight on the rank holding the last stage (None elsewhere): the model protocol's name,
+        which ``models.hidden_matrices`` reads so that Muon leaves the head to AdamW as on one process."""
+        output = getattr(self, "output", None)
+        return output.weight if output is not None else None
+
     def train(self, mode: bool = True) -> RankModel:
         for stage in self._stages:
             stage.train(mode)

@@ -314,7 +314,9 @@ def build_model(cfg: Config, env: Environment, data: Data, *, meta: bool = False
     pretrained = None
     perf = cfg.perf
     if data.init_from is not None:
-        pretrained, raw, perf = build_finetune_model(cfg, data.init_from, device, env.precision)
+        # Offloaded runs keep the weights in CPU memory: load them there (the model may not fit the GPU).
+        where = torch.device("cpu") if env.dist.cpu_offload and not meta else device
+        pretrained, raw, perf = build_finetune_model(cfg, data.init_from, where, env.precision)
         _check_tp(cfg, env, pretrained.family, pretrained.model.args, generic=pretrained.generic)
         if pretrained.generic and env.dist.sharded:
             raise ConfigError(
@@ -901,6 +903,11 @@ def load_resume_checkpoint(
     while True:
         try:
             if model.built.pipeline is not None:
+                if ckpt.is_dcp(path):
+                    raise UserError(
+                        f"{path} is a sharded checkpoint (an FSDP or tensor-parallel run's); a pipeline run "
+                        "cannot load one yet: resume it without --parallel.pp"
+                    )
                 model.built.pipeline.load_weights(path)
             else:
                 ckpt.load_weights(model.weights, path, sharded=env.dist.sharded)

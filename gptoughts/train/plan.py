@@ -217,6 +217,8 @@ def _memory(
         or not hasattr(model.args, "__dataclass_fields__")
         or model.pretrained is not None
         and model.pretrained.generic
+        or env.dist.pp
+        > 1  # the estimate knows no pipeline stages (it printed 227 GiB for 100 measured at 8b)
     ):
         return None, None, None
     from gptoughts.perf.estimate import estimate

@@ -194,7 +194,7 @@ def apply_transforms(
         from gptoughts.perf.fp8 import check_fp8_supported, convert_to_fp8
 
         check_fp8_supported(device)
-        gather = perf.fp8_all_gather and dist.sharded
+        gather = perf.fp8_all_gather and dist.strategy == "fsdp"
         resolved["fp8_linears"] = convert_to_fp8(raw, perf.fp8_recipe, perf.fp8_bf16_end_layers, gather)
         resolved["fp8"] = perf.fp8_recipe
         if perf.fp8_all_gather:
@@ -299,7 +299,8 @@ def apply_transforms(
         from gptoughts.perf.fp8 import precompute_scales
 
         def after() -> None:
-            precompute_scales(raw)
+            for part in parts:  # a pipeline's stages (raw's other tensors are on the meta device there)
+                precompute_scales(part)
 
     return Built(
         model=model,

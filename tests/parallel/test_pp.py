@@ -70,6 +70,19 @@ def test_a_stage_holds_its_part_under_the_whole_models_names():
     assert set(view.state_dict()) == set(model.state_dict())
 
 
+def test_muon_leaves_the_head_of_the_last_stage_to_adamw():
+    """The last stage's view names its head (``output_weight``), so Muon trains exactly the hidden matrices a
+    one-process run gives it (the head was taken for one when the stage had no embedding to compare with)."""
+    args = models.model_args("llama", "debug", {"n_layers": 4})
+    model = models.build_model("llama", args)
+    split = pp.split_layers(4, 2)
+    first = pp.RankModel([pp.make_stage(model, split[0], first=True, last=False)])
+    last = pp.RankModel([pp.make_stage(model, split[1], first=False, last=True)])
+    whole = {id(p) for p in model.parameters() if id(p) in models.hidden_matrices(model)}
+    assert models.hidden_matrices(first) | models.hidden_matrices(last) == whole
+    assert last.output_weight is model.output.weight and first.output_weight is None
+
+
 @pytest.mark.parametrize(
     ("family", "extra", "match"),
     [
