@@ -459,11 +459,20 @@ def cmd_sample(argv: Sequence[str]) -> int:
 
 def cmd_eval(argv: Sequence[str]) -> int:
     p = argparse.ArgumentParser(
-        prog="gptoughts eval", description="Loss and perplexity of a run (or HF folder) on all of a corpus."
+        prog="gptoughts eval",
+        description="Loss and perplexity of a run (or HF folder) on all of a corpus; accuracy on multiple-choice "
+        "tasks (--tasks).",
     )
     p.add_argument("path", help="run directory, checkpoint directory or Hugging Face model folder")
     p.add_argument(
-        "--data", action="append", required=True, help="file, folder, .jsonl, .parquet (repeatable)"
+        "--data", action="append", default=None, help="file, folder, .jsonl, .parquet (repeatable)"
+    )
+    p.add_argument(
+        "--tasks",
+        action="append",
+        default=None,
+        help='multiple-choice task file (repeatable): JSONL, {"context": str, "choices": [str, ...], '
+        '"answer": int} per line; scored by log-likelihood (acc, acc_norm)',
     )
     p.add_argument("--batch_size", type=int, default=8)
     p.add_argument("--block_size", type=int, default=None, help="default: the run's train.block_size")
@@ -479,19 +488,34 @@ def cmd_eval(argv: Sequence[str]) -> int:
         "--trust_remote_code", action="store_true", help="let transformers run an HF folder's own code"
     )
     a = p.parse_args(argv)
+    if not a.data and not a.tasks:
+        raise UserError(
+            "gptoughts eval needs --data PATH (loss, perplexity) or --tasks FILE.jsonl (accuracy)"
+        )
     from gptoughts.api import evaluate, load
+    from gptoughts.tools.tasks import evaluate_tasks, format_table, read_tasks
 
+    tasks = read_tasks(a.tasks) if a.tasks else []  # validated before the model loads
     loaded = load(a.path, device=a.device, trust_remote_code=a.trust_remote_code)
-    res = evaluate(
-        loaded, a.data, batch_size=a.batch_size, block_size=a.block_size, max_batches=a.max_batches
-    )
+    res: dict[str, Any] = {}
+    if a.data:
+        res = evaluate(
+            loaded, a.data, batch_size=a.batch_size, block_size=a.block_size, max_batches=a.max_batches
+        )
+    if tasks:
+        res["tasks"] = evaluate_tasks(loaded, tasks, batch_size=a.batch_size)
+        if (Path(a.path) / "run.json").is_file():
+            (Path(a.path) / "eval_tasks.json").write_text(json.dumps(res["tasks"], indent=2) + "\n")
     if a.json:
         print(json.dumps(res))
-    else:
+        return 0
+    if a.data:
         print(
             f"loss {res['loss']:.4f}  perplexity {res['perplexity']:.2f}  ({int(res['tokens']):,} tokens scored: "
             f"{res['scored']} of {', '.join(a.data)})"
         )
+    if tasks:
+        print(format_table(res["tasks"]))
     return 0
 
 
@@ -701,7 +725,7 @@ COMMANDS: dict[str, tuple[Callable[[Sequence[str]], int], str]] = {
     "export": (cmd_export, "write a run as a Hugging Face transformers folder (--format hf OUT)"),
     "prepare": (cmd_prepare, "tokenize a corpus into token shards"),
     "sample": (cmd_sample, "generate text from a run or checkpoint"),
-    "eval": (cmd_eval, "loss and perplexity of a run on all of a corpus"),
+    "eval": (cmd_eval, "loss and perplexity of a run on a corpus; accuracy on multiple-choice tasks"),
     "plot": (cmd_plot, "PNG plots of a run, or several runs overlaid"),
     "config": (cmd_config, "print the fully resolved config of a train command"),
     "env": (cmd_env, "hardware, supported precisions, recommended settings"),
