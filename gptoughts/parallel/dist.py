@@ -325,10 +325,10 @@ def load_optimizer_state(
     set_optimizer_state_dict(model, optimizer, state, options=_options())
 
 
-def all_reduce_sum(t: torch.Tensor, info: DistInfo, group: Any = None) -> torch.Tensor:
-    """Sum over every rank (flags, counts of problems), or over ``group``."""
+def all_reduce_sum(t: torch.Tensor, info: DistInfo) -> torch.Tensor:
+    """Sum over every rank (flags, counts of problems)."""
     if info.enabled:
-        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t
 
 

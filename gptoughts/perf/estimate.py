@@ -313,27 +313,25 @@ def estimate(
         optim -= 4 * sum(p.numel() for p in model.parameters() if id(p) in hidden)
     weights, grads = 4 * n, 4 * n
     copies = 2 * matmul_params
+    in_blocks = sum(p.numel() for p in model.layers.parameters())
+    # FSDP's working set (offloaded or not): the largest block (DeepSeek's MoE blocks outweigh its dense ones)
+    # gathered in bf16 with the next one prefetched, the root (embeddings, final norm, head), and the block's
+    # unsharded fp32 gradient in backward.
+    block = max(sum(p.numel() for p in layer.parameters()) for layer in model.layers) / tp
+    gathered = 2 * (2 * block + (n - in_blocks)) + 6 * block
     if tp > 1:
-        in_blocks = sum(p.numel() for p in model.layers.parameters())
         kept = (n - in_blocks + in_blocks / tp) / n  # the share of the parameters a rank holds
         weights, grads, optim, copies = weights * kept, grads * kept, optim * kept, copies * kept
         act = act / tp
     dp = max(1, num_gpus // tp)
     host = 0.0
     if cpu_offload:
-        block = max(sum(p.numel() for p in layer.parameters()) for layer in model.layers)
-        root = n - sum(p.numel() for p in model.layers.parameters())
         host = (weights + grads + optim) / num_gpus
-        weights, grads, optim = 0.0, 4 * block, 0.0
-        copies = 2 * (2 * block + root) + 6 * block
+        weights, grads, optim, copies = 0.0, 4 * block, 0.0, gathered
         total = copies + grads + logits + act
         strategy = "fsdp"
     elif strategy == "fsdp" and dp > 1:
-        # The largest block (DeepSeek's MoE blocks outweigh its dense ones).
-        block = max(sum(p.numel() for p in layer.parameters()) for layer in model.layers) / tp
-        root = n - sum(p.numel() for p in model.layers.parameters())
-        weights, grads, optim = weights / dp, grads / dp, optim / dp
-        copies = 2 * (2 * block + root) + 6 * block
+        weights, grads, optim, copies = weights / dp, grads / dp, optim / dp, gathered
         # Sharded gradients are small and fill up while activations are freed: counted in full (conservative).
         total = weights + optim + grads + copies + logits + act
     else:

@@ -311,12 +311,12 @@ def build_model(cfg: Config, env: Environment, data: Data, *, meta: bool = False
     from gptoughts.train.setup import TrainableWeights, apply_transforms, build_raw_model, make_objective
 
     device = torch.device("meta") if meta else env.device
+    # Offloaded runs keep the weights in CPU memory: build or load them there (the model may not fit the GPU).
+    home = torch.device("cpu") if env.dist.cpu_offload and not meta else device
     pretrained = None
     perf = cfg.perf
     if data.init_from is not None:
-        # Offloaded runs keep the weights in CPU memory: load them there (the model may not fit the GPU).
-        where = torch.device("cpu") if env.dist.cpu_offload and not meta else device
-        pretrained, raw, perf = build_finetune_model(cfg, data.init_from, where, env.precision)
+        pretrained, raw, perf = build_finetune_model(cfg, data.init_from, home, env.precision)
         _check_tp(cfg, env, pretrained.family, pretrained.model.args, generic=pretrained.generic)
         if pretrained.generic and env.dist.sharded:
             raise ConfigError(
@@ -359,9 +359,7 @@ def build_model(cfg: Config, env: Environment, data: Data, *, meta: bool = False
             with torch.device("meta"):
                 raw = models.build_model(family.name, args, device="meta")
         else:
-            # Offloaded runs keep the weights in CPU memory: build them there (the model may not fit the GPU).
-            where = torch.device("cpu") if env.dist.cpu_offload else device
-            raw = build_raw_model(family.name, args, where, cfg.train.seed)
+            raw = build_raw_model(family.name, args, home, cfg.train.seed)
     if env.dist.pp > 1:  # refused in one line before anything is written
         from gptoughts.parallel import pp
 

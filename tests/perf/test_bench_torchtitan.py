@@ -7,21 +7,13 @@ from __future__ import annotations
 import sys
 
 import pytest
+from test_perf import BENCH
 
 from gptoughts import cli
 from gptoughts.config import load_config
 from gptoughts.errors import ConfigError, UserError
 from gptoughts.tools import bench
 from gptoughts.train import build
-
-BENCH = {
-    "model.size": "debug",
-    "train.block_size": 32,
-    "train.batch_size": 2,
-    "perf.device": "cpu",
-    "perf.precision": "fp32",
-    "perf.compile": False,
-}
 
 
 def test_missing_torchtitan_is_one_line_and_exit_2_before_our_run(monkeypatch, capsys):
