@@ -45,6 +45,13 @@ def test_scores_are_the_log_probabilities_of_the_choice_tokens():
         # Token t is predicted by the logits at t - 1.
         expected = sum(float(logp[t - 1, full[t]]) for t in range(len(ctx), len(full)))
         assert score == pytest.approx(expected, abs=1e-4), (context, choice)
+    scored = loglikelihoods(model, tok, pairs, batch_size=3, with_greedy=True)
+    for (context, choice), (score, greedy) in zip(pairs, scored, strict=True):
+        ctx = tok.encode(context) or [tok.eos_id]
+        full = ctx + tok.encode(choice)
+        pred = model(torch.tensor([full]))[0].argmax(-1)
+        assert greedy == all(int(pred[t - 1]) == full[t] for t in range(len(ctx), len(full)))
+    assert [s for s, _ in scored] == pytest.approx(got)
 
 
 def test_acc_and_acc_norm_on_a_known_model():
@@ -66,6 +73,8 @@ def test_acc_and_acc_norm_on_a_known_model():
     r = score_task(model, tok, task, batch_size=2)
     assert r["examples"] == 3
     assert r["acc"] == pytest.approx(2 / 3) and r["acc_norm"] == 1.0
+    greedy = [g for _, g in loglikelihoods(model, tok, [("a", "x"), ("a", "q")], with_greedy=True)]
+    assert greedy == [True, False]  # "x" is the argmax after "a"; "q" is not
 
 
 def test_diffusion_is_refused_in_one_line():

@@ -113,8 +113,11 @@ def loglikelihoods(
     *,
     batch_size: int = 8,
     max_len: int | None = None,
-) -> list[float]:
-    """Summed log-probability of each ``choice`` given its ``context``, in ``pairs`` order.
+    with_greedy: bool = False,
+) -> list[float] | list[tuple[float, bool]]:
+    """Summed log-probability of each ``choice`` given its ``context``, in ``pairs`` order; with
+    ``with_greedy``, ``(log-probability, whether greedy decoding would produce exactly the choice's tokens)``
+    pairs, as lm-evaluation-harness's ``loglikelihood`` returns.
 
     A sequence ``context + choice`` is fed without its last token; the logits at position ``t`` predict token
     ``t + 1``, so the choice's ``k`` tokens are scored by the last ``k`` positions. An empty context starts from
@@ -132,7 +135,7 @@ def loglikelihoods(
         seqs.append((whole, min(len(cont), len(whole) - 1)))
     # Longest first: the batches hold sequences of similar lengths, so little padding is computed.
     order = sorted(range(len(seqs)), key=lambda i: -len(seqs[i][0]))
-    out = [0.0] * len(seqs)
+    out: list = [0.0] * len(seqs)
     for b in range(0, len(order), batch_size):
         idx = order[b : b + batch_size]
         width = max(len(seqs[i][0]) for i in idx) - 1
@@ -147,8 +150,9 @@ def loglikelihoods(
             n = len(toks) - 1  # input length
             pos = torch.arange(n - k, n, device=dev)
             target = torch.tensor(toks[n + 1 - k :], device=dev)
-            logp = torch.log_softmax(logits[r, pos], dim=-1).gather(-1, target[:, None])
-            out[i] = float(logp.sum())  # one host sync per sequence; cheap beside its forward
+            logp_all = torch.log_softmax(logits[r, pos], dim=-1)
+            logp = float(logp_all.gather(-1, target[:, None]).sum())  # one host sync per sequence
+            out[i] = (logp, bool((logp_all.argmax(-1) == target).all())) if with_greedy else logp
     return out
 
 
