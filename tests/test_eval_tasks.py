@@ -46,7 +46,7 @@ def test_scores_are_the_log_probabilities_of_the_choice_tokens():
         expected = sum(float(logp[t - 1, full[t]]) for t in range(len(ctx), len(full)))
         assert score == pytest.approx(expected, abs=1e-4), (context, choice)
     scored = loglikelihoods(model, tok, pairs, batch_size=3, with_greedy=True)
-    for (context, choice), (score, greedy) in zip(pairs, scored, strict=True):
+    for (context, choice), (_score, greedy) in zip(pairs, scored, strict=True):
         ctx = tok.encode(context) or [tok.eos_id]
         full = ctx + tok.encode(choice)
         pred = model(torch.tensor([full]))[0].argmax(-1)
