@@ -5,7 +5,10 @@
 #   8b-fp8: the same 8b runs in bf16, fp8 tensorwise, fp8 tensorwise with fp8 all-gather (needs torchao);
 #   deepseek16b: the DeepSeek-V2-Lite shape under FSDP2, seq 4096, batch 1 per GPU, Muon, full activation
 #   checkpointing (its AdamW state alone is ~250 GB), with the routed experts' loads.
-# Usage: bash bench/scaling.sh OUT_DIR [1b|8b|both|8b-fp8|deepseek16b] [GPU COUNTS, e.g. "2 4"]
+#   1b-levers: the 1b runs of the first mode (1 GPU, DDP, FSDP2) beside FSDP2 with
+#   --parallel.reshard_after_forward false and DDP with --parallel.ddp_bucket_mb 200 (issue 16's 97% target);
+#   8b-levers: the 8b FSDP2 bf16 run beside the same with --parallel.reshard_after_forward false.
+# Usage: bash bench/scaling.sh OUT_DIR [1b|8b|both|8b-fp8|deepseek16b|1b-levers|8b-levers] [GPU COUNTS, e.g. "2 4"]
 #   (default: both, every GPU)
 #   writes OUT_DIR/scaling.txt and the runs' metrics
 set -uo pipefail
@@ -42,12 +45,39 @@ if [[ $what == 1b || $what == both ]]; then
     done
   done
 fi
+if [[ $what == 1b-levers ]]; then
+  one=(--size 1b --block_size 2048 --batch_size 8 --max_steps 25 "${common[@]}")
+  python3 -m gptoughts train "${one[@]}" --out "$out/1b-1gpu" > "$out/1b-1gpu.log" 2>&1
+  steady "$out/1b-1gpu" "1b 1 GPU" 1 | tee -a "$out/scaling.txt"
+  for n in $counts; do
+    for v in fsdp fsdp-keep ddp ddp-200mb; do
+      extra=(--parallel.strategy "${v%%-*}")
+      [[ $v == fsdp-keep ]] && extra+=(--parallel.reshard_after_forward false)
+      [[ $v == ddp-200mb ]] && extra+=(--parallel.ddp_bucket_mb 200)
+      torchrun --standalone --nproc_per_node="$n" -m gptoughts train "${one[@]}" "${extra[@]}" \
+        --out "$out/1b-$v$n" > "$out/1b-$v$n.log" 2>&1
+      steady "$out/1b-$v$n" "1b $v x$n" "$n" | tee -a "$out/scaling.txt"
+    done
+  done
+fi
 if [[ $what == 8b || $what == both ]]; then
   big=(--size 8b --block_size 8192 --batch_size 1 --max_steps 20 "${common[@]}")
   for n in $counts; do
     torchrun --standalone --nproc_per_node="$n" -m gptoughts train "${big[@]}" --parallel.strategy fsdp \
       --out "$out/8b-fsdp$n" > "$out/8b-fsdp$n.log" 2>&1
     steady "$out/8b-fsdp$n" "8b seq 8192 fsdp bf16 x$n" "$n" | tee -a "$out/scaling.txt"
+  done
+fi
+if [[ $what == 8b-levers ]]; then
+  big=(--size 8b --block_size 8192 --batch_size 1 --max_steps 20 "${common[@]}")
+  for n in $counts; do
+    for v in fsdp fsdp-keep; do
+      extra=()
+      [[ $v == fsdp-keep ]] && extra=(--parallel.reshard_after_forward false)
+      torchrun --standalone --nproc_per_node="$n" -m gptoughts train "${big[@]}" "${extra[@]}" \
+        --parallel.strategy fsdp --out "$out/8b-$v$n" > "$out/8b-$v$n.log" 2>&1
+      steady "$out/8b-$v$n" "8b seq 8192 $v bf16 x$n" "$n" | tee -a "$out/scaling.txt"
+    done
   done
 fi
 if [[ $what == 8b-fp8 ]]; then

@@ -167,6 +167,8 @@ def test_train_is_split_into_eval_checkpoint_recovery_and_old_keys_still_load(tm
         ({"parallel.pp_microbatches": -2}, "pp_microbatches must be >= 0"),
         ({"parallel.pp": 2, "parallel.pp_layers": [3, 3, 3]}, "needs one per stage"),
         ({"parallel.tp": 2, "parallel.strategy": "none"}, "needs torchrun"),
+        ({"parallel.reshard_after_forward": "sometimes"}, "must be true, false or auto"),
+        ({"parallel.ddp_bucket_mb": -1}, "ddp_bucket_mb must be >= 0"),
     ],
 )
 def test_parallel_ranges(overrides: dict, message: str) -> None:
@@ -204,3 +206,45 @@ def test_lora_is_refused_under_offload_as_under_fsdp():
     )  # offload means FSDP2, which LoRA does not run under
     with pytest.raises(ConfigError, match="LoRA runs are data-parallel with DDP"):
         _validate_finetune(cfg)
+
+
+def test_fsdp_keeps_blocks_gathered_when_the_estimate_fits() -> None:
+    """auto: every block stays gathered until its backward where the estimate with them kept fits 80% of the
+    GPU (1b on two 141 GB GPUs), and they are resharded where it does not (8b on two 40 GiB GPUs)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from gptoughts.parallel.dist import DistInfo
+    from gptoughts.train.build import _fsdp_reshard
+
+    info = DistInfo(world_size=2, strategy="fsdp")
+    cuda = torch.device("cuda")
+
+    def hw(gib: float) -> SimpleNamespace:
+        return SimpleNamespace(memory_bytes=int(gib * 2**30))
+
+    def cfg(size: str, **over) -> Config:
+        return load_config(None, {"model.size": size, "train.batch_size": 1, **over})
+
+    keep, why = _fsdp_reshard(cfg("1b"), info, hw(141), cuda)
+    assert keep is False and why.startswith("auto: blocks kept")
+    keep, why = _fsdp_reshard(cfg("8b"), info, hw(40), cuda)
+    assert keep is True and "resharded" in why
+    assert _fsdp_reshard(cfg("1b", **{"parallel.reshard_after_forward": True}), info, hw(141), cuda) == (
+        True,
+        "asked",
+    )
+    assert _fsdp_reshard(cfg("1b"), info, hw(141), torch.device("cpu"))[0] is True
+
+
+def test_ddp_buckets_grow_with_the_model() -> None:
+    import torch
+    from torch import nn
+
+    from gptoughts.parallel.dist import ddp_bucket_mb
+
+    assert ddp_bucket_mb(nn.Linear(10, 10)) == 25  # torch's default for small models
+    huge = nn.ParameterList([nn.Parameter(torch.empty(1024**3, device="meta"))])  # 4 GiB of gradients
+    assert ddp_bucket_mb(huge) == 204
+    assert ddp_bucket_mb(huge, asked=64) == 64

@@ -56,6 +56,11 @@ class DistInfo:
     cpu_offload: bool = False
     """FSDP2 keeps parameters, gradients and optimizer state in CPU memory (``parallel.cpu_offload``); also a
     one-process run, then in a process group of one."""
+    reshard_after_forward: bool = True
+    """FSDP2 frees each block's gathered weights after its forward (``parallel.reshard_after_forward``, resolved
+    by the run's assembly: ``train.build._fsdp_reshard``)."""
+    ddp_bucket_mb: int = 0
+    """DDP's gradient bucket size in MB (``parallel.ddp_bucket_mb``; 0: :func:`ddp_bucket_mb` decides)."""
 
     @property
     def dp_size(self) -> int:
@@ -112,6 +117,8 @@ def init(
     tp: int = 1,
     pp: int = 1,
     cpu_offload: bool = False,
+    *,
+    ddp_bucket_mb: int = 0,
 ) -> DistInfo:
     """Join the process group torchrun set up (idempotent); world size 1 when not under torchrun. With
     ``tp``/``pp`` > 1, also the device mesh ``(pp, dp, tp)``. ``cpu_offload``: FSDP2 on any number of
@@ -193,12 +200,22 @@ def init(
         pp=pp,
         mesh=mesh,
         cpu_offload=cpu_offload,
+        ddp_bucket_mb=ddp_bucket_mb,
     )
 
 
 def shutdown() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def ddp_bucket_mb(model: nn.Module, asked: int = 0) -> int:
+    """The DDP bucket size: ``asked``, or (0) a twentieth of the fp32 gradients, clamped to 25-250 MB. On
+    2 x H200, 1b trained 95.1% as fast per GPU as one GPU with 200 MB buckets, 90.6% with torch's 25 MB."""
+    if asked:
+        return asked
+    grad_mb = 4 * sum(p.numel() for p in model.parameters() if p.requires_grad) / 2**20
+    return int(min(250, max(25, grad_mb / 20)))
 
 
 def wrap_ddp(model: nn.Module, device: torch.device, info: DistInfo) -> nn.Module:
@@ -216,10 +233,17 @@ def wrap_ddp(model: nn.Module, device: torch.device, info: DistInfo) -> nn.Modul
         gradient_as_bucket_view=True,
         static_graph=True,
         process_group=info.dp_group,
+        bucket_cap_mb=ddp_bucket_mb(model, info.ddp_bucket_mb),
     )
 
 
-def wrap_fsdp(model: nn.Module, precision: str, mesh: Any = None, cpu_offload: bool = False) -> nn.Module:
+def wrap_fsdp(
+    model: nn.Module,
+    precision: str,
+    mesh: Any = None,
+    cpu_offload: bool = False,
+    reshard_after_forward: bool = True,
+) -> nn.Module:
     """FSDP2: shard each transformer block (the unit that is gathered just before it runs and freed after),
     then the root (embeddings, final norm, head). Compute in bf16/fp16 when training in it, gradients reduced in
     fp32. ``fully_shard`` works in place: parameter names, per-block compile and checkpointing are unchanged.
@@ -245,7 +269,11 @@ def wrap_fsdp(model: nn.Module, precision: str, mesh: Any = None, cpu_offload: b
     for i, block in enumerate(blocks):
         # the last block's parameters are needed again at once by the backward: keep them gathered
         fully_shard(
-            block, mesh=mesh, mp_policy=mp, reshard_after_forward=i < len(blocks) - 1, offload_policy=offload
+            block,
+            mesh=mesh,
+            mp_policy=mp,
+            reshard_after_forward=reshard_after_forward and i < len(blocks) - 1,
+            offload_policy=offload,
         )
     fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload)
     return model
@@ -256,7 +284,11 @@ def wrap(model: nn.Module, device: torch.device, info: DistInfo, precision: str)
     tensor-parallel run has one data-parallel rank and did not ask for FSDP)."""
     if info.strategy == "fsdp":
         return wrap_fsdp(
-            model, precision, info.mesh["dp"] if info.mesh is not None else None, info.cpu_offload
+            model,
+            precision,
+            info.mesh["dp"] if info.mesh is not None else None,
+            info.cpu_offload,
+            info.reshard_after_forward,
         )
     if info.pp > 1:
         # DDP's reducer cannot follow a pipeline schedule's backward passes (several per step, in its own order:

@@ -249,6 +249,7 @@ def estimate(
     strategy: str = "ddp",
     optimizer: str = "adamw",
     cpu_offload: bool = False,
+    reshard_after_forward: bool = True,
     tp: int = 1,
 ) -> Estimate:
     """Peak memory of one training step, speed and cost for ``family`` at ``size`` (module docstring: each line).
@@ -272,6 +273,9 @@ def estimate(
     blocks' parameters (the embeddings and head whole) and about ``1/tp`` of their activations (sequence
     parallelism splits the residual stream and norms, tensor parallelism the heads and MLP units; the gathered
     sub-layer inputs are not counted apart: a slight underestimate); FSDP then shards over ``num_gpus / tp``.
+
+    ``reshard_after_forward`` False (FSDP2 keeps every block gathered from its forward to its backward): the
+    working set holds every block's bf16 weights instead of two.
     """
     args = models.model_args(family, size, dict(overrides or {}))
     import torch
@@ -319,6 +323,8 @@ def estimate(
     # unsharded fp32 gradient in backward.
     block = max(sum(p.numel() for p in layer.parameters()) for layer in model.layers) / tp
     gathered = 2 * (2 * block + (n - in_blocks)) + 6 * block
+    if not reshard_after_forward:
+        gathered = 2 * (in_blocks / tp + (n - in_blocks)) + 6 * block
     if tp > 1:
         kept = (n - in_blocks + in_blocks / tp) / n  # the share of the parameters a rank holds
         weights, grads, optim, copies = weights * kept, grads * kept, optim * kept, copies * kept

@@ -114,6 +114,12 @@ class RunPlan:
             f"  steps: {b['total_steps']:,} ({b['stop_rule']}) = {b['epochs']:.2f} epoch(s) over the data, "
             f"{b['total_steps'] * b['tokens_per_step']:,} tokens; warmup {b['warmup_steps']:,}, {ev}, {sv}"
         )
+        if "parallel" in self.resolved:
+            reshard = self.resolved.get("reshard_after_forward")
+            lines.append(
+                f"  parallel: {self.resolved['parallel']}"
+                + (f"; reshard_after_forward {reshard}" if reshard else "")
+            )
         if "pipeline" in self.resolved:
             lines.append(f"  pipeline: {self.resolved['pipeline']}")
         if "optimizer" in self.resolved:
@@ -242,6 +248,7 @@ def _memory(
             strategy=strategy,
             optimizer=cfg.train.optimizer,
             cpu_offload=env.dist.cpu_offload,
+            reshard_after_forward=env.dist.reshard_after_forward,
             tp=batch.tp,
         )
     except Exception:  # noqa: BLE001 - an estimate must never stop a run
