@@ -251,12 +251,12 @@ def test_eval_needs_data_or_tasks(tmp_path, capsys):
 FACTS = [("france", "paris"), ("italy", "rome"), ("spain", "madrid"), ("japan", "tokyo")]
 
 
-def _train(corpus: Path, out: Path, steps: int) -> None:
+def _train(corpus: Path, out: Path, steps: int, family: str = "llama") -> None:
     from conftest import FAST
 
     from gptoughts import cli
 
-    fast = (f"--{k}={v}" for k, v in FAST.items() if k != "train.sample_prompts")
+    fast = (f"--{k}={v}" for k, v in {**FAST, "model.family": family}.items() if k != "train.sample_prompts")
     argv = ["train", "default", "--data", str(corpus), "--out", str(out), "--max_steps", str(steps)]
     assert cli.main([*argv, "--eval_interval", str(steps), "--lr", "3e-3", *fast]) == 0
 
@@ -296,12 +296,12 @@ def test_a_run_trained_on_the_answers_scores_above_chance(capitals, capsys):
     assert text.splitlines()[0].split() == ["task", "examples", "acc", "acc_norm"]  # one run: as before
 
 
-def test_several_runs_are_compared_in_one_table(capitals, tmp_path, capsys):
+def test_several_runs_are_compared_in_one_table_llama_and_llada(capitals, tmp_path, capsys):
     from gptoughts import cli
 
     run, corpus, tasks = capitals
     barely = tmp_path / "barely"
-    _train(corpus, barely, 2)
+    _train(corpus, barely, 2, family="llada")  # masked diffusion: MC likelihood, denoising sampler
     complete = _write(
         tmp_path / "complete.jsonl",
         [{"prompt": f"the capital of {c} is", "expected": f"{p}."} for c, p in FACTS],

@@ -154,7 +154,7 @@ def read_task(path: str | Path) -> Task:
                 obj = json.loads(line)
             except ValueError as e:
                 raise DataError(
-                    f"{where} is not JSON ({str(e).splitlines()[0][:80]}); write {FORMAT}"
+                    f"{where} is not JSON ({str(e).splitlines()[0][:80]}); write {FORMAT}, or {GEN_FORMAT}"
                 ) from None
             ex = _parse(obj, where)
             if examples and type(ex) is not type(examples[0]):
