@@ -480,7 +480,12 @@ def cmd_eval(argv: Sequence[str]) -> int:
         '"answer": int} per line, scored by log-likelihood (acc, acc_norm); or generation, {"prompt": str, '
         '"expected": str, "until": [str, ...]} per line, scored by greedy decoding (exact_match)',
     )
-    p.add_argument("--batch_size", type=int, default=8)
+    p.add_argument(
+        "--batch_size",
+        type=int,
+        default=8,
+        help="sequences per forward pass (LLaDA choices: Monte-Carlo copies of one choice per pass)",
+    )
     p.add_argument("--block_size", type=int, default=None, help="default: the run's train.block_size")
     p.add_argument(
         "--max_batches",
@@ -508,7 +513,11 @@ def cmd_eval(argv: Sequence[str]) -> int:
         raise UserError(
             "gptoughts eval needs --data PATH (loss, perplexity) or --tasks FILE.jsonl (accuracy, exact match)"
         )
-    for flag, value in (("--max_new_tokens", a.max_new_tokens), ("--mc_samples", a.mc_samples)):
+    for flag, value in (
+        ("--batch_size", a.batch_size),
+        ("--max_new_tokens", a.max_new_tokens),
+        ("--mc_samples", a.mc_samples),
+    ):
         if value is not None and value < 1:
             raise UserError(f"{flag} must be >= 1, got {value}")
     repeated = sorted({r for r in a.path if a.path.count(r) > 1})

@@ -359,7 +359,7 @@ def generate_until(
     if room is not None and room < 1:
         raise UserError(
             f"max_new_tokens={max_new_tokens} leaves no room for a prompt within the model's {max_len} positions; "
-            "lower --max_new_tokens"
+            "lower max_new_tokens (eval --max_new_tokens)"
         )
     eos = tokenizer.eos_id
     ids = [tokenizer.encode(p) or [eos] for p in prompts]
