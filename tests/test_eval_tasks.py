@@ -319,12 +319,16 @@ def test_several_runs_are_compared_in_one_table_llama_and_llada(capitals, tmp_pa
     assert trained["tasks"]["complete"]["exact_match"] > untrained["tasks"]["complete"]["exact_match"]
     for r in runs:  # each run keeps its own scores
         assert json.loads((Path(r) / "eval_tasks.json").read_text()) == out[r]["tasks"]
-    code, text = run_cli(argv, capsys)
+    code = cli.main([*argv, "--data", str(corpus), "--max_batches", "2"])
+    text = capsys.readouterr().out  # stdout: the table (preparing --data talks on stderr)
     lines = text.strip().splitlines()
     assert code == 0 and lines[0].split() == ["task", "metric", "examples", *runs], text
-    rows = [line.split()[:3] for line in lines[1:]]
+    assert [line.split()[:2] for line in lines[1:3]] == [["data", "loss"], ["data", "perplexity"]]
+    assert lines[1].split()[2:] == [f"{out[r]['loss']:.4f}" for r in runs]
+    rows = [line.split()[:3] for line in lines[3:6]]
     assert rows == [["capitals", "acc", "4"], ["capitals", "acc_norm", "4"], ["complete", "exact_match", "4"]]
-    assert lines[2].split()[3:] == [f"{out[r]['tasks']['capitals']['acc_norm']:.4f}" for r in runs]
+    assert lines[4].split()[3:] == [f"{out[r]['tasks']['capitals']['acc_norm']:.4f}" for r in runs]
+    assert [line.split(":")[0] for line in lines[6:]] == runs  # tokens scored, per run
     # A run that does not exist is refused before any model loads: no run gets rescored.
     (barely / "eval_tasks.json").unlink()
     code, text = run_cli(["eval", str(barely), str(tmp_path / "typo"), "--tasks", str(tasks)], capsys)
