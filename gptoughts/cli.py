@@ -460,10 +460,15 @@ def cmd_sample(argv: Sequence[str]) -> int:
 def cmd_eval(argv: Sequence[str]) -> int:
     p = argparse.ArgumentParser(
         prog="gptoughts eval",
-        description="Loss and perplexity of a run (or HF folder) on all of a corpus; accuracy on multiple-choice "
-        "tasks (--tasks).",
+        description="Loss and perplexity of a run (or HF folder) on all of a corpus; multiple-choice accuracy and "
+        "generation exact match on task files (--tasks). Several runs: one table comparing them.",
     )
-    p.add_argument("path", help="run directory, checkpoint directory or Hugging Face model folder")
+    p.add_argument(
+        "path",
+        nargs="+",
+        metavar="RUN",
+        help="run directory, checkpoint directory or Hugging Face model folder (several: compared side by side)",
+    )
     p.add_argument(
         "--data", action="append", default=None, help="file, folder, .jsonl, .parquet (repeatable)"
     )
@@ -471,10 +476,16 @@ def cmd_eval(argv: Sequence[str]) -> int:
         "--tasks",
         action="append",
         default=None,
-        help='multiple-choice task file (repeatable): JSONL, {"context": str, "choices": [str, ...], '
-        '"answer": int} per line; scored by log-likelihood (acc, acc_norm)',
+        help='task file (repeatable), JSONL of one kind: multiple choice, {"context": str, "choices": [str, ...], '
+        '"answer": int} per line, scored by log-likelihood (acc, acc_norm); or generation, {"prompt": str, '
+        '"expected": str, "until": [str, ...]} per line, scored by greedy decoding (exact_match)',
     )
-    p.add_argument("--batch_size", type=int, default=8)
+    p.add_argument(
+        "--batch_size",
+        type=int,
+        default=8,
+        help="sequences per forward pass (LLaDA choices: Monte-Carlo copies of one choice per pass)",
+    )
     p.add_argument("--block_size", type=int, default=None, help="default: the run's train.block_size")
     p.add_argument(
         "--max_batches",
@@ -482,30 +493,82 @@ def cmd_eval(argv: Sequence[str]) -> int:
         default=None,
         help="score only this many batches, spread evenly over the corpus (default: all of it)",
     )
+    p.add_argument(
+        "--max_new_tokens", type=int, default=64, help="generation tasks: most tokens generated per prompt"
+    )
+    p.add_argument(
+        "--mc_samples",
+        type=int,
+        default=None,
+        help="masked-diffusion models (LLaDA): Monte-Carlo draws per choice of a multiple-choice task "
+        "(default 32; more is less noisy and proportionally slower)",
+    )
     p.add_argument("--device", default="auto")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--json", action="store_true", help="print one JSON object (several runs: {run: results})")
     p.add_argument(
         "--trust_remote_code", action="store_true", help="let transformers run an HF folder's own code"
     )
     a = p.parse_args(argv)
     if not a.data and not a.tasks:
         raise UserError(
-            "gptoughts eval needs --data PATH (loss, perplexity) or --tasks FILE.jsonl (accuracy)"
+            "gptoughts eval needs --data PATH (loss, perplexity) or --tasks FILE.jsonl (accuracy, exact match)"
         )
+    for flag, value in (
+        ("--batch_size", a.batch_size),
+        ("--max_new_tokens", a.max_new_tokens),
+        ("--mc_samples", a.mc_samples),
+    ):
+        if value is not None and value < 1:
+            raise UserError(f"{flag} must be >= 1, got {value}")
+    repeated = sorted({r for r in a.path if a.path.count(r) > 1})
+    if repeated:
+        raise UserError(f"{', '.join(repeated)} is given more than once; name each run once")
     from gptoughts.api import evaluate, load
-    from gptoughts.tools.tasks import evaluate_tasks, format_table, read_tasks
+    from gptoughts.tools.tasks import (
+        MC_SAMPLES,
+        evaluate_tasks,
+        format_comparison,
+        format_table,
+        read_tasks,
+    )
 
-    tasks = read_tasks(a.tasks) if a.tasks else []  # validated before the model loads
-    loaded = load(a.path, device=a.device, trust_remote_code=a.trust_remote_code)
-    res: dict[str, Any] = {}
-    if a.data:
-        res = evaluate(
-            loaded, a.data, batch_size=a.batch_size, block_size=a.block_size, max_batches=a.max_batches
-        )
-    if tasks:
-        res["tasks"] = evaluate_tasks(loaded, tasks, batch_size=a.batch_size)
-        if (Path(a.path) / "run.json").is_file():
-            (Path(a.path) / "eval_tasks.json").write_text(json.dumps(res["tasks"], indent=2) + "\n")
+    # Everything a user can get wrong is checked before the first (possibly long) model load and scoring.
+    tasks = read_tasks(a.tasks) if a.tasks else []
+    for run in a.path:
+        if not Path(run).exists():
+            raise UserError(
+                f"{run} does not exist; pass a run directory, a checkpoint directory or a HF folder"
+            )
+    results: dict[str, dict[str, Any]] = {}
+    for run in a.path:
+        loaded = load(run, device=a.device, trust_remote_code=a.trust_remote_code)
+        res: dict[str, Any] = {}
+        if a.data:
+            res = evaluate(
+                loaded, a.data, batch_size=a.batch_size, block_size=a.block_size, max_batches=a.max_batches
+            )
+        if tasks:
+            res["tasks"] = evaluate_tasks(
+                loaded,
+                tasks,
+                batch_size=a.batch_size,
+                mc_samples=a.mc_samples or MC_SAMPLES,
+                max_new_tokens=a.max_new_tokens,
+            )
+            if (Path(run) / "run.json").is_file():
+                (Path(run) / "eval_tasks.json").write_text(json.dumps(res["tasks"], indent=2) + "\n")
+        results[run] = res
+        del loaded  # one model in memory at a time
+    if len(results) > 1:
+        if a.json:
+            print(json.dumps(results))
+            return 0
+        print(format_comparison(results))
+        if a.data:
+            for run, res in results.items():
+                print(f"{run}: {int(res['tokens']):,} tokens scored: {res['scored']} of {', '.join(a.data)}")
+        return 0
+    (res,) = results.values()
     if a.json:
         print(json.dumps(res))
         return 0

@@ -1,4 +1,5 @@
-"""Multiple-choice tasks scored by log-likelihood (``gptoughts eval RUN --tasks FILE.jsonl``)."""
+"""Task files (``gptoughts eval RUN [RUN ...] --tasks FILE.jsonl``): multiple choice scored by log-likelihood, generation
+scored by greedy decoding, causal and masked-diffusion models, several runs compared."""
 
 from __future__ import annotations
 
@@ -8,23 +9,58 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.nn.functional as F
 from cli_helpers import run_cli
 from torch import nn
 
 from gptoughts.data.tokenizer import bytes_tokenizer
 from gptoughts.errors import UserError
-from gptoughts.tools.tasks import Example, Task, evaluate_tasks, loglikelihoods, score_task
+from gptoughts.tools.tasks import (
+    Example,
+    GenExample,
+    Task,
+    generate_until,
+    loglikelihoods,
+    score_task,
+)
 
 
 class Bigram(nn.Module):
-    """Logits at position t are a row of a table picked by token t alone: scores we can compute by hand."""
+    """Logits at position t are a row of a table picked by token t alone: scores we can compute by hand, and a
+    greedy continuation we can follow by hand. It speaks enough of the model protocol for ``sampling.generate``
+    (hidden states are one-hot tokens, the head is the table; the cache is not needed: a bigram reads only the
+    last token)."""
 
-    def __init__(self, vocab: int, table: torch.Tensor | None = None) -> None:
+    def __init__(self, vocab: int, table: torch.Tensor | None = None, max_seq_len: int = 64) -> None:
         super().__init__()
         self.table = nn.Parameter(torch.zeros(vocab, vocab) if table is None else table)
+        self.args = SimpleNamespace(max_seq_len=max_seq_len)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    @property
+    def output_weight(self) -> torch.Tensor:
+        return self.table.T
+
+    def new_cache(self, *args, **kwargs) -> None:
+        return None
+
+    def forward(self, x: torch.Tensor, *, cache=None, return_hidden: bool = False) -> torch.Tensor:
+        if return_hidden:
+            return F.one_hot(x, self.table.size(0)).float()
         return self.table[x]
+
+
+class FirstToken(Bigram):
+    """A bidirectional "model" whose logits at every position are the table row of the sequence's first token
+    (never masked: it belongs to the prompt). A masked token's cross-entropy is then known whatever else is
+    masked, so LLaDA's estimator is exact on an answer of one repeated token."""
+
+    def __init__(self, vocab: int, table: torch.Tensor, mask_id: int) -> None:
+        super().__init__(vocab, table)
+        self.args.mask_token_id = mask_id
+
+    def forward(self, x: torch.Tensor, *, cache=None, return_hidden: bool = False) -> torch.Tensor:
+        first = x[:, :1].expand_as(x)
+        return F.one_hot(first, self.table.size(0)).float() if return_hidden else self.table[first]
 
 
 def _write(path: Path, rows: list) -> Path:
@@ -77,12 +113,95 @@ def test_acc_and_acc_norm_on_a_known_model():
     assert greedy == [True, False]  # "x" is the argmax after "a"; "q" is not
 
 
-def test_diffusion_is_refused_in_one_line():
-    with pytest.raises(UserError, match="not supported yet"):
-        evaluate_tasks(SimpleNamespace(family="llada"), [])
+def _ids(tok, text: str) -> int:
+    (i,) = tok.encode(text)
+    return i
+
+
+def _chain(tok) -> Bigram:
+    """Greedy: "a" -> "b" -> "c" -> newline -> eos (an all-zero row's argmax is id 0, the eos)."""
+    table = torch.zeros(tok.vocab_size, tok.vocab_size)
+    for prev, nxt in (("a", "b"), ("b", "c"), ("c", "\n")):
+        table[_ids(tok, prev), _ids(tok, nxt)] = 5.0
+    return Bigram(tok.vocab_size, table, max_seq_len=16)
+
+
+def test_generation_exact_match_on_a_known_model():
+    tok = bytes_tokenizer()
+    model = _chain(tok)
+    prompts = ["xa", "b", "yb", "zzzzzzzzzzzzzzzzzzzzzzzzzzzzzza"]  # lengths 2, 1, 2 and over max_seq_len
+    want = ["bc", "c", "c", "bc"]
+    for batch_size in (1, 3):  # grouped by length, batches of one length, order kept
+        got = generate_until(model, tok, prompts, until=["\n"], max_new_tokens=6, batch_size=batch_size)
+        assert got == want
+    assert generate_until(model, tok, ["a"], until=["c"], max_new_tokens=6) == ["b"]
+    # Eos ends a row: nothing of what follows it (the eos text, more eos) reaches the text.
+    assert generate_until(model, tok, ["a"], until=["#"], max_new_tokens=6) == ["bc\n"]
+    with pytest.raises(UserError, match="leaves no room for a prompt"):
+        generate_until(model, tok, ["a"], until=["\n"], max_new_tokens=17)
+    task = Task(
+        "g",
+        Path("g.jsonl"),
+        (
+            GenExample("xa", " bc "),  # compared stripped
+            GenExample("a", "b", until=("c",)),
+            GenExample("b", "cc"),
+            GenExample("", "a"),  # an empty prompt starts from eos
+        ),
+    )
+    r = score_task(model.train(), tok, task, batch_size=2, max_new_tokens=6)
+    assert r == {"file": "g.jsonl", "examples": 4, "exact_match": 0.5}
+    assert model.training  # given back in the mode it came in
+
+
+def test_diffusion_likelihood_is_llada_estimate_and_exact_on_a_known_model():
+    tok = bytes_tokenizer()
+    a, b, x, y = (_ids(tok, c) for c in "abxy")
+    table = torch.zeros(tok.vocab_size, tok.vocab_size)
+    table[a, x] = table[b, y] = 3.0
+    model = FirstToken(tok.vocab_size, table, tok.mask_id)
+    logp = torch.log_softmax(table, dim=-1)
+    pairs = [("a", "xx"), ("a", "yyy"), ("b", "yyy"), ("bq", "x")]
+    got = loglikelihoods(model, tok, pairs, diffusion=True, mc_samples=3, batch_size=2)
+    # Every masked token of a repeated-token answer costs the same CE: (A / l) * l * CE for any draw.
+    exact = [2 * logp[a, x], 3 * logp[a, y], 3 * logp[b, y], logp[b, x]]
+    assert got == pytest.approx([float(e) for e in exact], abs=1e-5)
+    assert loglikelihoods(model, tok, pairs[:1], diffusion=True, with_greedy=True) == [
+        (pytest.approx(got[0], abs=1e-5), False)
+    ]
+    task = Task("t", Path("t.jsonl"), (Example("a", ("yy", "xx"), 1), Example("b", ("xx", "yy"), 1)))
+    r = score_task(model, tok, task, diffusion=True, mask_id=tok.mask_id, mc_samples=2)
+    assert r["acc"] == 1.0 and r["acc_norm"] == 1.0
+    # Generation: the denoiser fills every position with the first token's favourite.
+    gen = Task("g", Path("g.jsonl"), (GenExample("a", "xxxx"), GenExample("b", "xxxx")))
+    r = score_task(model, tok, gen, diffusion=True, mask_id=tok.mask_id, max_new_tokens=4)
+    assert r["exact_match"] == 0.5
+
+
+def test_diffusion_likelihood_of_a_llada_model_is_deterministic():
+    from gptoughts.models import build_model, model_args
+    from gptoughts.models.llada import diffusion_log_likelihood
+
+    tok = bytes_tokenizer()
+    torch.manual_seed(0)
+    model = build_model("llada", model_args("llada", "debug", {}), device="cpu").eval()
+    pairs = [("the capital is", " paris"), ("", "rome"), ("x", "a longer choice")]
+    kw = dict(diffusion=True, mask_id=tok.mask_id, mc_samples=4)
+    got = loglikelihoods(model, tok, pairs, batch_size=3, **kw)
+    assert all(v < 0 for v in got)
+    # Each pair has its own seeded draws: the same scores alone, in another order, in other batches.
+    assert loglikelihoods(model, tok, pairs[::-1], batch_size=2, **kw) == pytest.approx(got[::-1], abs=1e-5)
+    assert loglikelihoods(model, tok, pairs[2:], batch_size=3, **kw) == pytest.approx(got[2:], abs=1e-5)
+    # The models' estimator (mean CE per answer token) times the answer length, negated.
+    ids = torch.tensor(tok.encode("the capital is paris"))
+    nll = diffusion_log_likelihood(
+        model, ids, prompt_len=14, n_samples=4, generator=torch.Generator().manual_seed(0)
+    )
+    assert got[0] == pytest.approx(-6 * float(nll), abs=1e-5)
 
 
 GOOD = {"context": "the capital of france is", "choices": [" paris", " rome"], "answer": 0}
+GEN = {"prompt": "2 + 2 =", "expected": "4", "until": ["\n", "."]}
 
 
 @pytest.mark.parametrize(
@@ -97,6 +216,20 @@ GOOD = {"context": "the capital of france is", "choices": [" paris", " rome"], "
         ([{**GOOD, "choices": "paris"}], "line 1: 'choices' must be a list of strings"),
         ([[1, 2]], "line 1 is not a JSON object"),
         ([], "has no examples"),
+        (
+            [GOOD, GEN],
+            "line 2 is a generation example but line 1 is multiple-choice; a task file holds one kind",
+        ),
+        ([GEN, "", GOOD], "line 3 is a multiple-choice example but line 1 is generation"),
+        ([{"prompt": "2 + 2 ="}], "line 1 has no 'expected' key"),
+        ([{**GEN, "prompt": 4}], "line 1: 'prompt' must be a string"),
+        ([{**GEN, "expected": " "}], "line 1: 'expected' is empty"),
+        ([{**GEN, "until": "\n"}], "line 1: 'until' must be a non-empty list of stop strings"),
+        ([{**GEN, "until": ["\n", ""]}], "line 1: 'until' holds an empty string"),
+        (
+            [{**GEN, "context": "x"}],
+            "line 1 mixes multiple-choice keys (context) with generation keys (prompt",
+        ),
     ],
 )
 def test_malformed_task_files_give_one_line(rows, says, tmp_path, capsys):
@@ -115,34 +248,42 @@ def test_eval_needs_data_or_tasks(tmp_path, capsys):
     assert code == 2 and "--data" in text and "--tasks" in text and len(text.strip().splitlines()) == 1
 
 
-def test_a_run_trained_on_the_answers_scores_above_chance(tmp_path, fast, cache_dir, capsys):
+FACTS = [("france", "paris"), ("italy", "rome"), ("spain", "madrid"), ("japan", "tokyo")]
+
+
+def _train(corpus: Path, out: Path, steps: int, family: str = "llama") -> None:
+    from conftest import FAST
+
     from gptoughts import cli
 
-    facts = [("france", "paris"), ("italy", "rome"), ("spain", "madrid"), ("japan", "tokyo")]
-    corpus = tmp_path / "facts.txt"
-    corpus.write_text("".join(f"the capital of {c} is {p}.\n" for c, p in facts) * 200)
-    run = tmp_path / "run"
-    argv = ["train", "default", "--data", str(corpus), "--out", str(run), "--max_steps", "150"]
-    assert (
-        cli.main(
-            [
-                *argv,
-                "--eval_interval",
-                "150",
-                "--lr",
-                "3e-3",
-                *(f"--{k}={v}" for k, v in fast.items() if k != "train.sample_prompts"),
-            ]
-        )
-        == 0
-    )
+    fast = (f"--{k}={v}" for k, v in {**FAST, "model.family": family}.items() if k != "train.sample_prompts")
+    argv = ["train", "default", "--data", str(corpus), "--out", str(out), "--max_steps", str(steps)]
+    assert cli.main([*argv, "--eval_interval", str(steps), "--lr", "3e-3", *fast]) == 0
+
+
+@pytest.fixture(scope="module")
+def capitals(tmp_path_factory):
+    """(run trained on four capitals for 150 steps (~2 s), its corpus, a multiple-choice file asking them),
+    shared by the tests of this module that evaluate a real run."""
+    d = tmp_path_factory.mktemp("capitals")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("GPTOUGHTS_CACHE", str(d / "cache"))  # token shards out of the user's home
+        corpus = d / "facts.txt"
+        corpus.write_text("".join(f"the capital of {c} is {p}.\n" for c, p in FACTS) * 200)
+        _train(corpus, d / "run", 150)
+        cities = [p for _, p in FACTS]
+        rows = [
+            {"context": f"the capital of {c} is", "choices": [f" {q}" for q in cities], "answer": i}
+            for i, (c, _) in enumerate(FACTS)
+        ]
+        yield d / "run", corpus, _write(d / "capitals.jsonl", rows)
+
+
+def test_a_run_trained_on_the_answers_scores_above_chance(capitals, capsys):
+    from gptoughts import cli
+
+    run, corpus, tasks = capitals
     capsys.readouterr()
-    cities = [p for _, p in facts]
-    rows = [
-        {"context": f"the capital of {c} is", "choices": [f" {q}" for q in cities], "answer": i}
-        for i, (c, _) in enumerate(facts)
-    ]
-    tasks = _write(tmp_path / "capitals.jsonl", rows)
     both = ["--data", str(corpus), "--max_batches", "2", "--json"]
     code = cli.main(["eval", str(run), "--tasks", str(tasks), "--device", "cpu", *both])
     out = json.loads(capsys.readouterr().out)  # stdout: one JSON object (preparing --data talks on stderr)
@@ -152,3 +293,44 @@ def test_a_run_trained_on_the_answers_scores_above_chance(tmp_path, fast, cache_
     assert json.loads((run / "eval_tasks.json").read_text())["capitals"] == res
     code, text = run_cli(["eval", str(run), "--tasks", str(tasks), "--device", "cpu"], capsys)
     assert code == 0 and "capitals" in text and "acc_norm" in text
+    assert text.splitlines()[0].split() == ["task", "examples", "acc", "acc_norm"]  # one run: as before
+
+
+def test_several_runs_are_compared_in_one_table_llama_and_llada(capitals, tmp_path, capsys):
+    from gptoughts import cli
+
+    run, corpus, tasks = capitals
+    barely = tmp_path / "barely"
+    _train(corpus, barely, 2, family="llada")  # masked diffusion: MC likelihood, denoising sampler
+    complete = _write(
+        tmp_path / "complete.jsonl",
+        [{"prompt": f"the capital of {c} is", "expected": f"{p}."} for c, p in FACTS],
+    )
+    runs = [str(run), str(barely)]
+    argv = ["eval", *runs, "--tasks", str(tasks), "--tasks", str(complete), "--device", "cpu"]
+    argv += ["--max_new_tokens", "10"]
+    capsys.readouterr()
+    code = cli.main([*argv, "--data", str(corpus), "--max_batches", "2", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0 and list(out) == runs
+    trained, untrained = out[str(run)], out[str(barely)]
+    assert trained["loss"] < untrained["loss"]
+    assert trained["tasks"]["capitals"]["acc"] >= 0.75
+    assert trained["tasks"]["complete"]["exact_match"] > untrained["tasks"]["complete"]["exact_match"]
+    for r in runs:  # each run keeps its own scores
+        assert json.loads((Path(r) / "eval_tasks.json").read_text()) == out[r]["tasks"]
+    code = cli.main([*argv, "--data", str(corpus), "--max_batches", "2"])
+    text = capsys.readouterr().out  # stdout: the table (preparing --data talks on stderr)
+    lines = text.strip().splitlines()
+    assert code == 0 and lines[0].split() == ["task", "metric", "examples", *runs], text
+    assert [line.split()[:2] for line in lines[1:3]] == [["data", "loss"], ["data", "perplexity"]]
+    assert lines[1].split()[2:] == [f"{out[r]['loss']:.4f}" for r in runs]
+    rows = [line.split()[:3] for line in lines[3:6]]
+    assert rows == [["capitals", "acc", "4"], ["capitals", "acc_norm", "4"], ["complete", "exact_match", "4"]]
+    assert lines[4].split()[3:] == [f"{out[r]['tasks']['capitals']['acc_norm']:.4f}" for r in runs]
+    assert [line.split(":")[0] for line in lines[6:]] == runs  # tokens scored, per run
+    # A run that does not exist is refused before any model loads: no run gets rescored.
+    (barely / "eval_tasks.json").unlink()
+    code, text = run_cli(["eval", str(barely), str(tmp_path / "typo"), "--tasks", str(tasks)], capsys)
+    assert code == 2 and "typo does not exist" in text and len(text.strip().splitlines()) == 1, text
+    assert not (barely / "eval_tasks.json").exists()

@@ -1,15 +1,26 @@
-"""Multiple-choice tasks from JSONL files, scored by log-likelihood (``gptoughts eval RUN --tasks FILE.jsonl``).
+"""Evaluation tasks from JSONL files (``gptoughts eval RUN --tasks FILE.jsonl``): multiple choice, scored by
+log-likelihood, and generation, scored by greedy decoding.
 
-Each line of a task file is ``{"context": str, "choices": [str, ...], "answer": int}``. Every choice is scored by
-the summed log-probability of its tokens given the context, as lm-evaluation-harness does for its
-``loglikelihood`` tasks: ``acc`` picks the highest sum, ``acc_norm`` the highest sum per character of the
-choice. The choice is appended to the context exactly as written (put the space in it: ``" paris"``).
+A file holds one kind of task (the first line decides; a line of the other kind is an error naming it):
+
+* **multiple choice**, ``{"context": str, "choices": [str, ...], "answer": int}`` per line. Every choice is
+  scored by the summed log-probability of its tokens given the context, as lm-evaluation-harness does for its
+  ``loglikelihood`` tasks: ``acc`` picks the highest sum, ``acc_norm`` the highest sum per character of the
+  choice. The choice is appended to the context exactly as written (put the space in it: ``" paris"``).
+* **generation**, ``{"prompt": str, "expected": str, "until": [str, ...]}`` per line (``until`` optional,
+  default ``["\\n"]``). The model continues the prompt greedily; the text is cut at the first stop string and
+  ``exact_match`` counts the examples whose cut text equals ``expected``, both stripped of surrounding white
+  space (the harness's ``generate_until`` and ``exact_match``).
+
+Masked-diffusion models (LLaDA) have no exact likelihood and no left-to-right decoding: their choices are
+scored by LLaDA's Monte-Carlo estimate of the likelihood bound, their generations by its denoising sampler.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from collections import defaultdict
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -19,20 +30,48 @@ from torch import nn
 from gptoughts.errors import DataError, UserError
 
 FORMAT = 'one JSON object per line: {"context": "...", "choices": ["...", "..."], "answer": 0}'
+GEN_FORMAT = (
+    'one JSON object per line: {"prompt": "...", "expected": "...", "until": ["\\n"]} (until optional)'
+)
+DEFAULT_UNTIL = ("\n",)
+MC_SAMPLES = 32
+"""Monte-Carlo draws per choice for masked-diffusion likelihoods (LLaDA's own evaluation uses 128: more draws,
+less noise, proportionally more compute)."""
+MC_SEED = 0
 
 
 @dataclass(frozen=True)
 class Example:
+    """A multiple-choice question."""
+
     context: str
     choices: tuple[str, ...]
     answer: int
 
 
 @dataclass(frozen=True)
+class GenExample:
+    """A prompt to continue and the answer expected before the first stop string."""
+
+    prompt: str
+    expected: str
+    until: tuple[str, ...] = field(default=DEFAULT_UNTIL)
+
+
+@dataclass(frozen=True)
 class Task:
     name: str
     path: Path
-    examples: tuple[Example, ...]
+    examples: tuple[Example, ...] | tuple[GenExample, ...]
+
+    @property
+    def kind(self) -> str:
+        """``"choice"`` (multiple choice) or ``"generation"``; a file holds one kind only."""
+        return "generation" if isinstance(self.examples[0], GenExample) else "choice"
+
+
+_CHOICE_KEYS = ("context", "choices", "answer")
+_GEN_KEYS = ("prompt", "expected", "until")
 
 
 def _example(obj: Any, where: str) -> Example:
@@ -60,13 +99,52 @@ def _example(obj: Any, where: str) -> Example:
     return Example(context, tuple(choices), answer)
 
 
+def _gen_example(obj: dict, where: str) -> GenExample:
+    for key in ("prompt", "expected"):
+        if key not in obj:
+            raise DataError(f"{where} has no {key!r} key; write {GEN_FORMAT}")
+    prompt, expected = obj["prompt"], obj["expected"]
+    if not isinstance(prompt, str):
+        raise DataError(f"{where}: 'prompt' must be a string; write {GEN_FORMAT}")
+    if not isinstance(expected, str):
+        raise DataError(f"{where}: 'expected' must be a string; write {GEN_FORMAT}")
+    if not expected.strip():
+        # Compared stripped, an empty answer would match any generation that stops at once: surely a mistake.
+        raise DataError(f"{where}: 'expected' is empty; give the answer the model should generate")
+    until = obj.get("until", list(DEFAULT_UNTIL))
+    if not isinstance(until, list) or not until or not all(isinstance(s, str) for s in until):
+        raise DataError(
+            f"{where}: 'until' must be a non-empty list of stop strings, e.g. [\"\\n\"]; or leave it out "
+            "(default: a newline)"
+        )
+    if any(s == "" for s in until):
+        raise DataError(f"{where}: 'until' holds an empty string, which would cut every answer to nothing")
+    return GenExample(prompt, expected, tuple(until))
+
+
+def _parse(obj: Any, where: str) -> Example | GenExample:
+    """One line of either kind: generation if it names ``prompt``/``expected``, multiple choice otherwise (whose
+    validation then names the missing keys)."""
+    if not isinstance(obj, dict):
+        raise DataError(f"{where} is not a JSON object; write {FORMAT}, or {GEN_FORMAT}")
+    choice_keys = [k for k in _CHOICE_KEYS if k in obj]
+    gen_keys = [k for k in _GEN_KEYS if k in obj]
+    if choice_keys and gen_keys:
+        raise DataError(
+            f"{where} mixes multiple-choice keys ({', '.join(choice_keys)}) with generation keys "
+            f"({', '.join(gen_keys)}); write either {FORMAT}, or {GEN_FORMAT}"
+        )
+    return _gen_example(obj, where) if gen_keys else _example(obj, where)
+
+
 def read_task(path: str | Path) -> Task:
     """The examples of one task file, validated line by line (blank lines are skipped); a ``DataError`` naming
-    the file, the line and the fix otherwise."""
+    the file, the line and the fix otherwise. The first example decides the file's kind."""
     p = Path(path)
     if not p.is_file():
-        raise DataError(f"task file {p} does not exist; pass a .jsonl file with {FORMAT}")
-    examples = []
+        raise DataError(f"task file {p} does not exist; pass a .jsonl file with {FORMAT}, or {GEN_FORMAT}")
+    examples: list = []
+    first = 0
     with p.open(encoding="utf-8", errors="replace") as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
@@ -76,11 +154,19 @@ def read_task(path: str | Path) -> Task:
                 obj = json.loads(line)
             except ValueError as e:
                 raise DataError(
-                    f"{where} is not JSON ({str(e).splitlines()[0][:80]}); write {FORMAT}"
+                    f"{where} is not JSON ({str(e).splitlines()[0][:80]}); write {FORMAT}, or {GEN_FORMAT}"
                 ) from None
-            examples.append(_example(obj, where))
+            ex = _parse(obj, where)
+            if examples and type(ex) is not type(examples[0]):
+                kinds = {Example: "multiple-choice", GenExample: "generation"}
+                raise DataError(
+                    f"{where} is a {kinds[type(ex)]} example but line {first} is {kinds[type(examples[0])]}; "
+                    "a task file holds one kind: put them in two files"
+                )
+            first = first or n
+            examples.append(ex)
     if not examples:
-        raise DataError(f"task file {p} has no examples; write {FORMAT}")
+        raise DataError(f"task file {p} has no examples; write {FORMAT}, or {GEN_FORMAT}")
     return Task(p.stem, p, tuple(examples))
 
 
@@ -114,6 +200,10 @@ def loglikelihoods(
     batch_size: int = 8,
     max_len: int | None = None,
     with_greedy: bool = False,
+    diffusion: bool = False,
+    mask_id: int | None = None,
+    mc_samples: int = MC_SAMPLES,
+    seed: int = MC_SEED,
 ) -> list[float] | list[tuple[float, bool]]:
     """Summed log-probability of each ``choice`` given its ``context``, in ``pairs`` order; with
     ``with_greedy``, ``(log-probability, whether greedy decoding would produce exactly the choice's tokens)``
@@ -122,7 +212,23 @@ def loglikelihoods(
     A sequence ``context + choice`` is fed without its last token; the logits at position ``t`` predict token
     ``t + 1``, so the choice's ``k`` tokens are scored by the last ``k`` positions. An empty context starts from
     the eos token (the document separator the model saw in training). A sequence longer than ``max_len + 1``
-    keeps its last tokens (the choice, and as much context as fits)."""
+    keeps its last tokens (the choice, and as much context as fits).
+
+    ``diffusion`` (masked-diffusion models such as LLaDA, whose mask token is ``mask_id``, default the model's):
+    the log-likelihood is LLaDA's Monte-Carlo lower bound (:func:`diffusion_loglikelihoods`); the greedy flag is
+    then always False (a diffusion model has no left-to-right greedy decoding to compare with)."""
+    if diffusion:
+        lls = diffusion_loglikelihoods(
+            model,
+            tokenizer,
+            pairs,
+            batch_size=batch_size,
+            max_len=max_len,
+            mask_id=mask_id,
+            mc_samples=mc_samples,
+            seed=seed,
+        )
+        return [(ll, False) for ll in lls] if with_greedy else lls
     dev = next(model.parameters()).device
     seqs: list[tuple[list[int], int]] = []
     for context, choice in pairs:
@@ -156,12 +262,190 @@ def loglikelihoods(
     return out
 
 
+@torch.no_grad()
+def diffusion_loglikelihoods(
+    model: nn.Module,
+    tokenizer: Any,
+    pairs: list[tuple[str, str]],
+    *,
+    batch_size: int = 8,
+    max_len: int | None = None,
+    mask_id: int | None = None,
+    mc_samples: int = MC_SAMPLES,
+    seed: int = MC_SEED,
+) -> list[float]:
+    """LLaDA's estimate of ``log p(choice | context)`` for a masked-diffusion model (their
+    ``get_log_likelihood``), per pair: over ``mc_samples`` draws, ``l`` of the choice's ``A`` tokens are masked
+    (``l`` uniform on ``1..A``, stratified over the draws; the context is never masked), the model reads context
+    and partly masked choice bidirectionally, and the draw's estimate is ``-(A / l) * sum of the masked tokens'
+    cross-entropy``; the result is the mean over draws (computed by ``models.llada.diffusion_log_likelihood``).
+
+    It is a lower bound on the log-likelihood (the diffusion ELBO), the quantity LLaDA ranks choices by. Each
+    pair draws from a generator seeded with ``seed``, so a pair's score is the same whatever else is scored with
+    it or in which order, and the choices of one question of equal token length see the same masks (common
+    random numbers: their difference is less noisy than either score). ``batch_size`` is the number of masked
+    copies per forward pass. The sequence is cut to its last ``max_len`` tokens (no shift: every position is
+    read, none predicts the next)."""
+    from gptoughts.models.llada import diffusion_log_likelihood
+
+    if mc_samples < 1:
+        raise UserError(f"mc_samples must be >= 1, got {mc_samples}")
+    dev = next(model.parameters()).device
+    out = []
+    for context, choice in pairs:
+        ctx, cont = _encode_pair(tokenizer, context, choice)
+        whole = (ctx or [tokenizer.eos_id]) + cont
+        if max_len is not None:
+            whole = whole[-max_len:]
+        k = min(len(cont), len(whole))
+        if k == 0:
+            out.append(0.0)
+            continue
+        g = torch.Generator(device=dev).manual_seed(seed)
+        nll = diffusion_log_likelihood(
+            model,
+            torch.tensor(whole, device=dev),
+            prompt_len=len(whole) - k,
+            n_samples=mc_samples,
+            mask_id=mask_id,
+            batch_size=batch_size,
+            generator=g,
+        )
+        out.append(-float(nll) * k)  # nll is per answer token; one host sync per pair
+    return out
+
+
+def _cut(text: str, until: tuple[str, ...] | list[str]) -> str:
+    """``text`` up to (not including) the earliest stop string."""
+    cut = min((i for i in (text.find(s) for s in until) if i >= 0), default=len(text))
+    return text[:cut]
+
+
+@torch.no_grad()
+def generate_until(
+    model: nn.Module,
+    tokenizer: Any,
+    prompts: list[str],
+    *,
+    until: list[str] | tuple[str, ...],
+    max_new_tokens: int = 64,
+    batch_size: int = 8,
+    diffusion: bool = False,
+    mask_id: int | None = None,
+    max_len: int | None = None,
+) -> list[str]:
+    """Greedy continuation of each prompt, cut before the first of the ``until`` strings (lm-evaluation-harness's
+    ``generate_until``), in ``prompts`` order.
+
+    Causal models decode with their KV cache (``sampling.generate`` at temperature 0) and a row stops at eos;
+    diffusion models (``diffusion=True``, mask token ``mask_id``) fill ``max_new_tokens`` positions with
+    ``sampling.diffusion_generate`` (one token per step, blocks of 32, no noise), cut at the first eos. Stop
+    strings only cut the text: the samplers know eos, not strings, so a row may run on past its stop string up
+    to ``max_new_tokens``. The prompts are grouped by token length (the samplers take same-length prompts
+    without padding, since a pad would shift positions) and decoded ``batch_size`` at a time. A prompt keeps its
+    last tokens so that prompt and answer fit ``max_len`` (default: the model's ``args.max_seq_len``); an empty
+    prompt starts from eos."""
+    from gptoughts.sampling import diffusion_generate, eager, generate
+
+    if not until or not all(isinstance(s, str) and s for s in until):
+        raise UserError(f"until must be a non-empty list of non-empty stop strings, got {until!r}")
+    if max_new_tokens < 1:
+        raise UserError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if max_len is None:
+        max_len = getattr(getattr(model, "args", None), "max_seq_len", None)
+    # Positions the answer takes: the cached sampler never feeds its last token back, the diffusion one holds
+    # every answer position.
+    room = None if max_len is None else max_len - (max_new_tokens if diffusion else max_new_tokens - 1)
+    if room is not None and room < 1:
+        raise UserError(
+            f"max_new_tokens={max_new_tokens} leaves no room for a prompt within the model's {max_len} positions; "
+            "lower max_new_tokens (eval --max_new_tokens)"
+        )
+    eos = tokenizer.eos_id
+    ids = [tokenizer.encode(p) or [eos] for p in prompts]
+    if room is not None:
+        ids = [t[-room:] for t in ids]  # the prompt's end matters most: it is what the answer continues
+    by_len: dict[int, list[int]] = defaultdict(list)
+    for i, t in enumerate(ids):
+        by_len[len(t)].append(i)
+    dev = next(model.parameters()).device
+    out = [""] * len(prompts)
+    with eager(model):  # a compiled model (periodic evaluation) would recompile for every new shape
+        for length, group in by_len.items():
+            for b in range(0, len(group), batch_size):
+                idx = group[b : b + batch_size]
+                x = torch.tensor([ids[i] for i in idx], dtype=torch.long, device=dev)
+                if diffusion:
+                    y = diffusion_generate(
+                        model,
+                        x,
+                        gen_length=max_new_tokens,
+                        steps=max_new_tokens,
+                        block_length=min(32, max_new_tokens),
+                        temperature=0.0,
+                        mask_id=mask_id,
+                    )
+                else:
+                    y = generate(model, x, max_new_tokens, temperature=0.0, eos_id=eos)
+                for r, i in enumerate(idx):
+                    new = y[r, length:].tolist()
+                    new = new[: new.index(eos)] if eos in new else new
+                    out[i] = _cut(tokenizer.decode(new), until)
+    return out
+
+
 def score_task(
-    model: nn.Module, tokenizer: Any, task: Task, *, batch_size: int = 8, max_len: int | None = None
+    model: nn.Module,
+    tokenizer: Any,
+    task: Task,
+    *,
+    batch_size: int = 8,
+    max_len: int | None = None,
+    diffusion: bool = False,
+    mask_id: int | None = None,
+    mc_samples: int = MC_SAMPLES,
+    max_new_tokens: int = 64,
 ) -> dict[str, Any]:
-    """``acc`` and ``acc_norm`` of one task (ties go to the first choice, as ``argmax`` does)."""
+    """The metrics of one task: ``acc`` and ``acc_norm`` for multiple choice (ties go to the first choice, as
+    ``argmax`` does), ``exact_match`` for generation; with ``file`` and ``examples``. ``diffusion``: a
+    masked-diffusion model (see :func:`loglikelihoods` and :func:`generate_until`). The model is in eval mode
+    during the call and given back in the mode it came in (periodic evaluation calls this mid-training)."""
+    from gptoughts.sampling import eager
+
+    was_training = model.training
+    model.eval()
+    try:
+        # Eager: a compiled model (periodic evaluation) would recompile for each new batch shape.
+        with eager(model):
+            if task.kind == "generation":
+                return _score_generation(
+                    model,
+                    tokenizer,
+                    task,
+                    batch_size=batch_size,
+                    max_len=max_len,
+                    diffusion=diffusion,
+                    mask_id=mask_id,
+                    max_new_tokens=max_new_tokens,
+                )
+            return _score_choices(
+                model,
+                tokenizer,
+                task,
+                batch_size=batch_size,
+                max_len=max_len,
+                diffusion=diffusion,
+                mask_id=mask_id,
+                mc_samples=mc_samples,
+            )
+    finally:
+        model.train(was_training)
+
+
+def _score_choices(model: nn.Module, tokenizer: Any, task: Task, **kw: Any) -> dict[str, Any]:
+    """``acc`` and ``acc_norm`` of a multiple-choice task."""
     pairs = [(ex.context, c) for ex in task.examples for c in ex.choices]
-    lls = loglikelihoods(model, tokenizer, pairs, batch_size=batch_size, max_len=max_len)
+    lls = loglikelihoods(model, tokenizer, pairs, **kw)
     hits = hits_norm = 0
     at = 0
     for ex in task.examples:
@@ -174,25 +458,112 @@ def score_task(
     return {"file": str(task.path), "examples": n, "acc": hits / n, "acc_norm": hits_norm / n}
 
 
-def evaluate_tasks(loaded: Any, tasks: list[Task], *, batch_size: int = 8) -> dict[str, dict[str, Any]]:
-    """Scores of each task (by name) for a model from ``gptoughts.api.load``; causal families only."""
+def _score_generation(model: nn.Module, tokenizer: Any, task: Task, **kw: Any) -> dict[str, Any]:
+    """``exact_match`` of a generation task; examples sharing stop strings are generated together."""
+    by_until: dict[tuple[str, ...], list[int]] = defaultdict(list)
+    for i, ex in enumerate(task.examples):
+        by_until[ex.until].append(i)
+    hits = 0
+    for until, idx in by_until.items():
+        texts = generate_until(model, tokenizer, [task.examples[i].prompt for i in idx], until=until, **kw)
+        hits += sum(t.strip() == task.examples[i].expected.strip() for t, i in zip(texts, idx, strict=True))
+    n = len(task.examples)
+    return {"file": str(task.path), "examples": n, "exact_match": hits / n}
+
+
+def evaluate_tasks(
+    loaded: Any,
+    tasks: list[Task],
+    *,
+    batch_size: int = 8,
+    mc_samples: int = MC_SAMPLES,
+    max_new_tokens: int = 64,
+) -> dict[str, dict[str, Any]]:
+    """Scores of each task (by name) for a model from ``gptoughts.api.load``. Masked-diffusion families are
+    scored through their Monte-Carlo likelihood (``mc_samples`` draws per choice) and their denoising sampler;
+    the mask token is the tokenizer's, as in training and sampling."""
     from gptoughts import models
 
-    if models.family_of(loaded.family).objective == "diffusion":
-        raise UserError(
-            f"--tasks scores causal models only; {loaded.family} (masked diffusion) is not supported yet"
-        )
+    diffusion = models.family_of(loaded.family).objective == "diffusion"
+    mask_id = None
+    if diffusion:
+        mask_id = getattr(loaded.tokenizer, "mask_id", None)
+        if mask_id is None:
+            mask_id = getattr(loaded.model.args, "mask_token_id", None)
+        if mask_id is None:
+            raise UserError(
+                f"{loaded.family} is a masked-diffusion model but its tokenizer has no mask token; "
+                "evaluate a run trained with one"
+            )
     max_len = getattr(loaded.args, "max_seq_len", None)
     model = loaded.model.eval()
     return {
-        t.name: score_task(model, loaded.tokenizer, t, batch_size=batch_size, max_len=max_len) for t in tasks
+        t.name: score_task(
+            model,
+            loaded.tokenizer,
+            t,
+            batch_size=batch_size,
+            max_len=max_len,
+            diffusion=diffusion,
+            mask_id=mask_id,
+            mc_samples=mc_samples,
+            max_new_tokens=max_new_tokens,
+        )
+        for t in tasks
     }
 
 
+def _metrics(results: dict[str, dict[str, Any]]) -> list[str]:
+    """The metric names of ``results`` (numbers other than ``examples``), in order of first appearance."""
+    names: dict[str, None] = {}
+    for r in results.values():
+        for k, v in r.items():
+            if k != "examples" and isinstance(v, int | float) and not isinstance(v, bool):
+                names.setdefault(k)
+    return list(names)
+
+
 def format_table(results: dict[str, dict[str, Any]]) -> str:
-    """The results as an aligned text table: task, examples, acc, acc_norm."""
+    """The results of one model as an aligned text table: task, examples, then one column per metric (``-``
+    where a task has no such metric: multiple-choice tasks have no exact_match, generation tasks no acc)."""
     w = max([4, *(len(k) for k in results)])
-    lines = [f"{'task':<{w}}  {'examples':>8}  {'acc':>6}  {'acc_norm':>8}"]
+    metrics = _metrics(results)
+    widths = [max(6, len(m)) for m in metrics]
+    head = "  ".join(f"{m:>{mw}}" for m, mw in zip(metrics, widths, strict=True))
+    lines = [f"{'task':<{w}}  {'examples':>8}  {head}"]
     for name, r in results.items():
-        lines.append(f"{name:<{w}}  {r['examples']:>8}  {r['acc']:>6.4f}  {r['acc_norm']:>8.4f}")
+        cells = "  ".join(
+            f"{r[m]:>{mw}.4f}" if m in r else f"{'-':>{mw}}" for m, mw in zip(metrics, widths, strict=True)
+        )
+        lines.append(f"{name:<{w}}  {r['examples']:>8}  {cells}")
+    return "\n".join(lines)
+
+
+def format_comparison(runs: dict[str, dict[str, Any]]) -> str:
+    """Several models' results (``{run: {"loss", "perplexity", "tasks": {...}}}``, each part optional) as one
+    table: a row per task and metric, a column per run, so each metric reads across the runs. Corpus loss and
+    perplexity (``--data``) come first, under the task name ``data``."""
+    labels = list(runs)
+    rows: list[tuple[str, str, str, list[str]]] = []
+    first = next(iter(runs.values()))
+    for metric, fmt in (("loss", ".4f"), ("perplexity", ".2f")):
+        if metric in first:
+            rows.append(("data", metric, "", [format(runs[r][metric], fmt) for r in labels]))
+    tasks = first.get("tasks", {})
+    for name in tasks:
+        for metric in _metrics({name: tasks[name]}):
+            cells = [format(runs[r]["tasks"][name][metric], ".4f") for r in labels]
+            rows.append((name, metric, str(tasks[name]["examples"]), cells))
+    tw = max([4, *(len(r[0]) for r in rows)])
+    mw = max([6, *(len(r[1]) for r in rows)])
+    cw = [max(len(lab), *(len(r[3][j]) for r in rows)) for j, lab in enumerate(labels)]
+    lines = [
+        f"{'task':<{tw}}  {'metric':<{mw}}  {'examples':>8}  "
+        + "  ".join(f"{lab:>{w}}" for lab, w in zip(labels, cw, strict=True))
+    ]
+    for task, metric, n, cells in rows:
+        lines.append(
+            f"{task:<{tw}}  {metric:<{mw}}  {n:>8}  "
+            + "  ".join(f"{c:>{w}}" for c, w in zip(cells, cw, strict=True))
+        )
     return "\n".join(lines)
