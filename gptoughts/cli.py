@@ -478,7 +478,24 @@ def cmd_eval(argv: Sequence[str]) -> int:
         default=None,
         help='task file (repeatable), JSONL of one kind: multiple choice, {"context": str, "choices": [str, ...], '
         '"answer": int} per line, scored by log-likelihood (acc, acc_norm); or generation, {"prompt": str, '
-        '"expected": str, "until": [str, ...]} per line, scored by greedy decoding (exact_match)',
+        '"expected": str, "until": [str, ...]} per line, scored by greedy decoding (exact_match); or '
+        "lm-evaluation-harness task names, comma-separated (hellaswag,arc_easy; needs gptoughts[eval])",
+    )
+    p.add_argument(
+        "--task_dir",
+        default=None,
+        help="a folder of lm-evaluation-harness task YAML files (e.g. reading local data: dataset_path: json)",
+    )
+    p.add_argument(
+        "--download",
+        action="store_true",
+        help="harness tasks: let datasets download missing task data (default: offline, missing data is an error)",
+    )
+    p.add_argument(
+        "--limit", type=int, default=None, help="harness tasks: score the first N examples of each"
+    )
+    p.add_argument(
+        "--num_fewshot", type=int, default=None, help="harness tasks: few-shot examples per prompt"
     )
     p.add_argument(
         "--batch_size",
@@ -517,6 +534,7 @@ def cmd_eval(argv: Sequence[str]) -> int:
         ("--batch_size", a.batch_size),
         ("--max_new_tokens", a.max_new_tokens),
         ("--mc_samples", a.mc_samples),
+        ("--limit", a.limit),
     ):
         if value is not None and value < 1:
             raise UserError(f"{flag} must be >= 1, got {value}")
@@ -524,6 +542,7 @@ def cmd_eval(argv: Sequence[str]) -> int:
     if repeated:
         raise UserError(f"{', '.join(repeated)} is given more than once; name each run once")
     from gptoughts.api import evaluate, load
+    from gptoughts.tools.harness import split_specs
     from gptoughts.tools.tasks import (
         MC_SAMPLES,
         evaluate_tasks,
@@ -532,8 +551,24 @@ def cmd_eval(argv: Sequence[str]) -> int:
         read_tasks,
     )
 
+    if a.num_fewshot is not None and a.num_fewshot < 0:
+        raise UserError(f"--num_fewshot must be >= 0, got {a.num_fewshot}")
     # Everything a user can get wrong is checked before the first (possibly long) model load and scoring.
-    tasks = read_tasks(a.tasks) if a.tasks else []
+    files, names = split_specs(a.tasks) if a.tasks else ([], [])
+    if a.task_dir and not names:
+        raise UserError("--task_dir holds harness tasks: name them with --tasks NAME[,NAME...]")
+    tasks = read_tasks(files)
+    bench = None
+    if names:
+        from gptoughts.tools.harness import Harness
+
+        bench = Harness(
+            names,
+            task_dir=a.task_dir,
+            allow_download=a.download,
+            num_fewshot=a.num_fewshot,
+            limit=a.limit,
+        )
     for run in a.path:
         if not Path(run).exists():
             raise UserError(
@@ -547,7 +582,7 @@ def cmd_eval(argv: Sequence[str]) -> int:
             res = evaluate(
                 loaded, a.data, batch_size=a.batch_size, block_size=a.block_size, max_batches=a.max_batches
             )
-        if tasks:
+        if tasks or bench:
             res["tasks"] = evaluate_tasks(
                 loaded,
                 tasks,
@@ -555,6 +590,8 @@ def cmd_eval(argv: Sequence[str]) -> int:
                 mc_samples=a.mc_samples or MC_SAMPLES,
                 max_new_tokens=a.max_new_tokens,
             )
+            if bench is not None:
+                res["tasks"].update(bench.evaluate(loaded, batch_size=a.batch_size))
             if (Path(run) / "run.json").is_file():
                 (Path(run) / "eval_tasks.json").write_text(json.dumps(res["tasks"], indent=2) + "\n")
         results[run] = res
@@ -577,7 +614,7 @@ def cmd_eval(argv: Sequence[str]) -> int:
             f"loss {res['loss']:.4f}  perplexity {res['perplexity']:.2f}  ({int(res['tokens']):,} tokens scored: "
             f"{res['scored']} of {', '.join(a.data)})"
         )
-    if tasks:
+    if tasks or bench:
         print(format_table(res["tasks"]))
     return 0
 

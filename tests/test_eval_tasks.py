@@ -334,3 +334,119 @@ def test_several_runs_are_compared_in_one_table_llama_and_llada(capitals, tmp_pa
     code, text = run_cli(["eval", str(barely), str(tmp_path / "typo"), "--tasks", str(tasks)], capsys)
     assert code == 2 and "typo does not exist" in text and len(text.strip().splitlines()) == 1, text
     assert not (barely / "eval_tasks.json").exists()
+
+
+def _yaml(path: Path, data: Path, body: str) -> None:
+    """A harness task reading ``data`` (our JSONL) from disk: no download, the harness's own format."""
+    path.write_text(
+        f"task: {path.stem}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\n"
+        f"test_split: test\n{body}"
+    )
+
+
+def test_harness_and_custom_files_give_the_same_accuracy(capitals, tmp_path, capsys):
+    pytest.importorskip("lm_eval")
+    capitals_run = capitals[0]
+    cities = [p for _, p in FACTS]
+    mc = _write(
+        tmp_path / "capitals_mc.jsonl",
+        [
+            {"context": f"the capital of {c} is", "choices": [f" {q}" for q in cities], "answer": i}
+            for i, (c, _) in enumerate(FACTS)
+        ]
+        # one the model cannot know: the scores differ from example to example
+        + [{"context": "the capital of peru is", "choices": [" lima", " rome"], "answer": 0}],
+    )
+    gen = _write(
+        tmp_path / "capitals_gen.jsonl",
+        [{"prompt": f"the capital of {c} is", "expected": p, "until": ["."]} for c, p in FACTS]
+        + [{"prompt": "the capital of peru is", "expected": "lima", "until": ["."]}],
+    )
+    tasks = tmp_path / "harness_tasks"
+    tasks.mkdir()
+    _yaml(
+        tasks / "h_mc.yaml",
+        mc,
+        'output_type: multiple_choice\ndoc_to_text: "{{context}}"\ndoc_to_choice: "{{choices}}"\n'
+        'doc_to_target: "{{answer}}"\ntarget_delimiter: ""\n'
+        "metric_list:\n  - metric: acc\n  - metric: acc_norm\n",
+    )
+    _yaml(
+        tasks / "h_gen.yaml",
+        gen,
+        'output_type: generate_until\ndoc_to_text: "{{prompt}}"\ndoc_to_target: "{{expected}}"\n'
+        'generation_kwargs:\n  until: ["."]\n  max_gen_toks: 64\n  do_sample: false\n'
+        "metric_list:\n  - metric: exact_match\n    regexes_to_ignore: ['^\\s+', '\\s+$']\n",
+    )
+    from gptoughts import cli
+
+    code = cli.main(
+        [
+            "eval",
+            str(capitals_run),
+            "--tasks",
+            str(mc),
+            "--tasks",
+            str(gen),
+            "--tasks",
+            "h_mc,h_gen",
+            "--task_dir",
+            str(tasks),
+            "--device",
+            "cpu",
+            "--json",
+        ],
+    )
+    out = capsys.readouterr()  # stdout: the JSON; stderr: the harness's progress bars
+    assert code == 0, out.err[-2000:]
+    res = json.loads(out.out)["tasks"]
+    assert res["h_mc"]["acc"] == pytest.approx(res["capitals_mc"]["acc"])
+    assert res["h_mc"]["acc_norm"] == pytest.approx(res["capitals_mc"]["acc_norm"])
+    assert res["h_gen"]["exact_match"] == pytest.approx(res["capitals_gen"]["exact_match"])
+    assert res["capitals_mc"]["acc"] >= 0.6 and res["capitals_gen"]["exact_match"] >= 0.6  # chance: ~0.2, 0
+    assert res["h_mc"]["examples"] == 5 and "acc_stderr" in res["h_mc"]
+
+
+def test_missing_task_data_is_one_line_before_the_model_loads(tmp_path, capsys):
+    pytest.importorskip("lm_eval")
+    tasks = tmp_path / "t"
+    tasks.mkdir()
+    (tasks / "remote.yaml").write_text(
+        "task: remote\ndataset_path: nobody/no_such_dataset_here\noutput_type: multiple_choice\n"
+        'test_split: test\ndoc_to_text: "{{q}}"\ndoc_to_choice: "{{c}}"\ndoc_to_target: 0\n'
+    )
+    # The run does not exist: the task data is checked first.
+    code, text = run_cli(
+        ["eval", str(tmp_path / "no_run"), "--tasks", "remote", "--task_dir", str(tasks)], capsys
+    )
+    assert code == 2 and "Traceback" not in text, text
+    assert len(text.strip().splitlines()) == 1, text
+    assert "remote" in text and "--download" in text and "--task_dir" in text
+
+
+def test_harness_names_without_the_harness_say_how_to_install(monkeypatch, tmp_path, capsys):
+    from gptoughts.tools import harness
+
+    monkeypatch.setattr(harness, "_LM", object)
+    code, text = run_cli(["eval", str(tmp_path), "--tasks", "hellaswag"], capsys)
+    assert code == 2 and "pip install 'gptoughts[eval]'" in text and len(text.strip().splitlines()) == 1
+
+
+def test_rolling_loglikelihood_covers_every_token_once():
+    """The harness's perplexity requests: a text longer than the model's window is scored in disjoint windows;
+    with a bigram model the sum must equal the whole text's log-probability after the eos token."""
+    pytest.importorskip("lm_eval")
+    from gptoughts.tools.harness import NativeLM
+
+    tok = bytes_tokenizer()
+    torch.manual_seed(0)
+    model = Bigram(tok.vocab_size, torch.randn(tok.vocab_size, tok.vocab_size))
+    loaded = SimpleNamespace(model=model, tokenizer=tok, family="llama", args=SimpleNamespace(max_seq_len=8))
+    lm = NativeLM(loaded, batch_size=3)
+    texts = ["a text of more than eight tokens, scored in windows", "short"]
+    got = lm.loglikelihood_rolling([SimpleNamespace(args=(t,)) for t in texts])
+    for text, score in zip(texts, got, strict=True):
+        ids = [tok.eos_id, *tok.encode(text)]
+        logp = torch.log_softmax(model(torch.tensor([ids]))[0].detach(), dim=-1)
+        expected = sum(float(logp[t - 1, ids[t]]) for t in range(1, len(ids)))
+        assert score == pytest.approx(expected, abs=1e-3), text

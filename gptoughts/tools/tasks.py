@@ -191,7 +191,6 @@ def _encode_pair(tokenizer: Any, context: str, choice: str) -> tuple[list[int], 
     return ctx, whole[len(ctx) :]
 
 
-@torch.no_grad()
 def loglikelihoods(
     model: nn.Module,
     tokenizer: Any,
@@ -207,12 +206,44 @@ def loglikelihoods(
 ) -> list[float] | list[tuple[float, bool]]:
     """Summed log-probability of each ``choice`` given its ``context``, in ``pairs`` order; with
     ``with_greedy``, ``(log-probability, whether greedy decoding would produce exactly the choice's tokens)``
-    pairs, as lm-evaluation-harness's ``loglikelihood`` returns.
+    pairs, as lm-evaluation-harness's ``loglikelihood`` returns. The texts are split into tokens as the harness
+    splits them (:func:`_encode_pair`), then scored by :func:`score_tokens`."""
+    windows = [_encode_pair(tokenizer, context, choice) for context, choice in pairs]
+    return score_tokens(
+        model,
+        windows,
+        eos_id=tokenizer.eos_id,
+        batch_size=batch_size,
+        max_len=max_len,
+        with_greedy=with_greedy,
+        diffusion=diffusion,
+        mask_id=mask_id,
+        mc_samples=mc_samples,
+        seed=seed,
+    )
 
-    A sequence ``context + choice`` is fed without its last token; the logits at position ``t`` predict token
-    ``t + 1``, so the choice's ``k`` tokens are scored by the last ``k`` positions. An empty context starts from
-    the eos token (the document separator the model saw in training). A sequence longer than ``max_len + 1``
-    keeps its last tokens (the choice, and as much context as fits).
+
+@torch.no_grad()
+def score_tokens(
+    model: nn.Module,
+    windows: list[tuple[list[int], list[int]]],
+    *,
+    eos_id: int,
+    batch_size: int = 8,
+    max_len: int | None = None,
+    with_greedy: bool = False,
+    diffusion: bool = False,
+    mask_id: int | None = None,
+    mc_samples: int = MC_SAMPLES,
+    seed: int = MC_SEED,
+) -> list[float] | list[tuple[float, bool]]:
+    """Summed log-probability of each ``(context ids, continuation ids)`` window's continuation given its
+    context (the unit of the harness's ``loglikelihood`` and of its rolling windows).
+
+    A sequence ``context + continuation`` is fed without its last token; the logits at position ``t`` predict
+    token ``t + 1``, so the continuation's ``k`` tokens are scored by the last ``k`` positions. An empty context
+    starts from ``eos_id`` (the document separator the model saw in training). A sequence longer than
+    ``max_len + 1`` keeps its last tokens (the continuation, and as much context as fits).
 
     ``diffusion`` (masked-diffusion models such as LLaDA, whose mask token is ``mask_id``, default the model's):
     the log-likelihood is LLaDA's Monte-Carlo lower bound (:func:`diffusion_loglikelihoods`); the greedy flag is
@@ -220,8 +251,8 @@ def loglikelihoods(
     if diffusion:
         lls = diffusion_loglikelihoods(
             model,
-            tokenizer,
-            pairs,
+            windows,
+            eos_id=eos_id,
             batch_size=batch_size,
             max_len=max_len,
             mask_id=mask_id,
@@ -231,11 +262,8 @@ def loglikelihoods(
         return [(ll, False) for ll in lls] if with_greedy else lls
     dev = next(model.parameters()).device
     seqs: list[tuple[list[int], int]] = []
-    for context, choice in pairs:
-        ctx, cont = _encode_pair(tokenizer, context, choice)
-        if not ctx:
-            ctx = [tokenizer.eos_id]
-        whole = ctx + cont
+    for ctx, cont in windows:
+        whole = (ctx or [eos_id]) + cont
         if max_len is not None:
             whole = whole[-(max_len + 1) :]
         seqs.append((whole, min(len(cont), len(whole) - 1)))
@@ -246,7 +274,7 @@ def loglikelihoods(
         idx = order[b : b + batch_size]
         width = max(len(seqs[i][0]) for i in idx) - 1
         # Right padding: with a causal mask, the pad after a sequence changes none of its logits.
-        x = torch.full((len(idx), width), tokenizer.eos_id, dtype=torch.long)
+        x = torch.full((len(idx), width), eos_id, dtype=torch.long)
         for r, i in enumerate(idx):
             toks = seqs[i][0][:-1]
             x[r, : len(toks)] = torch.tensor(toks)
@@ -265,9 +293,9 @@ def loglikelihoods(
 @torch.no_grad()
 def diffusion_loglikelihoods(
     model: nn.Module,
-    tokenizer: Any,
-    pairs: list[tuple[str, str]],
+    windows: list[tuple[list[int], list[int]]],
     *,
+    eos_id: int,
     batch_size: int = 8,
     max_len: int | None = None,
     mask_id: int | None = None,
@@ -292,9 +320,8 @@ def diffusion_loglikelihoods(
         raise UserError(f"mc_samples must be >= 1, got {mc_samples}")
     dev = next(model.parameters()).device
     out = []
-    for context, choice in pairs:
-        ctx, cont = _encode_pair(tokenizer, context, choice)
-        whole = (ctx or [tokenizer.eos_id]) + cont
+    for ctx, cont in windows:
+        whole = (ctx or [eos_id]) + cont
         if max_len is not None:
             whole = whole[-max_len:]
         k = min(len(cont), len(whole))
@@ -535,7 +562,7 @@ def format_table(results: dict[str, dict[str, Any]]) -> str:
         cells = "  ".join(
             f"{r[m]:>{mw}.4f}" if m in r else f"{'-':>{mw}}" for m, mw in zip(metrics, widths, strict=True)
         )
-        lines.append(f"{name:<{w}}  {r['examples']:>8}  {cells}")
+        lines.append(f"{name:<{w}}  {r.get('examples', '-'):>8}  {cells}")
     return "\n".join(lines)
 
 

@@ -1,0 +1,288 @@
+"""lm-evaluation-harness on our models: ``gptoughts eval RUN --tasks hellaswag,arc_easy``.
+
+:class:`NativeLM` is the harness's ``LM`` over a model from :func:`gptoughts.api.load` (a run, a checkpoint or an
+HF folder): ``loglikelihood`` and ``loglikelihood_rolling`` score token windows with
+:func:`gptoughts.tools.tasks.score_tokens` (batched, one forward per batch), ``generate_until`` decodes greedily
+with the KV cache (:func:`gptoughts.tools.tasks.generate_until`). Masked-diffusion families (LLaDA) score through
+the Monte-Carlo likelihood and generate with the diffusion sampler, both behind the same two functions.
+
+Task data. The harness loads each task's dataset with ``datasets``: from the local cache (``HF_HOME``,
+``HF_DATASETS_CACHE``), a task folder of YAML files (``--task_dir``: the harness's own format, whose
+``dataset_path: json`` + ``data_files`` read local files), or the network. ``gptoughts eval`` stays offline unless
+``--download`` is given, so a machine without network gets one line naming the tasks whose data is missing and
+how to bring it, never a hang on a download. Tasks and their data are loaded before the model.
+
+The harness is an optional dependency (``pip install 'gptoughts[eval]'``); custom JSONL tasks
+(``--tasks FILE.jsonl``) do not need it. Note that a harness task folder may hold Python (``!function`` in its
+YAML), which the harness imports: point ``--task_dir`` only at folders you trust, as with any harness task.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from gptoughts import models
+from gptoughts.errors import DataError, UserError
+from gptoughts.tools import tasks
+
+INSTALL = "pip install 'gptoughts[eval]'"
+
+try:  # optional: without it, harness task names are refused in one line (Harness) and files still work
+    from lm_eval.api.model import LM as _LM
+except ImportError:  # pragma: no cover - the test suite installs gptoughts[eval]
+    _LM = object
+
+
+def is_task_file(spec: str) -> bool:
+    """A ``--tasks`` entry naming a custom JSONL file (scored by gptoughts/tools/tasks.py) rather than harness
+    task names."""
+    return spec.endswith(".jsonl") or os.sep in spec or Path(spec).is_file()
+
+
+def split_specs(specs: list[str]) -> tuple[list[str], list[str]]:
+    """``--tasks`` entries as (task files, harness task names); names may be comma-separated."""
+    files, names = [], []
+    for spec in specs:
+        if is_task_file(spec):
+            files.append(spec)
+        else:
+            names += [n.strip() for n in spec.split(",") if n.strip()]
+    return files, list(dict.fromkeys(names))
+
+
+def _require() -> None:
+    if _LM is object:
+        raise UserError(
+            f"harness tasks need lm-evaluation-harness, which is not installed: {INSTALL} (custom task files, "
+            "--tasks FILE.jsonl, do not)"
+        ) from None
+
+
+@contextlib.contextmanager
+def _offline(allow_download: bool) -> Iterator[None]:
+    """No network access by ``datasets`` and ``huggingface_hub`` unless asked: a missing dataset fails at once
+    instead of hanging on a download without network."""
+    if allow_download:
+        yield
+        return
+    import datasets
+    import huggingface_hub.constants as hub
+
+    # datasets reads its own copy of the flag (config.HF_HUB_OFFLINE), the hub client its constant.
+    flags = [
+        (datasets.config, "HF_HUB_OFFLINE"),
+        (datasets.config, "HF_DATASETS_OFFLINE"),
+        (hub, "HF_HUB_OFFLINE"),
+    ]
+    saved = [getattr(obj, name) for obj, name in flags]
+    env = {k: os.environ.get(k) for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")}
+    for obj, name in flags:
+        setattr(obj, name, True)
+    os.environ.update(dict.fromkeys(env, "1"))
+    try:
+        yield
+    finally:
+        for (obj, name), value in zip(flags, saved, strict=True):
+            setattr(obj, name, value)
+        for k, v in env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _quiet() -> None:
+    """The harness and datasets log at INFO and WARNING for every task; the table says what matters."""
+    for name in ("lm_eval", "datasets", "huggingface_hub", "fsspec"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    with contextlib.suppress(Exception):
+        import datasets
+
+        datasets.disable_progress_bars()
+
+
+class Harness:
+    """Harness tasks by name, indexed and their data loaded (offline unless ``allow_download``) before any model
+    loads: an unknown name or missing data is one line, naming what is missing and how to provide it."""
+
+    def __init__(
+        self,
+        names: list[str],
+        *,
+        task_dir: str | None = None,
+        allow_download: bool = False,
+        num_fewshot: int | None = None,
+        limit: int | None = None,
+    ) -> None:
+        _require()
+        _quiet()
+        from lm_eval.tasks import TaskManager
+
+        if task_dir is not None and not Path(task_dir).is_dir():
+            raise DataError(
+                f"--task_dir {task_dir} is not a folder; pass a folder of harness task YAML files"
+            )
+        self.names, self.allow_download = names, allow_download
+        self.num_fewshot, self.limit = num_fewshot, limit
+        # The harness's own index scans ~15,000 YAML files (~5 s of CPU): skipped when the folder has them all.
+        manager = TaskManager(include_path=task_dir, include_defaults=False) if task_dir else None
+        if manager is None or any(n not in manager.all_tasks for n in names):
+            manager = TaskManager(include_path=task_dir)
+        unknown = [n for n in names if n not in manager.all_tasks]
+        if unknown:
+            import difflib
+
+            close = {n: difflib.get_close_matches(n, manager.all_tasks, n=3) for n in unknown}
+            hint = "; ".join(f"{n}: did you mean {', '.join(c)}?" for n, c in close.items() if c)
+            raise UserError(
+                f"unknown harness task(s) {', '.join(unknown)}"
+                + (f" ({hint})" if hint else "")
+                + "; `lm-eval ls tasks` lists them, --task_dir adds a folder of task YAML files, and a custom task "
+                "file must end in .jsonl"
+            )
+        self.manager = manager
+        self.tasks = self._load()
+
+    def _load(self) -> dict[str, Any]:
+        """Each task with its data (one at a time, so the error names every task whose data is missing)."""
+        loaded: dict[str, Any] = {}
+        missing: dict[str, str] = {}
+        with _offline(self.allow_download):
+            for name in self.names:
+                try:
+                    loaded.update(self.manager.load([name])["tasks"])
+                except Exception as e:  # noqa: BLE001 - which task and which data: said in one line below
+                    missing[name] = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
+        if not missing:
+            return loaded
+        what = "; ".join(f"{n}: {why}" for n, why in missing.items())
+        where = os.environ.get("HF_DATASETS_CACHE") or os.environ.get("HF_HOME") or "~/.cache/huggingface"
+        if self.allow_download:
+            raise DataError(
+                f"the data of harness task(s) could not be loaded ({what}); check the network, or the "
+                "task's dataset_path and data_files"
+            )
+        raise DataError(
+            f"the data of harness task(s) {', '.join(missing)} is not on this machine (offline; {what}): pass "
+            "--download to fetch it, or run that on a machine with network and copy its Hugging Face cache to "
+            f"{where} here, or give --task_dir a folder of task YAML files reading local data "
+            "(dataset_path: json, data_files)"
+        )
+
+    def evaluate(self, loaded: Any, *, batch_size: int = 8) -> dict[str, dict[str, Any]]:
+        """Every task on the model: ``{task: {"examples", metric: value, metric_stderr: value}}``."""
+        import lm_eval
+
+        lm = NativeLM(loaded, batch_size=batch_size)
+        with _offline(self.allow_download):
+            out = lm_eval.simple_evaluate(
+                model=lm,
+                tasks=self.names,
+                task_manager=self.manager,
+                num_fewshot=self.num_fewshot,
+                limit=self.limit,
+                log_samples=False,
+                bootstrap_iters=1000,
+                random_seed=0,
+                numpy_random_seed=0,
+                torch_random_seed=0,
+                fewshot_random_seed=0,
+            )
+        return _results(out)
+
+
+def _results(out: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The harness's ``results`` (keys such as ``"acc,none"``, ``"acc_stderr,none"``) as flat rows."""
+    rows: dict[str, dict[str, Any]] = {}
+    samples = out.get("n-samples", {})
+    for task, metrics in out["results"].items():
+        row: dict[str, Any] = {}
+        n = samples.get(task, {})
+        if n:
+            row["examples"] = n.get("effective", n.get("original"))
+        for key, value in metrics.items():
+            if key in ("alias", "sample_len") or not isinstance(value, (int, float)):
+                continue
+            metric, _, filt = key.partition(",")
+            row[metric if filt in ("", "none") else f"{metric}[{filt}]"] = float(value)
+        rows[task] = row
+    return rows
+
+
+class NativeLM(_LM):  # type: ignore[misc, valid-type]
+    """The harness's ``LM`` over a model from :func:`gptoughts.api.load` (see the module docstring)."""
+
+    def __init__(self, loaded: Any, *, batch_size: int = 8) -> None:
+        super().__init__()
+        self.loaded, self.batch_size = loaded, batch_size
+        self.model = loaded.model.eval()
+        self.tokenizer = loaded.tokenizer
+        self.max_len = getattr(loaded.args, "max_seq_len", None) or 2048
+        self.diffusion = models.family_of(loaded.family).objective == "diffusion"
+        mask_id = getattr(self.tokenizer, "mask_id", None) or getattr(self.model.args, "mask_token_id", None)
+        self.kw = dict(diffusion=True, mask_id=mask_id) if self.diffusion else {}
+
+    def loglikelihood(self, requests: list[Any]) -> list[tuple[float, bool]]:
+        pairs = [tuple(r.args) for r in requests]
+        return tasks.loglikelihoods(
+            self.model,
+            self.tokenizer,
+            pairs,
+            batch_size=self.batch_size,
+            max_len=self.max_len,
+            with_greedy=True,
+            **self.kw,
+        )
+
+    def loglikelihood_rolling(self, requests: list[Any]) -> list[float]:
+        """The text's log-likelihood in disjoint windows of the model's length, each after as much of the
+        text before it as fits (the harness's rolling windows), the first after the eos token."""
+        from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+        windows, owner = [], []
+        for i, r in enumerate(requests):
+            ids = self.tokenizer.encode(r.args[0])
+            for w in get_rolling_token_windows(ids, self.tokenizer.eos_id, self.max_len, 1):
+                windows.append(make_disjoint_window(w))
+                owner.append(i)
+        scores = tasks.score_tokens(
+            self.model,
+            windows,
+            eos_id=self.tokenizer.eos_id,
+            batch_size=self.batch_size,
+            max_len=self.max_len,
+            **self.kw,
+        )
+        out = [0.0] * len(requests)
+        for i, s in zip(owner, scores, strict=True):
+            out[i] += s
+        return out
+
+    def generate_until(self, requests: list[Any]) -> list[str]:
+        """Greedy continuations, batched per distinct generation settings (a task has one)."""
+        out: list[str] = [""] * len(requests)
+        groups: dict[tuple, list[int]] = {}
+        for i, r in enumerate(requests):
+            kw = dict(r.args[1] or {})
+            until = kw.get("until") or []
+            until = [until] if isinstance(until, str) else list(until)
+            key = (tuple(until), int(kw.get("max_gen_toks", 256)))
+            groups.setdefault(key, []).append(i)
+        for (until, max_new), idx in groups.items():
+            texts = tasks.generate_until(
+                self.model,
+                self.tokenizer,
+                [requests[i].args[0] for i in idx],
+                until=list(until),
+                max_new_tokens=max_new,
+                batch_size=self.batch_size,
+                **self.kw,
+            )
+            for i, t in zip(idx, texts, strict=True):
+                out[i] = t
+        return out
