@@ -128,3 +128,33 @@ def test_slices_scored_by_ranks_add_up_to_the_whole(tmp_path):
         assert combined["mc"]["examples"] == 5
         for k in ("acc", "acc_norm"):
             assert combined["mc"][k] == pytest.approx(whole["mc"][k])
+
+
+@pytest.mark.distributed
+def test_ddp_ranks_split_the_examples_and_score_like_one_process(tmp_path, text_corpus, cache_dir, fast):
+    """2 gloo ranks under DDP split the 5 examples (3 + 2) and combine them into what one process scores with
+    the run's final weights. (FSDP/TP ranks all score every example, the path of the trainer's samples; a
+    second launch for it would cost another ~10 s of the suite: checked by hand, see the commit.)"""
+    import os
+    import subprocess
+    import sys
+
+    task = _task(tmp_path / "mc.jsonl")
+    run = tmp_path / "ddp"
+    opts = [f"--{k}={v}" for k, v in fast.items() if not isinstance(v, list) and k != "train.batch_size"]
+    r = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "gptoughts",
+         "train", "default", "--data", str(text_corpus), "--out", str(run), *opts, "--batch_size", "2",
+         "--max_steps", "2", "--eval_interval", "0", "--sample_prompts=", "--eval_tasks", str(task)],
+        env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert "examples split over 2 data-parallel ranks" in r.stdout
+    logged = next(x for x in _rows(run) if "tasks/mc/acc" in x)
+    assert logged["step"] == 2
+    loaded = api.load(run, device="cpu")
+    scorer = read_scorer([str(task)]).bind(loaded.tokenizer, max_len=32, batch_size=2)
+    with torch.no_grad():
+        one = scorer(loaded.model.eval())["mc"]
+    assert logged["tasks/mc/acc"] == pytest.approx(one["acc"])
+    assert logged["tasks/mc/acc_norm"] == pytest.approx(one["acc_norm"])
