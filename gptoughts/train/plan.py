@@ -225,7 +225,7 @@ def _tasks(env: Any, batch: BatchPlan, tasks: Any) -> dict[str, Any]:
     d = env.dist
     how = (
         " by every rank (sharded model)"
-        if d.sharded
+        if d.sharded and d.enabled
         else f", examples split over {d.dp_size} data-parallel ranks"
         if d.dp_size > 1
         else ""

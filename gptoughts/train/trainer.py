@@ -746,8 +746,10 @@ class Trainer:
                         stop, stop_reason = True, "early stopping"
                 if sample_due:
                     self._sample()
-                if tasks_due or (stop and not self.stop_requested and self.tasks is not None):
-                    self._score_tasks()  # (an early stop is an end too; a Ctrl-C is not waited on)
+                # An early stop is an end too (every rank decides it alike, from the all-reduced val loss); a
+                # Ctrl-C is not made to wait for a scoring.
+                if tasks_due or (self.tasks is not None and stop_reason == "early stopping"):
+                    self._score_tasks()
                 if save_due or improved or stop:
                     self.save(val_loss=val_loss, is_best=improved)
                 if stop:
