@@ -1060,8 +1060,8 @@ def phases(cfg: Config) -> list | None:
 
 
 def write_run_files(asm: Assembly) -> None:
-    """config.toml (sources and task files as absolute paths: the file can be moved and still resumes), tokenizer/, run.json
-    (with the plan). Called once everything has been validated."""
+    """config.toml (sources and task files as absolute paths: the file can be moved and still resumes),
+    tokenizer/, run.json (with the plan). Called once everything has been validated."""
     cfg, env, model, data, run_dir = asm.cfg, asm.env, asm.model, asm.data, asm.run_dir
     if asm.resume_from is None and rundir.is_run(run_dir):
         # --overwrite, or --resume auto on a run killed before its first checkpoint: it starts over, and what it
