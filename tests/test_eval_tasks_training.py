@@ -79,6 +79,12 @@ def test_tasks_are_scored_at_their_steps_logged_plotted_and_leave_training_alone
         assert all(0.0 <= r[k] <= 1.0 for k in keys)
         assert all(r[k] * 5 == pytest.approx(round(r[k] * 5)) for k in keys)  # hits out of 5 examples
     assert (run / "plots" / "tasks.png").stat().st_size > 1000
+    from PIL import Image
+
+    from gptoughts.train.plots import compare_runs
+
+    with Image.open(compare_runs([run, tmp_path / "plain"], tmp_path / "cmp.png")) as png:
+        assert png.height > 1200  # a third row: the task scores of the runs that have them
     summary = json.loads((run / "summary.json").read_text())
     assert summary["tasks"]["mc"]["examples"] == 5
     assert summary["tasks"]["mc"]["acc"] == scored[5]["tasks/mc/acc"]
