@@ -171,15 +171,17 @@ def finetune(
 def run_training(cfg: Config, *, dry_run: bool = False) -> tuple[nn.Module, Any, History]:
     """Assemble the run (``train/build.py``), print its plan, train, print and write the summary."""
     from gptoughts.perf.startup import Startup, startup_clock
+    from gptoughts.tools.task_scorer import read_scorer
     from gptoughts.train.build import build, setup_environment
     from gptoughts.train.metrics import console
 
     startup = Startup(imports_s=0.0, origin=startup_clock())
     startup.imports_s = startup.age()
+    tasks = read_scorer(cfg.eval.eval_tasks)  # every task file checked before anything is built or written
     env = setup_environment(cfg)
     try:
         with _disk_full_is_a_user_error():
-            asm = build(cfg, dry_run=dry_run, env=env)
+            asm = build(cfg, dry_run=dry_run, env=env, tasks=tasks)
         startup.assembly_s = startup.age() - startup.imports_s
         main = env.dist.is_main
         if main:
@@ -280,6 +282,8 @@ def _summary(asm: Any, history: History, wall: float, tokens: int) -> dict[str, 
         "plots": [str(p) for p in plots],
         "sample": history.sample,
     }
+    if asm.trainer.task_scores:  # the last scores of eval.eval_tasks
+        summary["tasks"] = asm.trainer.task_scores
     write_text_atomic(asm.run_dir / "summary.json", json.dumps(summary, indent=2))
     return summary
 

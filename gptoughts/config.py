@@ -168,6 +168,13 @@ class EvalConfig:
     """Sampling temperature (0: greedy)."""
     sample_top_k: int | None = 50
     """Sample among the k most likely tokens; None: all."""
+    eval_tasks: list[str] = field(default_factory=list)
+    """Multiple-choice task files (JSONL, the format of ``gptoughts eval --tasks``) scored with the live model
+    during training: ``tasks/NAME/acc`` and ``tasks/NAME/acc_norm`` in metrics.jsonl, TensorBoard, wandb and
+    ``plots/tasks.png``. Every file is read and checked before the run starts. Causal families, no pipeline
+    parallelism."""
+    eval_tasks_interval: int | None = None
+    """Score ``eval_tasks`` every N steps (and at the end); None: every ``eval_interval``; 0: only at the end."""
 
 
 @dataclass
@@ -659,7 +666,7 @@ NAMING_KEYS = ("data.sources", "model.family", "model.size", "model.init_from")
 # Stopping rules: the one the user gives wins over a preset's; two given together are a conflict.
 STOP_KEYS = ("train.max_steps", "train.epochs", "train.max_tokens")
 # Keys holding paths: relative ones in a TOML file are resolved against that file's folder.
-_PATH_KEYS = (("data", "sources"), ("data", "cache_dir"), ("model", "init_from"))
+_PATH_KEYS = (("data", "sources"), ("data", "cache_dir"), ("model", "init_from"), ("eval", "eval_tasks"))
 
 
 def list_presets() -> list[str]:
@@ -898,6 +905,7 @@ def validate(cfg: Config) -> None:
             raise ConfigError(
                 f"train.profile must be START:END steps with START < END (e.g. 10:15); got {t.profile!r}"
             )
+    _validate_eval_tasks(cfg)
     for p in cfg.data.phases:
         if p.weights and len(p.weights) != len(p.sources):
             raise ConfigError(
@@ -945,6 +953,7 @@ def check_train_ranges(
         ("recovery", "max_rollbacks"),
         ("recovery", "spike_warmup_steps"),
         ("eval", "sample_max_new_tokens"),
+        ("eval", "eval_tasks_interval"),
     ):
         value = getattr(dict(sections)[sec], name)
         if value is not None and value < 0:
@@ -1009,6 +1018,18 @@ def check_parallel(p: ParallelConfig) -> None:
     if p.strategy == "none" and (p.tp > 1 or p.pp > 1):
         raise ConfigError(
             "parallel.strategy = none runs one process; tensor/pipeline parallelism needs torchrun"
+        )
+
+
+def _validate_eval_tasks(cfg: Config) -> None:
+    """What periodic task evaluation cannot run on yet (the files themselves are read when the run starts)."""
+
+    if not cfg.eval.eval_tasks:
+        return
+    if cfg.parallel.pp > 1:
+        raise ConfigError(
+            "eval.eval_tasks does not run under pipeline parallelism (no rank holds the whole model); drop "
+            "--eval_tasks and score the run afterwards with gptoughts eval RUN --tasks FILE.jsonl"
         )
 
 

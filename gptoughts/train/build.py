@@ -652,6 +652,11 @@ def plan_batches(
         why["save_interval"] = (
             "auto: ~10 per run, at least 10 minutes apart (estimated); 0: at the end (and on Ctrl-C/SIGTERM)"
         )
+    tasks_interval = cfg.eval.eval_tasks_interval
+    if tasks_interval is None:
+        tasks_interval = eval_interval
+        if cfg.eval.eval_tasks:
+            why["eval_tasks_interval"] = "auto: the eval interval"
     return BatchPlan(
         micro_batch=micro,
         grad_accum=accum,
@@ -668,6 +673,7 @@ def plan_batches(
         save_interval=save_interval,
         why=why,
         tp=info.tp,
+        tasks_interval=tasks_interval,
     )
 
 
@@ -734,9 +740,15 @@ class Assembly:
             self.lock.release()
 
 
-def build(cfg: Config, *, dry_run: bool = False, env: Environment | None = None) -> Assembly:
+def build(
+    cfg: Config, *, dry_run: bool = False, env: Environment | None = None, tasks: Any = None
+) -> Assembly:
     """The whole assembly (see the module docstring); ``env`` from :func:`setup_environment` (made here when
-    None; the caller shuts the process group down with ``pdist.shutdown()``)."""
+    None; the caller shuts the process group down with ``pdist.shutdown()``). ``tasks``: the files of
+    ``eval.eval_tasks``, already read and checked by the caller (``gptoughts.tools.task_scorer.read_scorer``:
+    that layer sits above this one), for the plan and the trainer."""
+    if bool(cfg.eval.eval_tasks) != (tasks is not None):
+        raise ValueError("build: pass tasks=read_scorer(cfg.eval.eval_tasks) exactly when eval_tasks is set")
     env = env or setup_environment(cfg)
     if env.dist.tp > 1 and cfg.model.init_from is None:  # refused before any data is prepared
         from gptoughts.parallel.tp import check_family
@@ -763,7 +775,7 @@ def build(cfg: Config, *, dry_run: bool = False, env: Environment | None = None)
     elif (run_dir / "config.toml").exists() and not cfg.run.resume and not cfg.run.overwrite:
         rundir.check(run_dir, cfg)  # the plan of a run that would be refused is a refusal too
     try:
-        return _assemble(cfg, env, run_dir, dry_run, resume_from, resumed_run, lock)
+        return _assemble(cfg, env, run_dir, dry_run, resume_from, resumed_run, lock, tasks)
     except BaseException:
         if lock is not None:
             lock.release()
@@ -778,6 +790,7 @@ def _assemble(
     resume_from: Path | None,
     resumed_run: dict[str, Any] | None,
     lock: Any,
+    tasks: Any = None,
 ) -> Assembly:
     from gptoughts.train.metrics import console
 
@@ -839,6 +852,7 @@ def _assemble(
         run_dir=run_dir,  # 6
         resume_from=resume_from,
         resolved=resolved,
+        tasks=tasks,
     )
     asm = Assembly(
         cfg=cfg,
@@ -859,7 +873,9 @@ def _assemble(
     from gptoughts.train.optim import Schedule
 
     t = replace(cfg.train, batch_size=batch.micro_batch, grad_accum=batch.grad_accum)
-    evaluation = replace(cfg.eval, eval_interval=batch.eval_interval)
+    evaluation = replace(
+        cfg.eval, eval_interval=batch.eval_interval, eval_tasks_interval=batch.tasks_interval
+    )
     checkpointing = replace(cfg.checkpoint, save_interval=batch.save_interval)
     schedule = Schedule(
         t.schedule, t.learning_rate, batch.total_steps, batch.warmup_steps, t.min_lr_ratio, t.decay_fraction
@@ -914,6 +930,16 @@ def _assemble(
         evaluation=evaluation,
         checkpointing=checkpointing,
         recovery=cfg.recovery,
+        # Task sequences are scored in batches of at most the training micro-batch (its [rows, block] activations
+        # fit; the full-vocabulary logits of 8 rows are the eval command's batch).
+        tasks=None
+        if tasks is None
+        else tasks.bind(
+            data.tokenizer,
+            max_len=t.block_size,
+            batch_size=min(8, batch.micro_batch),
+            diffusion=model.family.objective == "diffusion",
+        ),
     )
     if state is not None:  # the optimizer, loader and RNG state must fit this run before anything is written
         asm.trainer.load_state_dict(state)
@@ -1092,8 +1118,8 @@ def phases(cfg: Config) -> list | None:
 
 
 def write_run_files(asm: Assembly) -> None:
-    """config.toml (sources as absolute paths: the file can be moved and still resumes), tokenizer/, run.json
-    (with the plan). Called once everything has been validated."""
+    """config.toml (sources and task files as absolute paths: the file can be moved and still resumes),
+    tokenizer/, run.json (with the plan). Called once everything has been validated."""
     cfg, env, model, data, run_dir = asm.cfg, asm.env, asm.model, asm.data, asm.run_dir
     if asm.resume_from is None and rundir.is_run(run_dir):
         # --overwrite, or --resume auto on a run killed before its first checkpoint: it starts over, and what it
@@ -1103,6 +1129,7 @@ def write_run_files(asm: Assembly) -> None:
     saved = replace(
         cfg,
         data=replace(cfg.data, sources=[_absolute(s) for s in cfg.data.sources]),
+        eval=replace(cfg.eval, eval_tasks=[_absolute(s) for s in cfg.eval.eval_tasks]),
         run=replace(cfg.run, resume=None, overwrite=False),
     )
     rundir.write_text_atomic(run_dir / "config.toml", to_toml(saved))

@@ -43,6 +43,8 @@ class BatchPlan:
     parallelism); 0: all of them."""
     tp: int = 1
     """Tensor-parallel degree: ``world_size / tp`` data-parallel ranks read different micro-batches."""
+    tasks_interval: int = 0
+    """Steps between two scorings of ``eval.eval_tasks`` (0: only at the end)."""
 
 
 @dataclass
@@ -66,6 +68,8 @@ class RunPlan:
     warnings: list[str]
     host_memory_gib: float | None = None
     """CPU memory per process for the offloaded training state (``parallel.cpu_offload``)."""
+    tasks: dict[str, Any] = field(default_factory=dict)
+    """``eval.eval_tasks`` scored during training: names, examples, interval, how ranks share them ({}: none)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -120,6 +124,11 @@ class RunPlan:
                 f"  parallel: {self.resolved['parallel']}"
                 + (f"; reshard_after_forward {reshard}" if reshard else "")
             )
+        if self.tasks:
+            tk = self.tasks
+            every = f"every {tk['interval']:,} steps and at the end" if tk["interval"] else "at the end"
+            listed = ", ".join(f"{n} ({e:,} examples)" for n, e in zip(tk["names"], tk["examples"]))
+            lines.append(f"  tasks: {listed}; scored {every}{tk['how']}")
         if "pipeline" in self.resolved:
             lines.append(f"  pipeline: {self.resolved['pipeline']}")
         if "optimizer" in self.resolved:
@@ -174,7 +183,9 @@ def make_plan(
     run_dir: Path,
     resume_from: Path | None,
     resolved: dict[str, Any],
+    tasks: Any = None,
 ) -> RunPlan:
+    """The plan of a run; ``tasks``: the ``TaskScorer`` of ``eval.eval_tasks`` (None: none)."""
     raw = model.raw
     params, params_ne = raw.num_params(), raw.num_params(non_embedding=True)
     trainable = sum(p.numel() for p in raw.parameters() if p.requires_grad) if cfg.lora.enabled else params
@@ -210,7 +221,22 @@ def make_plan(
         resume=str(resume_from) if resume_from else None,
         resolved=resolved,
         warnings=warnings,
+        tasks=_tasks(env, batch, tasks),
     )
+
+
+def _tasks(env: Any, batch: BatchPlan, tasks: Any) -> dict[str, Any]:
+    if tasks is None:
+        return {}
+    d = env.dist
+    how = (
+        " by every rank (sharded model)"
+        if d.sharded and d.enabled
+        else f", examples split over {d.dp_size} data-parallel ranks"
+        if d.dp_size > 1
+        else ""
+    )
+    return {"names": tasks.names, "examples": tasks.examples, "interval": batch.tasks_interval, "how": how}
 
 
 def _memory(

@@ -35,6 +35,7 @@ log = logging.getLogger("gptoughts.train")
 
 METRICS_FILE = "metrics.jsonl"
 _MEMORY_PREFIXES = ("gpu/mem", "memory/")
+_TASK_PREFIX = "tasks/"
 _NON_FINITE = {
     "nan": math.nan,
     "inf": math.inf,
@@ -330,6 +331,30 @@ def _panel_memory(ax: Any, s: Series) -> None:
     ax.legend(fontsize=8)
 
 
+def _task_keys(s: Series) -> list[str]:
+    """The ``tasks/NAME/METRIC`` series (periodic task evaluation, ``eval.eval_tasks``), sorted."""
+    return sorted(k for k in s if k.startswith(_TASK_PREFIX) and s.has(k))
+
+
+def _unit_range(ax: Any, values: list[float]) -> None:
+    """Scores that are fractions (accuracies) on a fixed [0, 1] axis, so runs and steps compare at a glance."""
+    if all(0.0 <= v <= 1.0 for v in values):
+        ax.set_ylim(-0.02, 1.02)
+
+
+def _panel_tasks(ax: Any, s: Series) -> None:
+    """One line per task and metric (accuracy-like values in [0, 1])."""
+    keys = _task_keys(s)
+    if not keys:
+        return _no_data(ax, "tasks")
+    values: list[float] = []
+    for i, key in enumerate(keys):
+        values += _line(ax, s, key, label=key[len(_TASK_PREFIX) :], color=f"C{i % 10}")
+    _unit_range(ax, values)
+    _style(ax, "tasks", "score")
+    ax.legend(fontsize=8)
+
+
 def _panel_step_time(ax: Any, s: Series) -> None:
     pct = [k for k in ("time/data_pct", "gpu/util_pct") if s.has(k)]
     if not (s.has("time/step_ms") or pct):
@@ -377,7 +402,8 @@ def write_run_plots(run_dir: Path | str) -> list[Path]:
 
     ``loss.png`` (train and val loss, log y when the values span more than 10x, non-finite losses marked),
     ``lr.png``, ``throughput.png`` (tokens/s; MFU on a second axis when logged), ``grad_norm.png``,
-    ``memory.png`` (every ``gpu/mem*`` and ``memory/*`` metric; not written without them) and ``overview.png``
+    ``memory.png`` (every ``gpu/mem*`` and ``memory/*`` metric; not written without them), ``tasks.png`` (every
+    ``tasks/NAME/METRIC`` of periodic task evaluation, one line each; not written without them) and ``overview.png``
     (those five panels and the step time with data-wait and GPU-utilisation percentages, 2x3). A single-metric
     file is written only when its metric appears in the file. No metrics file, no rows, or no matplotlib: [].
     """
@@ -408,6 +434,7 @@ def write_run_plots(run_dir: Path | str) -> list[Path]:
             ),
         ),
         ("memory", bool(_memory_keys(series)), lambda ax: _panel_memory(ax, series)),
+        ("tasks", bool(_task_keys(series)), lambda ax: _panel_tasks(ax, series)),
     ]
     for name, present, draw in single:
         if not present:
@@ -453,7 +480,8 @@ def _labels(paths: list[Path]) -> list[str]:
 
 def compare_runs(runs: Sequence[Path | str], out: Path | str) -> Path:
     """One PNG at ``out`` overlaying ``runs`` (run directories): train loss, val loss, learning rate, tokens/s and
-    gradient norm, one colour per run, the legend naming each run by its folder (disambiguated when two share a
+    gradient norm, and when a run scored tasks during training a row of task scores (one colour per run, one line
+    style per task and metric), the legend naming each run by its folder (disambiguated when two share a
     name). ``out`` may be an existing directory (the file is then ``compare.png`` in it). Returns the path.
 
     Raises ``UserError`` when a run has no ``metrics.jsonl``, or without matplotlib.
@@ -475,8 +503,11 @@ def compare_runs(runs: Sequence[Path | str], out: Path | str) -> Path:
         out = out / "compare.png"
     out.parent.mkdir(parents=True, exist_ok=True)
 
-    fig = Figure(figsize=(16, 8.5))
-    axes = fig.subplots(2, 3, gridspec_kw=_GRID_MARGINS)
+    task_keys = sorted({k for s in data for k in _task_keys(s)})
+    rows = 3 if task_keys else 2
+    fig = Figure(figsize=(16, 8.5 * rows / 2))
+    grid = fig.add_gridspec(rows, 3, **_GRID_MARGINS)
+    axes = np.array([[fig.add_subplot(grid[r, c]) for c in range(3)] for r in range(2)])
     panels = [
         (axes[0, 0], "loss", "train loss", "loss (nats/token)", True),
         (axes[0, 1], "val_loss", "val loss", "loss (nats/token)", True),
@@ -498,6 +529,20 @@ def compare_runs(runs: Sequence[Path | str], out: Path | str) -> Path:
             _style(ax, title, ylabel)
         else:
             _no_data(ax, title)
+    if task_keys:
+        ax = fig.add_subplot(grid[2, :])
+        styles = ["-", "--", ":", "-."]
+        scores: list[float] = []
+        for i, s in enumerate(data):
+            for j, key in enumerate(task_keys):
+                if s.has(key):
+                    label = f"{labels[i]}: {key[len(_TASK_PREFIX) :]}"
+                    steps, values = s.points(key)
+                    ax.plot(steps, values, styles[j % 4], marker="o", ms=3, color=f"C{i % 10}", label=label)
+                    scores += _finite(values)
+        _unit_range(ax, scores)
+        _style(ax, "tasks", "score")
+        ax.legend(fontsize=8, ncol=2)
     legend_ax = axes[1, 2]
     legend_ax.axis("off")
     from matplotlib.lines import Line2D

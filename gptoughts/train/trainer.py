@@ -164,6 +164,7 @@ class Trainer:
         checkpointing: CheckpointConfig | None = None,
         recovery: RecoveryConfig | None = None,
         pipeline: Any = None,
+        tasks: Any = None,
     ):
         check_train_ranges(cfg, evaluation, checkpointing, recovery)
         self.model = model
@@ -190,6 +191,12 @@ class Trainer:
         self.total_steps = total_steps
         self.tokens_per_step = tokens_per_step
         self.sample_fn = sample_fn
+        # tools.task_scorer.TaskScorer of eval.eval_tasks: scored every eval_tasks_interval steps and at the end
+        if tasks is not None and pipeline is not None:
+            raise UserError("eval.eval_tasks does not run under pipeline parallelism; drop --eval_tasks")
+        self.tasks = tasks
+        self.task_scores: dict[str, dict[str, float]] = {}
+        """The last scores of ``tasks`` (``{task: {"examples": n, metric: value}}``), for the run's summary."""
         self.startup: Any = None
         """A :class:`~gptoughts.perf.startup.Startup` the caller fills before :meth:`fit`: the first step
         completes it (one device sync) and prints it."""
@@ -687,6 +694,9 @@ class Trainer:
         except ValueError:  # not the main thread (e.g. a notebook executor): no graceful stop
             old_handlers = {}
         sample_every = self.ev.eval_interval if self.ev.sample_interval is None else self.ev.sample_interval
+        tasks_every = (
+            self.ev.eval_interval if self.ev.eval_tasks_interval is None else self.ev.eval_tasks_interval
+        )
         self._pending = []
         self._window_t0 = time.perf_counter()
         self._arm_spike_gate()
@@ -710,11 +720,14 @@ class Trainer:
                 sample_due = bool(
                     self.sample_fn is not None and sample_every and (step % sample_every == 0 or at_end)
                 )
+                tasks_due = self.tasks is not None and (
+                    bool(tasks_every and step % tasks_every == 0) or at_end
+                )
                 save_due = bool(self.ck.save_interval and step % self.ck.save_interval == 0) or at_end
                 # Alone, a signal stops at the next step; with several ranks only where they agree (log steps),
                 # or one rank would save (a collective under FSDP) while the others start the next step.
                 stop = self.stop_requested and not self.dist.enabled
-                if not (log_due or eval_due or sample_due or save_due or stop):
+                if not (log_due or eval_due or sample_due or tasks_due or save_due or stop):
                     continue
                 # Evaluating, sampling and saving read the model: the window's held or non-finite steps are
                 # settled first (the flush may re-run a spike, roll back, or raise).
@@ -733,6 +746,10 @@ class Trainer:
                         stop, stop_reason = True, "early stopping"
                 if sample_due:
                     self._sample()
+                # An early stop is an end too (every rank decides it alike, from the all-reduced val loss); a
+                # Ctrl-C is not made to wait for a scoring.
+                if tasks_due or (self.tasks is not None and stop_reason == "early stopping"):
+                    self._score_tasks()
                 if save_due or improved or stop:
                     self.save(val_loss=val_loss, is_best=improved)
                 if stop:
@@ -1018,6 +1035,52 @@ class Trainer:
                 self.plots.request()
         return val_loss, improved
 
+    @torch.no_grad()
+    def _score_tasks(self) -> dict[str, dict[str, float]]:
+        """Score ``eval.eval_tasks`` with the live model; log ``tasks/NAME/METRIC`` rows and a console line.
+
+        Under FSDP or TP every forward is a collective, and the number of forwards depends on the examples (their
+        choices, batches, and for generation tasks the generated lengths): every rank scores every example, with
+        the same inputs, so all run the same forwards. Replicas (DDP, or one process) split each task's examples
+        by data-parallel rank on the plain module (no DDP hooks) and combine the slices, weighted by their
+        example counts. Scoring draws no training randomness, and the RNG state is restored around it anyway:
+        a resumed run continues bit for bit as one that never stopped."""
+        assert self.tasks is not None
+        t0 = time.perf_counter()
+        d = self.dist
+        shard = (0, 1) if d.sharded else (d.dp_rank, d.dp_size)
+        model = pdist.unwrap(self.model) if d.enabled else self.model
+        rng = self._rng_state()
+        self.model.eval()
+        try:
+            with self.autocast():
+                local = self.tasks(model, shard=shard)
+        finally:
+            self.model.train()
+            self._set_rng_state(rng)
+        parts = pdist.all_gather_object(local, d) if shard[1] > 1 else [local]
+        results = self.task_scores = combine_task_scores(parts)  # type: ignore[arg-type]
+        step = self.state.step
+        if d.is_main:
+            row = {
+                f"tasks/{name}/{k}": v for name, r in results.items() for k, v in r.items() if k != "examples"
+            }
+            self.metrics.log(step, row)
+            self.log_line(
+                f"step {step}: tasks "
+                + "; ".join(
+                    f"{name} "
+                    + " ".join(f"{k} {v:.4f}" for k, v in r.items() if k != "examples")
+                    + f" ({int(r['examples'])} examples)"
+                    for name, r in results.items()
+                )
+            )
+            if self.plots is not None:
+                self.plots.request()
+        # The logged throughput is training's: the next window does not count the time spent scoring.
+        self._window_t0 += time.perf_counter() - t0
+        return results
+
     def _sample(self) -> None:
         # Under FSDP or TP every rank generates (each forward is a collective), the same tokens (same logits, same
         # seeded generator); rank 0 writes.
@@ -1037,6 +1100,19 @@ class Trainer:
                 f.write(f"--- prompt: {prompt!r}\n{text}\n")
         for i, text in enumerate(texts):
             self.metrics.text(f"samples/{i}", text, self.state.step)
+
+
+def combine_task_scores(parts: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
+    """One ``{task: {"examples": n, metric: value}}`` from the slices that ranks scored: each metric the mean of
+    the slices' values weighted by their example counts (an accuracy from the summed hits)."""
+    out: dict[str, dict[str, float]] = {}
+    for name in parts[0]:
+        slices = [p[name] for p in parts if p[name].get("examples")]
+        n = sum(sl["examples"] for sl in slices)
+        metrics = [k for k in slices[0] if k != "examples"] if slices else []
+        out[name] = {k: sum(sl[k] * sl["examples"] for sl in slices) / n for k in metrics}
+        out[name]["examples"] = n
+    return out
 
 
 class _Profiler:

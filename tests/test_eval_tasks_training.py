@@ -1,0 +1,179 @@
+"""Periodic task evaluation during training (``--train.eval_tasks FILE.jsonl``, issue 17)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from cli_helpers import run_cli
+from test_eval_tasks import Bigram
+
+from gptoughts import api
+from gptoughts.config import load_config
+from gptoughts.data.tokenizer import bytes_tokenizer
+from gptoughts.errors import ConfigError
+from gptoughts.tools.task_scorer import read_scorer
+from gptoughts.train import checkpoint as ckpt
+from gptoughts.train.trainer import combine_task_scores
+
+EXAMPLES = [
+    {"context": "def f(x):\n    return", "choices": [" x", " banana"], "answer": 0},
+    {"context": "import", "choices": [" os", " zzz", " sys"], "answer": 0},
+    {"context": "for i in", "choices": [" range(10):", " qq"], "answer": 0},
+    {"context": "class", "choices": [" A:", " 42"], "answer": 1},
+    {"context": "x =", "choices": [" 1", "!!"], "answer": 0},
+]
+
+
+def _task(path: Path, rows: list = EXAMPLES) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _rows(run: Path) -> list[dict]:
+    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def _run(corpus: Path, out: Path, fast: dict, **kw) -> None:
+    o = {**fast, "data.sources": [str(corpus)], "run.out": str(out), "train.max_steps": 4}
+    o.update({"train.log_interval": 1, "eval.eval_interval": 0, "eval.sample_interval": 0, **kw})
+    api.run_training(load_config("default", o))
+
+
+def test_tasks_are_scored_at_their_steps_logged_plotted_and_leave_training_alone(
+    tmp_path, text_corpus, cache_dir, fast, monkeypatch, capsys
+):
+    """Rows ``tasks/NAME/METRIC`` at every interval and at the end, values in [0, 1], a console line, the plan
+    line, plots/tasks.png and summary.json; the run's losses, RNG and loader state are those of the same run
+    without tasks, even when scoring draws random numbers."""
+    from gptoughts.tools.task_scorer import TaskScorer
+
+    original = TaskScorer.__call__
+
+    def draws(self, model, *, shard=(0, 1)):
+        torch.rand(7)  # a scorer that consumes the global RNG (as a diffusion one would): restored around it
+        return original(self, model, shard=shard)
+
+    monkeypatch.setattr(TaskScorer, "__call__", draws)
+    task = _task(tmp_path / "mc.jsonl")
+    _run(text_corpus, tmp_path / "plain", fast, **{"train.max_steps": 5})
+    capsys.readouterr()
+    run = tmp_path / "tasks"
+    _run(
+        text_corpus,
+        run,
+        fast,
+        **{"train.max_steps": 5, "train.eval_tasks": [str(task)], "train.eval_tasks_interval": 2},
+    )
+    text = capsys.readouterr().out
+    assert "tasks: mc (5 examples); scored every 2 steps and at the end" in text
+    assert "step 2: tasks mc acc " in text and "(5 examples)" in text
+    rows = _rows(run)
+    scored = {r["step"]: r for r in rows if any(k.startswith("tasks/") for k in r)}
+    assert sorted(scored) == [2, 4, 5]
+    for r in scored.values():
+        keys = {k for k in r if k.startswith("tasks/")}
+        assert keys == {"tasks/mc/acc", "tasks/mc/acc_norm"}
+        assert all(0.0 <= r[k] <= 1.0 for k in keys)
+        assert all(r[k] * 5 == pytest.approx(round(r[k] * 5)) for k in keys)  # hits out of 5 examples
+    assert (run / "plots" / "tasks.png").stat().st_size > 1000
+    from PIL import Image
+
+    from gptoughts.train.plots import compare_runs
+
+    with Image.open(compare_runs([run, tmp_path / "plain"], tmp_path / "cmp.png")) as png:
+        assert png.height > 1200  # a third row: the task scores of the runs that have them
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["tasks"]["mc"]["examples"] == 5
+    assert summary["tasks"]["mc"]["acc"] == scored[5]["tasks/mc/acc"]
+
+    def losses(r: Path) -> dict:
+        return {x["step"]: x["loss"] for x in _rows(r) if "loss" in x}
+
+    assert losses(run) == losses(tmp_path / "plain")
+    a, b = (ckpt.load_state(ckpt.latest_valid(r / "checkpoints"), "cpu") for r in (run, tmp_path / "plain"))
+    assert torch.equal(a["rng"]["torch"], b["rng"]["torch"])
+    assert a["loader"] == b["loader"]
+
+
+def test_a_malformed_task_file_fails_before_anything_is_written(tmp_path, text_corpus, cache_dir, capsys):
+    bad = _task(tmp_path / "bad.jsonl", [EXAMPLES[0], {"context": "a", "choices": ["b"], "answer": 0}])
+    out = tmp_path / "run"
+    argv = ["train", "--data", str(text_corpus), "--size", "debug", "--tokenizer", "bytes", "--device", "cpu"]
+    code, text = run_cli([*argv, "--out", str(out), "--train.eval_tasks", f"{bad},{bad}"], capsys)
+    assert code == 2
+    assert text.strip() == f"error: {bad} line 2 has 1 choice(s); give at least 2"
+    assert not out.exists() and not cache_dir.exists()  # not even the corpus was tokenized
+
+
+def test_what_periodic_tasks_refuse_in_one_line(tmp_path):
+    base = {"eval.eval_tasks": [str(tmp_path / "t.jsonl")]}
+    with pytest.raises(ConfigError, match="pipeline parallelism"):
+        load_config("default", {**base, "parallel.pp": 2})
+    with pytest.raises(ConfigError, match="eval_tasks_interval must be >= 0"):
+        load_config("default", {**base, "eval.eval_tasks_interval": -1})
+    cfg = load_config("default", {"train.eval_tasks": "a.jsonl,b.jsonl"})  # the old [train] spelling, a list
+    assert cfg.eval.eval_tasks == ["a.jsonl", "b.jsonl"] and cfg.eval.eval_tasks_interval is None
+
+
+def test_slices_scored_by_ranks_add_up_to_the_whole(tmp_path):
+    """What each data-parallel rank scores (examples[rank::world]) combines into the one-process scores."""
+    tok = bytes_tokenizer()
+    torch.manual_seed(0)
+    model = Bigram(tok.vocab_size, torch.randn(tok.vocab_size, tok.vocab_size))
+    scorer = read_scorer([str(_task(tmp_path / "mc.jsonl"))]).bind(tok, max_len=32, batch_size=3)
+    whole = scorer(model)
+    assert whole["mc"]["examples"] == 5
+    for world in (2, 3, 7):  # 7 ranks: two of them have no example
+        parts = [scorer(model, shard=(rank, world)) for rank in range(world)]
+        combined = combine_task_scores(parts)
+        assert combined["mc"]["examples"] == 5
+        for k in ("acc", "acc_norm"):
+            assert combined["mc"][k] == pytest.approx(whole["mc"][k])
+
+
+@pytest.mark.distributed
+def test_ddp_ranks_split_the_examples_and_score_like_one_process(tmp_path, text_corpus, cache_dir, fast):
+    """2 gloo ranks under DDP split the 5 examples (3 + 2) and combine them into what one process scores with
+    the run's final weights. (FSDP/TP ranks all score every example, the path of the trainer's samples; a
+    second launch for it would cost another ~10 s of the suite: checked by hand, see the commit.)"""
+    import os
+    import subprocess
+    import sys
+
+    task = _task(tmp_path / "mc.jsonl")
+    run = tmp_path / "ddp"
+    opts = [f"--{k}={v}" for k, v in fast.items() if not isinstance(v, list) and k != "train.batch_size"]
+    r = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "gptoughts",
+         "train", "default", "--data", str(text_corpus), "--out", str(run), *opts, "--batch_size", "2",
+         "--max_steps", "2", "--eval_interval", "0", "--sample_prompts=", "--eval_tasks", str(task)],
+        env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert "examples split over 2 data-parallel ranks" in r.stdout
+    logged = next(x for x in _rows(run) if "tasks/mc/acc" in x)
+    assert logged["step"] == 2
+    loaded = api.load(run, device="cpu")
+    scorer = read_scorer([str(task)]).bind(loaded.tokenizer, max_len=32, batch_size=2)
+    with torch.no_grad():
+        one = scorer(loaded.model.eval())["mc"]
+    assert logged["tasks/mc/acc"] == pytest.approx(one["acc"])
+    assert logged["tasks/mc/acc_norm"] == pytest.approx(one["acc_norm"])
+
+
+def test_a_llada_run_scores_its_tasks_with_the_diffusion_likelihood(tmp_path, text_corpus, cache_dir, fast):
+    """Masked-diffusion runs score as `eval --tasks` does (Monte-Carlo likelihood; the mask token bound from
+    the run's tokenizer)."""
+    task = _task(tmp_path / "mc.jsonl", EXAMPLES[:2])
+    run = tmp_path / "llada"
+    _run(
+        text_corpus,
+        run,
+        fast,
+        **{"model.family": "llada", "train.max_steps": 2, "train.eval_tasks": [str(task)]},
+    )
+    rows = [r for r in _rows(run) if "tasks/mc/acc" in r]
+    assert [r["step"] for r in rows] == [2] and 0.0 <= rows[0]["tasks/mc/acc"] <= 1.0
