@@ -177,7 +177,9 @@ def run_training(cfg: Config, *, dry_run: bool = False) -> tuple[nn.Module, Any,
 
     startup = Startup(imports_s=0.0, origin=startup_clock())
     startup.imports_s = startup.age()
-    tasks = read_scorer(cfg.eval.eval_tasks)  # every task file checked before anything is built or written
+    # every task file, harness name and harness dataset checked before anything is built or written
+    ev = cfg.eval
+    tasks = read_scorer(ev.eval_tasks, task_dir=ev.eval_task_dir, limit=ev.eval_tasks_limit)
     env = setup_environment(cfg)
     try:
         with _disk_full_is_a_user_error():

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -169,12 +170,17 @@ class EvalConfig:
     sample_top_k: int | None = 50
     """Sample among the k most likely tokens; None: all."""
     eval_tasks: list[str] = field(default_factory=list)
-    """Multiple-choice task files (JSONL, the format of ``gptoughts eval --tasks``) scored with the live model
-    during training: ``tasks/NAME/acc`` and ``tasks/NAME/acc_norm`` in metrics.jsonl, TensorBoard, wandb and
-    ``plots/tasks.png``. Every file is read and checked before the run starts. Causal families, no pipeline
-    parallelism."""
+    """Tasks scored with the live model during training: task files (JSONL, the formats of ``gptoughts eval
+    --tasks``) and lm-evaluation-harness task names (``hellaswag``; needs ``gptoughts[eval]``), logged as
+    ``tasks/NAME/METRIC`` to metrics.jsonl, TensorBoard, wandb and ``plots/tasks.png``. Every file, name and
+    harness dataset is checked before the run starts. No pipeline parallelism."""
     eval_tasks_interval: int | None = None
     """Score ``eval_tasks`` every N steps (and at the end); None: every ``eval_interval``; 0: only at the end."""
+    eval_tasks_limit: int | None = None
+    """Score only the first N examples of each of ``eval_tasks`` (a harness task can hold 10,000); None: all."""
+    eval_task_dir: str | None = None
+    """A folder of lm-evaluation-harness task YAML files for the names in ``eval_tasks`` (``--task_dir`` of
+    ``gptoughts eval``)."""
 
 
 @dataclass
@@ -666,7 +672,19 @@ NAMING_KEYS = ("data.sources", "model.family", "model.size", "model.init_from")
 # Stopping rules: the one the user gives wins over a preset's; two given together are a conflict.
 STOP_KEYS = ("train.max_steps", "train.epochs", "train.max_tokens")
 # Keys holding paths: relative ones in a TOML file are resolved against that file's folder.
-_PATH_KEYS = (("data", "sources"), ("data", "cache_dir"), ("model", "init_from"), ("eval", "eval_tasks"))
+_PATH_KEYS = (
+    ("data", "sources"),
+    ("data", "cache_dir"),
+    ("model", "init_from"),
+    ("eval", "eval_tasks"),
+    ("eval", "eval_task_dir"),
+)
+
+
+def is_task_file(spec: str) -> bool:
+    """An entry of ``eval_tasks`` / ``eval --tasks`` naming a task file (JSONL) rather than lm-evaluation-harness
+    task names (``hellaswag,arc_easy``)."""
+    return spec.endswith(".jsonl") or "/" in spec or os.sep in spec or Path(spec).is_file()
 
 
 def list_presets() -> list[str]:
@@ -685,7 +703,10 @@ def _resolve_paths(data: dict[str, Any], folder: Path) -> None:
         table = data.get(section)
         if isinstance(table, dict) and key in table:
             value = table[key]
-            table[key] = [fix(v) for v in value] if isinstance(value, list) else fix(value)
+            if key == "eval_tasks":  # harness task names stay names
+                table[key] = [fix(v) if isinstance(v, str) and is_task_file(v) else v for v in value]
+            else:
+                table[key] = [fix(v) for v in value] if isinstance(value, list) else fix(value)
     tok = data.get("data", {}).get("tokenizer") if isinstance(data.get("data"), dict) else None
     if isinstance(tok, str) and not tok.startswith(("bpe:", "bytes")) and (folder / tok).exists():
         data["data"]["tokenizer"] = str((folder / tok).resolve())
@@ -960,6 +981,10 @@ def check_train_ranges(
             raise ConfigError(f"{sec}.{name} must be >= 0, got {value}")
     if t.global_batch_tokens is not None and t.global_batch_tokens < 1:
         raise ConfigError(f"train.global_batch_tokens must be >= 1, got {t.global_batch_tokens}")
+    if ev.eval_tasks_limit is not None and ev.eval_tasks_limit < 1:
+        raise ConfigError(
+            f"eval.eval_tasks_limit must be >= 1 (None: all examples), got {ev.eval_tasks_limit}"
+        )
     for where, ok, rule, value in (
         (
             "recovery.rollback_lr_factor",

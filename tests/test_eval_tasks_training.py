@@ -177,3 +177,27 @@ def test_a_llada_run_scores_its_tasks_with_the_diffusion_likelihood(tmp_path, te
     )
     rows = [r for r in _rows(run) if "tasks/mc/acc" in r]
     assert [r["step"] for r in rows] == [2] and 0.0 <= rows[0]["tasks/mc/acc"] <= 1.0
+
+
+def test_harness_tasks_are_scored_during_training(tmp_path, text_corpus, cache_dir, fast):
+    """lm-evaluation-harness names in eval_tasks (a task folder reading a local file): scored with the live model,
+    logged like task files; in a TOML file the names stay names while task files resolve against the file."""
+    pytest.importorskip("lm_eval")
+    data = _task(tmp_path / "mc.jsonl", EXAMPLES[:3])
+    tasks = tmp_path / "harness"
+    tasks.mkdir()
+    (tasks / "h_mc.yaml").write_text(
+        f"task: h_mc\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\ntest_split: test\n"
+        'output_type: multiple_choice\ndoc_to_text: "{{context}}"\ndoc_to_choice: "{{choices}}"\n'
+        'doc_to_target: "{{answer}}"\ntarget_delimiter: ""\nmetric_list:\n  - metric: acc\n'
+    )
+    run = tmp_path / "run"
+    over = {"train.max_steps": 2, "eval.eval_tasks": ["h_mc", str(data)], "eval.eval_task_dir": str(tasks)}
+    _run(text_corpus, run, fast, **over)
+    rows = [r for r in _rows(run) if "tasks/h_mc/acc" in r]
+    assert [r["step"] for r in rows] == [2]
+    assert rows[0]["tasks/h_mc/acc"] == pytest.approx(rows[0]["tasks/mc/acc"])  # the same examples, two paths
+    mine = tmp_path / "sub" / "mine.toml"
+    mine.parent.mkdir()
+    mine.write_text('[eval]\neval_tasks = ["hellaswag", "t.jsonl"]\n')
+    assert load_config(str(mine)).eval.eval_tasks == ["hellaswag", str(mine.parent / "t.jsonl")]

@@ -26,7 +26,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from gptoughts import models
+from gptoughts.config import is_task_file
 from gptoughts.errors import DataError, UserError
 from gptoughts.tools import tasks
 
@@ -36,12 +39,6 @@ try:  # optional: without it, harness task names are refused in one line (Harnes
     from lm_eval.api.model import LM as _LM
 except ImportError:  # pragma: no cover - the test suite installs gptoughts[eval]
     _LM = object
-
-
-def is_task_file(spec: str) -> bool:
-    """A ``--tasks`` entry naming a custom JSONL file (scored by gptoughts/tools/tasks.py) rather than harness
-    task names."""
-    return spec.endswith(".jsonl") or os.sep in spec or Path(spec).is_file()
 
 
 def split_specs(specs: list[str]) -> tuple[list[str], list[str]]:
@@ -174,12 +171,26 @@ class Harness:
             "(dataset_path: json, data_files)"
         )
 
+    def examples(self, name: str) -> int:
+        """How many examples of task ``name`` are scored (``limit`` applied)."""
+        task = self.tasks[name]
+        n = len(task.eval_docs)
+        return n if self.limit is None else min(n, self.limit)
+
     def evaluate(self, loaded: Any, *, batch_size: int = 8) -> dict[str, dict[str, Any]]:
         """Every task on the model: ``{task: {"examples", metric: value, metric_stderr: value}}``."""
+        import random
+
         import lm_eval
+        import numpy as np
 
         lm = NativeLM(loaded, batch_size=batch_size)
-        with _offline(self.allow_download):
+        # The harness seeds Python's, numpy's and torch's global generators: the caller's draws (a training run's)
+        # continue as if it had not run.
+        states = random.getstate(), np.random.get_state(), torch.get_rng_state()
+        with _offline(self.allow_download), contextlib.ExitStack() as undo:
+            undo.callback(lambda: (random.setstate(states[0]), np.random.set_state(states[1])))
+            undo.callback(torch.set_rng_state, states[2])
             out = lm_eval.simple_evaluate(
                 model=lm,
                 tasks=self.names,

@@ -19,6 +19,10 @@ from gptoughts.tools.tasks import Task, read_tasks, score_task
 @dataclass(frozen=True)
 class TaskScorer:
     tasks: tuple[Task, ...]
+    harness: Any = None
+    """``tools.harness.Harness`` of the lm-evaluation-harness names in ``eval_tasks`` (their data loaded)."""
+    family: str = "llama"
+    """The run's model family (the harness adapter scores masked-diffusion families their way)."""
     tokenizer: Any = None
     """Set by the assembly (:meth:`bind`) once the run's tokenizer exists."""
     max_len: int | None = None
@@ -32,14 +36,21 @@ class TaskScorer:
 
     @property
     def names(self) -> list[str]:
-        return [t.name for t in self.tasks]
+        return [t.name for t in self.tasks] + (list(self.harness.tasks) if self.harness else [])
 
     @property
     def examples(self) -> list[int]:
-        return [len(t.examples) for t in self.tasks]
+        harness = [self.harness.examples(n) for n in self.harness.tasks] if self.harness else []
+        return [len(t.examples) for t in self.tasks] + harness
 
     def bind(
-        self, tokenizer: Any, *, max_len: int | None, batch_size: int, diffusion: bool = False
+        self,
+        tokenizer: Any,
+        *,
+        max_len: int | None,
+        batch_size: int,
+        diffusion: bool = False,
+        family: str = "llama",
     ) -> TaskScorer:
         mask_id = getattr(tokenizer, "mask_id", None) if diffusion else None
         return replace(
@@ -49,6 +60,7 @@ class TaskScorer:
             batch_size=max(1, batch_size),
             diffusion=diffusion,
             mask_id=mask_id,
+            family=family,
         )
 
     def __call__(self, model: nn.Module, *, shard: tuple[int, int] = (0, 1)) -> dict[str, dict[str, float]]:
@@ -81,10 +93,46 @@ class TaskScorer:
                     if isinstance(v, (int, float)) and not isinstance(v, bool)
                 }
                 out[task.name]["examples"] = len(part.examples)
+            if self.harness is not None:
+                out.update(self._harness(model, scores_here=rank == 0))
         return out
 
+    def _harness(self, model: nn.Module, *, scores_here: bool) -> dict[str, dict[str, float]]:
+        """The harness tasks, whole, on one replica (rank 0 of the data-parallel ones: the others report none and
+        the slices combine to rank 0's), or on every rank of a sharded model (``shard`` (0, 1) there: all run the
+        same forwards)."""
+        if not scores_here:
+            return {name: {"examples": 0} for name in self.harness.tasks}
+        from types import SimpleNamespace
 
-def read_scorer(paths: list[str]) -> TaskScorer | None:
-    """The tasks of ``paths``, every file read and checked line by line (a one-line ``DataError`` naming the file,
-    the line and the fix otherwise); None for no paths."""
-    return TaskScorer(tuple(read_tasks(list(paths)))) if paths else None
+        loaded = SimpleNamespace(
+            model=model,
+            tokenizer=self.tokenizer,
+            family=self.family,
+            args=SimpleNamespace(max_seq_len=self.max_len),
+        )
+        rows = self.harness.evaluate(loaded, batch_size=self.batch_size)
+        return {
+            name: {
+                k: float(v) for k, v in r.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
+            }
+            for name, r in rows.items()
+        }
+
+
+def read_scorer(
+    specs: list[str], *, task_dir: str | None = None, limit: int | None = None
+) -> TaskScorer | None:
+    """The tasks of ``specs`` (None for none): task files read and checked line by line (a one-line ``DataError``
+    naming the file, the line and the fix otherwise), lm-evaluation-harness names looked up (in ``task_dir`` too)
+    and their data loaded offline (one line naming what is missing). ``limit``: the first N examples of each."""
+    if not specs:
+        return None
+    from gptoughts.tools.harness import Harness, split_specs
+
+    files, names = split_specs(list(specs))
+    tasks = read_tasks(files)
+    if limit is not None:
+        tasks = [replace(t, examples=t.examples[:limit]) for t in tasks]
+    harness = Harness(names, task_dir=task_dir, limit=limit) if names else None
+    return TaskScorer(tuple(tasks), harness=harness)

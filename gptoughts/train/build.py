@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from gptoughts import models
-from gptoughts.config import Config, TrainConfig, to_toml
+from gptoughts.config import Config, TrainConfig, is_task_file, to_toml
 from gptoughts.data.sources import STDLIB_ALIAS, stdlib_path
 from gptoughts.errors import ConfigError, DataError, UserError
 from gptoughts.parallel import dist as pdist
@@ -939,6 +939,7 @@ def _assemble(
             max_len=t.block_size,
             batch_size=min(8, batch.micro_batch),
             diffusion=model.family.objective == "diffusion",
+            family=model.family.name,
         ),
     )
     if state is not None:  # the optimizer, loader and RNG state must fit this run before anything is written
@@ -1129,7 +1130,11 @@ def write_run_files(asm: Assembly) -> None:
     saved = replace(
         cfg,
         data=replace(cfg.data, sources=[_absolute(s) for s in cfg.data.sources]),
-        eval=replace(cfg.eval, eval_tasks=[_absolute(s) for s in cfg.eval.eval_tasks]),
+        eval=replace(
+            cfg.eval,
+            eval_tasks=[_absolute(s) if is_task_file(s) else s for s in cfg.eval.eval_tasks],
+            eval_task_dir=_absolute(cfg.eval.eval_task_dir) if cfg.eval.eval_task_dir else None,
+        ),
         run=replace(cfg.run, resume=None, overwrite=False),
     )
     rundir.write_text_atomic(run_dir / "config.toml", to_toml(saved))
