@@ -87,10 +87,7 @@ def _offline(allow_download: bool) -> Iterator[None]:
         for (obj, name), value in zip(flags, saved, strict=True):
             setattr(obj, name, value)
         for k, v in env.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+            _restore_env(k, v)
 
 
 def _quiet() -> None:
@@ -191,6 +188,11 @@ class Harness:
         with _offline(self.allow_download), contextlib.ExitStack() as undo:
             undo.callback(lambda: (random.setstate(states[0]), np.random.set_state(states[1])))
             undo.callback(torch.set_rng_state, states[2])
+            # simple_evaluate returns results only where LOCAL_RANK is 0 (its tensor-parallel convention); every
+            # rank of a sharded model here runs it whole, as one process of its own (NativeLM: rank 0 of 1).
+            local = os.environ.get("LOCAL_RANK")
+            os.environ["LOCAL_RANK"] = "0"
+            undo.callback(_restore_env, "LOCAL_RANK", local)
             out = lm_eval.simple_evaluate(
                 model=lm,
                 tasks=self.names,
@@ -205,6 +207,13 @@ class Harness:
                 fewshot_random_seed=0,
             )
         return _results(out)
+
+
+def _restore_env(key: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(key, None)
+    else:
+        os.environ[key] = value
 
 
 def _results(out: dict[str, Any]) -> dict[str, dict[str, Any]]:
