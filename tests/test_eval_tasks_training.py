@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -134,26 +135,46 @@ def test_slices_scored_by_ranks_add_up_to_the_whole(tmp_path):
             assert combined["mc"][k] == pytest.approx(whole["mc"][k])
 
 
+def _harness_dir(tmp_path: Path, data: Path) -> Path:
+    """A harness task folder with ``h_mc``: the multiple-choice file ``data``, read from disk."""
+    tasks = tmp_path / "harness"
+    tasks.mkdir()
+    (tasks / "h_mc.yaml").write_text(
+        f"task: h_mc\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\ntest_split: test\n"
+        'output_type: multiple_choice\ndoc_to_text: "{{context}}"\ndoc_to_choice: "{{choices}}"\n'
+        'doc_to_target: "{{answer}}"\ntarget_delimiter: ""\nmetric_list:\n  - metric: acc\n'
+    )
+    return tasks
+
+
 @pytest.mark.distributed
-def test_ddp_ranks_split_the_examples_and_score_like_one_process(tmp_path, text_corpus, cache_dir, fast):
-    """2 gloo ranks under DDP split the 5 examples (3 + 2) and combine them into what one process scores with
-    the run's final weights. (FSDP/TP ranks all score every example, the path of the trainer's samples; a
-    second launch for it would cost another ~10 s of the suite: checked by hand, see the commit.)"""
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_ranks_score_like_one_process(strategy, tmp_path, text_corpus, cache_dir, fast):
+    """2 gloo ranks score what one process scores with the run's final weights: under DDP they split the 5
+    examples (3 + 2) and combine them, and rank 0 alone runs the harness task; under FSDP every rank scores every
+    example and runs the harness (each as a process of its own: the harness reports only where LOCAL_RANK is 0)."""
     import os
     import subprocess
     import sys
 
     task = _task(tmp_path / "mc.jsonl")
-    run = tmp_path / "ddp"
+    run = tmp_path / strategy
     opts = [f"--{k}={v}" for k, v in fast.items() if not isinstance(v, list) and k != "train.batch_size"]
+    harness = []
+    if importlib.util.find_spec("lm_eval") is not None:
+        harness = [f"--eval.eval_task_dir={_harness_dir(tmp_path, task)}"]
     r = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "gptoughts",
          "train", "default", "--data", str(text_corpus), "--out", str(run), *opts, "--batch_size", "2",
-         "--max_steps", "2", "--eval_interval", "0", "--sample_prompts=", "--eval_tasks", str(task)],
+         "--max_steps", "2", "--eval_interval", "0", "--sample_prompts=", "--parallel.strategy", strategy,
+         "--eval_tasks", f"{task},h_mc" if harness else str(task), *harness],
         env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    assert "examples split over 2 data-parallel ranks" in r.stdout
+    how = (
+        "examples split over 2 data-parallel ranks" if strategy == "ddp" else "by every rank (sharded model)"
+    )
+    assert how in r.stdout
     logged = next(x for x in _rows(run) if "tasks/mc/acc" in x)
     assert logged["step"] == 2
     loaded = api.load(run, device="cpu")
@@ -162,6 +183,8 @@ def test_ddp_ranks_split_the_examples_and_score_like_one_process(tmp_path, text_
         one = scorer(loaded.model.eval())["mc"]
     assert logged["tasks/mc/acc"] == pytest.approx(one["acc"])
     assert logged["tasks/mc/acc_norm"] == pytest.approx(one["acc_norm"])
+    if harness:
+        assert logged["tasks/h_mc/acc"] == pytest.approx(one["acc"])
 
 
 def test_a_llada_run_scores_its_tasks_with_the_diffusion_likelihood(tmp_path, text_corpus, cache_dir, fast):
@@ -184,13 +207,7 @@ def test_harness_tasks_are_scored_during_training(tmp_path, text_corpus, cache_d
     logged like task files; in a TOML file the names stay names while task files resolve against the file."""
     pytest.importorskip("lm_eval")
     data = _task(tmp_path / "mc.jsonl", EXAMPLES[:3])
-    tasks = tmp_path / "harness"
-    tasks.mkdir()
-    (tasks / "h_mc.yaml").write_text(
-        f"task: h_mc\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\ntest_split: test\n"
-        'output_type: multiple_choice\ndoc_to_text: "{{context}}"\ndoc_to_choice: "{{choices}}"\n'
-        'doc_to_target: "{{answer}}"\ntarget_delimiter: ""\nmetric_list:\n  - metric: acc\n'
-    )
+    tasks = _harness_dir(tmp_path, data)
     run = tmp_path / "run"
     over = {"train.max_steps": 2, "eval.eval_tasks": ["h_mc", str(data)], "eval.eval_task_dir": str(tasks)}
     _run(text_corpus, run, fast, **over)
