@@ -485,6 +485,11 @@ def evaluate(
 
     cfg = loaded.config
     block = block_size or cfg.train.block_size
+    limit = getattr(loaded.args, "max_seq_len", None)
+    if limit is not None and block > limit:
+        raise UserError(
+            f"--block_size {block} is longer than the model's {limit} positions; pass --block_size {limit} or less"
+        )
     # The folder the tokenizer was loaded from: a run's tokenizer/ or the HF model folder itself.
     run_tok = loaded.tokenizer.source_dir or loaded.checkpoint.parent.parent / "tokenizer"
     manifest = cached_prepare(

@@ -457,6 +457,27 @@ def cmd_sample(argv: Sequence[str]) -> int:
     return 0
 
 
+def _save_task_scores(run: Path, scores: dict[str, Any]) -> None:
+    """``RUN/eval_tasks.json``: this evaluation's scores over the earlier ones (tasks scored before and not now
+    stay). A run folder that cannot be written is a warning after the table, not a lost evaluation."""
+    path = run / "eval_tasks.json"
+    try:
+        old = json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, ValueError):
+        old = {}
+    from gptoughts.train.rundir import write_text_atomic
+
+    try:
+        write_text_atomic(
+            path, json.dumps({**(old if isinstance(old, dict) else {}), **scores}, indent=2) + "\n"
+        )
+    except OSError as e:
+        print(
+            f"warning: could not write {path} ({e.strerror or e}); the scores are printed only",
+            file=sys.stderr,
+        )
+
+
 def cmd_eval(argv: Sequence[str]) -> int:
     p = argparse.ArgumentParser(
         prog="gptoughts eval",
@@ -492,7 +513,10 @@ def cmd_eval(argv: Sequence[str]) -> int:
         help="harness tasks: let datasets download missing task data (default: offline, missing data is an error)",
     )
     p.add_argument(
-        "--limit", type=int, default=None, help="harness tasks: score the first N examples of each"
+        "--limit",
+        type=int,
+        default=None,
+        help="score the first N examples of each task (files and harness tasks)",
     )
     p.add_argument(
         "--num_fewshot", type=int, default=None, help="harness tasks: few-shot examples per prompt"
@@ -535,6 +559,8 @@ def cmd_eval(argv: Sequence[str]) -> int:
         ("--max_new_tokens", a.max_new_tokens),
         ("--mc_samples", a.mc_samples),
         ("--limit", a.limit),
+        ("--max_batches", a.max_batches),
+        ("--block_size", a.block_size),
     ):
         if value is not None and value < 1:
             raise UserError(f"{flag} must be >= 1, got {value}")
@@ -542,7 +568,7 @@ def cmd_eval(argv: Sequence[str]) -> int:
     if repeated:
         raise UserError(f"{', '.join(repeated)} is given more than once; name each run once")
     from gptoughts.api import evaluate, load
-    from gptoughts.tools.harness import split_specs
+    from gptoughts.tools.harness import check_names, split_specs
     from gptoughts.tools.tasks import (
         MC_SAMPLES,
         evaluate_tasks,
@@ -558,6 +584,11 @@ def cmd_eval(argv: Sequence[str]) -> int:
     if a.task_dir and not names:
         raise UserError("--task_dir holds harness tasks: name them with --tasks NAME[,NAME...]")
     tasks = read_tasks(files)
+    if a.limit is not None:  # the first N examples of every task, files as harness tasks (as in training)
+        from dataclasses import replace
+
+        tasks = [replace(t, examples=t.examples[: a.limit]) for t in tasks]
+    check_names([t.name for t in tasks], names)
     bench = None
     if names:
         from gptoughts.tools.harness import Harness
@@ -593,7 +624,7 @@ def cmd_eval(argv: Sequence[str]) -> int:
             if bench is not None:
                 res["tasks"].update(bench.evaluate(loaded, batch_size=a.batch_size))
             if (Path(run) / "run.json").is_file():
-                (Path(run) / "eval_tasks.json").write_text(json.dumps(res["tasks"], indent=2) + "\n")
+                _save_task_scores(Path(run), res["tasks"])
         results[run] = res
         del loaded  # one model in memory at a time
     if len(results) > 1:

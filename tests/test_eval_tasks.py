@@ -422,6 +422,30 @@ def test_missing_task_data_is_one_line_before_the_model_loads(tmp_path, capsys):
     assert code == 2 and "Traceback" not in text, text
     assert len(text.strip().splitlines()) == 1, text
     assert "remote" in text and "--download" in text and "--task_dir" in text
+    # A task whose YAML is wrong is not "missing data": the message says to fix the YAML.
+    data = _write(tmp_path / "d.jsonl", [GOOD])
+    (tasks / "wrong.yaml").write_text(
+        f"task: wrong\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\ntest_split: test\n"
+        'output_type: multiple_choice\ndoc_to_text: "{{question}}"\ndoc_to_choice: "{{choices}}"\n'
+        'doc_to_target: "{{answer}}"\n'
+    )
+    code, text = run_cli(
+        ["eval", str(tmp_path / "no_run"), "--tasks", "wrong", "--task_dir", str(tasks)], capsys
+    )
+    assert code == 2 and len(text.strip().splitlines()) == 1, text
+    assert "could not be built" in text and "'question' is undefined" in text and "--download" not in text
+
+
+def test_task_entries_split_on_commas_and_names_do_not_collide(tmp_path, capsys):
+    from gptoughts.tools.harness import split_specs
+
+    assert split_specs(["hellaswag, a.jsonl", "b.jsonl,arc_easy", "a.jsonl"]) == (
+        ["a.jsonl", "b.jsonl"],
+        ["hellaswag", "arc_easy"],
+    )
+    f = _write(tmp_path / "hellaswag.jsonl", [GOOD])
+    code, text = run_cli(["eval", str(tmp_path / "no_run"), "--tasks", f"{f},hellaswag"], capsys)
+    assert code == 2 and "hellaswag is both a task file's and a harness task's" in text, text
 
 
 def test_harness_names_without_the_harness_say_how_to_install(monkeypatch, tmp_path, capsys):
@@ -450,3 +474,15 @@ def test_rolling_loglikelihood_covers_every_token_once():
         logp = torch.log_softmax(model(torch.tensor([ids]))[0].detach(), dim=-1)
         expected = sum(float(logp[t - 1, ids[t]]) for t in range(1, len(ids)))
         assert score == pytest.approx(expected, abs=1e-3), text
+
+
+def test_eval_refuses_out_of_range_flags_and_keeps_earlier_scores(capitals, tmp_path, capsys):
+    run, corpus, tasks = capitals
+    code, text = run_cli(["eval", str(run), "--data", str(corpus), "--max_batches", "0"], capsys)
+    assert code == 2 and "--max_batches must be >= 1" in text
+    code, text = run_cli(["eval", str(run), "--data", str(corpus), "--block_size", "100000"], capsys)
+    assert code == 2 and "longer than the model's" in text and len(text.strip().splitlines()) == 1
+    other = _write(tmp_path / "other.jsonl", [GOOD])
+    for f in (tasks, other):  # two evaluations on different files: RUN/eval_tasks.json holds both
+        assert run_cli(["eval", str(run), "--tasks", str(f), "--device", "cpu"], capsys)[0] == 0
+    assert {"capitals", "other"} <= set(json.loads((run / "eval_tasks.json").read_text()))

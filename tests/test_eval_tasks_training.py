@@ -218,3 +218,22 @@ def test_harness_tasks_are_scored_during_training(tmp_path, text_corpus, cache_d
     mine.parent.mkdir()
     mine.write_text('[eval]\neval_tasks = ["hellaswag", "t.jsonl"]\n')
     assert load_config(str(mine)).eval.eval_tasks == ["hellaswag", str(mine.parent / "t.jsonl")]
+
+
+def test_a_task_failing_while_scored_is_a_warning_and_the_run_goes_on(
+    tmp_path, text_corpus, cache_dir, fast, monkeypatch, capsys
+):
+    from gptoughts.tools.task_scorer import TaskScorer
+
+    def fails(self, model, *, shard=(0, 1)):
+        raise RuntimeError("a metric option the harness rejects")
+
+    monkeypatch.setattr(TaskScorer, "__call__", fails)
+    run = tmp_path / "run"
+    over = {"train.max_steps": 4, "train.eval_tasks": [str(_task(tmp_path / "mc.jsonl"))]}
+    _run(text_corpus, run, fast, **{**over, "train.eval_tasks_interval": 2})
+    text = capsys.readouterr().out
+    assert "warning: step 2: scoring eval_tasks failed (a metric option the harness rejects)" in text
+    assert text.count("scoring eval_tasks failed") == 1  # dropped after the first failure
+    assert max(r["step"] for r in _rows(run) if "loss" in r) == 4  # trained to the end
+    assert ckpt.latest_valid(run / "checkpoints") is not None

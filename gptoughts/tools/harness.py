@@ -42,14 +42,24 @@ except ImportError:  # pragma: no cover - the test suite installs gptoughts[eval
 
 
 def split_specs(specs: list[str]) -> tuple[list[str], list[str]]:
-    """``--tasks`` entries as (task files, harness task names); names may be comma-separated."""
+    """``--tasks`` / ``eval_tasks`` entries as (task files, harness task names); every entry may list several,
+    comma-separated (``hellaswag,mine.jsonl``), spaces around them ignored."""
     files, names = [], []
     for spec in specs:
-        if is_task_file(spec):
-            files.append(spec)
-        else:
-            names += [n.strip() for n in spec.split(",") if n.strip()]
-    return files, list(dict.fromkeys(names))
+        for part in (p.strip() for p in spec.split(",")):
+            if part:
+                (files if is_task_file(part) else names).append(part)
+    return list(dict.fromkeys(files)), list(dict.fromkeys(names))
+
+
+def check_names(file_names: list[str], harness_names: list[str]) -> None:
+    """A task file and a harness task of one name would log under one key: refused in one line."""
+    both = sorted(set(file_names) & set(harness_names))
+    if both:
+        raise UserError(
+            f"task name {', '.join(both)} is both a task file's and a harness task's: rename the file (its name "
+            "without .jsonl is the task's)"
+        )
 
 
 def _require() -> None:
@@ -112,7 +122,11 @@ class Harness:
         allow_download: bool = False,
         num_fewshot: int | None = None,
         limit: int | None = None,
+        during_training: bool = False,
     ) -> None:
+        """``during_training``: the messages name the training options (``--eval.eval_task_dir``; no download
+        while training) instead of ``gptoughts eval``'s."""
+        self.during_training = during_training
         _require()
         _quiet()
         from lm_eval.tasks import TaskManager
@@ -146,12 +160,27 @@ class Harness:
         """Each task with its data (one at a time, so the error names every task whose data is missing)."""
         loaded: dict[str, Any] = {}
         missing: dict[str, str] = {}
+        broken: dict[str, str] = {}
         with _offline(self.allow_download):
             for name in self.names:
                 try:
                     loaded.update(self.manager.load([name])["tasks"])
-                except Exception as e:  # noqa: BLE001 - which task and which data: said in one line below
-                    missing[name] = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
+                except Exception as e:  # noqa: BLE001 - which task and why: said in one line below
+                    why = _first_line(e)
+                    # No data where it was looked for (offline hub, missing local file) vs a task that is wrong.
+                    offline = isinstance(e, (ConnectionError, FileNotFoundError)) or type(e).__name__ in (
+                        "DatasetNotFoundError",
+                        "OfflineModeIsEnabled",
+                        "LocalEntryNotFoundError",
+                    )
+                    (missing if offline else broken)[name] = why
+        dir_flag = "--eval.eval_task_dir" if self.during_training else "--task_dir"
+        if broken:
+            what = "; ".join(f"{n}: {why}" for n, why in broken.items())
+            raise DataError(
+                f"harness task(s) {', '.join(broken)} could not be built ({what}); check the task's YAML (its "
+                "fields, doc_to_* templates, !function modules) or the folder given to " + dir_flag
+            )
         if not missing:
             return loaded
         what = "; ".join(f"{n}: {why}" for n, why in missing.items())
@@ -161,11 +190,16 @@ class Harness:
                 f"the data of harness task(s) could not be loaded ({what}); check the network, or the "
                 "task's dataset_path and data_files"
             )
+        fetch = (
+            f"run `gptoughts eval RUN --tasks {','.join(missing)} --download` once where there is network (training "
+            "never downloads)"
+            if self.during_training
+            else "pass --download to fetch it, or run that on a machine with network"
+        )
         raise DataError(
-            f"the data of harness task(s) {', '.join(missing)} is not on this machine (offline; {what}): pass "
-            "--download to fetch it, or run that on a machine with network and copy its Hugging Face cache to "
-            f"{where} here, or give --task_dir a folder of task YAML files reading local data "
-            "(dataset_path: json, data_files)"
+            f"the data of harness task(s) {', '.join(missing)} is not on this machine (offline; {what}): {fetch} "
+            f"and copy its Hugging Face cache to {where} here, or give {dir_flag} a folder of task YAML files "
+            "reading local data (dataset_path: json, data_files)"
         )
 
     def examples(self, name: str) -> int:
@@ -193,20 +227,36 @@ class Harness:
             local = os.environ.get("LOCAL_RANK")
             os.environ["LOCAL_RANK"] = "0"
             undo.callback(_restore_env, "LOCAL_RANK", local)
-            out = lm_eval.simple_evaluate(
-                model=lm,
-                tasks=self.names,
-                task_manager=self.manager,
-                num_fewshot=self.num_fewshot,
-                limit=self.limit,
-                log_samples=False,
-                bootstrap_iters=1000,
-                random_seed=0,
-                numpy_random_seed=0,
-                torch_random_seed=0,
-                fewshot_random_seed=0,
-            )
+            try:
+                out = self._simple_evaluate(lm_eval, lm)
+            except UserError:
+                raise
+            except Exception as e:  # noqa: BLE001 - a task that fails while scoring: one line, not a traceback
+                raise DataError(
+                    f"harness task(s) {', '.join(self.names)} failed while scoring ({_first_line(e)}); check the "
+                    "task's YAML (metric_list options, filters, generation_kwargs)"
+                ) from e
         return _results(out)
+
+    def _simple_evaluate(self, lm_eval: Any, lm: Any) -> dict[str, Any]:
+        return lm_eval.simple_evaluate(
+            model=lm,
+            tasks=self.names,
+            task_manager=self.manager,
+            num_fewshot=self.num_fewshot,
+            limit=self.limit,
+            log_samples=False,
+            bootstrap_iters=1000,
+            random_seed=0,
+            numpy_random_seed=0,
+            torch_random_seed=0,
+            fewshot_random_seed=0,
+        )
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0][:160]}" if text else type(e).__name__
 
 
 def _restore_env(key: str, value: str | None) -> None:
@@ -291,7 +341,9 @@ class NativeLM(_LM):  # type: ignore[misc, valid-type]
             kw = dict(r.args[1] or {})
             until = kw.get("until") or []
             until = [until] if isinstance(until, str) else list(until)
-            key = (tuple(until), int(kw.get("max_gen_toks", 256)))
+            # At most half the model's window: the harness's default (256) on a 256-position model would leave
+            # the prompt no room (a one-line refusal, or a prompt cut to its last token).
+            key = (tuple(until), min(int(kw.get("max_gen_toks", 256)), max(1, self.max_len // 2)))
             groups.setdefault(key, []).append(i)
         for (until, max_new), idx in groups.items():
             texts = tasks.generate_until(

@@ -86,6 +86,8 @@ class TaskScorer:
                     max_len=self.max_len,
                     diffusion=self.diffusion,
                     mask_id=self.mask_id,
+                    # generation tasks: at most half the run's window, so a prompt always has room
+                    max_new_tokens=min(64, max(1, (self.max_len or 128) // 2)),
                 )
                 out[task.name] = {
                     k: float(v)
@@ -128,11 +130,12 @@ def read_scorer(
     and their data loaded offline (one line naming what is missing). ``limit``: the first N examples of each."""
     if not specs:
         return None
-    from gptoughts.tools.harness import Harness, split_specs
+    from gptoughts.tools.harness import Harness, check_names, split_specs
 
     files, names = split_specs(list(specs))
     tasks = read_tasks(files)
     if limit is not None:
         tasks = [replace(t, examples=t.examples[:limit]) for t in tasks]
-    harness = Harness(names, task_dir=task_dir, limit=limit) if names else None
+    check_names([t.name for t in tasks], names)
+    harness = Harness(names, task_dir=task_dir, limit=limit, during_training=True) if names else None
     return TaskScorer(tuple(tasks), harness=harness)

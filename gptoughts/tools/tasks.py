@@ -145,7 +145,7 @@ def read_task(path: str | Path) -> Task:
         raise DataError(f"task file {p} does not exist; pass a .jsonl file with {FORMAT}, or {GEN_FORMAT}")
     examples: list = []
     first = 0
-    with p.open(encoding="utf-8", errors="replace") as f:
+    with p.open(encoding="utf-8-sig", errors="replace") as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue

@@ -332,8 +332,9 @@ def _panel_memory(ax: Any, s: Series) -> None:
 
 
 def _task_keys(s: Series) -> list[str]:
-    """The ``tasks/NAME/METRIC`` series (periodic task evaluation, ``eval.eval_tasks``), sorted."""
-    return sorted(k for k in s if k.startswith(_TASK_PREFIX) and s.has(k))
+    """The ``tasks/NAME/METRIC`` series (periodic task evaluation, ``eval.eval_tasks``), sorted; not the harness's
+    standard errors (``METRIC_stderr``), which are not scores."""
+    return sorted(k for k in s if k.startswith(_TASK_PREFIX) and not k.endswith("_stderr") and s.has(k))
 
 
 def _unit_range(ax: Any, values: list[float]) -> None:

@@ -749,7 +749,7 @@ class Trainer:
                 # An early stop is an end too (every rank decides it alike, from the all-reduced val loss); a
                 # Ctrl-C is not made to wait for a scoring.
                 if tasks_due or (self.tasks is not None and stop_reason == "early stopping"):
-                    self._score_tasks()
+                    self._score_tasks_or_drop_them()
                 if save_due or improved or stop:
                     self.save(val_loss=val_loss, is_best=improved)
                 if stop:
@@ -1036,6 +1036,21 @@ class Trainer:
         return val_loss, improved
 
     @torch.no_grad()
+    def _score_tasks_or_drop_them(self) -> None:
+        """Score the tasks; a failure while scoring (a task the checks before the run could not see fail: a harness
+        metric's options, memory) is a warning, and training goes on without them: an evaluation must not cost the
+        run. The inputs are the same on every rank, so every rank fails alike and drops them alike."""
+        try:
+            self._score_tasks()
+        except Exception as e:  # noqa: BLE001 - said in one line; the run continues
+            self.model.train()
+            first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+            self.log_line(
+                f"warning: step {self.state.step}: scoring eval_tasks failed ({first}); training goes on without "
+                "them (score the run afterwards with gptoughts eval RUN --tasks ...)"
+            )
+            self.tasks = None
+
     def _score_tasks(self) -> dict[str, dict[str, float]]:
         """Score ``eval.eval_tasks`` with the live model; log ``tasks/NAME/METRIC`` rows and a console line.
 
