@@ -9,6 +9,26 @@ import re
 
 from gptoughts import cli
 
+# Settings that keep a training run to a second or two on 2 CPU cores.
+FAST = {
+    "model.family": "llama",
+    "model.size": "debug",
+    "data.tokenizer": "bytes",
+    "train.block_size": 32,
+    "train.batch_size": 4,
+    "train.grad_accum": 1,
+    "train.eval_batches": 2,
+    "train.sample_max_new_tokens": 8,
+    "train.sample_prompts": ["def "],
+    "train.warmup_steps": 2,
+    "perf.device": "cpu",
+    "perf.precision": "fp32",
+    "perf.compile": False,
+    "perf.threads": 1,
+    "run.progress": False,
+    "run.tensorboard": False,
+}
+
 # Added to a training command run in a test: CPU, one thread, quiet, short evaluations and samples. None of them
 # changes what the command builds or reads.
 QUIET_CPU = ["--device", "cpu", "--threads", "1", "--no_progress", "--run.tensorboard", "false", "--eval_batches", "2",

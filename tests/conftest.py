@@ -6,26 +6,7 @@ import sysconfig
 from pathlib import Path
 
 import pytest
-
-# Settings that keep a training run to a second or two on 2 CPU cores.
-FAST = {
-    "model.family": "llama",
-    "model.size": "debug",
-    "data.tokenizer": "bytes",
-    "train.block_size": 32,
-    "train.batch_size": 4,
-    "train.grad_accum": 1,
-    "train.eval_batches": 2,
-    "train.sample_max_new_tokens": 8,
-    "train.sample_prompts": ["def "],
-    "train.warmup_steps": 2,
-    "perf.device": "cpu",
-    "perf.precision": "fp32",
-    "perf.compile": False,
-    "perf.threads": 1,
-    "run.progress": False,
-    "run.tensorboard": False,
-}
+from cli_helpers import FAST  # one definition, importable by name from any test (not from "conftest")
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -252,7 +252,7 @@ FACTS = [("france", "paris"), ("italy", "rome"), ("spain", "madrid"), ("japan", 
 
 
 def _train(corpus: Path, out: Path, steps: int, family: str = "llama") -> None:
-    from conftest import FAST
+    from cli_helpers import FAST
 
     from gptoughts import cli
 
