@@ -622,7 +622,7 @@ def cmd_eval(argv: Sequence[str]) -> int:
                 max_new_tokens=a.max_new_tokens,
             )
             if bench is not None:
-                res["tasks"].update(bench.evaluate(loaded, batch_size=a.batch_size))
+                res["tasks"].update(bench.evaluate(loaded, batch_size=a.batch_size, mc_samples=a.mc_samples))
             if (Path(run) / "run.json").is_file():
                 _save_task_scores(Path(run), res["tasks"])
         results[run] = res

@@ -486,3 +486,24 @@ def test_eval_refuses_out_of_range_flags_and_keeps_earlier_scores(capitals, tmp_
     for f in (tasks, other):  # two evaluations on different files: RUN/eval_tasks.json holds both
         assert run_cli(["eval", str(run), "--tasks", str(f), "--device", "cpu"], capsys)[0] == 0
     assert {"capitals", "other"} <= set(json.loads((run / "eval_tasks.json").read_text()))
+
+
+def test_harness_rows_count_a_groups_examples_from_its_tasks():
+    """lm-eval reports example counts for leaf tasks only: a group (mmlu) gets its subtasks' sum, so its row is
+    kept when ranks' slices combine and in the several-runs table."""
+    pytest.importorskip("lm_eval")
+    from gptoughts.tools.harness import _results
+
+    out = {
+        "results": {
+            "grp": {"alias": "grp", "acc,none": 0.5, "acc_stderr,none": 0.1},
+            "a": {"alias": " - a", "acc,none": 0.25, "sample_len": 4},
+            "b": {"alias": " - b", "acc,none": 0.75, "exact_match,strict": 1.0},
+        },
+        "n-samples": {"a": {"original": 10, "effective": 4}, "b": {"original": 4, "effective": 4}},
+        "group_subtasks": {"grp": ["a", "b"]},
+    }
+    rows = _results(out)
+    assert rows["grp"] == {"examples": 8, "acc": 0.5, "acc_stderr": 0.1}
+    assert rows["a"] == {"examples": 4, "acc": 0.25}
+    assert rows["b"] == {"examples": 4, "acc": 0.75, "exact_match[strict]": 1.0}

@@ -158,7 +158,8 @@ def _harness_dir(tmp_path: Path, data: Path) -> Path:
 @pytest.mark.parametrize("strategy", ["fsdp"])  # DDP's split: test_slices_scored_by_ranks_add_up_to_the_whole
 def test_ranks_score_like_one_process(strategy, tmp_path, text_corpus, cache_dir, fast):
     """2 gloo FSDP ranks score what one process scores with the run's final weights: every rank scores every
-    example and runs the harness (each as a process of its own: the harness reports only where LOCAL_RANK is 0).
+    example and runs the harness (each rank reports its scores; simple_evaluate reported only where LOCAL_RANK
+    was 0, and rank 1 crashed).
     ("ddp" also passes here: 2 ranks split the examples and combine them, rank 0 alone runs the harness; left out
     of the suite for its 12 s, the split being tested in-process above.)"""
     import os

@@ -154,17 +154,22 @@ class Harness:
                 "file must end in .jsonl"
             )
         self.manager = manager
-        self.tasks = self._load()
+        self.task_dict = self._load()
+        self.tasks = self.task_dict["tasks"]
+        """The leaf tasks by name (a group such as ``mmlu`` expands to its subtasks; its score is reported too)."""
 
     def _load(self) -> dict[str, Any]:
-        """Each task with its data (one at a time, so the error names every task whose data is missing)."""
-        loaded: dict[str, Any] = {}
+        """Each task with its data (one at a time, so the error names every task whose data is missing), as the
+        harness's task dict (``tasks``, ``groups``, ``group_map``), loaded once and scored at every call."""
+        loaded: dict[str, Any] = {"tasks": {}, "groups": {}, "group_map": {}}
         missing: dict[str, str] = {}
         broken: dict[str, str] = {}
         with _offline(self.allow_download):
             for name in self.names:
                 try:
-                    loaded.update(self.manager.load([name])["tasks"])
+                    part = self.manager.load([name])
+                    for key in loaded:
+                        loaded[key].update(part.get(key) or {})
                 except Exception as e:  # noqa: BLE001 - which task and why: said in one line below
                     why = _first_line(e)
                     # No data where it was looked for (offline hub, missing local file) vs a task that is wrong.
@@ -182,6 +187,14 @@ class Harness:
                 "fields, doc_to_* templates, !function modules) or the folder given to " + dir_flag
             )
         if not missing:
+            # As simple_evaluate sets them: the asked few-shot count unless a task fixes 0, else the task's own
+            # (0 when it has none), and the few-shot draws seeded.
+            for task in loaded["tasks"].values():
+                if self.num_fewshot is not None and task.get_config("num_fewshot") != 0:
+                    task.set_config(key="num_fewshot", value=self.num_fewshot)
+                elif task.get_config("num_fewshot") is None:
+                    task.set_config(key="num_fewshot", value=0)
+                task.set_fewshot_seed(seed=0)
             return loaded
         what = "; ".join(f"{n}: {why}" for n, why in missing.items())
         where = os.environ.get("HF_DATASETS_CACHE") or os.environ.get("HF_HOME") or "~/.cache/huggingface"
@@ -203,32 +216,36 @@ class Harness:
         )
 
     def examples(self, name: str) -> int:
-        """How many examples of task ``name`` are scored (``limit`` applied)."""
-        task = self.tasks[name]
+        """How many examples of task or group ``name`` are scored (``limit`` applied to each task)."""
+        task = self.tasks.get(name)
+        if task is None:  # a group: its tasks' (and subgroups') examples
+            children = self.task_dict["group_map"].get(name, [])
+            return sum(self.examples(getattr(c, "group_name", None) or str(c)) for c in children)
         n = len(task.eval_docs)
         return n if self.limit is None else min(n, self.limit)
 
-    def evaluate(self, loaded: Any, *, batch_size: int = 8) -> dict[str, dict[str, Any]]:
-        """Every task on the model: ``{task: {"examples", metric: value, metric_stderr: value}}``."""
-        import random
+    def evaluate(
+        self, loaded: Any, *, batch_size: int = 8, mc_samples: int | None = None, asked_only: bool = False
+    ) -> dict[str, dict[str, Any]]:
+        """Every task (and group) on the model: ``{name: {"examples", metric: value, metric_stderr: value}}``;
+        ``asked_only``: the names asked for, not a group's subtasks (training logs these).
 
-        import lm_eval
-        import numpy as np
+        The harness's ``evaluate`` on the tasks loaded at construction (not ``simple_evaluate``, which loads
+        them again, reseeds the global generators, runs ``git``, ``nvidia-smi`` and ``pip list`` for its report,
+        and returns results only where ``LOCAL_RANK`` is 0: every rank of a sharded model runs this whole)."""
+        from lm_eval.evaluator import evaluate as run_tasks
 
-        lm = NativeLM(loaded, batch_size=batch_size)
-        # The harness seeds Python's, numpy's and torch's global generators: the caller's draws (a training run's)
-        # continue as if it had not run.
-        states = random.getstate(), np.random.get_state(), torch.get_rng_state()
-        with _offline(self.allow_download), contextlib.ExitStack() as undo:
-            undo.callback(lambda: (random.setstate(states[0]), np.random.set_state(states[1])))
-            undo.callback(torch.set_rng_state, states[2])
-            # simple_evaluate returns results only where LOCAL_RANK is 0 (its tensor-parallel convention); every
-            # rank of a sharded model here runs it whole, as one process of its own (NativeLM: rank 0 of 1).
-            local = os.environ.get("LOCAL_RANK")
-            os.environ["LOCAL_RANK"] = "0"
-            undo.callback(_restore_env, "LOCAL_RANK", local)
+        was_training = loaded.model.training
+        lm = NativeLM(loaded, batch_size=batch_size, mc_samples=mc_samples)
+        with _offline(self.allow_download), _saved_rng(), contextlib.ExitStack() as undo:
+            # Bootstrapped metrics (perplexity, f1, bleu, ...) would fork a pool of every core from a CUDA process.
+            undo.callback(_restore_env, "DISABLE_MULTIPROC", os.environ.get("DISABLE_MULTIPROC"))
+            os.environ["DISABLE_MULTIPROC"] = "1"
+            undo.callback(lm.model.train, was_training)
             try:
-                out = self._simple_evaluate(lm_eval, lm)
+                out = run_tasks(
+                    lm=lm, task_dict=self.task_dict, limit=self.limit, bootstrap_iters=1000, log_samples=False
+                )
             except UserError:
                 raise
             except Exception as e:  # noqa: BLE001 - a task that fails while scoring: one line, not a traceback
@@ -236,22 +253,33 @@ class Harness:
                     f"harness task(s) {', '.join(self.names)} failed while scoring ({_first_line(e)}); check the "
                     "task's YAML (metric_list options, filters, generation_kwargs)"
                 ) from e
-        return _results(out)
+        rows = _results(out)
+        return {n: rows[n] for n in self.names if n in rows} if asked_only else rows
 
-    def _simple_evaluate(self, lm_eval: Any, lm: Any) -> dict[str, Any]:
-        return lm_eval.simple_evaluate(
-            model=lm,
-            tasks=self.names,
-            task_manager=self.manager,
-            num_fewshot=self.num_fewshot,
-            limit=self.limit,
-            log_samples=False,
-            bootstrap_iters=1000,
-            random_seed=0,
-            numpy_random_seed=0,
-            torch_random_seed=0,
-            fewshot_random_seed=0,
-        )
+
+@contextlib.contextmanager
+def _saved_rng() -> Iterator[None]:
+    """The global generators (Python's, numpy's, torch's CPU and CUDA ones) as they were: a training run's draws
+    continue as if the harness had not run."""
+    import random
+
+    import numpy as np
+
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    states = (
+        random.getstate(),
+        np.random.get_state(),
+        torch.get_rng_state(),
+        torch.cuda.get_rng_state_all() if cuda else None,
+    )
+    try:
+        yield
+    finally:
+        random.setstate(states[0])
+        np.random.set_state(states[1])
+        torch.set_rng_state(states[2])
+        if states[3] is not None:
+            torch.cuda.set_rng_state_all(states[3])
 
 
 def _first_line(e: BaseException) -> str:
@@ -270,11 +298,16 @@ def _results(out: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """The harness's ``results`` (keys such as ``"acc,none"``, ``"acc_stderr,none"``) as flat rows."""
     rows: dict[str, dict[str, Any]] = {}
     samples = out.get("n-samples", {})
-    for task, metrics in out["results"].items():
-        row: dict[str, Any] = {}
-        n = samples.get(task, {})
+    subtasks = out.get("group_subtasks", {})
+
+    def count(name: str) -> int:  # a task's scored examples; a group's: its subtasks'
+        n = samples.get(name)
         if n:
-            row["examples"] = n.get("effective", n.get("original"))
+            return int(n.get("effective", n.get("original", 0)))
+        return sum(count(c) for c in subtasks.get(name, []))
+
+    for task, metrics in out["results"].items():
+        row: dict[str, Any] = {"examples": count(task)}
         for key, value in metrics.items():
             if key in ("alias", "sample_len") or not isinstance(value, (int, float)):
                 continue
@@ -287,15 +320,20 @@ def _results(out: dict[str, Any]) -> dict[str, dict[str, Any]]:
 class NativeLM(_LM):  # type: ignore[misc, valid-type]
     """The harness's ``LM`` over a model from :func:`gptoughts.api.load` (see the module docstring)."""
 
-    def __init__(self, loaded: Any, *, batch_size: int = 8) -> None:
+    def __init__(self, loaded: Any, *, batch_size: int = 8, mc_samples: int | None = None) -> None:
         super().__init__()
         self.loaded, self.batch_size = loaded, batch_size
         self.model = loaded.model.eval()
         self.tokenizer = loaded.tokenizer
         self.max_len = getattr(loaded.args, "max_seq_len", None) or 2048
         self.diffusion = models.family_of(loaded.family).objective == "diffusion"
-        mask_id = getattr(self.tokenizer, "mask_id", None) or getattr(self.model.args, "mask_token_id", None)
-        self.kw = dict(diffusion=True, mask_id=mask_id) if self.diffusion else {}
+        # Masked diffusion (LLaDA): the Monte-Carlo likelihood and the denoising sampler, with its mask token.
+        self.kw: dict[str, Any] = {}
+        if self.diffusion:
+            self.kw = dict(
+                diffusion=True, mask_id=tasks.mask_id_of(self.tokenizer, self.model, loaded.family)
+            )
+        self.mc = {"mc_samples": mc_samples} if self.diffusion and mc_samples else {}
 
     def loglikelihood(self, requests: list[Any]) -> list[tuple[float, bool]]:
         pairs = [tuple(r.args) for r in requests]
@@ -307,6 +345,7 @@ class NativeLM(_LM):  # type: ignore[misc, valid-type]
             max_len=self.max_len,
             with_greedy=True,
             **self.kw,
+            **self.mc,
         )
 
     def loglikelihood_rolling(self, requests: list[Any]) -> list[float]:
@@ -327,6 +366,7 @@ class NativeLM(_LM):  # type: ignore[misc, valid-type]
             batch_size=self.batch_size,
             max_len=self.max_len,
             **self.kw,
+            **self.mc,
         )
         out = [0.0] * len(requests)
         for i, s in zip(owner, scores, strict=True):
@@ -353,6 +393,7 @@ class NativeLM(_LM):  # type: ignore[misc, valid-type]
                 until=list(until),
                 max_new_tokens=max_new,
                 batch_size=self.batch_size,
+                max_len=self.max_len,
                 **self.kw,
             )
             for i, t in zip(idx, texts, strict=True):

@@ -36,11 +36,11 @@ class TaskScorer:
 
     @property
     def names(self) -> list[str]:
-        return [t.name for t in self.tasks] + (list(self.harness.tasks) if self.harness else [])
+        return [t.name for t in self.tasks] + (list(self.harness.names) if self.harness else [])
 
     @property
     def examples(self) -> list[int]:
-        harness = [self.harness.examples(n) for n in self.harness.tasks] if self.harness else []
+        harness = [self.harness.examples(n) for n in self.harness.names] if self.harness else []
         return [len(t.examples) for t in self.tasks] + harness
 
     def bind(
@@ -52,7 +52,7 @@ class TaskScorer:
         diffusion: bool = False,
         family: str = "llama",
     ) -> TaskScorer:
-        mask_id = getattr(tokenizer, "mask_id", None) if diffusion else None
+        mask_id = getattr(tokenizer, "mask_id", None) if diffusion else None  # checked when scored (tasks)
         return replace(
             self,
             tokenizer=tokenizer,
@@ -100,11 +100,10 @@ class TaskScorer:
         return out
 
     def _harness(self, model: nn.Module, *, scores_here: bool) -> dict[str, dict[str, float]]:
-        """The harness tasks, whole, on one replica (rank 0 of the data-parallel ones: the others report none and
-        the slices combine to rank 0's), or on every rank of a sharded model (``shard`` (0, 1) there: all run the
-        same forwards)."""
-        if not scores_here:
-            return {name: {"examples": 0} for name in self.harness.tasks}
+        """The harness tasks, whole, on every rank: a sharded model's ranks must run the same forwards, and the
+        replicas of data parallelism score them too rather than wait for rank 0 in a collective that a long
+        harness task could time out (the same wall time). Only rank 0's scores count (``scores_here``): the
+        others report none, and the slices combine to rank 0's."""
         from types import SimpleNamespace
 
         loaded = SimpleNamespace(
@@ -113,7 +112,9 @@ class TaskScorer:
             family=self.family,
             args=SimpleNamespace(max_seq_len=self.max_len),
         )
-        rows = self.harness.evaluate(loaded, batch_size=self.batch_size)
+        rows = self.harness.evaluate(loaded, batch_size=self.batch_size, asked_only=True)
+        if not scores_here:
+            return {name: {"examples": 0} for name in self.harness.names}
         return {
             name: {
                 k: float(v) for k, v in r.items() if isinstance(v, (int, float)) and not isinstance(v, bool)

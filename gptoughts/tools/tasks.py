@@ -179,16 +179,14 @@ def read_tasks(paths: list[str]) -> list[Task]:
 
 
 def _encode_pair(tokenizer: Any, context: str, choice: str) -> tuple[list[int], list[int]]:
-    """(context tokens, choice tokens) as the harness splits them: the choice's tokens are those of
-    ``context + choice`` past the context's own, so a merge across the boundary is not invented; trailing spaces
-    of the context move to the choice first (BPE tokenizers attach a space to the word after it)."""
-    stripped = context.rstrip(" ")
+    """(context tokens, choice tokens) exactly as lm-evaluation-harness's models split them: trailing whitespace
+    of the context moves to the choice (BPE tokenizers attach a space to the word after it), and the choice's
+    tokens are those of ``context + choice`` past the context's own count (a merge across the boundary is not
+    invented by encoding the two apart). Same split, same scores: the custom-file and harness paths agree."""
+    stripped = context.rstrip()
     choice = context[len(stripped) :] + choice
     ctx = tokenizer.encode(stripped)
-    whole = tokenizer.encode(stripped + choice)
-    if whole[: len(ctx)] != ctx:  # the boundary merged: fall back to the two parts on their own
-        return ctx, tokenizer.encode(choice)
-    return ctx, whole[len(ctx) :]
+    return ctx, tokenizer.encode(stripped + choice)[len(ctx) :]
 
 
 def loglikelihoods(
@@ -498,6 +496,19 @@ def _score_generation(model: nn.Module, tokenizer: Any, task: Task, **kw: Any) -
     return {"file": str(task.path), "examples": n, "exact_match": hits / n}
 
 
+def mask_id_of(tokenizer: Any, model: nn.Module, family: str) -> int:
+    """The mask token a masked-diffusion model was trained with: the tokenizer's, else the model's config."""
+    mask_id = getattr(tokenizer, "mask_id", None)
+    if mask_id is None:
+        mask_id = getattr(getattr(model, "args", None), "mask_token_id", None)
+    if mask_id is None:
+        raise UserError(
+            f"{family} is a masked-diffusion model but its tokenizer has no mask token; evaluate a run trained "
+            "with one"
+        )
+    return mask_id
+
+
 def evaluate_tasks(
     loaded: Any,
     tasks: list[Task],
@@ -512,16 +523,7 @@ def evaluate_tasks(
     from gptoughts import models
 
     diffusion = models.family_of(loaded.family).objective == "diffusion"
-    mask_id = None
-    if diffusion:
-        mask_id = getattr(loaded.tokenizer, "mask_id", None)
-        if mask_id is None:
-            mask_id = getattr(loaded.model.args, "mask_token_id", None)
-        if mask_id is None:
-            raise UserError(
-                f"{loaded.family} is a masked-diffusion model but its tokenizer has no mask token; "
-                "evaluate a run trained with one"
-            )
+    mask_id = mask_id_of(loaded.tokenizer, loaded.model, loaded.family) if diffusion else None
     max_len = getattr(loaded.args, "max_seq_len", None)
     model = loaded.model.eval()
     return {

@@ -233,6 +233,7 @@ def _tasks(env: Any, batch: BatchPlan, tasks: Any) -> dict[str, Any]:
         " by every rank (sharded model)"
         if d.sharded and d.enabled
         else f", examples split over {d.dp_size} data-parallel ranks"
+        + (" (harness tasks: scored whole by every rank, rank 0's counted)" if tasks.harness else "")
         if d.dp_size > 1
         else ""
     )

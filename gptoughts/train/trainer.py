@@ -1039,7 +1039,7 @@ class Trainer:
     def _score_tasks_or_drop_them(self) -> None:
         """Score the tasks; a failure while scoring (a task the checks before the run could not see fail: a harness
         metric's options, memory) is a warning, and training goes on without them: an evaluation must not cost the
-        run. The inputs are the same on every rank, so every rank fails alike and drops them alike."""
+        run. ``_score_tasks`` tells every rank about any rank's failure, so all drop them alike."""
         try:
             self._score_tasks()
         except Exception as e:  # noqa: BLE001 - said in one line; the run continues
@@ -1067,14 +1067,24 @@ class Trainer:
         model = pdist.unwrap(self.model) if d.enabled else self.model
         rng = self._rng_state()
         self.model.eval()
+        error = None
         try:
             with self.autocast():
                 local = self.tasks(model, shard=shard)
+        except Exception as e:  # noqa: BLE001 - told to every rank below, before the next collective
+            local, error = {}, (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
         finally:
             self.model.train()
             self._set_rng_state(rng)
-        parts = pdist.all_gather_object(local, d) if shard[1] > 1 else [local]
-        results = self.task_scores = combine_task_scores(parts)  # type: ignore[arg-type]
+        # Every rank learns whether any rank failed, so all drop the tasks alike (a rank that went on to the next
+        # step's collectives alone would hang the run). A failure inside a sharded forward cannot be rescued:
+        # the other ranks wait in that forward's collective.
+        parts = pdist.all_gather_object({"scores": local, "error": error}, d)
+        errors = [p["error"] for p in parts if p["error"]]  # type: ignore[index]
+        if errors:
+            raise RuntimeError(errors[0])
+        scored = [p["scores"] for p in parts] if shard[1] > 1 else [local]  # type: ignore[index]
+        results = self.task_scores = combine_task_scores(scored)  # type: ignore[arg-type]
         step = self.state.step
         if d.is_main:
             row = {
