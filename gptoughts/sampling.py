@@ -22,7 +22,7 @@ decided once, from the family's objective; the chat template is applied for SFT 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -105,11 +105,15 @@ def generate(
     eos_id: int | None = None,
     use_cache: bool = True,
     generator: torch.Generator | None = None,
+    stop: Callable[[torch.Tensor], list[bool]] | None = None,
 ) -> torch.Tensor:
     """Extend the prompts ``input_ids [B, T]`` (same length, no padding) by up to ``max_new_tokens``.
 
     Returns ``[B, T + n]`` with ``n <= max_new_tokens``: generation stops early once every row has
     produced ``eos_id``; rows that finished earlier are padded with ``eos_id``. ``temperature=0`` is greedy.
+    ``stop`` (with ``eos_id``): called every :data:`STOP_EVERY` tokens with the tokens generated so far
+    (``[B, n]``, on the host); the rows it marks True are finished as at eos (an evaluation's stop strings: a row
+    whose text already holds one need not run on to ``max_new_tokens``). Not for generic transformers models.
     The model is put in eval mode for the call and restored afterwards.
     """
     if input_ids.ndim != 2 or input_ids.size(1) == 0:
@@ -149,6 +153,7 @@ def generate(
                 use_cache,
                 eos_id,
                 dict(temperature=temperature, top_k=top_k, top_p=top_p, generator=generator),
+                stop,
             )
     finally:
         model.train(was_training)
@@ -161,6 +166,7 @@ def _decode(
     use_cache: bool,
     eos_id: int | None,
     sampling: dict,
+    stop: Callable[[torch.Tensor], list[bool]] | None = None,
 ) -> torch.Tensor:
     max_seq_len = model.args.max_seq_len
     bsz, prompt_len = input_ids.shape
@@ -185,9 +191,16 @@ def _decode(
         step_input = token[:, None]
         # One host sync per token to stop early; generation is latency-bound anyway, and this is the only
         # sync in the loop (sampling avoids torch.multinomial's).
+        if eos_id is not None and stop is not None and (cur - prompt_len) % STOP_EVERY == 0:
+            # Decoding every row's text each token would cost more than the forward of a small model.
+            done |= torch.tensor(stop(out[:, prompt_len:cur].cpu()), dtype=torch.bool, device=done.device)
         if eos_id is not None and bool(done.all()):
             break
     return out[:, :cur]
+
+
+STOP_EVERY = 8
+"""Tokens between two calls of ``generate``'s ``stop`` (its check decodes every row on the host)."""
 
 
 # ------------------------------------------------------------------------------- masked diffusion (LLaDA)

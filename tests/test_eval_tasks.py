@@ -507,3 +507,20 @@ def test_harness_rows_count_a_groups_examples_from_its_tasks():
     assert rows["grp"] == {"examples": 8, "acc": 0.5, "acc_stderr": 0.1}
     assert rows["a"] == {"examples": 4, "acc": 0.25}
     assert rows["b"] == {"examples": 4, "acc": 0.75, "exact_match[strict]": 1.0}
+
+
+def test_generation_stops_once_every_row_holds_a_stop_string():
+    """A model that never emits eos: rows stop at the sampler's first check after their stop string (every
+    STOP_EVERY tokens), not at max_new_tokens; the text is the same."""
+    from gptoughts.sampling import STOP_EVERY
+
+    tok = bytes_tokenizer()
+    table = torch.zeros(tok.vocab_size, tok.vocab_size)
+    for prev, nxt in (("a", "b"), ("b", "\n"), ("\n", "a")):  # a b \n a b \n ... forever
+        table[_ids(tok, prev), _ids(tok, nxt)] = 5.0
+    model = Bigram(tok.vocab_size, table, max_seq_len=128)
+    calls = []
+    model.register_forward_hook(lambda *_: calls.append(1))
+    got = generate_until(model, tok, ["xa", "ya"], until=["\n"], max_new_tokens=60, batch_size=2)
+    assert got == ["b", "b"]
+    assert len(calls) == STOP_EVERY  # was 60: one forward per token to the limit

@@ -364,9 +364,9 @@ def generate_until(
 
     Causal models decode with their KV cache (``sampling.generate`` at temperature 0) and a row stops at eos;
     diffusion models (``diffusion=True``, mask token ``mask_id``) fill ``max_new_tokens`` positions with
-    ``sampling.diffusion_generate`` (one token per step, blocks of 32, no noise), cut at the first eos. Stop
-    strings only cut the text: the samplers know eos, not strings, so a row may run on past its stop string up
-    to ``max_new_tokens``. The prompts are grouped by token length (the samplers take same-length prompts
+    ``sampling.diffusion_generate`` (one token per step, blocks of 32, no noise), cut at the first eos. A causal
+    row whose text holds a stop string is finished at the sampler's next check (every few tokens: a batch stops
+    once all its rows are); the diffusion sampler fills its fixed length. The prompts are grouped by token length (the samplers take same-length prompts
     without padding, since a pad would shift positions) and decoded ``batch_size`` at a time. A prompt keeps its
     last tokens so that prompt and answer fit ``max_len`` (default: the model's ``args.max_seq_len``); an empty
     prompt starts from eos."""
@@ -395,6 +395,12 @@ def generate_until(
         by_len[len(t)].append(i)
     dev = next(model.parameters()).device
     out = [""] * len(prompts)
+
+    def stopped(new: torch.Tensor) -> list[bool]:
+        """Rows whose text already holds a stop string: finished, as at eos (no decoding on to the limit)."""
+        rows = [r[: r.index(eos)] if eos in r else r for r in new.tolist()]
+        return [any(s in tokenizer.decode(r) for s in until) for r in rows]
+
     with eager(model):  # a compiled model (periodic evaluation) would recompile for every new shape
         for length, group in by_len.items():
             for b in range(0, len(group), batch_size):
@@ -411,7 +417,7 @@ def generate_until(
                         mask_id=mask_id,
                     )
                 else:
-                    y = generate(model, x, max_new_tokens, temperature=0.0, eos_id=eos)
+                    y = generate(model, x, max_new_tokens, temperature=0.0, eos_id=eos, stop=stopped)
                 for r, i in enumerate(idx):
                     new = y[r, length:].tolist()
                     new = new[: new.index(eos)] if eos in new else new
