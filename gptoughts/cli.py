@@ -482,7 +482,8 @@ def cmd_eval(argv: Sequence[str]) -> int:
     p = argparse.ArgumentParser(
         prog="gptoughts eval",
         description="Loss and perplexity of a run (or HF folder) on all of a corpus; multiple-choice accuracy and "
-        "generation exact match on task files (--tasks). Several runs: one table comparing them.",
+        "generation exact match on task files and lm-evaluation-harness tasks (--tasks). Several runs: one table "
+        "comparing them.",
     )
     p.add_argument(
         "path",
@@ -535,7 +536,10 @@ def cmd_eval(argv: Sequence[str]) -> int:
         help="score only this many batches, spread evenly over the corpus (default: all of it)",
     )
     p.add_argument(
-        "--max_new_tokens", type=int, default=64, help="generation tasks: most tokens generated per prompt"
+        "--max_new_tokens",
+        type=int,
+        default=64,
+        help="generation task files: most tokens generated per prompt (harness tasks: their max_gen_toks)",
     )
     p.add_argument(
         "--mc_samples",
