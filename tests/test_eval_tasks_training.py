@@ -53,9 +53,9 @@ def test_tasks_are_scored_at_their_steps_logged_plotted_and_leave_training_alone
 
     original = TaskScorer.__call__
 
-    def draws(self, model, *, shard=(0, 1)):
+    def draws(self, model, *, shard=(0, 1), stop=None):
         torch.rand(7)  # a scorer that consumes the global RNG (as a diffusion one would): restored around it
-        return original(self, model, shard=shard)
+        return original(self, model, shard=shard, stop=stop)
 
     monkeypatch.setattr(TaskScorer, "__call__", draws)
     task = _task(tmp_path / "mc.jsonl")
@@ -234,7 +234,7 @@ def test_a_task_failing_while_scored_is_a_warning_and_the_run_goes_on(
 ):
     from gptoughts.tools.task_scorer import TaskScorer
 
-    def fails(self, model, *, shard=(0, 1)):
+    def fails(self, model, *, shard=(0, 1), stop=None):
         raise RuntimeError("a metric option the harness rejects")
 
     monkeypatch.setattr(TaskScorer, "__call__", fails)
@@ -246,3 +246,36 @@ def test_a_task_failing_while_scored_is_a_warning_and_the_run_goes_on(
     assert text.count("scoring eval_tasks failed") == 1  # dropped after the first failure
     assert max(r["step"] for r in _rows(run) if "loss" in r) == 4  # trained to the end
     assert ckpt.latest_valid(run / "checkpoints") is not None
+
+
+def test_a_stop_asked_for_ends_the_scoring_at_the_next_batch(
+    tmp_path, text_corpus, cache_dir, fast, monkeypatch, capsys
+):
+    """A SIGTERM (a scheduler's, with its grace period) arriving while tasks are scored ends the scoring at the
+    next batch: nothing is logged for it, and the run saves and stops as at any interrupt."""
+    import os
+    import signal
+
+    from gptoughts.tools import tasks as task_lib
+    from gptoughts.tools.task_scorer import TaskScorer
+
+    with task_lib.stop_when(lambda: True), pytest.raises(task_lib.Interrupted):
+        task_lib.loglikelihoods(Bigram(8), bytes_tokenizer(), [("a", "b")])
+    original = TaskScorer.__call__
+    batches = []
+
+    def signalled(self, model, *, shard=(0, 1), stop=None):
+        os.kill(os.getpid(), signal.SIGTERM)  # the trainer's handler only sets its stop flag
+        return original(self, model, shard=shard, stop=lambda: batches.append(1) or stop())
+
+    monkeypatch.setattr(TaskScorer, "__call__", signalled)
+    run = tmp_path / "run"
+    task = _task(tmp_path / "mc.jsonl")
+    over = {"train.max_steps": 50, "train.eval_tasks": [str(task)], "train.eval_tasks_interval": 2}
+    _run(text_corpus, run, fast, **over)
+    text = capsys.readouterr().out
+    assert "task scoring stopped (a stop was asked for)" in text
+    assert batches == [1]  # the first batch's check stopped it
+    assert not any(k.startswith("tasks/") for r in _rows(run) for k in r)
+    steps = [r["step"] for r in _rows(run) if "loss" in r]
+    assert max(steps) < 50 and ckpt.latest_valid(run / "checkpoints") is not None

@@ -246,7 +246,7 @@ class Harness:
                 out = run_tasks(
                     lm=lm, task_dict=self.task_dict, limit=self.limit, bootstrap_iters=1000, log_samples=False
                 )
-            except UserError:
+            except (UserError, tasks.Interrupted):
                 raise
             except Exception as e:  # noqa: BLE001 - a task that fails while scoring: one line, not a traceback
                 raise DataError(

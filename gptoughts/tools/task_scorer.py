@@ -8,12 +8,13 @@ which slice of the examples, and how the slices of several ranks add up (``train
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
 from torch import nn
 
-from gptoughts.tools.tasks import Task, read_tasks, score_task
+from gptoughts.tools.tasks import Interrupted, Task, read_tasks, score_task, stop_when
 
 
 @dataclass(frozen=True)
@@ -63,11 +64,26 @@ class TaskScorer:
             family=family,
         )
 
-    def __call__(self, model: nn.Module, *, shard: tuple[int, int] = (0, 1)) -> dict[str, dict[str, float]]:
+    def __call__(
+        self,
+        model: nn.Module,
+        *,
+        shard: tuple[int, int] = (0, 1),
+        stop: Callable[[], bool] | None = None,
+    ) -> dict[str, dict[str, float]] | None:
         """``{task: {"examples": n, metric: value, ...}}`` over the examples ``shard[0]::shard[1]`` of each task
         (``{"examples": 0}`` for a slice with none); every numeric value ``score_task`` returns is kept. The
         caller sets eval mode, ``no_grad`` and autocast; compiled blocks run eagerly here (the inputs' lengths
-        vary: compiled graphs would recompile for each)."""
+        vary: compiled graphs would recompile for each). ``stop``: checked between batches; None is returned
+        when it said stop (``tasks.stop_when``: not for a sharded model, whose forwards are collectives)."""
+
+        try:
+            with stop_when(stop):
+                return self._score(model, shard)
+        except Interrupted:
+            return None
+
+    def _score(self, model: nn.Module, shard: tuple[int, int]) -> dict[str, dict[str, float]]:
         from gptoughts.sampling import eager
 
         rank, world = shard

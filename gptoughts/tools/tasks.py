@@ -18,8 +18,10 @@ scored by LLaDA's Monte-Carlo estimate of the likelihood bound, their generation
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections import defaultdict
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,6 +30,33 @@ import torch
 from torch import nn
 
 from gptoughts.errors import DataError, UserError
+
+
+class Interrupted(Exception):  # noqa: N818 - a stop asked for, not an error
+    """Scoring stopped between two batches because :func:`stop_when`'s check said so (a run's Ctrl-C/SIGTERM)."""
+
+
+_stop_check: Callable[[], bool] | None = None
+
+
+@contextlib.contextmanager
+def stop_when(check: Callable[[], bool] | None) -> Iterator[None]:
+    """Within the block, the scoring loops call ``check`` between batches and raise :class:`Interrupted` when it
+    is True: a run asked to stop (a scheduler's SIGTERM and its grace period) does not wait for a long task.
+    Only for models whose forwards are not collectives (one process, DDP replicas): ranks of a sharded model
+    would stop at different forwards."""
+    global _stop_check
+    previous, _stop_check = _stop_check, check
+    try:
+        yield
+    finally:
+        _stop_check = previous
+
+
+def _check_stop() -> None:
+    if _stop_check is not None and _stop_check():
+        raise Interrupted
+
 
 FORMAT = 'one JSON object per line: {"context": "...", "choices": ["...", "..."], "answer": 0}'
 GEN_FORMAT = (
@@ -269,6 +298,7 @@ def score_tokens(
     order = sorted(range(len(seqs)), key=lambda i: -len(seqs[i][0]))
     out: list = [0.0] * len(seqs)
     for b in range(0, len(order), batch_size):
+        _check_stop()
         idx = order[b : b + batch_size]
         width = max(len(seqs[i][0]) for i in idx) - 1
         # Right padding: with a causal mask, the pad after a sequence changes none of its logits.
@@ -319,6 +349,7 @@ def diffusion_loglikelihoods(
     dev = next(model.parameters()).device
     out = []
     for ctx, cont in windows:
+        _check_stop()
         whole = (ctx or [eos_id]) + cont
         if max_len is not None:
             whole = whole[-max_len:]
@@ -404,6 +435,7 @@ def generate_until(
     with eager(model):  # a compiled model (periodic evaluation) would recompile for every new shape
         for length, group in by_len.items():
             for b in range(0, len(group), batch_size):
+                _check_stop()
                 idx = group[b : b + batch_size]
                 x = torch.tensor([ids[i] for i in idx], dtype=torch.long, device=dev)
                 if diffusion:

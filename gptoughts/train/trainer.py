@@ -1070,7 +1070,10 @@ class Trainer:
         error = None
         try:
             with self.autocast():
-                local = self.tasks(model, shard=shard)
+                # A stop asked for (Ctrl-C, a scheduler's SIGTERM) ends the scoring at the next batch, where the
+                # forwards are not collectives (one process, DDP replicas): the run saves and exits in time.
+                stop = None if d.sharded else (lambda: self.stop_requested)
+                local = self.tasks(model, shard=shard, stop=stop)
         except Exception as e:  # noqa: BLE001 - told to every rank below, before the next collective
             local, error = {}, (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
         finally:
@@ -1083,6 +1086,10 @@ class Trainer:
         errors = [p["error"] for p in parts if p["error"]]  # type: ignore[index]
         if errors:
             raise RuntimeError(errors[0])
+        if any(p["scores"] is None for p in parts):  # type: ignore[index]
+            self.log_line(f"step {self.state.step}: task scoring stopped (a stop was asked for); not logged")
+            self._window_t0 += time.perf_counter() - t0
+            return {}
         scored = [p["scores"] for p in parts] if shard[1] > 1 else [local]  # type: ignore[index]
         results = self.task_scores = combine_task_scores(scored)  # type: ignore[arg-type]
         step = self.state.step
