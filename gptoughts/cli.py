@@ -384,7 +384,8 @@ def cmd_prepare(argv: Sequence[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(
             "usage: gptoughts prepare --data PATH [--data PATH ...] --out DIR [--size S | --tokenizer SPEC]\n"
-            "                         [--text_field F --extensions a,b --val_fraction X --max_bytes N --seed N]\n"
+            "                         [--text_field F --extensions a,b --val_fraction X --max_bytes N --seed N\n"
+            "                          --workers N]\n"
             "Tokenize a corpus into token shards in DIR (manifest.json, tokenizer/, *.bin): the same keys and\n"
             "defaults as `gptoughts train` (with --size, the tokenizer that size trains with), so\n"
             "`gptoughts bench --shards DIR` and a train of the same settings read the same tokens."
@@ -410,6 +411,7 @@ def cmd_prepare(argv: Sequence[str]) -> int:
         val_fraction=d.val_fraction,
         max_bytes=d.max_bytes,
         seed=cfg.train.seed,
+        workers=d.workers,
     )
     print(
         f"{opts['out']}: {m.train_tokens:,} train tokens, {m.val_tokens:,} val tokens (vocab {m.vocab_size:,})"
@@ -937,6 +939,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ):  # Ctrl-C before training started (or a second one): nothing half-written remains
         print("interrupted", file=sys.stderr)
         return 130
+    except (
+        BrokenPipeError
+    ):  # `gptoughts ... | head`: the reader left; nothing to say, and no one to say it to
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at interpreter exit
+        return 0
     except OSError as e:
         import errno
 

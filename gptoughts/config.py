@@ -81,6 +81,9 @@ class DataConfig:
     reads everything. The run plan says how much of the corpus a cap cuts."""
     cache_dir: str | None = None
     """Where token shards are cached; default ``$GPTOUGHTS_CACHE`` or ``~/.cache/gptoughts``."""
+    workers: int | None = None
+    """Processes that tokenize the corpus (None: one per core this process may use). The shards are
+    byte-identical whatever the number (so it is not part of the cache key)."""
     phases: list[PhaseConfig] = field(default_factory=list)
     """Curriculum: ordered phases, each with its sources, weights and token budget."""
     format: Literal["auto", "text", "sft"] = "auto"

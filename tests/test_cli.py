@@ -85,6 +85,32 @@ def test_sample_eval_env_prepare(trained, tmp_path, capsys):
         ["prepare", "--data", str(corpus), "--out", str(tmp_path / "shards"), "--tokenizer", "bytes"], capsys
     )
     assert code == 0 and (tmp_path / "shards" / "manifest.json").exists() and "train tokens" in out
+    # --workers (data.workers): the same bytes with one tokenizing process; 0 is one line
+    one = tmp_path / "one"
+    code, out, _ = _run_cli(
+        ["prepare", "--data", str(corpus), "--out", str(one), "--tokenizer", "bytes", "--workers", "1"],
+        capsys,
+    )
+    assert code == 0
+    for f in (tmp_path / "shards").glob("*.bin"):
+        assert (one / f.name).read_bytes() == f.read_bytes()
+    code, _, err = _run_cli(
+        [
+            "prepare",
+            "--data",
+            str(corpus),
+            "--out",
+            str(tmp_path / "no"),
+            "--tokenizer",
+            "bytes",
+            "--workers",
+            "0",
+        ],
+        capsys,
+    )
+    assert (
+        code == 2 and "workers must be a number of processes >= 1" in err and not (tmp_path / "no").exists()
+    )
 
 
 def test_interactive_asks_the_four_questions(tmp_path, text_corpus, cache_dir, fast, monkeypatch, capsys):
@@ -210,7 +236,8 @@ def test_unknown_command_and_help(capsys):
 
 
 def test_console_script_entry_point_runs(tmp_path):
-    """`python -m gptoughts` is the same program as the `gptoughts` console script."""
+    """`python -m gptoughts` is the same program as the `gptoughts` console script; its help piped into a
+    reader that stops early (`| head -1`) ends quietly, without a BrokenPipeError traceback."""
     r = subprocess.run(
         [sys.executable, "-m", "gptoughts", "env"],
         capture_output=True,
@@ -219,6 +246,14 @@ def test_console_script_entry_point_runs(tmp_path):
         env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
     )
     assert r.returncode == 0 and "device" in r.stdout
+    closed = "import os, sys; r, w = os.pipe(); os.close(r); os.dup2(w, 1); from gptoughts import cli; "
+    r = subprocess.run(  # stdout is a pipe whose reader has gone
+        [sys.executable, "-c", closed + "sys.exit(cli.main(['train', '--help']))"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
 
 
 def test_wandb_offline(tmp_path, text_corpus, cache_dir, fast, monkeypatch):

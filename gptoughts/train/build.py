@@ -276,7 +276,9 @@ def prepare_data(cfg: Config, env: Environment, *, dry_run: bool = False) -> Dat
     else:
         manifest = None
         if env.dist.is_main:
-            manifest = cached_prepare(sources, tok_spec, progress=cfg.run.progress, **kwargs)
+            manifest = cached_prepare(
+                sources, tok_spec, progress=cfg.run.progress, workers=cfg.data.workers, **kwargs
+            )
         pdist.barrier(env.dist)
         if not env.dist.is_main:
             manifest = cached_prepare(sources, tok_spec, progress=False, **kwargs)
