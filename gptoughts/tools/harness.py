@@ -127,13 +127,14 @@ class Harness:
         """``during_training``: the messages name the training options (``--eval.eval_task_dir``; no download
         while training) instead of ``gptoughts eval``'s."""
         self.during_training = during_training
+        self.dir_flag = "--eval.eval_task_dir" if during_training else "--task_dir"
         _require()
         _quiet()
         from lm_eval.tasks import TaskManager
 
         if task_dir is not None and not Path(task_dir).is_dir():
             raise DataError(
-                f"--task_dir {task_dir} is not a folder; pass a folder of harness task YAML files"
+                f"{self.dir_flag} {task_dir} is not a folder; pass a folder of harness task YAML files"
             )
         self.names, self.allow_download = names, allow_download
         self.num_fewshot, self.limit = num_fewshot, limit
@@ -150,8 +151,8 @@ class Harness:
             raise UserError(
                 f"unknown harness task(s) {', '.join(unknown)}"
                 + (f" ({hint})" if hint else "")
-                + "; `lm-eval ls tasks` lists them, --task_dir adds a folder of task YAML files, and a custom task "
-                "file must end in .jsonl"
+                + f"; `lm-eval ls tasks` lists them, {self.dir_flag} adds a folder of task YAML files, and a "
+                "custom task file must end in .jsonl"
             )
         self.manager = manager
         self.task_dict = self._load()
@@ -179,12 +180,11 @@ class Harness:
                         "LocalEntryNotFoundError",
                     )
                     (missing if offline else broken)[name] = why
-        dir_flag = "--eval.eval_task_dir" if self.during_training else "--task_dir"
         if broken:
             what = "; ".join(f"{n}: {why}" for n, why in broken.items())
             raise DataError(
                 f"harness task(s) {', '.join(broken)} could not be built ({what}); check the task's YAML (its "
-                "fields, doc_to_* templates, !function modules) or the folder given to " + dir_flag
+                "fields, doc_to_* templates, !function modules) or the folder given to " + self.dir_flag
             )
         if not missing:
             # As simple_evaluate sets them: the asked few-shot count unless a task fixes 0, else the task's own
@@ -211,7 +211,7 @@ class Harness:
         )
         raise DataError(
             f"the data of harness task(s) {', '.join(missing)} is not on this machine (offline; {what}): {fetch} "
-            f"and copy its Hugging Face cache to {where} here, or give {dir_flag} a folder of task YAML files "
+            f"and copy its Hugging Face cache to {where} here, or give {self.dir_flag} a folder of task YAML files "
             "reading local data (dataset_path: json, data_files)"
         )
 
