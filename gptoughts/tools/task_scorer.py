@@ -76,7 +76,6 @@ class TaskScorer:
         caller sets eval mode, ``no_grad`` and autocast; compiled blocks run eagerly here (the inputs' lengths
         vary: compiled graphs would recompile for each). ``stop``: checked between batches; None is returned
         when it said stop (``tasks.stop_when``: not for a sharded model, whose forwards are collectives)."""
-
         try:
             with stop_when(stop):
                 return self._score(model, shard)
@@ -105,12 +104,7 @@ class TaskScorer:
                     # generation tasks: at most half the run's window, so a prompt always has room
                     max_new_tokens=min(64, max(1, (self.max_len or 128) // 2)),
                 )
-                out[task.name] = {
-                    k: float(v)
-                    for k, v in scores.items()
-                    if isinstance(v, (int, float)) and not isinstance(v, bool)
-                }
-                out[task.name]["examples"] = len(part.examples)
+                out[task.name] = {**_numbers(scores), "examples": len(part.examples)}
             if self.harness is not None:
                 out.update(self._harness(model, scores_here=rank == 0))
         return out
@@ -131,12 +125,12 @@ class TaskScorer:
         rows = self.harness.evaluate(loaded, batch_size=self.batch_size, asked_only=True)
         if not scores_here:
             return {name: {"examples": 0} for name in self.harness.names}
-        return {
-            name: {
-                k: float(v) for k, v in r.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
-            }
-            for name, r in rows.items()
-        }
+        return {name: _numbers(r) for name, r in rows.items()}
+
+
+def _numbers(scores: dict[str, Any]) -> dict[str, float]:
+    """The numeric entries of a task's scores (not its file path), as floats for the metrics rows."""
+    return {k: float(v) for k, v in scores.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
 def read_scorer(
