@@ -73,6 +73,34 @@ def test_save_loads_in_transformers_and_back(tmp_path: Path) -> None:
     assert back.chat_template is None
 
 
+def test_save_with_a_chat_template_loads_in_transformers_without_importing_it(tmp_path: Path) -> None:
+    # save() writes its JSON files itself (importing transformers cost ~1 s of every run's start-up); the files
+    # stay what transformers reads: the template too, and a later save without one removes the stale file.
+    import subprocess
+    import sys
+
+    tok = build_tokenizer("bpe:400", lambda: iter(TEXTS))
+    tok._chat_template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+    code = (
+        "import sys; from gptoughts.data.tokenizer import Tokenizer; "
+        f"Tokenizer.load({str(tmp_path / 'src')!r}).save({str(tmp_path / 'tk')!r}); "
+        "assert 'transformers' not in sys.modules, 'save imported transformers'"
+    )
+    tok.save(tmp_path / "src")
+    subprocess.run([sys.executable, "-c", code], check=True)
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(tmp_path / "tk"))
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    assert hf.apply_chat_template(msgs, tokenize=False) == "<user>hi<assistant>yo"
+    assert hf(SAMPLE)["input_ids"] == tok.encode(SAMPLE)
+    assert (hf.eos_token_id, hf.pad_token_id, hf.mask_token_id, hf.bos_token) == (0, 1, 2, None)
+    tok._chat_template = None
+    tok.save(tmp_path / "tk")
+    assert not (tmp_path / "tk" / "chat_template.jinja").exists()
+    assert Tokenizer.load(tmp_path / "tk").chat_template is None
+
+
 def test_hf_folder_with_bos_and_chat_template(tmp_path: Path) -> None:
     # A Llama-like folder: distinct bos, eos named in the config, a chat template in a .jinja file.
     base = bytes_tokenizer()
