@@ -282,8 +282,8 @@ class PerfConfig:
     fp32). ``gptoughts env`` lists what this machine has; bench/attention.py times each one."""
     doc_mask_attention: Literal["auto", "flex", "sdpa"] = "auto"
     """Attention of packed rows (documents packed into one row, e.g. SFT packing: no attention across them):
-    flex (FlexAttention with a block mask built once per batch: blocks outside the documents are skipped,
-    CUDA only), sdpa (a dense [B, 1, T, T] mask and SDPA's memory-efficient kernel) or auto (flex on CUDA GPUs,
+    flex (FlexAttention with a block mask of the documents: blocks outside them are skipped and k/v heads are
+    shared; CUDA only), sdpa (a dense [B, 1, T, T] mask and SDPA's memory-efficient kernel) or auto (flex on CUDA GPUs,
     sdpa elsewhere: FlexAttention has no backward on CPU)."""
     loss: Literal["auto", "plain", "chunked", "liger"] = "auto"
     """LM-head cross-entropy: auto, plain, chunked (no full fp32 logits) or liger (Liger-Kernel, if installed)."""

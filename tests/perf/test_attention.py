@@ -301,3 +301,15 @@ def test_env_lists_attention_backends():
     rows = attention.available(torch.device("cpu"))
     assert set(rows) == {"sdpa", "fa4", "flex"}
     assert rows["fa4"].startswith("unavailable: ") and rows["flex"].startswith("unavailable: ")
+
+
+def test_env_command_shows_attention_backends(capsys):
+    import json
+
+    from gptoughts.cli import main
+
+    assert main(["env", "--json"]) == 0
+    assert set(json.loads(capsys.readouterr().out)["attention"]) == {"sdpa", "fa4", "flex"}
+    assert main(["env"]) == 0
+    out = capsys.readouterr().out
+    assert "attention  sdpa: available" in out and "fa4: unavailable" in out
