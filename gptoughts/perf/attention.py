@@ -67,11 +67,11 @@ def available(device: torch.device) -> dict[str, str]:
 
 @functools.cache
 def _fa4_op() -> Any:
-    """``gptoughts::fa4`` as a ``torch.library`` custom op with a fake (meta) implementation and its backward,
-    so torch.compile keeps it as one opaque node in the block's graph instead of tracing into CuTe-DSL's Python
-    (flash_attn.cute's own ``FlashAttnFunc`` is a plain autograd.Function, which dynamo cannot trace).
-    Defined on first use: nothing is registered at import time. Uses flash_attn.cute's ``_flash_attn_fwd`` /
-    ``_flash_attn_bwd`` (the functions torch's own FA4 routing calls), checked against 4.0.0b36."""
+    """``gptoughts::fa4_fwd``, a ``torch.library`` custom op with a fake (meta) implementation and a backward
+    (``gptoughts::fa4_bwd``), so torch.compile keeps it as one opaque node in the block's graph instead of
+    tracing into CuTe-DSL's Python (flash_attn.cute's own ``FlashAttnFunc`` is a plain autograd.Function, which
+    dynamo cannot trace). Defined on first use: nothing is registered at import time. Calls flash_attn.cute's
+    ``_flash_attn_fwd`` / ``_flash_attn_bwd`` (what torch's own FA4 routing calls), checked against 4.0.0b36."""
 
     @torch.library.custom_op("gptoughts::fa4_fwd", mutates_args=())
     def fa4_fwd(
@@ -93,7 +93,9 @@ def _fa4_op() -> Any:
             window_size_right=window_right,
             return_lse=True,
         )
-        return res[0], res[1]  # (out, lse, ...): the extra outputs of later versions serve MLA only
+        # (out, lse, ...): the extra outputs of later versions serve MLA only. Contiguous, as the fake says:
+        # inductor plans the buffers from the fake implementation's strides.
+        return res[0].contiguous(), res[1].contiguous()
 
     @fa4_fwd.register_fake
     def _(q, k, v, causal, window_left, window_right):
@@ -126,11 +128,15 @@ def _fa4_op() -> Any:
             window_size_right=window_right,
             deterministic=torch.are_deterministic_algorithms_enabled(),
         )
-        return res[0], res[1], res[2]
+        return res[0].contiguous(), res[1].contiguous(), res[2].contiguous()
 
     @fa4_bwd.register_fake
     def _(dout, q, k, v, out, lse, causal, window_left, window_right):
-        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        return (
+            q.new_empty(q.shape),
+            k.new_empty(k.shape),
+            v.new_empty(v.shape),
+        )  # contiguous, as the real ones
 
     def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
         q, k, v, ctx.causal, ctx.window_left, ctx.window_right = inputs
