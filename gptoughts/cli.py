@@ -698,10 +698,14 @@ def cmd_env(argv: Sequence[str]) -> int:
     p.add_argument("--json", action="store_true")
     p.add_argument("--device", default="auto")
     a = p.parse_args(argv)
+    import torch
+
+    from gptoughts.perf.attention import available
     from gptoughts.perf.hardware import detect
 
     prof = detect(a.device)
     d = prof.to_dict()
+    d["attention"] = available(torch.device(prof.device))
     if a.json:
         print(json.dumps(d, default=str))
         return 0
@@ -713,6 +717,8 @@ def cmd_env(argv: Sequence[str]) -> int:
     precisions = ["fp32"] + [p for p in ("bf16", "fp16", "fp8") if d[p]]
     print(f"precisions {', '.join(precisions)}")
     print(f"compile    {'available' if d['compile'] else 'unavailable'}")
+    # what --perf.sdpa_backend fa4 and --perf.doc_mask_attention flex would find here
+    print("attention  " + "\n           ".join(f"{k}: {v}" for k, v in d["attention"].items()))
     print(f"torch      {d['torch_version']}")
     print("recommended: " + ", ".join(f"{k}={v}" for k, v in d["recommended"].items()))
     return 0

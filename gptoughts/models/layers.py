@@ -12,7 +12,10 @@ Layout conventions (chosen so Hugging Face Llama/Qwen weights load without any p
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -281,6 +284,37 @@ def attention_mask(
     return mask
 
 
+@dataclass(frozen=True)
+class AttentionKernels:
+    """Kernels :func:`sdpa` may use instead of ``F.scaled_dot_product_attention`` (None: SDPA).
+
+    Made by the training setup (``gptoughts/perf/attention.py``) and set around forwards with
+    :func:`use_attention_kernels`, so that model code neither imports nor compiles them.
+
+    * ``fa4``: mask-free attention with ``Tq == Tk`` (causal or not, sliding windows): an object with
+      ``accepts(q, k, v)`` and ``__call__(q, k, v, causal=, window=)`` on ``[B, T, H, hd]`` tensors;
+    * ``doc``: packed rows, ``__call__(q, k, v, doc_ids, causal=, window=)`` on ``[B, H, T, hd]`` tensors.
+    """
+
+    fa4: Any = None
+    doc: Any = None
+
+
+_kernels = AttentionKernels()
+
+
+@contextlib.contextmanager
+def use_attention_kernels(kernels: AttentionKernels) -> Iterator[None]:
+    """Route :func:`sdpa`'s calls to ``kernels`` inside the block. A module-level setting, not an argument:
+    it would otherwise travel through every family's forward; torch.compile guards on it like on any global."""
+    global _kernels
+    old, _kernels = _kernels, kernels
+    try:
+        yield
+    finally:
+        _kernels = old
+
+
 def sdpa(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -304,10 +338,24 @@ def sdpa(
     window at least as long as the keys is ignored, so the mask-free fast path above stays the common case.
     With a mask SDPA uses the memory-efficient kernel (flash takes no mask): packed SFT rows trade some
     attention speed for not wasting the padding of one-example-per-row batches.
+
+    The kernels set by :func:`use_attention_kernels` take what they can: ``doc`` the packed rows (``Tq ==
+    Tk``), ``fa4`` the mask-free ``Tq == Tk`` calls it accepts (device, dtype, head size); the rest (cached
+    prefills, decoding, CPU, fp32) stays on SDPA.
     """
     tq, tk = q.size(-2), k.size(-2)
     if window is not None and tk <= window:
         window = None  # host ints only: no sync
+    kernels = _kernels
+    if tq == tk:
+        if doc_ids is not None and kernels.doc is not None:
+            return kernels.doc(q, k, v, doc_ids, causal=causal, window=window)
+        if doc_ids is None and kernels.fa4 is not None and kernels.fa4.accepts(q, k, v):
+            # [B, H, T, hd] here is a transposed view of the projections' [B, T, H, hd]: FA4's layout, no copy
+            out = kernels.fa4(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal, window=window
+            )
+            return out.transpose(1, 2)
     mask = None
     is_causal = False
     if doc_ids is not None or window is not None:

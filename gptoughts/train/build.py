@@ -84,6 +84,9 @@ def setup_environment(cfg: Config) -> Environment:
         ddp_bucket_mb=par.ddp_bucket_mb,
     )
     hw = hardware.detect(device)
+    from gptoughts.train.setup import check_attention
+
+    check_attention(cfg.perf, device)  # a missing kernel package is said before anything is built or written
     precision = hardware.resolve_precision(cfg.perf.precision, hw)
     why = {"precision": f"{precision} ({'asked' if cfg.perf.precision != 'auto' else 'auto: ' + hw.arch})"}
     if cfg.perf.gpu_memory_gib is not None and device.type == "cuda" and hw.memory_bytes:

@@ -20,6 +20,7 @@ from torch import nn
 from gptoughts import models
 from gptoughts.config import LoraConfig, ParallelConfig, PerfConfig, TrainConfig
 from gptoughts.errors import ConfigError, HardwareError, UserError
+from gptoughts.models import layers
 from gptoughts.parallel import dist as pdist
 from gptoughts.perf.checkpointing import apply_activation_checkpointing
 from gptoughts.perf.hardware import HardwareProfile
@@ -105,12 +106,41 @@ _SDPA = {
 
 
 def sdpa_context(backend: str) -> Callable[[], contextlib.AbstractContextManager]:
-    if backend == "auto":
+    if backend not in _SDPA:  # auto, and fa4: what FA4 does not take goes to SDPA's own choice
         return contextlib.nullcontext
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     chosen = getattr(SDPBackend, _SDPA[backend])
     return lambda: sdpa_kernel([chosen])
+
+
+def check_attention(perf: PerfConfig, device: torch.device) -> None:
+    """Refuse, before anything is built or written, an attention kernel this machine cannot run."""
+    from gptoughts.perf import attention
+
+    if perf.sdpa_backend == "fa4":
+        why = attention.fa4_unavailable(device)
+        if why is not None:
+            raise UserError(f"perf.sdpa_backend = fa4: {why}; or use --perf.sdpa_backend auto")
+    if perf.doc_mask_attention == "flex":
+        why = attention.flex_unavailable(device)
+        if why is not None:
+            raise UserError(f"perf.doc_mask_attention = flex: {why}; use auto or sdpa")
+
+
+def attention_rule(perf: PerfConfig, device: torch.device) -> tuple[layers.AttentionKernels, str, str]:
+    """The kernels ``layers.sdpa`` routes to, and what ``doc_mask_attention`` became with its reason."""
+    from gptoughts.perf import attention
+
+    check_attention(perf, device)
+    fa4 = attention.FA4() if perf.sdpa_backend == "fa4" else None
+    doc, why = perf.doc_mask_attention, "asked"
+    if doc == "auto":
+        reason = attention.flex_unavailable(device)
+        doc = "sdpa" if reason else "flex"
+        why = f"auto: {reason}" if reason else "auto: flex on CUDA GPUs (skips blocks outside the documents)"
+    flex = attention.FlexDocAttention(compiled=device.type == "cuda") if doc == "flex" else None
+    return layers.AttentionKernels(fa4=fa4, doc=flex), doc, why
 
 
 def inductor_mode(perf: PerfConfig) -> str | None:
@@ -149,17 +179,21 @@ def set_residual_dtype(model: nn.Module, residual_dtype: str) -> int:
     return n
 
 
-def _forward_context(perf: PerfConfig) -> Callable[[], contextlib.AbstractContextManager]:
+def _forward_context(
+    perf: PerfConfig, kernels: layers.AttentionKernels | None = None
+) -> Callable[[], contextlib.AbstractContextManager]:
     sdpa = sdpa_context(perf.sdpa_backend)
-    if not perf.cuda_graphs:
+    kernels = kernels or layers.AttentionKernels()
+    if not perf.cuda_graphs and kernels == layers.AttentionKernels():
         return sdpa
 
     @contextlib.contextmanager
     def ctx():
-        # Each forward starts a new CUDA-graph "iteration": the previous one's outputs were consumed by its
-        # backward (or are eval outputs), so their static buffers may be reused.
-        torch.compiler.cudagraph_mark_step_begin()
-        with sdpa():
+        if perf.cuda_graphs:
+            # Each forward starts a new CUDA-graph "iteration": the previous one's outputs were consumed by its
+            # backward (or are eval outputs), so their static buffers may be reused.
+            torch.compiler.cudagraph_mark_step_begin()
+        with sdpa(), layers.use_attention_kernels(kernels):
             yield
 
     return ctx
@@ -294,6 +328,7 @@ def apply_transforms(
         "asked" if perf.loss != "auto" else "auto: chunked on CUDA (no fp32 logits of the whole batch)"
     )
     resolved["sdpa_backend"] = perf.sdpa_backend
+    kernels, resolved["doc_mask_attention"], why["doc_mask_attention"] = attention_rule(perf, device)
     after = None
     if use_fp8 and resolved.get("fp8_all_gather"):
         from gptoughts.perf.fp8 import precompute_scales
@@ -305,7 +340,7 @@ def apply_transforms(
     return Built(
         model=model,
         raw=raw,
-        forward_context=_forward_context(perf),
+        forward_context=_forward_context(perf, kernels),
         resolved=resolved,
         why=why,
         after_optimizer_step=after,
