@@ -6,12 +6,13 @@
 #   default variants: fp8="--fp8"
 #   e.g. bash bench/fp8_vs_bf16_loss.sh /tmp/o fp8="--fp8" fp8_end1="--fp8 --perf.fp8_bf16_end_layers 1" \
 #        bf16_seed1="--train.seed 1"
+#   SIZE=350m BATCH_SIZE=8 bash bench/fp8_vs_bf16_loss.sh ...: another size and micro-batch (default 3b, 4)
 set -euo pipefail
 out=${1:?out dir}
 shift
 variants=("$@")
 [ ${#variants[@]} -eq 0 ] && variants=("fp8=--fp8")
-common=(default --size 3b --data @stdlib --tokenizer bpe:32768 --block_size 2048 --batch_size 4 --max_steps 300
+common=(default --size "${SIZE:-3b}" --data @stdlib --tokenizer bpe:32768 --block_size 2048 --batch_size "${BATCH_SIZE:-4}" --max_steps 300
         --learning_rate 3e-4 --warmup_steps 30 --eval_interval 100 --train.eval_batches 4 --log_interval 10
         --train.sample_interval 0 --train.checkpoints false --compile true --no_progress --overwrite)
 python3 -m gptoughts train "${common[@]}" --precision bf16 --out "$out/bf16"

@@ -139,6 +139,11 @@ class TrainConfig:
     """Muon's decoupled weight decay; None: weight_decay."""
     muon_momentum: float = 0.95
     """Muon's (Nesterov) momentum."""
+    optimizer_states: Literal["fp32", "bf16", "8bit"] = "fp32"
+    """How AdamW stores its two moments (the weights stay fp32 masters, the update is computed in fp32):
+    fp32 (8 bytes/param; torch's fused AdamW), bf16 (4 bytes/param, stored with stochastic rounding; also Muon's
+    AdamW groups) or 8bit (~2 bytes/param: torchao's AdamW8bit, block-wise quantized; needs ``pip install
+    torchao``; AdamW only, not under FSDP or tensor parallelism)."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this; 0 disables."""
     seed: int = 1337
@@ -917,6 +922,11 @@ def validate(cfg: Config) -> None:
     if isinstance(t.batch_size, int) and t.batch_size < 1:
         raise ConfigError(f"train.batch_size must be >= 1, got {t.batch_size}")
     check_train_ranges(t, cfg.eval, cfg.checkpoint, cfg.recovery)
+    if t.optimizer_states == "8bit" and t.optimizer == "muon":
+        raise ConfigError(
+            "train.optimizer_states = 8bit is AdamW's (torchao AdamW8bit); with train.optimizer = muon use "
+            "--train.optimizer_states bf16"
+        )
     check_parallel(cfg.parallel)
     for name in ("compile", "fp8", "fused_adamw"):
         value = getattr(cfg.perf, name)

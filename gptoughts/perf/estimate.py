@@ -4,7 +4,8 @@ Memory at the peak of a training step (fp32 master weights, mixed precision):
 
 * weights: 4 bytes/param (fp32 master copy)
 * gradients: 4 bytes/param
-* optimizer: 8 bytes/param (AdamW's two moments)
+* optimizer: AdamW's two moments, 8 bytes/param (``train.optimizer_states``: fp32; bf16 4; 8bit ~2.03, one byte
+  each and an fp32 scale per block of 256); Muon's momentum 4 bytes per hidden-matrix param
 * autocast weight copies: 2 bytes per matmul param (the bf16 casts autocast keeps for backward): every weight
   of two or more dims (DeepSeek's 3-D expert weights included) except embedding lookups; a tied LM head counts
 * activations: per token and layer, the tensors autograd saves for backward, counted from the block's ops
@@ -248,6 +249,7 @@ def estimate(
     residual_dtype: str = "bf16",
     strategy: str = "ddp",
     optimizer: str = "adamw",
+    optimizer_states: str = "fp32",
     cpu_offload: bool = False,
     reshard_after_forward: bool = True,
     tp: int = 1,
@@ -309,12 +311,17 @@ def estimate(
         logits += vocab * args.d_model * 4 if loss == "chunked" else rows * vocab * (2 + 4 + 4)
     if strategy not in ("ddp", "fsdp"):
         raise ConfigError(f"strategy must be ddp or fsdp; got {strategy!r}")
-    # AdamW keeps two fp32 moments per parameter (8 bytes); Muon one momentum buffer (4 bytes) for the hidden
-    # matrices it trains, AdamW's two for the rest (models.hidden_matrices).
-    optim = 8 * n
+    # AdamW keeps two moments per parameter (8 bytes in fp32; ``optimizer_states``: STATE_BYTES); Muon one fp32
+    # momentum buffer (4 bytes) for the hidden matrices it trains, AdamW's two for the rest (models.hidden_matrices).
+    if optimizer_states not in STATE_BYTES:
+        raise ConfigError(
+            f"optimizer states must be one of {', '.join(STATE_BYTES)}; got {optimizer_states!r}"
+        )
+    adam = STATE_BYTES[optimizer_states]
+    optim = adam * n
     if optimizer == "muon":
         hidden = models.hidden_matrices(model)
-        optim -= 4 * sum(p.numel() for p in model.parameters() if id(p) in hidden)
+        optim -= (adam - 4) * sum(p.numel() for p in model.parameters() if id(p) in hidden)
     weights, grads = 4 * n, 4 * n
     copies = 2 * matmul_params
     in_blocks = sum(p.numel() for p in model.layers.parameters())
@@ -379,6 +386,12 @@ def estimate(
         strategy=strategy if num_gpus > 1 or cpu_offload else "ddp",
         host_gib=host / GIB,
     )
+
+
+# Bytes per parameter of AdamW's two moments, by ``train.optimizer_states`` (train/optim.py builds them). 8bit:
+# torchao's OptimState8bit, one uint8 code per value and one fp32 scale per block of 256 (tensors under 4096
+# values, or not a multiple of 256, stay fp32: norms and biases, a negligible share).
+STATE_BYTES = {"fp32": 8.0, "bf16": 4.0, "8bit": 2 * (1 + 4 / 256)}
 
 
 def format_estimate(e: Estimate) -> str:
@@ -448,6 +461,7 @@ def estimate_config(
             residual_dtype=residual,
             strategy=strategy,
             optimizer=t.optimizer,
+            optimizer_states=t.optimizer_states,
             cpu_offload=cfg.parallel.cpu_offload,
             tp=cfg.parallel.tp,
         )

@@ -132,6 +132,7 @@ def _fsdp_reshard(
             num_gpus=info.world_size,
             strategy="fsdp",
             optimizer=t.optimizer,
+            optimizer_states=t.optimizer_states,
             tp=info.tp,
             reshard_after_forward=False,
             residual_dtype="bf16" if precision == "bf16" and cfg.perf.residual_dtype != "fp32" else "fp32",
@@ -707,6 +708,7 @@ def _estimated_micro_batch(cfg: Config, env: Environment, model: Model) -> int:
             num_gpus=env.dist.world_size,
             strategy="fsdp" if env.dist.sharded else "ddp",
             optimizer=cfg.train.optimizer,
+            optimizer_states=cfg.train.optimizer_states,
             cpu_offload=env.dist.cpu_offload,
             reshard_after_forward=env.dist.reshard_after_forward,
         )
@@ -843,14 +845,17 @@ def _assemble(
         if model.built is not None:
             model.built.pipeline.n_micro = pp_micro
     if model.raw is not None:
+        from gptoughts.train.optim import describe_states
         from gptoughts.train.setup import optimizer_rule
 
         name, why = optimizer_rule(model.raw, cfg.train)
         t = cfg.train
+        check_optimizer_states(t, env)
         lr = f"peak lr {t.learning_rate:.1e}" + (
             f" (Muon {t.muon_learning_rate:.1e})" if name == "muon" and t.muon_learning_rate else ""
         )
-        resolved["optimizer"] = f"{name}, {lr}, {t.schedule} schedule ({why})"
+        states = describe_states(t.optimizer_states) + (" for the AdamW groups" if name == "muon" else "")
+        resolved["optimizer"] = f"{name} ({states}), {lr}, {t.schedule} schedule ({why})"
     if model.threads:
         resolved["threads"] = model.threads
     plan = make_plan(
@@ -1198,14 +1203,29 @@ def train_optimizer(cfg: Config, env: Environment, model: Model, t: TrainConfig)
     """The run's optimizer; under pipeline parallelism also the order in which a one-process run's optimizer holds
     the parameters (its checkpoints key them by index): an optimizer over the whole model, built but never stepped
     (no state is allocated; unfused: the parameters a rank does not hold are on the meta device)."""
+    from gptoughts.train.optim import with_states
     from gptoughts.train.setup import make_optimizer
 
-    optimizer = make_optimizer(model.built.model, t, cfg.perf, env.device)
+    check_optimizer_states(t, env)
+    optimizer = with_states(make_optimizer(model.built.model, t, cfg.perf, env.device), t.optimizer_states)
     if model.built.pipeline is not None:
         names = {id(p): n for n, p in model.raw.named_parameters()}
         whole = make_optimizer(model.raw, t, replace(cfg.perf, fused_adamw=False), env.device)
         model.built.pipeline.param_order = [names[id(p)] for g in whole.param_groups for p in g["params"]]
     return optimizer
+
+
+def check_optimizer_states(t: TrainConfig, env: Environment) -> None:
+    """``train.optimizer_states = 8bit`` where torchao's AdamW8bit is not known to work here: refused in one line.
+    Its states are tensor subclasses that our sharded (DCP) checkpoints do not read back, and that tensor
+    parallelism's mix of plain tensors and DTensors was never tried with."""
+    if t.optimizer_states != "8bit":
+        return
+    if env.dist.sharded or env.dist.tp > 1 or env.dist.pp > 1:
+        raise UserError(
+            "train.optimizer_states = 8bit runs on one GPU or under DDP; under FSDP, tensor or pipeline "
+            "parallelism use --train.optimizer_states bf16"
+        )
 
 
 def timing_trainer(

@@ -6,6 +6,8 @@ the step counter (exact resume for free).
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -13,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from gptoughts.errors import UserError
 from gptoughts.models import hidden_matrices
 
 
@@ -118,6 +121,9 @@ class Muon(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.grad_scale: torch.Tensor | None = None
         self.found_inf: torch.Tensor | None = None
+        # "bf16": the AdamW groups keep their moments in bf16 (:class:`AdamWBf16States`' step); an attribute, not a
+        # group option, so that loading a checkpoint's groups does not change it. Muon's momentum stays fp32.
+        self.adamw_states = "fp32"
 
     @torch.no_grad()
     def step(self, closure=None):  # noqa: ANN001, ANN201 - torch.optim.Optimizer's signature
@@ -127,10 +133,21 @@ class Muon(torch.optim.Optimizer):
                 loss = closure()
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
-            if params:
-                (self._muon_group if group["muon"] else self._adamw_group)(group, params)
+            if not params:
+                continue
+            if group["muon"]:
+                self._muon_group(group, params)
+            elif self.adamw_states == "bf16":
+                adamw_bf16_states(self.state, group, params, self.grad_scale, self.found_inf)
+            else:
+                self._adamw_group(group, params)
         self.grad_scale = self.found_inf = None
         return loss
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        if self.adamw_states == "bf16":
+            _moments_to_bf16(self, [g for g in self.param_groups if not g["muon"]])
 
     def _adamw_group(self, group: dict, params: list[torch.Tensor]) -> None:
         exp_avgs, exp_avg_sqs, steps = [], [], []
@@ -264,12 +281,221 @@ def _orthogonalize(
 
 
 def build_adamw(
-    model: nn.Module, *, lr: float, weight_decay: float, betas: tuple[float, float], eps: float, fused: bool
-) -> torch.optim.AdamW:
+    model: nn.Module,
+    *,
+    lr: float,
+    weight_decay: float,
+    betas: tuple[float, float],
+    eps: float,
+    fused: bool,
+    states: str = "fp32",
+) -> torch.optim.Optimizer:
+    """AdamW over :func:`param_groups`, its moments stored as ``states`` says (:func:`with_states`)."""
     # The fused CUDA kernel updates all parameters in a few launches instead of one chain of kernels per tensor;
     # foreach (the default elsewhere) batches them at the Python level.
     kwargs = {"fused": True} if fused else {"foreach": True}
-    return torch.optim.AdamW(param_groups(model, weight_decay), lr=lr, betas=betas, eps=eps, **kwargs)
+    opt = torch.optim.AdamW(param_groups(model, weight_decay), lr=lr, betas=betas, eps=eps, **kwargs)
+    return with_states(opt, states)
+
+
+_STATES_DESCRIBED = {
+    "fp32": "fp32 moments",
+    "bf16": "bf16 moments, stochastic rounding",
+    "8bit": "8-bit moments, torchao AdamW8bit",
+}
+
+
+def describe_states(states: str) -> str:
+    """What the plan's optimizer line says of ``train.optimizer_states``."""
+    return _STATES_DESCRIBED[states]
+
+
+def with_states(optimizer: torch.optim.Optimizer, states: str) -> torch.optim.Optimizer:
+    """``optimizer`` (an AdamW or a :class:`Muon` just built, no state yet) with AdamW's moments stored as
+    ``states`` says: the same parameter groups, only the storage changes.
+
+    * ``fp32``: unchanged (torch's AdamW, fused on CUDA).
+    * ``bf16``: :class:`AdamWBf16States`; a Muon keeps its class and steps its AdamW groups that way.
+    * ``8bit``: torchao's ``AdamW8bit`` (AdamW only). It has no device-side ``grad_scale``/``found_inf``, so
+      :func:`clip_and_step` clips it with a foreach pass and checks the step on the host (one sync per step).
+    """
+    if states == "fp32":
+        return optimizer
+    if states not in _STATES_DESCRIBED:
+        raise ValueError(f"unknown optimizer states {states!r}")
+    if isinstance(optimizer, Muon):
+        if states != "bf16":
+            raise UserError(
+                f"train.optimizer_states = {states} is AdamW's; with train.optimizer = muon use "
+                "--train.optimizer_states bf16"
+            )
+        optimizer.adamw_states = "bf16"
+        return optimizer
+    d = optimizer.defaults
+    common = dict(lr=d["lr"], betas=d["betas"], eps=d["eps"], weight_decay=d["weight_decay"])
+    # Each group keeps its parameters and our keys (lr_ratio, its weight decay...), not torch.AdamW's own options
+    # (fused, foreach, amsgrad...): the new class brings its defaults.
+    torch_only = set(d) - set(common)
+    groups = [{k: v for k, v in g.items() if k not in torch_only} for g in optimizer.param_groups]
+    if states == "bf16":
+        return AdamWBf16States(groups, **common)
+    try:
+        from torchao.optim import AdamW8bit
+    except ImportError:
+        raise UserError(
+            "train.optimizer_states = 8bit needs torchao: pip install torchao (or use bf16 states)"
+        ) from None
+    return AdamW8bit(groups, **common)
+
+
+class AdamWBf16States(torch.optim.Optimizer):
+    """AdamW whose two moments are stored in bf16 (4 bytes per parameter instead of 8), each step computed in fp32
+    (the stored moments widened, the new ones rounded stochastically when stored); the weights stay fp32 masters.
+    The same update as ``torch.optim.AdamW`` up to that rounding (tests/train/test_optim.py checks it).
+
+    Like the fused AdamW, ``step`` reads ``self.grad_scale`` (gradient clipping folded in: each gradient is
+    divided by it as it is read) and ``self.found_inf`` (a device flag; 1 leaves weights, moments and step count
+    untouched) without a host sync, so ``defaults["fused"]`` is True: :func:`clip_and_step` takes its fused path.
+
+    Why our own step and not a library's: torch's fused and foreach AdamW keep the moments in the parameters'
+    dtype; torchao's ``_AdamW`` does too (its ``bf16_stochastic_round`` is for bf16 *weights*), and neither it nor
+    torchao's low-bit classes read ``grad_scale``/``found_inf`` on the device (a clipping pass and a host sync
+    per step). And torchao is not installed on the GPU machines. The step is one elementwise function per
+    parameter, compiled on CUDA into one kernel that reads weight, gradient and moments once and writes weight
+    and moments once: 20 bytes per parameter against 28 for the fused fp32 kernel.
+    """
+
+    def __init__(
+        self,
+        params: list[dict] | list[torch.Tensor],
+        *,
+        lr: float,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+    ) -> None:
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=True))
+        self.grad_scale: torch.Tensor | None = None
+        self.found_inf: torch.Tensor | None = None
+
+    @torch.no_grad()
+    def step(self, closure=None):  # noqa: ANN001, ANN201 - torch.optim.Optimizer's signature
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if params:
+                adamw_bf16_states(self.state, group, params, self.grad_scale, self.found_inf)
+        self.grad_scale = self.found_inf = None
+        return loss
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        # torch's load casts every floating state tensor to its parameter's dtype (fp32 here): cast the moments
+        # back, or a resumed run would hold fp32 moments (the same values, twice the memory).
+        super().load_state_dict(state_dict)
+        _moments_to_bf16(self, self.param_groups)
+
+
+def _moments_to_bf16(optimizer: torch.optim.Optimizer, groups: list[dict]) -> None:
+    for g in groups:
+        for p in g["params"]:
+            state = optimizer.state.get(p, {})
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key in state and state[key].dtype != torch.bfloat16:
+                    state[key] = state[key].to(torch.bfloat16)
+
+
+def adamw_bf16_states(
+    state: dict,
+    group: dict,
+    params: list[torch.Tensor],
+    grad_scale: torch.Tensor | None,
+    found_inf: torch.Tensor | None,
+) -> None:
+    """One AdamW step of ``params`` (one group) with bf16 moments in ``state``: :class:`AdamWBf16States`'s and
+    :class:`Muon`'s AdamW groups'. Sharded parameters (DTensors) step on their local shards (all of it is
+    elementwise); the moments are shaped and sharded like their parameter, so checkpoints treat them alike."""
+    beta1, beta2 = group["betas"]
+    lrs: dict[torch.device, torch.Tensor] = {}
+    for p in params:
+        s = state[p]
+        weight = _local(p)
+        if not s:
+            # The step count on the device (as the fused AdamW keeps it): a skipped step leaves it unchanged
+            # without a host sync, and the bias corrections are computed in the kernel.
+            s["step"] = torch.zeros((), dtype=torch.float32, device=weight.device)
+            s["exp_avg"] = torch.zeros_like(p, dtype=torch.bfloat16, memory_format=torch.preserve_format)
+            s["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.bfloat16, memory_format=torch.preserve_format)
+        if weight.device not in lrs:  # a tensor, so that a new learning rate is no new compiled graph
+            lrs[weight.device] = torch.full((), group["lr"], dtype=torch.float32, device=weight.device)
+        fn = _compiled_bf16_step() if weight.is_cuda else _adamw_bf16_step
+        fn(
+            weight, _local(p.grad), _local(s["exp_avg"]), _local(s["exp_avg_sq"]), s["step"],
+            lrs[weight.device], beta1, beta2, group["weight_decay"], group["eps"], grad_scale, found_inf,
+        )  # fmt: skip
+
+
+def _adamw_bf16_step(
+    p: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    step: torch.Tensor,
+    lr: torch.Tensor,
+    beta1: float,
+    beta2: float,
+    weight_decay: float,
+    eps: float,
+    grad_scale: torch.Tensor | None,
+    found_inf: torch.Tensor | None,
+) -> None:
+    """torch.optim.AdamW's update of one parameter, in fp32, from and to bf16 moments."""
+    g = grad.float()
+    if grad_scale is not None:
+        g = g / grad_scale
+    new_step = step + 1 if found_inf is None else step + (1 - found_inf)
+    m = exp_avg.float().lerp(g, 1 - beta1)
+    v = exp_avg_sq.float() * beta2 + (1 - beta2) * g * g
+    bias1 = 1 - beta1**new_step
+    bias2 = 1 - beta2**new_step
+    denom = v.sqrt() / bias2.sqrt() + eps
+    new_p = p * (1 - lr * weight_decay) - (lr / bias1) * m / denom
+    new_m, new_v = bf16_stochastic_round(m), bf16_stochastic_round(v)
+    if found_inf is not None:  # a skipped step keeps everything as it was (what the fused kernel does)
+        skip = found_inf > 0
+        new_p = torch.where(skip, p, new_p)
+        new_m = torch.where(skip, exp_avg, new_m)
+        new_v = torch.where(skip, exp_avg_sq, new_v)
+    p.copy_(new_p)
+    exp_avg.copy_(new_m)
+    exp_avg_sq.copy_(new_v)
+    step.copy_(new_step)
+
+
+def bf16_stochastic_round(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (fp32) rounded to bf16 up or down at random, in proportion to its distance to each: unbiased, so
+    that small increments (``(1 - beta2) * g**2`` against the second moment) are kept on average instead of being
+    rounded away at each step. bf16 is fp32's upper 16 bits: add 16 random low bits, then truncate."""
+    bits = x.view(torch.int32)
+    noise = torch.randint_like(bits, 0, 1 << 16)
+    return ((bits + noise) & -65536).view(torch.float32).bfloat16()
+
+
+@functools.cache
+def _compiled_bf16_step() -> Callable[..., None]:
+    compiled = torch.compile(_adamw_bf16_step, fullgraph=True, dynamic=False)
+
+    # One graph per parameter shape (a handful per model), as torchao compiles its optimizers' steps: lift dynamo's
+    # recompile limit, which would otherwise fall back to eager after 8 shapes.
+    unlimited = getattr(torch._dynamo.utils, "disable_cache_limit", contextlib.nullcontext)
+
+    def step(*args: object) -> None:
+        with unlimited():
+            compiled(*args)
+
+    return step
 
 
 @dataclass(frozen=True)
@@ -309,7 +535,11 @@ def default_warmup(total_steps: int) -> int:
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     """Set the schedule's learning rate; a group with its own peak (Muon's) keeps its ratio to it."""
     for g in optimizer.param_groups:
-        g["lr"] = lr * g.get("lr_ratio", 1.0)
+        value = lr * g.get("lr_ratio", 1.0)
+        if isinstance(g["lr"], torch.Tensor):
+            g["lr"].fill_(value)  # torchao's optimizers keep it a tensor (no recompile when it changes)
+        else:
+            g["lr"] = value
 
 
 def clip_and_step(

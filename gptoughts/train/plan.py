@@ -274,6 +274,7 @@ def _memory(
             num_gpus=batch.world_size,
             strategy=strategy,
             optimizer=cfg.train.optimizer,
+            optimizer_states=cfg.train.optimizer_states,
             cpu_offload=env.dist.cpu_offload,
             reshard_after_forward=env.dist.reshard_after_forward,
             tp=batch.tp,

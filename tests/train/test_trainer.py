@@ -52,10 +52,18 @@ def _stop_after(monkeypatch: pytest.MonkeyPatch, step: int) -> None:
     monkeypatch.setattr(Trainer, "train_step", patched)
 
 
-@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
-def test_exact_resume_bit_identical(optimizer, tmp_path, text_corpus, cache_dir, monkeypatch):
+@pytest.mark.parametrize(
+    "optimizer,states",
+    [("adamw", "fp32"), ("muon", "fp32"), ("adamw", "bf16"), ("muon", "bf16"), ("adamw", "8bit")],
+)
+def test_exact_resume_bit_identical(optimizer, states, tmp_path, text_corpus, cache_dir, monkeypatch):
+    """bf16 states: the stochastic rounding draws from the RNG the checkpoint restores. 8bit: torchao's
+    quantized states through state.pt (skipped without torchao)."""
+    if states == "8bit":
+        pytest.importorskip("torchao.optim")
     common = {
         "train.optimizer": optimizer,
+        "train.optimizer_states": states,
         "train.max_steps": 20,
         "train.log_interval": 1,
         "train.eval_interval": 0,
@@ -76,6 +84,14 @@ def test_exact_resume_bit_identical(optimizer, tmp_path, text_corpus, cache_dir,
     assert sorted(resumed) == list(range(1, 21))  # lines after the checkpoint were not duplicated
     for step in range(1, 21):
         assert resumed[step] == full[step], f"step {step}: {resumed[step]} != {full[step]}"
+    last = ckpt.list_steps(tmp_path / "b" / "checkpoints")[-1]
+    saved = torch.load(tmp_path / "b" / "checkpoints" / f"step_{last:06d}" / "state.pt", weights_only=True)
+    kinds = {
+        str(s["exp_avg"].dtype) if states != "8bit" else type(s["exp_avg"]).__name__
+        for s in saved["optimizer"]["state"].values()
+        if "exp_avg" in s
+    }
+    assert {"fp32": "torch.float32", "bf16": "torch.bfloat16", "8bit": "OptimState8bit"}[states] in kinds
 
 
 def test_corrupt_newest_checkpoint_falls_back(tmp_path, text_corpus, cache_dir):
