@@ -5,8 +5,14 @@
 #   tp:  the same 8b step with --parallel.tp 2 (one tensor-parallel group of 2);
 #   dcp: 1b FSDP2 on 2 GPUs saving a sharded checkpoint (async) every 5 steps: the time training is blocked per
 #        save (checkpoint_blocked_s; after the first, a save also waits for the previous one to be on disk, which
-#        5 steps of 1b do not cover), then the step-10 checkpoint resumed on 1 GPU (DCP resharding).
-# Usage: bash bench/scaleout.sh OUT_DIR "pp tp dcp"     writes OUT_DIR/scaleout.txt (runs in /tmp/scaleout)
+#        5 steps of 1b do not cover), then the step-10 checkpoint resumed on 1 GPU (DCP resharding);
+#   dcp-blocked: the time training is blocked per async sharded save (the copy of each rank's shards to the saver's
+#        host buffers: pageable at the first save, pinned and reused after), with saves far enough apart that none
+#        waits for the previous write (the summary says whether one did): 1b (seq 2048, batch 8 x accumulation 8
+#        per GPU, a save every 10 of 30 steps) and 8b (seq 8192, batch 1 x accumulation 16 per GPU, a save every
+#        6 of 12 steps), FSDP2 x2. A watcher records when each checkpoint is complete and deletes it (two 8b
+#        checkpoints, 78 GiB each, do not fit a 128 GiB disk). About 8 minutes on 2 H200s.
+# Usage: bash bench/scaleout.sh OUT_DIR "pp tp dcp dcp-blocked"     writes OUT_DIR/scaleout.txt (runs in /tmp/scaleout)
 set -uo pipefail
 out=$1
 what=${2:-"pp tp dcp"}
@@ -30,6 +36,63 @@ loss = [(r["step"], round(r["loss"], 4)) for r in steps][-1:]
 print(f"{label}: {tps:,.0f} tokens/s total, {tps / gpus:,.0f} per GPU, peak {mem:.1f} GiB (rank 0), "
       f"{len(used)} windows, last loss {loss}" + (f", checkpoint blocked s {blocked}" if blocked else ""))
 PY
+}
+watch_ckpt() {  # records each complete checkpoint under $1 (meta.json is written last) into $2, then deletes it
+  python3 - "$1" "$2" <<'PY'
+import json, os, shutil, sys, time
+root, out = sys.argv[1], sys.argv[2]
+seen = set()
+while True:
+    stop = os.path.exists(out + ".stop")  # one more pass after the run ended: its last checkpoint
+    names = sorted(os.listdir(root)) if os.path.isdir(root) else []
+    for n in names:
+        meta = os.path.join(root, n, "meta.json")
+        if n.startswith("step_") and n not in seen and os.path.exists(meta):
+            seen.add(n)
+            m = json.load(open(meta))
+            gib = sum(f["bytes"] for f in m["files"].values()) / 2**30
+            with open(out, "a") as f:
+                f.write(json.dumps({"step": m["step"], "committed": os.path.getmtime(meta), "gib": gib}) + "\n")
+            shutil.rmtree(os.path.join(root, n), ignore_errors=True)
+    if stop:
+        break
+    time.sleep(0.5)
+PY
+}
+blocked_summary() {  # blocked seconds per save, whether the previous checkpoint was on disk before it began
+  python3 - "$@" <<'PY'
+import json, sys
+run, done_log, label = sys.argv[1], sys.argv[2], sys.argv[3]
+try:
+    rows = [json.loads(l) for l in open(f"{run}/metrics.jsonl")]
+    done = {d["step"]: d for d in map(json.loads, open(done_log))}
+except OSError:
+    sys.exit(print(f"{label}: no metrics or no checkpoint (failed; see its log)"))
+saves = [(r["step"], r["time"] - r["checkpoint_blocked_s"], r["checkpoint_blocked_s"]) for r in rows
+         if "checkpoint_blocked_s" in r]
+parts, prev = [], None
+for step, start, blocked in saves:
+    note = ""
+    if prev is not None:
+        p = done.get(prev)
+        note = ", the previous one on disk before it" if p and p["committed"] <= start else ", WAITED for the previous"
+    mine = done.get(step)
+    disk = f", on disk {mine['committed'] - start:.0f} s after it began" if mine else ", never completed"
+    parts.append(f"step {step}: blocked {blocked:.2f} s{note}{disk}")
+    prev = step
+gib = max((d["gib"] for d in done.values()), default=0)
+print(f"{label} ({gib:.1f} GiB a checkpoint): " + "; ".join(parts))
+PY
+}
+blocked_run() {  # NAME LABEL ARGS...: a 2-GPU FSDP run whose checkpoints are timed and deleted as they complete
+  local name=$1 label=$2; shift 2
+  rm -rf "$runs/$name" "$runs/$name.done"*
+  watch_ckpt "$runs/$name/checkpoints" "$runs/$name.done" &
+  local watcher=$!
+  tr 2 "$name" "$@" --parallel.strategy fsdp
+  touch "$runs/$name.done.stop"
+  wait "$watcher"
+  blocked_summary "$runs/$name" "$runs/$name.done" "$label" | tee -a "$out/scaleout.txt"
 }
 common=(--data @stdlib --tokenizer bytes --no_progress --eval_interval 0 --train.sample_prompts= --warmup_steps 2
         --log_interval 2 --precision bf16 --compile true)
@@ -68,6 +131,11 @@ for r in map(json.loads, open(sys.argv[1] + '/metrics.jsonl')) if 'loss' in r an
       python3 -c "import json, sys; print('1 GPU resume loss at steps 12-20:', [(r['step'], round(r['loss'], 4)) \
 for r in map(json.loads, open(sys.argv[1] + '/metrics.jsonl')) if 'loss' in r and r['step'] > 10])" \
         "$runs/1b-dcp-one" | tee -a "$out/scaleout.txt" ;;
+    dcp-blocked)
+      blocked_run 1b-blocked "1b fsdp x2, async DCP save every 10 steps" --size 1b --block_size 2048 \
+        --batch_size 8 --grad_accum 8 --max_steps 30 --save_interval 10 "${common[@]}"
+      blocked_run 8b-blocked "8b fsdp x2, async DCP save every 6 steps" --size 8b --block_size 8192 \
+        --batch_size 1 --grad_accum 16 --max_steps 12 --save_interval 6 "${common[@]}" ;;
   esac
 done
 grep -h -E "^error" "$out"/*.log | head -5

@@ -87,6 +87,9 @@ class Estimate:
     strategy: str = "ddp"
     host_gib: float = 0.0
     """CPU memory per process for what ``cpu_offload`` keeps there (fp32 weights, gradients, optimizer state)."""
+    checkpoint_staging_gib: float = 0.0
+    """CPU memory per process that asynchronous sharded checkpoints keep for the whole run: one host copy of the
+    process's fp32 weights and optimizer state (``train/checkpoint.py``, ``_HostStaging``)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -338,13 +341,16 @@ def estimate(
         act = act / tp
     dp = max(1, num_gpus // tp)
     host = 0.0
+    staging = weights + optim
     if cpu_offload:
         host = (weights + grads + optim) / num_gpus
+        staging = (weights + optim) / num_gpus
         weights, grads, optim, copies = 0.0, 4 * block, 0.0, gathered
         total = copies + grads + logits + act
         strategy = "fsdp"
     elif strategy == "fsdp" and dp > 1:
         weights, grads, optim, copies = weights / dp, grads / dp, optim / dp, gathered
+        staging = weights + optim
         # Sharded gradients are small and fill up while activations are freed: counted in full (conservative).
         total = weights + optim + grads + copies + logits + act
     else:
@@ -385,6 +391,7 @@ def estimate(
         cost=(hours * pph * num_gpus) if (hours is not None and pph is not None) else None,
         strategy=strategy if num_gpus > 1 or cpu_offload else "ddp",
         host_gib=host / GIB,
+        checkpoint_staging_gib=staging / GIB,
     )
 
 

@@ -68,6 +68,8 @@ class RunPlan:
     warnings: list[str]
     host_memory_gib: float | None = None
     """CPU memory per process for the offloaded training state (``parallel.cpu_offload``)."""
+    checkpoint_staging_gib: float | None = None
+    """CPU memory per process that asynchronous sharded checkpoints keep: a host copy of the rank's shards."""
     tasks: dict[str, Any] = field(default_factory=dict)
     """``eval.eval_tasks`` scored during training: names, examples, interval, how ranks share them ({}: none)."""
 
@@ -139,6 +141,11 @@ class RunPlan:
             else f"memory: ~{_gib(self.memory_gib)} peak"
             + (f" of {self.device_memory_gib:.0f} GiB" if self.device_memory_gib else "")
             + (f" + ~{_gib(self.host_memory_gib)} of CPU memory (offload)" if self.host_memory_gib else "")
+            + (
+                f" + ~{_gib(self.checkpoint_staging_gib)} of CPU memory per process for async checkpoints"
+                if self.checkpoint_staging_gib
+                else ""
+            )
         )
         speed = (
             "time: measured once the run starts"
@@ -196,7 +203,7 @@ def make_plan(
     )
     corpus = dict(data.corpus, estimated=data.estimated, max_bytes=cfg.data.max_bytes)
     corpus.pop("per_source", None)
-    memory, device_memory, host = _memory(cfg, env, model, batch)
+    memory, device_memory, host, staging = _memory(cfg, env, model, batch)
     tps, basis = _speed(cfg, env, model, batch)
     hours = batch.total_steps * batch.tokens_per_step / tps / 3600 if tps else None
     warnings = _warnings(
@@ -214,6 +221,7 @@ def make_plan(
         memory_gib=memory,
         device_memory_gib=device_memory,
         host_memory_gib=host,
+        checkpoint_staging_gib=staging,
         tokens_per_s=tps,
         speed_basis=basis,
         hours=hours,
@@ -242,9 +250,10 @@ def _tasks(env: Any, batch: BatchPlan, tasks: Any) -> dict[str, Any]:
 
 def _memory(
     cfg: Any, env: Any, model: Any, batch: BatchPlan
-) -> tuple[float | None, float | None, float | None]:
+) -> tuple[float | None, float | None, float | None, float | None]:
     """Peak training memory per device from ``perf/estimate.py`` (native families trained in full), the device's
-    memory, and the host memory an offloaded run keeps per process."""
+    memory, the host memory an offloaded run keeps per process, and the host copy that asynchronous sharded
+    checkpoints keep per process (the trainer's ShardedSaver: sharded runs other than pipelines)."""
     if (
         cfg.lora.enabled
         or not hasattr(model.args, "__dataclass_fields__")
@@ -253,7 +262,7 @@ def _memory(
         or env.dist.pp
         > 1  # the estimate knows no pipeline stages (it printed 227 GiB for 100 measured at 8b)
     ):
-        return None, None, None
+        return None, None, None, None
     from gptoughts.perf.estimate import estimate
 
     args = {k: v for k, v in asdict(model.args).items()}
@@ -280,9 +289,11 @@ def _memory(
             tp=batch.tp,
         )
     except Exception:  # noqa: BLE001 - an estimate must never stop a run
-        return None, None, None
+        return None, None, None, None
     device_mem = (env.hw.memory_bytes or 0) / 2**30 or None  # the GPU's, or on a CPU the machine's RAM
-    return e.total_gib, device_mem, e.host_gib or None
+    ck = cfg.checkpoint
+    staged = env.dist.sharded and ck.checkpoints and ck.async_save
+    return e.total_gib, device_mem, e.host_gib or None, (e.checkpoint_staging_gib or None) if staged else None
 
 
 def _speed(cfg: Any, env: Any, model: Any, batch: BatchPlan) -> tuple[float | None, str]:

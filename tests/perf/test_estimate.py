@@ -128,3 +128,14 @@ def test_muon_state_is_one_buffer_per_hidden_matrix():
     n_hidden = sum(p.numel() for p in model.parameters() if id(p) in hidden)
     assert 0 < n_hidden < model.num_params()
     assert (adamw.optimizer_gib - muon.optimizer_gib) * 2**30 == pytest.approx(4 * n_hidden)
+
+
+def test_async_checkpoint_staging_is_one_host_copy_of_each_ranks_weights_and_optimizer_state():
+    """Asynchronous sharded checkpoints keep a host copy of each rank's fp32 weights and AdamW moments (12 bytes a
+    parameter, split over the FSDP ranks; offloaded runs too, beside the offloaded state itself)."""
+    fsdp = estimate("llama", "125m", batch_size=1, block_size=256, num_gpus=2, strategy="fsdp")
+    assert fsdp.checkpoint_staging_gib * 2**30 == pytest.approx(12 * fsdp.params / 2)
+    off = estimate(
+        "llama", "125m", batch_size=1, block_size=256, num_gpus=2, strategy="fsdp", cpu_offload=True
+    )
+    assert off.checkpoint_staging_gib == pytest.approx(fsdp.checkpoint_staging_gib)

@@ -280,7 +280,8 @@ def test_dcp_shared_weights(tmp_path):
 
 @pytest.mark.distributed
 def test_dcp_two_ranks_resume_on_one_and_four(tmp_path, text_corpus, cache_dir, fast):
-    """An FSDP run on 2 gloo ranks writes sharded checkpoints (async); step 3's resumes on 1 process and on 4
+    """An FSDP run on 2 gloo ranks writes sharded checkpoints (async: DTensor shards staged in reused host
+    buffers, written by the checkpoint thread); step 3's resumes on 1 process and on 4
     ranks (DCP reshards; the loader's position comes along) with the next step's loss of the 2-rank run, and
     it exports to a HF folder on one process."""
     import json
@@ -314,6 +315,8 @@ def test_dcp_two_ranks_resume_on_one_and_four(tmp_path, text_corpus, cache_dir, 
         cmd = [*launch, "train", "default", "--out", str(out), "--batch_size", str(4 // ranks), *args, *extra]
         r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stderr[-3000:]
+        # the plan counts the host copy that async sharded saves keep (checkpoint._HostStaging)
+        assert ("for async checkpoints" in r.stdout) == (ranks > 1), r.stdout[-2000:]
         rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
@@ -347,3 +350,72 @@ def test_async_saves_in_a_row_each_write_their_own_state(tmp_path):
     for step in (1, 2, 3):
         full = ckpt.consolidated_weights(ckpt.step_dir(tmp_path, step))
         assert torch.equal(full["0.weight"], expected[step])
+
+
+def test_async_staging_buffers_are_reused_and_reallocated_on_a_new_shape(tmp_path):
+    """The host buffers are allocated at the first save and refilled by the next (same storages); a state with
+    another shape gets new ones; tied weights share one buffer; close() frees them."""
+    m, opt = _trained(0)
+    saver = ckpt.ShardedSaver(tmp_path, async_save=True)
+    saver.save(1, ckpt.sharded_state(m, opt), {"trainer": {"step": 1}})
+    ptrs = [b.data_ptr() for b in saver.staging._buffers]
+    assert saver.staging.allocations == 1 and saver.staging.nbytes >= 4 * sum(
+        p.numel() for p in m.parameters()
+    )
+    with torch.no_grad():
+        m[0].weight.add_(1.0)
+    saver.save(2, ckpt.sharded_state(m, opt), {"trainer": {"step": 2}})
+    assert [b.data_ptr() for b in saver.staging._buffers] == ptrs and saver.staging.allocations == 1
+    saver.wait()
+    full = ckpt.consolidated_weights(ckpt.step_dir(tmp_path, 2))
+    assert torch.equal(full["0.weight"], m[0].weight)
+
+    emb = nn.Embedding(10, 4)
+    head = nn.Linear(4, 10, bias=False)
+    head.weight = emb.weight
+    tied = nn.ModuleDict({"emb": emb, "head": head})
+    tied.register_buffer("nothing", torch.zeros(0, 3))  # an empty tensor has a (zero-byte) buffer too
+    saver.save(3, ckpt.sharded_state(tied), {"trainer": {"step": 3}})
+    assert saver.staging.allocations == 2 and len(saver.staging._buffers) == 2  # one copy of the tied weight
+    saver.close()
+    assert not saver.staging._buffers
+    assert torch.equal(ckpt.consolidated_weights(ckpt.step_dir(tmp_path, 3))["head.weight"], emb.weight)
+
+
+def test_async_write_error_surfaces_at_the_next_wait(tmp_path, monkeypatch):
+    """A failed background write leaves no checkpoint and no temp dir, and the next wait() (here: the next save's)
+    raises it as a one-line UserError; the save after it writes normally."""
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    m, opt = _trained(0)
+    saver = ckpt.ShardedSaver(tmp_path, async_save=True)
+    real = FileSystemWriter.write_data
+
+    def broken(*a, **k):
+        raise OSError("No space left on device\nsecond line")
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", broken)
+    saver.save(1, ckpt.sharded_state(m, opt), {"trainer": {"step": 1}})
+    with pytest.raises(UserError, match="checkpoint step 1 could not be written.*No space left") as err:
+        saver.save(2, ckpt.sharded_state(m, opt), {"trainer": {"step": 2}})
+    assert "\n" not in str(err.value)
+    assert ckpt.list_steps(tmp_path) == [] and not list(tmp_path.glob(".tmp-*"))
+    monkeypatch.setattr(FileSystemWriter, "write_data", real)
+    saver.save(2, ckpt.sharded_state(m, opt), {"trainer": {"step": 2}})
+    saver.close()
+    assert ckpt.list_steps(tmp_path) == [2] and ckpt.verify(ckpt.step_dir(tmp_path, 2)) is None
+
+
+def test_async_staging_error_is_a_user_error_before_any_write(tmp_path, monkeypatch):
+    """Host memory that cannot be had (the copy fails) stops the save at once with a UserError on every rank;
+    nothing is left on disk."""
+    m, opt = _trained(0)
+    saver = ckpt.ShardedSaver(tmp_path, async_save=True)
+
+    def no_memory(self, layout):
+        raise MemoryError("cannot allocate 56 GiB")
+
+    monkeypatch.setattr(ckpt._HostStaging, "_ensure", no_memory)
+    with pytest.raises(UserError, match="copy to host memory failed: MemoryError"):
+        saver.save(1, ckpt.sharded_state(m, opt), {"trainer": {"step": 1}})
+    assert not saver.pending and not list(tmp_path.glob(".tmp-*")) and ckpt.list_steps(tmp_path) == []
