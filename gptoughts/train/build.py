@@ -1203,11 +1203,10 @@ def train_optimizer(cfg: Config, env: Environment, model: Model, t: TrainConfig)
     """The run's optimizer; under pipeline parallelism also the order in which a one-process run's optimizer holds
     the parameters (its checkpoints key them by index): an optimizer over the whole model, built but never stepped
     (no state is allocated; unfused: the parameters a rank does not hold are on the meta device)."""
-    from gptoughts.train.optim import with_states
     from gptoughts.train.setup import make_optimizer
 
     check_optimizer_states(t, env)
-    optimizer = with_states(make_optimizer(model.built.model, t, cfg.perf, env.device), t.optimizer_states)
+    optimizer = make_optimizer(model.built.model, t, cfg.perf, env.device)
     if model.built.pipeline is not None:
         names = {id(p): n for n, p in model.raw.named_parameters()}
         whole = make_optimizer(model.raw, t, replace(cfg.perf, fused_adamw=False), env.device)

@@ -369,8 +369,9 @@ def make_optimizer(
     model: nn.Module, t: TrainConfig, perf: PerfConfig, device: torch.device
 ) -> torch.optim.Optimizer:
     """``train.optimizer``: AdamW, or Muon for the hidden matrices + AdamW for the rest. A model with LoRA
-    adapters keeps AdamW (:func:`optimizer_rule` says so in the plan)."""
-    from gptoughts.train.optim import build_adamw, build_muon
+    adapters keeps AdamW (:func:`optimizer_rule` says so in the plan). AdamW's moments are stored as
+    ``train.optimizer_states`` says (:func:`~gptoughts.train.optim.with_states`)."""
+    from gptoughts.train.optim import build_adamw, build_muon, with_states
 
     # On a GPU run, fused whatever the parameters' device: offloaded ones (FSDP2 CPUOffloadPolicy) step on the CPU
     # with torch's fused CPU kernel.
@@ -379,14 +380,16 @@ def make_optimizer(
         lr=t.learning_rate, weight_decay=t.weight_decay, betas=(t.beta1, t.beta2), eps=t.eps, fused=fused
     )
     if optimizer_rule(model, t)[0] == "muon":
-        return build_muon(
+        optimizer = build_muon(
             model,
             muon_lr=t.muon_learning_rate,
             muon_weight_decay=t.muon_weight_decay,
             momentum=t.muon_momentum,
             **common,
         )
-    return build_adamw(model, **common)
+    else:
+        optimizer = build_adamw(model, **common)
+    return with_states(optimizer, t.optimizer_states)
 
 
 def optimizer_rule(model: nn.Module, t: TrainConfig) -> tuple[str, str]:
@@ -417,6 +420,7 @@ def auto_micro_batch(
 ) -> tuple[int, bool]:
     """The largest micro-batch that fits (see perf/autobatch.py), agreed on by all ranks (their minimum)."""
     from gptoughts.perf.autobatch import BatchCache, find_batch_size
+    from gptoughts.train.optim import set_lr
 
     if device.type != "cuda":
         return 8, False
@@ -424,9 +428,8 @@ def auto_micro_batch(
         built.raw
     )  # no DDP: a rank that runs out of memory must not leave the others waiting in a collective
     # lr = 0 makes AdamW a no-op on the weights (decoupled decay is lr * wd) while allocating its real state.
-    probe = make_optimizer(model, t, perf, device)
-    for g in probe.param_groups:
-        g["lr"] = 0.0
+    probe = make_optimizer(model, t, perf, device)  # with the run's optimizer states: their real size
+    set_lr(probe, 0.0)  # torchao's 8-bit AdamW keeps lr as a tensor: set_lr updates it in place
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
 
     def try_step(batch: int) -> None:
