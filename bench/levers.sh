@@ -1,11 +1,17 @@
 #!/usr/bin/env bash
 # Speed levers of issues 13 and 14 on one GPU, side by side in one command per part.
-# Usage: bash bench/levers.sh OUT_DIR PART    PART = startup | bench | modes | user125
+# Usage: bash bench/levers.sh OUT_DIR PART    PART = startup | bench | modes | user125 | kernels | parity
 #   startup: the same 1b command run twice (cold: data + compile; warm: every cache), at batch 8 and as a user
 #            types it; prints each run's "first step done ... after the command" line (summary.json: startup).
 #   bench:   1b b8 ours vs transformers (eager, compiled); Muon vs AdamW step time at 1b and 125m; the 47M
 #            small shape (d 512, 12 layers, seq 512, batch 32) with per-block compile, whole-model compile and
 #            CUDA graphs, beside compiled transformers. One JSON line per config in OUT_DIR/bench.jsonl.
+#   kernels: attention backends (tests on the GPU, bench/attention.py) and the 1b b8 step with each lever of issue
+#            13 items 2 and 4 (FA4 attention, bf16 / 8-bit AdamW moments), side by side. FA4 and torchao are not on
+#            the GPU machines: install their wheels first (pip install --no-deps --target /tmp/site ...) and put
+#            /tmp/site and /tmp/site/nvidia_cutlass_dsl/dsl_packages on PYTHONPATH.
+#   parity:  300 steps of 350m on real shards with fp32, bf16 and 8-bit AdamW moments (same seed and data order;
+#            bench/fp8_vs_bf16_loss.sh), then the start-up of a second identical 1b run under cProfile.
 set -uo pipefail
 out=$1 part=$2
 mkdir -p "$out"
@@ -78,4 +84,24 @@ if [ "$part" = bench ]; then
   run small-blocks-hf $small --compare hf
   run small-model $small --perf.compile_mode model
   run small-model-graphs $small --perf.compile_mode model --perf.cuda_graphs true
+fi
+if [ "$part" = kernels ]; then
+  python3 -m gptoughts env 2>&1 | sed -n '/ttention/,/^$/p' | tee -a "$out/summary.txt"
+  python3 -m pytest tests/perf/test_attention_gpu.py -q -p no:cacheprovider 2>&1 | tail -6 | tee -a "$out/summary.txt"
+  timeout 200 python3 bench/attention.py --out "$out/attention.jsonl" 2>&1 | tail -30 | tee -a "$out/summary.txt"
+  one="--size 1b --block_size 2048 --batch_size 8"
+  run 1b $one
+  run 1b-fa4 $one --perf.sdpa_backend fa4
+  run 1b-bf16-moments $one --optimizer_states bf16
+  run 1b-8bit-moments $one --optimizer_states 8bit
+  run 1b-fa4-bf16-moments $one --perf.sdpa_backend fa4 --optimizer_states bf16
+fi
+if [ "$part" = parity ]; then
+  SIZE=350m BATCH_SIZE=8 timeout 420 bash bench/fp8_vs_bf16_loss.sh "$out/parity" bf16states="--optimizer_states bf16" \
+    int8states="--optimizer_states 8bit" 2>&1 | tail -12 | tee -a "$out/summary.txt"
+  for run in cold warm; do
+    python3 -m cProfile -o "$out/startup-$run.prof" -m gptoughts train --data @stdlib --size 1b --batch_size 8 \
+      --grad_accum 1 --max_steps 1 --eval_interval 0 --no_progress --out /tmp/su-prof > "/tmp/levers-err/su-$run.log" 2>&1
+    echo "1b b8 $run: $(grep -E 'first step done|error' "/tmp/levers-err/su-$run.log")" | tee -a "$out/summary.txt"
+  done
 fi
