@@ -23,12 +23,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without an install
 from gptoughts.models.layers import AttentionKernels, attention_mask, sdpa, use_attention_kernels
 from gptoughts.perf import attention
 
