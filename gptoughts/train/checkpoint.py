@@ -697,6 +697,40 @@ def consolidated_weights(path: Path) -> dict[str, torch.Tensor]:
 _PRIMITIVE = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device)
 
 
+def _local(x: torch.Tensor) -> tuple[torch.Tensor, tuple[Any, ...]]:
+    """The tensor a staging copies for ``x`` (a DTensor's local shard, else ``x``) and its key: views of the same
+    memory share a copy (tied weights)."""
+    from torch.distributed.tensor import DTensor
+
+    with torch.no_grad():  # to_local() outside autograd: the local tensor itself
+        t = (x.to_local() if isinstance(x, DTensor) else x).detach()
+    if not t.numel():
+        return t, ("empty", id(x))
+    return t, (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
+
+
+def _local_tensors(state: Any) -> tuple[list[torch.Tensor], dict[tuple[Any, ...], int]]:
+    """The distinct local tensors of ``state`` (nested dicts, lists, tuples), in order, and their index by key."""
+    sources: list[torch.Tensor] = []
+    index: dict[tuple[Any, ...], int] = {}
+
+    def collect(x: Any) -> None:
+        if isinstance(x, torch.Tensor):
+            t, k = _local(x)
+            if k not in index:
+                index[k] = len(sources)
+                sources.append(t)
+        elif isinstance(x, dict):
+            for v in x.values():
+                collect(v)
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                collect(v)
+
+    collect(state)
+    return sources, index
+
+
 class _HostStaging:
     """Host copies of a sharded state's tensors, kept from one save to the next (:class:`ShardedSaver`).
 
@@ -737,31 +771,7 @@ class _HostStaging:
 
         from torch.distributed.tensor import DTensor
 
-        sources: list[torch.Tensor] = []
-        index: dict[tuple[Any, ...], int] = {}
-
-        def local(x: torch.Tensor) -> tuple[torch.Tensor, tuple[Any, ...]]:
-            """The tensor to copy and its key: views of the same memory share a copy (tied weights)."""
-            with torch.no_grad():  # to_local() outside autograd: the local tensor itself
-                t = (x.to_local() if isinstance(x, DTensor) else x).detach()
-            if not t.numel():
-                return t, ("empty", id(x))
-            return t, (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
-
-        def collect(x: Any) -> None:
-            if isinstance(x, torch.Tensor):
-                t, k = local(x)
-                if k not in index:
-                    index[k] = len(sources)
-                    sources.append(t)
-            elif isinstance(x, dict):
-                for v in x.values():
-                    collect(v)
-            elif isinstance(x, (list, tuple)):
-                for v in x:
-                    collect(v)
-
-        collect(state)
+        sources, index = _local_tensors(state)
         self._ensure([(tuple(t.shape), t.dtype) for t in sources])
         cuda = {t.device for t in sources if t.device.type == "cuda"}
         self.device = next(iter(cuda), None)
@@ -775,7 +785,7 @@ class _HostStaging:
 
         def rebuild(x: Any) -> Any:
             if isinstance(x, torch.Tensor):
-                host = self._buffers[index[local(x)[1]]]
+                host = self._buffers[index[_local(x)[1]]]
                 # The same shard of the same global tensor, its local part on the host: what DCP's own stager
                 # hands its writer. Not DTensor.from_local, which would move the host tensor to the mesh's device.
                 return DTensor(host, x._spec, requires_grad=False) if isinstance(x, DTensor) else host
@@ -788,6 +798,16 @@ class _HostStaging:
             return x if isinstance(x, _PRIMITIVE) else copy.deepcopy(x)
 
         return rebuild(state)
+
+    @staticmethod
+    def layout_of(state: Any) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        return [(tuple(t.shape), t.dtype) for t in _local_tensors(state)[0]]
+
+    def prepare(self, layout: list[tuple[tuple[int, ...], torch.dtype]], device: torch.device | None) -> None:
+        """Allocate (and on CUDA pin) the buffers of ``layout`` (:meth:`layout_of` the state to save) ahead of the
+        first save; :meth:`ShardedSaver.prepare` runs it in a background thread while training goes on."""
+        self._ensure(layout)
+        self.pin(device)
 
     def _ensure(self, layout: list[tuple[tuple[int, ...], torch.dtype]]) -> None:
         """Buffers for ``layout``: the current ones when it is theirs, else new ones."""
@@ -874,6 +894,8 @@ class ShardedSaver:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self.staging = _HostStaging()
+        self.prepared = False
+        """Whether :meth:`prepare` was called (the trainer calls it once, after the first step)."""
         self.blocked_s = 0.0
         """Seconds the caller was blocked by the last :meth:`save` (for the log and the benchmarks)."""
 
@@ -889,6 +911,29 @@ class ShardedSaver:
         if self._error is not None:
             err, self._error = self._error, None
             raise UserError(str(err)) from None
+
+    def prepare(self, state: dict[str, Any]) -> None:
+        """Allocate and pin the host buffers the saves of ``state`` (:func:`sharded_state`) will use, in a background
+        thread, now rather than at the first save: with allocation at the save, the first save blocked training
+        4.2 s at 1b and 41 s at 8b (2 H200s, FSDP2, torch 2.11: ~1 GB/s into fresh pageable pages); into pinned
+        buffers the copy runs at PCIe speed. The next :meth:`save` waits for it (as for a pending write). A failure
+        is ignored: that save allocates (and reports a real error) itself."""
+        self.prepared = True
+        if not self.async_save or self._thread is not None:
+            return
+        layout = _HostStaging.layout_of(state)
+        gpu = (
+            torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+        )
+
+        def work() -> None:
+            try:
+                self.staging.prepare(layout, torch.device("cuda", gpu) if gpu is not None else None)
+            except Exception:  # noqa: BLE001 - see the docstring
+                pass
+
+        self._thread = threading.Thread(target=work, name="checkpoint-staging")
+        self._thread.start()
 
     def close(self) -> None:
         """Wait for the pending save, then free the host staging buffers (a later save makes new ones)."""

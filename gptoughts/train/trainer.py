@@ -711,6 +711,10 @@ class Trainer:
                 profiler.after_step(st.step + 1)
                 if self.startup is not None and not self.startup.first_step_s:
                     self._first_step_done()
+                if self.saver is not None and not self.saver.prepared:
+                    # After the first step the optimizer state exists: the saves' host buffers are allocated and
+                    # pinned now, beside training, not at the first save (ShardedSaver.prepare).
+                    self.saver.prepare(ckpt.sharded_state(self.weights_module(), self.optimizer))
                 st.step += 1
                 st.tokens_seen += self.tokens_per_step
                 step = st.step

@@ -382,6 +382,27 @@ def test_async_staging_buffers_are_reused_and_reallocated_on_a_new_shape(tmp_pat
     assert torch.equal(ckpt.consolidated_weights(ckpt.step_dir(tmp_path, 3))["head.weight"], emb.weight)
 
 
+def test_prepare_allocates_the_staging_before_the_first_save_which_reuses_it(tmp_path):
+    """ShardedSaver.prepare (the trainer calls it after the first step) allocates the host buffers in a background
+    thread; the first save waits for it and copies into those buffers (no second allocation), and the checkpoint
+    holds the weights of the save, not of the prepare."""
+    m, opt = _trained(0)
+    saver = ckpt.ShardedSaver(tmp_path, async_save=True)
+    saver.prepare(ckpt.sharded_state(m, opt))
+    assert saver.prepared
+    saver.wait()
+    ptrs = [b.data_ptr() for b in saver.staging._buffers]
+    assert saver.staging.allocations == 1 and ptrs
+    saver.prepare(ckpt.sharded_state(m, opt))  # once only
+    assert saver.staging.allocations == 1
+    with torch.no_grad():
+        m[0].weight.fill_(3.0)
+    saver.save(1, ckpt.sharded_state(m, opt), {"trainer": {"step": 1}})
+    assert [b.data_ptr() for b in saver.staging._buffers] == ptrs and saver.staging.allocations == 1
+    saver.close()
+    assert torch.equal(ckpt.consolidated_weights(ckpt.step_dir(tmp_path, 1))["0.weight"], m[0].weight)
+
+
 def test_async_write_error_surfaces_at_the_next_wait(tmp_path, monkeypatch):
     """A failed background write leaves no checkpoint and no temp dir, and the next wait() (here: the next save's)
     raises it as a one-line UserError; the save after it writes normally."""
