@@ -706,6 +706,8 @@ def cmd_env(argv: Sequence[str]) -> int:
     prof = detect(a.device)
     d = prof.to_dict()
     d["attention"] = available(torch.device(prof.device))
+    # perf.sdpa_backend = auto's choice (train/setup.py attention_rule: FA4 measured faster where it runs)
+    d["recommended"]["attention"] = "fa4" if d["attention"].get("fa4") == "available" else "sdpa"
     if a.json:
         print(json.dumps(d, default=str))
         return 0

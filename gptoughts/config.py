@@ -281,15 +281,17 @@ class PerfConfig:
     activation_checkpointing: Literal["none", "selective", "full"] = "none"
     """none, selective (recompute cheap ops, keep matmul outputs) or full (recompute whole blocks)."""
     sdpa_backend: Literal["auto", "flash", "cudnn", "efficient", "math", "fa4"] = "auto"
-    """Attention kernel: auto (PyTorch's SDPA picks), flash, cudnn, efficient or math (SDPA restricted to that
-    kernel), or fa4: FlashAttention-4 (pip install flash-attn-4; Hopper/Blackwell GPUs) for causal and
-    bidirectional attention and sliding windows in bf16/fp16, SDPA (auto) for the rest (KV-cache decoding,
-    fp32). ``gptoughts env`` lists what this machine has; bench/attention.py times each one."""
+    """Attention kernel: fa4: FlashAttention-4 (pip install flash-attn-4; Hopper/Blackwell GPUs) for causal and
+    bidirectional attention and sliding windows in bf16/fp16, SDPA for the rest (KV-cache decoding, fp32);
+    flash, cudnn, efficient or math (SDPA restricted to that kernel); auto: fa4 where flash-attn-4 is installed
+    and runs (measured 1.09-1.18x SDPA's fastest kernel on an H100), else SDPA's own pick. ``gptoughts env``
+    lists what this machine has; bench/attention.py times each one."""
     doc_mask_attention: Literal["auto", "flex", "sdpa"] = "auto"
     """Attention of packed rows (documents packed into one row, e.g. SFT packing: no attention across them):
     flex (FlexAttention with a block mask of the documents: blocks outside them are skipped and k/v heads are
-    shared; CUDA only), sdpa (a dense [B, 1, T, T] mask and SDPA's memory-efficient kernel) or auto (flex on CUDA GPUs,
-    sdpa elsewhere: FlexAttention has no backward on CPU)."""
+    shared; CUDA only; 4.2x the dense mask's attention speed on an H100, but a 350m SFT run failed in its first
+    evaluation with an illegal memory access on torch 2.11: experimental), sdpa (a dense [B, 1, T, T] mask and
+    SDPA's memory-efficient kernel) or auto (sdpa, until flex runs a whole training run)."""
     loss: Literal["auto", "plain", "chunked", "liger"] = "auto"
     """LM-head cross-entropy: auto, plain, chunked (no full fp32 logits) or liger (Liger-Kernel, if installed)."""
     loss_chunk: int = 4096

@@ -279,10 +279,11 @@ def test_fa4_on_cpu_refused_before_the_run_dir_is_written(tmp_path):
 
 def test_doc_mask_attention_rules_on_cpu():
     cpu = torch.device("cpu")
-    kernels, doc, why = attention_rule(PerfConfig(), cpu)
-    assert kernels == AttentionKernels() and doc == "sdpa" and "no backward on cpu" in why
-    _, doc, why = attention_rule(PerfConfig(doc_mask_attention="sdpa"), cpu)
-    assert (doc, why) == ("sdpa", "asked")
+    kernels, chosen, why = attention_rule(PerfConfig(), cpu)
+    assert kernels == AttentionKernels() and chosen == {"sdpa_backend": "auto", "doc_mask_attention": "sdpa"}
+    assert why["doc_mask_attention"].startswith("auto: dense mask")
+    _, chosen, why = attention_rule(PerfConfig(doc_mask_attention="sdpa"), cpu)
+    assert (chosen["doc_mask_attention"], why["doc_mask_attention"]) == ("sdpa", "asked")
     with pytest.raises(UserError, match="doc_mask_attention = flex: .*use auto or sdpa"):
         attention_rule(PerfConfig(doc_mask_attention="flex"), cpu)
 

@@ -109,9 +109,14 @@ def test_flex_doc_mask_matches_math_sdpa(h, kv, hd, causal, window, compiled_blo
     _check(got, q, k, v, ref)
 
 
-def test_train_setup_routes_packed_rows_to_flex_on_cuda():
+def test_train_setup_routes_packed_rows_to_flex_when_asked_and_auto_to_fa4_where_installed():
     from gptoughts.config import PerfConfig
     from gptoughts.train.setup import attention_rule
 
-    kernels, doc, why = attention_rule(PerfConfig(), torch.device("cuda"))
-    assert doc == "flex" and isinstance(kernels.doc, attention.FlexDocAttention) and kernels.fa4 is None
+    cuda = torch.device("cuda")
+    kernels, chosen, _ = attention_rule(PerfConfig(doc_mask_attention="flex"), cuda)
+    assert chosen["doc_mask_attention"] == "flex" and isinstance(kernels.doc, attention.FlexDocAttention)
+    kernels, chosen, why = attention_rule(PerfConfig(), cuda)
+    fa4 = attention.fa4_unavailable(cuda) is None
+    assert chosen == {"sdpa_backend": "fa4" if fa4 else "auto", "doc_mask_attention": "sdpa"}, why
+    assert (kernels.fa4 is not None) == fa4 and kernels.doc is None
