@@ -251,3 +251,30 @@ def test_smooth_is_a_trailing_mean_ignoring_nans():
     out = plots._smooth(y, 2)
     np.testing.assert_allclose(out[:5], [1.0, 2.0, 3.0, 5.0, 5.0])
     assert np.isnan(out[5]) and np.isnan(out[6])
+
+
+def test_plot_writer_draws_at_most_once_per_interval_and_at_close(tmp_path, monkeypatch):
+    """Requests after each evaluation merge into at most one drawing per min_interval_s (drawing holds the GIL the
+    training loop needs); close() ends the pause at once and draws the final plots."""
+    import threading
+    import time
+
+    from gptoughts.train import plots
+
+    calls: list[str] = []
+
+    def fake_write(run_dir):
+        calls.append(threading.current_thread().name)
+        return []
+
+    monkeypatch.setattr(plots, "write_run_plots", fake_write)
+    writer = plots.PlotWriter(tmp_path, min_interval_s=60.0)
+    for _ in range(50):  # an evaluation every few milliseconds
+        writer.request()
+        time.sleep(0.002)
+    time.sleep(0.2)
+    assert writer.drawings == 1 and calls == ["gptoughts-plots"]
+    t0 = time.monotonic()
+    writer.close()
+    assert time.monotonic() - t0 < 5  # not the 60 s pause
+    assert calls == ["gptoughts-plots", threading.current_thread().name]
