@@ -356,3 +356,65 @@ def test_bf16_states_under_fsdp_checkpoint_and_resume(tmp_path, text_corpus, cac
     assert [resumed[s] for s in (4, 5)] == [full[s] for s in (4, 5)]
     one = train(tmp_path / "c", [sys.executable], "4", "--max_steps", "5", "--resume", str(step3))
     assert one[5] == pytest.approx(full[5], rel=1e-2)
+
+
+@pytest.mark.parametrize("saved_states", ["fp32", "bf16"])
+def test_8bit_resumes_a_plain_checkpoint(saved_states):
+    """A run resumed with --optimizer_states 8bit from an fp32 or bf16 checkpoint: the moments are quantized as
+    they load and the schedule's learning rate still reaches torchao's step (which raised on a float lr)."""
+    pytest.importorskip("torchao.optim")
+    big = lambda: nn.Sequential(nn.Linear(128, 64), nn.GELU(), nn.Linear(64, 8))  # noqa: E731
+    torch.manual_seed(0)
+    model = big()
+    opt = build_adamw(model, fused=False, states=saved_states, **HYPER)
+    x = torch.randn(6, 128, generator=torch.Generator().manual_seed(3))
+    model(x).pow(2).mean().backward()
+    clip_and_step(
+        opt, list(model.parameters()), 1.0, torch.tensor(1.0), fused=bool(opt.defaults.get("fused"))
+    )
+    saved = opt.state_dict()
+    eight = build_adamw(model, fused=False, states="8bit", **HYPER)
+    eight.load_state_dict(saved)
+    assert type(eight.state[model[0].weight]["exp_avg"]).__name__ == "OptimState8bit"
+    m_saved = saved["state"][0]["exp_avg"].float()
+    assert torch.allclose(
+        eight.state[model[0].weight]["exp_avg"].dequantize(), m_saved, atol=0.02 * m_saved.abs().max()
+    )
+    set_lr(eight, 5e-3)
+    model.zero_grad()
+    model(x).pow(2).mean().backward()
+    clip_and_step(eight, list(model.parameters()), 1.0, torch.tensor(1.0), fused=False)
+    assert all(
+        isinstance(g["lr"], torch.Tensor) and g["lr"].item() == pytest.approx(5e-3)
+        for g in eight.param_groups
+    )
+
+
+@pytest.mark.parametrize("states", ["fp32", "bf16"])
+def test_a_8bit_checkpoint_resumes_with_plain_states(states):
+    """The other way: 8-bit moments (which torch's load would keep 8-bit) become plain fp32 / bf16 tensors."""
+    pytest.importorskip("torchao.optim")
+    big = lambda: nn.Sequential(nn.Linear(128, 64), nn.GELU(), nn.Linear(64, 8))  # noqa: E731
+    torch.manual_seed(0)
+    model = big()
+    eight = build_adamw(model, fused=False, states="8bit", **HYPER)
+    x = torch.randn(6, 128, generator=torch.Generator().manual_seed(3))
+    model(x).pow(2).mean().backward()
+    clip_and_step(eight, list(model.parameters()), 1.0, torch.tensor(1.0), fused=False)
+    saved = eight.state_dict()
+    opt = build_adamw(model, fused=False, states=states, **HYPER)
+    opt.load_state_dict(saved)
+    for s in opt.state.values():
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert type(s[key]) is torch.Tensor
+            assert s[key].dtype == (torch.bfloat16 if states == "bf16" else torch.float32)
+    expected = saved["state"][0]["exp_avg"].dequantize()
+    assert torch.allclose(
+        opt.state[model[0].weight]["exp_avg"].float(), expected, atol=0.01 * expected.abs().max()
+    )
+    set_lr(opt, 5e-3)
+    model.zero_grad()
+    model(x).pow(2).mean().backward()
+    fused = bool(opt.defaults.get("fused"))
+    clip_and_step(opt, list(model.parameters()), 1.0, torch.tensor(1.0), fused=fused)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
