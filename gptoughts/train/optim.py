@@ -298,6 +298,8 @@ def build_adamw(
     return with_states(opt, states)
 
 
+TORCHAO_MISSING = "train.optimizer_states = 8bit needs torchao: pip install torchao (or use bf16 states)"
+
 _STATES_DESCRIBED = {
     "fp32": "fp32 moments",
     "bf16": "bf16 moments, stochastic rounding",
@@ -346,9 +348,7 @@ def with_states(optimizer: torch.optim.Optimizer, states: str) -> torch.optim.Op
     try:
         from torchao.optim import AdamW8bit
     except ImportError:
-        raise UserError(
-            "train.optimizer_states = 8bit needs torchao: pip install torchao (or use bf16 states)"
-        ) from None
+        raise UserError(TORCHAO_MISSING) from None
     eight = AdamW8bit(groups, **common)
     eight.register_load_state_dict_post_hook(_quantized_states)
     return eight

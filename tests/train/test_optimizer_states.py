@@ -273,8 +273,8 @@ def test_8bit_is_refused_where_it_was_never_checked():
     from gptoughts.train.build import check_optimizer_states
 
     t = TrainConfig(optimizer_states="8bit")
-    check_optimizer_states(t, SimpleNamespace(dist=DistInfo()))  # one process: fine
-    fsdp = SimpleNamespace(dist=SimpleNamespace(sharded=True, tp=1, pp=1))
+    check_optimizer_states(t, DistInfo())  # one process: fine
+    fsdp = SimpleNamespace(sharded=True, tp=1, pp=1)
     with pytest.raises(UserError, match="optimizer_states bf16"):
         check_optimizer_states(t, fsdp)
     check_optimizer_states(TrainConfig(optimizer_states="bf16"), fsdp)
@@ -418,3 +418,30 @@ def test_a_8bit_checkpoint_resumes_with_plain_states(states):
     fused = bool(opt.defaults.get("fused"))
     clip_and_step(opt, list(model.parameters()), 1.0, torch.tensor(1.0), fused=fused)
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_8bit_without_torchao_is_refused_before_the_data(tmp_path, monkeypatch, capsys):
+    """Said at the environment step, as a missing attention kernel is: not after preparing the corpus."""
+    import importlib.util
+
+    from cli_helpers import FASTRUN, run_cli
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else find_spec(name, *a)
+    )
+    missing = tmp_path / "no-such-corpus"
+    rc, text = run_cli(
+        [
+            "train",
+            "--data",
+            str(missing),
+            "--out",
+            str(tmp_path / "r"),
+            *FASTRUN,
+            "--optimizer_states",
+            "8bit",
+        ],
+        capsys,
+    )
+    assert rc != 0 and "pip install torchao" in text and "no-such-corpus" not in text
