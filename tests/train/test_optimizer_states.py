@@ -318,6 +318,7 @@ def test_plan_and_estimate_name_the_states(tmp_path, text_corpus, cache_dir, cap
         text = ok(["estimate", "--size", "1b", "--batch_size", "1", "--optimizer_states", states], capsys)
         gib[states] = float(next(line for line in text.splitlines() if "optimizer" in line).split()[-1])
     assert gib["bf16"] == pytest.approx(gib["fp32"] / 2, abs=0.01)
+    assert "optimizer (bf16)" in text  # the estimate says what its optimizer figure assumes
 
 
 @pytest.mark.distributed
