@@ -265,13 +265,18 @@ def test_config_refusals():
         load_config("default", {"train.optimizer_states": "8bit", "train.optimizer": "muon"})
 
 
-def test_8bit_is_refused_where_it_was_never_checked():
+def test_8bit_is_refused_where_it_was_never_checked(monkeypatch):
+    import importlib.util
     from types import SimpleNamespace
 
     from gptoughts.config import TrainConfig
     from gptoughts.parallel.dist import DistInfo
     from gptoughts.train.build import check_optimizer_states
 
+    find_spec = importlib.util.find_spec  # as if torchao were installed
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: name == "torchao" or find_spec(name, *a)
+    )
     t = TrainConfig(optimizer_states="8bit")
     check_optimizer_states(t, DistInfo())  # one process: fine
     fsdp = SimpleNamespace(sharded=True, tp=1, pp=1)
