@@ -143,7 +143,8 @@ class TrainConfig:
     """How AdamW stores its two moments (the weights stay fp32 masters, the update is computed in fp32):
     fp32 (8 bytes/param; torch's fused AdamW), bf16 (4 bytes/param, stored with stochastic rounding; also Muon's
     AdamW groups) or 8bit (~2 bytes/param: torchao's AdamW8bit, block-wise quantized; needs ``pip install
-    torchao``; AdamW only, not under FSDP or tensor parallelism)."""
+    torchao``; AdamW only, not under FSDP, tensor or pipeline parallelism). A resumed run may name other states than its
+    checkpoint's: the moments are converted as they load (to bf16: rounded; to 8bit: quantized)."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this; 0 disables."""
     seed: int = 1337

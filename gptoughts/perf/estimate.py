@@ -90,6 +90,8 @@ class Estimate:
     checkpoint_staging_gib: float = 0.0
     """CPU memory per process that asynchronous sharded checkpoints keep for the whole run: one host copy of the
     process's fp32 weights and optimizer state (``train/checkpoint.py``, ``_HostStaging``)."""
+    optimizer_states: str = "fp32"
+    """How AdamW's moments are stored (``train.optimizer_states``): what ``optimizer_gib`` counts."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -392,6 +394,7 @@ def estimate(
         strategy=strategy if num_gpus > 1 or cpu_offload else "ddp",
         host_gib=host / GIB,
         checkpoint_staging_gib=staging / GIB,
+        optimizer_states=optimizer_states,
     )
 
 
@@ -409,6 +412,8 @@ def format_estimate(e: Estimate) -> str:
     ]
     for k in ("weights", "gradients", "optimizer", "autocast_copies", "activations", "logits"):
         label = "fsdp_gathered" if k == "autocast_copies" and e.strategy == "fsdp" else k
+        if k == "optimizer" and e.optimizer_states != "fp32":
+            label = f"optimizer ({e.optimizer_states})"  # the moments' storage the figure assumes
         lines.append(f"  {label:<16} {getattr(e, k + '_gib'):8.2f}")
     fit = "" if e.fits is None else ("  fits" if e.fits else "  DOES NOT FIT")
     mem = f" of {e.gpu_memory_gib} on {e.gpu}" if e.gpu_memory_gib else ""

@@ -86,7 +86,9 @@ def setup_environment(cfg: Config) -> Environment:
     hw = hardware.detect(device)
     from gptoughts.train.setup import check_attention
 
-    check_attention(cfg.perf, device)  # a missing kernel package is said before anything is built or written
+    # a missing kernel or optimizer package is said before anything is built or written
+    check_attention(cfg.perf, device)
+    check_optimizer_states(cfg.train, info)
     precision = hardware.resolve_precision(cfg.perf.precision, hw)
     why = {"precision": f"{precision} ({'asked' if cfg.perf.precision != 'auto' else 'auto: ' + hw.arch})"}
     if cfg.perf.gpu_memory_gib is not None and device.type == "cuda" and hw.memory_bytes:
@@ -850,7 +852,7 @@ def _assemble(
 
         name, why = optimizer_rule(model.raw, cfg.train)
         t = cfg.train
-        check_optimizer_states(t, env)
+        check_optimizer_states(t, env.dist)
         lr = f"peak lr {t.learning_rate:.1e}" + (
             f" (Muon {t.muon_learning_rate:.1e})" if name == "muon" and t.muon_learning_rate else ""
         )
@@ -1205,7 +1207,7 @@ def train_optimizer(cfg: Config, env: Environment, model: Model, t: TrainConfig)
     (no state is allocated; unfused: the parameters a rank does not hold are on the meta device)."""
     from gptoughts.train.setup import make_optimizer
 
-    check_optimizer_states(t, env)
+    check_optimizer_states(t, env.dist)
     optimizer = make_optimizer(model.built.model, t, cfg.perf, env.device)
     if model.built.pipeline is not None:
         names = {id(p): n for n, p in model.raw.named_parameters()}
@@ -1214,13 +1216,19 @@ def train_optimizer(cfg: Config, env: Environment, model: Model, t: TrainConfig)
     return optimizer
 
 
-def check_optimizer_states(t: TrainConfig, env: Environment) -> None:
-    """``train.optimizer_states = 8bit`` where torchao's AdamW8bit is not known to work here: refused in one line.
-    Its states are tensor subclasses that our sharded (DCP) checkpoints do not read back, and that tensor
+def check_optimizer_states(t: TrainConfig, dist: pdist.DistInfo) -> None:
+    """``train.optimizer_states = 8bit`` where torchao's AdamW8bit is missing or not known to work: refused in one
+    line. Its states are tensor subclasses that our sharded (DCP) checkpoints do not read back, and that tensor
     parallelism's mix of plain tensors and DTensors was never tried with."""
     if t.optimizer_states != "8bit":
         return
-    if env.dist.sharded or env.dist.tp > 1 or env.dist.pp > 1:
+    import importlib.util
+
+    from gptoughts.train.optim import TORCHAO_MISSING
+
+    if importlib.util.find_spec("torchao") is None:  # said here, before the data is prepared
+        raise UserError(TORCHAO_MISSING)
+    if dist.sharded or dist.tp > 1 or dist.pp > 1:
         raise UserError(
             "train.optimizer_states = 8bit runs on one GPU or under DDP; under FSDP, tensor or pipeline "
             "parallelism use --train.optimizer_states bf16"

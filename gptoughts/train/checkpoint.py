@@ -379,7 +379,22 @@ def load_state(path: Path, device: torch.device | str = "cpu") -> dict[str, Any]
     import pickle
 
     try:
-        state = torch.load(path / STATE_FILE, map_location=device, weights_only=True)
+        try:
+            state = torch.load(path / STATE_FILE, map_location=device, weights_only=True)
+        except pickle.UnpicklingError as e:
+            if "torchao." not in str(e):
+                raise
+            # 8-bit optimizer states (train.optimizer_states = 8bit): torchao's tensor subclass, which its import
+            # allows in weights_only loads. A run with other states has not imported it (the moments are
+            # converted once loaded: train/optim.py).
+            try:
+                import torchao.optim  # noqa: F401
+            except ImportError:
+                raise UserError(
+                    f"{path} holds 8-bit optimizer states (train.optimizer_states = 8bit): reading them needs "
+                    "torchao (pip install torchao)"
+                ) from None
+            state = torch.load(path / STATE_FILE, map_location=device, weights_only=True)
     except (
         pickle.UnpicklingError,
         OSError,

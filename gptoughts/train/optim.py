@@ -298,6 +298,8 @@ def build_adamw(
     return with_states(opt, states)
 
 
+TORCHAO_MISSING = "train.optimizer_states = 8bit needs torchao: pip install torchao (or use bf16 states)"
+
 _STATES_DESCRIBED = {
     "fp32": "fp32 moments",
     "bf16": "bf16 moments, stochastic rounding",
@@ -319,10 +321,11 @@ def with_states(optimizer: torch.optim.Optimizer, states: str) -> torch.optim.Op
     * ``8bit``: torchao's ``AdamW8bit`` (AdamW only). It has no device-side ``grad_scale``/``found_inf``, so
       :func:`clip_and_step` clips it with a foreach pass and checks the step on the host (one sync per step).
     """
-    if states == "fp32":
-        return optimizer
     if states not in _STATES_DESCRIBED:
         raise ValueError(f"unknown optimizer states {states!r}")
+    if states == "fp32":
+        optimizer.register_load_state_dict_pre_hook(_dequantized_states)
+        return optimizer
     if isinstance(optimizer, Muon):
         if states != "bf16":
             raise UserError(
@@ -330,6 +333,7 @@ def with_states(optimizer: torch.optim.Optimizer, states: str) -> torch.optim.Op
                 "--train.optimizer_states bf16"
             )
         optimizer.adamw_states = "bf16"
+        optimizer.register_load_state_dict_pre_hook(_dequantized_states)
         return optimizer
     d = optimizer.defaults
     common = dict(lr=d["lr"], betas=d["betas"], eps=d["eps"], weight_decay=d["weight_decay"])
@@ -338,14 +342,53 @@ def with_states(optimizer: torch.optim.Optimizer, states: str) -> torch.optim.Op
     torch_only = set(d) - set(common)
     groups = [{k: v for k, v in g.items() if k not in torch_only} for g in optimizer.param_groups]
     if states == "bf16":
-        return AdamWBf16States(groups, **common)
+        bf16 = AdamWBf16States(groups, **common)
+        bf16.register_load_state_dict_pre_hook(_dequantized_states)
+        return bf16
     try:
         from torchao.optim import AdamW8bit
     except ImportError:
-        raise UserError(
-            "train.optimizer_states = 8bit needs torchao: pip install torchao (or use bf16 states)"
-        ) from None
-    return AdamW8bit(groups, **common)
+        raise UserError(TORCHAO_MISSING) from None
+    eight = AdamW8bit(groups, **common)
+    eight.register_load_state_dict_post_hook(_quantized_states)
+    return eight
+
+
+# A run may resume a checkpoint written with other optimizer states (``train.optimizer_states`` is the resuming
+# run's): the moments are converted as they are loaded. fp32 <-> bf16: torch's load casts them to the parameter's
+# dtype and AdamWBf16States.load_state_dict back to bf16 (rounded to nearest). 8-bit moments (torchao's
+# OptimState8bit, which a plain cast keeps 8-bit) are dequantized first; plain moments loaded into AdamW8bit are
+# quantized, and the learning rates made tensors again (a float lr makes torchao's step raise).
+
+
+def _torchao_state(t: object) -> bool:
+    return isinstance(t, torch.Tensor) and type(t).__module__.startswith("torchao.")
+
+
+def _dequantized_states(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
+    """Pre-hook of ``load_state_dict``: torchao's 8-bit moments of ``state_dict`` as plain fp32 tensors."""
+    if not any(_torchao_state(v) for s in state_dict.get("state", {}).values() for v in s.values()):
+        return state_dict
+    state = {
+        k: {n: v.dequantize() if _torchao_state(v) else v for n, v in s.items()}
+        for k, s in state_dict["state"].items()
+    }
+    return {**state_dict, "state": state}
+
+
+def _quantized_states(optimizer: torch.optim.Optimizer) -> None:
+    """Post-hook of torchao's AdamW8bit ``load_state_dict``: tensor learning rates, and plain moments (an fp32 or
+    bf16 checkpoint's) stored as this optimizer stores new ones (8-bit where it quantizes)."""
+    for g in optimizer.param_groups:
+        if not isinstance(g["lr"], torch.Tensor):
+            g["lr"] = torch.tensor(g["lr"], dtype=torch.float32)
+        for p in g["params"]:
+            s = optimizer.state.get(p, {})
+            for key, signed in (("exp_avg", True), ("exp_avg_sq", False)):
+                if key in s and not _torchao_state(s[key]):
+                    buf = optimizer._new_buffer(p, signed)
+                    buf.copy_(s[key].to(buf.device, torch.float32))
+                    s[key] = buf
 
 
 class AdamWBf16States(torch.optim.Optimizer):

@@ -440,3 +440,32 @@ def test_async_staging_error_is_a_user_error_before_any_write(tmp_path, monkeypa
     with pytest.raises(UserError, match="copy to host memory failed: MemoryError"):
         saver.save(1, ckpt.sharded_state(m, opt), {"trainer": {"step": 1}})
     assert not saver.pending and not list(tmp_path.glob(".tmp-*")) and ckpt.list_steps(tmp_path) == []
+
+
+def test_8bit_optimizer_states_load_in_a_process_without_torchao_imported(tmp_path):
+    """A run resumed with --optimizer_states fp32 or bf16 from an 8bit run's checkpoint has not imported torchao,
+    whose import is what allows its 8-bit state class in weights_only loads: the checkpoint was refused as
+    unreadable ("no earlier usable checkpoint")."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("torchao.optim")
+    from gptoughts.train.optim import build_adamw
+
+    model = nn.Linear(128, 64)
+    opt = build_adamw(
+        model, lr=1e-3, weight_decay=0.0, betas=(0.9, 0.95), eps=1e-8, fused=False, states="8bit"
+    )
+    model(torch.randn(2, 128)).sum().backward()
+    opt.step()
+    torch.save({"trainer": {"step": 1}, "optimizer": opt.state_dict()}, tmp_path / ckpt.STATE_FILE)
+    code = (
+        "import sys; from pathlib import Path; from gptoughts.train.checkpoint import load_state; "
+        "assert 'torchao' not in sys.modules; s = load_state(Path(sys.argv[1])); "
+        "print(type(s['optimizer']['state'][0]['exp_avg']).__name__)"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=300
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split()[-1] == "OptimState8bit"

@@ -265,16 +265,21 @@ def test_config_refusals():
         load_config("default", {"train.optimizer_states": "8bit", "train.optimizer": "muon"})
 
 
-def test_8bit_is_refused_where_it_was_never_checked():
+def test_8bit_is_refused_where_it_was_never_checked(monkeypatch):
+    import importlib.util
     from types import SimpleNamespace
 
     from gptoughts.config import TrainConfig
     from gptoughts.parallel.dist import DistInfo
     from gptoughts.train.build import check_optimizer_states
 
+    find_spec = importlib.util.find_spec  # as if torchao were installed
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: name == "torchao" or find_spec(name, *a)
+    )
     t = TrainConfig(optimizer_states="8bit")
-    check_optimizer_states(t, SimpleNamespace(dist=DistInfo()))  # one process: fine
-    fsdp = SimpleNamespace(dist=SimpleNamespace(sharded=True, tp=1, pp=1))
+    check_optimizer_states(t, DistInfo())  # one process: fine
+    fsdp = SimpleNamespace(sharded=True, tp=1, pp=1)
     with pytest.raises(UserError, match="optimizer_states bf16"):
         check_optimizer_states(t, fsdp)
     check_optimizer_states(TrainConfig(optimizer_states="bf16"), fsdp)
@@ -318,6 +323,7 @@ def test_plan_and_estimate_name_the_states(tmp_path, text_corpus, cache_dir, cap
         text = ok(["estimate", "--size", "1b", "--batch_size", "1", "--optimizer_states", states], capsys)
         gib[states] = float(next(line for line in text.splitlines() if "optimizer" in line).split()[-1])
     assert gib["bf16"] == pytest.approx(gib["fp32"] / 2, abs=0.01)
+    assert "optimizer (bf16)" in text  # the estimate says what its optimizer figure assumes
 
 
 @pytest.mark.distributed
@@ -356,3 +362,92 @@ def test_bf16_states_under_fsdp_checkpoint_and_resume(tmp_path, text_corpus, cac
     assert [resumed[s] for s in (4, 5)] == [full[s] for s in (4, 5)]
     one = train(tmp_path / "c", [sys.executable], "4", "--max_steps", "5", "--resume", str(step3))
     assert one[5] == pytest.approx(full[5], rel=1e-2)
+
+
+@pytest.mark.parametrize("saved_states", ["fp32", "bf16"])
+def test_8bit_resumes_a_plain_checkpoint(saved_states):
+    """A run resumed with --optimizer_states 8bit from an fp32 or bf16 checkpoint: the moments are quantized as
+    they load and the schedule's learning rate still reaches torchao's step (which raised on a float lr)."""
+    pytest.importorskip("torchao.optim")
+    big = lambda: nn.Sequential(nn.Linear(128, 64), nn.GELU(), nn.Linear(64, 8))  # noqa: E731
+    torch.manual_seed(0)
+    model = big()
+    opt = build_adamw(model, fused=False, states=saved_states, **HYPER)
+    x = torch.randn(6, 128, generator=torch.Generator().manual_seed(3))
+    model(x).pow(2).mean().backward()
+    clip_and_step(
+        opt, list(model.parameters()), 1.0, torch.tensor(1.0), fused=bool(opt.defaults.get("fused"))
+    )
+    saved = opt.state_dict()
+    eight = build_adamw(model, fused=False, states="8bit", **HYPER)
+    eight.load_state_dict(saved)
+    assert type(eight.state[model[0].weight]["exp_avg"]).__name__ == "OptimState8bit"
+    m_saved = saved["state"][0]["exp_avg"].float()
+    assert torch.allclose(
+        eight.state[model[0].weight]["exp_avg"].dequantize(), m_saved, atol=0.02 * m_saved.abs().max()
+    )
+    set_lr(eight, 5e-3)
+    model.zero_grad()
+    model(x).pow(2).mean().backward()
+    clip_and_step(eight, list(model.parameters()), 1.0, torch.tensor(1.0), fused=False)
+    assert all(
+        isinstance(g["lr"], torch.Tensor) and g["lr"].item() == pytest.approx(5e-3)
+        for g in eight.param_groups
+    )
+
+
+@pytest.mark.parametrize("states", ["fp32", "bf16"])
+def test_a_8bit_checkpoint_resumes_with_plain_states(states):
+    """The other way: 8-bit moments (which torch's load would keep 8-bit) become plain fp32 / bf16 tensors."""
+    pytest.importorskip("torchao.optim")
+    big = lambda: nn.Sequential(nn.Linear(128, 64), nn.GELU(), nn.Linear(64, 8))  # noqa: E731
+    torch.manual_seed(0)
+    model = big()
+    eight = build_adamw(model, fused=False, states="8bit", **HYPER)
+    x = torch.randn(6, 128, generator=torch.Generator().manual_seed(3))
+    model(x).pow(2).mean().backward()
+    clip_and_step(eight, list(model.parameters()), 1.0, torch.tensor(1.0), fused=False)
+    saved = eight.state_dict()
+    opt = build_adamw(model, fused=False, states=states, **HYPER)
+    opt.load_state_dict(saved)
+    for s in opt.state.values():
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert type(s[key]) is torch.Tensor
+            assert s[key].dtype == (torch.bfloat16 if states == "bf16" else torch.float32)
+    expected = saved["state"][0]["exp_avg"].dequantize()
+    assert torch.allclose(
+        opt.state[model[0].weight]["exp_avg"].float(), expected, atol=0.01 * expected.abs().max()
+    )
+    set_lr(opt, 5e-3)
+    model.zero_grad()
+    model(x).pow(2).mean().backward()
+    fused = bool(opt.defaults.get("fused"))
+    clip_and_step(opt, list(model.parameters()), 1.0, torch.tensor(1.0), fused=fused)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_8bit_without_torchao_is_refused_before_the_data(tmp_path, monkeypatch, capsys):
+    """Said at the environment step, as a missing attention kernel is: not after preparing the corpus."""
+    import importlib.util
+
+    from cli_helpers import FASTRUN, run_cli
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else find_spec(name, *a)
+    )
+    missing = tmp_path / "no-such-corpus"
+    rc, text = run_cli(
+        [
+            "train",
+            "--data",
+            str(missing),
+            "--out",
+            str(tmp_path / "r"),
+            *FASTRUN,
+            "--optimizer_states",
+            "8bit",
+        ],
+        capsys,
+    )
+    assert rc != 0 and "pip install torchao" in text and "no-such-corpus" not in text
