@@ -281,3 +281,21 @@ def test_wandb_offline(tmp_path, text_corpus, cache_dir, fast, monkeypatch):
         == 0
     )
     assert list((out / "wandb").glob("offline-run-*"))
+
+
+def test_version_and_help_do_not_import_torch_and_the_api_stays_callable():
+    """The package imports its API on first use: `gptoughts --version` / `--help` start without torch; importing a
+    subpackage first (gptoughts.train.build) does not replace gptoughts.train, the function."""
+    import subprocess
+    import sys
+
+    for flag in ("--version", "--help"):
+        code = f"import sys, runpy; sys.argv = ['gptoughts', '{flag}']\n"
+        code += "try:\n    runpy.run_module('gptoughts', run_name='__main__')\nexcept SystemExit:\n    pass\n"
+        code += "assert 'torch' not in sys.modules, 'torch imported'"
+        subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
+    code = (
+        "import gptoughts.train.build, gptoughts; from gptoughts import train, generate; "
+        "assert callable(gptoughts.train) and train is gptoughts.train and generate.__name__ == 'generate_text'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
