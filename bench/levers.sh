@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Speed levers of issues 13 and 14 on one GPU, side by side in one command per part.
 # Usage: bash bench/levers.sh OUT_DIR PART    PART = startup | bench | modes | user125 | kernels | parity
+#                                                   | ttl | ttl-fresh | ttl-warm
 #   startup: the same 1b command run twice (cold: data + compile; warm: every cache), at batch 8 and as a user
 #            types it; prints each run's "first step done ... after the command" line (summary.json: startup).
 #   bench:   1b b8 ours vs transformers (eager, compiled); Muon vs AdamW step time at 1b and 125m; the 47M
@@ -12,6 +13,11 @@
 #            /tmp/site and /tmp/site/nvidia_cutlass_dsl/dsl_packages on PYTHONPATH.
 #   parity:  300 steps of 350m on real shards with fp32, bf16 and 8-bit AdamW moments (same seed and data order;
 #            bench/fp8_vs_bf16_loss.sh), then the start-up of a second identical 1b run under cProfile.
+#   ttl:     issue 14's wall time: where the imports go (python -X importtime, twice), 125m compiled vs eager
+#            steps, then bench/time_to_loss.py (adamw, speedrun, speedrun eager, hf) on the transformers source,
+#            10M tokens; results, logs and each run's metrics.jsonl in OUT_DIR/ttl. ttl-fresh: only the latter.
+#   ttl-warm: the speedrun variant run twice with the usual compile caches (the second is a user's second run of
+#            the same config), then a fresh-cache speedrun start-up (13 steps, one evaluation) under cProfile.
 set -uo pipefail
 out=$1 part=$2
 mkdir -p "$out"
@@ -104,4 +110,52 @@ if [ "$part" = parity ]; then
       --grad_accum 1 --max_steps 1 --eval_interval 0 --no_progress --out /tmp/su-prof > "/tmp/levers-err/su-$run.log" 2>&1
     echo "1b b8 $run: $(grep -E 'first step done|error' "/tmp/levers-err/su-$run.log")" | tee -a "$out/summary.txt"
   done
+fi
+if [ "$part" = ttl ]; then
+  for n in 1 2; do
+    python3 -X importtime -c "import gptoughts.api, gptoughts.train.build, gptoughts.train.setup, torch; \
+torch.zeros(1, device='cuda')" 2> "$out/importtime-$n.txt"
+    python3 - "$out/importtime-$n.txt" <<'PY' | tee -a "$out/summary.txt"
+import sys
+rows = []
+for line in open(sys.argv[1]):
+    p = line.split("|")
+    if line.startswith("import time:") and len(p) == 3 and p[1].strip().isdigit():
+        rows.append((int(p[1]), p[2].rstrip()))
+print("imports: total", sum(c for c, n in rows if not n.startswith("  ")) / 1e6, "s; top:",
+      "; ".join(f"{n.strip()} {c / 1e6:.2f}" for c, n in sorted(rows, reverse=True)[:12]))
+PY
+  done
+  s125="--size 125m --block_size 1024 --batch_size 32"
+  run 125m-compiled $s125
+  run 125m-eager $s125 --compile false
+fi
+if [ "$part" = ttl ] || [ "$part" = ttl-fresh ]; then
+  tf=$(python3 -c "import os, transformers; print(os.path.dirname(transformers.__file__))")
+  python3 bench/time_to_loss.py --data "$tf" --max_tokens 10_000_000 --grad_accum 1 --timeout 170 \
+    --variants adamw,speedrun,sr-eager,hf --define "sr-eager=llama-125m-speedrun --perf.compile false" \
+    --out /tmp/ttl 2>&1 | tail -25 | tee -a "$out/summary.txt"
+  mkdir -p "$out/ttl"
+  cp /tmp/ttl/results.json /tmp/ttl/*.log "$out/ttl/" 2>/dev/null
+  for d in /tmp/ttl/*/; do [ -f "$d/metrics.jsonl" ] && cp "$d/metrics.jsonl" "$out/ttl/$(basename "$d").metrics.jsonl"; done
+fi
+if [ "$part" = ttl-warm ]; then
+  # the speedrun variant as a second run of the same config (the usual compile caches, warmed by a first run),
+  # then the start-up of a fresh-cache speedrun run under cProfile
+  tf=$(python3 -c "import os, transformers; print(os.path.dirname(transformers.__file__))")
+  for n in first second; do
+    python3 bench/time_to_loss.py --data "$tf" --max_tokens 10_000_000 --grad_accum 1 --timeout 170 \
+      --variants speedrun --compile_cache shared --target 2.12 --out "/tmp/ttl-warm-$n" 2>&1 | tail -5 \
+      | sed "s/^/$n: /" | tee -a "$out/summary.txt"
+    mkdir -p "$out/ttl-warm-$n"
+    cp /tmp/ttl-warm-$n/results.json /tmp/ttl-warm-$n/*.log "$out/ttl-warm-$n/" 2>/dev/null
+  done
+  TORCHINDUCTOR_CACHE_DIR=/tmp/su-cache/inductor TRITON_CACHE_DIR=/tmp/su-cache/triton python3 -m cProfile \
+    -o /tmp/su.prof -m gptoughts train llama-125m-speedrun --data "$tf" --size 125m --tokenizer bpe:8192 \
+    --block_size 1024 --batch_size 32 --grad_accum 1 --max_steps 13 --eval.eval_interval 12 --eval.eval_batches 20 \
+    --eval.sample_prompts= --checkpoint.checkpoints false --run.progress false --out /tmp/su-run --overwrite \
+    > "$out/startup-profile.log" 2>&1
+  python3 -c "import pstats; p = pstats.Stats('/tmp/su.prof'); p.sort_stats('cumulative').print_stats(90)" \
+    > "$out/startup-profile.txt"
+  grep -E 'first step done|error' "$out/startup-profile.log" | tee -a "$out/summary.txt"
 fi

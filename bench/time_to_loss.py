@@ -569,6 +569,22 @@ def finish(rows: list[dict], target: float | None) -> None:
         r["tokens_to_target"] = hit["tokens"] if hit else None
         r["seconds_to_target"] = hit["seconds"] if hit else None
     by = {r["name"]: r for r in rows}
+    # Issue 14's wall-time measure: each variant's time to the Trainer's final val loss, over the Trainer's whole
+    # run (its total, start-up included).
+    hf = by.get("hf")
+    hf_final = hf.get("final_val_loss") if hf and hf.get("status") in ("ok", "reused") else None
+    for r in rows:
+        hit = time_to_target(r.get("curve", []), hf_final)
+        r["to_hf_final"] = (
+            None
+            if hf_final is None
+            else {
+                "val_loss": hf_final,
+                "tokens": hit["tokens"] if hit else None,
+                "seconds": hit["seconds"] if hit else None,
+                "vs_hf_total": _ratio(hit["seconds"], hf.get("total_seconds")) if hit else None,
+            }
+        )
     for r in rows:
         for base in BASES:
             b = by.get(base)
@@ -604,6 +620,19 @@ def table(rows: list[dict], target: float | None) -> str:
             f"{_fmt(r.get('total_seconds'), '.1f'):>8} {_fmt(r.get('startup_seconds'), '.1f'):>7} "
             f"{_fmt(r.get('tokens_per_s'), ',.0f'):>9} {_fmt(r.get('train_tokens_per_s'), ',.0f'):>11} "
             f"{sp:>20} {te:>22}"
+        )
+    hf = next((r for r in rows if r["name"] == "hf" and r.get("to_hf_final")), None)
+    if hf is not None:
+        reach = [
+            f"{r['name']} at {r['to_hf_final']['seconds']:.1f} s ({r['to_hf_final']['vs_hf_total']:.2f}x)"
+            if r["to_hf_final"]["seconds"] is not None
+            else f"{r['name']} never"
+            for r in rows
+            if r.get("to_hf_final") and r["name"] != "hf"
+        ]
+        lines.append(
+            f"the Trainer's final val loss {hf['to_hf_final']['val_loss']:.4f} (its whole run "
+            f"{_fmt(hf.get('total_seconds'), '.1f')} s) reached by: " + (", ".join(reach) or "-")
         )
     return "\n".join(lines)
 

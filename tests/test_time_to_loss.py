@@ -49,7 +49,22 @@ def test_target_rule():
     adamw, muon = rows
     assert (adamw["tokens_to_target"], muon["tokens_to_target"]) == (1024, 512)
     assert muon["vs_adamw"] == {"speedup": 2.0, "token_efficiency": 2.0, "throughput": 0.5}
-    assert muon["vs_hf"] is None  # no hf row
+    assert muon["vs_hf"] is None and muon["to_hf_final"] is None  # no hf row
+
+    # With a Trainer row: each variant's time to the Trainer's final val loss over the Trainer's whole run.
+    hf_curve = [{**p, "seconds": p["seconds"] * 4, "val_loss": v} for p, v in zip(curve, (3.2, 2.9, 2.6))]
+    rows.append({"name": "hf", "status": "ok", "curve": hf_curve, "final_val_loss": 2.6, "total_seconds": 16.0})
+    ttl.finish(rows, 2.5)
+    adamw, muon, hf = rows
+    assert adamw["to_hf_final"] == {"val_loss": 2.6, "tokens": 1024, "seconds": 2.0, "vs_hf_total": 0.125}
+    assert muon["to_hf_final"]["seconds"] == 1.0 and muon["to_hf_final"]["vs_hf_total"] == 1.0 / 16
+    assert hf["to_hf_final"]["seconds"] == 12.0  # its own final, at its last evaluation
+    rows[0]["curve"] = [{**p, "val_loss": 3.0} for p in curve]  # a variant that never gets there
+    ttl.finish(rows, 2.5)
+    assert rows[0]["to_hf_final"]["seconds"] is None and rows[0]["to_hf_final"]["vs_hf_total"] is None
+    for r in rows:
+        r.update(status=r.get("status", "ok"), final_val_loss=r.get("final_val_loss", 2.0), total_seconds=20.0)
+    assert "reached by: adamw never, muon at 1.0 s (0.06x)" in ttl.table(rows, 2.5)
 
 
 def test_time_to_loss_on_cpu(text_corpus, cache_dir, tmp_path, capsys):

@@ -254,27 +254,40 @@ def test_smooth_is_a_trailing_mean_ignoring_nans():
 
 
 def test_plot_writer_draws_at_most_once_per_interval_and_at_close(tmp_path, monkeypatch):
-    """Requests after each evaluation merge into at most one drawing per min_interval_s (drawing holds the GIL the
-    training loop needs); close() ends the pause at once and draws the final plots."""
+    """Requests after each evaluation merge into at most one drawing per min_interval_s, the first one interval
+    after the writer was made (drawing holds the GIL the training loop needs); close() ends the pause at once and
+    draws the final plots."""
     import threading
     import time
 
     from gptoughts.train import plots
 
-    calls: list[str] = []
+    calls: list[tuple[str, float]] = []
 
     def fake_write(run_dir):
-        calls.append(threading.current_thread().name)
+        calls.append((threading.current_thread().name, time.monotonic()))
         return []
 
     monkeypatch.setattr(plots, "write_run_plots", fake_write)
+    made = time.monotonic()
+    writer = plots.PlotWriter(tmp_path, min_interval_s=0.3)
+    while time.monotonic() - made < 1.2:  # an evaluation every few milliseconds
+        writer.request()
+        time.sleep(0.002)
+    drawn = [t for name, t in calls if name == "gptoughts-plots"]
+    assert 1 <= len(drawn) <= 4, drawn
+    assert drawn[0] - made >= 0.3  # none before the first interval is over
+    assert all(b - a >= 0.3 for a, b in zip(drawn, drawn[1:]))
+    writer.close()
+
+    calls.clear()
     writer = plots.PlotWriter(tmp_path, min_interval_s=60.0)
-    for _ in range(50):  # an evaluation every few milliseconds
+    for _ in range(20):
         writer.request()
         time.sleep(0.002)
     time.sleep(0.2)
-    assert writer.drawings == 1 and calls == ["gptoughts-plots"]
+    assert writer.drawings == 0 and calls == []  # a run shorter than the interval: no drawing while it runs
     t0 = time.monotonic()
     writer.close()
     assert time.monotonic() - t0 < 5  # not the 60 s pause
-    assert calls == ["gptoughts-plots", threading.current_thread().name]
+    assert [name for name, _ in calls] == [threading.current_thread().name]  # the final plots, at close

@@ -35,7 +35,6 @@ _GMM_SUPPORT: dict[tuple[str, torch.dtype], tuple[bool, bool]] = {}
 _WARNED_LOOP: set[tuple[str, torch.dtype]] = set()
 
 
-@torch.compiler.disable
 def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> tuple[bool, bool]:
     """Whether ``torch._grouped_mm`` works on ``device`` for ``dtype``: ``(eager, compiled)``, probed once per
     (device type, dtype). Eager: forward and backward give the reference result. Compiled: also its meta kernel,
@@ -48,36 +47,41 @@ def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> tuple[bool
     """
     key = (device.type, dtype)
     if key not in _GMM_SUPPORT:
-        eager = compiled = False
-        fn = getattr(torch, "_grouped_mm", None)
-        if fn is not None and device.type != "meta":
-            try:
-                with (
-                    torch.inference_mode(False),
-                    torch.enable_grad(),
-                    torch.autocast(device.type, enabled=False),
-                ):
-                    g = torch.Generator(device="cpu").manual_seed(0)
-                    x = torch.randn(32, 16, generator=g).to(device, dtype).requires_grad_()
-                    w = torch.randn(2, 16, 16, generator=g).to(device, dtype).requires_grad_()
-                    offs = torch.tensor([16, 32], dtype=torch.int32, device=device)
-                    y = fn(x, w.transpose(-2, -1), offs=offs)
-                    ref = torch.cat([x[:16] @ w[0].T, x[16:] @ w[1].T])
-                    y.backward(torch.ones_like(y))
-                    eager = (
-                        bool(torch.allclose(y.float(), ref.float(), atol=0.1, rtol=0.05))
-                        and w.grad is not None
-                    )
-            except Exception:  # any failure means "use the per-expert fallback"
-                eager = False
-            if eager:
-                try:
-                    fn(x.detach().to("meta"), w.detach().to("meta").transpose(-2, -1), offs=offs.to("meta"))
-                    compiled = True
-                except Exception:
-                    compiled = False
-        _GMM_SUPPORT[key] = (eager, compiled)
+        # Never traced. Disabled here, not with a decorator: that would import torch._dynamo with this module
+        # (about a second here, 5 s on an H100 machine) in every command, compiled or not.
+        _GMM_SUPPORT[key] = torch.compiler.disable(_probe_grouped_mm)(device, dtype)
     return _GMM_SUPPORT[key]
+
+
+def _probe_grouped_mm(device: torch.device, dtype: torch.dtype) -> tuple[bool, bool]:
+    eager = compiled = False
+    fn = getattr(torch, "_grouped_mm", None)
+    if fn is not None and device.type != "meta":
+        try:
+            with (
+                torch.inference_mode(False),
+                torch.enable_grad(),
+                torch.autocast(device.type, enabled=False),
+            ):
+                g = torch.Generator(device="cpu").manual_seed(0)
+                x = torch.randn(32, 16, generator=g).to(device, dtype).requires_grad_()
+                w = torch.randn(2, 16, 16, generator=g).to(device, dtype).requires_grad_()
+                offs = torch.tensor([16, 32], dtype=torch.int32, device=device)
+                y = fn(x, w.transpose(-2, -1), offs=offs)
+                ref = torch.cat([x[:16] @ w[0].T, x[16:] @ w[1].T])
+                y.backward(torch.ones_like(y))
+                eager = (
+                    bool(torch.allclose(y.float(), ref.float(), atol=0.1, rtol=0.05)) and w.grad is not None
+                )
+        except Exception:  # any failure means "use the per-expert fallback"
+            eager = False
+        if eager:
+            try:
+                fn(x.detach().to("meta"), w.detach().to("meta").transpose(-2, -1), offs=offs.to("meta"))
+                compiled = True
+            except Exception:
+                compiled = False
+    return eager, compiled
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
