@@ -53,7 +53,9 @@ def test_target_rule():
 
     # With a Trainer row: each variant's time to the Trainer's final val loss over the Trainer's whole run.
     hf_curve = [{**p, "seconds": p["seconds"] * 4, "val_loss": v} for p, v in zip(curve, (3.2, 2.9, 2.6))]
-    rows.append({"name": "hf", "status": "ok", "curve": hf_curve, "final_val_loss": 2.6, "total_seconds": 16.0})
+    rows.append(
+        {"name": "hf", "status": "ok", "curve": hf_curve, "final_val_loss": 2.6, "total_seconds": 16.0}
+    )
     ttl.finish(rows, 2.5)
     adamw, muon, hf = rows
     assert adamw["to_hf_final"] == {"val_loss": 2.6, "tokens": 1024, "seconds": 2.0, "vs_hf_total": 0.125}
@@ -63,7 +65,9 @@ def test_target_rule():
     ttl.finish(rows, 2.5)
     assert rows[0]["to_hf_final"]["seconds"] is None and rows[0]["to_hf_final"]["vs_hf_total"] is None
     for r in rows:
-        r.update(status=r.get("status", "ok"), final_val_loss=r.get("final_val_loss", 2.0), total_seconds=20.0)
+        r.update(
+            status=r.get("status", "ok"), final_val_loss=r.get("final_val_loss", 2.0), total_seconds=20.0
+        )
     assert "reached by: adamw never, muon at 1.0 s (0.06x)" in ttl.table(rows, 2.5)
 
 

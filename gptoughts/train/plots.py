@@ -568,7 +568,6 @@ class PlotWriter:
 
     def __init__(self, run_dir: Path | str, *, min_interval_s: float = 30.0) -> None:
         import threading
-
         import time
 
         self.run_dir = Path(run_dir)
