@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Speed levers of issues 13 and 14 on one GPU, side by side in one command per part.
 # Usage: bash bench/levers.sh OUT_DIR PART    PART = startup | bench | modes | user125 | kernels | parity
-#                                                   | ttl | ttl-fresh | ttl-warm
+#                                                   | ttl | ttl-fresh | ttl-warm | inductor
 #   startup: the same 1b command run twice (cold: data + compile; warm: every cache), at batch 8 and as a user
 #            types it; prints each run's "first step done ... after the command" line (summary.json: startup).
 #   bench:   1b b8 ours vs transformers (eager, compiled); Muon vs AdamW step time at 1b and 125m; the 47M
@@ -18,6 +18,9 @@
 #            10M tokens; results, logs and each run's metrics.jsonl in OUT_DIR/ttl. ttl-fresh: only the latter.
 #   ttl-warm: the speedrun variant run twice with the usual compile caches (the second is a user's second run of
 #            the same config), then a fresh-cache speedrun start-up (13 steps, one evaluation) under cProfile.
+#   inductor: inductor settings that may cut compile time or launch gaps, each from an empty compile cache: the
+#            default, TORCHINDUCTOR_MIX_ORDER_REDUCTION=0, TORCHINDUCTOR_ENABLE_PDL=1 (Hopper's programmatic
+#            dependent launch), at 125m and at the 47M small shape; each row's wall time includes its compile.
 set -uo pipefail
 out=$1 part=$2
 mkdir -p "$out"
@@ -158,4 +161,20 @@ if [ "$part" = ttl-warm ]; then
   python3 -c "import pstats; p = pstats.Stats('/tmp/su.prof'); p.sort_stats('cumulative').print_stats(90)" \
     > "$out/startup-profile.txt"
   grep -E 'first step done|error' "$out/startup-profile.log" | tee -a "$out/summary.txt"
+fi
+if [ "$part" = inductor ]; then
+  small="--size 125m --model.d_model 512 --model.n_layers 12 --model.n_heads 8 --model.n_kv_heads 8
+    --model.ffn_dim 1408 --model.vocab_size 8192 --block_size 512 --batch_size 32"
+  for env in default TORCHINDUCTOR_MIX_ORDER_REDUCTION=0 TORCHINDUCTOR_ENABLE_PDL=1; do
+    for shape in 125m small; do
+      if [ $shape = 125m ]; then args="--size 125m --block_size 1024 --batch_size 32"; else args=$small; fi
+      rm -rf /tmp/ind-cache; t0=$(date +%s.%N)
+      line=$(env ${env/default/X=1} TORCHINDUCTOR_CACHE_DIR=/tmp/ind-cache/i TRITON_CACHE_DIR=/tmp/ind-cache/t \
+        $B $args 2> /tmp/levers-err/ind.err | tail -1)
+      wall=$(python3 -c "import time; print(round(time.time() - $t0, 1))")
+      echo "$line" | python3 -c "import json,sys; r=json.loads(sys.stdin.read()); print(json.dumps({'env': '$env', \
+'shape': '$shape', 'wall_s': $wall, 'tokens_per_s': r['tokens_per_s'], 'step_ms': r['step_ms']}))" \
+        | tee -a "$out/inductor.jsonl" || echo "$env $shape failed: $(tail -2 /tmp/levers-err/ind.err)"
+    done
+  done
 fi
