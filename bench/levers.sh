@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Speed levers of issues 13 and 14 on one GPU, side by side in one command per part.
 # Usage: bash bench/levers.sh OUT_DIR PART    PART = startup | bench | modes | user125 | kernels | parity
-#                                                   | ttl | ttl-fresh | ttl-warm | inductor
+#                                                   | ttl | ttl-fresh | ttl-warm | inductor | pool
 #   startup: the same 1b command run twice (cold: data + compile; warm: every cache), at batch 8 and as a user
 #            types it; prints each run's "first step done ... after the command" line (summary.json: startup).
 #   bench:   1b b8 ours vs transformers (eager, compiled); Muon vs AdamW step time at 1b and 125m; the 47M
@@ -21,6 +21,9 @@
 #   inductor: inductor settings that may cut compile time or launch gaps, each from an empty compile cache: the
 #            default, TORCHINDUCTOR_MIX_ORDER_REDUCTION=0, TORCHINDUCTOR_ENABLE_PDL=1 (Hopper's programmatic
 #            dependent launch), at 125m and at the 47M small shape; each row's wall time includes its compile.
+#   pool:    start-up of the speedrun config (13 steps, one evaluation) from an empty compile cache, with the
+#            compile workers started before the data and model steps (ours) and at the first graph (torch's), twice
+#            each, alternating.
 set -uo pipefail
 out=$1 part=$2
 mkdir -p "$out"
@@ -136,7 +139,7 @@ fi
 if [ "$part" = ttl ] || [ "$part" = ttl-fresh ]; then
   tf=$(python3 -c "import os, transformers; print(os.path.dirname(transformers.__file__))")
   python3 bench/time_to_loss.py --data "$tf" --max_tokens 10_000_000 --grad_accum 1 --timeout 170 \
-    --variants adamw,speedrun,sr-eager,hf --define "sr-eager=llama-125m-speedrun --perf.compile false" \
+    --variants "${VARIANTS:-adamw,speedrun,sr-eager,hf}" --define "sr-eager=llama-125m-speedrun --perf.compile false" \
     --out /tmp/ttl 2>&1 | tail -25 | tee -a "$out/summary.txt"
   mkdir -p "$out/ttl"
   cp /tmp/ttl/results.json /tmp/ttl/*.log "$out/ttl/" 2>/dev/null
@@ -175,6 +178,26 @@ if [ "$part" = inductor ]; then
       echo "$line" | python3 -c "import json,sys; r=json.loads(sys.stdin.read()); print(json.dumps({'env': '$env', \
 'shape': '$shape', 'wall_s': $wall, 'tokens_per_s': r['tokens_per_s'], 'step_ms': r['step_ms']}))" \
         | tee -a "$out/inductor.jsonl" || echo "$env $shape failed: $(tail -2 /tmp/levers-err/ind.err)"
+    done
+  done
+fi
+if [ "$part" = pool ]; then
+  tf=$(python3 -c "import os, transformers; print(os.path.dirname(transformers.__file__))")
+  for round in 1 2; do
+    for early in early late; do
+      rm -rf /tmp/pool-cache
+      TORCHINDUCTOR_CACHE_DIR=/tmp/pool-cache/i TRITON_CACHE_DIR=/tmp/pool-cache/t EARLY=$early python3 -c "
+import os, sys
+import gptoughts.train.build as b
+if os.environ['EARLY'] == 'late':
+    b.start_compile_workers = lambda *a: None
+from gptoughts.cli import main
+sys.exit(main(sys.argv[1:]))" train llama-125m-speedrun --data "$tf" --size 125m --tokenizer bpe:8192 \
+        --block_size 1024 --batch_size 32 --grad_accum 1 --max_steps 13 --eval.eval_interval 12 --eval.eval_batches 20 \
+        --data.val_fraction 0.02 --eval.sample_prompts= --checkpoint.checkpoints false --run.progress false \
+        --out /tmp/pool-run --overwrite > /tmp/levers-err/pool.log 2>&1
+      echo "$round $early: $(grep -E 'first step done|error' /tmp/levers-err/pool.log) | done line: $(grep -E '^done' /tmp/levers-err/pool.log | cut -c1-60)" \
+        | tee -a "$out/summary.txt"
     done
   done
 fi
