@@ -188,7 +188,7 @@ if [ "$part" = pool ]; then
       rm -rf /tmp/pool-cache
       TORCHINDUCTOR_CACHE_DIR=/tmp/pool-cache/i TRITON_CACHE_DIR=/tmp/pool-cache/t EARLY=$early python3 -c "
 import os, sys
-import gptoughts.train.build as b
+from gptoughts.train import build as b
 if os.environ['EARLY'] == 'late':
     b.start_compile_workers = lambda *a: None
 from gptoughts.cli import main
@@ -200,4 +200,14 @@ sys.exit(main(sys.argv[1:]))" train llama-125m-speedrun --data "$tf" --size 125m
         | tee -a "$out/summary.txt"
     done
   done
+  # where an eager start-up of the same run goes (shards cached by now), under cProfile
+  python3 -m cProfile -o /tmp/pool.prof -m gptoughts train llama-125m-speedrun --data "$tf" --size 125m \
+    --tokenizer bpe:8192 --block_size 1024 --batch_size 32 --grad_accum 1 --max_steps 1 --eval.eval_interval 0 \
+    --data.val_fraction 0.02 --eval.sample_prompts= --checkpoint.checkpoints false --run.progress false \
+    --perf.compile false --out /tmp/pool-prof --overwrite > /tmp/levers-err/pool-prof.log 2>&1
+  grep -E 'first step done|error' /tmp/levers-err/pool-prof.log | tee -a "$out/summary.txt"
+  python3 -c "import pstats; p = pstats.Stats('/tmp/pool.prof'); p.sort_stats('cumulative').print_stats(70)" \
+    > "$out/eager-startup-profile.txt"
+  python3 -c "import pstats; p = pstats.Stats('/tmp/pool.prof'); p.sort_stats('cumulative').print_stats('gptoughts', 60)" \
+    >> "$out/eager-startup-profile.txt"
 fi
