@@ -22,8 +22,9 @@
 #            default, TORCHINDUCTOR_MIX_ORDER_REDUCTION=0, TORCHINDUCTOR_ENABLE_PDL=1 (Hopper's programmatic
 #            dependent launch), at 125m and at the 47M small shape; each row's wall time includes its compile.
 #   pool:    start-up of the speedrun config (13 steps, one evaluation) from an empty compile cache, with the
-#            compile workers started before the data and model steps (ours) and at the first graph (torch's), twice
-#            each, alternating.
+#            compile workers started before the data and model steps and at the first graph (torch's), twice each,
+#            alternating (needs gptoughts.train.build.start_compile_workers, of commit df10059: no gain measured,
+#            removed since), then an eager start-up of the same config under cProfile.
 set -uo pipefail
 out=$1 part=$2
 mkdir -p "$out"

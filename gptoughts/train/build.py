@@ -151,22 +151,6 @@ def _fsdp_reshard(
     return True, f"auto: blocks resharded after forward (kept, ~{e.total_gib:.0f} GiB > 80% of {mem:.0f})"
 
 
-def start_compile_workers(cfg: Config, env: Environment) -> None:
-    """Start inductor's compile worker processes now, while the data and model steps run, when this run will
-    compile on a GPU. torch starts them at the first compiled graph, and then waits for them: each imports torch
-    (5 s on an H100 machine whose packages have no bytecode cache). Nothing happens when torch's own switch
-    ``TORCH_WARM_POOL=0`` is set or compiles in one process (``TORCHINDUCTOR_COMPILE_THREADS=1``)."""
-    from gptoughts.train.setup import compile_rule
-
-    if not compile_rule(cfg.perf, env.hw)[0]:
-        return
-    try:
-        from torch._inductor.async_compile import maybe_warm_pool
-    except ImportError:  # a torch without it: the workers start at the first graph, as before
-        return
-    maybe_warm_pool()
-
-
 def _torch_inductor_default() -> str | None:
     try:
         from torch._inductor.runtime.cache_dir_utils import default_cache_dir as torch_default
@@ -826,8 +810,6 @@ def _assemble(
 ) -> Assembly:
     from gptoughts.train.metrics import console
 
-    if not dry_run and env.device.type == "cuda":
-        start_compile_workers(cfg, env)
     data = prepare_data(cfg, env, dry_run=dry_run)  # 3
     if data.format == "text" and not data.estimated and data.corpus["tokens"] < cfg.train.block_size + 1:
         raise DataError(
