@@ -137,6 +137,20 @@ PY
   run 125m-compiled $s125
   run 125m-eager $s125 --compile false
 fi
+if [ -n "${PYC:-}" ]; then
+  # A machine with bytecode caches, as a pip install leaves them (the GPU machines' Python writes none: every
+  # process compiles the sources of torch, sympy and transformers it imports): caches under /tmp/pyc, filled by
+  # one import of what both sides load.
+  python3 -c "import sys, os; print('dont_write_bytecode', sys.flags.dont_write_bytecode, os.environ.get('PYTHONDONTWRITEBYTECODE'))"
+  unset PYTHONDONTWRITEBYTECODE
+  export PYTHONPYCACHEPREFIX=/tmp/pyc
+  for i in 1 2; do
+    t0=$(date +%s.%N)
+    python3 -c "import torch, torch._dynamo, torch._inductor.compile_fx, transformers, transformers.trainer, \
+matplotlib.pyplot, gptoughts.api, gptoughts.train.build, gptoughts.train.setup, gptoughts.train.trainer"
+    echo "pyc warm-up $i: $(python3 -c "import time; print(round(time.time() - $t0, 1))") s" | tee -a "$out/summary.txt"
+  done
+fi
 if [ "$part" = ttl ] || [ "$part" = ttl-fresh ]; then
   tf=$(python3 -c "import os, transformers; print(os.path.dirname(transformers.__file__))")
   python3 bench/time_to_loss.py --data "$tf" --max_tokens 10_000_000 --grad_accum 1 --timeout 170 \
