@@ -47,8 +47,8 @@ def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> tuple[bool
     """
     key = (device.type, dtype)
     if key not in _GMM_SUPPORT:
-        # Never traced. Disabled here, not with a decorator: that would import torch._dynamo with this module
-        # (about a second here, 5 s on an H100 machine) in every command, compiled or not.
+        # Never traced. Disabled here, not with a decorator: that would import torch._dynamo (a second or more)
+        # with this module, in every command that imports the models, whether or not it builds one.
         _GMM_SUPPORT[key] = torch.compiler.disable(_probe_grouped_mm)(device, dtype)
     return _GMM_SUPPORT[key]
 
