@@ -107,8 +107,12 @@ class GpuMonitor:
             return {}
 
 
-def advice(t: dict[str, float], gpu: dict[str, float]) -> list[str]:
-    """Concrete advice when the breakdown shows the GPU waiting."""
+def advice(
+    t: dict[str, float], gpu: dict[str, float], previous_gpu: dict[str, float] | None = None
+) -> list[str]:
+    """Concrete advice when the breakdown shows the GPU waiting. NVML's utilisation is a sample of the last
+    fraction of a second: with ``previous_gpu`` (the window before's reading) it counts only when both are low, so
+    that one window holding a compile or an evaluation is no reason to change the batch."""
     tips = []
     if t.get("time/data_pct", 0.0) > 5.0:
         tips.append(
@@ -116,7 +120,8 @@ def advice(t: dict[str, float], gpu: dict[str, float]) -> list[str]:
             "prepare`, keep them on a local SSD, or raise the loader's prefetch"
         )
     util = gpu.get("gpu/util_pct")
-    if util is not None and util < 90.0:
+    before = util if previous_gpu is None else previous_gpu.get("gpu/util_pct")
+    if util is not None and util < 90.0 and before is not None and before < 90.0:
         tips.append(
             f"GPU utilisation {util:.0f}% (<90%): raise --batch_size (or use auto), turn on --compile, and "
             "check the data wait; small models are often launch-bound, where compile helps most"

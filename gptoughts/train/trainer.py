@@ -228,6 +228,7 @@ class Trainer:
         self.split = 1
         self.gpu_monitor = GpuMonitor(device)
         self._logs = 0
+        self._previous_gpu: dict[str, float] = {}  # the last window's GPU reading (advice needs two low ones)
         self._pending: list[_StepRecord] = []
         self._streak_start = 0  # first step of the current non-finite streak
         self._window_t0 = time.perf_counter()
@@ -899,8 +900,9 @@ class Trainer:
         if self.dist.is_main and (
             self._logs in (3, 30) or self._logs % 300 == 0
         ):  # after warm-up, then rarely
-            for tip in advice(breakdown, gpu):
+            for tip in advice(breakdown, gpu, self._previous_gpu):
                 self.log_line(f"[yellow]hint:[/yellow] {tip}")
+        self._previous_gpu = gpu
         if self.dist.is_main:
             self.metrics.log(st.step, {k: v for k, v in row.items() if v is not None})
             eta = (self.total_steps - st.step) * self.tokens_per_step / tps if tps > 0 else None

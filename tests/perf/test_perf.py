@@ -251,6 +251,11 @@ def test_step_timer_and_advice():
     tips = advice({"time/data_pct": 12.0}, {"gpu/util_pct": 60.0})
     assert len(tips) == 2 and "data wait" in tips[0] and "utilisation" in tips[1]
     assert advice({"time/data_pct": 1.0}, {"gpu/util_pct": 97.0}) == []
+    # with the window before's reading: low utilisation counts only when both windows were low
+    low, high = {"gpu/util_pct": 37.0}, {"gpu/util_pct": 100.0}
+    assert advice({}, low, high) == []  # one window holding a compile or an evaluation
+    assert advice({}, low, {}) == []  # no reading before (the first window)
+    assert len(advice({}, low, {"gpu/util_pct": 50.0})) == 1
 
 
 def test_activation_checkpointing_keeps_gradients_and_keys():
