@@ -65,7 +65,7 @@ def setup_environment(cfg: Config) -> Environment:
     # which a reboot or a cluster's job cleanup empties; beside the token cache they last, so a second run of
     # the same config compiles from cache (its start-up is printed after the first step). A user's own wins.
     # (torch writes its /tmp default into the variable the first time it looks, so that value counts as unset.)
-    # (Only a set variable is compared: importing torch's default imports inductor, ~1 s, 5 s on an H100 machine.)
+    # (Only a set variable is compared with it: reading torch's default imports the inductor package.)
     user_cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     if user_cache is None or user_cache == _torch_inductor_default():
         from gptoughts.data.prepare import default_cache_dir
