@@ -42,6 +42,11 @@ class Built:
     """Run by the trainer after each optimizer step (fp8 all-gather: the next step's weight scales)."""
     pipeline: Any = None
     """``parallel.pp.Pipeline`` under pipeline parallelism (``model`` is then its ``RankModel``), else None."""
+    keep_grads: bool = False
+    """CUDA graphs: gradients stay allocated between steps (zeroed, not freed), so that each backward adds into
+    them in place. Freed, the first backward of a step would hand its graph's static output buffer over as
+    ``.grad``, and the next micro-batch's replay would overwrite it ("accessing tensor output of CUDAGraphs that
+    has been overwritten by a subsequent run" under gradient accumulation)."""
 
 
 def build_raw_model(family: str, args: object, device: torch.device, seed: int) -> nn.Module:
@@ -370,6 +375,7 @@ def apply_transforms(
         why=why,
         after_optimizer_step=after,
         pipeline=pipeline,
+        keep_grads=compiled and bool(perf.cuda_graphs),
     )
 
 

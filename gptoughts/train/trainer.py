@@ -165,6 +165,7 @@ class Trainer:
         recovery: RecoveryConfig | None = None,
         pipeline: Any = None,
         tasks: Any = None,
+        keep_grads: bool = False,
     ):
         check_train_ranges(cfg, evaluation, checkpointing, recovery)
         self.model = model
@@ -214,6 +215,9 @@ class Trainer:
         self.weights_module = save_weights or (lambda: pdist.unwrap(self.model))
         self.state = TrainState()
         self.params = [p for p in model.parameters() if p.requires_grad]
+        self.keep_grads = keep_grads  # setup.Built.keep_grads: CUDA graphs (gradients zeroed, never freed)
+        if keep_grads:
+            self._zero_grads()
         self.fused = bool(getattr(optimizer, "defaults", {}).get("fused"))
         self.scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
         self.policy = "stop" if self.rc.nan_policy == "raise" else self.rc.nan_policy
@@ -298,7 +302,7 @@ class Trainer:
                 # One rank cannot change its micro-batch alone: the others would wait in a collective forever.
                 if self.dist.enabled or self.split * 2 > rows:
                     raise
-                self.optimizer.zero_grad(set_to_none=True)
+                self._zero_grads()
                 self.timer.start()  # drop the failed step's partial marks
                 free_memory(self.device)
                 self.split *= 2
@@ -369,7 +373,7 @@ class Trainer:
             scaler=self.scaler,
             norm_reduce=self.pipeline.global_norm if self.pipeline is not None else None,
         )
-        self.optimizer.zero_grad(set_to_none=True)
+        self._zero_grads()
         if self._after_step is not None:
             with torch.no_grad():
                 for t in self._rank_summed() if self._rank_summed is not None else ():
@@ -383,6 +387,16 @@ class Trainer:
         self._last_grad_norm = grad_norm.detach()
         self._last_lr = lr
         return loss_sum, n_total, found_inf
+
+    def _zero_grads(self) -> None:
+        if not self.keep_grads:
+            self.optimizer.zero_grad(set_to_none=True)
+            return
+        for p in self.params:  # allocated once, then zeroed in place: no graph output ever becomes a .grad
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            else:
+                p.grad.zero_()
 
     def _record(self, loss_sum: torch.Tensor, n_tokens: torch.Tensor, found_inf: torch.Tensor) -> _StepRecord:
         """The step just run (``state.step + 1``), kept for the next flush."""

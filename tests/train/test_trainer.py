@@ -152,6 +152,55 @@ def test_gradient_accumulation_equivalence():
     assert torch.allclose(params[0], params[1], atol=1e-6, rtol=0), (params[0] - params[1]).abs().max()
 
 
+def test_keep_grads_accumulates_in_place_with_the_same_updates():
+    """CUDA graphs (setup.Built.keep_grads): gradients are allocated once and zeroed in place, so a backward adds
+    into them instead of its output becoming the .grad a later micro-batch's graph replay would overwrite. The
+    updates equal the freed-gradient path's (AdamW, accumulation 2, two steps), and each .grad stays one tensor."""
+    from gptoughts import models
+    from gptoughts.config import RunConfig, TrainConfig
+    from gptoughts.parallel.dist import DistInfo
+    from gptoughts.train.metrics import MetricsLogger
+    from gptoughts.train.objectives import build_objective
+    from gptoughts.train.optim import Schedule
+
+    torch.manual_seed(0)
+    data = torch.randint(0, 256, (8, 17))
+    batches = [(data[i : i + 2, :-1], data[i : i + 2, 1:]) for i in range(0, 8, 2)]
+    results = []
+    for keep in (False, True):
+        torch.manual_seed(1)
+        model = models.build_model("llama", models.model_args("llama", "debug", {"vocab_size": 256}))
+        t = Trainer(
+            model=model,
+            objective=build_objective("causal"),
+            optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
+            schedule=Schedule("constant", 1e-2, 2, 0),
+            loader=iter(batches),
+            eval_batches=None,
+            cfg=TrainConfig(batch_size=2, grad_accum=2),
+            run=RunConfig(),
+            run_dir=Path("."),
+            dist=DistInfo(),
+            device=torch.device("cpu"),
+            precision="fp32",
+            metrics=MetricsLogger(Path("."), enabled=False),
+            total_steps=2,
+            tokens_per_step=4 * 16,
+            keep_grads=keep,
+        )
+        grads = [p.grad for p in model.parameters()]
+        assert all(g is None for g in grads) != keep  # allocated before the first backward when kept
+        for _ in range(2):
+            t.train_step()
+        if keep:
+            assert all(p.grad is g for p, g in zip(model.parameters(), grads))  # the same tensors, zeroed
+            assert all(not p.grad.any() for p in model.parameters())
+        else:
+            assert all(p.grad is None for p in model.parameters())
+        results.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+    assert torch.equal(results[0], results[1]), (results[0] - results[1]).abs().max()
+
+
 def test_nonfinite_step_is_skipped(tmp_path):
     """A NaN loss leaves the weights untouched and is counted, instead of poisoning the model."""
     from gptoughts import models
