@@ -256,8 +256,9 @@ class PerfConfig:
     steady tokens/s at 125m-350m, +30% at 47M, but each auto-batch probe recompiles it: ~60 s more start-up)."""
     cuda_graphs: bool = False
     """Replay the compiled graphs as CUDA graphs (torch.compile mode reduce-overhead): no kernel-launch gaps,
-    more memory. Off by default: it pays where the GPU waits on launches (a 47M model: 1.32x with whole-model
-    compile, bench/BENCHMARKS.md), not at 125m and above, and train's gradient accumulation trips it today."""
+    more memory (gradients stay allocated between steps). Off by default: it pays where the GPU waits on launches
+    (a 47M model: 1.32x with whole-model compile; 125m +3.5% a step, but its evaluation graphs compile slowly;
+    bench/BENCHMARKS.md)."""
     max_autotune: bool = False
     """Inductor benchmarks Triton matmul templates against cuBLAS and fuses epilogues (compile takes minutes)."""
     residual_dtype: Literal["auto", "fp32", "bf16"] = "auto"
