@@ -37,7 +37,9 @@ The target: ``--target X``, else the adamw variant's final val loss (so adamw re
 evaluation, or earlier if its curve came back up). A variant that never reaches it reports null. Ratios
 against adamw and against hf: ``speedup`` = base seconds to target / the variant's (> 1: sooner),
 ``token_efficiency`` = base tokens to target / the variant's (> 1: fewer tokens), ``throughput`` = the
-variant's tokens/s / the base's.
+variant's tokens/s / the base's. With an hf run, ``to_hf_final`` is each variant's time (and tokens) to the Trainer's
+final val loss, and ``vs_hf_total`` that time over the Trainer's whole run, start-up included (< 1: sooner; issue
+14's wall-time measure).
 
 Output: a table, and ``--out DIR`` holds ``results.json`` (settings, target, one row per variant with its
 curve), a log per variant, each run's directory, and ``NAME.record.json`` per variant: with ``--reuse`` a
@@ -624,7 +626,8 @@ def table(rows: list[dict], target: float | None) -> str:
     hf = next((r for r in rows if r["name"] == "hf" and r.get("to_hf_final")), None)
     if hf is not None:
         reach = [
-            f"{r['name']} at {r['to_hf_final']['seconds']:.1f} s ({r['to_hf_final']['vs_hf_total']:.2f}x)"
+            f"{r['name']} at {r['to_hf_final']['seconds']:.1f} s "
+            f"({_fmt(r['to_hf_final']['vs_hf_total'], '.2f')}x the Trainer's whole run)"
             if r["to_hf_final"]["seconds"] is not None
             else f"{r['name']} never"
             for r in rows

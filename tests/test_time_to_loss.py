@@ -68,7 +68,7 @@ def test_target_rule():
         r.update(
             status=r.get("status", "ok"), final_val_loss=r.get("final_val_loss", 2.0), total_seconds=20.0
         )
-    assert "reached by: adamw never, muon at 1.0 s (0.06x)" in ttl.table(rows, 2.5)
+    assert "reached by: adamw never, muon at 1.0 s (0.06x the Trainer's whole run)" in ttl.table(rows, 2.5)
 
 
 def test_time_to_loss_on_cpu(text_corpus, cache_dir, tmp_path, capsys):

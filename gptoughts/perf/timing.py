@@ -110,9 +110,9 @@ class GpuMonitor:
 def advice(
     t: dict[str, float], gpu: dict[str, float], previous_gpu: dict[str, float] | None = None
 ) -> list[str]:
-    """Concrete advice when the breakdown shows the GPU waiting. NVML's utilisation is a sample of the last
-    fraction of a second: with ``previous_gpu`` (the window before's reading) it counts only when both are low, so
-    that one window holding a compile or an evaluation is no reason to change the batch."""
+    """Concrete advice when the breakdown shows the GPU waiting. NVML's utilisation covers the last fraction of a
+    second before it is read (a compile or an evaluation just before a log line reads low): with ``previous_gpu``
+    (the reading of the log line before) it counts only when both are low."""
     tips = []
     if t.get("time/data_pct", 0.0) > 5.0:
         tips.append(

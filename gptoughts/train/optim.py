@@ -585,6 +585,20 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
             g["lr"] = value
 
 
+def zero_grads(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], *, keep: bool) -> None:
+    """Clear the gradients after a step: freed, or with ``keep`` (CUDA graphs, ``setup.Built.keep_grads``)
+    allocated once as zeros and zeroed in place, so that every backward adds into them and no graph's output
+    buffer becomes a ``.grad``."""
+    if not keep:
+        optimizer.zero_grad(set_to_none=True)
+        return
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        else:
+            p.grad.zero_()
+
+
 def clip_and_step(
     optimizer: torch.optim.Optimizer,
     params: list[torch.Tensor],

@@ -46,7 +46,9 @@ class Built:
     """CUDA graphs: gradients stay allocated between steps (zeroed, not freed), so that each backward adds into
     them in place. Freed, the first backward of a step would hand its graph's static output buffer over as
     ``.grad``, and the next micro-batch's replay would overwrite it ("accessing tensor output of CUDAGraphs that
-    has been overwritten by a subsequent run" under gradient accumulation)."""
+    has been overwritten by a subsequent run" under gradient accumulation). A trainable parameter that gets no
+    gradient in a step then has a zero one, and AdamW decays it (every parameter of our families gets a gradient
+    in every step; checked at debug size)."""
 
 
 def build_raw_model(family: str, args: object, device: torch.device, seed: int) -> nn.Module:
@@ -451,7 +453,7 @@ def auto_micro_batch(
 ) -> tuple[int, bool]:
     """The largest micro-batch that fits (see perf/autobatch.py), agreed on by all ranks (their minimum)."""
     from gptoughts.perf.autobatch import BatchCache, find_batch_size
-    from gptoughts.train.optim import set_lr
+    from gptoughts.train.optim import set_lr, zero_grads
 
     if device.type != "cuda":
         return 8, False
@@ -463,9 +465,13 @@ def auto_micro_batch(
     set_lr(probe, 0.0)  # torchao's 8-bit AdamW keeps lr as a tensor: set_lr updates it in place
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
 
+    params = [p for p in model.parameters() if p.requires_grad]
+
     def try_step(batch: int) -> None:
         x = torch.randint(0, vocab_size, (batch, block_size + 1), device=device)
         try:
+            # As the run will: gradients kept between steps under CUDA graphs (their memory counts in the peak).
+            zero_grads(probe, params, keep=built.keep_grads)
             for _ in range(2):  # the second step runs with the optimizer state allocated
                 with contextlib.ExitStack() as stack:
                     if dtype is not None:
@@ -474,7 +480,7 @@ def auto_micro_batch(
                     loss, _ = objective(model, (x[:, :-1], x[:, 1:]))
                 loss.backward()
                 probe.step()
-                probe.zero_grad(set_to_none=True)
+                zero_grads(probe, params, keep=built.keep_grads)
         finally:
             probe.zero_grad(set_to_none=True)
 

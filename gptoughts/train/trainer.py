@@ -78,7 +78,7 @@ from gptoughts.perf.autobatch import free_memory
 from gptoughts.perf.timing import GpuMonitor, StepTimer, advice, format_profile, summarize_profile
 from gptoughts.train import checkpoint as ckpt
 from gptoughts.train.metrics import MetricsLogger, ProgressBar, console, format_eta
-from gptoughts.train.optim import Schedule, clip_and_step, set_lr
+from gptoughts.train.optim import Schedule, clip_and_step, set_lr, zero_grads
 
 log = logging.getLogger("gptoughts.train")
 
@@ -215,9 +215,10 @@ class Trainer:
         self.weights_module = save_weights or (lambda: pdist.unwrap(self.model))
         self.state = TrainState()
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.keep_grads = keep_grads  # setup.Built.keep_grads: CUDA graphs (gradients zeroed, never freed)
-        if keep_grads:
-            self._zero_grads()
+        # setup.Built.keep_grads (CUDA graphs): gradients zeroed in place, never freed. Allocated at the first step,
+        # not here: a resume loads the optimizer state after this, and torch's DCP optimizer state dict creates no
+        # state slots to load into while any .grad exists (the moments would silently restart from zero).
+        self.keep_grads = keep_grads
         self.fused = bool(getattr(optimizer, "defaults", {}).get("fused"))
         self.scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
         self.policy = "stop" if self.rc.nan_policy == "raise" else self.rc.nan_policy
@@ -302,7 +303,7 @@ class Trainer:
                 # One rank cannot change its micro-batch alone: the others would wait in a collective forever.
                 if self.dist.enabled or self.split * 2 > rows:
                     raise
-                self._zero_grads()
+                zero_grads(self.optimizer, self.params, keep=self.keep_grads)
                 self.timer.start()  # drop the failed step's partial marks
                 free_memory(self.device)
                 self.split *= 2
@@ -335,6 +336,8 @@ class Trainer:
         # gradient of the global token-mean loss.
         scale = self.dist.dp_size / n_total.clamp_min(1.0)
         loss_sum = torch.zeros((), device=self.device)
+        if self.keep_grads and self.params and self.params[0].grad is None:
+            zero_grads(self.optimizer, self.params, keep=True)  # the first step (see __init__)
         if self.pipeline is not None:
             # The step's rows in one batch: the schedule splits them into its micro-batches, runs forward and
             # backward through the stages, and syncs data-parallel gradients once, after the last.
@@ -373,7 +376,7 @@ class Trainer:
             scaler=self.scaler,
             norm_reduce=self.pipeline.global_norm if self.pipeline is not None else None,
         )
-        self._zero_grads()
+        zero_grads(self.optimizer, self.params, keep=self.keep_grads)
         if self._after_step is not None:
             with torch.no_grad():
                 for t in self._rank_summed() if self._rank_summed is not None else ():
@@ -387,16 +390,6 @@ class Trainer:
         self._last_grad_norm = grad_norm.detach()
         self._last_lr = lr
         return loss_sum, n_total, found_inf
-
-    def _zero_grads(self) -> None:
-        if not self.keep_grads:
-            self.optimizer.zero_grad(set_to_none=True)
-            return
-        for p in self.params:  # allocated once, then zeroed in place: no graph output ever becomes a .grad
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            else:
-                p.grad.zero_()
 
     def _record(self, loss_sum: torch.Tensor, n_tokens: torch.Tensor, found_inf: torch.Tensor) -> _StepRecord:
         """The step just run (``state.step + 1``), kept for the next flush."""
