@@ -112,14 +112,38 @@ def test_corrupt_newest_checkpoint_falls_back(tmp_path, text_corpus, cache_dir):
     assert hist.steps == 6  # resumed from step 3 and ran 3 more
 
 
-def test_gradient_accumulation_equivalence():
-    """1 micro-batch of 8 rows == 8 micro-batches of 1 row (same rows): same update within fp32 tolerance."""
-    from gptoughts import models
+def _bare_trainer(model, optimizer, batches, *, batch: int, accum: int, steps: int, **kw) -> Trainer:
+    """A Trainer over in-memory batches: CPU, fp32, no run directory, metrics or evaluation."""
     from gptoughts.config import RunConfig, TrainConfig
     from gptoughts.parallel.dist import DistInfo
     from gptoughts.train.metrics import MetricsLogger
     from gptoughts.train.objectives import build_objective
     from gptoughts.train.optim import Schedule
+
+    lr = optimizer.param_groups[0]["lr"]
+    return Trainer(
+        model=model,
+        objective=build_objective("causal"),
+        optimizer=optimizer,
+        schedule=Schedule("constant", lr, steps, 0),
+        loader=iter(batches),
+        eval_batches=None,
+        cfg=TrainConfig(batch_size=batch, grad_accum=accum, **kw.pop("train", {})),
+        run=RunConfig(),
+        run_dir=Path("."),
+        dist=DistInfo(),
+        device=torch.device("cpu"),
+        precision="fp32",
+        metrics=MetricsLogger(Path("."), enabled=False),
+        total_steps=steps,
+        tokens_per_step=batch * accum * 16,
+        **kw,
+    )
+
+
+def test_gradient_accumulation_equivalence():
+    """1 micro-batch of 8 rows == 8 micro-batches of 1 row (same rows): same update within fp32 tolerance."""
+    from gptoughts import models
 
     torch.manual_seed(0)
     data = torch.randint(0, 256, (8, 17))
@@ -129,23 +153,7 @@ def test_gradient_accumulation_equivalence():
         model = models.build_model("llama", models.model_args("llama", "debug", {"vocab_size": 256}))
         batches = [(data[i : i + batch, :-1], data[i : i + batch, 1:]) for i in range(0, 8, batch)]
         opt = torch.optim.SGD(model.parameters(), lr=0.5)
-        t = Trainer(
-            model=model,
-            objective=build_objective("causal"),
-            optimizer=opt,
-            schedule=Schedule("constant", 0.5, 1, 0),
-            loader=iter(batches),
-            eval_batches=None,
-            cfg=TrainConfig(batch_size=batch, grad_accum=accum, grad_clip=0.0),
-            run=RunConfig(),
-            run_dir=Path("."),
-            dist=DistInfo(),
-            device=torch.device("cpu"),
-            precision="fp32",
-            metrics=MetricsLogger(Path("."), enabled=False),
-            total_steps=1,
-            tokens_per_step=8 * 16,
-        )
+        t = _bare_trainer(model, opt, batches, batch=batch, accum=accum, steps=1, train={"grad_clip": 0.0})
         loss_sum, n_tokens, found_inf = t.train_step()
         assert float(n_tokens) == 8 * 16 and float(found_inf) == 0
         params.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
@@ -157,11 +165,6 @@ def test_keep_grads_accumulates_in_place_with_the_same_updates():
     into them instead of its output becoming the .grad a later micro-batch's graph replay would overwrite. The
     updates equal the freed-gradient path's (AdamW, accumulation 2, two steps), and each .grad stays one tensor."""
     from gptoughts import models
-    from gptoughts.config import RunConfig, TrainConfig
-    from gptoughts.parallel.dist import DistInfo
-    from gptoughts.train.metrics import MetricsLogger
-    from gptoughts.train.objectives import build_objective
-    from gptoughts.train.optim import Schedule
 
     torch.manual_seed(0)
     data = torch.randint(0, 256, (8, 17))
@@ -170,27 +173,10 @@ def test_keep_grads_accumulates_in_place_with_the_same_updates():
     for keep in (False, True):
         torch.manual_seed(1)
         model = models.build_model("llama", models.model_args("llama", "debug", {"vocab_size": 256}))
-        t = Trainer(
-            model=model,
-            objective=build_objective("causal"),
-            optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
-            schedule=Schedule("constant", 1e-2, 2, 0),
-            loader=iter(batches),
-            eval_batches=None,
-            cfg=TrainConfig(batch_size=2, grad_accum=2),
-            run=RunConfig(),
-            run_dir=Path("."),
-            dist=DistInfo(),
-            device=torch.device("cpu"),
-            precision="fp32",
-            metrics=MetricsLogger(Path("."), enabled=False),
-            total_steps=2,
-            tokens_per_step=4 * 16,
-            keep_grads=keep,
-        )
-        assert all(
-            p.grad is None for p in model.parameters()
-        )  # nothing allocated before the first step (resume)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        t = _bare_trainer(model, opt, batches, batch=2, accum=2, steps=2, keep_grads=keep)
+        # nothing allocated before the first step (a resume loads the optimizer state after the trainer is made)
+        assert all(p.grad is None for p in model.parameters())
         t.train_step()
         grads = [p.grad for p in model.parameters()]
         assert all(g is None for g in grads) != keep
