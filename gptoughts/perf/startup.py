@@ -79,4 +79,19 @@ class Startup:
         return (
             f"first step done {self.total_s:.1f} s after the command (imports {self.imports_s:.1f} s, "
             f"data + model {self.assembly_s:.1f} s, compile + first step {self.first_step_s:.1f} s)"
+            + self.bytecode_hint()
+        )
+
+    def bytecode_hint(self, slow_s: float = 5.0) -> str:
+        """A start-up slower than ``slow_s`` in a Python that writes no bytecode caches (``PYTHONDONTWRITEBYTECODE``,
+        ``python -B``): every process then compiles the sources of torch, sympy and dynamo it imports (7-13 s of
+        a start-up on an H100 machine set up that way; a second 1b run 18.9 s there, 8.7 s with caches:
+        bench/BENCHMARKS.md, 2026-11-23)."""
+        import sys
+
+        if not sys.flags.dont_write_bytecode or self.total_s < slow_s:
+            return ""
+        return (
+            "; this Python writes no bytecode caches (PYTHONDONTWRITEBYTECODE or -B), so every start compiles "
+            "torch's sources again: unset it, or set PYTHONPYCACHEPREFIX to a writable folder, to start faster"
         )

@@ -507,3 +507,21 @@ def test_compile_caches_live_beside_the_token_cache(tmp_path, monkeypatch):
             monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", before)
         setup_environment(cfg)
         assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(after)
+
+
+def test_startup_line_names_a_python_without_bytecode_caches(monkeypatch):
+    """A slow start-up in a Python that writes no .pyc (PYTHONDONTWRITEBYTECODE) says so and how to fix it; a fast
+    one, or a Python with caches, says nothing more."""
+    import sys
+    from types import SimpleNamespace
+
+    from gptoughts.perf.startup import Startup
+
+    slow = Startup(imports_s=4.0, assembly_s=3.0, first_step_s=2.0)
+    fast = Startup(imports_s=1.0, assembly_s=1.0, first_step_s=1.0)
+    monkeypatch.setattr(sys, "flags", SimpleNamespace(dont_write_bytecode=1))
+    assert "PYTHONDONTWRITEBYTECODE" in slow.line() and "PYTHONPYCACHEPREFIX" in slow.line()
+    assert slow.line().startswith("first step done 9.0 s after the command")
+    assert "bytecode" not in fast.line()
+    monkeypatch.setattr(sys, "flags", SimpleNamespace(dont_write_bytecode=0))
+    assert "bytecode" not in slow.line()
