@@ -4,6 +4,7 @@ starts this clock before anything heavy is imported)."""
 from __future__ import annotations
 
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -87,8 +88,6 @@ class Startup:
         ``python -B``): every process then compiles the sources of torch, sympy and dynamo it imports (7-13 s of
         a start-up on an H100 machine set up that way; a second 1b run 18.9 s there, 8.7 s with caches:
         bench/BENCHMARKS.md, 2026-11-23)."""
-        import sys
-
         if not sys.flags.dont_write_bytecode or self.total_s < slow_s:
             return ""
         return (

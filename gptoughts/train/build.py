@@ -88,7 +88,8 @@ def setup_environment(cfg: Config) -> Environment:
     hw = hardware.detect(device)
     from gptoughts.train.setup import check_attention
 
-    # a missing kernel or optimizer package is said before anything is built or written
+    # a missing kernel or optimizer package is said before anything is built or written (every Environment is made
+    # here: the later steps that use them need not check again)
     check_attention(cfg.perf, device)
     check_optimizer_states(cfg.train, info)
     precision = hardware.resolve_precision(cfg.perf.precision, hw)
@@ -854,7 +855,6 @@ def _assemble(
 
         name, why = optimizer_rule(model.raw, cfg.train)
         t = cfg.train
-        check_optimizer_states(t, env.dist)
         lr = f"peak lr {t.learning_rate:.1e}" + (
             f" (Muon {t.muon_learning_rate:.1e})" if name == "muon" and t.muon_learning_rate else ""
         )
@@ -1210,7 +1210,6 @@ def train_optimizer(cfg: Config, env: Environment, model: Model, t: TrainConfig)
     (no state is allocated; unfused: the parameters a rank does not hold are on the meta device)."""
     from gptoughts.train.setup import make_optimizer
 
-    check_optimizer_states(t, env.dist)
     optimizer = make_optimizer(model.built.model, t, cfg.perf, env.device)
     if model.built.pipeline is not None:
         names = {id(p): n for n, p in model.raw.named_parameters()}
