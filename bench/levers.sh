@@ -25,6 +25,11 @@
 #            compile workers started before the data and model steps and at the first graph (torch's), twice each,
 #            alternating (needs gptoughts.train.build.start_compile_workers, of commit df10059: no gain measured,
 #            removed since), then an eager start-up of the same config under cProfile.
+#   small:   the auto rule for small models on the user's path (train with auto batch, evaluations, samples): per
+#            the old default (per-block compile), auto (whole model, CUDA graphs up to 150M) and whole model without
+#            graphs, at 125m, the 47M shape (block 512), 350m and gpt2 small; each run's plan, first-step line,
+#            steady tokens/s of windows without an evaluation and done line in OUT_DIR/small.txt (SHAPES: a subset).
+#   lora:    bench/finetune_vs_peft.py at 1b, seq 2048, batch 4, dropout 0 and 0.05 (FA4 where installed).
 set -uo pipefail
 out=$1 part=$2
 mkdir -p "$out"
@@ -225,4 +230,46 @@ sys.exit(main(sys.argv[1:]))" train llama-125m-speedrun --data "$tf" --size 125m
     > "$out/eager-startup-profile.txt"
   python3 -c "import pstats; p = pstats.Stats('/tmp/pool.prof'); p.sort_stats('cumulative').print_stats('gptoughts', 60)" \
     >> "$out/eager-startup-profile.txt"
+fi
+if [ "$part" = small ]; then
+  mkdir -p "$out/small"
+  s47="--size 125m --model.d_model 512 --model.n_layers 12 --model.n_heads 8 --model.n_kv_heads 8 --model.ffn_dim 1408
+    --tokenizer bpe:8192 --block_size 512"
+  cat > /tmp/levers-err/steady.py <<'PY'
+import json, sys
+rows = [json.loads(line) for line in open(sys.argv[1])]
+evals = {r["step"] for r in rows if "val_loss" in r}
+log = sorted(r["step"] for r in rows if "tokens_per_s" in r)
+after_eval = {s for i, s in enumerate(log) if i and log[i - 1] in evals}
+tps = [r["tokens_per_s"] for r in rows if "tokens_per_s" in r and r["step"] > 5 and r["step"] not in evals | after_eval]
+print(f"steady {sorted(tps)[len(tps) // 2]:,.0f} tok/s (median of {len(tps)} windows)" if tps else "steady n/a")
+PY
+  for shape in ${SHAPES:-125m s47 350m gpt2}; do
+    case $shape in
+      125m) args="--size 125m" ;; s47) args=$s47 ;; 350m) args="--size 350m" ;; gpt2) args="--model gpt2 --size small" ;;
+    esac
+    for v in old auto nographs; do
+      case $v in
+        old) flags="--perf.compile_mode blocks --perf.cuda_graphs false" ;; auto) flags="" ;;
+        nographs) flags="--perf.cuda_graphs false" ;;
+      esac
+      if [ $v = nographs ] && [ $shape != 125m ] && [ $shape != s47 ]; then continue; fi
+      log="$out/small/$shape-$v.log"; run_dir="/tmp/small-$shape-$v"
+      t0=$(date +%s.%N)
+      steps=40; if [ $shape = 350m ]; then steps=16; fi
+      $G train --data @stdlib $args $flags --max_steps $steps --eval_interval $((steps / 2)) --log_interval 2 --no_progress \
+        --out "$run_dir" --overwrite > "$log" 2>&1
+      wall=$(python3 -c "import time; print(round(time.time() - $t0, 1))")
+      steady=$(python3 /tmp/levers-err/steady.py "$run_dir/metrics.jsonl" 2>&1 | tail -1)
+      echo "$shape $v: wall ${wall}s; $steady; $(grep -E 'batch:|compile:|first step done|^done|error|Error' "$log" \
+        | cut -c1-260 | tr '\n' ' ')" | tee -a "$out/small.txt"
+    done
+  done
+fi
+if [ "$part" = lora ]; then
+  for d in 0 0.05; do
+    python3 bench/finetune_vs_peft.py --size 1b --seq 2048 --batch 4 --steps 15 --warmup 5 --dropout $d \
+      --out "$out/lora-dropout$d.json" > "$out/lora-dropout$d.log" 2>&1
+    tail -4 "$out/lora-dropout$d.log" | tee -a "$out/lora.txt"
+  done
 fi

@@ -251,14 +251,15 @@ class PerfConfig:
     """auto (bf16 on GPUs that support it, fp16 on older GPUs, fp32 on CPU), fp32, bf16 or fp16."""
     compile: bool | str = "auto"
     """torch.compile the model: true, false or auto (on for CUDA GPUs, off on CPU)."""
-    compile_mode: Literal["blocks", "model"] = "blocks"
-    """blocks (compile each transformer block: one graph reused, fast to compile) or model (whole model: +3-4%
-    steady tokens/s at 125m-350m, +30% at 47M, but each auto-batch probe recompiles it: ~60 s more start-up)."""
-    cuda_graphs: bool = False
-    """Replay the compiled graphs as CUDA graphs (torch.compile mode reduce-overhead): no kernel-launch gaps,
-    more memory (gradients stay allocated between steps). Off by default: it pays where the GPU waits on launches
-    (a 47M model: 1.32x with whole-model compile; 125m +3.5% a step, but its evaluation graphs compile slowly;
-    bench/BENCHMARKS.md)."""
+    compile_mode: Literal["auto", "blocks", "model"] = "auto"
+    """blocks (compile each transformer block: one graph reused, fast to compile), model (the whole model as one
+    graph for training: +3-4% steady tokens/s at 125m-350m, +30% at 47M; evaluations and the auto-batch probe
+    still run the per-block graphs) or auto (model for llama/gpt2 up to 400M non-embedding parameters in one
+    process, blocks otherwise)."""
+    cuda_graphs: bool | str = "auto"
+    """Replay the compiled training graphs as CUDA graphs (torch.compile mode reduce-overhead): no kernel-launch
+    gaps, more memory (gradients stay allocated between steps). true, false or auto (on with whole-model compile
+    up to 150M non-embedding parameters: a 47M model 1.32x, 125m +1%; bench/BENCHMARKS.md)."""
     max_autotune: bool = False
     """Inductor benchmarks Triton matmul templates against cuBLAS and fuses epilogues (compile takes minutes)."""
     residual_dtype: Literal["auto", "fp32", "bf16"] = "auto"
@@ -932,7 +933,7 @@ def validate(cfg: Config) -> None:
             "--train.optimizer_states bf16"
         )
     check_parallel(cfg.parallel)
-    for name in ("compile", "fp8", "fused_adamw"):
+    for name in ("compile", "cuda_graphs", "fp8", "fused_adamw"):
         value = getattr(cfg.perf, name)
         if isinstance(value, str) and value != "auto":
             raise ConfigError(f"perf.{name} must be true, false or auto; got {value!r}")

@@ -204,6 +204,9 @@ def recommend(p: HardwareProfile) -> dict[str, object]:
     return {
         "precision": precision,
         "compile": p.compile,
+        # whole-model compile +3-30% and CUDA graphs +1-32% below these sizes (train/setup.py, BENCHMARKS)
+        "compile_mode": "model up to 400M non-embedding parameters in one process (llama, gpt2), else blocks",
+        "cuda_graphs": "with whole-model compile up to 150M non-embedding parameters",
         "fp8": p.arch in ("hopper", "blackwell"),  # Ada has fp8 tensor cores but small models rarely gain
         "fused_adamw": True,
         "batch_size": "auto",

@@ -135,6 +135,11 @@ class RunPlan:
             lines.append(f"  pipeline: {self.resolved['pipeline']}")
         if "optimizer" in self.resolved:
             lines.append(f"  optimizer: {self.resolved['optimizer']}")
+        if not str(self.resolved.get("compile", "False")).startswith("False"):
+            graphs = self.resolved.get("cuda_graphs")
+            lines.append(
+                f"  compile: {self.resolved['compile']}" + (f"; CUDA graphs: {graphs}" if graphs else "")
+            )
         mem = (
             "memory: not estimated"
             if self.memory_gib is None

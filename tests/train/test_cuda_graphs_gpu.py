@@ -55,3 +55,33 @@ def test_cuda_graphs_with_accumulation(mode, tmp_path, text_corpus, cache_dir):
     assert len(plain) == len(graphed) == 6
     # The same kernels replayed: the same losses up to fp32 reduction order.
     assert graphed == pytest.approx(plain, rel=1e-3), (plain, graphed)
+
+
+def test_auto_whole_model_and_graphs_with_auto_batch(tmp_path, text_corpus, cache_dir):
+    """The defaults on a GPU for a small llama: whole-model compile with CUDA graphs, the auto batch probed on
+    the per-block graphs; a run with evaluations, a checkpoint and a resume, its losses as per-block compile's."""
+    runs = {}
+    for name, extra in (("blocks", {"perf.compile_mode": "blocks", "perf.cuda_graphs": False}), ("auto", {})):
+        out = tmp_path / name
+        base = {
+            **FAST,
+            "data.sources": [str(text_corpus)],
+            "run.out": str(out),
+            "perf.device": "cuda",
+            "perf.precision": "fp32",
+            "perf.compile": True,
+            "train.batch_size": "auto",
+            "train.grad_accum": 2,
+            "train.log_interval": 1,
+            "train.eval_interval": 2,
+            "train.sample_interval": 0,
+            **extra,
+        }
+        api.run_training(load_config("default", {**base, "train.max_steps": 4}))
+        api.run_training(load_config("default", {**base, "train.max_steps": 6, "run.resume": "auto"}))
+        runs[name] = _losses(out)
+        resolved = json.loads((out / "run.json").read_text())["resolved"]
+        if name == "auto":
+            assert resolved["compile"].startswith("model (") and resolved["cuda_graphs"].startswith("True (")
+    assert len(runs["auto"]) == len(runs["blocks"]) == 6
+    assert runs["auto"] == pytest.approx(runs["blocks"], rel=1e-3), runs

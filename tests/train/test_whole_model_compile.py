@@ -1,0 +1,168 @@
+"""Whole-model compile (``perf.compile_mode``) and CUDA graphs (``perf.cuda_graphs``): their auto rules, and the
+split between the whole-model graph (training) and the per-block graphs (evaluations, the auto-batch probe).
+
+On CPU, torch.compile is replaced by a recording ``eager`` backend: what is checked is which graphs get
+traced, and that the values are the model's."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from gptoughts import models
+from gptoughts.config import load_config
+from gptoughts.parallel.dist import DistInfo
+from gptoughts.perf.hardware import HardwareProfile
+from gptoughts.train import setup
+
+ONE = DistInfo()
+
+
+def _meta(family: str, **overrides: object) -> torch.nn.Module:
+    args = models.model_args(family, "debug", overrides)
+    with torch.device("meta"):
+        return models.build_model(family, args, device="meta")
+
+
+def _perf(**kw: object):
+    return load_config("default", {f"perf.{k}": v for k, v in kw.items()}).perf
+
+
+def test_auto_compiles_small_dense_models_whole_in_one_process():
+    small = _meta("llama")
+    mode, why = setup.compile_mode_rule(_perf(), True, small, "llama", ONE)
+    assert mode == "model" and why.startswith("auto: whole model")
+    graphs, why = setup.cuda_graphs_rule(_perf(), True, mode, small, ONE)
+    assert graphs is True and why.startswith("auto: on")
+    # each exception, with its reason
+    cases = [
+        ((_perf(), False, small, "llama", ONE), "not compiled"),
+        ((_perf(), True, small, "llama", DistInfo(world_size=2, strategy="ddp")), "several processes"),
+        ((_perf(), True, small, "llama", DistInfo(strategy="fsdp", cpu_offload=True)), "offload"),
+        ((_perf(), True, _meta("deepseek"), "deepseek", ONE), "per-block for deepseek"),
+    ]
+    for args, reason in cases:
+        mode, why = setup.compile_mode_rule(*args)
+        assert mode == "blocks" and reason in why, (args[3], why)
+    frozen = _meta("llama")
+    for p in list(frozen.parameters())[:-1]:
+        p.requires_grad_(False)
+    assert setup.compile_mode_rule(_perf(), True, frozen, "llama", ONE)[0] == "blocks"
+    # sizes: the thresholds on non-embedding parameters
+    wide = _meta("llama", d_model=2048, n_layers=12, n_heads=16, n_kv_heads=16, ffn_dim=5632)
+    assert wide.num_params(non_embedding=True) > setup.WHOLE_MODEL_MAX_PARAMS
+    assert setup.compile_mode_rule(_perf(), True, wide, "llama", ONE)[0] == "blocks"
+    mid = _meta("llama", d_model=1024, n_layers=16, n_heads=16, n_kv_heads=16, ffn_dim=2816)
+    n = mid.num_params(non_embedding=True)
+    assert setup.CUDA_GRAPHS_MAX_PARAMS < n < setup.WHOLE_MODEL_MAX_PARAMS
+    assert setup.compile_mode_rule(_perf(), True, mid, "llama", ONE)[0] == "model"
+    graphs, why = setup.cuda_graphs_rule(_perf(), True, "model", mid, ONE)
+    assert graphs is False and "above" in why
+    # asked settings stand
+    assert setup.compile_mode_rule(_perf(compile_mode="blocks"), True, small, "llama", ONE) == (
+        "blocks",
+        "asked",
+    )
+    assert setup.cuda_graphs_rule(_perf(cuda_graphs=False), True, "model", small, ONE) == (False, "asked")
+    assert setup.cuda_graphs_rule(_perf(), True, "blocks", small, ONE)[0] is False
+
+
+def test_cuda_graphs_switch_is_validated():
+    from gptoughts.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="perf.cuda_graphs must be true, false or auto"):
+        load_config("default", {"perf.cuda_graphs": "sometimes"})
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    """torch.compile with an eager backend that records the size of each graph it is handed."""
+    graphs: list[int] = []
+    real = torch.compile
+
+    def backend(gm, example_inputs):
+        graphs.append(sum(1 for n in gm.graph.nodes if n.op == "call_function"))
+        return gm.forward
+
+    def fake_compile(fn, *args, mode=None, **kw):
+        return real(fn, backend=backend)
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    torch._dynamo.reset()
+    yield graphs
+    torch._dynamo.reset()
+
+
+def test_whole_model_graph_trains_and_per_block_graphs_evaluate(recorded):
+    torch.manual_seed(0)
+    args = models.model_args("llama", "debug", {"vocab_size": 256, "n_layers": 3})
+    raw = setup.build_raw_model("llama", args, torch.device("cpu"), seed=0)
+    reference = setup.build_raw_model("llama", args, torch.device("cpu"), seed=0)
+    hw = HardwareProfile(
+        device="cpu",
+        name="cpu",
+        arch="cpu",
+        compute_capability=None,
+        memory_bytes=None,
+        gpu_count=0,
+        cpu_count=2,
+        peak_bf16_flops=None,
+        bf16=False,
+        fp16=False,
+        fp8=False,
+        compile=True,
+    )
+    perf = _perf(compile=True, compile_mode="model", cuda_graphs=False)
+    built = setup.apply_transforms(
+        raw, perf=perf, hw=hw, device=torch.device("cpu"), dist=ONE, family="llama"
+    )
+    assert built.resolved["compile"] == "model" and built.resolved["cuda_graphs"] is False
+    x = torch.randint(0, 256, (2, 16))
+
+    with built.forward_context():
+        out = built.model(x)
+    out.float().sum().backward()
+    assert len(recorded) == 1, recorded  # one graph: the whole model, blocks inlined
+    whole = recorded[0]
+    with torch.no_grad(), built.forward_context():
+        ev = built.model(x)
+    assert len(recorded) == 2 and recorded[1] < whole / 2, (
+        recorded
+    )  # one block's graph, reused by every block
+    with torch.no_grad():
+        torch.testing.assert_close(ev, reference(x))
+        torch.testing.assert_close(out, reference(x))
+    with built.forward_context():  # training again: the whole-model graph, nothing new traced
+        built.model(x).float().sum().backward()
+    with built.per_block():  # the auto-batch probe's context: a training step on the per-block graphs
+        built.model(x).float().sum().backward()
+    assert len(recorded) == 3 and recorded[2] < whole / 2, recorded
+    with built.forward_context():
+        built.model(x).float().sum().backward()
+    assert len(recorded) == 3, recorded  # the whole-model graph is back after each
+
+
+def test_blocks_mode_has_no_per_block_context(recorded):
+    args = models.model_args("llama", "debug", {"vocab_size": 256, "n_layers": 2})
+    raw = setup.build_raw_model("llama", args, torch.device("cpu"), seed=0)
+    hw = HardwareProfile(
+        device="cpu",
+        name="cpu",
+        arch="cpu",
+        compute_capability=None,
+        memory_bytes=None,
+        gpu_count=0,
+        cpu_count=2,
+        peak_bf16_flops=None,
+        bf16=False,
+        fp16=False,
+        fp8=False,
+        compile=True,
+    )
+    built = setup.apply_transforms(
+        raw, perf=_perf(compile=True, compile_mode="blocks"), hw=hw, device=torch.device("cpu"), dist=ONE
+    )
+    assert built.per_block is contextlib.nullcontext
+    assert built.resolved["compile"] == "blocks" and built.resolved["cuda_graphs"] is False
