@@ -826,6 +826,8 @@ def _assemble(
             cfg.perf.threads, _probe_step(cfg, model, data)
         )
     batch = plan_batches(cfg, env, data, model, dry_run=dry_run, resumed_run=resumed_run)  # 5
+    if model.built is not None and model.built.whole_model_auto:
+        _whole_model_for_long_runs(env, model, batch)
     built = (
         {}
         if model.built is None
@@ -982,6 +984,21 @@ def _assemble(
     if state is not None and env.dist.is_main:
         console.print(f"resumed from {asm.resume_from} at step {int(state['trainer']['step'])}")
     return asm
+
+
+def _whole_model_for_long_runs(env: Environment, model: Model, batch: BatchPlan) -> None:
+    """``compile_mode = auto``: a run estimated shorter than ``WHOLE_MODEL_MIN_RUN_S`` trains on the per-block
+    graphs (the whole model's compile would cost more than its faster steps gain)."""
+    from gptoughts.train.plan import estimate_speed
+    from gptoughts.train.setup import WHOLE_MODEL_MIN_RUN_S
+
+    tps, _ = estimate_speed(env, model, batch.block_size, batch.micro_batch, env.dist.world_size)
+    run_s = batch.total_steps * batch.tokens_per_step / tps if tps else 0.0
+    if run_s < WHOLE_MODEL_MIN_RUN_S:
+        model.built.use_per_block(
+            f"auto: per-block for a run estimated at ~{max(1, round(run_s / 60))} min (the whole model's compile "
+            f"repays from ~{WHOLE_MODEL_MIN_RUN_S // 60} min)"
+        )
 
 
 def _mfu_per_token_s(env: Environment, model: Model, block_size: int) -> float | None:

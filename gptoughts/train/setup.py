@@ -47,6 +47,10 @@ class Built:
     per_block: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
     """Under whole-model compile: the context in which the model runs its per-block compiled graphs (the
     auto-batch probe's steps; evaluations enter it through ``forward_context``). Else a no-op."""
+    whole_model: list[nn.Module] = field(default_factory=list)
+    """The modules compiled whole, their blocks compiled too (the per-block graphs); [] under per-block compile."""
+    whole_model_auto: bool = False
+    """``compile_mode = auto`` chose the whole model: the assembly keeps it only for a long enough run."""
     keep_grads: bool = False
     """CUDA graphs: gradients stay allocated between steps (zeroed, not freed), so that each backward adds into
     them in place. Freed, the first backward of a step would hand its graph's static output buffer over as
@@ -54,6 +58,21 @@ class Built:
     has been overwritten by a subsequent run" under gradient accumulation). A trainable parameter that gets no
     gradient in a step then has a zero one, and AdamW decays it (every parameter of our families gets a gradient
     in every step; checked at debug size)."""
+
+    def use_per_block(self, why: str) -> None:
+        """Train on the per-block graphs instead of the whole-model one (``why``: the rule that decided). Nothing
+        compiled is lost: the whole-model graph is compiled at the first training step, the blocks' already are."""
+        for part in self.whole_model:
+            part._compiled_call_impl = None  # Module.compile's slot; None is the plain call (compiled blocks)
+        self.whole_model, self.whole_model_auto = [], False
+        self.per_block = contextlib.nullcontext
+        self.resolved["compile"], self.why["compile"] = "blocks", why
+        if self.resolved.get("cuda_graphs"):  # they replayed the whole-model graph only
+            self.resolved["cuda_graphs"], self.why["cuda_graphs"] = (
+                False,
+                "auto: only with whole-model compile",
+            )
+            self.keep_grads = False
 
 
 def build_raw_model(family: str, args: object, device: torch.device, seed: int) -> nn.Module:
@@ -86,6 +105,9 @@ def compile_rule(perf: PerfConfig, hw: HardwareProfile) -> tuple[bool, str]:
 # Whole-model compile and CUDA graphs, measured on one H100 (bench/BENCHMARKS.md, "Small models"): whole-model
 # compile +30% steady tokens/s at 47M, +4% at 125m, +3% at 350m over per-block compile; CUDA graphs on top
 # another +32% at 47M (launch-bound), +1% at 125m and 350m.
+WHOLE_MODEL_MIN_RUN_S = 600
+"""``compile_mode = auto`` keeps the whole model for runs estimated at least this long: its compile costs ~20 s
+more than the blocks' at 125m (H100, user path with auto batch), its steps are 3-6% faster."""
 WHOLE_MODEL_MAX_PARAMS = 400_000_000
 """``compile_mode = auto`` compiles the whole model up to this many non-embedding parameters (one process)."""
 CUDA_GRAPHS_MAX_PARAMS = 150_000_000
@@ -113,7 +135,10 @@ def compile_mode_rule(
     n = _non_embedding_params(raw)
     if n > WHOLE_MODEL_MAX_PARAMS:
         return "blocks", f"auto: per-block above {WHOLE_MODEL_MAX_PARAMS / 1e6:.0f}M non-embedding parameters"
-    return "model", f"auto: whole model at {n / 1e6:.0f}M non-embedding parameters (faster steps below 400M)"
+    return (
+        "model",
+        f"auto: whole model at {n / 1e6:.0f}M non-embedding parameters (3-6% faster steps below 400M)",
+    )
 
 
 def cuda_graphs_rule(
@@ -464,6 +489,8 @@ def apply_transforms(
         why=why,
         after_optimizer_step=after,
         pipeline=pipeline,
+        whole_model=parts if per_block else [],
+        whole_model_auto=per_block and mode_why.startswith("auto"),
         keep_grads=compiled and bool(perf.cuda_graphs),
     )
 

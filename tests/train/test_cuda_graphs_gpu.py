@@ -57,11 +57,15 @@ def test_cuda_graphs_with_accumulation(mode, tmp_path, text_corpus, cache_dir):
     assert graphed == pytest.approx(plain, rel=1e-3), (plain, graphed)
 
 
-def test_auto_whole_model_and_graphs_with_auto_batch(tmp_path, text_corpus, cache_dir):
-    """The defaults on a GPU for a small llama: whole-model compile with CUDA graphs, the auto batch probed on
-    the per-block graphs; a run with evaluations, a checkpoint and a resume, its losses as per-block compile's."""
+def test_whole_model_and_auto_graphs_with_auto_batch(tmp_path, text_corpus, cache_dir):
+    """Whole-model compile with CUDA graphs (auto) on a small llama, the auto batch probed on the per-block
+    graphs; a run with evaluations, a checkpoint and a resume, its losses as per-block compile's. (An auto run
+    this short would train on the per-block graphs: ``compile_mode = model`` is asked here.)"""
     runs = {}
-    for name, extra in (("blocks", {"perf.compile_mode": "blocks", "perf.cuda_graphs": False}), ("auto", {})):
+    for name, extra in (
+        ("blocks", {"perf.compile_mode": "blocks", "perf.cuda_graphs": False}),
+        ("auto", {"perf.compile_mode": "model"}),
+    ):
         out = tmp_path / name
         base = {
             **FAST,

@@ -76,6 +76,23 @@ def test_cuda_graphs_switch_is_validated():
         load_config("default", {"perf.cuda_graphs": "sometimes"})
 
 
+def _cpu_hw() -> HardwareProfile:
+    return HardwareProfile(
+        device="cpu",
+        name="cpu",
+        arch="cpu",
+        compute_capability=None,
+        memory_bytes=None,
+        gpu_count=0,
+        cpu_count=2,
+        peak_bf16_flops=None,
+        bf16=False,
+        fp16=False,
+        fp8=False,
+        compile=True,
+    )
+
+
 @pytest.fixture
 def recorded(monkeypatch):
     """torch.compile with an eager backend that records the size of each graph it is handed."""
@@ -100,20 +117,7 @@ def test_whole_model_graph_trains_and_per_block_graphs_evaluate(recorded):
     args = models.model_args("llama", "debug", {"vocab_size": 256, "n_layers": 3})
     raw = setup.build_raw_model("llama", args, torch.device("cpu"), seed=0)
     reference = setup.build_raw_model("llama", args, torch.device("cpu"), seed=0)
-    hw = HardwareProfile(
-        device="cpu",
-        name="cpu",
-        arch="cpu",
-        compute_capability=None,
-        memory_bytes=None,
-        gpu_count=0,
-        cpu_count=2,
-        peak_bf16_flops=None,
-        bf16=False,
-        fp16=False,
-        fp8=False,
-        compile=True,
-    )
+    hw = _cpu_hw()
     perf = _perf(compile=True, compile_mode="model", cuda_graphs=False)
     built = setup.apply_transforms(
         raw, perf=perf, hw=hw, device=torch.device("cpu"), dist=ONE, family="llama"
@@ -147,22 +151,65 @@ def test_whole_model_graph_trains_and_per_block_graphs_evaluate(recorded):
 def test_blocks_mode_has_no_per_block_context(recorded):
     args = models.model_args("llama", "debug", {"vocab_size": 256, "n_layers": 2})
     raw = setup.build_raw_model("llama", args, torch.device("cpu"), seed=0)
-    hw = HardwareProfile(
-        device="cpu",
-        name="cpu",
-        arch="cpu",
-        compute_capability=None,
-        memory_bytes=None,
-        gpu_count=0,
-        cpu_count=2,
-        peak_bf16_flops=None,
-        bf16=False,
-        fp16=False,
-        fp8=False,
-        compile=True,
-    )
+    hw = _cpu_hw()
     built = setup.apply_transforms(
         raw, perf=_perf(compile=True, compile_mode="blocks"), hw=hw, device=torch.device("cpu"), dist=ONE
     )
     assert built.per_block is contextlib.nullcontext
     assert built.resolved["compile"] == "blocks" and built.resolved["cuda_graphs"] is False
+
+
+def test_a_short_run_drops_the_auto_whole_model_compile(recorded):
+    args = models.model_args("llama", "debug", {"vocab_size": 256, "n_layers": 2})
+    raw = setup.build_raw_model("llama", args, torch.device("cpu"), seed=0)
+    built = setup.apply_transforms(
+        raw, perf=_perf(compile=True), hw=_cpu_hw(), device=torch.device("cpu"), dist=ONE, family="llama"
+    )
+    assert built.whole_model_auto and built.resolved["compile"] == "model" and built.keep_grads
+    built.use_per_block("auto: a short run")
+    assert built.resolved["compile"] == "blocks" and built.why["compile"] == "auto: a short run"
+    assert built.resolved["cuda_graphs"] is False and not built.keep_grads and not built.whole_model_auto
+    x = torch.randint(0, 256, (2, 16))
+    with built.forward_context():
+        built.model(x).float().sum().backward()
+    with torch.no_grad(), built.forward_context():
+        built.model(x)
+    # training and evaluation: one block's graph each, never the whole model's
+    assert len(recorded) == 2 and max(recorded) < 60, recorded
+    asked = setup.apply_transforms(
+        setup.build_raw_model("llama", args, torch.device("cpu"), seed=0),
+        perf=_perf(compile=True, compile_mode="model"),
+        hw=_cpu_hw(),
+        device=torch.device("cpu"),
+        dist=ONE,
+        family="llama",
+    )
+    assert (
+        asked.whole_model and not asked.whole_model_auto
+    )  # asked: the assembly keeps it whatever the length
+
+
+def test_the_assembly_keeps_the_whole_model_for_long_runs_only(recorded):
+    from types import SimpleNamespace
+
+    from gptoughts.train.build import _whole_model_for_long_runs
+
+    args = models.model_args("llama", "debug", {"vocab_size": 256, "n_layers": 2})
+    env = SimpleNamespace(
+        device=torch.device("cuda"),
+        hw=SimpleNamespace(peak_bf16_flops=1e15, name="GPU"),
+        dist=ONE,
+    )
+    kept = {}
+    for steps in (10, 10**10):
+        raw = setup.build_raw_model("llama", args, torch.device("cpu"), seed=0)
+        built = setup.apply_transforms(
+            raw, perf=_perf(compile=True), hw=_cpu_hw(), device=torch.device("cpu"), dist=ONE, family="llama"
+        )
+        model = SimpleNamespace(raw=raw, args=args, built=built, probe_step_s=None)
+        batch = SimpleNamespace(block_size=256, micro_batch=8, total_steps=steps, tokens_per_step=2048)
+        _whole_model_for_long_runs(env, model, batch)
+        kept[steps] = built.resolved["compile"]
+        if steps == 10:
+            assert "per-block for a run estimated at ~1 min" in built.why["compile"], built.why
+    assert kept == {10: "blocks", 10**10: "model"}
