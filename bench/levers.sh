@@ -25,10 +25,11 @@
 #            compile workers started before the data and model steps and at the first graph (torch's), twice each,
 #            alternating (needs gptoughts.train.build.start_compile_workers, of commit df10059: no gain measured,
 #            removed since), then an eager start-up of the same config under cProfile.
-#   small:   the auto rule for small models on the user's path (train with auto batch, evaluations, samples): per
-#            the old default (per-block compile), auto (whole model, CUDA graphs up to 150M) and whole model without
-#            graphs, at 125m, the 47M shape (block 512), 350m and gpt2 small; each run's plan, first-step line,
-#            steady tokens/s of windows without an evaluation and done line in OUT_DIR/small.txt (SHAPES: a subset).
+#   small:   small models on the user's path (train with auto batch, evaluations, samples): the old default (per-block
+#            compile), auto (this 40-step run: per-block, too short for the whole model), the whole model with CUDA
+#            graphs auto, and without graphs, at 125m, the 47M shape (block 512), 350m and gpt2 small; each run's plan,
+#            first-step line, steady tokens/s of windows without an evaluation and done line in OUT_DIR/small.txt
+#            (SHAPES, VARIANTS: subsets).
 #   lora:    bench/finetune_vs_peft.py at 1b, seq 2048, batch 4, dropout 0 and 0.05 (FA4 where installed).
 set -uo pipefail
 out=$1 part=$2
@@ -248,12 +249,11 @@ PY
     case $shape in
       125m) args="--size 125m" ;; s47) args=$s47 ;; 350m) args="--size 350m" ;; gpt2) args="--model gpt2 --size small" ;;
     esac
-    for v in old auto nographs; do
+    for v in ${VARIANTS:-old auto model nographs}; do
       case $v in
         old) flags="--perf.compile_mode blocks --perf.cuda_graphs false" ;; auto) flags="" ;;
-        nographs) flags="--perf.cuda_graphs false" ;;
+        model) flags="--perf.compile_mode model" ;; nographs) flags="--perf.compile_mode model --perf.cuda_graphs false" ;;
       esac
-      if [ $v = nographs ] && [ $shape != 125m ] && [ $shape != s47 ]; then continue; fi
       log="$out/small/$shape-$v.log"; run_dir="/tmp/small-$shape-$v"
       t0=$(date +%s.%N)
       steps=40; if [ $shape = 350m ]; then steps=16; fi
