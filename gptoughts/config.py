@@ -253,13 +253,14 @@ class PerfConfig:
     """torch.compile the model: true, false or auto (on for CUDA GPUs, off on CPU)."""
     compile_mode: Literal["auto", "blocks", "model"] = "auto"
     """blocks (compile each transformer block: one graph reused, fast to compile), model (the whole model as one
-    graph for training: +3-4% steady tokens/s at 125m-350m, +30% at 47M; evaluations and the auto-batch probe
-    still run the per-block graphs) or auto (model for llama/gpt2 up to 400M non-embedding parameters in one
-    process, blocks otherwise)."""
-    cuda_graphs: bool | str = "auto"
+    graph for training: +2-6% steady tokens/s at 47M-125m on the user's path, ~20 s more compile; evaluations and
+    the auto-batch probe still run the per-block graphs) or auto (model for llama and gpt2 up to 400M
+    non-embedding parameters in one process, for runs estimated at 20 minutes or more; blocks otherwise)."""
+    cuda_graphs: bool = False
     """Replay the compiled training graphs as CUDA graphs (torch.compile mode reduce-overhead): no kernel-launch
-    gaps, more memory (gradients stay allocated between steps). true, false or auto (on with whole-model compile
-    up to 150M non-embedding parameters: a 47M model 1.32x, 125m +1%; bench/BENCHMARKS.md)."""
+    gaps, more memory (gradients stay allocated between steps). Off by default: it pays where the GPU waits on
+    launches at small fixed batches (47M at 32 x 512 tokens: 1.32x with whole-model compile), not on the user's
+    path, whose auto batch is large (47M, 125m: +0.2%, -0.7%; bench/BENCHMARKS.md)."""
     max_autotune: bool = False
     """Inductor benchmarks Triton matmul templates against cuBLAS and fuses epilogues (compile takes minutes)."""
     residual_dtype: Literal["auto", "fp32", "bf16"] = "auto"
@@ -933,7 +934,7 @@ def validate(cfg: Config) -> None:
             "--train.optimizer_states bf16"
         )
     check_parallel(cfg.parallel)
-    for name in ("compile", "cuda_graphs", "fp8", "fused_adamw"):
+    for name in ("compile", "fp8", "fused_adamw"):
         value = getattr(cfg.perf, name)
         if isinstance(value, str) and value != "auto":
             raise ConfigError(f"perf.{name} must be true, false or auto; got {value!r}")

@@ -204,9 +204,9 @@ def recommend(p: HardwareProfile) -> dict[str, object]:
     return {
         "precision": precision,
         "compile": p.compile,
-        # whole-model compile +3-30% and CUDA graphs +1-32% below these sizes (train/setup.py, BENCHMARKS)
-        "compile_mode": "model up to 400M non-embedding parameters in one process (llama, gpt2), else blocks",
-        "cuda_graphs": "with whole-model compile up to 150M non-embedding parameters",
+        # whole-model compile +2-6% a step on the user's path below 400M (train/setup.py, BENCHMARKS)
+        "compile_mode": "model for llama/gpt2 up to 400M non-embedding parameters in one process and runs of "
+        "20+ min, else blocks",
         "fp8": p.arch in ("hopper", "blackwell"),  # Ada has fp8 tensor cores but small models rarely gain
         "fused_adamw": True,
         "batch_size": "auto",

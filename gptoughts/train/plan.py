@@ -137,9 +137,7 @@ class RunPlan:
             lines.append(f"  optimizer: {self.resolved['optimizer']}")
         if not str(self.resolved.get("compile", "False")).startswith("False"):
             graphs = self.resolved.get("cuda_graphs")
-            lines.append(
-                f"  compile: {self.resolved['compile']}" + (f"; CUDA graphs: {graphs}" if graphs else "")
-            )
+            lines.append(f"  compile: {self.resolved['compile']}" + ("; CUDA graphs" if graphs else ""))
         mem = (
             "memory: not estimated"
             if self.memory_gib is None

@@ -67,12 +67,6 @@ class Built:
         self.whole_model, self.whole_model_auto = [], False
         self.per_block = contextlib.nullcontext
         self.resolved["compile"], self.why["compile"] = "blocks", why
-        if self.resolved.get("cuda_graphs"):  # they replayed the whole-model graph only
-            self.resolved["cuda_graphs"], self.why["cuda_graphs"] = (
-                False,
-                "auto: only with whole-model compile",
-            )
-            self.keep_grads = False
 
 
 def build_raw_model(family: str, args: object, device: torch.device, seed: int) -> nn.Module:
@@ -102,16 +96,15 @@ def compile_rule(perf: PerfConfig, hw: HardwareProfile) -> tuple[bool, str]:
     return bool(perf.compile), "asked"
 
 
-# Whole-model compile and CUDA graphs, measured on one H100 (bench/BENCHMARKS.md, "Small models"): whole-model
-# compile +30% steady tokens/s at 47M, +4% at 125m, +3% at 350m over per-block compile; CUDA graphs on top
-# another +32% at 47M (launch-bound), +1% at 125m and 350m.
-WHOLE_MODEL_MIN_RUN_S = 600
-"""``compile_mode = auto`` keeps the whole model for runs estimated at least this long: its compile costs ~20 s
-more than the blocks' at 125m (H100, user path with auto batch), its steps are 3-6% faster."""
+# Whole-model compile against per-block compile, measured on the user's path on one H100 (`train` with auto batch,
+# bench/BENCHMARKS.md, session 10): steady tokens/s +4.2% at 125m, +5.6% at 47M, +2.2% at gpt2 small, for ~20-25 s
+# more compile at the first step. CUDA graphs on top gained nothing there (the auto batch is large: 86 x 2048
+# tokens at 125m), so they stay a switch.
+WHOLE_MODEL_MIN_RUN_S = 1200
+"""``compile_mode = auto`` keeps the whole model for runs estimated at least this long (break-even: ~8 min at
+125m, ~19 min at gpt2 small)."""
 WHOLE_MODEL_MAX_PARAMS = 400_000_000
 """``compile_mode = auto`` compiles the whole model up to this many non-embedding parameters (one process)."""
-CUDA_GRAPHS_MAX_PARAMS = 150_000_000
-"""``cuda_graphs = auto`` replays the whole-model graph as a CUDA graph up to this many (one process)."""
 _WHOLE_MODEL_FAMILIES = ("llama", "gpt2")
 
 
@@ -139,25 +132,6 @@ def compile_mode_rule(
         "model",
         f"auto: whole model at {n / 1e6:.0f}M non-embedding parameters (3-6% faster steps below 400M)",
     )
-
-
-def cuda_graphs_rule(
-    perf: PerfConfig, compiled: bool, compile_mode: str, raw: nn.Module, dist: pdist.DistInfo
-) -> tuple[bool, str]:
-    """What ``perf.cuda_graphs`` becomes, and why."""
-    if perf.cuda_graphs != "auto":
-        return bool(perf.cuda_graphs), "asked"
-    if not compiled:
-        return False, "auto: not compiled"
-    if compile_mode != "model" or dist.world_size > 1 or dist.sharded:
-        return False, "auto: only with whole-model compile in one process"
-    n = _non_embedding_params(raw)
-    if n > CUDA_GRAPHS_MAX_PARAMS:
-        return (
-            False,
-            f"auto: off above {CUDA_GRAPHS_MAX_PARAMS / 1e6:.0f}M non-embedding parameters (~1% there)",
-        )
-    return True, f"auto: on at {n / 1e6:.0f}M non-embedding parameters (kernel launches bound small models)"
 
 
 def _non_embedding_params(raw: nn.Module) -> int:
@@ -269,7 +243,7 @@ def inductor_mode(perf: PerfConfig) -> str | None:
         (True, False): "reduce-overhead",
         (False, True): "max-autotune-no-cudagraphs",
         (True, True): "max-autotune",
-    }[(perf.cuda_graphs is True, bool(perf.max_autotune))]  # "auto" is resolved by cuda_graphs_rule first
+    }[(bool(perf.cuda_graphs), bool(perf.max_autotune))]
 
 
 def _residual_to_bf16(module: nn.Module, args: object, out: torch.Tensor) -> torch.Tensor:
@@ -388,11 +362,10 @@ def apply_transforms(
     compile_mode, mode_why = compile_mode_rule(perf, compiled, raw, family, dist)
     if compiled:
         why["compile"] += f"; {compile_mode}: {mode_why}"
-    graphs, why["cuda_graphs"] = cuda_graphs_rule(perf, compiled, compile_mode, raw, dist)
-    perf = replace(perf, compile_mode=compile_mode, cuda_graphs=graphs)
+    perf = replace(perf, compile_mode=compile_mode)
     resolved["compile"] = compile_mode if compiled else False
-    if compiled:
-        resolved["cuda_graphs"] = bool(graphs)
+    if compiled and perf.cuda_graphs:
+        resolved["cuda_graphs"] = True
     # Whole-model compile in a replicated run also compiles each block: evaluations (no_grad) and the auto-batch
     # probe run the per-block graphs (Built.per_block), so the whole model is compiled once, for training, at
     # the run's batch shape (each probe's batch would recompile it: +94 s to the first step at 125m; an
@@ -490,7 +463,8 @@ def apply_transforms(
         after_optimizer_step=after,
         pipeline=pipeline,
         whole_model=parts if per_block else [],
-        whole_model_auto=per_block and mode_why.startswith("auto"),
+        # asked CUDA graphs replay the whole-model graph (the blocks' are compiled without): kept for any length
+        whole_model_auto=per_block and mode_why.startswith("auto") and not perf.cuda_graphs,
         keep_grads=compiled and bool(perf.cuda_graphs),
     )
 

@@ -1,5 +1,5 @@
-"""Whole-model compile (``perf.compile_mode``) and CUDA graphs (``perf.cuda_graphs``): their auto rules, and the
-split between the whole-model graph (training) and the per-block graphs (evaluations, the auto-batch probe).
+"""Whole-model compile (``perf.compile_mode``): its auto rule, and the split between the whole-model graph
+(training) and the per-block graphs (evaluations, the auto-batch probe).
 
 On CPU, torch.compile is replaced by a recording ``eager`` backend: what is checked is which graphs get
 traced, and that the values are the model's."""
@@ -34,8 +34,7 @@ def test_auto_compiles_small_dense_models_whole_in_one_process():
     small = _meta("llama")
     mode, why = setup.compile_mode_rule(_perf(), True, small, "llama", ONE)
     assert mode == "model" and why.startswith("auto: whole model")
-    graphs, why = setup.cuda_graphs_rule(_perf(), True, mode, small, ONE)
-    assert graphs is True and why.startswith("auto: on")
+    assert setup.compile_mode_rule(_perf(), True, _meta("gpt2"), "gpt2", ONE)[0] == "model"
     # each exception, with its reason
     cases = [
         ((_perf(), False, small, "llama", ONE), "not compiled"),
@@ -50,30 +49,22 @@ def test_auto_compiles_small_dense_models_whole_in_one_process():
     for p in list(frozen.parameters())[:-1]:
         p.requires_grad_(False)
     assert setup.compile_mode_rule(_perf(), True, frozen, "llama", ONE)[0] == "blocks"
-    # sizes: the thresholds on non-embedding parameters
+    # size: the threshold on non-embedding parameters
     wide = _meta("llama", d_model=2048, n_layers=12, n_heads=16, n_kv_heads=16, ffn_dim=5632)
     assert wide.num_params(non_embedding=True) > setup.WHOLE_MODEL_MAX_PARAMS
     assert setup.compile_mode_rule(_perf(), True, wide, "llama", ONE)[0] == "blocks"
-    mid = _meta("llama", d_model=1024, n_layers=16, n_heads=16, n_kv_heads=16, ffn_dim=2816)
-    n = mid.num_params(non_embedding=True)
-    assert setup.CUDA_GRAPHS_MAX_PARAMS < n < setup.WHOLE_MODEL_MAX_PARAMS
+    mid = _meta("llama", d_model=1024, n_layers=24, n_heads=16, n_kv_heads=16, ffn_dim=2816)
+    assert mid.num_params(non_embedding=True) < setup.WHOLE_MODEL_MAX_PARAMS
     assert setup.compile_mode_rule(_perf(), True, mid, "llama", ONE)[0] == "model"
-    graphs, why = setup.cuda_graphs_rule(_perf(), True, "model", mid, ONE)
-    assert graphs is False and "above" in why
     # asked settings stand
     assert setup.compile_mode_rule(_perf(compile_mode="blocks"), True, small, "llama", ONE) == (
         "blocks",
         "asked",
     )
-    assert setup.cuda_graphs_rule(_perf(cuda_graphs=False), True, "model", small, ONE) == (False, "asked")
-    assert setup.cuda_graphs_rule(_perf(), True, "blocks", small, ONE)[0] is False
-
-
-def test_cuda_graphs_switch_is_validated():
-    from gptoughts.errors import ConfigError
-
-    with pytest.raises(ConfigError, match="perf.cuda_graphs must be true, false or auto"):
-        load_config("default", {"perf.cuda_graphs": "sometimes"})
+    assert setup.compile_mode_rule(_perf(compile_mode="model"), True, wide, "llama", ONE) == (
+        "model",
+        "asked",
+    )
 
 
 def _cpu_hw() -> HardwareProfile:
@@ -122,7 +113,7 @@ def test_whole_model_graph_trains_and_per_block_graphs_evaluate(recorded):
     built = setup.apply_transforms(
         raw, perf=perf, hw=hw, device=torch.device("cpu"), dist=ONE, family="llama"
     )
-    assert built.resolved["compile"] == "model" and built.resolved["cuda_graphs"] is False
+    assert built.resolved["compile"] == "model" and "cuda_graphs" not in built.resolved
     x = torch.randint(0, 256, (2, 16))
 
     with built.forward_context():
@@ -156,7 +147,7 @@ def test_blocks_mode_has_no_per_block_context(recorded):
         raw, perf=_perf(compile=True, compile_mode="blocks"), hw=hw, device=torch.device("cpu"), dist=ONE
     )
     assert built.per_block is contextlib.nullcontext
-    assert built.resolved["compile"] == "blocks" and built.resolved["cuda_graphs"] is False
+    assert built.resolved["compile"] == "blocks" and not built.whole_model
 
 
 def test_a_short_run_drops_the_auto_whole_model_compile(recorded):
@@ -165,10 +156,10 @@ def test_a_short_run_drops_the_auto_whole_model_compile(recorded):
     built = setup.apply_transforms(
         raw, perf=_perf(compile=True), hw=_cpu_hw(), device=torch.device("cpu"), dist=ONE, family="llama"
     )
-    assert built.whole_model_auto and built.resolved["compile"] == "model" and built.keep_grads
+    assert built.whole_model_auto and built.resolved["compile"] == "model" and not built.keep_grads
     built.use_per_block("auto: a short run")
     assert built.resolved["compile"] == "blocks" and built.why["compile"] == "auto: a short run"
-    assert built.resolved["cuda_graphs"] is False and not built.keep_grads and not built.whole_model_auto
+    assert not built.whole_model_auto and not built.whole_model
     x = torch.randint(0, 256, (2, 16))
     with built.forward_context():
         built.model(x).float().sum().backward()
@@ -184,9 +175,18 @@ def test_a_short_run_drops_the_auto_whole_model_compile(recorded):
         dist=ONE,
         family="llama",
     )
-    assert (
-        asked.whole_model and not asked.whole_model_auto
-    )  # asked: the assembly keeps it whatever the length
+    # asked: the assembly keeps it whatever the length
+    assert asked.whole_model and not asked.whole_model_auto
+    graphs = setup.apply_transforms(
+        setup.build_raw_model("llama", args, torch.device("cpu"), seed=0),
+        perf=_perf(compile=True, cuda_graphs=True),
+        hw=_cpu_hw(),
+        device=torch.device("cpu"),
+        dist=ONE,
+        family="llama",
+    )
+    # auto chose the whole model and CUDA graphs are asked: they replay the whole-model graph, kept at any length
+    assert graphs.whole_model and not graphs.whole_model_auto and graphs.resolved["cuda_graphs"] is True
 
 
 def test_the_assembly_keeps_the_whole_model_for_long_runs_only(recorded):
