@@ -70,7 +70,12 @@ SIZES: dict[str, dict[str, Any]] = {
     ),
 }
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-SPEED_TARGET, MEMORY_TARGET = 1.8, 0.7
+# issue 13's targets: >= 2.0x at dropout 0, >= 1.9x at dropout 0.05, memory <= 0.5x
+MEMORY_TARGET = 0.5
+
+
+def speed_target(dropout: float) -> float:
+    return 2.0 if dropout == 0 else 1.9
 
 
 def _sync(device: torch.device) -> None:
@@ -329,9 +334,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     res["speedup"] = ours["tokens_per_s"] / hf["tokens_per_s"]
     if ours["peak_memory_gib"] and hf["peak_memory_gib"]:
         res["memory_ratio"] = ours["peak_memory_gib"] / hf["peak_memory_gib"]
+    target = speed_target(a.dropout)
     res["meets_targets"] = {
-        "speed >= 1.8x": res["speedup"] >= SPEED_TARGET,
-        "memory <= 0.7x": res.get("memory_ratio", float("nan")) <= MEMORY_TARGET,
+        f"speed >= {target}x": res["speedup"] >= target,
+        f"memory <= {MEMORY_TARGET}x": res.get("memory_ratio", float("nan")) <= MEMORY_TARGET,
     }
     print(f"LoRA fine-tuning, Llama {a.size}, seq {a.seq}, batch {a.batch}, {res['device']}, {a.precision}")
     print(f"{'':<22}{'tokens/s':>12}{'step ms':>10}{'peak GiB':>10}{'loss':>8}")
@@ -353,7 +359,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"{name}: FAILED {f}")
     mem_ratio = f"{res['memory_ratio']:.2f}x" if "memory_ratio" in res else "n/a (no CUDA)"
     print(
-        f"speed ours/hf {res['speedup']:.2f}x (target >= {SPEED_TARGET}x), memory ours/hf {mem_ratio} "
+        f"speed ours/hf {res['speedup']:.2f}x (target >= {target}x), memory ours/hf {mem_ratio} "
         f"(target <= {MEMORY_TARGET}x)"
     )
     if a.out:

@@ -25,12 +25,13 @@
 #            compile workers started before the data and model steps and at the first graph (torch's), twice each,
 #            alternating (needs gptoughts.train.build.start_compile_workers, of commit df10059: no gain measured,
 #            removed since), then an eager start-up of the same config under cProfile.
-#   small:   small models on the user's path (train with auto batch, evaluations, samples): the old default (per-block
-#            compile), auto (this 40-step run: per-block, too short for the whole model), the whole model with CUDA
-#            graphs auto, and without graphs, at 125m, the 47M shape (block 512), 350m and gpt2 small; each run's plan,
-#            first-step line, steady tokens/s of windows without an evaluation and done line in OUT_DIR/small.txt
-#            (SHAPES, VARIANTS: subsets).
-#   lora:    bench/finetune_vs_peft.py at 1b, seq 2048, batch 4, dropout 0 and 0.05 (FA4 where installed).
+#   small:   small models on the user's path (train with auto batch, evaluations, samples): per-block compile ("old",
+#            the default before session 10), auto (a 40-step run is too short for the whole model: per-block), the
+#            whole model, and the whole model with CUDA graphs, at 125m, the 47M shape (block 512), 350m and gpt2
+#            small; each run's plan, first-step line, steady tokens/s of windows without an evaluation and done line in
+#            OUT_DIR/small.txt (SHAPES, VARIANTS: subsets).
+#   lora:    bench/finetune_vs_peft.py at 1b, seq 2048, batch 4, dropout 0 and 0.05 (FA4 where installed); LORA_VARIANTS:
+#            its --variants (JSON list of config overrides for ours, each timed as a row of its own).
 set -uo pipefail
 out=$1 part=$2
 mkdir -p "$out"
@@ -249,10 +250,10 @@ PY
     case $shape in
       125m) args="--size 125m" ;; s47) args=$s47 ;; 350m) args="--size 350m" ;; gpt2) args="--model gpt2 --size small" ;;
     esac
-    for v in ${VARIANTS:-old auto model nographs}; do
+    for v in ${VARIANTS:-old auto model graphs}; do
       case $v in
         old) flags="--perf.compile_mode blocks --perf.cuda_graphs false" ;; auto) flags="" ;;
-        model) flags="--perf.compile_mode model" ;; nographs) flags="--perf.compile_mode model --perf.cuda_graphs false" ;;
+        model) flags="--perf.compile_mode model" ;; graphs) flags="--perf.compile_mode model --perf.cuda_graphs true" ;;
       esac
       log="$out/small/$shape-$v.log"; run_dir="/tmp/small-$shape-$v"
       t0=$(date +%s.%N)
@@ -269,7 +270,7 @@ fi
 if [ "$part" = lora ]; then
   for d in 0 0.05; do
     python3 bench/finetune_vs_peft.py --size 1b --seq 2048 --batch 4 --steps 15 --warmup 5 --dropout $d \
-      --out "$out/lora-dropout$d.json" > "$out/lora-dropout$d.log" 2>&1
-    tail -4 "$out/lora-dropout$d.log" | tee -a "$out/lora.txt"
+      --variants "${LORA_VARIANTS:-[]}" --out "$out/lora-dropout$d.json" > "$out/lora-dropout$d.log" 2>&1
+    grep -A8 "^LoRA fine-tuning" "$out/lora-dropout$d.log" | tee -a "$out/lora.txt"
   done
 fi

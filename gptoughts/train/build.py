@@ -993,11 +993,14 @@ def _whole_model_for_long_runs(env: Environment, model: Model, batch: BatchPlan)
     from gptoughts.train.setup import WHOLE_MODEL_MIN_RUN_S
 
     tps, _ = estimate_speed(env, model, batch.block_size, batch.micro_batch, env.dist.world_size)
-    run_s = batch.total_steps * batch.tokens_per_step / tps if tps else 0.0
+    if not tps:
+        model.built.use_per_block("auto: the run's length cannot be estimated on this GPU (unknown peak)")
+        return
+    run_s = batch.total_steps * batch.tokens_per_step / tps
     if run_s < WHOLE_MODEL_MIN_RUN_S:
         model.built.use_per_block(
-            f"auto: per-block for a run estimated at ~{max(1, round(run_s / 60))} min (the whole model's compile "
-            f"repays from ~{WHOLE_MODEL_MIN_RUN_S // 60} min)"
+            f"auto: a run estimated at ~{max(1, round(run_s / 60))} min (the whole model's compile repays from "
+            f"~{WHOLE_MODEL_MIN_RUN_S // 60} min)"
         )
 
 
@@ -1059,7 +1062,8 @@ def _probe_step(cfg: Config, model: Model, data: Data):
         x = torch.randint(0, min(vocab, data.vocab_size), (micro, block + 1), generator=g)
         model.built.model.eval()
         try:
-            loss, _ = model.objective(model.built.model, (x[:, :-1], x[:, 1:]))
+            with model.built.per_block():  # under whole-model compile: not a graph the run never uses
+                loss, _ = model.objective(model.built.model, (x[:, :-1], x[:, 1:]))
             loss.backward()
         finally:
             model.built.model.train()

@@ -66,7 +66,8 @@ class Built:
             part._compiled_call_impl = None  # Module.compile's slot; None is the plain call (compiled blocks)
         self.whole_model, self.whole_model_auto = [], False
         self.per_block = contextlib.nullcontext
-        self.resolved["compile"], self.why["compile"] = "blocks", why
+        self.resolved["compile"] = "blocks"
+        self.why["compile"] = self.why.get("compile", "").split("; ")[0] + f"; blocks: {why}"
 
 
 def build_raw_model(family: str, args: object, device: torch.device, seed: int) -> nn.Module:
@@ -109,13 +110,20 @@ _WHOLE_MODEL_FAMILIES = ("llama", "gpt2")
 
 
 def compile_mode_rule(
-    perf: PerfConfig, compiled: bool, raw: nn.Module, family: str, dist: pdist.DistInfo
+    perf: PerfConfig,
+    compiled: bool,
+    raw: nn.Module,
+    family: str,
+    dist: pdist.DistInfo,
+    device: torch.device,
 ) -> tuple[str, str]:
     """What ``perf.compile_mode`` becomes (blocks or model), and why."""
     if perf.compile_mode != "auto":
         return perf.compile_mode, "asked"
     if not compiled:
         return "blocks", "auto: not compiled"
+    if device.type != "cuda":
+        return "blocks", f"auto: per-block on {device.type} (whole-model compile measured on GPUs)"
     if dist.world_size > 1 or dist.sharded:
         return "blocks", "auto: per-block under several processes or offload"
     if family not in _WHOLE_MODEL_FAMILIES:
@@ -359,7 +367,7 @@ def apply_transforms(
     resolved["activation_checkpointing"] = perf.activation_checkpointing
     # 4. compile
     compiled, why["compile"] = compile_rule(perf, hw)
-    compile_mode, mode_why = compile_mode_rule(perf, compiled, raw, family, dist)
+    compile_mode, mode_why = compile_mode_rule(perf, compiled, raw, family, dist, device)
     if compiled:
         why["compile"] += f"; {compile_mode}: {mode_why}"
     perf = replace(perf, compile_mode=compile_mode)
@@ -379,10 +387,13 @@ def apply_transforms(
             if compile_mode == "blocks" or per_block:
                 # Module.compile() compiles in place, so parameter names (and checkpoints) are unchanged.
                 # Per-block compile keeps compile time flat in depth; the blocks are identical, so one graph
-                # is reused. Under whole-model compile these graphs serve evaluations and the probe (no CUDA
-                # graphs: dynamo inlines the blocks when it traces the whole model).
+                # is reused. Under whole-model compile these graphs serve evaluations and the probe (without
+                # CUDA graphs, which replay the whole model's): dynamo inlines them when it traces the whole model.
+                block_mode = (
+                    mode if compile_mode == "blocks" else inductor_mode(replace(perf, cuda_graphs=False))
+                )
                 for block in part.layers:
-                    block.compile(mode=mode if compile_mode == "blocks" else None)
+                    block.compile(mode=block_mode)
             if compile_mode == "model":
                 part.compile(mode=mode)
     elif perf.cuda_graphs or perf.max_autotune:
@@ -390,6 +401,7 @@ def apply_transforms(
             "perf.cuda_graphs and perf.max_autotune are torch.compile modes: add --compile true "
             "(or drop them)"
         )
+    whole = list(parts) if per_block else []  # the compiled modules themselves, not their DDP wrappers
     # 5. data parallel: DDP, or FSDP2 (each compiled block sharded in place), over the data-parallel ranks
     parts = [pdist.wrap(part, device, dist, precision) for part in parts]
     model: nn.Module = parts[0]
@@ -452,7 +464,7 @@ def apply_transforms(
 
     # Under whole-model compile, each part's own compiled call set aside: its plain call runs the blocks, each
     # compiled in place (the per-block graphs).
-    per_block_ctx = functools.partial(uncompiled, parts) if per_block else contextlib.nullcontext
+    per_block_ctx = functools.partial(uncompiled, whole) if per_block else contextlib.nullcontext
     return Built(
         model=model,
         raw=raw,
@@ -462,7 +474,7 @@ def apply_transforms(
         why=why,
         after_optimizer_step=after,
         pipeline=pipeline,
-        whole_model=parts if per_block else [],
+        whole_model=whole,
         # asked CUDA graphs replay the whole-model graph (the blocks' are compiled without): kept for any length
         whole_model_auto=per_block and mode_why.startswith("auto") and not perf.cuda_graphs,
         keep_grads=compiled and bool(perf.cuda_graphs),

@@ -18,6 +18,7 @@ from gptoughts.perf.hardware import HardwareProfile
 from gptoughts.train import setup
 
 ONE = DistInfo()
+GPU = torch.device("cuda")  # the rule only reads the device's type
 
 
 def _meta(family: str, **overrides: object) -> torch.nn.Module:
@@ -32,15 +33,16 @@ def _perf(**kw: object):
 
 def test_auto_compiles_small_dense_models_whole_in_one_process():
     small = _meta("llama")
-    mode, why = setup.compile_mode_rule(_perf(), True, small, "llama", ONE)
+    mode, why = setup.compile_mode_rule(_perf(), True, small, "llama", ONE, GPU)
     assert mode == "model" and why.startswith("auto: whole model")
-    assert setup.compile_mode_rule(_perf(), True, _meta("gpt2"), "gpt2", ONE)[0] == "model"
+    assert setup.compile_mode_rule(_perf(), True, _meta("gpt2"), "gpt2", ONE, GPU)[0] == "model"
     # each exception, with its reason
     cases = [
-        ((_perf(), False, small, "llama", ONE), "not compiled"),
-        ((_perf(), True, small, "llama", DistInfo(world_size=2, strategy="ddp")), "several processes"),
-        ((_perf(), True, small, "llama", DistInfo(strategy="fsdp", cpu_offload=True)), "offload"),
-        ((_perf(), True, _meta("deepseek"), "deepseek", ONE), "per-block for deepseek"),
+        ((_perf(), False, small, "llama", ONE, GPU), "not compiled"),
+        ((_perf(), True, small, "llama", ONE, torch.device("cpu")), "per-block on cpu"),
+        ((_perf(), True, small, "llama", DistInfo(world_size=2, strategy="ddp"), GPU), "several processes"),
+        ((_perf(), True, small, "llama", DistInfo(strategy="fsdp", cpu_offload=True), GPU), "offload"),
+        ((_perf(), True, _meta("deepseek"), "deepseek", ONE, GPU), "per-block for deepseek"),
     ]
     for args, reason in cases:
         mode, why = setup.compile_mode_rule(*args)
@@ -48,20 +50,20 @@ def test_auto_compiles_small_dense_models_whole_in_one_process():
     frozen = _meta("llama")
     for p in list(frozen.parameters())[:-1]:
         p.requires_grad_(False)
-    assert setup.compile_mode_rule(_perf(), True, frozen, "llama", ONE)[0] == "blocks"
+    assert setup.compile_mode_rule(_perf(), True, frozen, "llama", ONE, GPU)[0] == "blocks"
     # size: the threshold on non-embedding parameters
     wide = _meta("llama", d_model=2048, n_layers=12, n_heads=16, n_kv_heads=16, ffn_dim=5632)
     assert wide.num_params(non_embedding=True) > setup.WHOLE_MODEL_MAX_PARAMS
-    assert setup.compile_mode_rule(_perf(), True, wide, "llama", ONE)[0] == "blocks"
+    assert setup.compile_mode_rule(_perf(), True, wide, "llama", ONE, GPU)[0] == "blocks"
     mid = _meta("llama", d_model=1024, n_layers=24, n_heads=16, n_kv_heads=16, ffn_dim=2816)
     assert mid.num_params(non_embedding=True) < setup.WHOLE_MODEL_MAX_PARAMS
-    assert setup.compile_mode_rule(_perf(), True, mid, "llama", ONE)[0] == "model"
+    assert setup.compile_mode_rule(_perf(), True, mid, "llama", ONE, GPU)[0] == "model"
     # asked settings stand
-    assert setup.compile_mode_rule(_perf(compile_mode="blocks"), True, small, "llama", ONE) == (
+    assert setup.compile_mode_rule(_perf(compile_mode="blocks"), True, small, "llama", ONE, GPU) == (
         "blocks",
         "asked",
     )
-    assert setup.compile_mode_rule(_perf(compile_mode="model"), True, wide, "llama", ONE) == (
+    assert setup.compile_mode_rule(_perf(compile_mode="model"), True, wide, "llama", ONE, GPU) == (
         "model",
         "asked",
     )
@@ -82,6 +84,13 @@ def _cpu_hw() -> HardwareProfile:
         fp8=False,
         compile=True,
     )
+
+
+@pytest.fixture
+def auto_picks_model(monkeypatch):
+    """compile_mode auto as on a GPU (the rule leaves CPUs per-block) for the CPU model of these tests."""
+    rule = setup.compile_mode_rule
+    monkeypatch.setattr(setup, "compile_mode_rule", lambda *a: rule(*a[:5], GPU))
 
 
 @pytest.fixture
@@ -131,6 +140,7 @@ def test_whole_model_graph_trains_and_per_block_graphs_evaluate(recorded):
         torch.testing.assert_close(out, reference(x))
     with built.forward_context():  # training again: the whole-model graph, nothing new traced
         built.model(x).float().sum().backward()
+    assert len(recorded) == 2, recorded
     with built.per_block():  # the auto-batch probe's context: a training step on the per-block graphs
         built.model(x).float().sum().backward()
     assert len(recorded) == 3 and recorded[2] < whole / 2, recorded
@@ -150,7 +160,7 @@ def test_blocks_mode_has_no_per_block_context(recorded):
     assert built.resolved["compile"] == "blocks" and not built.whole_model
 
 
-def test_a_short_run_drops_the_auto_whole_model_compile(recorded):
+def test_a_short_run_drops_the_auto_whole_model_compile(recorded, auto_picks_model):
     args = models.model_args("llama", "debug", {"vocab_size": 256, "n_layers": 2})
     raw = setup.build_raw_model("llama", args, torch.device("cpu"), seed=0)
     built = setup.apply_transforms(
@@ -158,7 +168,9 @@ def test_a_short_run_drops_the_auto_whole_model_compile(recorded):
     )
     assert built.whole_model_auto and built.resolved["compile"] == "model" and not built.keep_grads
     built.use_per_block("auto: a short run")
-    assert built.resolved["compile"] == "blocks" and built.why["compile"] == "auto: a short run"
+    assert built.resolved["compile"] == "blocks" and built.why["compile"].endswith(
+        "; blocks: auto: a short run"
+    )
     assert not built.whole_model_auto and not built.whole_model
     x = torch.randint(0, 256, (2, 16))
     with built.forward_context():
@@ -189,7 +201,7 @@ def test_a_short_run_drops_the_auto_whole_model_compile(recorded):
     assert graphs.whole_model and not graphs.whole_model_auto and graphs.resolved["cuda_graphs"] is True
 
 
-def test_the_assembly_keeps_the_whole_model_for_long_runs_only(recorded):
+def test_the_assembly_keeps_the_whole_model_for_long_runs_only(recorded, auto_picks_model):
     from types import SimpleNamespace
 
     from gptoughts.train.build import _whole_model_for_long_runs
@@ -211,5 +223,5 @@ def test_the_assembly_keeps_the_whole_model_for_long_runs_only(recorded):
         _whole_model_for_long_runs(env, model, batch)
         kept[steps] = built.resolved["compile"]
         if steps == 10:
-            assert "per-block for a run estimated at ~1 min" in built.why["compile"], built.why
+            assert "blocks: auto: a run estimated at ~1 min" in built.why["compile"], built.why
     assert kept == {10: "blocks", 10**10: "model"}
