@@ -282,8 +282,9 @@ class PerfConfig:
     """With fp8 tensorwise under FSDP2: all-gather the weights in fp8 (half the bytes of bf16), their scales
     computed for all weights at once after each optimizer step (torchao's FSDP float8 all-gather). No effect
     without FSDP."""
-    activation_checkpointing: Literal["none", "selective", "full"] = "none"
-    """none, selective (recompute cheap ops, keep matmul outputs) or full (recompute whole blocks)."""
+    activation_checkpointing: Literal["auto", "none", "selective", "full"] = "auto"
+    """none, selective (recompute cheap ops, keep matmul outputs), full (recompute whole blocks) or auto (selective
+    for LoRA: 19% less memory for 2% of the speed at 1b; none otherwise)."""
     sdpa_backend: Literal["auto", "flash", "cudnn", "efficient", "math", "fa4"] = "auto"
     """Attention kernel: fa4: FlashAttention-4 (pip install flash-attn-4; Hopper/Blackwell GPUs) for causal and
     bidirectional attention and sliding windows in bf16/fp16, SDPA for the rest (KV-cache decoding, fp32);

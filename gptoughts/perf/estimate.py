@@ -30,6 +30,7 @@ from typing import Any
 
 from gptoughts import models
 from gptoughts.errors import ConfigError
+from gptoughts.perf.checkpointing import resolve as resolve_ac
 from gptoughts.perf.hardware import _PEAK_BF16, peak_flops
 
 GIB = 2**30
@@ -462,7 +463,7 @@ def estimate_config(
             overrides,
             batch_size=batch,
             block_size=t.block_size,
-            activation_checkpointing=p.activation_checkpointing,
+            activation_checkpointing=resolve_ac(p.activation_checkpointing, cfg.lora)[0],
             loss=loss,
             loss_chunk=p.loss_chunk,
             gpu=gpu,

@@ -35,7 +35,7 @@ from gptoughts.config import Config, TrainConfig, is_task_file, to_toml
 from gptoughts.data.sources import STDLIB_ALIAS, stdlib_path
 from gptoughts.errors import ConfigError, DataError, UserError
 from gptoughts.parallel import dist as pdist
-from gptoughts.perf import hardware
+from gptoughts.perf import checkpointing, hardware
 from gptoughts.train import checkpoint as ckpt
 from gptoughts.train import rundir
 from gptoughts.train.plan import BatchPlan, RunPlan, make_plan
@@ -133,7 +133,9 @@ def _fsdp_reshard(
             cfg.model.overrides,
             batch_size=t.batch_size,
             block_size=t.block_size,
-            activation_checkpointing=cfg.perf.activation_checkpointing,
+            activation_checkpointing=checkpointing.resolve(
+                cfg.perf.activation_checkpointing, cfg.lora.enabled
+            )[0],
             num_gpus=info.world_size,
             strategy="fsdp",
             optimizer=t.optimizer,
@@ -451,6 +453,7 @@ def build_model(cfg: Config, env: Environment, data: Data, *, meta: bool = False
         precision=env.precision,
         parallel=cfg.parallel,
         family=family.name,
+        lora=cfg.lora,
     )
     out.objective = make_objective(family, out.built, cfg.perf)
     return out
@@ -708,7 +711,9 @@ def _estimated_micro_batch(cfg: Config, env: Environment, model: Model) -> int:
             cfg.model.overrides,
             batch_size=b,
             block_size=cfg.train.block_size,
-            activation_checkpointing=cfg.perf.activation_checkpointing,
+            activation_checkpointing=checkpointing.resolve(
+                cfg.perf.activation_checkpointing, cfg.lora.enabled
+            )[0],
             gpu="H100",
             num_gpus=env.dist.world_size,
             strategy="fsdp" if env.dist.sharded else "ddp",

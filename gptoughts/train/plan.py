@@ -266,6 +266,7 @@ def _memory(
         > 1  # the estimate knows no pipeline stages (it printed 227 GiB for 100 measured at 8b)
     ):
         return None, None, None, None
+    from gptoughts.perf import checkpointing
     from gptoughts.perf.estimate import estimate
 
     args = {k: v for k, v in asdict(model.args).items()}
@@ -279,7 +280,9 @@ def _memory(
             args,
             batch_size=batch.micro_batch,
             block_size=batch.block_size,
-            activation_checkpointing=cfg.perf.activation_checkpointing,
+            activation_checkpointing=checkpointing.resolve(
+                cfg.perf.activation_checkpointing, cfg.lora.enabled
+            )[0],
             loss="chunked" if env.device.type == "cuda" else "plain",
             gpu=gpu,
             residual_dtype=residual,

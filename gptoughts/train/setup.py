@@ -23,7 +23,7 @@ from gptoughts.config import LoraConfig, ParallelConfig, PerfConfig, TrainConfig
 from gptoughts.errors import ConfigError, HardwareError, UserError
 from gptoughts.models import layers
 from gptoughts.parallel import dist as pdist
-from gptoughts.perf.checkpointing import apply_activation_checkpointing
+from gptoughts.perf import checkpointing
 from gptoughts.perf.hardware import HardwareProfile
 from gptoughts.sampling import uncompiled
 
@@ -317,6 +317,7 @@ def apply_transforms(
     precision: str = "fp32",
     parallel: ParallelConfig | None = None,
     family: str = "",
+    lora: LoraConfig | None = None,
 ) -> Built:
     resolved: dict[str, object] = {}
     why: dict[str, str] = {}
@@ -362,9 +363,10 @@ def apply_transforms(
 
         apply_tp(raw, dist.mesh["tp"], family)
     # 3. activation checkpointing, inside the compiled region
+    ac, why["activation_checkpointing"] = checkpointing.resolve(perf.activation_checkpointing, lora)
     for part in parts:
-        apply_activation_checkpointing(part, perf.activation_checkpointing)
-    resolved["activation_checkpointing"] = perf.activation_checkpointing
+        checkpointing.apply_activation_checkpointing(part, ac)
+    resolved["activation_checkpointing"] = ac
     # 4. compile
     compiled, why["compile"] = compile_rule(perf, hw)
     compile_mode, mode_why = compile_mode_rule(perf, compiled, raw, family, dist, device)

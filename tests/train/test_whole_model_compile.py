@@ -225,3 +225,17 @@ def test_the_assembly_keeps_the_whole_model_for_long_runs_only(recorded, auto_pi
         if steps == 10:
             assert "blocks: auto: a run estimated at ~1 min" in built.why["compile"], built.why
     assert kept == {10: "blocks", 10**10: "model"}
+
+
+def test_activation_checkpointing_auto_is_selective_for_lora_only():
+    from gptoughts.config import LoraConfig
+    from gptoughts.perf.checkpointing import resolve
+
+    assert resolve("auto", LoraConfig(enabled=True))[0] == "selective"
+    assert (
+        resolve("auto", LoraConfig(enabled=True, quantize="4bit"))[0] == "none"
+    )  # would recompute 4-bit matmuls
+    assert resolve("auto", LoraConfig(enabled=False))[0] == "none"
+    assert resolve("auto", None)[0] == "none"
+    assert resolve("full", LoraConfig(enabled=True)) == ("full", "asked")
+    assert load_config("default", {}).perf.activation_checkpointing == "auto"
