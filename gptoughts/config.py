@@ -284,7 +284,7 @@ class PerfConfig:
     without FSDP."""
     activation_checkpointing: Literal["auto", "none", "selective", "full"] = "auto"
     """none, selective (recompute cheap ops, keep matmul outputs), full (recompute whole blocks) or auto (selective
-    for LoRA: 19% less memory for 2% of the speed at 1b; none otherwise)."""
+    for LoRA: 19% less memory for 2-5% of the speed at 1b; none otherwise)."""
     sdpa_backend: Literal["auto", "flash", "cudnn", "efficient", "math", "fa4"] = "auto"
     """Attention kernel: fa4: FlashAttention-4 (pip install flash-attn-4; Hopper/Blackwell GPUs) for causal and
     bidirectional attention and sliding windows in bf16/fp16, SDPA for the rest (KV-cache decoding, fp32);

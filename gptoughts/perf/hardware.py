@@ -210,7 +210,7 @@ def recommend(p: HardwareProfile) -> dict[str, object]:
         "fp8": p.arch in ("hopper", "blackwell"),  # Ada has fp8 tensor cores but small models rarely gain
         "fused_adamw": True,
         "batch_size": "auto",
-        "activation_checkpointing": "selective for LoRA (19% less memory, 2% slower at 1b), else none",
+        "activation_checkpointing": "selective for LoRA (19% less memory, 2-5% slower at 1b), else none",
         # bf16 residual stream: +1 to +6% tokens/s on an H200 (bench/BENCHMARKS.md); only acts under bf16
         "residual_dtype": "bf16" if p.bf16 else "fp32",
     }
