@@ -133,9 +133,7 @@ def _fsdp_reshard(
             cfg.model.overrides,
             batch_size=t.batch_size,
             block_size=t.block_size,
-            activation_checkpointing=checkpointing.resolve(
-                cfg.perf.activation_checkpointing, cfg.lora.enabled
-            )[0],
+            activation_checkpointing=checkpointing.resolve(cfg.perf.activation_checkpointing, cfg.lora)[0],
             num_gpus=info.world_size,
             strategy="fsdp",
             optimizer=t.optimizer,
@@ -711,9 +709,7 @@ def _estimated_micro_batch(cfg: Config, env: Environment, model: Model) -> int:
             cfg.model.overrides,
             batch_size=b,
             block_size=cfg.train.block_size,
-            activation_checkpointing=checkpointing.resolve(
-                cfg.perf.activation_checkpointing, cfg.lora.enabled
-            )[0],
+            activation_checkpointing=checkpointing.resolve(cfg.perf.activation_checkpointing, cfg.lora)[0],
             gpu="H100",
             num_gpus=env.dist.world_size,
             strategy="fsdp" if env.dist.sharded else "ddp",

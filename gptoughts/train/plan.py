@@ -280,9 +280,7 @@ def _memory(
             args,
             batch_size=batch.micro_batch,
             block_size=batch.block_size,
-            activation_checkpointing=checkpointing.resolve(
-                cfg.perf.activation_checkpointing, cfg.lora.enabled
-            )[0],
+            activation_checkpointing=checkpointing.resolve(cfg.perf.activation_checkpointing, cfg.lora)[0],
             loss="chunked" if env.device.type == "cuda" else "plain",
             gpu=gpu,
             residual_dtype=residual,
