@@ -60,6 +60,9 @@ def setup_environment(cfg: Config) -> Environment:
     # torch's RMSNorm says it cannot use its fused kernel when a bf16 residual meets an fp32 weight: expected
     # (perf.residual_dtype), and compiled blocks fuse the norm anyway. Not a thing for the user to act on.
     warnings.filterwarnings("ignore", message="Mismatch dtype between input and weight")
+    # FlashAttention-4's CuTe DSL says, at each kernel's first compile, that an argument of its own is passed as a
+    # runtime value (flash-attn-4 4.0.0b36); two "warning:" lines per run for the user, nothing to act on.
+    warnings.filterwarnings("ignore", message=r"Argument aux_data .* cannot be converted to a JitArgument")
     device = hardware.resolve_device(cfg.perf.device)
     # torch.compile's caches (inductor's FX graphs, AOTAutograd's graphs, autotuning results) default to /tmp,
     # which a reboot or a cluster's job cleanup empties; beside the token cache they last, so a second run of
