@@ -39,6 +39,14 @@ def _policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+def _draws_randomness(model: nn.Module) -> bool:
+    """Blocks that may draw random numbers: an active dropout module in them (LoRA's adapter dropout), or blocks
+    that are not ours (a transformers model's own code may use functional dropout); our families' draw none."""
+    blocks = list(model.layers.children())
+    active = any(isinstance(m, nn.Dropout) and m.p > 0 for b in blocks for m in b.modules())
+    return active or any(not type(b).__module__.startswith("gptoughts.") for b in blocks)
+
+
 def _selective_context():
     return create_selective_checkpoint_contexts(_policy)
 
@@ -67,6 +75,10 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
     # wrapped block puts the recomputation inside the compiled graph. Its state-dict hooks strip the wrapper's
     # prefix, so checkpoints written with and without activation checkpointing are interchangeable.
     extra = {} if mode == "full" else {"context_fn": _selective_context}
+    # A recomputation draws the forward's random numbers again (LoRA's dropout masks) only with the block's RNG
+    # state restored (a copy of the RNG states per block and step; torch.compile replays them itself): done where
+    # the blocks draw random numbers, else gradients would follow other masks than the loss.
+    preserve = _draws_randomness(model)
     # By child name: ``layers`` is a ModuleList, or a pipeline stage's ModuleDict keyed by block index.
     for name, block in list(model.layers.named_children()):
-        setattr(model.layers, name, checkpoint_wrapper(block, preserve_rng_state=False, **extra))
+        setattr(model.layers, name, checkpoint_wrapper(block, preserve_rng_state=preserve, **extra))

@@ -276,6 +276,36 @@ def test_activation_checkpointing_keeps_gradients_and_keys():
     assert torch.allclose(grads["none"], grads["full"], atol=1e-6)
 
 
+def test_activation_checkpointing_replays_the_dropout_masks_of_lora():
+    """LoRA's adapter dropout under recomputation (eager): the gradients follow the forward's masks."""
+    from gptoughts import models
+    from gptoughts.config import LoraConfig
+    from gptoughts.perf.checkpointing import _draws_randomness, apply_activation_checkpointing
+    from gptoughts.train.setup import apply_lora
+
+    x = torch.randint(0, 512, (2, 16))
+    grads = {}
+    for mode in ("none", "selective", "full"):
+        torch.manual_seed(0)
+        base = models.build_model("llama", models.model_args("llama", "debug", {}))
+        assert not _draws_randomness(base)  # ours draw none: no RNG state copies for them
+        m = apply_lora(base, LoraConfig(enabled=True, dropout=0.5), device=torch.device("cpu"))
+        assert _draws_randomness(m)
+        quiet = apply_lora(
+            models.build_model("llama", models.model_args("llama", "debug", {})),
+            LoraConfig(enabled=True, dropout=0.0),
+            device=torch.device("cpu"),
+        )
+        assert not _draws_randomness(quiet)  # no dropout: the measured LoRA path is unchanged
+        apply_activation_checkpointing(m, mode)
+        torch.manual_seed(1)
+        m(x).float().logsumexp(-1).sum().backward()
+        grads[mode] = torch.cat([p.grad.flatten() for p in m.parameters() if p.grad is not None])
+    assert grads["none"].abs().sum() > 0
+    assert torch.allclose(grads["none"], grads["selective"], atol=1e-6)
+    assert torch.allclose(grads["none"], grads["full"], atol=1e-6)
+
+
 def test_tune_table_and_winner(tmp_path):
     from gptoughts.tools.tune import best, format_table, run_tune, write_winner
 
