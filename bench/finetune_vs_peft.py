@@ -7,7 +7,9 @@ the same random token batches, with the same settings:
 * frozen base weights in bf16, LoRA adapters in fp32 (PEFT's default), forward under bf16 autocast;
 * LoRA r=16, alpha=32, dropout 0 (PEFT's default; `--dropout`) on q/k/v/o/gate/up/down projections of every
   block (ours folds each adapter into its frozen weight for the step when there is no dropout: perf/lora.py);
-* SDPA attention, no activation checkpointing, AdamW (fused on CUDA) on the adapters, grad clip 1.0.
+* SDPA attention (ours: FA4 where installed), AdamW (fused on CUDA) on the adapters, grad clip 1.0; no activation
+  checkpointing for transformers + PEFT, ours as `gptoughts finetune --lora` runs it (selective by default since
+  session 10; `--variants '[{"perf.activation_checkpointing": "none"}]'` times it without).
 
 What differs is the implementation: ours runs the native Llama (GQA through SDPA without repeating k/v, fused
 RMSNorm), compiles each block (``perf.compile = auto``), and computes the LM-head loss in chunks so the fp32

@@ -39,11 +39,14 @@ def _policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+_DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
+
+
 def _draws_randomness(model: nn.Module) -> bool:
     """Blocks that may draw random numbers: an active dropout module in them (LoRA's adapter dropout), or blocks
     that are not ours (a transformers model's own code may use functional dropout); our families' draw none."""
     blocks = list(model.layers.children())
-    active = any(isinstance(m, nn.Dropout) and m.p > 0 for b in blocks for m in b.modules())
+    active = any(isinstance(m, _DROPOUTS) and m.p > 0 for b in blocks for m in b.modules())
     return active or any(not type(b).__module__.startswith("gptoughts.") for b in blocks)
 
 
@@ -53,7 +56,7 @@ def _selective_context():
 
 def resolve(mode: str, lora: LoraConfig | None) -> tuple[str, str]:
     """What ``perf.activation_checkpointing`` becomes, and why. ``auto``: selective when training LoRA adapters on
-    a bf16/fp32 base (their inputs are saved besides the base's activations; at 1b on an H100, 19% less peak memory
+    a base that is not quantized (their inputs are saved besides the base's activations; at 1b on an H100, 19% less peak memory
     for 2-5% of the speed, bench/BENCHMARKS.md session 10), none otherwise (QLoRA's 4-bit matmuls are not saved by
     the selective policy: it would recompute them; pretraining's auto batch uses the memory)."""
     if mode != "auto":

@@ -187,7 +187,7 @@ def recommend(p: HardwareProfile) -> dict[str, object]:
             "fp8": False,
             "fused_adamw": False,
             "batch_size": "small fixed (auto batch needs a GPU)",
-            "activation_checkpointing": "none",
+            "activation_checkpointing": "selective for LoRA, else none",
             "residual_dtype": "fp32",
         }
     if p.arch == "mps":
@@ -197,7 +197,7 @@ def recommend(p: HardwareProfile) -> dict[str, object]:
             "fp8": False,
             "fused_adamw": False,
             "batch_size": "fixed",
-            "activation_checkpointing": "none",
+            "activation_checkpointing": "selective for LoRA, else none",
             "residual_dtype": "fp32",
         }
     precision = "bf16" if p.bf16 else "fp16"

@@ -283,20 +283,23 @@ def test_activation_checkpointing_replays_the_dropout_masks_of_lora():
     from gptoughts.perf.checkpointing import _draws_randomness, apply_activation_checkpointing
     from gptoughts.train.setup import apply_lora
 
-    x = torch.randint(0, 512, (2, 16))
-    grads = {}
-    for mode in ("none", "selective", "full"):
+    def lora_model(dropout: float) -> torch.nn.Module:
         torch.manual_seed(0)
         base = models.build_model("llama", models.model_args("llama", "debug", {}))
         assert not _draws_randomness(base)  # ours draw none: no RNG state copies for them
-        m = apply_lora(base, LoraConfig(enabled=True, dropout=0.5), device=torch.device("cpu"))
+        m = apply_lora(base, LoraConfig(enabled=True, dropout=dropout), device=torch.device("cpu"))
+        for name, p in m.named_parameters():
+            if "lora_B" in name:  # PEFT starts B at zero, which leaves A's gradient (it reads the mask) zero
+                torch.nn.init.normal_(p, std=0.02)
+        return m
+
+    assert not _draws_randomness(lora_model(0.0))  # no dropout: the measured LoRA path is unchanged
+    torch.manual_seed(2)
+    x = torch.randint(0, 512, (2, 16))
+    grads = {}
+    for mode in ("none", "selective", "full"):
+        m = lora_model(0.5)
         assert _draws_randomness(m)
-        quiet = apply_lora(
-            models.build_model("llama", models.model_args("llama", "debug", {})),
-            LoraConfig(enabled=True, dropout=0.0),
-            device=torch.device("cpu"),
-        )
-        assert not _draws_randomness(quiet)  # no dropout: the measured LoRA path is unchanged
         apply_activation_checkpointing(m, mode)
         torch.manual_seed(1)
         m(x).float().logsumexp(-1).sum().backward()
