@@ -258,9 +258,9 @@ class PerfConfig:
     non-embedding parameters in one process, for runs estimated at 20 minutes or more; blocks otherwise)."""
     cuda_graphs: bool = False
     """Replay the compiled training graphs as CUDA graphs (torch.compile mode reduce-overhead): no kernel-launch
-    gaps, more memory (gradients stay allocated between steps). Off by default: it pays where the GPU waits on
-    launches at small fixed batches (47M at 32 x 512 tokens: 1.32x with whole-model compile), not on the user's
-    path, whose auto batch is large (47M, 125m: +0.2%, -0.7%; bench/BENCHMARKS.md)."""
+    gaps, more memory (gradients stay allocated between steps). Off by default: it gained nothing on the user's
+    path, whose auto batch is large (47M, 125m: +0.2%, -0.7%), and at the 47M shape's fixed 32 x 512 batch it is now
+    slower than the whole model without it (0.86x; 1.32x in session 5; bench/BENCHMARKS.md)."""
     max_autotune: bool = False
     """Inductor benchmarks Triton matmul templates against cuBLAS and fuses epilogues (compile takes minutes)."""
     residual_dtype: Literal["auto", "fp32", "bf16"] = "auto"
