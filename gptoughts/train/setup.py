@@ -133,19 +133,13 @@ def compile_mode_rule(
         )
     if any(not p.requires_grad for p in raw.parameters()):
         return "blocks", "auto: per-block with frozen weights (LoRA: whole-model compile measured no faster)"
-    n = _non_embedding_params(raw)
+    n = raw.num_params(non_embedding=True)  # llama and gpt2: our DecoderLM
     if n > WHOLE_MODEL_MAX_PARAMS:
         return "blocks", f"auto: per-block above {WHOLE_MODEL_MAX_PARAMS / 1e6:.0f}M non-embedding parameters"
     return (
         "model",
         f"auto: whole model at {n / 1e6:.0f}M non-embedding parameters (3-6% faster steps below 400M)",
     )
-
-
-def _non_embedding_params(raw: nn.Module) -> int:
-    if hasattr(raw, "num_params"):
-        return int(raw.num_params(non_embedding=True))
-    return sum(p.numel() for p in raw.parameters())
 
 
 def fp8_rule(perf: PerfConfig, hw: HardwareProfile, model: nn.Module) -> tuple[bool, str]:

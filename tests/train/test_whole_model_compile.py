@@ -7,6 +7,7 @@ traced, and that the values are the model's."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ import torch
 from gptoughts import models
 from gptoughts.config import load_config
 from gptoughts.parallel.dist import DistInfo
+from gptoughts.perf import hardware
 from gptoughts.perf.hardware import HardwareProfile
 from gptoughts.train import setup
 
@@ -70,20 +72,8 @@ def test_auto_compiles_small_dense_models_whole_in_one_process():
 
 
 def _cpu_hw() -> HardwareProfile:
-    return HardwareProfile(
-        device="cpu",
-        name="cpu",
-        arch="cpu",
-        compute_capability=None,
-        memory_bytes=None,
-        gpu_count=0,
-        cpu_count=2,
-        peak_bf16_flops=None,
-        bf16=False,
-        fp16=False,
-        fp8=False,
-        compile=True,
-    )
+    """This CPU's profile, with a working torch.compile (the tests replace its backend)."""
+    return dataclasses.replace(hardware.detect("cpu"), compile=True)
 
 
 @pytest.fixture
