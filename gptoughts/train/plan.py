@@ -135,6 +135,9 @@ class RunPlan:
             lines.append(f"  pipeline: {self.resolved['pipeline']}")
         if "optimizer" in self.resolved:
             lines.append(f"  optimizer: {self.resolved['optimizer']}")
+        ac = str(self.resolved.get("activation_checkpointing", "none"))
+        if not ac.startswith("none"):
+            lines.append(f"  activation checkpointing: {ac}")
         if not str(self.resolved.get("compile", "False")).startswith("False"):
             graphs = self.resolved.get("cuda_graphs")
             lines.append(f"  compile: {self.resolved['compile']}" + ("; CUDA graphs" if graphs else ""))

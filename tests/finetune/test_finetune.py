@@ -115,6 +115,7 @@ def test_generic_architecture_trains_through_the_trainer(hf_model, tmp_path, ft_
     )
     out = capsys.readouterr().out
     assert "gpt_neox" in out and "native fast path" in out and "one SFT example per row" in out
+    assert "activation checkpointing: selective (auto: LoRA" in out  # the plan names LoRA's default
     losses = run_losses(run)
     assert sorted(losses) == [1, 2, 3, 4] and all(v == v for v in losses.values())
     assert json.loads((run / "run.json").read_text())["generic"] is True
