@@ -30,8 +30,11 @@
 #            whole model, and the whole model with CUDA graphs, at 125m, the 47M shape (block 512), 350m and gpt2
 #            small; each run's plan, first-step line, steady tokens/s of windows without an evaluation and done line in
 #            OUT_DIR/small.txt (SHAPES, VARIANTS: subsets).
-#   lora:    bench/finetune_vs_peft.py at 1b, seq 2048, batch 4, dropout 0 and 0.05 (FA4 where installed); LORA_VARIANTS:
-#            its --variants (JSON list of config overrides for ours, each timed as a row of its own).
+#   lora:    bench/finetune_vs_peft.py at 1b, seq 2048, batch 4, dropout 0 and 0.05 (LORA_DROPOUTS: a subset; FA4 where
+#            installed); LORA_VARIANTS: its --variants (JSON list of config overrides for ours, each timed as a row).
+#   fp8:     3b, seq 2048, batch 4: bf16, fp8 tensorwise and fp8 with fast accumulation in the backward matmuls too,
+#            twice each, side by side (bench/gpu_matrix.py --only 3b-fp8-levers, OUT_DIR/fp8.jsonl); then, unless
+#            PARITY=0, 300 steps of each on real shards (bench/fp8_vs_bf16_loss.sh, OUT_DIR/parity).
 set -uo pipefail
 out=$1 part=$2
 mkdir -p "$out"
@@ -268,9 +271,19 @@ PY
   done
 fi
 if [ "$part" = lora ]; then
-  for d in 0 0.05; do
+  for d in ${LORA_DROPOUTS:-0 0.05}; do
     python3 bench/finetune_vs_peft.py --size 1b --seq 2048 --batch 4 --steps 15 --warmup 5 --dropout $d \
       --variants "${LORA_VARIANTS:-[]}" --out "$out/lora-dropout$d.json" > "$out/lora-dropout$d.log" 2>&1
     grep -A8 "^LoRA fine-tuning" "$out/lora-dropout$d.log" | tee -a "$out/lora.txt"
   done
+fi
+
+if [ "$part" = fp8 ]; then
+  python3 bench/gpu_matrix.py --out "$out/fp8.jsonl" --only 3b-fp8-levers --steps 10 --warmup 4 2>&1 \
+    | grep -v "^W1\|^  " | tee "$out/fp8.txt"
+  if [ "${PARITY:-1}" = 1 ]; then
+    bash bench/fp8_vs_bf16_loss.sh "$out/parity" fp8="--fp8" fp8_fast="--fp8 --perf.fp8_fast_accum true" \
+      > "$out/parity.log" 2>&1
+    tail -40 "$out/parity.log" | tee -a "$out/fp8.txt"
+  fi
 fi

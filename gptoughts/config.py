@@ -274,6 +274,9 @@ class PerfConfig:
     """tensorwise (one scale per tensor, fastest) or rowwise (one scale per row, more robust)."""
     fp8_bf16_end_layers: int = 0
     """With fp8: keep the first and the last this-many transformer blocks in bf16 (closer loss, less speed)."""
+    fp8_fast_accum: bool = False
+    """With fp8: the backward's matmuls (input and weight gradients) also accumulate in the tensor cores' fast,
+    lower-precision mode, as the forward's already do (torchao's default keeps them precise)."""
     gpu_memory_gib: float | None = None
     """Use at most this much of the GPU's memory (``torch.cuda.set_per_process_memory_fraction``); the plan, the
     estimate and ``--batch_size auto`` see a GPU of this size. To rehearse a run meant for a smaller GPU, or to

@@ -9,6 +9,8 @@ not multiples of 16 (the fp8 tensor-core kernels need them).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import nn
 
@@ -51,11 +53,16 @@ def fp8_module_filter(module: nn.Module, fqn: str, n_layers: int = 0, bf16_end_l
 
 
 def convert_to_fp8(
-    model: nn.Module, recipe: str = "tensorwise", bf16_end_layers: int = 0, fsdp_all_gather: bool = False
+    model: nn.Module,
+    recipe: str = "tensorwise",
+    bf16_end_layers: int = 0,
+    fsdp_all_gather: bool = False,
+    fast_accum: bool = False,
 ) -> int:
     """Swap eligible ``nn.Linear`` modules for torchao ``Float8Linear``; returns how many were converted.
     ``fsdp_all_gather``: FSDP2 all-gathers their weights in fp8 (tensorwise only; call
-    :func:`precompute_scales` after each optimizer step)."""
+    :func:`precompute_scales` after each optimizer step). ``fast_accum``: the two backward matmuls use the fast
+    accumulation mode too (torchao uses it for the forward's only)."""
     if recipe not in RECIPES:
         raise UserError(f"unknown fp8 recipe {recipe!r}; use one of {', '.join(RECIPES)}")
     if fsdp_all_gather and recipe != "tensorwise":
@@ -63,7 +70,7 @@ def convert_to_fp8(
             "perf.fp8_all_gather needs --fp8_recipe tensorwise (torchao gathers one scale per tensor)"
         )
     try:
-        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+        from torchao.float8 import Float8GemmConfig, Float8LinearConfig, convert_to_float8_training
     except ImportError:
         raise UserError("--fp8 needs torchao: pip install 'gptoughts[fp8]' (torchao >= 0.9)") from None
     n_layers = len(model.layers)
@@ -74,9 +81,10 @@ def convert_to_fp8(
     count = sum(1 for fqn, m in model.named_modules() if keep(m, fqn))
     config = Float8LinearConfig.from_recipe_name(recipe)
     if fsdp_all_gather:
-        from dataclasses import replace
-
         config = replace(config, enable_fsdp_float8_all_gather=True)
+    if fast_accum:
+        fast = Float8GemmConfig(use_fast_accum=True)
+        config = replace(config, gemm_config_grad_input=fast, gemm_config_grad_weight=fast)
     convert_to_float8_training(model, config=config, module_filter_fn=keep)
     return count
 

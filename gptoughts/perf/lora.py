@@ -17,6 +17,14 @@ merged path when it computes the same thing, and falls back to PEFT's otherwise 
 several active adapters, DoRA and other variants, a mixed-adapter batch, a base layer that is not a plain
 ``nn.Linear`` such as a 4-bit one, a trainable base weight, or fewer than ``in*out/(in+out)`` tokens in the
 call, where PEFT's side path is the cheaper one: decoding, tiny batches).
+
+With dropout on the adapter input (training only) the adapter cannot be folded: ``y = x W^T + s (d A^T) B^T``
+with ``d = dropout(x)``. PEFT computes it as three matmuls, a scale and an add, and its output keeps both the base's
+and the adapter's ``[tokens, out]`` results for the backward when selective activation checkpointing recomputes
+the sum. Here the adapter's product is added to the base's output by the matmul itself
+(``addmm(x W^T, d A^T, B^T, alpha=s)``): one ``[tokens, out]`` tensor leaves the layer, and the backward needs only
+``d`` (recomputed from ``x`` and the dropout's saved RNG state under selective checkpointing and torch.compile),
+``u = d A^T`` and the weights. The dropout itself stays PEFT's module, so the masks are drawn as PEFT draws them.
 """
 
 from __future__ import annotations
@@ -64,6 +72,41 @@ class _MergedLoraLinear(torch.autograd.Function):
         return dx, None, None, da, db, None
 
 
+class _LoraLinear(torch.autograd.Function):
+    """``y = x W^T + bias + s (d A^T) B^T`` with ``d`` the adapter's (dropped-out) input and a frozen ``W`` (and
+    bias); gradients for ``x`` (base path), ``d`` (adapter path; autograd takes it back through the dropout), ``A``
+    and ``B``. Every tensor arrives in the compute dtype."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        d: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        scaling: float,
+    ) -> torch.Tensor:
+        u = torch.mm(d.reshape(-1, d.shape[-1]), a.t())  # [tokens, r]
+        y = F.linear(x, weight, bias).reshape(-1, weight.shape[0])
+        ctx.save_for_backward(d, weight, a, b, u)
+        ctx.scaling = scaling
+        return torch.addmm(y, u, b.t(), alpha=scaling).view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        d, weight, a, b, u = ctx.saved_tensors
+        s = ctx.scaling
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        g = torch.mm(dy2, b).mul_(s)  # s dy B: [tokens, r]
+        dx = torch.mm(dy2, weight).view(*dy.shape[:-1], weight.shape[1]) if ctx.needs_input_grad[0] else None
+        dd = torch.mm(g, a).view(d.shape) if ctx.needs_input_grad[1] else None
+        da = torch.mm(g.t(), d.reshape(-1, d.shape[-1])) if ctx.needs_input_grad[4] else None
+        db = torch.mm(dy2.t(), u).mul_(s) if ctx.needs_input_grad[5] else None
+        return dx, dd, None, None, da, db, None
+
+
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     if torch.is_autocast_enabled(x.device.type):
         return torch.get_autocast_dtype(x.device.type)
@@ -74,28 +117,32 @@ class MergedLoraLinear(PeftLoraLinear):
     """PEFT's LoRA ``Linear`` whose forward folds the adapter into the frozen weight when that is exact (see the
     module docstring); registered for ``nn.Linear`` through ``peft.LoraConfig._register_custom_module``."""
 
+    def _dropout_active(self, name: str) -> bool:
+        dropout = self.lora_dropout[name]
+        return self.training and not isinstance(dropout, nn.Identity) and getattr(dropout, "p", 1.0) > 0
+
     def _merged_path_ok(self, x: torch.Tensor, kwargs: dict[str, Any]) -> str | None:
-        """The one active adapter when the merged forward computes what PEFT's forward would, else None."""
+        """The one active adapter when our forward (merged, or with dropout the fused adapter add) computes what
+        PEFT's forward would, else None."""
         if self.disable_adapters or self.merged or kwargs or type(self.base_layer) is not nn.Linear:
             return None
         active = [a for a in self.active_adapters if a in self.lora_A]
         if len(active) != 1:
             return None
         name = active[0]
-        dropout = self.lora_dropout[name]
-        if self.training and not isinstance(dropout, nn.Identity) and getattr(dropout, "p", 1.0) > 0:
-            return None
         base = self.base_layer
+        if name in self.lora_variant or self.lora_bias.get(name, False) or base.weight.requires_grad:
+            return None
+        if base.bias is not None and base.bias.requires_grad:
+            return None
+        if self._dropout_active(name):
+            return name  # no fold: the fused adapter add costs what PEFT's side path costs at any size
         # Folding costs ~in*out*r FLOPs and a weight-sized write per call, PEFT's side path ~tokens*(in+out)*r:
         # below in*out/(in+out) tokens (decoding, tiny batches) PEFT's forward is the cheaper one.
         if (
             x.numel() // max(1, x.shape[-1]) * (base.in_features + base.out_features)
             < base.in_features * base.out_features
         ):
-            return None
-        if name in self.lora_variant or self.lora_bias.get(name, False) or base.weight.requires_grad:
-            return None
-        if base.bias is not None and base.bias.requires_grad:
             return None
         return name
 
@@ -108,7 +155,11 @@ class MergedLoraLinear(PeftLoraLinear):
         a = self.lora_A[name].weight.to(dt)
         b = self.lora_B[name].weight.to(dt)
         bias = None if base.bias is None else base.bias.to(dt)
+        scaling = float(self.scaling[name])
+        if self._dropout_active(name):
+            x = x.to(dt)
+            d = self.lora_dropout[name](x)
+            with torch.autocast(x.device.type, enabled=False):
+                return _LoraLinear.apply(x, d, base.weight.to(dt), bias, a, b, scaling)
         with torch.autocast(x.device.type, enabled=False):
-            return _MergedLoraLinear.apply(
-                x.to(dt), base.weight.to(dt), bias, a, b, float(self.scaling[name])
-            )
+            return _MergedLoraLinear.apply(x.to(dt), base.weight.to(dt), bias, a, b, scaling)

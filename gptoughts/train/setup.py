@@ -332,8 +332,12 @@ def apply_transforms(
 
         check_fp8_supported(device)
         gather = perf.fp8_all_gather and dist.strategy == "fsdp"
-        resolved["fp8_linears"] = convert_to_fp8(raw, perf.fp8_recipe, perf.fp8_bf16_end_layers, gather)
+        resolved["fp8_linears"] = convert_to_fp8(
+            raw, perf.fp8_recipe, perf.fp8_bf16_end_layers, gather, perf.fp8_fast_accum
+        )
         resolved["fp8"] = perf.fp8_recipe
+        if perf.fp8_fast_accum:
+            resolved["fp8_fast_accum"] = True
         if perf.fp8_all_gather:
             resolved["fp8_all_gather"] = gather
             why["fp8_all_gather"] = "asked" if gather else "asked, but only FSDP all-gathers weights: off"

@@ -236,6 +236,28 @@ def test_fp8_filter_skips_head_router_and_odd_dims():
     )
 
 
+@pytest.mark.parametrize("fast", [False, True])
+def test_fp8_fast_accum_reaches_the_backward_matmuls(fast):
+    from torch import nn
+
+    pytest.importorskip("torchao.float8")
+    from gptoughts.perf.fp8 import convert_to_fp8
+
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList([nn.ModuleDict({"wq": nn.Linear(32, 64)}) for _ in range(2)])
+            self.output = nn.Linear(32, 100)
+
+    m = M()
+    assert convert_to_fp8(m, "tensorwise", fast_accum=fast) == 2
+    cfg = m.layers[0]["wq"].config
+    assert cfg.gemm_config_output.use_fast_accum  # torchao's forward default either way
+    assert cfg.gemm_config_grad_input.use_fast_accum is fast
+    assert cfg.gemm_config_grad_weight.use_fast_accum is fast
+    assert type(m.output) is nn.Linear
+
+
 def test_step_timer_and_advice():
     t = StepTimer(torch.device("cpu"))
     for _ in range(3):
