@@ -276,7 +276,9 @@ class PerfConfig:
     """With fp8: keep the first and the last this-many transformer blocks in bf16 (closer loss, less speed)."""
     fp8_fast_accum: bool = False
     """With fp8: the backward's matmuls (input and weight gradients) also accumulate in the tensor cores' fast,
-    lower-precision mode, as the forward's already do (torchao's default keeps them precise)."""
+    lower-precision mode, as the forward's already do (torchao's default keeps them precise). 3b on an H100:
+    1.23-1.24x bf16 instead of 1.19-1.21x; 300-step losses of 3 runs no worse than bf16's, but nothing longer was
+    checked, hence off by default (bench/BENCHMARKS.md, 2026-11-23 session 11)."""
     gpu_memory_gib: float | None = None
     """Use at most this much of the GPU's memory (``torch.cuda.set_per_process_memory_fraction``); the plan, the
     estimate and ``--batch_size auto`` see a GPU of this size. To rehearse a run meant for a smaller GPU, or to
@@ -381,7 +383,7 @@ class LoraConfig:
     """Scale: the update is ``alpha / r * B @ A``."""
     dropout: float = 0.0
     """Dropout on the adapters' input (0, PEFT's default, allows the merged forward below; 0.05-0.1 is common
-    for small data sets and takes PEFT's standard, slower path)."""
+    for small data sets: the adapter then runs beside the base matmul, ~18% slower at 1b)."""
     target_modules: list[str] = field(default_factory=list)
     """Module names to adapt (suffixes, e.g. ``wq,wv`` natively or ``q_proj,v_proj`` on transformers models);
     empty means every linear layer of the transformer blocks (attention and MLP projections)."""
@@ -394,7 +396,9 @@ class LoraConfig:
     """Fold each adapter into its frozen weight (``W + alpha/r * B @ A``) for the step instead of running it
     beside the base matmul: same result, one matmul per layer (gptoughts/perf/lora.py). Applies when the
     adapter input has no dropout (or in eval), the base is not 4-bit and the call has enough tokens to pay for
-    the fold (training batches, not decoding); false keeps PEFT's own forward."""
+    the fold (training batches, not decoding). With adapter dropout in training, the adapter's product is added
+    in the base matmul's epilogue instead (one output kept for the backward instead of two: 0.67x the peak memory
+    of PEFT's layer at 1b). false keeps PEFT's own forward."""
 
 
 @dataclass

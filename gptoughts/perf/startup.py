@@ -92,5 +92,6 @@ class Startup:
             return ""
         return (
             "; this Python writes no bytecode caches (PYTHONDONTWRITEBYTECODE or -B), so every start compiles "
-            "torch's sources again: unset it, or set PYTHONPYCACHEPREFIX to a writable folder, to start faster"
+            "torch's sources again: unset it to start faster (and, where the installation is read-only, set "
+            "PYTHONPYCACHEPREFIX to a writable folder: the prefix alone writes nothing while the flag is set)"
         )
