@@ -277,7 +277,7 @@ class PerfConfig:
     fp8_fast_accum: bool = False
     """With fp8: the backward's matmuls (input and weight gradients) also accumulate in the tensor cores' fast,
     lower-precision mode, as the forward's already do (torchao's default keeps them precise). 3b on an H100:
-    1.23-1.24x bf16 instead of 1.19-1.21x; 300-step losses of 3 runs no worse than bf16's, but nothing longer was
+    1.23-1.24x bf16 instead of 1.19-1.21x (tensorwise; rowwise not measured); 300-step losses of 3 runs no worse than bf16's, but nothing longer was
     checked, hence off by default (bench/BENCHMARKS.md, 2026-11-23 session 11)."""
     gpu_memory_gib: float | None = None
     """Use at most this much of the GPU's memory (``torch.cuda.set_per_process_memory_fraction``); the plan, the
@@ -397,8 +397,8 @@ class LoraConfig:
     beside the base matmul: same result, one matmul per layer (gptoughts/perf/lora.py). Applies when the
     adapter input has no dropout (or in eval), the base is not 4-bit and the call has enough tokens to pay for
     the fold (training batches, not decoding). With adapter dropout in training, the adapter's product is added
-    in the base matmul's epilogue instead (one output kept for the backward instead of two: 0.67x the peak memory
-    of PEFT's layer at 1b). false keeps PEFT's own forward."""
+    to the base's output in the adapter matmul's epilogue instead (compiled: one output kept for the backward
+    instead of two, 0.67x the peak memory of PEFT's layer at 1b). false keeps PEFT's own forward."""
 
 
 @dataclass

@@ -13,18 +13,21 @@ Measured on an H200 (bench/BENCHMARKS.md, 2026-11-22 session 3, LoRA 1b seq 2048
 layer in the same trainer and process. The
 class is a subclass of PEFT's own ``lora.Linear`` (registered through PEFT's custom-module dispatch), so the
 parameters, their names, ``merge_and_unload`` and everything else stay PEFT's; only ``forward`` takes the
-merged path when it computes the same thing, and falls back to PEFT's otherwise (dropout active in training,
-several active adapters, DoRA and other variants, a mixed-adapter batch, a base layer that is not a plain
+merged path when it computes the same thing (or, with dropout, the path below), and falls back to PEFT's otherwise
+(several active adapters, DoRA and other variants, a mixed-adapter batch, a base layer that is not a plain
 ``nn.Linear`` such as a 4-bit one, a trainable base weight, or fewer than ``in*out/(in+out)`` tokens in the
 call, where PEFT's side path is the cheaper one: decoding, tiny batches).
 
 With dropout on the adapter input (training only) the adapter cannot be folded: ``y = x W^T + s (d A^T) B^T``
 with ``d = dropout(x)``. PEFT computes it as three matmuls, a scale and an add, and its output keeps both the base's
-and the adapter's ``[tokens, out]`` results for the backward when selective activation checkpointing recomputes
-the sum. Here the adapter's product is added to the base's output by the matmul itself
-(``addmm(x W^T, d A^T, B^T, alpha=s)``): one ``[tokens, out]`` tensor leaves the layer, and the backward needs only
-``d`` (recomputed from ``x`` and the dropout's saved RNG state under selective checkpointing and torch.compile),
-``u = d A^T`` and the weights. The dropout itself stays PEFT's module, so the masks are drawn as PEFT draws them.
+and the adapter's ``[tokens, out]`` results for the backward when selective activation checkpointing (compiled)
+recomputes the sum. Here the base's output is the ``C`` input of the adapter's skinny matmul
+(``addmm(x W^T, d A^T, B^T, alpha=s)``: the add happens in that matmul's epilogue): one ``[tokens, out]`` tensor
+leaves the layer, and the backward needs only ``d`` (recomputed from ``x`` and the dropout's saved RNG state under
+selective checkpointing and torch.compile), ``u = d A^T`` and the weights. (Eager selective checkpointing caches
+every matmul output, the intermediate ``x W^T`` too: the memory gain is the compiled path's.) The dropout is PEFT's
+module applied to ``x`` in the compute dtype; PEFT applies it after casting ``x`` to the adapters' dtype (fp32),
+so on CUDA the masks are other draws of the same distribution (equal where ``x`` already has the adapters' dtype).
 """
 
 from __future__ import annotations
