@@ -33,9 +33,18 @@ _SAVE_OPS = {
 }
 
 
+# FlashAttention-4's op (perf/attention.py) is registered on first use, hence matched by its name; so are LoRA's
+# matmul with the adapter's add (perf/lora.py) and its dropout bits (perf/dropout.py, 1/16 of a bf16 activation,
+# kept rather than drawn again)
+_SAVE_OP_NAMES = {
+    "gptoughts.fa4_fwd.default",
+    "gptoughts.linear_add_lowrank.default",
+    "gptoughts.dropout_bits.default",
+}
+
+
 def _policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    # FlashAttention-4's op (perf/attention.py) is registered on first use, hence matched by its name
-    save = op in _SAVE_OPS or str(op) == "gptoughts.fa4_fwd.default"
+    save = op in _SAVE_OPS or str(op) in _SAVE_OP_NAMES
     return CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.PREFER_RECOMPUTE
 
 

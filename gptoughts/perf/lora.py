@@ -21,13 +21,14 @@ call, where PEFT's side path is the cheaper one: decoding, tiny batches).
 With dropout on the adapter input (training only) the adapter cannot be folded: ``y = x W^T + s (d A^T) B^T``
 with ``d = dropout(x)``. PEFT computes it as three matmuls, a scale and an add, and its output keeps both the base's
 and the adapter's ``[tokens, out]`` results for the backward when selective activation checkpointing (compiled)
-recomputes the sum. Here the base's output is the ``C`` input of the adapter's skinny matmul
-(``addmm(x W^T, d A^T, B^T, alpha=s)``: the add happens in that matmul's epilogue): one ``[tokens, out]`` tensor
-leaves the layer, and the backward needs only ``d`` (recomputed from ``x`` and the dropout's saved RNG state under
-selective checkpointing and torch.compile), ``u = d A^T`` and the weights. (Eager selective checkpointing caches
-every matmul output, the intermediate ``x W^T`` too: the memory gain is the compiled path's.) The dropout is PEFT's
-module applied to ``x`` in the compute dtype; PEFT applies it after casting ``x`` to the adapters' dtype (fp32),
-so on CUDA the masks are other draws of the same distribution (equal where ``x`` already has the adapters' dtype).
+recomputes the sum. Here the adapter's skinny matmul accumulates into the base's output
+(``(x W^T).addmm_(d A^T, B^T, alpha=s)``: the add happens in that matmul's epilogue): one ``[tokens, out]`` tensor
+leaves the layer. The dropout is ours (gptoughts/perf/dropout.py): its mask is drawn from a seed (from torch's
+generator at each call) at eight elements per Philox call where torch.compile's dropout draws one per element per
+pass, and kept as one bit per element for the backward, which applies it to ``x`` for ``dA`` and to ``v A`` for
+``dx`` (the masks are other draws than PEFT's, of the same distribution to within
+1/131072 of the rate). (Eager selective checkpointing caches every matmul output, the intermediate ``x W^T`` too:
+the memory gain is the compiled path's.)
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ import torch
 import torch.nn.functional as F
 from peft.tuners.lora.layer import Linear as PeftLoraLinear
 from torch import nn
+
+from gptoughts.perf.dropout import apply_bits, dropout_bits, new_seed
 
 
 class _MergedLoraLinear(torch.autograd.Function):
@@ -75,39 +78,66 @@ class _MergedLoraLinear(torch.autograd.Function):
         return dx, None, None, da, db, None
 
 
+@torch.library.custom_op("gptoughts::linear_add_lowrank", mutates_args=())
+def _linear_add_lowrank(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    u: torch.Tensor,
+    b: torch.Tensor,
+    scaling: float,
+) -> torch.Tensor:
+    """``x W^T + bias + s u B^T`` as two cuBLAS calls, the second accumulating into the first's output. An op of its
+    own because torch.compile lowers ``addmm(y, u, B^T)`` to an out-of-place call that first copies ``y`` (a
+    device-to-device copy of every LoRA layer's output: 3.9-4.2 ms of a 1b step, bench/BENCHMARKS.md session 12)."""
+    return F.linear(x, weight, bias).addmm_(u, b.t(), alpha=scaling)
+
+
+@_linear_add_lowrank.register_fake
+def _(x, weight, bias, u, b, scaling):
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
 class _LoraLinear(torch.autograd.Function):
-    """``y = x W^T + bias + s (d A^T) B^T`` with ``d`` the adapter's (dropped-out) input and a frozen ``W`` (and
-    bias); gradients for ``x`` (base path), ``d`` (adapter path; autograd takes it back through the dropout), ``A``
-    and ``B``. Every tensor arrives in the compute dtype."""
+    """``y = x W^T + bias + s (drop(x) A^T) B^T`` with ``drop`` the seeded dropout of rate ``p`` and a frozen ``W``
+    (and bias); gradients for ``x``, ``A`` and ``B``. The mask is kept as bits (one per element) for the backward.
+    Every tensor arrives in the compute dtype."""
 
     @staticmethod
     def forward(
         ctx: Any,
         x: torch.Tensor,
-        d: torch.Tensor,
+        seed: torch.Tensor,
         weight: torch.Tensor,
         bias: torch.Tensor | None,
         a: torch.Tensor,
         b: torch.Tensor,
         scaling: float,
+        p: float,
     ) -> torch.Tensor:
-        u = torch.mm(d.reshape(-1, d.shape[-1]), a.t())  # [tokens, r]
-        y = F.linear(x, weight, bias).reshape(-1, weight.shape[0])
-        ctx.save_for_backward(d, weight, a, b, u)
-        ctx.scaling = scaling
-        return torch.addmm(y, u, b.t(), alpha=scaling).view(*x.shape[:-1], weight.shape[0])
+        x2 = x.reshape(-1, x.shape[-1])
+        bits = dropout_bits(seed, x2.numel(), p)
+        u = torch.mm(apply_bits(x2, bits, p), a.t())  # [tokens, r]
+        ctx.save_for_backward(x, bits, weight, a, b, u)
+        ctx.scaling, ctx.p = scaling, p
+        return _linear_add_lowrank(x2, weight, bias, u, b, scaling).view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        d, weight, a, b, u = ctx.saved_tensors
-        s = ctx.scaling
+        x, bits, weight, a, b, u = ctx.saved_tensors
+        s, p = ctx.scaling, ctx.p
         dy2 = dy.reshape(-1, dy.shape[-1])
         g = torch.mm(dy2, b).mul_(s)  # s dy B: [tokens, r]
-        dx = torch.mm(dy2, weight).view(*dy.shape[:-1], weight.shape[1]) if ctx.needs_input_grad[0] else None
-        dd = torch.mm(g, a).view(d.shape) if ctx.needs_input_grad[1] else None
-        da = torch.mm(g.t(), d.reshape(-1, d.shape[-1])) if ctx.needs_input_grad[4] else None
-        db = torch.mm(dy2.t(), u).mul_(s) if ctx.needs_input_grad[5] else None
-        return dx, dd, None, None, da, db, None
+        dx = da = db = None
+        if ctx.needs_input_grad[
+            0
+        ]:  # dy W + drop(g A): the add fuses with the mask and the neighbours' kernels
+            dx = (torch.mm(dy2, weight) + apply_bits(torch.mm(g, a), bits, p)).view(x.shape)
+        if ctx.needs_input_grad[4]:
+            da = torch.mm(g.t(), apply_bits(x.reshape(-1, x.shape[-1]), bits, p))
+        if ctx.needs_input_grad[5]:
+            db = torch.mm(dy2.t(), u).mul_(s)
+        return dx, None, None, None, da, db, None, None
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -160,9 +190,8 @@ class MergedLoraLinear(PeftLoraLinear):
         bias = None if base.bias is None else base.bias.to(dt)
         scaling = float(self.scaling[name])
         if self._dropout_active(name):
-            x = x.to(dt)
-            d = self.lora_dropout[name](x)
+            p, seed = float(self.lora_dropout[name].p), new_seed(x.device)
             with torch.autocast(x.device.type, enabled=False):
-                return _LoraLinear.apply(x, d, base.weight.to(dt), bias, a, b, scaling)
+                return _LoraLinear.apply(x.to(dt), seed, base.weight.to(dt), bias, a, b, scaling, p)
         with torch.autocast(x.device.type, enabled=False):
             return _MergedLoraLinear.apply(x.to(dt), base.weight.to(dt), bias, a, b, scaling)

@@ -68,14 +68,33 @@ def test_merged_forward_matches_peft_outputs_and_gradients_in_fp32(monkeypatch):
     assert all(p.grad is None for n, p in ours.named_parameters() if not p.requires_grad)
 
 
+def _seeded_like_ours(ref: nn.Module, seeds: list[torch.Tensor], p: float) -> None:
+    """PEFT's layers with their dropout replaced by the seeded dropout of the seeds our layers drew, in order."""
+    from gptoughts.perf.dropout import seeded_dropout
+
+    for layer, seed in zip((ref.base_model.model.up, ref.base_model.model.down), seeds, strict=True):
+        layer.lora_dropout["default"].forward = lambda t, seed=seed: seeded_dropout(t, seed, p)
+
+
+def _spy_seeds(monkeypatch) -> list[torch.Tensor]:
+    from gptoughts.perf import lora
+
+    seeds: list[torch.Tensor] = []
+    real = lora._LoraLinear.apply
+    monkeypatch.setattr(lora._LoraLinear, "apply", lambda *a: seeds.append(a[1]) or real(*a))
+    return seeds
+
+
 @pytest.mark.parametrize("dropout", [0.0, 0.1])  # the merged forward, the fused adapter add
-def test_our_forward_under_bf16_autocast_keeps_fp32_adapter_grads(dropout):
+def test_our_forward_under_bf16_autocast_keeps_fp32_adapter_grads(dropout, monkeypatch):
     ref, ours = _pair(dropout=dropout)
+    seeds = _spy_seeds(monkeypatch)
     x = torch.randn(2, 9, 24)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        torch.manual_seed(3)
         y, _, g = _grads(ours, x)
-        torch.manual_seed(3)
+        assert len(seeds) == (2 if dropout else 0)
+        if dropout:
+            _seeded_like_ours(ref, seeds, dropout)
         y_ref, _, g_ref = _grads(ref, x)
     assert y.dtype == y_ref.dtype == torch.bfloat16
     assert (y.float() - y_ref.float()).abs().max().item() <= 0.05 * y_ref.float().abs().max().item()
@@ -84,27 +103,26 @@ def test_our_forward_under_bf16_autocast_keeps_fp32_adapter_grads(dropout):
         assert torch.nn.functional.cosine_similarity(g[n].flatten(), g_ref[n].flatten(), dim=0) > 0.99, n
 
 
-def test_dropout_in_training_takes_the_fused_adapter_path_with_peft_masks_and_gradients(monkeypatch):
-    from gptoughts.perf import lora
-
+def test_dropout_in_training_takes_the_fused_adapter_path_with_the_seeded_masks_and_their_gradients(
+    monkeypatch,
+):
+    """With adapter dropout our layer's outputs and hand-written gradients equal autograd's through PEFT's
+    ``x W^T + b + s B(A(drop(x)))`` with the seeded masks our forward drew."""
     ref, ours = _pair(dropout=0.5)
-    applied = []
-    real = lora._LoraLinear.apply
-    monkeypatch.setattr(lora._LoraLinear, "apply", lambda *a: applied.append(1) or real(*a))
+    seeds = _spy_seeds(monkeypatch)
     x = torch.randn(4, 8, 24)
     ours.train(), ref.train()
     torch.manual_seed(1)
     y, dx, g = _grads(ours, x)
-    torch.manual_seed(1)
+    assert len(seeds) == 2 and not torch.equal(seeds[0], seeds[1])  # both layers, a fresh seed each
+    _seeded_like_ours(ref, seeds, 0.5)
     y_ref, dx_ref, g_ref = _grads(ref, x)
-    assert len(applied) == 2  # both layers ran the fused adapter add, not PEFT's forward
-    # the same dropout masks (PEFT's own dropout module draws them), outputs and gradients
     assert (y - y_ref).abs().max().item() <= 1e-5
     assert (dx - dx_ref).abs().max().item() <= 1e-5
     assert g.keys() == g_ref.keys() and len(g) == 4
     for n in g:
         assert (g[n] - g_ref[n]).abs().max().item() <= 1e-5 * max(1.0, g_ref[n].abs().max().item()), n
-    torch.manual_seed(2)  # other masks: another output (the dropout is really applied)
+    torch.manual_seed(2)  # other seeds, other masks: another output (the dropout is really applied)
     assert (ours(x) - y).abs().max().item() > 1e-3
 
 

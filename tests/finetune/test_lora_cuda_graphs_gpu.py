@@ -1,0 +1,56 @@
+"""LoRA fine-tuning with adapter dropout under compiled CUDA graphs (``--perf.cuda_graphs true``, the switch that
+takes LoRA 1b past 2x transformers + PEFT: bench/BENCHMARKS.md session 12): the run trains, evaluates, samples,
+checkpoints only the adapters and exports. Skipped without CUDA."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from hf_helpers import FT_FAST, hf_logits
+
+from gptoughts import api
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.05])
+def test_lora_with_cuda_graphs_trains_evaluates_and_exports(hf_model, tmp_path, ft_cache, dropout):
+    rows = [{"prompt": f"add {a} {b}", "response": f"{a + b}"} for a in range(8) for b in range(6)]
+    data = tmp_path / "d.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    base = hf_model("llama")
+    run = tmp_path / "run"
+    o = dict(FT_FAST)
+    o.update(
+        {
+            "train.block_size": 64,
+            "train.sample_prompts": ["add 1 2"],
+            "train.sample_interval": 15,
+            "train.eval_interval": 10,
+            "data.val_fraction": 0.1,
+            "perf.device": "cuda",
+            "perf.precision": "bf16",
+            "perf.compile": True,
+            "perf.cuda_graphs": True,
+            "lora.dropout": dropout,
+            "train.max_steps": 30,
+            "train.learning_rate": 1e-2,
+        }
+    )
+    model, _, _ = api.finetune(model_path=str(base), data_path=str(data), lora=True, save_dir=str(run), **o)
+    records = [json.loads(r) for r in (run / "metrics.jsonl").read_text().splitlines()]
+    losses = {r["step"]: r["loss"] for r in records if "loss" in r}
+    assert [r["step"] for r in records if "val_loss" in r][:3] == [10, 20, 30]
+    first, last = sum(losses[s] for s in range(1, 6)) / 5, sum(losses[s] for s in range(26, 31)) / 5
+    assert last < 0.8 * first, (first, last)
+    out = api.export(run, tmp_path / "out")
+    merged = api.load(run, device="cpu").model.merge_and_unload()
+    ids = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ours = merged(ids)
+    assert (ours - hf_logits(out, ids)).abs().max().item() <= 1e-4
