@@ -256,11 +256,12 @@ class PerfConfig:
     graph for training: +2-6% steady tokens/s at 47M-125m on the user's path, ~20 s more compile; evaluations and
     the auto-batch probe still run the per-block graphs) or auto (model for llama and gpt2 up to 400M
     non-embedding parameters in one process, for runs estimated at 20 minutes or more; blocks otherwise)."""
-    cuda_graphs: bool = False
+    cuda_graphs: bool | str = "auto"
     """Replay the compiled training graphs as CUDA graphs (torch.compile mode reduce-overhead): no kernel-launch
-    gaps, more memory (gradients stay allocated between steps). Off by default: it gained nothing on the user's
-    path, whose auto batch is large (47M, 125m: +0.2%, -0.7%), and at the 47M shape's fixed 32 x 512 batch it is now
-    slower than the whole model without it (0.86x; 1.32x in session 5; bench/BENCHMARKS.md)."""
+    gaps, more memory (gradients stay allocated between steps). auto: on for LoRA on a Llama base in one CUDA
+    process (short steps of many small kernels: +6% at 1b without adapter dropout, +7-20% with it), off otherwise:
+    it gained nothing on pretraining's path, whose auto batch is large (47M, 125m: +0.2%, -0.7%), and at the 47M
+    shape's fixed 32 x 512 batch it is slower than the whole model without it (0.86x; bench/BENCHMARKS.md)."""
     max_autotune: bool = False
     """Inductor benchmarks Triton matmul templates against cuBLAS and fuses epilogues (compile takes minutes)."""
     residual_dtype: Literal["auto", "fp32", "bf16"] = "auto"
@@ -943,7 +944,7 @@ def validate(cfg: Config) -> None:
             "--train.optimizer_states bf16"
         )
     check_parallel(cfg.parallel)
-    for name in ("compile", "fp8", "fused_adamw"):
+    for name in ("compile", "cuda_graphs", "fp8", "fused_adamw"):
         value = getattr(cfg.perf, name)
         if isinstance(value, str) and value != "auto":
             raise ConfigError(f"perf.{name} must be true, false or auto; got {value!r}")

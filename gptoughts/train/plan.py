@@ -139,8 +139,9 @@ class RunPlan:
         if not ac.startswith("none"):
             lines.append(f"  activation checkpointing: {ac}")
         if not str(self.resolved.get("compile", "False")).startswith("False"):
-            graphs = self.resolved.get("cuda_graphs")
-            lines.append(f"  compile: {self.resolved['compile']}" + ("; CUDA graphs" if graphs else ""))
+            graphs = str(self.resolved.get("cuda_graphs", ""))  # "True" or "True (why)" when on
+            graphs = f"; CUDA graphs{graphs[4:]}" if graphs.startswith("True") else ""
+            lines.append(f"  compile: {self.resolved['compile']}{graphs}")
         mem = (
             "memory: not estimated"
             if self.memory_gib is None

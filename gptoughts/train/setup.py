@@ -109,6 +109,30 @@ WHOLE_MODEL_MAX_PARAMS = 400_000_000
 _WHOLE_MODEL_FAMILIES = ("llama", "gpt2")
 
 
+def cuda_graphs_rule(
+    perf: PerfConfig,
+    compiled: bool,
+    family: str,
+    lora: LoraConfig | None,
+    dist: pdist.DistInfo,
+    device: torch.device,
+) -> tuple[bool, str]:
+    """What ``perf.cuda_graphs`` becomes, and why. ``auto``: on for LoRA adapters over a bf16/fp32 Llama base,
+    compiled, in one CUDA process. Measured on one H100 (bench/BENCHMARKS.md session 12, LoRA 1b, seq 2048, batch
+    4): a LoRA step is short and launches many small kernels (the adapters' skinny matmuls, the dropout bits), so
+    kernel launches left the GPU idle ~9% of it; replayed as CUDA graphs, 79.6k -> 84.3k tokens/s at dropout 0
+    and 61-69k -> 73.3-73.5k at dropout 0.05, for +0.03 GiB. Pretraining's auto batch makes steps long enough that
+    graphs gain nothing there (session 10), and other families, QLoRA's 4-bit matmuls and several processes
+    were not measured with them: off."""
+    if perf.cuda_graphs != "auto":
+        return bool(perf.cuda_graphs), "asked"
+    one_process = not dist.enabled and not dist.sharded
+    if compiled and device.type == "cuda" and family == "llama" and one_process:
+        if lora is not None and lora.enabled and lora.quantize == "none":
+            return True, "auto: LoRA in one process, whose short steps wait on kernel launches"
+    return False, "auto"
+
+
 def compile_mode_rule(
     perf: PerfConfig,
     compiled: bool,
@@ -245,7 +269,7 @@ def inductor_mode(perf: PerfConfig) -> str | None:
         (True, False): "reduce-overhead",
         (False, True): "max-autotune-no-cudagraphs",
         (True, True): "max-autotune",
-    }[(bool(perf.cuda_graphs), bool(perf.max_autotune))]
+    }[(perf.cuda_graphs is True, bool(perf.max_autotune))]  # "auto" is resolved by cuda_graphs_rule first
 
 
 def _residual_to_bf16(module: nn.Module, args: object, out: torch.Tensor) -> torch.Tensor:
@@ -370,10 +394,13 @@ def apply_transforms(
     compile_mode, mode_why = compile_mode_rule(perf, compiled, raw, family, dist, device)
     if compiled:
         why["compile"] += f"; {compile_mode}: {mode_why}"
-    perf = replace(perf, compile_mode=compile_mode)
+    graphs, graphs_why = cuda_graphs_rule(perf, compiled, family, lora, dist, device)
+    perf = replace(perf, compile_mode=compile_mode, cuda_graphs=graphs)
     resolved["compile"] = compile_mode if compiled else False
-    if compiled and perf.cuda_graphs:
+    if compiled and graphs:
         resolved["cuda_graphs"] = True
+        if graphs_why != "asked":
+            why["cuda_graphs"] = graphs_why
     # Whole-model compile in a replicated run also compiles each block: evaluations (no_grad) and the auto-batch
     # probe run the per-block graphs (Built.per_block), so the whole model is compiled once, for training, at
     # the run's batch shape (each probe's batch would recompile it: +94 s to the first step at 125m; an

@@ -1,6 +1,6 @@
-"""LoRA fine-tuning with adapter dropout under compiled CUDA graphs (``--perf.cuda_graphs true``, the switch that
-takes LoRA 1b past 2x transformers + PEFT: bench/BENCHMARKS.md session 12): the run trains, evaluates, samples,
-checkpoints only the adapters and exports. Skipped without CUDA."""
+"""LoRA fine-tuning on a GPU runs as CUDA graphs by default (``perf.cuda_graphs = auto``: LoRA 1b past 2x
+transformers + PEFT, bench/BENCHMARKS.md session 12), with and without adapter dropout: the run says so, trains,
+evaluates, samples, checkpoints and exports. Skipped without CUDA."""
 
 from __future__ import annotations
 
@@ -36,13 +36,14 @@ def test_lora_with_cuda_graphs_trains_evaluates_and_exports(hf_model, tmp_path, 
             "perf.device": "cuda",
             "perf.precision": "bf16",
             "perf.compile": True,
-            "perf.cuda_graphs": True,
             "lora.dropout": dropout,
             "train.max_steps": 30,
             "train.learning_rate": 1e-2,
         }
     )
     model, _, _ = api.finetune(model_path=str(base), data_path=str(data), lora=True, save_dir=str(run), **o)
+    resolved = json.loads((run / "run.json").read_text())["resolved"]
+    assert resolved["cuda_graphs"].startswith("True (auto: LoRA"), resolved
     records = [json.loads(r) for r in (run / "metrics.jsonl").read_text().splitlines()]
     losses = {r["step"]: r["loss"] for r in records if "loss" in r}
     assert [r["step"] for r in records if "val_loss" in r][:3] == [10, 20, 30]

@@ -460,6 +460,35 @@ def test_compile_modes_and_their_validation():
         run_bench(load_config("default", {**BENCH, "perf.cuda_graphs": True}), steps=1, warmup=0)
 
 
+def test_cuda_graphs_auto_is_on_for_lora_on_a_llama_base_in_one_cuda_process_only():
+    from types import SimpleNamespace
+
+    from gptoughts.config import LoraConfig
+    from gptoughts.errors import ConfigError
+    from gptoughts.train.setup import cuda_graphs_rule
+
+    auto = load_config("default", {}).perf
+    assert auto.cuda_graphs == "auto"
+    lora, one = LoraConfig(enabled=True), SimpleNamespace(enabled=False, sharded=False)
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    on, why = cuda_graphs_rule(auto, True, "llama", lora, one, cuda)
+    assert on and why.startswith("auto: LoRA")
+    off = [
+        (False, "llama", lora, one, cuda),  # not compiled
+        (True, "llama", lora, one, cpu),
+        (True, "deepseek", lora, one, cuda),  # other families: not measured
+        (True, "llama", None, one, cuda),  # pretraining: long steps, no gain (session 10)
+        (True, "llama", LoraConfig(enabled=True, quantize="4bit"), one, cuda),
+        (True, "llama", lora, SimpleNamespace(enabled=True, sharded=False), cuda),
+    ]
+    for args in off:
+        assert cuda_graphs_rule(auto, *args) == (False, "auto"), args
+    asked = load_config("default", {"perf.cuda_graphs": False}).perf
+    assert cuda_graphs_rule(asked, True, "llama", lora, one, cuda) == (False, "asked")
+    with pytest.raises(ConfigError, match="cuda_graphs must be true, false or auto"):
+        load_config("default", {"perf.cuda_graphs": "maybe"})
+
+
 def test_gpu_idle_gaps_between_kernels():
     from gptoughts.perf.timing import summarize_gaps
 
