@@ -188,6 +188,7 @@ def recommend(p: HardwareProfile) -> dict[str, object]:
             "fused_adamw": False,
             "batch_size": "small fixed (auto batch needs a GPU)",
             "activation_checkpointing": "selective for LoRA, else none",
+            "cuda_graphs": False,
             "residual_dtype": "fp32",
         }
     if p.arch == "mps":
@@ -198,6 +199,7 @@ def recommend(p: HardwareProfile) -> dict[str, object]:
             "fused_adamw": False,
             "batch_size": "fixed",
             "activation_checkpointing": "selective for LoRA, else none",
+            "cuda_graphs": False,
             "residual_dtype": "fp32",
         }
     precision = "bf16" if p.bf16 else "fp16"
@@ -211,6 +213,8 @@ def recommend(p: HardwareProfile) -> dict[str, object]:
         "fused_adamw": True,
         "batch_size": "auto",
         "activation_checkpointing": "selective for LoRA (19% less memory, 2-5% slower at 1b), else none",
+        # LoRA steps are many small kernels: 1.06-1.2x at 1b with the launches replayed (train/setup.py, BENCHMARKS)
+        "cuda_graphs": "on for LoRA on a Llama base in one process, else off" if p.compile else False,
         # bf16 residual stream: +1 to +6% tokens/s on an H200 (bench/BENCHMARKS.md); only acts under bf16
         "residual_dtype": "bf16" if p.bf16 else "fp32",
     }
