@@ -258,8 +258,9 @@ class PerfConfig:
     non-embedding parameters in one process, for runs estimated at 20 minutes or more; blocks otherwise)."""
     cuda_graphs: bool | str = "auto"
     """Replay the compiled training graphs as CUDA graphs (torch.compile mode reduce-overhead): no kernel-launch
-    gaps, more memory (gradients stay allocated between steps). auto: on for LoRA on a Llama base in one CUDA
-    process (short steps of many small kernels: +6% at 1b without adapter dropout, +7-20% with it), off otherwise:
+    gaps, more memory (gradients stay allocated between steps). auto: on for LoRA (not QLoRA) on a Llama base,
+    compiled, in one CUDA process, not in fp16 (short steps of many small kernels: +6% at 1b without adapter
+    dropout, +7-20% with it), off otherwise:
     it gained nothing on pretraining's path, whose auto batch is large (47M, 125m: +0.2%, -0.7%), and at the 47M
     shape's fixed 32 x 512 batch it is slower than the whole model without it (0.86x; bench/BENCHMARKS.md)."""
     max_autotune: bool = False
@@ -385,8 +386,9 @@ class LoraConfig:
     """Scale: the update is ``alpha / r * B @ A``."""
     dropout: float = 0.0
     """Dropout on the adapters' input (0, PEFT's default, allows the merged forward below; 0.05-0.1 is common
-    for small data sets: the adapter then runs beside the base matmul, ~13% slower at 1b). Our layer draws the
-    mask from its own seeded generator (gptoughts/perf/dropout.py): the rate is this value to within 1/131072."""
+    for small data sets: the adapter then runs beside the base matmul, ~13% slower at 1b). Our layer (below)
+    draws the mask from a seed taken from torch's generator (gptoughts/perf/dropout.py): the rate is this value
+    to within 1/131072; with ``merged_forward false`` or QLoRA, PEFT's dropout module draws it."""
     target_modules: list[str] = field(default_factory=list)
     """Module names to adapt (suffixes, e.g. ``wq,wv`` natively or ``q_proj,v_proj`` on transformers models);
     empty means every linear layer of the transformer blocks (attention and MLP projections)."""

@@ -20,6 +20,8 @@ reference, the same function in PyTorch integer ops.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 _M32 = 0xFFFFFFFF
@@ -74,7 +76,7 @@ def reference_bits(seed: torch.Tensor, n: int, p: float) -> torch.Tensor:
 
 def apply_bits(x: torch.Tensor, bits: torch.Tensor, p: float) -> torch.Tensor:
     """``x`` with the elements whose bit is 0 zeroed and the rest scaled by ``65536 / (65536 - t)``, computed in
-    fp32 and returned in ``x``'s dtype (element-wise ops that torch.compile fuses with their neighbours)."""
+    fp32 (fp64 for fp64) and returned in ``x``'s dtype (element-wise ops that torch.compile fuses with their neighbours)."""
     _, scale = threshold_and_scale(p)
     n = x.numel()
     flat = x.reshape(-1)
@@ -83,7 +85,8 @@ def apply_bits(x: torch.Tensor, bits: torch.Tensor, p: float) -> torch.Tensor:
         flat = torch.nn.functional.pad(flat, (0, pad))
     shifts = torch.arange(8, device=x.device, dtype=torch.int32)
     keep = ((bits.view(-1, 1).to(torch.int32) >> shifts) & 1).bool()
-    out = torch.where(keep, flat.view(-1, 8).float() * scale, 0.0).to(x.dtype).view(-1)
+    wide = torch.promote_types(x.dtype, torch.float32)
+    out = torch.where(keep, flat.view(-1, 8).to(wide) * scale, 0.0).to(x.dtype).view(-1)
     return (out[:n] if pad else out).view(x.shape)
 
 
@@ -122,10 +125,19 @@ if triton is not None:
         return out
 
 
+@functools.cache
+def _triton_runs_on(index: int) -> bool:
+    return triton is not None and torch.cuda.get_device_capability(index) >= (7, 0)  # Triton's oldest GPUs
+
+
 def dropout_bits(seed: torch.Tensor, n: int, p: float) -> torch.Tensor:
     """The keep mask of ``n`` elements at rate ``p`` as ``ceil(n / 8)`` bytes (bit ``k`` of byte ``j``: element
     ``8 j + k``); the same seed gives the same mask."""
-    if seed.is_cuda and triton is not None:
+    # compiled, the GPU runs inductor's own Triton kernels (no check traced); eager, the GPU may be too old
+    kernel = seed.is_cuda and triton is not None
+    if kernel and not torch.compiler.is_compiling():
+        kernel = _triton_runs_on(seed.device.index if seed.device.index is not None else 0)
+    if kernel:
         return torch.ops.gptoughts.dropout_bits(seed, -(-n // 8), threshold_and_scale(p)[0])
     return reference_bits(seed, n, p)
 

@@ -27,8 +27,7 @@ leaves the layer. The dropout is ours (gptoughts/perf/dropout.py): its mask is d
 generator at each call) at eight elements per Philox call where torch.compile's dropout draws one per element per
 pass, and kept as one bit per element for the backward, which applies it to ``x`` for ``dA`` and to ``v A`` for
 ``dx`` (the masks are other draws than PEFT's, of the same distribution to within
-1/131072 of the rate). (Eager selective checkpointing caches every matmul output, the intermediate ``x W^T`` too:
-the memory gain is the compiled path's.)
+1/131072 of the rate).
 """
 
 from __future__ import annotations
@@ -169,7 +168,9 @@ class MergedLoraLinear(PeftLoraLinear):
         if base.bias is not None and base.bias.requires_grad:
             return None
         if self._dropout_active(name):
-            return name  # no fold: the fused adapter add costs what PEFT's side path costs at any size
+            # no fold: the fused adapter add costs what PEFT's side path costs at any size; our layer draws the
+            # mask itself, so a dropout module other than nn.Dropout (replaced by the user) keeps PEFT's forward
+            return name if type(self.lora_dropout[name]) is nn.Dropout else None
         # Folding costs ~in*out*r FLOPs and a weight-sized write per call, PEFT's side path ~tokens*(in+out)*r:
         # below in*out/(in+out) tokens (decoding, tiny batches) PEFT's forward is the cheaper one.
         if (

@@ -100,7 +100,7 @@ def compile_rule(perf: PerfConfig, hw: HardwareProfile) -> tuple[bool, str]:
 # Whole-model compile against per-block compile, measured on the user's path on one H100 (`train` with auto batch,
 # bench/BENCHMARKS.md, session 10): steady tokens/s +4.2% at 125m, +5.6% at 47M, +2.2% at gpt2 small, for ~20-25 s
 # more compile at the first step. CUDA graphs on top gained nothing there (the auto batch is large: 86 x 2048
-# tokens at 125m), so they stay a switch.
+# tokens at 125m): cuda_graphs_rule keeps them for LoRA.
 WHOLE_MODEL_MIN_RUN_S = 1200
 """``compile_mode = auto`` keeps the whole model for runs estimated at least this long (break-even: ~8 min at
 125m, ~19 min at gpt2 small)."""
@@ -116,9 +116,10 @@ def cuda_graphs_rule(
     lora: LoraConfig | None,
     dist: pdist.DistInfo,
     device: torch.device,
+    precision: str = "bf16",
 ) -> tuple[bool, str]:
-    """What ``perf.cuda_graphs`` becomes, and why. ``auto``: on for LoRA adapters over a bf16/fp32 Llama base,
-    compiled, in one CUDA process. Measured on one H100 (bench/BENCHMARKS.md session 12, LoRA 1b, seq 2048, batch
+    """What ``perf.cuda_graphs`` becomes, and why. ``auto``: on for LoRA adapters over a Llama base that is not
+    4-bit (QLoRA), compiled, in one CUDA process, in bf16 or fp32 (fp16's loss scaler was not measured with them). Measured on one H100 (bench/BENCHMARKS.md session 12, LoRA 1b, seq 2048, batch
     4): a LoRA step is short and launches many small kernels (the adapters' skinny matmuls, the dropout bits), so
     kernel launches left the GPU idle ~9% of it; replayed as CUDA graphs, 79.6k -> 84.3k tokens/s at dropout 0
     and 61-69k -> 73.3-73.5k at dropout 0.05, for +0.03 GiB. Pretraining's auto batch makes steps long enough that
@@ -127,7 +128,7 @@ def cuda_graphs_rule(
     if perf.cuda_graphs != "auto":
         return bool(perf.cuda_graphs), "asked"
     one_process = not dist.enabled and not dist.sharded
-    if compiled and device.type == "cuda" and family == "llama" and one_process:
+    if compiled and device.type == "cuda" and family == "llama" and one_process and precision != "fp16":
         if lora is not None and lora.enabled and lora.quantize == "none":
             return True, "auto: LoRA in one process, whose short steps wait on kernel launches"
     return False, "auto"
@@ -394,7 +395,7 @@ def apply_transforms(
     compile_mode, mode_why = compile_mode_rule(perf, compiled, raw, family, dist, device)
     if compiled:
         why["compile"] += f"; {compile_mode}: {mode_why}"
-    graphs, graphs_why = cuda_graphs_rule(perf, compiled, family, lora, dist, device)
+    graphs, graphs_why = cuda_graphs_rule(perf, compiled, family, lora, dist, device, precision)
     perf = replace(perf, compile_mode=compile_mode, cuda_graphs=graphs)
     resolved["compile"] = compile_mode if compiled else False
     if compiled and graphs:

@@ -55,3 +55,30 @@ def test_lora_with_cuda_graphs_trains_evaluates_and_exports(hf_model, tmp_path, 
     with torch.no_grad():
         ours = merged(ids)
     assert (ours - hf_logits(out, ids)).abs().max().item() <= 1e-4
+
+
+def test_dropout_masks_are_new_at_each_graph_replay_and_the_backward_applies_the_forwards():
+    """Replayed CUDA graphs draw new seeds (a mask frozen at capture would pass the training test above): over
+    identity adapters on a zero base the layer's output is the dropped input, and the input's gradient is non-zero
+    exactly where the forward kept it."""
+    from gptoughts.perf import dropout, lora
+
+    d = 256
+    w = torch.zeros(d, d, device="cuda", dtype=torch.bfloat16)
+    eye = torch.eye(d, device="cuda", dtype=torch.bfloat16)
+
+    def layer(x):
+        return lora._LoraLinear.apply(x, dropout.new_seed(x.device), w, None, eye, eye.clone(), 1.0, 0.3)
+
+    graphed = torch.compile(layer, mode="reduce-overhead", fullgraph=True)  # no eager fallback
+    masks = []
+    for _ in range(5):  # warm-up, recording, then replays
+        torch.compiler.cudagraph_mark_step_begin()
+        x = torch.ones(64, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        y = graphed(x)
+        y.float().sum().backward()
+        kept = (y != 0).clone()
+        assert 0.6 < kept.float().mean().item() < 0.8
+        assert torch.equal(kept, x.grad != 0)
+        masks.append(kept)
+    assert not torch.equal(masks[-1], masks[-2]) and not torch.equal(masks[-2], masks[-3])

@@ -126,6 +126,21 @@ def test_dropout_in_training_takes_the_fused_adapter_path_with_the_seeded_masks_
     assert (ours(x) - y).abs().max().item() > 1e-3
 
 
+def test_a_dropout_module_replaced_by_the_user_keeps_pefts_forward(monkeypatch):
+    class Half(nn.Dropout):  # a subclass with its own forward: our layer cannot draw its masks
+        def forward(self, t):
+            return t * 0.5
+
+    ref, ours = _pair(dropout=0.5)
+    seeds = _spy_seeds(monkeypatch)
+    for m in (ref, ours):
+        for layer in (m.base_model.model.up, m.base_model.model.down):
+            layer.lora_dropout["default"] = Half(0.5)
+    x = torch.randn(4, 8, 24)
+    ours.train(), ref.train()
+    assert (ours(x) - ref(x)).abs().max().item() <= 1e-5 and not seeds  # PEFT's forward, with the module
+
+
 def test_eval_takes_the_merged_path_and_tiny_calls_peft_side_path(monkeypatch):
     ref, ours = _pair(dropout=0.5)
     calls = []

@@ -45,6 +45,14 @@ def test_the_mask_is_a_function_of_the_seed_and_the_shape():
     assert torch.equal(dropout.seeded_dropout(x, torch.tensor([3]), 1e-6), x)
 
 
+def test_fp64_inputs_keep_fp64_precision():
+    x = torch.randn(50, dtype=torch.float64)
+    y = dropout.seeded_dropout(x, torch.tensor([5]), 0.3)
+    kept = y != 0
+    assert y.dtype == torch.float64
+    assert torch.equal(y[kept], x[kept] * dropout.threshold_and_scale(0.3)[1])
+
+
 def test_seeds_come_from_torchs_generator():
     torch.manual_seed(0)
     s = dropout.new_seed(torch.device("cpu"))
@@ -95,13 +103,13 @@ def test_compiled_lora_layer_under_selective_checkpointing_applies_the_forwards_
 
     def block(x):
         return lora._LoraLinear.apply(
-            torch.nn.functional.gelu(x), dropout.new_seed(x.device), w, None, eye, eye, 1.0, 0.3
+            torch.nn.functional.gelu(x), dropout.new_seed(x.device), w, None, eye, eye.clone(), 1.0, 0.3
         )
 
     def step(x):
         return checkpoint(block, x, use_reentrant=False, context_fn=checkpointing._selective_context)
 
-    for fn in (step, torch.compile(step)):
+    for fn in (step, torch.compile(step, fullgraph=True)):  # no eager fallback
         x = (torch.rand(8, 512, d, device="cuda") + 1).to(torch.bfloat16).requires_grad_(True)  # gelu(x) > 0
         y = fn(x)
         y.float().sum().backward()

@@ -191,6 +191,29 @@ def test_a_short_run_drops_the_auto_whole_model_compile(recorded, auto_picks_mod
     assert graphs.whole_model and not graphs.whole_model_auto and graphs.resolved["cuda_graphs"] is True
 
 
+def test_cuda_graphs_rule_decides_the_compile_mode_and_says_why(monkeypatch):
+    """``perf.cuda_graphs = auto`` as the rule resolves it: reduce-overhead blocks, gradients kept, the reason in the
+    plan; or nothing of it."""
+    args = models.model_args("llama", "debug", {"vocab_size": 256, "n_layers": 2})
+
+    def built(rule):
+        monkeypatch.setattr(setup, "cuda_graphs_rule", lambda *a: rule)
+        return setup.apply_transforms(
+            setup.build_raw_model("llama", args, torch.device("cpu"), seed=0),
+            perf=_perf(compile=True, compile_mode="blocks"),
+            hw=_cpu_hw(),
+            device=torch.device("cpu"),
+            dist=ONE,
+            family="llama",
+        )
+
+    on = built((True, "auto: LoRA test"))
+    assert on.resolved["cuda_graphs"] is True and on.why["cuda_graphs"] == "auto: LoRA test"
+    assert on.resolved["inductor_mode"] == "reduce-overhead" and on.keep_grads
+    off = built((False, "auto"))
+    assert "cuda_graphs" not in off.resolved and "inductor_mode" not in off.resolved and not off.keep_grads
+
+
 def test_the_assembly_keeps_the_whole_model_for_long_runs_only(recorded, auto_picks_model):
     from types import SimpleNamespace
 
