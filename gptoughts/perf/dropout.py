@@ -76,7 +76,8 @@ def reference_bits(seed: torch.Tensor, n: int, p: float) -> torch.Tensor:
 
 def apply_bits(x: torch.Tensor, bits: torch.Tensor, p: float) -> torch.Tensor:
     """``x`` with the elements whose bit is 0 zeroed and the rest scaled by ``65536 / (65536 - t)``, computed in
-    fp32 (fp64 for fp64) and returned in ``x``'s dtype (element-wise ops that torch.compile fuses with their neighbours)."""
+    fp32 (fp64 for fp64) and returned in ``x``'s dtype: element-wise ops that torch.compile fuses with their
+    neighbours."""
     _, scale = threshold_and_scale(p)
     n = x.numel()
     flat = x.reshape(-1)
@@ -105,9 +106,8 @@ if triton is not None:
 
     @triton.jit
     def _dropout_bits_kernel(seed_ptr, out_ptr, n_bytes, threshold, BLOCK: tl.constexpr):
-        j = tl.program_id(0) * BLOCK + tl.arange(
-            0, BLOCK
-        )  # int32 counters: Philox4x32 (int64 would pick 4x64)
+        # int32 counters: Philox4x32 (int64 counters would pick Philox4x64)
+        j = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         w0, w1, w2, w3 = tl.randint4x(tl.load(seed_ptr), j)
         byte = _bit(w0, 0, threshold, 0) | _bit(w0, 16, threshold, 1) | _bit(w1, 0, threshold, 2)
         byte = byte | _bit(w1, 16, threshold, 3) | _bit(w2, 0, threshold, 4) | _bit(w2, 16, threshold, 5)

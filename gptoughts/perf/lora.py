@@ -26,8 +26,7 @@ recomputes the sum. Here the adapter's skinny matmul accumulates into the base's
 leaves the layer. The dropout is ours (gptoughts/perf/dropout.py): its mask is drawn from a seed (from torch's
 generator at each call) at eight elements per Philox call where torch.compile's dropout draws one per element per
 pass, and kept as one bit per element for the backward, which applies it to ``x`` for ``dA`` and to ``v A`` for
-``dx`` (the masks are other draws than PEFT's, of the same distribution to within
-1/131072 of the rate).
+``dx`` (the masks are other draws than PEFT's, of the same distribution to within 1/131072 of the rate).
 """
 
 from __future__ import annotations
@@ -128,9 +127,8 @@ class _LoraLinear(torch.autograd.Function):
         dy2 = dy.reshape(-1, dy.shape[-1])
         g = torch.mm(dy2, b).mul_(s)  # s dy B: [tokens, r]
         dx = da = db = None
-        if ctx.needs_input_grad[
-            0
-        ]:  # dy W + drop(g A): the add fuses with the mask and the neighbours' kernels
+        if ctx.needs_input_grad[0]:
+            # dy W + drop(g A): the add fuses with the mask and the neighbours' kernels
             dx = (torch.mm(dy2, weight) + apply_bits(torch.mm(g, a), bits, p)).view(x.shape)
         if ctx.needs_input_grad[4]:
             da = torch.mm(g.t(), apply_bits(x.reshape(-1, x.shape[-1]), bits, p))
