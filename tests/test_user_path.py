@@ -132,6 +132,37 @@ def test_plan_counts_equal_what_the_run_reports(text_corpus, cache_dir, tmp_path
         assert data[:8] == PNG and len(data) > 2000
 
 
+def test_the_plan_says_fp8_and_warns_of_fp8_switches_in_a_run_without_it(
+    text_corpus, cache_dir, tmp_path, capsys
+):
+    from gptoughts.train.plan import RunPlan
+
+    out = tmp_path / "run"
+    argv = [
+        "train",
+        "--data",
+        str(text_corpus),
+        "--tokenizer",
+        "bytes",
+        "--out",
+        str(out),
+        "--max_steps",
+        "1",
+    ]
+    text = _ok([*argv, "--perf.fp8_fast_accum", "true", *FASTRUN], capsys)
+    warning = "perf.fp8_fast_accum acts on fp8 matmuls, but this run's matmuls are not fp8 (--fp8 is off)"
+    assert warning in text
+    plan = json.loads((out / "run.json").read_text())["plan"]
+    assert any(w.startswith(warning) for w in plan["warnings"])
+    assert "  fp8:" not in RunPlan(**plan).format()
+    # a run whose linears are fp8 (a GPU's): the plan says how many, and the fast accumulation
+    on = {**plan["resolved"], "fp8": "tensorwise (asked)", "fp8_linears": "14", "fp8_fast_accum": "True"}
+    shown = RunPlan(**{**plan, "resolved": on, "warnings": []}).format()
+    assert (
+        "  fp8: tensorwise (asked), 14 linear layers; fast accumulation in the backward matmuls too" in shown
+    )
+
+
 def test_dry_run_of_an_uncached_corpus_estimates_and_writes_nothing(text_corpus, cache_dir, tmp_path, capsys):
     out = tmp_path / "never"
     text = _ok(

@@ -138,6 +138,15 @@ class RunPlan:
         ac = str(self.resolved.get("activation_checkpointing", "none"))
         if not ac.startswith("none"):
             lines.append(f"  activation checkpointing: {ac}")
+        fp8 = str(self.resolved.get("fp8", "False"))
+        if not fp8.startswith("False"):
+            n = self.resolved.get("fp8_linears")
+            fast = str(self.resolved.get("fp8_fast_accum", "")).startswith("True")
+            lines.append(
+                f"  fp8: {fp8}"
+                + (f", {n} linear layers" if n else "")
+                + ("; fast accumulation in the backward matmuls too" if fast else "")
+            )
         if not str(self.resolved.get("compile", "False")).startswith("False"):
             graphs = str(self.resolved.get("cuda_graphs", ""))  # "True" or "True (why)" when on
             graphs = f"; CUDA graphs{graphs[4:]}" if graphs.startswith("True") else ""
@@ -215,7 +224,7 @@ def make_plan(
     hours = batch.total_steps * batch.tokens_per_step / tps / 3600 if tps else None
     warnings = _warnings(
         cfg, data, model, batch, params, memory, device_memory, on_cpu=env.device.type == "cpu"
-    )
+    ) + _unused_fp8_switches(cfg, resolved)
     return RunPlan(
         model=what,
         params=params,
@@ -402,6 +411,21 @@ def _warnings(
             "--size (e.g. 125m)"
         )
     return out
+
+
+def _unused_fp8_switches(cfg: Any, resolved: dict[str, Any]) -> list[str]:
+    """A warning for the fp8 refinements asked in a run whose matmuls are not fp8 (they would do nothing)."""
+    asked = [f"perf.{n}" for n in ("fp8_fast_accum", "fp8_bf16_end_layers") if getattr(cfg.perf, n)]
+    fp8 = str(resolved.get("fp8", ""))
+    if not asked or not fp8.startswith("False"):
+        return []
+    why = fp8[len("False") :].strip(" ()")
+    why = "--fp8 is off" if why in ("", "asked") else why
+    verb, obj = ("acts", "it") if len(asked) == 1 else ("act", "them")
+    return [
+        f"{' and '.join(asked)} {verb} on fp8 matmuls, but this run's matmuls are not fp8 ({why}): add --fp8 or "
+        f"drop {obj}"
+    ]
 
 
 def _size_for(family: Any, cfg: Any, tokens: int) -> str | None:
