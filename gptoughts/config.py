@@ -259,7 +259,7 @@ class PerfConfig:
     cuda_graphs: bool | str = "auto"
     """Replay the compiled training graphs as CUDA graphs (torch.compile mode reduce-overhead): no kernel-launch
     gaps, more memory (gradients stay allocated between steps). auto: on for LoRA (not QLoRA) on a Llama base,
-    compiled, in one CUDA process, not in fp16 (short steps of many small kernels: +6% at 1b without adapter
+    compiled, in one CUDA process, not in fp16, at a given batch size (short steps of many small kernels: +6% at 1b without adapter
     dropout, +7-20% with it), off otherwise:
     it gained nothing on pretraining's path, whose auto batch is large (47M, 125m: +0.2%, -0.7%), and at the 47M
     shape's fixed 32 x 512 batch it is slower than the whole model without it (0.86x; bench/BENCHMARKS.md)."""

@@ -214,7 +214,9 @@ def recommend(p: HardwareProfile) -> dict[str, object]:
         "batch_size": "auto",
         "activation_checkpointing": "selective for LoRA (19% less memory, 2-5% slower at 1b), else none",
         # LoRA steps are many small kernels: 1.06-1.2x at 1b with the launches replayed (train/setup.py, BENCHMARKS)
-        "cuda_graphs": "on for LoRA on a Llama base in one process, else off" if p.compile else False,
+        "cuda_graphs": "on for LoRA on a Llama base in one process at a fixed batch, else off"
+        if p.compile
+        else False,
         # bf16 residual stream: +1 to +6% tokens/s on an H200 (bench/BENCHMARKS.md); only acts under bf16
         "residual_dtype": "bf16" if p.bf16 else "fp32",
     }

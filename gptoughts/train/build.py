@@ -455,6 +455,7 @@ def build_model(cfg: Config, env: Environment, data: Data, *, meta: bool = False
         parallel=cfg.parallel,
         family=family.name,
         lora=cfg.lora,
+        auto_batch=cfg.train.batch_size == "auto",
     )
     out.objective = make_objective(family, out.built, cfg.perf)
     return out

@@ -117,9 +117,12 @@ def cuda_graphs_rule(
     dist: pdist.DistInfo,
     device: torch.device,
     precision: str = "bf16",
+    auto_batch: bool = False,
 ) -> tuple[bool, str]:
     """What ``perf.cuda_graphs`` becomes, and why. ``auto``: on for LoRA adapters over a Llama base that is not
-    4-bit (QLoRA), compiled, in one CUDA process, in bf16 or fp32 (fp16's loss scaler was not measured with them). Measured on one H100 (bench/BENCHMARKS.md session 12, LoRA 1b, seq 2048, batch
+    4-bit (QLoRA), compiled, in one CUDA process, in bf16 or fp32 (fp16's loss scaler was not measured with them),
+    at a given micro-batch (``--batch_size auto`` probes sizes with real steps, each of which would record graphs:
+    not measured). Measured on one H100 (bench/BENCHMARKS.md session 12, LoRA 1b, seq 2048, batch
     4): a LoRA step is short and launches many small kernels (the adapters' skinny matmuls, the dropout bits), so
     kernel launches left the GPU idle ~9% of it; replayed as CUDA graphs, 79.6k -> 84.3k tokens/s at dropout 0
     and 61-69k -> 73.3-73.5k at dropout 0.05, for +0.03 GiB. Pretraining's auto batch makes steps long enough that
@@ -129,7 +132,7 @@ def cuda_graphs_rule(
         return bool(perf.cuda_graphs), "asked"
     one_process = not dist.enabled and not dist.sharded
     if compiled and device.type == "cuda" and family == "llama" and one_process and precision != "fp16":
-        if lora is not None and lora.enabled and lora.quantize == "none":
+        if lora is not None and lora.enabled and lora.quantize == "none" and not auto_batch:
             return True, "auto: LoRA in one process, whose short steps wait on kernel launches"
     return False, "auto"
 
@@ -337,6 +340,7 @@ def apply_transforms(
     parallel: ParallelConfig | None = None,
     family: str = "",
     lora: LoraConfig | None = None,
+    auto_batch: bool = False,
 ) -> Built:
     resolved: dict[str, object] = {}
     why: dict[str, str] = {}
@@ -395,7 +399,7 @@ def apply_transforms(
     compile_mode, mode_why = compile_mode_rule(perf, compiled, raw, family, dist, device)
     if compiled:
         why["compile"] += f"; {compile_mode}: {mode_why}"
-    graphs, graphs_why = cuda_graphs_rule(perf, compiled, family, lora, dist, device, precision)
+    graphs, graphs_why = cuda_graphs_rule(perf, compiled, family, lora, dist, device, precision, auto_batch)
     perf = replace(perf, compile_mode=compile_mode, cuda_graphs=graphs)
     resolved["compile"] = compile_mode if compiled else False
     if compiled and graphs:

@@ -481,6 +481,15 @@ def test_cuda_graphs_auto_is_on_for_lora_on_a_llama_base_in_one_cuda_process_onl
         (True, "llama", LoraConfig(enabled=True, quantize="4bit"), one, cuda),
         (True, "llama", lora, SimpleNamespace(enabled=True, sharded=False), cuda),
         (True, "llama", lora, one, cuda, "fp16"),  # the loss scaler was not measured with graphs
+        (
+            True,
+            "llama",
+            lora,
+            one,
+            cuda,
+            "bf16",
+            True,
+        ),  # --batch_size auto: its probe under graphs, not measured
     ]
     for args in off:
         assert cuda_graphs_rule(auto, *args) == (False, "auto"), args
