@@ -204,9 +204,10 @@ class CheckpointConfig:
     checkpoints: bool = True
     """Write checkpoints at all (false only for throwaway runs such as benchmarks: nothing can be resumed)."""
     async_save: bool = True
-    """Sharded (FSDP) runs: write checkpoints in the background (training goes on once each rank's shards are
-    copied to host memory; the next save, a rollback and the end of the run wait for it). One-process and DDP
-    runs write their single-file checkpoints synchronously."""
+    """Write checkpoints in the background: training goes on once the state is copied to host memory (each rank's
+    shards under FSDP; rank 0's whole state in one-process and DDP runs on GPUs); the next save, a rollback and
+    the end of the run wait for the write. One-process runs on a CPU, and hosts without the memory for that copy,
+    write synchronously."""
 
 
 @dataclass

@@ -158,7 +158,7 @@ class RunPlan:
             + (f" of {self.device_memory_gib:.0f} GiB" if self.device_memory_gib else "")
             + (f" + ~{_gib(self.host_memory_gib)} of CPU memory (offload)" if self.host_memory_gib else "")
             + (
-                f" + ~{_gib(self.checkpoint_staging_gib)} of CPU memory per process for async checkpoints"
+                f" + ~{_gib(self.checkpoint_staging_gib)} of CPU memory per saving process for background checkpoints"
                 if self.checkpoint_staging_gib
                 else ""
             )
@@ -309,7 +309,9 @@ def _memory(
         return None, None, None, None
     device_mem = (env.hw.memory_bytes or 0) / 2**30 or None  # the GPU's, or on a CPU the machine's RAM
     ck = cfg.checkpoint
-    staged = env.dist.sharded and ck.checkpoints and ck.async_save
+    # Background checkpoints keep a host copy of what each saving process writes: every rank's shards (sharded
+    # runs), rank 0's whole state (one process or DDP on GPUs: ckpt.FileSaver; CPU runs write synchronously).
+    staged = ck.checkpoints and ck.async_save and (env.dist.sharded or env.device.type == "cuda")
     return e.total_gib, device_mem, e.host_gib or None, (e.checkpoint_staging_gib or None) if staged else None
 
 

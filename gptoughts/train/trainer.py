@@ -247,15 +247,18 @@ class Trainer:
         self._last_micro: list[Batch] | None = None
         self._last_rng: tuple[torch.Tensor, torch.Tensor | None] | None = None
         # Sharded runs write sharded (DCP) checkpoints, each rank its own shards, by default in the background
-        # (see checkpoint.py); constructing the saver is a collective (its own gloo group). A pipeline run gathers
-        # its stages to rank 0 into the single-file format instead (its ranks hold different keys).
-        self.saver = (
-            ckpt.ShardedSaver(
+        # (see checkpoint.py); constructing the saver is a collective (its own gloo group). Other runs write the
+        # single-file format from rank 0, in the background where that pays (ckpt.FileSaver); a pipeline run
+        # gathers its stages to rank 0 for it (its ranks hold different keys).
+        self.saver: ckpt.ShardedSaver | ckpt.FileSaver | None = None
+        if self.ck.checkpoints and dist.sharded and pipeline is None:
+            self.saver = ckpt.ShardedSaver(
                 self.ckpt_dir, rank=dist.rank, async_save=self.ck.async_save, keep_last=self.ck.keep_last
             )
-            if dist.sharded and self.ck.checkpoints and pipeline is None
-            else None
-        )
+        elif self.ck.checkpoints and dist.is_main:
+            self.saver = ckpt.FileSaver(
+                self.ckpt_dir, keep_last=self.ck.keep_last, background=self.ck.async_save
+            )
 
     # ------------------------------------------------------------------------------------------ precision
     def autocast(self) -> contextlib.AbstractContextManager:
@@ -546,7 +549,7 @@ class Trainer:
             "rollbacks": st.rollbacks,
             "lr_scale": st.lr_scale,
         }
-        if self.saver is not None:  # sharded: every rank writes its own shards, no gather
+        if isinstance(self.saver, ckpt.ShardedSaver):  # every rank writes its own shards, no gather
             state = self.state_dict(optimizer=False)
             self.saver.save(
                 st.step,
@@ -563,17 +566,21 @@ class Trainer:
         if self.pipeline is not None:  # every stage's tensors gathered to rank 0
             weights = self.pipeline.full_state_dict()
         state = self.state_dict()
-        if self.dist.is_main:
-            ckpt.save(
-                self.ckpt_dir,
+        if self.saver is not None:  # rank 0
+            tensors, metadata = (
+                ckpt.weights_for_file(weights) if isinstance(weights, nn.Module) else (weights, None)
+            )
+            self.saver.save(
                 st.step,
-                weights,
+                tensors,
                 state,
+                weights_metadata=metadata,
                 val_loss=val_loss,
-                keep_last=self.ck.keep_last,
                 is_best=is_best,
                 meta=meta,
             )
+            # how long training stood still for it (the copy to host memory when written in the background)
+            self.metrics.log(st.step, {"checkpoint_blocked_s": self.saver.blocked_s})
         pdist.barrier(self.dist)
         return True
 
@@ -721,8 +728,13 @@ class Trainer:
                     self._first_step_done()
                 if self.saver is not None and not self.saver.prepared:
                     # After the first step the optimizer state exists: the saves' host buffers are allocated and
-                    # pinned now, beside training, not at the first save (ShardedSaver.prepare).
-                    self.saver.prepare(ckpt.sharded_state(self.weights_module(), self.optimizer))
+                    # pinned now, beside training, not at the first save (ShardedSaver/FileSaver.prepare).
+                    if isinstance(self.saver, ckpt.ShardedSaver):
+                        self.saver.prepare(ckpt.sharded_state(self.weights_module(), self.optimizer))
+                    elif self.pipeline is None:
+                        self.saver.prepare(ckpt.weights_for_file(self.weights_module())[0], self.state_dict())
+                    else:  # its weights come from a gather at each save
+                        self.saver.prepared = True
                 st.step += 1
                 st.tokens_seen += self.tokens_per_step
                 step = st.step

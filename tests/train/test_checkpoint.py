@@ -316,7 +316,7 @@ def test_dcp_two_ranks_resume_on_one_and_four(tmp_path, text_corpus, cache_dir, 
         r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stderr[-3000:]
         # the plan counts the host copy that async sharded saves keep (checkpoint._HostStaging)
-        assert ("for async checkpoints" in r.stdout) == (ranks > 1), r.stdout[-2000:]
+        assert ("for background checkpoints" in r.stdout) == (ranks > 1), r.stdout[-2000:]
         rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
@@ -469,3 +469,104 @@ def test_8bit_optimizer_states_load_in_a_process_without_torchao_imported(tmp_pa
     )
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.split()[-1] == "OptimState8bit"
+
+
+class _Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(11, 4)
+        self.proj = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 11, bias=False)
+        self.head.weight = self.embed.weight  # tied: one tensor under two names
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.proj(self.embed(x)))
+
+
+def test_weights_for_file_writes_what_save_model_writes(tmp_path):
+    from safetensors.torch import save_file, save_model
+
+    torch.manual_seed(0)
+    m = _Tied()
+    weights, metadata = ckpt.weights_for_file(m)
+    assert len(weights) == len(m.state_dict()) - 1 and metadata  # the tied name is kept once
+    save_model(m, str(tmp_path / "a.safetensors"))
+    save_file(weights, str(tmp_path / "b.safetensors"), metadata=metadata)
+    assert (tmp_path / "a.safetensors").read_bytes() == (tmp_path / "b.safetensors").read_bytes()
+
+
+def _background(monkeypatch) -> None:
+    # The background path is taken for GPU tensors; on this CPU machine it is forced for the test.
+    monkeypatch.setattr(ckpt.FileSaver, "_worth_it", lambda self, state: True)
+
+
+def test_file_saver_in_the_background_writes_the_state_of_the_save_call(tmp_path, monkeypatch):
+    """Training changes the weights and the optimizer state right after save() returns: the checkpoint holds them
+    as they were at the call, loads into a fresh model (tied weights restored) and is the same file as a
+    synchronous save of that state."""
+    import threading
+
+    _background(monkeypatch)
+    go, real_save = threading.Event(), ckpt.save
+
+    def save_after_training_went_on(*args, **kwargs):  # the write starts once the weights have changed
+        assert go.wait(30)
+        return real_save(*args, **kwargs)
+
+    monkeypatch.setattr(ckpt, "save", save_after_training_went_on)
+    torch.manual_seed(0)
+    m = _Tied()
+    opt = torch.optim.AdamW(m.parameters(), lr=0.1)
+    m(torch.tensor([1, 2])).sum().backward()
+    opt.step()
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    saver = ckpt.FileSaver(tmp_path / "bg", keep_last=2)
+    weights, metadata = ckpt.weights_for_file(m)
+    state = {"optimizer": opt.state_dict(), "trainer": {"step": 1, "history": [1.0]}}
+    saver.save(1, weights, state, weights_metadata=metadata, val_loss=2.5, is_best=True)
+    assert saver.last_in_background
+    with torch.no_grad():  # the next steps, while the write may still run
+        for p in m.parameters():
+            p.add_(1.0)
+        for s in opt.state.values():
+            s["exp_avg"].add_(1.0)
+    state["trainer"]["history"].append(2.0)
+    go.set()
+    saver.close()
+    path = ckpt.step_dir(tmp_path / "bg", 1)
+    assert ckpt.verify(path) is None and ckpt.best_step(tmp_path / "bg") == 1
+    fresh = _Tied()
+    ckpt.load_weights(fresh, path)
+    for k, v in fresh.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert fresh.head.weight is fresh.embed.weight
+    back = ckpt.load_state(path)
+    assert back["trainer"]["history"] == [1.0]
+    moved = next(iter(opt.state.values()))["exp_avg"]
+    assert not torch.equal(next(iter(back["optimizer"]["state"].values()))["exp_avg"], moved)
+    sync = real_save(tmp_path / "sync", 1, ckpt.weights_for_file(fresh)[0], back, weights_metadata=metadata)
+    assert (sync / ckpt.MODEL_FILE).read_bytes() == (path / ckpt.MODEL_FILE).read_bytes()
+
+
+def test_file_saver_reports_a_failed_background_write_at_the_next_wait(tmp_path, monkeypatch):
+    _background(monkeypatch)
+
+    def broken(*args, **kwargs):
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(ckpt, "save", broken)
+    saver = ckpt.FileSaver(tmp_path)
+    weights, _ = ckpt.weights_for_file(_model(0))
+    saver.save(1, weights, {"trainer": {"step": 1}})
+    with pytest.raises(UserError, match="No space left on device"):
+        saver.wait()
+    saver.wait()  # reported once
+    assert ckpt.list_steps(tmp_path) == []
+
+
+def test_file_saver_writes_cpu_runs_synchronously(tmp_path):
+    saver = ckpt.FileSaver(tmp_path)
+    weights, _ = ckpt.weights_for_file(_model(0))
+    saver.save(1, weights, {"trainer": {"step": 1}})
+    assert not saver.last_in_background and not saver.pending
+    assert ckpt.verify(ckpt.step_dir(tmp_path, 1)) is None
