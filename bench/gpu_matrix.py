@@ -102,7 +102,9 @@ MATRIX = {
     ],
 }
 SHAPES["families"] = ("1b", 2048, 8)
-SHAPES["3b-confirm"] = SHAPES["3b-residual"] = SHAPES["3b-fp8-levers"] = SHAPES["3b-fp8-kernels"] = SHAPES["3b"]
+SHAPES["3b-confirm"] = SHAPES["3b-residual"] = SHAPES["3b-fp8-levers"] = SHAPES["3b-fp8-kernels"] = SHAPES[
+    "3b"
+]
 SHAPES["1b-confirm"] = SHAPES["1b-final"] = SHAPES["1b-now"] = SHAPES["1b"]
 SHAPES["125m-confirm"] = SHAPES["125m"]
 SHAPES["1b-levers"] = SHAPES["1b-autotune"] = SHAPES["1b"]

@@ -32,6 +32,12 @@
 #            OUT_DIR/small.txt (SHAPES, VARIANTS: subsets).
 #   lora:    bench/finetune_vs_peft.py at 1b, seq 2048, batch 4, dropout 0 and 0.05 (LORA_DROPOUTS: a subset; FA4 where
 #            installed); LORA_VARIANTS: its --variants (JSON list of config overrides for ours, each timed as a row).
+#   checkpoints: `train --size 1b` on the stdlib (4 steps, an evaluation every 2, so three checkpoints of 13 GB) with
+#            checkpoints written in the background (the default on GPUs) and synchronously; each run's whole time,
+#            the seconds each save stopped training (metrics.jsonl: checkpoint_blocked_s) and its tokens/s windows
+#            in OUT_DIR/checkpoints.txt, then a resume of the background run (its checkpoint loads).
+#   ce-wgrad: the chunked loss's head weight gradient accumulated in the matmul vs a bf16 product cast and added,
+#            side by side at 125m (b128, seq 1024) and 1b (b8, seq 2048), twice each (python3 bench/ce_wgrad.py).
 #   fp8:     3b, seq 2048, batch 4: bf16, fp8 tensorwise and fp8 with fast accumulation in the backward matmuls too,
 #            twice each, side by side (bench/gpu_matrix.py --only 3b-fp8-levers, OUT_DIR/fp8.jsonl); then, unless
 #            PARITY=0, 300 steps of each on real shards (bench/fp8_vs_bf16_loss.sh, OUT_DIR/parity).
@@ -286,4 +292,28 @@ if [ "$part" = fp8 ]; then
       > "$out/parity.log" 2>&1
     tail -40 "$out/parity.log" | tee -a "$out/fp8.txt"
   fi
+fi
+
+if [ "$part" = checkpoints ]; then
+  T="$G train --data @stdlib --no_progress --size 1b --max_steps 4 --eval_interval 2 --log_interval 1"
+  for mode in background synchronous; do
+    extra=""; [ $mode = synchronous ] && extra="--checkpoint.async_save false"
+    $T $extra --out "/tmp/ck-$mode" > "$out/ck-$mode.log" 2>&1
+    python3 - "/tmp/ck-$mode" "$mode" <<'PY' | tee -a "$out/checkpoints.txt"
+import json, sys
+run, mode = sys.argv[1], sys.argv[2]
+s = json.load(open(f"{run}/summary.json"))
+rows = [json.loads(line) for line in open(f"{run}/metrics.jsonl")]
+blocked = [(r["step"], round(r["checkpoint_blocked_s"], 2)) for r in rows if "checkpoint_blocked_s" in r]
+tps = [(r["step"], round(r["tokens_per_s"])) for r in rows if "tokens_per_s" in r]
+print(f"{mode}: whole run {s['tokens_per_s']:,.0f} tok/s in {s['wall_s']:.1f} s; checkpoint blocked s {blocked}; "
+      f"windows {tps}")
+PY
+  done
+  $G train --resume auto --out /tmp/ck-background --max_steps 5 --no_progress > "$out/ck-resume.log" 2>&1
+  echo "resume of the background run: exit $?; $(grep -E 'resumed from' "$out/ck-resume.log")" | tee -a "$out/checkpoints.txt"
+fi
+
+if [ "$part" = ce-wgrad ]; then
+  python3 bench/ce_wgrad.py --out "$out/ce_wgrad.jsonl" 2>&1 | grep -v -i warn | tee "$out/ce_wgrad.txt"
 fi
