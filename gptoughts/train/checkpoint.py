@@ -54,6 +54,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import logging
 import math
 import os
 import pickle
@@ -78,6 +79,7 @@ META_FILE = "meta.json"
 DCP_METADATA = ".metadata"
 """DCP's index file; its presence (and ``"format": "dcp"`` in meta.json) marks a sharded checkpoint."""
 DCP_FORMAT = "dcp"
+log = logging.getLogger("gptoughts.train")
 
 
 def _sha256(path: Path, chunk: int = 1 << 22) -> str:
@@ -956,18 +958,22 @@ class FileSaver:
             err, self._error = self._error, None
             raise UserError(f"checkpoint could not be written: {type(err).__name__}: {err}") from None
 
-    def _worth_it(self, state: Any) -> bool:
-        """The background path: on, tensors on a GPU, and host memory for the staging copy plus the ~one more
-        copy of the weights that safetensors makes while writing, with 2 GiB to spare (a run killed by the OOM
-        killer at its first save would lose more than the write costs)."""
+    def _worth_it(self, weights: dict[str, torch.Tensor], state: Any) -> bool:
+        """The background path: on, tensors on a GPU, and host memory for the staging copy plus one more copy of
+        the weights (older safetensors copy them while writing), with 2 GiB to spare: a run killed by the OOM
+        killer at a save would lose more than the write costs."""
         if not self.background:
             return False
-        tensors = _local_tensors(state)[0]
+        tensors = _local_tensors((weights, state))[0]
         if not any(t.device.type == "cuda" for t in tensors):
             return False
         if self.staging.nbytes:  # allocated by prepare() or an earlier save: the room was there
             return True
-        need = 2 * sum(t.numel() * t.element_size() for t in tensors) + 2 * 2**30
+
+        def nbytes(ts: list[torch.Tensor]) -> int:
+            return sum(t.numel() * t.element_size() for t in ts)
+
+        need = nbytes(tensors) + nbytes(_local_tensors(weights)[0]) + 2 * 2**30
         free = host_memory_available()
         return free is not None and free >= need
 
@@ -976,10 +982,9 @@ class FileSaver:
         rather than at the first save (whose copy would otherwise page-fault fresh memory at ~1 GB/s). A failure
         is ignored: that save allocates (and reports a real error) itself."""
         self.prepared = True
-        both = (weights, state)
-        if self._thread is not None or not self._worth_it(both):
+        if self._thread is not None or not self._worth_it(weights, state):
             return
-        layout = _HostStaging.layout_of(both)
+        layout = _HostStaging.layout_of((weights, state))
         gpu = torch.device("cuda", torch.cuda.current_device())
 
         def work() -> None:
@@ -1010,12 +1015,22 @@ class FileSaver:
             weights_metadata=weights_metadata, val_loss=val_loss, keep_last=self.keep_last, is_best=is_best,
             meta=meta,
         )  # fmt: skip
-        self.last_in_background = self._worth_it((weights, state))
-        if not self.last_in_background:
+        staged = None
+        if self._worth_it(weights, state):
+            try:
+                staged = self.staging.stage((weights, state))
+            except (MemoryError, RuntimeError, OSError) as e:  # the host ran short after all: write it here
+                self.staging.close()
+                self.background = False
+                log.warning(
+                    "checkpoints are written synchronously from now on: copy to host memory failed (%s)", e
+                )
+        self.last_in_background = staged is not None
+        if staged is None:
             save(self.root, step, weights, state, **kwargs)
             self.blocked_s = time.perf_counter() - t0
             return
-        host_weights, host_state = self.staging.stage((weights, state))
+        host_weights, host_state = staged
         source = self.staging.device
         self.blocked_s = time.perf_counter() - t0
 

@@ -497,7 +497,7 @@ def test_weights_for_file_writes_what_save_model_writes(tmp_path):
 
 def _background(monkeypatch) -> None:
     # The background path is taken for GPU tensors; on this CPU machine it is forced for the test.
-    monkeypatch.setattr(ckpt.FileSaver, "_worth_it", lambda self, state: True)
+    monkeypatch.setattr(ckpt.FileSaver, "_worth_it", lambda self, weights, state: self.background)
 
 
 def test_file_saver_in_the_background_writes_the_state_of_the_save_call(tmp_path, monkeypatch):
@@ -569,4 +569,18 @@ def test_file_saver_writes_cpu_runs_synchronously(tmp_path):
     weights, _ = ckpt.weights_for_file(_model(0))
     saver.save(1, weights, {"trainer": {"step": 1}})
     assert not saver.last_in_background and not saver.pending
+    assert ckpt.verify(ckpt.step_dir(tmp_path, 1)) is None
+
+
+def test_file_saver_writes_synchronously_when_the_host_copy_fails(tmp_path, monkeypatch):
+    _background(monkeypatch)
+
+    def no_memory(self, state):
+        raise MemoryError("cannot allocate")
+
+    monkeypatch.setattr(ckpt._HostStaging, "stage", no_memory)
+    saver = ckpt.FileSaver(tmp_path)
+    weights, _ = ckpt.weights_for_file(_model(0))
+    saver.save(1, weights, {"trainer": {"step": 1}})
+    assert not saver.last_in_background and not saver.background  # and stays so for the run
     assert ckpt.verify(ckpt.step_dir(tmp_path, 1)) is None
