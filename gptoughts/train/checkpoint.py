@@ -918,7 +918,54 @@ def host_memory_available() -> int | None:
     return None
 
 
-class FileSaver:
+class _BackgroundWriter:
+    """What both savers share: host staging buffers kept across saves, one background thread (a pending write or
+    the buffers' preparation) and its error, raised by :meth:`wait` in the caller's thread."""
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.staging = _HostStaging()
+        self.prepared = False
+        """Whether ``prepare`` was called (the trainer calls it once, after the first step)."""
+        self.blocked_s = 0.0
+        """Seconds the caller was blocked by the last ``save`` (for the log and the benchmarks)."""
+
+    @property
+    def pending(self) -> bool:
+        return self._thread is not None
+
+    def wait(self) -> None:
+        """Block until the pending write (if any) is on disk; raise its error as a :class:`UserError`."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise UserError(str(err)) from None
+
+    def _prepare_staging(self, layout: list[tuple[tuple[int, ...], torch.dtype]], gpu: int | None) -> None:
+        """Allocate (and pin for ``gpu``) the buffers of ``layout`` in the background; a failure is ignored: the
+        next save allocates (and reports a real error) itself. That save waits for it, as for a pending write."""
+
+        def work() -> None:
+            try:
+                self.staging.prepare(layout, torch.device("cuda", gpu) if gpu is not None else None)
+            except Exception:  # noqa: BLE001 - see the docstring
+                pass
+
+        self._thread = threading.Thread(target=work, name="checkpoint-staging")
+        self._thread.start()
+
+    def close(self) -> None:
+        """Wait for the pending write, then free the host staging buffers (a later save makes new ones)."""
+        try:
+            self.wait()
+        finally:
+            self.staging.close()
+
+
+class FileSaver(_BackgroundWriter):
     """Writes single-file checkpoints (one process, or rank 0 of DDP) under ``root``, in the background where that
     pays: the state's tensors live on a GPU, ``background`` is on and the host has room for a copy.
 
@@ -932,31 +979,12 @@ class FileSaver:
     state) it writes synchronously, as before."""
 
     def __init__(self, root: str | Path, *, keep_last: int = 3, background: bool = True):
+        super().__init__()
         self.root = Path(root)
         self.keep_last = keep_last
         self.background = background
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
-        self.staging = _HostStaging()
-        self.prepared = False
-        """Whether :meth:`prepare` was called (the trainer calls it once, after the first step)."""
-        self.blocked_s = 0.0
-        """Seconds the caller was blocked by the last :meth:`save`."""
         self.last_in_background = False
         """Whether the last :meth:`save` was written by the thread."""
-
-    @property
-    def pending(self) -> bool:
-        return self._thread is not None
-
-    def wait(self) -> None:
-        """Block until the pending write (if any) is on disk; raise its error as a :class:`UserError`."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        if self._error is not None:
-            err, self._error = self._error, None
-            raise UserError(f"checkpoint could not be written: {type(err).__name__}: {err}") from None
 
     def _worth_it(self, weights: dict[str, torch.Tensor], state: Any) -> bool:
         """The background path: on, tensors on a GPU, and host memory for the staging copy plus one more copy of
@@ -982,19 +1010,8 @@ class FileSaver:
         rather than at the first save (whose copy would otherwise page-fault fresh memory at ~1 GB/s). A failure
         is ignored: that save allocates (and reports a real error) itself."""
         self.prepared = True
-        if self._thread is not None or not self._worth_it(weights, state):
-            return
-        layout = _HostStaging.layout_of((weights, state))
-        gpu = torch.device("cuda", torch.cuda.current_device())
-
-        def work() -> None:
-            try:
-                self.staging.prepare(layout, gpu)
-            except Exception:  # noqa: BLE001 - see the docstring
-                pass
-
-        self._thread = threading.Thread(target=work, name="checkpoint-staging")
-        self._thread.start()
+        if self._thread is None and self._worth_it(weights, state):
+            self._prepare_staging(_HostStaging.layout_of((weights, state)), torch.cuda.current_device())
 
     def save(
         self,
@@ -1038,7 +1055,9 @@ class FileSaver:
             try:
                 save(self.root, step, host_weights, host_state, **kwargs)
             except BaseException as e:  # noqa: BLE001 - reported by wait() in the caller's thread
-                self._error = e
+                self._error = RuntimeError(
+                    f"checkpoint step {step} could not be written: {type(e).__name__}: {e}"
+                )
             try:  # after the first write, while training goes on: later saves copy at full speed
                 self.staging.pin(source)
             except Exception:  # noqa: BLE001 - unpinned buffers are slower, not wrong
@@ -1048,15 +1067,8 @@ class FileSaver:
         self._thread = threading.Thread(target=work, name=f"checkpoint-step-{step}")
         self._thread.start()
 
-    def close(self) -> None:
-        """Wait for the pending write, then free the host staging buffers (a later save makes new ones)."""
-        try:
-            self.wait()
-        finally:
-            self.staging.close()
 
-
-class ShardedSaver:
+class ShardedSaver(_BackgroundWriter):
     """Writes sharded checkpoints (every rank calls :meth:`save` with its own shards) under ``root``.
 
     ``async_save``: :meth:`save` returns once this rank's shards are copied to host buffers that the saver keeps
@@ -1070,6 +1082,7 @@ class ShardedSaver:
     def __init__(self, root: str | Path, *, rank: int = 0, async_save: bool = True, keep_last: int = 3):
         import torch.distributed as dist
 
+        super().__init__()
         self.root = Path(root)
         self.rank = rank
         self.async_save = async_save
@@ -1078,26 +1091,6 @@ class ShardedSaver:
         # One process: DCP says so from its writer thread too, where no catch_warnings holds.
         if self.group is None:
             warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninit")
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
-        self.staging = _HostStaging()
-        self.prepared = False
-        """Whether :meth:`prepare` was called (the trainer calls it once, after the first step)."""
-        self.blocked_s = 0.0
-        """Seconds the caller was blocked by the last :meth:`save` (for the log and the benchmarks)."""
-
-    @property
-    def pending(self) -> bool:
-        return self._thread is not None
-
-    def wait(self) -> None:
-        """Block until the pending save (if any) is on disk; raise its error as a :class:`UserError`."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        if self._error is not None:
-            err, self._error = self._error, None
-            raise UserError(str(err)) from None
 
     def prepare(self, state: dict[str, Any]) -> None:
         """Allocate and pin the host buffers the saves of ``state`` (:func:`sharded_state`) will use, in a background
@@ -1108,26 +1101,10 @@ class ShardedSaver:
         self.prepared = True
         if not self.async_save or self._thread is not None:
             return
-        layout = _HostStaging.layout_of(state)
         gpu = (
             torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
         )
-
-        def work() -> None:
-            try:
-                self.staging.prepare(layout, torch.device("cuda", gpu) if gpu is not None else None)
-            except Exception:  # noqa: BLE001 - see the docstring
-                pass
-
-        self._thread = threading.Thread(target=work, name="checkpoint-staging")
-        self._thread.start()
-
-    def close(self) -> None:
-        """Wait for the pending save, then free the host staging buffers (a later save makes new ones)."""
-        try:
-            self.wait()
-        finally:
-            self.staging.close()
+        self._prepare_staging(_HostStaging.layout_of(state), gpu)
 
     def _broadcast(self, obj: Any) -> Any:
         if self.group is None:
