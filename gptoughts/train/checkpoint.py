@@ -63,6 +63,7 @@ import shutil
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -957,6 +958,21 @@ class _BackgroundWriter:
         self._thread = threading.Thread(target=work, name="checkpoint-staging")
         self._thread.start()
 
+    def _write_in_background(self, step: int, write: Callable[[], None], source: torch.device | None) -> None:
+        """Run ``write`` (which records its own error in ``_error``) in the saver's thread, then pin the staging
+        buffers for ``source`` (after the first write, while training goes on: later saves copy at full speed)."""
+
+        def work() -> None:
+            write()
+            try:
+                self.staging.pin(source)
+            except Exception:  # noqa: BLE001 - unpinned buffers are slower, not wrong
+                pass
+
+        # Not a daemon: the interpreter waits for it at exit, so a process never ends with a save in flight.
+        self._thread = threading.Thread(target=work, name=f"checkpoint-step-{step}")
+        self._thread.start()
+
     def close(self) -> None:
         """Wait for the pending write, then free the host staging buffers (a later save makes new ones)."""
         try:
@@ -1051,21 +1067,15 @@ class FileSaver(_BackgroundWriter):
         source = self.staging.device
         self.blocked_s = time.perf_counter() - t0
 
-        def work() -> None:
+        def write() -> None:
             try:
                 save(self.root, step, host_weights, host_state, **kwargs)
             except BaseException as e:  # noqa: BLE001 - reported by wait() in the caller's thread
                 self._error = RuntimeError(
                     f"checkpoint step {step} could not be written: {type(e).__name__}: {e}"
                 )
-            try:  # after the first write, while training goes on: later saves copy at full speed
-                self.staging.pin(source)
-            except Exception:  # noqa: BLE001 - unpinned buffers are slower, not wrong
-                pass
 
-        # Not a daemon: the interpreter waits for it at exit, so a process never ends with a save in flight.
-        self._thread = threading.Thread(target=work, name=f"checkpoint-step-{step}")
-        self._thread.start()
+        self._write_in_background(step, write, source)
 
 
 class ShardedSaver(_BackgroundWriter):
@@ -1191,14 +1201,8 @@ class ShardedSaver(_BackgroundWriter):
             except BaseException as e:  # noqa: BLE001 - reported by wait() in the caller's thread
                 self._error = e
             done()
-            try:  # after the first write, while training goes on: later saves copy at full speed
-                self.staging.pin(source)
-            except Exception:  # noqa: BLE001 - unpinned buffers are slower, not wrong
-                pass
 
-        # Not a daemon: the interpreter waits for it at exit, so a process never ends with a save in flight.
-        self._thread = threading.Thread(target=write, name=f"checkpoint-step-{step}")
-        self._thread.start()
+        self._write_in_background(step, write, source)
 
     def _finish(
         self,
