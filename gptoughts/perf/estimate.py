@@ -89,8 +89,9 @@ class Estimate:
     host_gib: float = 0.0
     """CPU memory per process for what ``cpu_offload`` keeps there (fp32 weights, gradients, optimizer state)."""
     checkpoint_staging_gib: float = 0.0
-    """CPU memory per process that asynchronous sharded checkpoints keep for the whole run: one host copy of the
-    process's fp32 weights and optimizer state (``train/checkpoint.py``, ``_HostStaging``)."""
+    """CPU memory per saving process that background checkpoints keep for the whole run: one host copy of the
+    process's fp32 weights and optimizer state (``train/checkpoint.py``, ``_HostStaging``; each rank's shards under
+    FSDP, rank 0's whole state for one process or DDP)."""
     optimizer_states: str = "fp32"
     """How AdamW's moments are stored (``train.optimizer_states``): what ``optimizer_gib`` counts."""
 

@@ -784,6 +784,11 @@ class _HostStaging:
         return sum(b.untyped_storage().nbytes() for b in self._buffers)
 
     @property
+    def layout(self) -> tuple[tuple[tuple[int, ...], torch.dtype], ...] | None:
+        """The shapes and dtypes the buffers hold (None: no buffers)."""
+        return self._layout
+
+    @property
     def pinned(self) -> bool:
         return bool(self._buffers) and len(self._pinned) == sum(1 for b in self._buffers if b.numel())
 
@@ -908,15 +913,41 @@ def weights_for_file(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[st
 
 
 def host_memory_available() -> int | None:
-    """Bytes of memory the OS can give without swapping (Linux ``MemAvailable``); None where unknown."""
+    """Bytes of memory this process can still take without swapping or meeting its container's limit: Linux
+    ``MemAvailable``, lowered to what the cgroup's limit leaves (v2 ``memory.max``, v1 ``memory.limit_in_bytes``:
+    Slurm, Kubernetes and Docker jobs see the host's MemAvailable but are killed at their own limit); None where
+    unknown."""
+    free = None
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    free = int(line.split()[1]) * 1024
+                    break
     except (OSError, ValueError, IndexError):
-        pass
-    return None
+        return None
+    for limit_file, usage_file in (
+        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+        ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
+    ):
+        try:
+            limit = Path(limit_file).read_text().strip()
+            usage = int(Path(usage_file).read_text().strip())
+        except (OSError, ValueError):
+            continue
+        if limit.isdigit() and free is not None:
+            free = min(free, max(0, int(limit) - usage))
+        break
+    return free
+
+
+def stageable(state: Any) -> bool:
+    """Whether every tensor of ``state`` (a DTensor: its local shard) is a plain tensor that host staging can copy:
+    not a wrapper subclass such as torchao's 8-bit optimizer states, whose values live in inner tensors (no
+    storage of their own: a copy by data pointer would give every one of them the same buffer)."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    return not any(is_traceable_wrapper_subclass(t) for t in _local_tensors(state)[0])
 
 
 class _BackgroundWriter:
@@ -1003,23 +1034,24 @@ class FileSaver(_BackgroundWriter):
         """Whether the last :meth:`save` was written by the thread."""
 
     def _worth_it(self, weights: dict[str, torch.Tensor], state: Any) -> bool:
-        """The background path: on, tensors on a GPU, and host memory for the staging copy plus one more copy of
-        the weights (older safetensors copy them while writing), with 2 GiB to spare: a run killed by the OOM
-        killer at a save would lose more than the write costs."""
+        """The background path: on, tensors on a GPU, all of them plain (:func:`stageable`), and host memory for
+        the staging copy plus one more copy of the weights (older safetensors copy them while writing), with 2 GiB
+        to spare: a run killed by the OOM killer at a save would lose more than the write costs. Checked again
+        whenever the state's layout changes (the buffers are then made anew)."""
         if not self.background:
             return False
         tensors = _local_tensors((weights, state))[0]
-        if not any(t.device.type == "cuda" for t in tensors):
+        if not any(t.device.type == "cuda" for t in tensors) or not stageable((weights, state)):
             return False
-        if self.staging.nbytes:  # allocated by prepare() or an earlier save: the room was there
-            return True
+        if tuple(_HostStaging.layout_of((weights, state))) == self.staging.layout:
+            return True  # the buffers of an earlier save or of prepare(): the room was there
 
         def nbytes(ts: list[torch.Tensor]) -> int:
             return sum(t.numel() * t.element_size() for t in ts)
 
         need = nbytes(tensors) + nbytes(_local_tensors(weights)[0]) + 2 * 2**30
         free = host_memory_available()
-        return free is not None and free >= need
+        return free is not None and free + self.staging.nbytes >= need
 
     def prepare(self, weights: dict[str, torch.Tensor], state: dict[str, Any]) -> None:
         """Allocate and pin the host buffers of the saves of ``(weights, state)`` in a background thread, now
@@ -1027,7 +1059,21 @@ class FileSaver(_BackgroundWriter):
         is ignored: that save allocates (and reports a real error) itself."""
         self.prepared = True
         if self._thread is None and self._worth_it(weights, state):
-            self._prepare_staging(_HostStaging.layout_of((weights, state)), torch.cuda.current_device())
+            gpu = next((t.device.index for t in _local_tensors((weights, state))[0] if t.is_cuda), None)
+            self._prepare_staging(_HostStaging.layout_of((weights, state)), gpu)
+
+    def _save_kwargs(
+        self, weights_metadata: dict[str, str] | None, val_loss: float | None, is_best: bool, meta: Any
+    ) -> dict[str, Any]:
+        return dict(
+            weights_metadata=weights_metadata, val_loss=val_loss, keep_last=self.keep_last, is_best=is_best,
+            meta=meta,
+        )  # fmt: skip
+
+    def failed(self) -> bool:
+        """Whether a background write has ended in an error not yet reported (cheap: no wait)."""
+        thread = self._thread
+        return self._error is not None and (thread is None or not thread.is_alive())
 
     def save(
         self,
@@ -1043,16 +1089,28 @@ class FileSaver(_BackgroundWriter):
         """Write checkpoint ``step`` (``weights`` from :func:`weights_for_file`, ``state`` the trainer's). Waits
         for a pending write first; on return the caller may change every tensor of ``weights`` and ``state``."""
         t0 = time.perf_counter()
-        self.wait()  # the previous write still reads the host buffers that this save refills
-        kwargs = dict(
-            weights_metadata=weights_metadata, val_loss=val_loss, keep_last=self.keep_last, is_best=is_best,
-            meta=meta,
-        )  # fmt: skip
+        try:
+            self.wait()  # the previous write still reads the host buffers that this save refills
+        except UserError as e:
+            # That checkpoint is missing: this one is written now, here, so that nothing more is at risk (a disk
+            # still full raises from it, as a synchronous save always did); training goes on if it succeeds.
+            save(
+                self.root,
+                step,
+                weights,
+                state,
+                **self._save_kwargs(weights_metadata, val_loss, is_best, meta),
+            )
+            log.warning("%s; step %d was written instead, without the background thread", e, step)
+            self.blocked_s = time.perf_counter() - t0
+            self.last_in_background = False
+            return
+        kwargs = self._save_kwargs(weights_metadata, val_loss, is_best, meta)
         staged = None
         if self._worth_it(weights, state):
             try:
                 staged = self.staging.stage((weights, state))
-            except (MemoryError, RuntimeError, OSError) as e:  # the host ran short after all: write it here
+            except Exception as e:  # noqa: BLE001 - the host ran short (or a leaf would not copy): write it here
                 self.staging.close()
                 self.background = False
                 log.warning(
@@ -1151,7 +1209,9 @@ class ShardedSaver(_BackgroundWriter):
         t0 = time.perf_counter()
         self.wait()  # the previous write still reads the host buffers that this save refills
         staged, error = None, None
-        if self.async_save:
+        # torchao's 8-bit optimizer states are wrapper tensors host staging cannot copy: written synchronously
+        background = self.async_save and stageable(state)
+        if background:
             try:
                 staged = self.staging.stage(state)
             except Exception as e:  # noqa: BLE001 - every rank must learn of it, or the others wait in dcp.save
@@ -1176,7 +1236,7 @@ class ShardedSaver(_BackgroundWriter):
             raise UserError(error)
         tmp = self.root / tmp_name
         done = functools.partial(self._finish, tmp, step, val_loss=val_loss, is_best=is_best, meta=meta)
-        if not self.async_save:
+        if not background:
             try:
                 with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
                     warnings.filterwarnings("ignore", message=".*single process.*")

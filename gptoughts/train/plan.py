@@ -268,8 +268,8 @@ def _memory(
     cfg: Any, env: Any, model: Any, batch: BatchPlan
 ) -> tuple[float | None, float | None, float | None, float | None]:
     """Peak training memory per device from ``perf/estimate.py`` (native families trained in full), the device's
-    memory, the host memory an offloaded run keeps per process, and the host copy that asynchronous sharded
-    checkpoints keep per process (the trainer's ShardedSaver: sharded runs other than pipelines)."""
+    memory, the host memory an offloaded run keeps per process, and the host copy that background checkpoints
+    keep per saving process (the trainer's ShardedSaver or FileSaver; pipelines are not estimated)."""
     if (
         cfg.lora.enabled
         or not hasattr(model.args, "__dataclass_fields__")

@@ -759,6 +759,14 @@ class Trainer:
                     continue
                 if log_due:
                     stop = stop or self._agree_stop()
+                    if (
+                        not self.dist.enabled
+                        and isinstance(self.saver, ckpt.FileSaver)
+                        and self.saver.failed()
+                    ):
+                        # A background write failed: the state is saved again now (synchronously; see
+                        # FileSaver.save) rather than at the next interval, so no more work is at risk.
+                        self.save()
 
                 val_loss, improved = None, False
                 if eval_due:

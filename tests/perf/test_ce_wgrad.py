@@ -45,7 +45,7 @@ def test_the_weight_gradient_stays_in_the_chunk_on_cpu():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("compiled", [False, True])
-def test_in_gemm_accumulation_on_the_gpu_matches_the_fp32_reference(compiled):
+def test_in_gemm_accumulation_on_the_gpu_matches_the_fp32_reference(compiled, monkeypatch):
     torch.manual_seed(0)
     dev = torch.device("cuda")
     h = torch.randn(3000, 256, device=dev, requires_grad=True)
@@ -55,8 +55,16 @@ def test_in_gemm_accumulation_on_the_gpu_matches_the_fp32_reference(compiled):
     assert ce.wgrad_in_gemm(
         torch.zeros(2, 2, device=dev), torch.zeros(2, 2, device=dev, dtype=torch.bfloat16)
     )
+    calls, real = [], ce.accumulate_weight_grad
+
+    def counted(grad_w, g, h_c):
+        calls.append(tuple(g.shape))
+        real(grad_w, g, h_c)
+
+    monkeypatch.setattr(ce, "accumulate_weight_grad", counted)
     with torch.autocast("cuda", dtype=torch.bfloat16):
         out = ce.chunked_linear_ce(h, w, t, chunk_size=1024, compiled=compiled)
+    assert calls == [(1024, 4099), (1024, 4099), (952, 4099)]  # the path ran, once per chunk
     h_grad, w_grad = torch.autograd.grad(out, (h, w))
 
     def rel(a, b):

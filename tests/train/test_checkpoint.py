@@ -584,3 +584,43 @@ def test_file_saver_writes_synchronously_when_the_host_copy_fails(tmp_path, monk
     saver.save(1, weights, {"trainer": {"step": 1}})
     assert not saver.last_in_background and not saver.background  # and stays so for the run
     assert ckpt.verify(ckpt.step_dir(tmp_path, 1)) is None
+
+
+def test_a_failed_background_write_is_made_good_by_a_synchronous_save(tmp_path, monkeypatch, caplog):
+    """The next save after a failed background write writes its own state at once (and training goes on): the
+    trainer calls it at its next log step when it sees the failure."""
+    _background(monkeypatch)
+    real_save, calls = ckpt.save, []
+
+    def fails_once(*args, **kwargs):
+        calls.append(args[1])
+        if len(calls) == 1:
+            raise OSError("Input/output error")
+        return real_save(*args, **kwargs)
+
+    monkeypatch.setattr(ckpt, "save", fails_once)
+    saver = ckpt.FileSaver(tmp_path)
+    weights, _ = ckpt.weights_for_file(_model(0))
+    saver.save(1, weights, {"trainer": {"step": 1}})
+    saver._thread.join()
+    assert saver.failed()
+    with caplog.at_level("WARNING", logger="gptoughts.train"):
+        saver.save(2, weights, {"trainer": {"step": 2}})
+    assert not saver.last_in_background and not saver.failed()
+    assert "step 1 could not be written" in caplog.text and "step 2 was written instead" in caplog.text
+    assert ckpt.list_steps(tmp_path) == [2] and ckpt.verify(ckpt.step_dir(tmp_path, 2)) is None
+
+
+def test_wrapper_tensors_are_not_staged():
+    """torchao's 8-bit optimizer states are wrapper tensors without storage of their own: host staging (which
+    tells tensors apart by data pointer) would give them all one buffer, so such a state is written
+    synchronously. A wrapper subclass of torch's own tests stands in for them."""
+    two_tensor = pytest.importorskip("torch.testing._internal.two_tensor")
+    plain = {"w": torch.ones(3), "state": {"m": torch.zeros(3)}}
+    wrapped = {"w": torch.ones(3), "state": {"m": two_tensor.TwoTensor(torch.zeros(3), torch.ones(3))}}
+    assert ckpt.stageable(plain) and not ckpt.stageable(wrapped)
+    saver = ckpt.FileSaver(".")
+    monkey_cuda = {"w": torch.ones(3)}
+    assert not saver._worth_it(
+        monkey_cuda, wrapped
+    )  # CPU tensors, and a wrapper: no background path either way

@@ -94,6 +94,41 @@ def test_exact_resume_bit_identical(optimizer, states, tmp_path, text_corpus, ca
     assert {"fp32": "torch.float32", "bf16": "torch.bfloat16", "8bit": "OptimState8bit"}[states] in kinds
 
 
+def test_exact_resume_from_checkpoints_written_in_the_background(
+    tmp_path, text_corpus, cache_dir, monkeypatch
+):
+    """The background path of ckpt.FileSaver (taken on GPUs; forced here on the CPU): checkpoints every 3 steps
+    written by the thread while training goes on, a stop at step 10, and the resumed run's losses equal the
+    uninterrupted run's, step for step."""
+    monkeypatch.setattr(ckpt.FileSaver, "_worth_it", lambda self, weights, state: self.background)
+    written = []
+    real_save = ckpt.FileSaver.save
+
+    def spy(self, step, *args, **kwargs):
+        real_save(self, step, *args, **kwargs)
+        written.append((step, self.last_in_background))
+
+    monkeypatch.setattr(ckpt.FileSaver, "save", spy)
+    common = {
+        "train.max_steps": 16,
+        "train.log_interval": 1,
+        "train.eval_interval": 0,
+        "train.save_interval": 3,
+        "train.sample_interval": 0,
+    }
+    api.run_training(_cfg(text_corpus, tmp_path / "a", **common))
+    full = _losses(tmp_path / "a")
+    with monkeypatch.context() as m:
+        _stop_after(m, 10)
+        api.run_training(_cfg(text_corpus, tmp_path / "b", **common))
+    assert ckpt.list_steps(tmp_path / "b" / "checkpoints")[-1] == 10
+    api.run_training(_cfg(text_corpus, tmp_path / "b", **common, **{"run.resume": "auto"}))
+    resumed = _losses(tmp_path / "b")
+    assert all(resumed[step] == full[step] for step in range(1, 17)), (resumed, full)
+    assert written and all(background for _, background in written)
+    assert {3, 6, 9, 10, 12, 15, 16} <= {step for step, _ in written}
+
+
 def test_corrupt_newest_checkpoint_falls_back(tmp_path, text_corpus, cache_dir):
     common = {
         "train.max_steps": 6,
