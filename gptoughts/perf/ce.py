@@ -97,9 +97,10 @@ def ce_logit_grad(
 def accumulate_weight_grad(grad_w: torch.Tensor, g: torch.Tensor, h: torch.Tensor) -> None:
     """``grad_w += g.T @ h`` with ``grad_w`` fp32 and ``g``, ``h`` bf16/fp16: the matmul accumulates into the fp32
     buffer in its epilogue (cuBLAS with an fp32 C and D), instead of writing a bf16 product, casting it to fp32
-    and adding it in two more passes over the ``[vocab, d]`` buffer. Per chunk that is 8 bytes of fp32
-    traffic per weight instead of 18, and one bf16 rounding fewer: on an H100 at 125m (vocab 32k, d 768,
-    129 chunks a step) the eager fp32 add alone took 16 ms of a 909 ms step (bench/BENCHMARKS.md)."""
+    and adding it in two more passes over the ``[vocab, d]`` buffer. Per chunk that is 8 bytes of traffic per
+    weight instead of 20 (2 written, 6 to widen, 12 to add), and one bf16 rounding fewer: on an H100 at 125m
+    (vocab 32k, d 768, 129 chunks a step) the eager fp32 add alone took 16 ms of a 909 ms step
+    (bench/BENCHMARKS.md)."""
     torch.addmm(grad_w, g.t(), h, out_dtype=torch.float32, out=grad_w)
 
 
@@ -114,9 +115,8 @@ def wgrad_in_gemm(grad_w: torch.Tensor, h: torch.Tensor) -> bool:
         return False
     key = (str(grad_w.device), h.dtype)
     if key not in _IN_GEMM:
-        if (
-            torch.cuda.is_current_stream_capturing()
-        ):  # the check reads its result on the host: not inside a graph
+        # The check reads its result on the host: not inside a graph being captured.
+        if torch.cuda.is_current_stream_capturing():
             return False
         a = torch.arange(64, device=h.device, dtype=h.dtype).reshape(16, 4) / 8
         b = torch.arange(48, device=h.device, dtype=h.dtype).reshape(16, 3) / 8
@@ -137,9 +137,8 @@ def _chunk_fn(compiled: bool) -> Callable:
     global _compiled_chunk
     if not compiled:
         return _chunk_grads
-    if (
-        _compiled_chunk is None
-    ):  # need_w, logit_grad: Python bools, dynamo specialises on them (a graph per value)
+    # need_w, logit_grad: Python bools, dynamo specialises on them (a graph per value)
+    if _compiled_chunk is None:
         _compiled_chunk = torch.compile(_chunk_grads, dynamic=False)
     return _compiled_chunk
 

@@ -945,9 +945,13 @@ def stageable(state: Any) -> bool:
     """Whether every tensor of ``state`` (a DTensor: its local shard) is a plain tensor that host staging can copy:
     not a wrapper subclass such as torchao's 8-bit optimizer states, whose values live in inner tensors (no
     storage of their own: a copy by data pointer would give every one of them the same buffer)."""
+    return _plain(_local_tensors(state)[0])
+
+
+def _plain(tensors: list[torch.Tensor]) -> bool:
     from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-    return not any(is_traceable_wrapper_subclass(t) for t in _local_tensors(state)[0])
+    return not any(is_traceable_wrapper_subclass(t) for t in tensors)
 
 
 class _BackgroundWriter:
@@ -1041,9 +1045,9 @@ class FileSaver(_BackgroundWriter):
         if not self.background:
             return False
         tensors = _local_tensors((weights, state))[0]
-        if not any(t.device.type == "cuda" for t in tensors) or not stageable((weights, state)):
+        if not any(t.device.type == "cuda" for t in tensors) or not _plain(tensors):
             return False
-        if tuple(_HostStaging.layout_of((weights, state))) == self.staging.layout:
+        if tuple((tuple(t.shape), t.dtype) for t in tensors) == self.staging.layout:
             return True  # the buffers of an earlier save or of prepare(): the room was there
 
         def nbytes(ts: list[torch.Tensor]) -> int:
