@@ -52,6 +52,17 @@ def _stop_after(monkeypatch: pytest.MonkeyPatch, step: int) -> None:
     monkeypatch.setattr(Trainer, "train_step", patched)
 
 
+def _uninterrupted_and_resumed(corpus: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, common: dict):
+    """Losses of a whole run (``a``) and of the same run stopped during step 10 then resumed (``b``), with the
+    stopped run's history."""
+    api.run_training(_cfg(corpus, tmp_path / "a", **common))
+    with monkeypatch.context() as m:
+        _stop_after(m, 10)
+        _, _, hist = api.run_training(_cfg(corpus, tmp_path / "b", **common))
+    api.run_training(_cfg(corpus, tmp_path / "b", **common, **{"run.resume": "auto"}))
+    return _losses(tmp_path / "a"), _losses(tmp_path / "b"), hist
+
+
 @pytest.mark.parametrize(
     "optimizer,states",
     [("adamw", "fp32"), ("muon", "fp32"), ("adamw", "bf16"), ("muon", "bf16"), ("adamw", "8bit")],
@@ -70,17 +81,11 @@ def test_exact_resume_bit_identical(optimizer, states, tmp_path, text_corpus, ca
         "train.save_interval": 0,
         "train.sample_interval": 0,
     }
-    api.run_training(_cfg(text_corpus, tmp_path / "a", **common))
-    full = _losses(tmp_path / "a")
+    full, resumed, hist = _uninterrupted_and_resumed(text_corpus, tmp_path, monkeypatch, common)
     assert sorted(full) == list(range(1, 21))
-
-    with monkeypatch.context() as m:
-        _stop_after(m, 10)
-        _, _, hist = api.run_training(_cfg(text_corpus, tmp_path / "b", **common))
     assert hist.steps == 10 and "interrupted" in hist.stop_reason
-    assert ckpt.list_steps(tmp_path / "b" / "checkpoints") == [10]
-    api.run_training(_cfg(text_corpus, tmp_path / "b", **common, **{"run.resume": "auto"}))
-    resumed = _losses(tmp_path / "b")
+    # the stop's checkpoint, and the resumed run's last (no interval saves)
+    assert ckpt.list_steps(tmp_path / "b" / "checkpoints") == [10, 20]
     assert sorted(resumed) == list(range(1, 21))  # lines after the checkpoint were not duplicated
     for step in range(1, 21):
         assert resumed[step] == full[step], f"step {step}: {resumed[step]} != {full[step]}"
@@ -116,14 +121,8 @@ def test_exact_resume_from_checkpoints_written_in_the_background(
         "train.save_interval": 3,
         "train.sample_interval": 0,
     }
-    api.run_training(_cfg(text_corpus, tmp_path / "a", **common))
-    full = _losses(tmp_path / "a")
-    with monkeypatch.context() as m:
-        _stop_after(m, 10)
-        api.run_training(_cfg(text_corpus, tmp_path / "b", **common))
-    assert ckpt.list_steps(tmp_path / "b" / "checkpoints")[-1] == 10
-    api.run_training(_cfg(text_corpus, tmp_path / "b", **common, **{"run.resume": "auto"}))
-    resumed = _losses(tmp_path / "b")
+    full, resumed, hist = _uninterrupted_and_resumed(text_corpus, tmp_path, monkeypatch, common)
+    assert hist.steps == 10 and "interrupted" in hist.stop_reason
     assert all(resumed[step] == full[step] for step in range(1, 17)), (resumed, full)
     assert written and all(background for _, background in written)
     assert {3, 6, 9, 10, 12, 15, 16} <= {step for step, _ in written}
