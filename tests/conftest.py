@@ -22,6 +22,16 @@ def _one_torch_thread():
     torch.set_num_threads(old)
 
 
+@pytest.fixture(autouse=True)
+def _own_working_directory(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Each test runs in an empty folder of its own, with its own cache: what a test writes to a relative path
+    (`runs/quickstart`, the default cache) never meets the user's checkout or another test's files."""
+    cwd = tmp_path_factory.mktemp("cwd")
+    monkeypatch.chdir(cwd)
+    monkeypatch.setenv("GPTOUGHTS_CACHE", str(cwd / ".gptoughts-cache"))
+    return cwd
+
+
 @pytest.fixture
 def text_corpus(tmp_path: Path) -> Path:
     """~60 KB of real Python source from the standard library, as a folder of .py files."""
