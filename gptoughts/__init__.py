@@ -21,7 +21,7 @@ from typing import Any
 from gptoughts.errors import ConfigError, DataError, HardwareError, UserError
 
 # The API is imported on first use (PEP 562), not with the package: ``gptoughts --version``, ``--help`` and the
-# CLI's light commands then start without torch (2.8 s -> 0.1 s for --version on this CPU machine).
+# CLI's light commands then start without torch (--version in 0.1 s instead of 2.8: docs/performance.md).
 _API = {
     "train": "train",
     "finetune": "finetune",

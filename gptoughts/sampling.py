@@ -36,8 +36,8 @@ from gptoughts.models.layers import softcap
 __all__ = ["Sampler", "diffusion_generate", "eager", "filter_top_k_top_p", "generate", "sample_top_k_top_p"]
 
 # Decoding changes the key length at every step. On H100/H200 (torch 2.11) SDPA prefers cuDNN, which builds
-# an execution plan per new shape: measured ~50 ms per step on an H200 for the 125m model, against ~5 ms
-# with flash. Generation therefore runs with cuDNN excluded; training (static shapes) is unaffected.
+# an execution plan per new shape: ~10x slower decoding than flash (measured: docs/performance.md).
+# Generation therefore runs with cuDNN excluded; training (static shapes) is unaffected.
 _DECODE_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 

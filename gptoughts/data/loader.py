@@ -1,29 +1,14 @@
 """Batches of token windows from prepared shards: deterministic, resumable, rank-aware, prefetched.
 
-The stream. Each source's train tokens are cut (per shard) into non-overlapping windows of
-``block_size + 1`` tokens at stride ``block_size``; windows may cross document boundaries (documents are
-eos-separated, as in GPT pretraining). The loader defines one *global* stream of rows, the same on every
-rank: row ``g`` draws its source from the current phase's weights with a counter-based hash of
-``(seed, g)``, and takes the next window of that source, whose windows are visited once per epoch in a
-permutation seeded by ``(seed, source, epoch)``. A global batch is ``batch_size * world_size`` consecutive
-rows and rank ``r`` keeps rows ``[r*B, (r+1)*B)`` of it: ranks see disjoint data whose union is exactly the
-single-process stream at ``world_size`` times the batch.
+* One global stream of ``block_size + 1`` windows, a function of the seed: row ``g`` picks its source by a
+  hash of ``(seed, g)`` and the next window of that source's per-epoch permutation; rank ``r`` keeps rows
+  ``[r*B, (r+1)*B)`` of each global batch, so any world size reads the single-process stream.
+* ``state_dict()``: plain-int counters of the batches the caller received (not those prefetched): exact
+  resume, also under another batch size or world size.
+* Each batch's largest id is checked against the vocabulary on the host: a damaged shard is a DataError.
+* A daemon thread gathers rows into pinned memory ``prefetch`` batches ahead; one ``non_blocking`` copy each.
 
-State. Everything above is a function of two counters: the global rows consumed and, per source, the
-windows consumed. ``state_dict()`` holds those counters (plain ints) for the batches the *caller* has
-received, not those sitting in the prefetch queue, so resuming reproduces the uninterrupted run exactly.
-Changing ``batch_size``/``world_size`` on resume is allowed: the stream continues at the same row.
-
-Safety. Every batch's largest id is checked against the vocabulary on the host before it leaves the loader
-(one numpy max over the batch, off the training thread): a damaged shard raises a DataError naming the
-file, instead of an out-of-range embedding lookup (a CUDA device assert, or a cryptic IndexError on CPU).
-
-Speed. A daemon thread gathers rows from the memmapped shards straight into a pinned int64 tensor
-(casting uint16 -> int64 in the same copy) and keeps ``prefetch`` batches ahead; ``__next__`` issues one
-``non_blocking`` host-to-device copy of ``x`` and ``y`` packed as ``[2, B, T]``, so the GPU never waits for
-the disk and the CPU never waits for the copy.
-
-SFT data (prompt/response JSONL, loss masks, packed rows with document ids) has its own loader with this
+The stream, the state and the threading in full: ``docs/data.md``. SFT data has its own loader with this
 interface: :class:`gptoughts.data.sft.SFTLoader`.
 """
 
@@ -381,8 +366,8 @@ def _shutdown(stop: threading.Event, q: queue.Queue, thread: threading.Thread) -
 class BatchLoader:
     """An endless iterator of ``(x, y)`` int64 ``[batch_size, block_size]`` batches (``y`` = ``x`` shifted).
 
-    See the module docstring for the stream, the state and the threading. Use as a context manager or call
-    :meth:`close`; the prefetch thread is a daemon and is also stopped at interpreter exit.
+    The stream, the state and the threading: the module docstring and ``docs/data.md``. Use as a context
+    manager or call :meth:`close`; the prefetch thread is a daemon and is also stopped at interpreter exit.
     """
 
     def __init__(

@@ -5,29 +5,16 @@ Input, one JSON object per line (``.jsonl`` files, or folders of them)::
     {"prompt": "...", "response": "..."}                      (optional "system": "...")
     {"messages": [{"role": "system"|"user"|"assistant"|..., "content": "..."}, ...]}
 
-A prompt/response pair is the conversation ``[user: prompt, assistant: response]``. Every assistant turn is a
-target; everything else (system, user, the template's role markers) is context and carries no loss.
+Every assistant turn is a target; the rest is context. Conversations are rendered with the tokenizer's chat
+template (each assistant turn found by rendering with and without it), else with this default (role markers
+are plain text, so data cannot inject special tokens; the loss is on ``{response}<eos>``)::
 
-Rendering. With the tokenizer's own chat template (``tokenizer_config.json`` / ``chat_template.jinja`` of an
-HF model), transformers' ``apply_chat_template`` renders the conversation; the text of each assistant turn is
-found by rendering the conversation up to that turn with and without the turn, and the pieces are tokenized
-separately, so the prompt/response boundary falls exactly where generation starts at inference. Without a
-template the documented default is used (role markers are plain text, so data cannot inject special tokens)::
+    [bos]<|system|>\n{system}\n<|user|>\n{prompt}\n<|assistant|>\n{response}<eos><|user|>\n...
 
-    [bos]<|system|>\\n{system}\\n<|user|>\\n{prompt}\\n<|assistant|>\\n{response}<eos><|user|>\\n...
-
-with the loss on ``{response}<eos>`` (bos only for tokenizers that have one distinct from eos).
-
-Rows. An example of ``n`` tokens gives ``n - 1`` (input, target) pairs. With ``packing`` several examples share
-a row of ``block_size`` pairs (greedy first-fit over the shuffled examples; an example is never split across
-rows), each with ``position_ids`` restarting at 0 and its own ``doc_ids`` value, so with the model's document
-mask an example computes exactly what it would alone; the tail of a row is padding (no loss, its own
-document). Without packing each row holds one example, right-padded, and the batch is just ``(x, y)``.
-Examples longer than ``block_size + 1`` tokens are cut to that length (``truncation = "right"``) or skipped
-(``"drop"``); examples left with no target token are skipped; all three are counted in :attr:`SFTData.stats`.
-
-The loader has the interface of :class:`~gptoughts.data.loader.BatchLoader`: an endless, deterministic (from
-the seed), rank-aware iterator whose ``state_dict`` (plain ints) resumes exactly.
+With ``packing`` examples share rows (greedy first-fit, never split) with ``position_ids`` restarting at 0 and
+their own ``doc_ids``; without it, one right-padded example per row. Too-long examples are cut or dropped
+(``truncation``) and counted. :class:`SFTLoader` has the interface of
+:class:`~gptoughts.data.loader.BatchLoader`. Rendering and row layout in full: ``docs/data.md``.
 """
 
 from __future__ import annotations

@@ -1,30 +1,12 @@
 """Read documents (strings) out of the corpus formats users have on disk.
 
-Supported sources (see :func:`source_kind`):
-
-* a text file (any extension): one file is one document; files over :data:`CHUNK_BYTES` are cut into ~1 MB
-  documents at line boundaries, so that memory stays bounded and a single huge ``.txt`` gives enough
-  independent pieces for parallel tokenisation (the val split does not depend on this size: prepare holds
-  out a tail of long documents, see :mod:`gptoughts.data.prepare`);
-* a folder: every file whose extension is in ``extensions``, recursively, in a deterministic order (sorted
-  names, depth first). Hidden folders and :data:`SKIPPED_DIRS` (``site-packages``, ``__pycache__``, ...)
-  are not entered. Binary files (a NUL byte in the first 8 KB) are skipped and counted. ``.jsonl`` and
-  ``.parquet`` files inside a folder are parsed as such when their extension is listed;
-* ``.jsonl``: one document per line, read from ``text_field``;
-* ``.parquet``: column ``text_field``, streamed by record batches with pyarrow (memory bounded whatever
-  the size of the file's row groups);
-* a dataset written by ``datasets.Dataset.save_to_disk`` (``state.json`` + ``*.arrow`` IPC streams) or a
-  ``DatasetDict`` (``dataset_dict.json`` + split folders; split ``train`` is read). We read the arrow files
-  with pyarrow directly (record batch by record batch, not memory-mapped) so that the ``datasets`` package
-  is not a dependency and memory stays bounded.
-
-``@stdlib`` names the running interpreter's standard library source (the embedded default corpus).
-
-Invalid UTF-8 is decoded with ``errors="replace"``; the number of replaced sequences and of affected files
-is counted in :class:`SourceStats` so that a mis-encoded corpus is visible in the prepare summary.
-
-A file that cannot be read (permissions, I/O error, a file that vanished meanwhile) or a corrupt parquet or
-arrow file is a DataError naming it; broken symbolic links inside a folder are skipped.
+Sources (:func:`source_kind`): a text file (one document; cut at line boundaries into ~1 MB documents above
+:data:`CHUNK_BYTES`), a folder (recursive, sorted, hidden folders and :data:`SKIPPED_DIRS` not entered, binary
+files skipped and counted), ``.jsonl`` and ``.parquet`` (field ``text_field``), a ``datasets.save_to_disk``
+folder (read with pyarrow: ``datasets`` is not a dependency), and ``@stdlib`` (the embedded default corpus).
+Reads are streamed so memory stays bounded whatever the file or row-group size. Invalid UTF-8 is replaced and
+counted in :class:`SourceStats`; an unreadable or corrupt file is a DataError naming it.
+Formats, and the memory measurements behind the reader settings: ``docs/data.md``.
 """
 
 from __future__ import annotations
@@ -383,11 +365,8 @@ def _read_parquet(p: Path, text_field: str, stats: SourceStats) -> Iterator[str]
     _check_column(pf.schema_arrow.names, p, text_field)
     stats.files_read += 1
     # Only the text column is read, a batch of ~_COLUMN_SLICE_BYTES at a time, from a buffered stream
-    # without pre-buffering or reader threads: memory is bounded by the file's page size (pyarrow reads and
-    # decompresses a page whole), whatever the size of its row groups. With pyarrow's defaults a whole
-    # row group is read at once: measured +186 MB of peak RSS on a file of one 165 MB row group, +24 MB
-    # with these settings. (Pages are ~1 MB, except in files written with rows much larger than 1 KB:
-    # writers check the page size every 1024 rows.)
+    # without pre-buffering or reader threads: memory is bounded by the file's page size, whatever the size
+    # of its row groups (pyarrow's defaults read a whole row group at once: measured, docs/data.md).
     rows = _parquet_batch_rows(pf, text_field)
     batches = pf.iter_batches(batch_size=rows, columns=[text_field], use_threads=False)
     yield from _column_batches(_guarded(batches, p, "parquet"), p, text_field, stats)
@@ -411,8 +390,8 @@ def _arrow_batches(f: Path) -> Iterator:
     import pyarrow.ipc as ipc
 
     # datasets.save_to_disk writes the IPC *stream* format; accept the file format too. Plain reads, not
-    # a memory map: every mapped page read stays in the resident set until the file is closed (measured
-    # +160 MB of peak RSS for a 165 MB file, +9 MB with reads), which would make memory grow with the file.
+    # a memory map: mapped pages stay resident until the file is closed, so memory would grow with the file
+    # (measured: docs/data.md).
     with pa.OSFile(str(f), "r") as source:
         try:
             reader = ipc.open_stream(source)

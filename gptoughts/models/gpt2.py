@@ -1,21 +1,8 @@
 """GPT-2 (Radford et al., 2019): learned absolute positions, pre-LayerNorm blocks with biases, tanh-GELU MLP
-4·d wide, tied LM head. Weights import from / export to ``transformers.GPT2LMHeadModel``.
+4·d wide, tied LM head, no dropout. Weights import from / export to ``transformers.GPT2LMHeadModel``.
 
-Parameter counts of the size presets (vocab 50257, 1024 positions, tied head; "non-embedding" excludes the
-token and position tables, both lookups, see ``GPT2.num_params``):
-
-| size | d_model | layers | heads | parameters | non-embedding |
-| ---- | ------: | -----: | ----: | ---------: | ------------: |
-| small | 768 | 12 | 12 | 124,439,808 (124.4M) | 85,056,000 (85.1M) |
-| medium | 1024 | 24 | 16 | 354,823,168 (354.8M) | 302,311,424 (302.3M) |
-| large | 1280 | 36 | 20 | 774,030,080 (774.0M) | 708,390,400 (708.4M) |
-| xl | 1600 | 48 | 25 | 1,557,611,200 (1.56B) | 1,475,561,600 (1.48B) |
-
-(``debug``: d 64, 2 layers, 4 heads, vocab 512, 256 positions; for tests only.) The presets keep GPT-2's
-vocab of 50257 so that OpenAI's checkpoints load as they are; a run sets ``vocab_size`` from its tokenizer
-(rounded up to a multiple of 64, which keeps the LM-head matmul on fast tensor-core shapes).
-
-No dropout: we pretrain from scratch on corpora larger than one epoch, where it only slows learning.
+The size presets keep GPT-2's vocab of 50257 so that OpenAI's checkpoints load as they are; a run sets
+``vocab_size`` from its tokenizer. Sizes, parameter counts and why no dropout: ``docs/models.md``.
 
 Module names follow Hugging Face, with ``transformer.h`` as ``layers`` (the protocol's name for the
 repeated blocks). HF's ``Conv1D`` stores weights as ``[in, out]``; ours are ``nn.Linear`` ``[out, in]``, so

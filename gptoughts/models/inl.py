@@ -1,97 +1,27 @@
 """INL-LLM, the user's "Integrator Language Model": a causal decoder whose blocks refine the attention output
 with K steps of learned second-order (state + velocity) dynamics before adding it to the residual stream.
+Why each choice, what was left out of the user's design, the K sweep and the size table: ``docs/models.md``.
 
-Block (pre-norm, three sub-steps)::
+Block (pre-norm)::
 
     a   = Attention(RMSNorm(r))                  # causal, RoPE, through SDPA
     x_K = Integrator(a)                          # K iterations, x_0 = a, v_0 = 0
-    r   = r + x_K                                # "-> residual"
+    r   = r + x_K                                # a closed gate (-> 0) leaves a standard transformer block
     r   = r + W2 GELU(W1 RMSNorm(r))             # GELU FFN, 4 d wide
 
-**What ``h`` is.** ``h`` is the attention branch's output ``a`` itself (before the residual add). The
-integrator is a per-token refinement of that branch, and its final state ``x_K`` is what the branch adds to
-the residual stream, so "attention -> K integrator iterations -> residual" is read literally. We do not use
-the user's later variant (``x_0 = norm(r + a)``, then ``r + x_K``): it adds a unit-RMS normalised vector to a
-stream of RMS ~0.02 at init, swamping it at every layer. With ``x_0 = a`` the scales agree, and when the
-learned gate closes (``gate -> 0``) the block is exactly a standard transformer block.
-
-**One integrator iteration** (per token, per feature; ``d`` = ``d_model``, ``H`` = ``controller_hidden``)::
+One integrator iteration (per token, per feature; ``h`` = ``a``, ``H`` = ``controller_hidden``)::
 
     [α̃, β̃, g̃, v_cand] = split_4(W_out GELU(W_in [h, x, v] + b_in) + b_out)   # W_in: 3d->H, W_out: H->4d
     α = sigmoid(α̃) · exp(-κ ⊙ |x - μ|)        # inertia, damped when far from equilibrium
     β = softplus(β̃)                            # restoring force
     v <- α v + (1 - α) v_cand - β (x - μ)
-    x <- x + dt · sigmoid(g̃) · v               # uses the *new* v (semi-implicit Euler, as the user's)
+    x <- x + dt · sigmoid(g̃) · v               # uses the *new* v (semi-implicit Euler)
 
-``μ`` (equilibrium) and ``κ = softplus(κ̃)`` (sensitivity of α to the distance from ``μ``) are learnable
-per-feature vectors of every block (init ``μ = 0``, ``κ = 1``); ``dt`` is a config value (0.1). κ is learnt
-rather than fixed because it costs ``d`` parameters per block and lets each feature choose how strongly
-distance from equilibrium cuts its inertia. ``|x - μ|`` is per feature: the original ``IntegratorNeuronLayer`` took the
-L2 norm over all features, which for unit-RMS features at ``d = 2048`` is ~45 and makes ``exp(-κ·45) ≈ 0``,
-i.e. α identically zero.
-The controller's output layer starts at zero weight with biases giving ``α = 0.8``, ``β = 0.5``,
-``gate = 0.5``, ``v_cand = 0`` (the user's initial dynamics); its input layer is random, so gradients reach
-it from the first update on.
-
-**Causality.** The integrator of a token reads only that token's ``h``, so information moves between
-positions only through causal attention. (The user's first version averaged ``h`` over the whole sequence
-to build the controller's context: every position then saw the future, and its next-token loss was
-meaningless. ``tests/models/test_inl.py::test_causality`` pins this.) For the same reason the integrator
-state is recomputed per token and per layer, and the KV cache only holds attention keys and values.
-
-**Positions.** The user's model had no positional handling; we use RoPE in attention
-(``layers.RotaryEmbedding``), so nothing is added to the embeddings.
-
-**Left out of the user's design, on purpose:** the deterministic "harmonic excitation" (driven by a global
-step counter mutated in forward: train and eval then compute different functions, exact resume and
-torch.compile break), the EMA update of μ (a second, hidden optimiser; μ is simply learnt), adaptive early
-stopping of the iterations (data-dependent control flow = a host sync per layer and recompiles), dropout
-(pretraining from scratch on large corpora), biases in attention/FFN, LayerNorm (RMSNorm here, the fused
-kernel of ``layers.py``).
-
-**Speed.** K is a static Python loop (unrolled by ``torch.compile``). ``W_in [h, x, v]`` is split as
-``W_h h + W_xv [x, v]``: ``h`` is fixed during the loop, so its product is computed once, not K times. Each
-iteration then costs ``2d·H + H·4d`` multiply-adds per token and ~15 elementwise ops on ``[B, T, d]``, and
-autograd saves ~10 ``[B, T, d]`` tensors per iteration: activation memory of the integrator grows linearly
-with K, so large K at 3b/4b scale needs activation checkpointing. ``flops_per_token`` counts the controller
-K times. Under bf16 autocast the controller's matmuls run in bf16 while ``x`` and ``v`` are promoted to fp32
-by ``μ`` (an fp32 parameter): the K small increments ``dt·gate·v`` accumulate in fp32, not in bf16's 8-bit
-mantissa.
-
-K sweep: ``python bench/inl_k_sweep.py`` (2026-11-21; CPU x86_64, 1 thread of a shared 2-core machine, torch
-2.13, fp32). d 128, 4 layers, 4 heads, block 128, batch 16, AdamW lr 2e-3 (cosine, 30 warmup steps), 300 steps
-(614k tokens), bytes tokenizer on 2 MB of the Python stdlib; val loss in nats/byte on held-out files, mean ± half
-the spread of 2 seeds (same batches for every K); step time = fastest of 40 interleaved training steps.
-K = 0 is the same block without integrator:
-
-| K | parameters | ms / step | tokens / s | speed vs K=0 | val loss (nats/byte) | val ppl | Δ loss vs K=0 |
-| -: | ---------: | --------: | ---------: | -----------: | -------------------: | ------: | -----------: |
-| 0 | 828,544 | 164 | 12,490 | 1.00x | 1.742 ± 0.010 | 5.71 | +0.000 |
-| 1 | 1,061,248 | 246 | 8,309 | 0.67x | 1.745 ± 0.000 | 5.72 | +0.002 |
-| 2 | 1,061,248 | 303 | 6,760 | 0.54x | 1.743 ± 0.010 | 5.72 | +0.001 |
-| 4 | 1,061,248 | 475 | 4,310 | 0.35x | 1.735 ± 0.003 | 5.67 | -0.007 |
-| 8 | 1,061,248 | 750 | 2,732 | 0.22x | 1.743 ± 0.003 | 5.71 | +0.001 |
-| 15 | 1,061,248 | 1243 | 1,647 | 0.13x | 1.759 ± 0.005 | 5.81 | +0.017 |
-
-**Default K = 4.** It has the lowest val loss of the sweep on both seeds; K = 8 is no better and 1.6x slower,
-and the user's K = 15 is the worst on both seeds and 2.6x slower than K = 4 (why was not investigated).
-K = 1 and 2 are faster but show no gain over K = 0 either. Caveats, stated plainly: the gain of K = 4 over
-no integrator (-0.007) is inside the seed-to-seed spread (±0.010), so this run does not show that the
-integrator helps at all at this scale; and the speed column is a CPU figure at d 128, where the ~15
-elementwise ops per iteration dominate. At 3b the controller adds 5.4% matmul FLOPs at K = 4 (15.29 vs 14.50
-GFLOP/token at T = 2048, ``flops_per_token``), and ``torch.compile`` fuses each iteration's elementwise ops,
-so the GPU cost should be far below 2.9x; it has not been measured on a GPU yet.
-
-Parameter counts (vocab 32768, tied embeddings; "non-embedding" excludes the shared embedding matrix; the
-integrators' share does not depend on K > 0):
-
-| size | d_model | layers | heads | ffn_dim | parameters | non-embedding | integrators |
-| ---- | ------: | -----: | ----: | ------: | ---------: | ------------: | ----------: |
-| 3b | 2048 | 40 | 16 | 8192 | 2,117,734,912 (2.12B) | 2,050,626,048 (2.05B) | 37,194,240 |
-| 4b | 2304 | 48 | 18 | 9216 | 3,183,580,416 (3.18B) | 3,108,082,944 (3.11B) | 50,211,840 |
-
-(``debug``: d 64, 2 layers, 4 heads, vocab 512; for tests only.) The user's guide quoted 1.70B / 2.52B for
-"3b" / "4b": those were counts of the leaking version; the figures above are this model's.
+``μ`` and ``κ = softplus(κ̃)`` are learnt per feature (init 0 and 1); ``|x - μ|`` is per feature, not a norm
+over features. The controller's output layer starts at zero weight, its biases giving α 0.8, β 0.5, gate 0.5.
+The integrator reads only its own token's ``h``, so positions mix only through causal attention and the KV
+cache holds attention keys and values only. K is a static loop (unrolled by compile); ``h``'s share of
+``W_in`` is computed once; under bf16 autocast ``x`` and ``v`` accumulate in fp32 (``μ`` is fp32).
 """
 
 from __future__ import annotations
@@ -109,7 +39,7 @@ from gptoughts.models.base import DecoderLM
 from gptoughts.models.layers import Attention, KVCache, RMSNorm, RotaryEmbedding
 
 DEFAULT_K = 4
-"""Integrator iterations per block unless configured (chosen from the K sweep in the module docstring)."""
+"""Integrator iterations per block unless configured (the best val loss of the K sweep: docs/models.md)."""
 
 # Initial controller outputs (the user's defaults): inertia 0.8, restoring force 0.5, half-open gate.
 _INIT_ALPHA = 0.8

@@ -1,29 +1,17 @@
 """LLaDA: a masked-diffusion language model (Nie et al., 2025, "Large Language Diffusion Models").
 
-Architecturally LLaDA is a Llama-style transformer whose attention is bidirectional and whose vocabulary holds
-a mask token. ``LLaDA`` therefore *is* ``Llama`` (same modules, same parameter names, same kernels: the only
-difference in the training step is SDPA called with ``is_causal=False``), with every attention layer switched
-to bidirectional after construction. What makes it a diffusion model lives elsewhere:
+``LLaDA`` *is* ``Llama`` (same modules, parameter names and kernels) with every attention layer switched to
+bidirectional after construction; its vocabulary holds a mask token. What makes it a diffusion model lives
+elsewhere:
 
 * the objective ``train.objectives.MaskedDiffusion`` (registered as ``"diffusion"``): mask each token with
   probability ``t ~ U(eps, 1)``, predict the masked tokens, weight by ``1/t``;
-* the sampler ``generate.diffusion_generate``: start from all-mask, commit tokens over a number of steps,
+* the sampler ``sampling.diffusion_generate``: start from all-mask, commit tokens over a number of steps,
   block by block (semi-autoregressive);
 * ``diffusion_log_likelihood`` below: the Monte-Carlo estimate of the NLL used by ``gptoughts eval``.
 
-Size presets (vocab as listed; a run replaces ``vocab_size`` and ``mask_token_id`` by the tokenizer's):
-
-| size | d_model | layers | heads | kv heads | ffn_dim | vocab | parameters | non-embedding |
-| ---- | ------: | -----: | ----: | -------: | ------: | ----: | ---------: | ------------: |
-| debug | 64 | 2 | 4 | 2 | 128 | 512 | 139,584 | 106,816 |
-| medium | 2048 | 22 | 32 | 4 | 5632 | 32768 | 1,103,194,112 (1.10B) | 1,036,085,248 (1.04B) |
-| 8b | 4096 | 32 | 32 | 32 | 12288 | 126464 | 8,015,581,184 (8.02B) | 7,497,584,640 (7.50B) |
-
-``8b`` is the shape of LLaDA-8B (multi-head attention, ``rope_theta=500000``, 4096 positions); its released
-tokenizer puts the mask token at id 126336, ours at id 2 (``<|mask|>``).
-
-There is no KV cache: with bidirectional attention every position's keys change whenever any token changes,
-so each sampling step recomputes the whole sequence (``new_cache`` raises).
+No KV cache: with bidirectional attention every position's keys change whenever any token changes, so each
+sampling step recomputes the whole sequence (``new_cache`` raises). Size presets: ``docs/models.md``.
 """
 
 from __future__ import annotations

@@ -1,28 +1,12 @@
 """torchrun environment, process groups, data-parallel wrapping (DDP or FSDP2) and full state dicts.
 
-The trainer works with a :class:`DistInfo` whatever the launch: a plain ``python -m gptoughts train`` is one
-process of world size 1 and no process group; ``torchrun --nproc_per_node=N -m gptoughts train`` sets
-RANK/WORLD_SIZE/LOCAL_RANK and we join the group (NCCL on CUDA, gloo on CPU). With ``parallel.pp`` (or
-``tp``) > 1 the ranks form the device mesh ``(pp, dp, tp)``: data parallelism (DDP or FSDP2) then runs over the
-``dp`` dimension only, and pipeline stages (``parallel/pp.py``) talk over the ``pp`` dimension.
-
-Under FSDP2 (``parallel.strategy = fsdp``) every rank holds 1/N of each parameter, gradient and optimizer
-state, and checkpoints are sharded (``torch.distributed.checkpoint``, see ``train/checkpoint.py``): each rank
-writes its own shards, in the background by default, with nothing gathered to one host; they load on any
-number of ranks (DCP reshards), on one process and under DDP. One-process and DDP runs keep the single-file
-format (``model.safetensors`` + ``state.pt``), which FSDP runs also resume from: every rank reads the full
-weights and optimizer state (:func:`load_full_state_dict`, :func:`load_optimizer_state`) and keeps its shard.
-
-With tensor parallelism (``parallel.tp = N``, see ``parallel/tp.py``) the ranks form a device mesh
-``(pp, dp, tp)``: the ``N`` ranks of a ``tp`` group split each block's matrices and read the same data, the
-``dp`` dimension reads different data and is handled by FSDP2 on its sub-mesh (2-D ``(dp, tp)`` parameters) or,
-with one data-parallel rank, by nothing. DDP does not combine with tensor parallelism (it does not reduce
-DTensor gradients): ``auto`` then means FSDP. Every reduction of per-rank data (token counts, losses) runs over
-the ``dp`` group, since the ranks of a ``tp`` group hold the same values. TP runs write
-sharded checkpoints like FSDP runs (DTensor shards through DCP), which resume on one process and back.
-Pipeline runs gather their stages' weights and optimizer state to rank 0 into the single-file format (their
-ranks hold different keys). Tensor and pipeline parallelism do not combine yet. ``parallel.cpu_offload``: FSDP2
-with its shards in CPU memory, also in a one-process group.
+:class:`DistInfo` describes any launch: one process without a process group, or ``torchrun`` ranks (NCCL on
+CUDA, gloo on CPU). With ``parallel.pp`` or ``parallel.tp`` > 1 the ranks form the mesh ``(pp, dp, tp)`` and
+data parallelism runs over ``dp`` only; every reduction of per-rank data runs over the ``dp`` group. DDP does
+not reduce DTensor gradients, so tensor parallelism takes FSDP2. One-process and DDP runs checkpoint in the
+single-file format, which FSDP runs also resume from (:func:`load_full_state_dict`,
+:func:`load_optimizer_state`: every rank reads the whole and keeps its shard); FSDP and TP runs write sharded
+DCP checkpoints. Meshes, checkpoint layouts and the scaling measurements: ``docs/parallel.md``.
 """
 
 from __future__ import annotations
@@ -52,7 +36,7 @@ class DistInfo:
     """Pipeline-parallel degree (stages)."""
     mesh: Any = None
     """The DeviceMesh ``(pp, dp, tp)`` (dims named so) when tensor or pipeline parallelism is on, else None
-    (plain data parallelism over the default group, the path every earlier run took)."""
+    (plain data parallelism over the default group)."""
     cpu_offload: bool = False
     """FSDP2 keeps parameters, gradients and optimizer state in CPU memory (``parallel.cpu_offload``); also a
     one-process run, then in a process group of one."""
@@ -210,8 +194,8 @@ def shutdown() -> None:
 
 
 def ddp_bucket_mb(model: nn.Module, asked: int = 0) -> int:
-    """The DDP bucket size: ``asked``, or (0) a twentieth of the fp32 gradients, clamped to 25-250 MB. On
-    2 x H200, 1b trained 95.1% as fast per GPU as one GPU with 200 MB buckets, 90.6% with torch's 25 MB."""
+    """The DDP bucket size: ``asked``, or (0) a twentieth of the fp32 gradients, clamped to 25-250 MB (larger
+    buckets than torch's 25 MB measured faster: ``docs/parallel.md``)."""
     if asked:
         return asked
     grad_mb = 4 * sum(p.numel() for p in model.parameters() if p.requires_grad) / 2**20
@@ -247,14 +231,13 @@ def wrap_fsdp(
     """FSDP2: shard each transformer block (the unit that is gathered just before it runs and freed after),
     then the root (embeddings, final norm, head). Compute in bf16/fp16 when training in it, gradients reduced in
     fp32. ``fully_shard`` works in place: parameter names, per-block compile and checkpointing are unchanged.
-    ``mesh``: the data-parallel sub-mesh under tensor parallelism (the blocks' DTensors become 2-D), else the
-    default group.
 
     One difference from DDP + autocast: the bf16 policy applies to every parameter, so the weights autocast
     would keep in fp32 (norm weights, DeepSeek's router) also compute from bf16 copies; routing can then differ
     slightly from a DDP run of the same config.
 
-    ``mesh``: the data-parallel sub-mesh (a pipeline stage is sharded over the ranks holding that stage).
+    ``mesh``: the data-parallel sub-mesh (under tensor parallelism the blocks' DTensors become 2-D; a pipeline
+    stage is sharded over the ranks holding that stage), else the default group.
 
     ``cpu_offload``: the shards (fp32 weights, gradients, and so the optimizer state and its step) stay in pinned
     CPU memory; each block is copied to the GPU when it is gathered and its gradient copied back after the

@@ -1,43 +1,18 @@
 """Pipeline parallelism (``--parallel.pp N``): the blocks split into stages by layers, micro-batches flowing
 through them under a ``torch.distributed.pipelining`` schedule (1F1B, or interleaved 1F1B).
 
-What happens, in the transform order of ``train/setup.py`` (after the weights are initialised or loaded and
-fp8 has swapped its modules; activation checkpointing, compile and FSDP/DDP then apply to each stage):
+* :func:`split_layers`: ``pp`` stages (``2 x pp`` interleaved); the first also holds the embedding, the last
+  the final norm and the head, which counts as one layer in the even split (``parallel.pp_layers``: by hand).
+* :func:`make_stage`: the family's own module with what the stage does not hold set to None and ``layers`` a
+  :class:`StageLayers` keyed by the original indices (state-dict names unchanged), sharing the tensors of the
+  whole model every rank builds from the run's seed (the weights of a one-process run).
+* :class:`Pipeline`: the step (the objective's own loss on the last stage, scaled to the global token mean),
+  the norm over all stages, forward-only evaluation, and checkpoints gathered to rank 0 in the single-file
+  format. Data parallelism across pipelines: FSDP2 per stage, or gradients averaged over ``dp`` after a step.
 
-* **Split** (:func:`split_layers`). ``S`` stages (``pp`` with 1F1B, ``2 x pp`` interleaved; stage ``s`` runs on
-  pipeline rank ``s % pp``). The first stage also holds the token embedding, the last the final norm and the
-  LM head. The even split counts the head (a ``[vocab, d]`` matmul and the loss) as one layer and the embedding
-  lookup as free: ``n_layers + 1`` units spread as evenly as they go, the extra ones to the later stages, the
-  last stage's extra unit being the head (16 layers on 2 stages: 0-7 | 8-15 + head; 22 on 4: 5 | 6 | 6 | 5 +
-  head). ``parallel.pp_layers`` gives the counts instead.
-* **Stages** (:func:`make_stage`). A stage is the family's own module with what it does not hold set to None
-  and ``layers`` replaced by a :class:`StageLayers` keyed by the original block indices, so state-dict names
-  stay ``layers.N...`` and the model's ``forward`` runs unchanged (``models/base.py``: without an embedding the
-  input is the previous stage's hidden state; without a final norm the blocks' output is returned). The
-  stages share the parameter tensors of the model they were cut from: every rank builds and initialises the
-  whole model once, from the run's seed, so the weights are exactly those of a one-process run; then what the
-  rank's stages do not hold goes to the meta device (what remains: a per-stage build, for models whose weights
-  do not fit one device whole even for a moment). The whole model object (``Model.raw``) is thus not a
-  trained model under a pipeline: checkpoints are (gathered from the stages).
-* **Step** (:class:`Pipeline`). The optimizer step's rows (``grad_accum`` loaded batches, concatenated) are
-  split into the schedule's micro-batches; the last stage's loss function is the objective's own (the final
-  hidden state, the head weight and the chunked or plain cross-entropy), times ``dp_size / n_total`` as in the
-  trainer's non-pipelined path, so the gradients are those of the global token-mean loss (``scale_grads``
-  off: the schedule must not divide again). The loss sum is kept on the last stage and is 0 elsewhere: the
-  trainer's flush sums the loss column over all ranks, which yields the global sum.
-* **Data parallel** across pipelines: each stage wrapped by FSDP2 on the ``dp`` sub-mesh (``strategy =
-  fsdp``; the schedule syncs gradients with the last micro-batch only); with ``ddp`` the gradients are
-  averaged over the ``dp`` group after the step (DDP's reducer cannot follow the schedule's backward passes).
-* **Clipping and the non-finite check** use the norm over all stages (:meth:`Pipeline.global_norm`).
-* **Evaluation** runs forward only, stage by stage, with blocking sends and receives of the hidden state
-  (:meth:`Pipeline.eval_loss`: no dependence on the schedules' eval API, which differs across torch versions).
-* **Checkpoints** keep the one format: the full state dict and the optimizer state keyed by parameter name,
-  gathered to rank 0 across the pipeline (:meth:`Pipeline.full_state_dict`, :meth:`Pipeline.optimizer_state`).
-* **Sampling** is skipped (the run plan says so): generation would need the KV cache passed between stages.
-
-Supported: the llama family (native or loaded from a Hugging Face Llama folder), untied embeddings, plain (not
-packed) batches. Refused with one line before anything is written: tied embeddings (the matrix would live on
-the first and the last stage), LoRA, DeepSeek, masked diffusion (LLaDA), the generic transformers path.
+Covers the llama family with untied embeddings and plain batches; :func:`check_supported` refuses the rest in
+one line. Sampling is skipped. Applied in ``train/setup.py`` after fp8 and before activation checkpointing,
+compile and FSDP/DDP (each applied per stage). The whole design: ``docs/parallel.md``.
 """
 
 from __future__ import annotations
@@ -70,8 +45,9 @@ def stages_of(pp: int, schedule: str) -> int:
 
 
 def split_layers(n_layers: int, n_stages: int, override: list[int] | None = None) -> list[range]:
-    """The layers of each stage: ``override`` (``parallel.pp_layers``), else the even split of the module
-    docstring (the head counts as one layer of the last stage)."""
+    """The layers of each stage: ``override`` (``parallel.pp_layers``), else ``n_layers + 1`` units spread as
+    evenly as they go, the extra ones to the later stages, the head being the last stage's extra unit (16
+    layers on 2 stages: 0-7 | 8-15 + head; 22 on 4: 5 | 6 | 6 | 5 + head)."""
     if override:
         if len(override) != n_stages:
             raise ConfigError(
@@ -134,7 +110,7 @@ def microbatches(rows: int, pp: int, schedule: str, asked: int) -> int:
 
 
 def check_supported(family: str, args: Any, *, lora: bool, generic: bool, objective: str) -> None:
-    """Refuse, in one line, what the stage split does not cover (see the module docstring)."""
+    """Refuse, in one line, what the stage split does not cover (why each: ``docs/parallel.md``)."""
     if lora:
         raise ConfigError("parallel.pp does not cover LoRA fine-tuning yet; drop --parallel.pp")
     if generic:

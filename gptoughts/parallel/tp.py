@@ -1,34 +1,16 @@
 """Tensor parallelism (+ sequence parallelism) of the native families, with DTensor ``parallelize_module``.
 
-``--parallel.tp N`` splits each transformer block over the ``N`` ranks of the mesh's ``tp`` dimension
-(Megatron-style): the projections that open a sub-layer are split by output features (``ColwiseParallel``:
-attention ``wq``/``wk``/``wv`` by heads, the MLP's up/gate projections by hidden units), the projections that
-close it by input features (``RowwiseParallel``: ``wo``, the MLP's down projection), so each sub-layer costs one
-collective forward and one backward. Attention then sees its rank's heads only: the model code infers head
-counts from the tensors (``view(..., -1, head_dim)``), so it runs unchanged.
+``--parallel.tp N`` splits each block over the ``N`` ranks of the mesh's ``tp`` dimension, Megatron-style:
+the projections opening a sub-layer by output features (``ColwiseParallel``: ``wq``/``wk``/``wv`` by heads,
+the MLP's up/gate), those closing it by input features (``RowwiseParallel``: ``wo``, the MLP's down), so a
+sub-layer costs one collective forward and one backward; attention infers its head count from the tensors and
+runs unchanged. Between sub-layers the residual stream and the norms are split along the sequence
+(``SequenceParallel``; uneven when ``N`` does not divide it). The embedding, final norm and LM head stay
+replicated.
 
-Sequence parallelism: between sub-layers the residual stream is split along the sequence (each rank holds
-``T / N`` positions, as a DTensor sharded on dim 1, so that a length ``N`` does not divide, a decoded token
-included, is split unevenly rather than refused), the norms run on their rank's positions (``SequenceParallel``:
-their weights become replicated DTensors whose gradients are summed over the group), and the sub-layer's input is
-all-gathered just before its first projection, its output reduce-scattered by the last one. Activation memory of
-the norms and the residual stream is divided by ``N``. Entering the first block the (replicated) embedding output
-is cut along the sequence (no communication); entering the final norm it is all-gathered.
-
-What stays replicated (every rank of a group holds and computes it whole, with identical gradients): the token
-embedding, the final norm and the LM head. The head's matmul is therefore not split (a vocabulary-parallel head
-with a parallel loss is what remains to gain at large vocabularies), and the training losses, sampling and
-evaluation code see plain tensors.
-
-Where it applies: the Llama layout (Llama, Mistral and Qwen configs: GQA, q/k norms, biases, sliding windows,
-ReLU² MLPs), LLaDA (the same blocks, bidirectional) and INL (whose integrator runs on the whole sequence on every
-rank, with replicated weights). :func:`check_tp` refuses, in one line and before anything is written, what it does not
-cover: DeepSeek (MoE and MLA), GPT-2 (one fused q/k/v matrix), generic transformers models and LoRA, and head
-counts or widths that ``N`` does not divide. Sampling works as on one GPU: every rank decodes the same tokens,
-each caching the keys and values of its own heads.
-
-Order (``train/setup.py``): after fp8 conversion, before activation checkpointing, compile and FSDP (which then
-shards each block's DTensors over the ``dp`` dimension: a 2-D ``(dp, tp)`` layout).
+Covers :data:`SUPPORTED` (the Llama layout, LLaDA, INL); :func:`check_tp` refuses the rest in one line.
+Applied in ``train/setup.py`` after fp8, before activation checkpointing, compile and FSDP (2-D ``(dp, tp)``
+parameters). The whole design: ``docs/parallel.md``.
 """
 
 from __future__ import annotations
@@ -87,7 +69,8 @@ def check_tp(family: str | None, args: Any, tp: int, *, generic: bool = False, l
 
 def apply_tp(model: nn.Module, mesh: Any, family: str) -> None:
     """Parallelize ``model``'s blocks in place over the 1-D ``mesh`` (the ``tp`` dimension), see the module
-    docstring. Parameters keep their names; block parameters become DTensors (sharded or replicated)."""
+    docstring and ``docs/parallel.md``. Parameters keep their names; block parameters become DTensors (sharded
+    or replicated)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,

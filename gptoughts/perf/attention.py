@@ -4,10 +4,8 @@
 neither imports nor compiles them, DESIGN principle 1) and says which ones this machine can run:
 
 * ``FA4``: FlashAttention-4 (``flash-attn-4``, module ``flash_attn.cute``, CuTe-DSL kernels for Hopper and
-  Blackwell) for the mask-free causal or bidirectional case and sliding windows, GQA included. Called directly
-  rather than through torch's ``activate_flash_attention_impl("FA4")``: that prototype (torch 2.13) unpacks two
-  values from ``_flash_attn_fwd``, which returns five in flash-attn-4 4.0.0b36, and it may be absent from the
-  torch 2.11 of the GPU machines. ``bench/attention.py`` measures that route too where it runs.
+  Blackwell) for the mask-free causal or bidirectional case and sliding windows, GQA included. Called
+  directly, not through torch's ``activate_flash_attention_impl("FA4")`` prototype (docs/performance.md).
 * ``FlexDocAttention``: packed rows (``doc_ids``) through ``torch.nn.attention.flex_attention`` with a
   ``BlockMask`` (same document, causal, optional window): whole blocks outside the documents are skipped and
   k/v heads are shared (GQA), where the dense-mask path materialises a ``[B, 1, T, T]`` mask, runs the

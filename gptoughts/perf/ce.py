@@ -98,9 +98,8 @@ def accumulate_weight_grad(grad_w: torch.Tensor, g: torch.Tensor, h: torch.Tenso
     """``grad_w += g.T @ h`` with ``grad_w`` fp32 and ``g``, ``h`` bf16/fp16: the matmul accumulates into the fp32
     buffer in its epilogue (cuBLAS with an fp32 C and D), instead of writing a bf16 product, casting it to fp32
     and adding it in two more passes over the ``[vocab, d]`` buffer. Per chunk that is 8 bytes of traffic per
-    weight instead of 20 (2 written, 6 to widen, 12 to add), and one bf16 rounding fewer: on an H100 at 125m
-    (vocab 32k, d 768, 129 chunks a step) the eager fp32 add alone took 16 ms of a 909 ms step
-    (bench/BENCHMARKS.md)."""
+    weight instead of 20 (2 written, 6 to widen, 12 to add), and one bf16 rounding fewer (measured faster:
+    ``docs/performance.md``)."""
     torch.addmm(grad_w, g.t(), h, out_dtype=torch.float32, out=grad_w)
 
 

@@ -65,9 +65,9 @@ def _selective_context():
 
 def resolve(mode: str, lora: LoraConfig | None) -> tuple[str, str]:
     """What ``perf.activation_checkpointing`` becomes, and why. ``auto``: selective when training LoRA adapters on
-    a base that is not quantized (their inputs are saved besides the base's activations; at 1b on an H100, 19% less
-    peak memory for 2-5% of the speed, bench/BENCHMARKS.md session 10), none otherwise (QLoRA's 4-bit matmuls are
-    not saved by the selective policy: it would recompute them; pretraining's auto batch uses the memory)."""
+    a base that is not quantized (their inputs are saved besides the base's activations: less memory for a
+    few percent of speed, measured in ``docs/performance.md``), none otherwise (QLoRA's 4-bit matmuls are not
+    saved by the selective policy: it would recompute them; pretraining's auto batch uses the memory)."""
     if mode != "auto":
         return mode, "asked"
     if lora is not None and lora.enabled and lora.quantize == "none":

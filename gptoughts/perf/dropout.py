@@ -1,14 +1,10 @@
 """Dropout whose mask is a pure function of a seed tensor: one Philox call per eight elements, the mask kept as bits.
 
-torch.compile's own dropout (inductor's ``tl.rand``) runs one Philox4x32-10 call per element and keeps one of its
-four 32-bit words, in the forward and again wherever the mask is needed later (recomputation, backward). In LoRA with
-adapter dropout at 1b those draws were the largest cost beside the matmuls (bench/BENCHMARKS.md, 2026-11-23 session
-11: 168M decisions per block per pass). A decision needs far fewer random bits: here one Philox call's four words are
-eight 16-bit uniforms, the decisions of eight elements, stored as the eight bits of one byte (``dropout_bits``: a
-mask of n/8 bytes, cheap to keep for the backward). Applying it (``apply_bits``) is plain PyTorch element-wise code
-that torch.compile fuses into the neighbouring kernels, as it fused its own dropout. A bit-per-element mask written
-by a separate kernel at full width was measured first and was no faster: the extra passes over memory cost what the
-cheaper draws saved (same section, session 12).
+torch.compile's dropout draws one Philox4x32-10 call per element, again wherever the mask is needed later;
+here one call's four words are eight 16-bit uniforms, the decisions of eight elements, stored as the bits of
+one byte (:func:`dropout_bits`: n/8 bytes, cheap to keep for the backward). :func:`apply_bits` is plain
+element-wise PyTorch that torch.compile fuses into the neighbouring kernels. Why, and what was measured:
+``docs/performance.md``.
 
 An element is dropped when its 16-bit draw is below ``t = round(p * 65536)``, so the rate is ``p`` to within
 1/131072, and kept values are scaled by the exact ``65536 / (65536 - t)``: the output's expectation is the input.

@@ -1,32 +1,17 @@
 """A faster LoRA linear layer for PEFT: the adapter folded into the frozen weight for each step.
 
-PEFT computes ``y = x W^T + s * B(A(dropout(x)))``: besides the base matmul, two skinny matmuls, an
-activation-sized adapter output and an add in the forward, and in the backward an activation-sized input
-gradient from the adapter path plus another add. With no dropout on the adapter input (PEFT's default, and
-eval mode) the same ``y`` is ``x (W + s B A)^T``: the merged weight ``W + s B A`` is one small matmul the size of
-``W`` (much smaller than the activations at training batch sizes), and the forward is a single matmul. The
-backward recomputes the merged weight for ``dx`` and gets the adapter gradients from four skinny matmuls:
+PEFT computes ``y = x W^T + s * B(A(dropout(x)))``. Without adapter dropout that is ``x (W + s B A)^T``: one
+matmul forward; the backward recomputes the merged weight for ``dx`` and takes the adapter gradients from four
+skinny matmuls (``u = x A^T, v = dy B, dA = s v^T x, dB = s dy^T u``). With dropout (training only) the
+adapter's matmul accumulates into the base's output in its epilogue (:func:`_linear_add_lowrank`), with our
+seeded dropout (``perf/dropout.py``) kept as bits for the backward: one ``[tokens, out]`` tensor leaves the
+layer.
 
-    u = x A^T,  v = dy B,  dA = s v^T x,  dB = s dy^T u.
-
-Measured on an H200 (bench/BENCHMARKS.md, 2026-11-22 session 3, LoRA 1b seq 2048 batch 4): 1.094x PEFT's
-layer in the same trainer and process. The
-class is a subclass of PEFT's own ``lora.Linear`` (registered through PEFT's custom-module dispatch), so the
-parameters, their names, ``merge_and_unload`` and everything else stay PEFT's; only ``forward`` takes the
-merged path when it computes the same thing (or, with dropout, the path below), and falls back to PEFT's otherwise
-(several active adapters, DoRA and other variants, a mixed-adapter batch, a base layer that is not a plain
-``nn.Linear`` such as a 4-bit one, a trainable base weight, or fewer than ``in*out/(in+out)`` tokens in the
-call, where PEFT's side path is the cheaper one: decoding, tiny batches).
-
-With dropout on the adapter input (training only) the adapter cannot be folded: ``y = x W^T + s (d A^T) B^T``
-with ``d = dropout(x)``. PEFT computes it as three matmuls, a scale and an add, and its output keeps both the base's
-and the adapter's ``[tokens, out]`` results for the backward when selective activation checkpointing (compiled)
-recomputes the sum. Here the adapter's skinny matmul accumulates into the base's output
-(``(x W^T).addmm_(d A^T, B^T, alpha=s)``: the add happens in that matmul's epilogue): one ``[tokens, out]`` tensor
-leaves the layer. The dropout is ours (gptoughts/perf/dropout.py): its mask is drawn from a seed (from torch's
-generator at each call) at eight elements per Philox call where torch.compile's dropout draws one per element per
-pass, and kept as one bit per element for the backward, which applies it to ``x`` for ``dA`` and to ``v A`` for
-``dx`` (the masks are other draws than PEFT's, of the same distribution to within 1/131072 of the rate).
+:class:`MergedLoraLinear` subclasses PEFT's ``lora.Linear`` (parameters, names, ``merge_and_unload`` stay
+PEFT's) and falls back to PEFT's forward where ours would not compute the same thing or would cost more:
+several active adapters, DoRA and other variants, mixed-adapter batches, a base that is not a plain
+``nn.Linear``, a trainable base, or fewer than ``in*out/(in+out)`` tokens. Why, and the measurements:
+``docs/performance.md``.
 """
 
 from __future__ import annotations
@@ -87,7 +72,7 @@ def _linear_add_lowrank(
 ) -> torch.Tensor:
     """``x W^T + bias + s u B^T`` as two cuBLAS calls, the second accumulating into the first's output. An op of its
     own because torch.compile lowers ``addmm(y, u, B^T)`` to an out-of-place call that first copies ``y`` (a
-    device-to-device copy of every LoRA layer's output: 3.9-4.2 ms of a 1b step, bench/BENCHMARKS.md session 12)."""
+    device-to-device copy of every LoRA layer's output; measured: ``docs/performance.md``)."""
     return F.linear(x, weight, bias).addmm_(u, b.t(), alpha=scaling)
 
 

@@ -85,9 +85,8 @@ class Startup:
 
     def bytecode_hint(self, slow_s: float = 5.0) -> str:
         """A start-up slower than ``slow_s`` in a Python that writes no bytecode caches (``PYTHONDONTWRITEBYTECODE``,
-        ``python -B``): every process then compiles the sources of torch, sympy and dynamo it imports (7-13 s of
-        a start-up on an H100 machine set up that way; a second 1b run 18.9 s there, 8.7 s with caches:
-        bench/BENCHMARKS.md, 2026-11-23)."""
+        ``python -B``): every process then compiles the sources of torch, sympy and dynamo it imports
+        (seconds of every start-up: ``docs/performance.md``)."""
         if not sys.flags.dont_write_bytecode or self.total_s < slow_s:
             return ""
         return (

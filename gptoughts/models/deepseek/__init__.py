@@ -13,19 +13,8 @@ concern per module:
   training hooks: expert-load accounting, the auxiliary-loss-free bias update, ``extra_loss``;
 * ``hf``: ``DeepseekV3ForCausalLM`` config and weights, both ways (the name mapping table is there).
 
-Size presets (``vocab_size`` as listed; "active" = parameters one token runs through, see
-``DeepSeek.num_active_params``; both columns include the input embedding and the LM head):
-
-| size | d_model | layers (dense) | heads | routed experts (top-k) + shared | moe_inter | vocab | total | active |
-| ---- | ------: | -------------: | ----: | ------------------------------: | --------: | ----: | ----: | -----: |
-| debug | 64 | 3 (1) | 4 | 8 (2) + 1 | 32 | 512 | 252,960 | 179,232 |
-| small | 1024 | 16 (1) | 8 | 64 (6) + 2 | 320 | 32768 | 1,118,151,680 (1.12B) | 262,906,880 (263M) |
-| 16b | 2048 | 27 (1) | 16 | 64 (6) + 2 | 1408 | 102400 | 15,706,484,224 (15.7B) | 2,661,150,208 (2.66B) |
-
-``16b`` is the DeepSeek-V2-Lite shape (DeepSeek quotes 15.7B total and 2.4B active; the latter excludes the
-input embedding: 2,451,435,008 here). The presets use the V3 routing recipe (sigmoid scores, normalised top-k,
-scale 2.5, bias balancing) rather than V2-Lite's softmax; ``score_func = "softmax"`` gives the V2 router.
-``small`` and ``16b`` use MLA head dims 128 (nope) + 64 (rope) and 128 (v), kv_lora_rank 512, no q-LoRA.
+Size presets (``debug``, ``small``, ``16b``: the DeepSeek-V2-Lite shape with the V3 router) and their total
+and active parameter counts: ``docs/models.md``.
 """
 
 from gptoughts.models.deepseek.args import DEEPSEEK_SIZES, DeepSeekArgs
