@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gptoughts.config import coerce
+from gptoughts.coerce import coerce
 from gptoughts.errors import ConfigError, did_you_mean
 from gptoughts.models import deepseek, gpt2, llama_hf
 from gptoughts.models.deepseek import DEEPSEEK_SIZES, DeepSeek, DeepSeekArgs
