@@ -238,6 +238,11 @@ def train_help() -> str:
     ]
     lines += [f"  {name:<9} {', '.join(models.list_sizes(name))}" for name in models.FAMILIES]
     lines += [
+        f"  {name:<9} the {family} sizes with {', '.join(f'--model.{k} {str(v).lower()}' for k, v in switches.items())} "
+        f"(exports as {name})"
+        for name, (family, switches) in models.VARIANTS.items()
+    ]
+    lines += [
         f"presets: {', '.join(list_presets())}",
         "",
         "switches:",

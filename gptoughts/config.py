@@ -795,7 +795,11 @@ def read_toml(name_or_path: str | Path, _chain: tuple[Path, ...] = ()) -> dict[s
 
 
 def size_defaults(family: str, size: str) -> dict[str, Any]:
-    """The training defaults of ``family``/``size`` (``presets/sizes.toml``) as nested dicts ({} if none)."""
+    """The training defaults of ``family``/``size`` (``presets/sizes.toml``) as nested dicts ({} if none); a
+    variant (``qwen2``: a Llama with q/k/v biases) trains with its family's."""
+    from gptoughts.models import resolve_variant
+
+    family = resolve_variant(family)[0]
     table = tomllib.loads(SIZES_FILE.read_text(encoding="utf-8")).get(family, {}).get(str(size).lower(), {})
     out: dict[str, Any] = {}
     for key, value in table.items():
@@ -928,6 +932,8 @@ def validate(cfg: Config) -> None:
             )
         if found is not None:
             cfg.model.family = found[0]
+    # `--model qwen2` is the llama family with its switch: the run is built, saved and resumed as that
+    cfg.model.family, cfg.model.overrides = models.resolve_variant(cfg.model.family, cfg.model.overrides)
     hints = typing.get_type_hints(models.get_family(cfg.model.family).args_cls)
     for key, value in cfg.model.overrides.items():  # "8" from the command line -> 8, as the family declares
         if isinstance(value, str) and key in hints:
