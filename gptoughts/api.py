@@ -137,7 +137,8 @@ def finetune(
     dry_run: bool = False,
     **overrides: Any,
 ) -> tuple[nn.Module, Any, History]:
-    """Fine-tune a local Hugging Face model folder (``model_path``) on ``data_path``; ``(model, tokenizer, history)``.
+    """Fine-tune a Hugging Face model (``model_path``: a local folder or a hub id ``ORG/NAME``, from the Hugging Face
+    cache) on ``data_path``; ``(model, tokenizer, history)``.
 
     The same pipeline as :func:`train` (``config`` defaults to the ``finetune`` preset): JSONL with
     prompt/response or messages trains on the responses only; plain text continues pretraining. ``lora=True``

@@ -87,6 +87,7 @@ class RunPlan:
             f"non-embedding"
             + (f", {self.trainable_params:,} trainable" if self.trainable_params != self.params else "")
             + f"), vocab {self.vocab_size:,}, block {self.block_size:,}"
+            + (f" ({self.resolved['block_size']})" if "block_size" in self.resolved else "")
             + (f"; {self.layout}" if self.layout else "")
         ]
         if "examples" in c:
@@ -219,7 +220,7 @@ def make_plan(
     what = (
         f"{model.family.name}/{cfg.model.size}"
         if data.init_from is None
-        else f"{model.family.name} from {data.init_from}" + (" + LoRA" if cfg.lora.enabled else "")
+        else f"{model.family.name} from {cfg.model.init_from}" + (" + LoRA" if cfg.lora.enabled else "")
     )
     layout = _variant_layout(model.family, model.args)
     corpus = dict(data.corpus, estimated=data.estimated, max_bytes=cfg.data.max_bytes)

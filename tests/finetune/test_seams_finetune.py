@@ -50,7 +50,7 @@ def test_finetune_defaults_follow_a_short_model_and_lora(hf_model, tmp_path, ft_
     )
     out = capsys.readouterr().out
     assert hist.steps == 2 and hist.plan["block_size"] == 64
-    assert "block 64 (the model's 64 positions; finetune's default is 1024)" in out
+    assert "block 64 (the model's 64 positions; finetune's default is 1,024)" in out
     assert "peak lr 2.0e-04 (LoRA's default; full fine-tuning's is 2e-05)" in out
     assert "LoRA usually wants a larger learning rate" not in out
     saved = (tmp_path / "run" / "config.toml").read_text()
@@ -132,6 +132,10 @@ def test_finetune_a_hub_id_from_the_hugging_face_cache_offline(
     info = json.loads((run / "run.json").read_text())
     assert info["init_from"] == str(snapshot) and info["plan"]["batch"]["total_steps"] == 2
     assert api.load(run).model is not None
+    # in a config file too, ORG/NAME stays a hub id (relative paths of a file are relative to the file)
+    toml = tmp_path / "ft.toml"
+    toml.write_text('base = "finetune"\n[model]\ninit_from = "tiny-org/tiny-llama"\n')
+    assert load_config(str(toml)).model.init_from == "tiny-org/tiny-llama"
 
 
 def test_a_hub_id_not_in_the_cache_offline_is_one_line(hub_cache, tmp_path, capsys):
@@ -142,7 +146,7 @@ def test_a_hub_id_not_in_the_cache_offline_is_one_line(hub_cache, tmp_path, caps
         capsys,
     )  # fmt: skip
     line = _error_line(text)
-    assert code == 2 and "tiny-org/absent" in line and "huggingface-cli download tiny-org/absent" in line
+    assert code == 2 and "tiny-org/absent" in line and "hf download tiny-org/absent" in line
     assert "local folder" in line and not run.exists()
 
 
