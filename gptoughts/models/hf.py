@@ -229,6 +229,13 @@ def _need(file: Path) -> None:
         raise UserError(f"weight shard {file} is missing; copy the complete model folder")
 
 
+def hf_families() -> dict[str, tuple[str, ...]]:
+    """Family -> the ``model_type`` values it imports and exports natively: the families with an adapter."""
+    from gptoughts import models
+
+    return {name: fam.hf.model_types for name, fam in models.FAMILIES.items() if fam.hf is not None}
+
+
 def find_adapter(model_type: str) -> tuple[str, HFAdapter] | None:
     """The registered family that imports ``model_type`` natively, with its adapter."""
     from gptoughts import models
@@ -328,9 +335,10 @@ def load_pretrained(
             f"model.{next(iter(overrides))}: {p} runs on the generic transformers path ({reason}), whose "
             "config cannot be overridden; drop the override"
         )
+    native = ", ".join(t for types in hf_families().values() for t in types)
     notice = (
         f"note: {p.name} ({model_type}): {reason}; training the transformers implementation through the "
-        "same trainer (the native fast path covers llama, mistral, qwen2, qwen3)"
+        f"same trainer (the native fast path covers {native})"
     )
     log.debug(notice)  # the caller shows it (the training run prints it once, on rank 0)
     model = HFCausalLM.from_pretrained(p, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
@@ -506,9 +514,13 @@ def save_hf(
     fam = models.get_family(family)
     adapter: HFAdapter | None = getattr(fam, "hf", None)
     if adapter is None:
+        exporting = ", ".join(
+            name if types == (name,) else f"{name} (as {', '.join(types)})"
+            for name, types in hf_families().items()
+        )
         raise UserError(
-            f"the {family} family has no transformers export yet; only families with an HF adapter "
-            "(llama, mistral, qwen2, qwen3 layouts) can be exported"
+            f"the {family} family has no transformers export (gptoughts sample and eval run it); the families "
+            f"that export: {exporting}"
         )
     ours = {k: v for k, v in model.state_dict().items()}
     if dtype is None:
