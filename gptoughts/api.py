@@ -137,7 +137,8 @@ def finetune(
     dry_run: bool = False,
     **overrides: Any,
 ) -> tuple[nn.Module, Any, History]:
-    """Fine-tune a local Hugging Face model folder (``model_path``) on ``data_path``; ``(model, tokenizer, history)``.
+    """Fine-tune a Hugging Face model (``model_path``: a local folder or a hub id ``ORG/NAME``, from the Hugging Face
+    cache) on ``data_path``; ``(model, tokenizer, history)``.
 
     The same pipeline as :func:`train` (``config`` defaults to the ``finetune`` preset): JSONL with
     prompt/response or messages trains on the responses only; plain text continues pretraining. ``lora=True``
@@ -584,24 +585,33 @@ def export(
     target = names.get(dtype) or (model_dtype(base) if base else torch.float32)
     shard = parse_size(max_shard_size)
     if isinstance(model, HFCausalLM):
-        return save_generic(
+        written = save_generic(
             model, loaded.tokenizer, out, max_shard_bytes=shard, dtype=target, overwrite=overwrite
         )
-    gen = None
-    if loaded.init_from and (Path(loaded.init_from) / "generation_config.json").is_file():
-        gen = json.loads((Path(loaded.init_from) / "generation_config.json").read_text())
-    written = save_hf(
-        model,
-        loaded.family,
-        loaded.args,
-        loaded.tokenizer,
-        out,
-        base_config=base,
-        base_generation_config=gen,
-        max_shard_bytes=shard,
-        dtype=target,
-        overwrite=overwrite,
-    )
-    if loaded.init_from:  # fine-tuning keeps the vocabulary: ship the original tokenizer files as they were
-        copy_tokenizer_files(loaded.init_from, written)
+    else:
+        gen = None
+        if loaded.init_from and (Path(loaded.init_from) / "generation_config.json").is_file():
+            gen = json.loads((Path(loaded.init_from) / "generation_config.json").read_text())
+        written = save_hf(
+            model,
+            loaded.family,
+            loaded.args,
+            loaded.tokenizer,
+            out,
+            base_config=base,
+            base_generation_config=gen,
+            max_shard_bytes=shard,
+            dtype=target,
+            overwrite=overwrite,
+        )
+        if (
+            loaded.init_from
+        ):  # fine-tuning keeps the vocabulary: ship the original tokenizer files as they were
+            copy_tokenizer_files(loaded.init_from, written)
+    if loaded.chat and loaded.tokenizer.chat_template is None:
+        # SFT without a template of the tokenizer's own trained on the default one: the export carries it, so that
+        # transformers' apply_chat_template renders prompts as training did
+        from gptoughts.data.sft import DEFAULT_CHAT_TEMPLATE
+
+        (written / "chat_template.jinja").write_text(DEFAULT_CHAT_TEMPLATE, encoding="utf-8")
     return written

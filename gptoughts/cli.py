@@ -20,6 +20,7 @@ from gptoughts.errors import ConfigError, UserError, closest
 ALIASES: dict[str, str] = {
     "model": "model.family",
     "model_type": "model.family",
+    "model_name": "model.init_from",  # the user's first command: `run_train.py --model_name huggyllama/llama-7b`
     "size": "model.size",
     "data": "data.sources",
     "data_path": "data.sources",
@@ -238,6 +239,11 @@ def train_help() -> str:
     ]
     lines += [f"  {name:<9} {', '.join(models.list_sizes(name))}" for name in models.FAMILIES]
     lines += [
+        f"  {name:<9} the {family} sizes with {', '.join(f'--model.{k} {str(v).lower()}' for k, v in switches.items())} "
+        f"(exports as {name})"
+        for name, (family, switches) in models.VARIANTS.items()
+    ]
+    lines += [
         f"presets: {', '.join(list_presets())}",
         "",
         "switches:",
@@ -296,11 +302,13 @@ FINETUNE_ALIASES: dict[str, str] = {
 }
 FINETUNE_FLAGS: dict[str, Any] = {**FLAGS, "lora": True, "trust_remote_code": True, "qlora": "4bit"}
 
-FINETUNE_USAGE = """usage: gptoughts finetune [PRESET|FILE.toml] --model HF_DIR --data PATH [--lora] [options]
+FINETUNE_USAGE = """usage: gptoughts finetune [PRESET|FILE.toml] --model HF_DIR|ORG/NAME --data PATH [--lora] [options]
 
-Fine-tunes a local Hugging Face model folder (config.json, safetensors, tokenizer files). Llama, Mistral, Qwen2
-and Qwen3 layouts run on the native fast path; other causal LMs train through transformers (a notice says so).
-Default preset: finetune (lr 2e-5; with --lora use about --lr 2e-4).
+Fine-tunes a Hugging Face model: a local folder (config.json, safetensors, tokenizer files) or a hub id, read from
+the Hugging Face cache and downloaded into it when online (`hf download ORG/NAME` fetches it ahead).
+Llama, Mistral, Qwen2, Qwen3, GPT-2 and DeepSeek-V3 layouts run on the native fast path; other causal LMs train
+through transformers (a notice says so). Default preset: finetune; unless given, the block is the model's positions
+up to 1024 and the learning rate 2e-5 (2e-4 with --lora), and the plan says so.
 
 data (--data, repeatable):
   .jsonl of {"prompt": ..., "response": ...} or {"messages": [{"role": ..., "content": ...}, ...]}: loss on the
@@ -308,7 +316,7 @@ data (--data, repeatable):
   per row); longer than a row: --truncation right (cut) or drop. Anything else: continued pretraining.
 
 options (besides every `gptoughts train` option and any --section.key VALUE):
-  --model HF_DIR          model.init_from                 --trust_remote_code  run the folder's own code
+  --model HF_DIR|ORG/NAME model.init_from (--model_name)  --trust_remote_code  run the folder's own code
   --lora                  train LoRA adapters (PEFT)      --lora_r R / --lora_alpha A / --lora_dropout P
   --target_modules a,b    lora.target_modules (default: every linear layer of the blocks)
   --qlora                 4-bit base (bitsandbytes, CUDA only)   --lora.base_dtype {auto,fp32,bf16,fp16}
@@ -334,7 +342,8 @@ def cmd_finetune(argv: Sequence[str]) -> int:
         overrides.setdefault("lora.enabled", True)
     if "model.init_from" not in overrides and preset is None:
         raise ConfigError(
-            "finetune needs a pretrained model: pass --model HF_DIR (a local Hugging Face folder)"
+            "finetune needs a pretrained model: pass --model HF_DIR (a local Hugging Face folder) or "
+            "--model ORG/NAME (a Hugging Face hub id)"
         )
     return _run(preset, overrides, switches, default_preset="finetune")
 
@@ -866,7 +875,7 @@ def cmd_tune(argv: Sequence[str]) -> int:
 
 COMMANDS: dict[str, tuple[Callable[[Sequence[str]], int], str]] = {
     "train": (cmd_train, "train a model (default: the quickstart preset)"),
-    "finetune": (cmd_finetune, "fine-tune a local Hugging Face model (full or --lora) on SFT JSONL or text"),
+    "finetune": (cmd_finetune, "fine-tune a Hugging Face model (full or --lora) on SFT JSONL or text"),
     "export": (cmd_export, "write a run as a Hugging Face transformers folder (--format hf OUT)"),
     "prepare": (cmd_prepare, "tokenize a corpus into token shards"),
     "sample": (cmd_sample, "generate text from a run or checkpoint"),

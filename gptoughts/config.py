@@ -42,8 +42,9 @@ class ModelConfig:
     """Size preset of the family (``debug`` always exists and runs on CPU in seconds). A run that names a size
     starts from that size's training defaults (``presets/sizes.toml``: block size, learning rate, batch)."""
     init_from: str | None = None
-    """A local Hugging Face model folder to start from instead of random init (``gptoughts finetune --model``):
-    its config, weights and tokenizer are used; llama/mistral/qwen2/qwen3 run natively, others through
+    """A Hugging Face model to start from instead of random init (``gptoughts finetune --model``): a local folder,
+    or a hub id ``ORG/NAME`` read from the Hugging Face cache (downloaded into it when online). Its config, weights
+    and tokenizer are used; llama/mistral/qwen2/qwen3, gpt2 and deepseek_v3 run natively, others through
     transformers."""
     trust_remote_code: bool = False
     """Let transformers run the model folder's own Python code (models it does not ship); off unless asked."""
@@ -420,9 +421,13 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     run: RunConfig = field(default_factory=RunConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    resolved: dict[str, str] = field(default_factory=dict)
+    """Settings the run did not give that :func:`load_config` decided from outside the config files (a fine-tuning
+    run's block from its model's positions), each with why, for the run plan; not a section of config.toml."""
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
+        d.pop("resolved")
         overrides = d["model"].pop("overrides")
         d["model"].update(overrides)
         return d
@@ -585,6 +590,8 @@ def _resolve_paths(data: dict[str, Any], folder: Path) -> None:
             value = table[key]
             if key == "eval_tasks":  # harness task names stay names
                 table[key] = [fix(v) if isinstance(v, str) and is_task_file(v) else v for v in value]
+            elif key == "init_from" and _names_a_hub_model(value, folder):
+                continue
             else:
                 table[key] = [fix(v) for v in value] if isinstance(value, list) else fix(value)
     tok = data.get("data", {}).get("tokenizer") if isinstance(data.get("data"), dict) else None
@@ -594,6 +601,13 @@ def _resolve_paths(data: dict[str, Any], folder: Path) -> None:
     for phase in phases if isinstance(phases, list) else []:
         if isinstance(phase, dict) and isinstance(phase.get("sources"), list):
             phase["sources"] = [fix(v) for v in phase["sources"]]
+
+
+def _names_a_hub_model(value: Any, folder: Path) -> bool:
+    """``ORG/NAME`` with no such folder beside the file: a Hugging Face hub id, not a relative path."""
+    from gptoughts.models.hf import is_hub_id
+
+    return isinstance(value, str) and is_hub_id(value) and not (folder / value).exists()
 
 
 def _preset_path(name_or_path: str | Path) -> tuple[Path, bool]:
@@ -639,7 +653,11 @@ def read_toml(name_or_path: str | Path, _chain: tuple[Path, ...] = ()) -> dict[s
 
 
 def size_defaults(family: str, size: str) -> dict[str, Any]:
-    """The training defaults of ``family``/``size`` (``presets/sizes.toml``) as nested dicts ({} if none)."""
+    """The training defaults of ``family``/``size`` (``presets/sizes.toml``) as nested dicts ({} if none); a
+    variant (``qwen2``: a Llama with q/k/v biases) trains with its family's."""
+    from gptoughts.models import resolve_variant
+
+    family = resolve_variant(family)[0]
     table = tomllib.loads(SIZES_FILE.read_text(encoding="utf-8")).get(family, {}).get(str(size).lower(), {})
     out: dict[str, Any] = {}
     for key, value in table.items():
@@ -701,7 +719,7 @@ def load_config(preset: str | Path | None = None, overrides: dict[str, Any] | No
     given in the overrides replaces the preset's; two stopping rules given together are an error.
     """
     overrides = {MOVED.get(k, k): v for k, v in (overrides or {}).items()}
-    top = [f.name for f in dataclasses.fields(Config)]
+    top = list(SECTIONS)
     for key in overrides:
         section = key.split(".")[0]
         if section not in top:
@@ -744,26 +762,63 @@ def load_config(preset: str | Path | None = None, overrides: dict[str, Any] | No
             data.get("train", {}).pop(key.split(".")[1], None)
     for key, value in overrides.items():
         set_dotted(data, key, value)
+    # (a resumed run's config.toml holds every value its first start decided)
+    given = set(data.get("train", {})) if run_file is None else set(FINETUNE_DEFAULTS)
     cfg = from_dict(data)
     if cfg.run.out is None:
         cfg.run.out = default_out(data, {})
     validate(cfg)
+    if cfg.model.init_from is not None:
+        finetune_defaults(cfg, given)
     return cfg
+
+
+# The block and peak learning rate of a fine-tuning run that gives none. The block is the model's positions up to
+# this; the rate depends on the method: full fine-tuning stays close to the pretrained weights, LoRA's adapters
+# start from zero and want about 10x more (the rates of PEFT's and the Llama recipes' examples).
+FINETUNE_BLOCK_SIZE = 1024
+FINETUNE_DEFAULTS = ("block_size", "learning_rate")
+FINETUNE_LEARNING_RATE = {"full": 2e-5, "lora": 2e-4}
+
+
+def finetune_defaults(cfg: Config, given: set[str]) -> None:
+    """Set the ``[train]`` fields of :data:`FINETUNE_DEFAULTS` that are not in ``given`` (the keys the command,
+    its files and presets set), and say why in ``cfg.resolved``."""
+    t = cfg.train
+    if "learning_rate" not in given:
+        method, other = ("lora", "full") if cfg.lora.enabled else ("full", "lora")
+        t.learning_rate = FINETUNE_LEARNING_RATE[method]
+        names = {"lora": "LoRA's", "full": "full fine-tuning's"}
+        cfg.resolved["learning_rate"] = (
+            f"{names[method]} default; {names[other]} is {FINETUNE_LEARNING_RATE[other]:g}"
+        )
+    if "block_size" not in given:
+        from gptoughts.models.hf import locate, max_positions
+
+        positions = max_positions(locate(cfg.model.init_from, weights=False))
+        t.block_size = min(FINETUNE_BLOCK_SIZE, positions or FINETUNE_BLOCK_SIZE)
+        cfg.resolved["block_size"] = (
+            f"the model's {positions:,} positions; finetune's default is {FINETUNE_BLOCK_SIZE:,}"
+            if positions and positions < FINETUNE_BLOCK_SIZE
+            else f"finetune's default; the model has {positions:,} positions"
+            if positions
+            else "finetune's default"
+        )
 
 
 def validate(cfg: Config) -> None:
     """Cross-field checks and the family-specific ``[model]`` keys."""
     from gptoughts import models
 
-    if cfg.model.init_from is not None and (
-        cfg.model.overrides or Path(cfg.model.init_from).expanduser().is_dir()
-    ):
-        # Fine-tuning: the folder says which family the model is, and `model.*` overrides are checked against
-        # that family (fields that change no parameter are allowed; the load checks the shapes). A missing
-        # folder is reported here only when there are overrides to check; otherwise when the run starts.
-        from gptoughts.models.hf import find_adapter, read_config
+    _validate_finetune(cfg)  # conflicts of the config itself, before a model is looked up (or downloaded)
+    if cfg.model.init_from is not None:
+        # Fine-tuning: the model's config (a hub id's from the Hugging Face cache) says which family it is, and
+        # `model.*` overrides are checked against that family (fields that change no parameter are allowed; the
+        # load checks the shapes).
+        from gptoughts.models.hf import find_adapter, locate, read_config
 
-        found = find_adapter(str(read_config(cfg.model.init_from)["model_type"]))
+        config = read_config(locate(cfg.model.init_from, weights=False))
+        found = find_adapter(str(config["model_type"]))
         if found is None and cfg.model.overrides:
             raise ConfigError(
                 f"model.{next(iter(cfg.model.overrides))}: {cfg.model.init_from} has no native "
@@ -772,6 +827,8 @@ def validate(cfg: Config) -> None:
             )
         if found is not None:
             cfg.model.family = found[0]
+    # `--model qwen2` is the llama family with its switch: the run is built, saved and resumed as that
+    cfg.model.family, cfg.model.overrides = models.resolve_variant(cfg.model.family, cfg.model.overrides)
     hints = typing.get_type_hints(models.get_family(cfg.model.family).args_cls)
     for key, value in cfg.model.overrides.items():  # "8" from the command line -> 8, as the family declares
         if isinstance(value, str) and key in hints:
@@ -817,7 +874,6 @@ def validate(cfg: Config) -> None:
             raise ConfigError(
                 f"data.phases `{p.name}`: {len(p.weights)} weights for {len(p.sources)} sources"
             )
-    _validate_finetune(cfg)
 
 
 # The longest sequence any size here is built for is 8192; 1M positions already need GBs of RoPE tables. A

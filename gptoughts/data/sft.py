@@ -145,6 +145,18 @@ def read_conversations(sources: Sequence[str]) -> list[list[Message]]:
 Segment = tuple[str | int, bool]
 
 
+# The documented default template (module docstring) as Jinja, for the tokenizer of an export: its
+# ``apply_chat_template`` then renders what fine-tuning trained on. It must render what _default_segments below
+# does (a test compares the two token by token).
+DEFAULT_CHAT_TEMPLATE = (
+    "{% if bos_token and bos_token != eos_token %}{{ bos_token }}{% endif %}"
+    "{% for m in messages %}{% if m['role'] == 'assistant' %}"
+    "{{ '<|assistant|>\\n' + m['content'] + eos_token }}"
+    "{% else %}{{ '<|' + m['role'] + '|>\\n' + m['content'] + '\\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+)
+
+
 def _default_segments(messages: list[Message], tokenizer: Any, generation_prompt: bool) -> list[Segment]:
     segs: list[Segment] = []
     if tokenizer.bos_id is not None and tokenizer.bos_id != tokenizer.eos_id:

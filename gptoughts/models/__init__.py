@@ -31,6 +31,7 @@ from gptoughts.models.llama import LLAMA_SIZES, Llama, LlamaArgs
 __all__ = [
     "FAMILIES",
     "GENERIC_FAMILY",
+    "VARIANTS",
     "Family",
     "build_model",
     "family_of",
@@ -74,6 +75,24 @@ FAMILIES: dict[str, Family] = {
 }
 
 
+# transformers architectures that are the Llama family with one switch: `--model qwen2` is a Llama with q/k/v
+# biases, and so on. They train with the Llama code (its fast paths, parallelism and presets) and export to their
+# own transformers class (llama_hf picks the class from the switches). Mistral's switch is the sliding window of
+# Mistral 7B (a window as long as the block changes nothing: the attention skips it), without which a Mistral is a
+# Llama. A switch the user sets on the command line wins over the variant's.
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "mistral": ("llama", {"sliding_window": 4096}),
+    "qwen2": ("llama", {"qkv_bias": True}),
+    "qwen3": ("llama", {"qk_norm": True}),
+}
+
+
+def resolve_variant(name: str, overrides: Mapping[str, Any] | None = None) -> tuple[str, dict[str, Any]]:
+    """(family, overrides) of a family name or a :data:`VARIANTS` name (its switches under ``overrides``)."""
+    family, switches = VARIANTS.get(name, (name, {}))
+    return family, {**switches, **(overrides or {})}
+
+
 def _generic_family() -> Family:
     from gptoughts.models.hf import HFArgs, HFCausalLM
 
@@ -91,13 +110,16 @@ def family_of(name: str | None) -> Family:
 
 
 def get_family(name: str | Family) -> Family:
-    """The registered family called ``name`` (a ``Family`` is returned as is)."""
+    """The registered family called ``name`` (a ``Family`` is returned as is; a :data:`VARIANTS` name gives the
+    family it is a variant of)."""
     if isinstance(name, Family):
         return name
     try:
-        return FAMILIES[name]
+        return FAMILIES[resolve_variant(name)[0]]
     except (KeyError, TypeError):
-        raise ConfigError(f"unknown model family {name!r}{did_you_mean(str(name), FAMILIES)}") from None
+        raise ConfigError(
+            f"unknown model family {name!r}{did_you_mean(str(name), [*FAMILIES, *VARIANTS])}"
+        ) from None
 
 
 def list_sizes(family: str | Family) -> list[str]:
@@ -111,7 +133,10 @@ def model_args(family: str | Family, size: str, overrides: Mapping[str, Any] | N
     Unknown sizes and fields raise ``ConfigError`` naming the closest valid one; a value of the wrong type
     raises ``ConfigError`` naming the field and the expected type. Ints are accepted for float fields (TOML
     writes ``rope_theta = 500000``); strings from the command line are converted. The dataclass's own ``__post_init__`` then checks consistency.
+    A :data:`VARIANTS` name gives its family's args with the variant's switches (under ``overrides``).
     """
+    if isinstance(family, str):
+        family, overrides = resolve_variant(family, overrides)
     fam = get_family(family)
     key = size.lower() if isinstance(size, str) else size
     if key not in fam.sizes:

@@ -6,6 +6,9 @@ fine-tuned Llama/Mistral/Qwen runs on our fast code. Generic path: any other ``A
 by :class:`HFCausalLM`, which obeys the model protocol of ``docs/internals.md``, so the same trainer (precision,
 compile, checkpoints, LoRA) runs it; a one-line notice says the native fast path does not cover it.
 
+Where from: a local folder, or a Hugging Face hub id (``ORG/NAME``) found in the Hugging Face cache and
+downloaded into it when online (:func:`locate`, through ``huggingface_hub``).
+
 Reading: ``config.json``; weights from ``model.safetensors``, sharded ``model.safetensors.index.json`` or, as a
 last resort, ``pytorch_model.bin`` read with ``torch.load(weights_only=True)`` (never arbitrary pickles); the
 tokenizer from the same folder. ``trust_remote_code`` stays off unless the caller passes it.
@@ -21,6 +24,7 @@ import contextlib
 import inspect
 import json
 import logging
+import re
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -77,12 +81,59 @@ def is_hf_folder(path: str | Path) -> bool:
     return (p / CONFIG_NAME).is_file() and not (p / "config.toml").exists()
 
 
+# A Hugging Face hub id as huggingface_hub accepts them: ORG/NAME of letters, digits, "-", "_" and ".".
+_HUB_ID = re.compile(r"^[\w][\w.-]*/[\w][\w.-]*$")
+# What a plan reads of a model (config, tokenizer, the folder's own code): its weights come when the run starts.
+_LIGHT_FILES = ["*.json", "*.jinja", "*.model", "*.txt", "*.tiktoken", "*.py"]
+
+
+def is_hub_id(spec: str) -> bool:
+    """``ORG/NAME``, which names a Hugging Face hub model when no local folder has that path."""
+    return bool(_HUB_ID.match(spec)) and ".." not in spec and not Path(spec).expanduser().exists()
+
+
+def locate(spec: str | Path, *, weights: bool = True) -> Path:
+    """The local folder of a model: ``spec`` itself, or for a hub id (:func:`is_hub_id`) its snapshot in the
+    Hugging Face cache, downloaded when online and not cached (``weights=False``: only the files a plan reads).
+    Neither: a UserError saying how to get it."""
+    if not is_hub_id(str(spec)):
+        return Path(spec).expanduser()
+    from huggingface_hub import constants, errors, snapshot_download
+
+    repo = str(spec)
+    try:
+        return Path(snapshot_download(repo, allow_patterns=None if weights else _LIGHT_FILES))
+    except errors.GatedRepoError:
+        raise UserError(
+            f"{repo} is gated on the Hugging Face hub: accept its terms on its page, log in with "
+            "`hf auth login`, and run again"
+        ) from None
+    except errors.RepositoryNotFoundError:
+        raise UserError(
+            f"{repo} is neither a local folder nor a model on the Hugging Face hub (a private one needs "
+            "`hf auth login`); check the name"
+        ) from None
+    except errors.LocalEntryNotFoundError as e:  # offline, or the hub unreachable, and not (fully) cached
+        held = "holds only part of it" if "incomplete" in str(e) else "does not hold it"
+        why = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else "the hub could not be reached"
+        raise UserError(
+            f"{repo} is not a local folder, and the Hugging Face cache {held} ({why}): download it with "
+            f"`hf download {repo}` on a machine with network, or pass the model's local folder"
+        ) from None
+    except errors.HfHubHTTPError as e:
+        raise UserError(
+            f"the Hugging Face hub refused {repo} ({str(e).splitlines()[0][:200]}); download it with "
+            f"`hf download {repo}`, or pass the model's local folder"
+        ) from None
+
+
 def read_config(path: str | Path) -> dict[str, Any]:
     """The raw ``config.json`` of a model folder (UserError when it is not one)."""
     p = Path(path).expanduser()
     if not p.is_dir():
         raise UserError(
-            f"{p} is not a folder; pass a local Hugging Face model folder (what save_pretrained writes)"
+            f"{p} is not a folder; pass a local Hugging Face model folder (what save_pretrained writes) or "
+            "a Hugging Face hub id (ORG/NAME)"
         )
     if not (p / CONFIG_NAME).is_file():
         raise UserError(f"{p} has no config.json; pass the folder that transformers' save_pretrained wrote")
@@ -106,6 +157,16 @@ def resolved_config(path: str | Path, trust_remote_code: bool = False) -> dict[s
     except Exception:  # unknown model_type without remote code, old formats...: the raw file is what we have
         return raw
     return {**raw, **resolved}
+
+
+def max_positions(path: str | Path) -> int | None:
+    """The longest sequence a model folder is built for (its config's positions), None when it does not say."""
+    cfg = resolved_config(path)
+    for key in ("max_position_embeddings", "n_positions"):
+        value = cfg.get(key)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
 
 
 def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
@@ -166,6 +227,13 @@ def _index_files(folder: Path, index: str) -> list[str]:
 def _need(file: Path) -> None:
     if not file.is_file():
         raise UserError(f"weight shard {file} is missing; copy the complete model folder")
+
+
+def hf_families() -> dict[str, tuple[str, ...]]:
+    """Family -> the ``model_type`` values it imports and exports natively: the families with an adapter."""
+    from gptoughts import models
+
+    return {name: fam.hf.model_types for name, fam in models.FAMILIES.items() if fam.hf is not None}
 
 
 def find_adapter(model_type: str) -> tuple[str, HFAdapter] | None:
@@ -267,9 +335,10 @@ def load_pretrained(
             f"model.{next(iter(overrides))}: {p} runs on the generic transformers path ({reason}), whose "
             "config cannot be overridden; drop the override"
         )
+    native = ", ".join(t for types in hf_families().values() for t in types)
     notice = (
         f"note: {p.name} ({model_type}): {reason}; training the transformers implementation through the "
-        "same trainer (the native fast path covers llama, mistral, qwen2, qwen3)"
+        f"same trainer (the native fast path covers {native})"
     )
     log.debug(notice)  # the caller shows it (the training run prints it once, on rank 0)
     model = HFCausalLM.from_pretrained(p, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
@@ -445,9 +514,13 @@ def save_hf(
     fam = models.get_family(family)
     adapter: HFAdapter | None = getattr(fam, "hf", None)
     if adapter is None:
+        exporting = ", ".join(
+            name if types == (name,) else f"{name} (as {', '.join(types)})"
+            for name, types in hf_families().items()
+        )
         raise UserError(
-            f"the {family} family has no transformers export yet; only families with an HF adapter "
-            "(llama, mistral, qwen2, qwen3 layouts) can be exported"
+            f"the {family} family has no transformers export (gptoughts sample and eval run it); the families "
+            f"that export: {exporting}"
         )
     ours = {k: v for k, v in model.state_dict().items()}
     if dtype is None:

@@ -201,13 +201,14 @@ def resolve_sources(sources: list[str]) -> list[str]:
     return [str(stdlib_path()) if s == STDLIB_ALIAS else s for s in sources]
 
 
-def init_from_dir(cfg: Config) -> Path | None:
-    """``model.init_from`` as a checked HF model folder (None when training from scratch)."""
+def init_from_dir(cfg: Config, *, weights: bool = True) -> Path | None:
+    """``model.init_from`` as a checked HF model folder (None when training from scratch); a hub id is its
+    snapshot in the Hugging Face cache, downloaded when online (``weights=False``: config and tokenizer only)."""
     if cfg.model.init_from is None:
         return None
-    from gptoughts.models.hf import read_config
+    from gptoughts.models.hf import locate, read_config
 
-    p = Path(cfg.model.init_from).expanduser()
+    p = locate(cfg.model.init_from, weights=weights)
     if (p / "config.toml").exists() or (p / "meta.json").exists() or (p / "checkpoints").is_dir():
         raise UserError(
             f"{p} is a gptoughts run; export it first (gptoughts export {p} --format hf OUT) and "
@@ -222,7 +223,7 @@ def prepare_data(cfg: Config, env: Environment, *, dry_run: bool = False) -> Dat
     from gptoughts.data.sft import SFTData, resolve_format
 
     sources = resolve_sources(cfg.data.sources)
-    init_from = init_from_dir(cfg)
+    init_from = init_from_dir(cfg, weights=not dry_run)  # a dry run reads no weights
     tok_spec: Any = str(init_from) if init_from is not None else cfg.data.tokenizer  # fine-tuning: its own
     data_format = resolve_format(cfg.data.format, sources)
     if data_format == "sft":  # every rank tokenizes the (small) SFT set itself: deterministic, no cache
@@ -404,7 +405,7 @@ def build_model(cfg: Config, env: Environment, data: Data, *, meta: bool = False
         if args.max_seq_len < cfg.train.block_size:
             raise ConfigError(
                 f"--block_size {cfg.train.block_size} exceeds the {args.max_seq_len} positions of "
-                f"{data.init_from}; lower it"
+                f"{cfg.model.init_from}; pass --block_size {args.max_seq_len} or less (or leave it out)"
             )
     else:
         family = models.get_family(cfg.model.family)
@@ -841,7 +842,7 @@ def _assemble(
             for k, v in model.built.resolved.items()
         }
     )
-    resolved = {**env.resolved, **built, **batch.why}
+    resolved = {**cfg.resolved, **env.resolved, **built, **batch.why}
     pp_micro = 0
     if env.dist.pp > 1:
         from gptoughts.parallel import pp
@@ -865,6 +866,8 @@ def _assemble(
         lr = f"peak lr {t.learning_rate:.1e}" + (
             f" (Muon {t.muon_learning_rate:.1e})" if name == "muon" and t.muon_learning_rate else ""
         )
+        if "learning_rate" in cfg.resolved:
+            lr += f" ({cfg.resolved['learning_rate']})"
         states = describe_states(t.optimizer_states) + (" for the AdamW groups" if name == "muon" else "")
         resolved["optimizer"] = f"{name} ({states}), {lr}, {t.schedule} schedule ({why})"
     if model.threads:

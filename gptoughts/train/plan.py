@@ -72,6 +72,9 @@ class RunPlan:
     """CPU memory per process that asynchronous sharded checkpoints keep: a host copy of the rank's shards."""
     tasks: dict[str, Any] = field(default_factory=dict)
     """``eval.eval_tasks`` scored during training: names, examples, interval, how ranks share them ({}: none)."""
+    layout: str = ""
+    """The transformers architecture a Llama with a variant's switch is (``qwen2 layout (exports as
+    Qwen2ForCausalLM)``: what ``--model qwen2`` asked for); empty for the family's own layout."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -84,6 +87,8 @@ class RunPlan:
             f"non-embedding"
             + (f", {self.trainable_params:,} trainable" if self.trainable_params != self.params else "")
             + f"), vocab {self.vocab_size:,}, block {self.block_size:,}"
+            + (f" ({self.resolved['block_size']})" if "block_size" in self.resolved else "")
+            + (f"; {self.layout}" if self.layout else "")
         ]
         if "examples" in c:
             lines.append(f"  corpus: {c['summary']}")
@@ -215,8 +220,9 @@ def make_plan(
     what = (
         f"{model.family.name}/{cfg.model.size}"
         if data.init_from is None
-        else f"{model.family.name} from {data.init_from}" + (" + LoRA" if cfg.lora.enabled else "")
+        else f"{model.family.name} from {cfg.model.init_from}" + (" + LoRA" if cfg.lora.enabled else "")
     )
+    layout = _variant_layout(model.family, model.args)
     corpus = dict(data.corpus, estimated=data.estimated, max_bytes=cfg.data.max_bytes)
     corpus.pop("per_source", None)
     memory, device_memory, host, staging = _memory(cfg, env, model, batch)
@@ -227,6 +233,7 @@ def make_plan(
     ) + _unused_fp8_switches(cfg, resolved)
     return RunPlan(
         model=what,
+        layout=layout,
         params=params,
         params_non_embedding=params_ne,
         trainable_params=trainable,
@@ -247,6 +254,21 @@ def make_plan(
         warnings=warnings,
         tasks=_tasks(env, batch, tasks),
     )
+
+
+def _variant_layout(family: Any, args: Any) -> str:
+    """``qwen2 layout (exports as Qwen2ForCausalLM)`` when the family's export is one of ``models.VARIANTS``."""
+    from gptoughts.errors import UserError
+    from gptoughts.models import VARIANTS
+
+    if family.hf is None:
+        return ""
+    try:
+        hf = family.hf.hf_config(args)
+    except UserError:  # a switch transformers has no class for: said when the run is exported
+        return ""
+    kind = hf.get("model_type")
+    return f"{kind} layout (exports as {hf['architectures'][0]})" if kind in VARIANTS else ""
 
 
 def _tasks(env: Any, batch: BatchPlan, tasks: Any) -> dict[str, Any]:

@@ -245,9 +245,13 @@ def test_finetune_command_line_and_config_checks(tmp_path, hf_model):
         "lora.target_modules": "wq,wv",
         "data.sources": ["d.jsonl"],
     }
-    cfg = load_config("finetune", o)
+    # the config of a fine-tuning run is read from its model (family, positions): a folder that exists
+    folder = str(hf_model("llama"))
+    cfg = load_config("finetune", {**o, "model.init_from": folder})
     assert cfg.lora.r == 8 and cfg.lora.target_modules == ["wq", "wv"] and cfg.model.trust_remote_code
-    assert load_config("finetune", {"model.init_from": "M"}).model.trust_remote_code is False
+    assert load_config("finetune", {"model.init_from": folder}).model.trust_remote_code is False
+    with pytest.raises(UserError, match="M is not a folder"):
+        load_config("finetune", {"model.init_from": "M"})
     assert cli.main(["finetune", "--data", "d.jsonl"]) == 2  # no --model
     with pytest.raises(ConfigError, match="--model HF_DIR"):
         load_config("default", {"lora.enabled": True})
