@@ -193,6 +193,7 @@ def test_binary_files_skipped_and_invalid_utf8_replaced(tmp_path, text_corpus, c
     assert '"invalid_utf8_files": 1' in text
 
 
+@pytest.mark.slow
 def test_existing_run_is_never_clobbered(tmp_path, text_corpus, cache_dir, fast, capsys):
     out = tmp_path / "run"
     base = [
@@ -235,6 +236,7 @@ def test_unknown_command_and_help(capsys):
     assert cli.main(["--help"]) == 0
 
 
+@pytest.mark.slow
 def test_console_script_entry_point_runs(tmp_path):
     """`python -m gptoughts` is the same program as the `gptoughts` console script; its help piped into a
     reader that stops early (`| head -1`) ends quietly, without a BrokenPipeError traceback."""
@@ -256,6 +258,7 @@ def test_console_script_entry_point_runs(tmp_path):
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
 
 
+@pytest.mark.slow
 def test_wandb_offline(tmp_path, text_corpus, cache_dir, fast, monkeypatch):
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")
@@ -283,6 +286,7 @@ def test_wandb_offline(tmp_path, text_corpus, cache_dir, fast, monkeypatch):
     assert list((out / "wandb").glob("offline-run-*"))
 
 
+@pytest.mark.slow
 def test_version_and_help_do_not_import_torch_and_the_api_stays_callable():
     """The package imports its API on first use: `gptoughts --version` / `--help` start without torch; importing a
     subpackage first (gptoughts.train.build) does not replace gptoughts.train, the function."""

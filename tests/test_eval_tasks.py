@@ -279,6 +279,7 @@ def capitals(tmp_path_factory):
         yield d / "run", corpus, _write(d / "capitals.jsonl", rows)
 
 
+@pytest.mark.slow
 def test_a_run_trained_on_the_answers_scores_above_chance(capitals, capsys):
     from gptoughts import cli
 

@@ -147,6 +147,7 @@ def test_overwrite_removes_only_a_runs_files_and_refuses_other_folders(run, tmp_
     assert _snapshot(foreign) == before
 
 
+@pytest.mark.slow
 def test_a_run_killed_before_its_first_checkpoint_restarts_without_duplicate_rows(
     tmp_path, text_corpus, cache_dir, capsys
 ):
@@ -178,6 +179,7 @@ def test_a_run_killed_before_its_first_checkpoint_restarts_without_duplicate_row
 # ------------------------------------------------------------------------------------ one process per run
 
 
+@pytest.mark.slow
 def test_a_second_train_on_the_same_out_is_refused_while_the_first_holds_it(run, capsys):
     holder = subprocess.Popen(
         [
@@ -330,6 +332,7 @@ def test_ctrl_c_before_training_is_quiet(monkeypatch, capsys):
     assert code == 130 and text.strip() == "interrupted"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_an_interrupted_run_saves_and_exits_with_128_plus_the_signal(
     sig, code, tmp_path, text_corpus, cache_dir

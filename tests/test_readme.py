@@ -183,6 +183,7 @@ def test_size_table_matches_the_registry():
     assert table == expected
 
 
+@pytest.mark.slow
 def test_training_commands_build_what_they_ask(in_workdir, capsys):
     """Each `gptoughts train` line: its plan at the size written (dry run: parameters = the README table, the
     corpus read whole), then a real run at the debug size into the directory the command would write."""
@@ -214,6 +215,7 @@ def test_training_commands_build_what_they_ask(in_workdir, capsys):
         assert (in_workdir / out / "plots" / "overview.png").is_file()
 
 
+@pytest.mark.slow
 def test_resume_and_interactive_commands(in_workdir, capsys, monkeypatch):
     resume = next(c for c in bash_commands() if "--resume auto" in c)
     argv = shlex.split(resume)
@@ -249,6 +251,7 @@ def test_resume_and_interactive_commands(in_workdir, capsys, monkeypatch):
     assert (family, size) == ("llama", "debug") and "--epochs 0.05" in text
 
 
+@pytest.mark.slow
 def test_torchrun_commands(in_workdir):
     """The torchrun lines on 2 CPU processes (gloo) at the debug size: DDP, FSDP2 (one node or two), a 2-stage
     pipeline (over one FSDP rank here) and tensor parallelism (2 ranks of one tensor-parallel group) train."""
@@ -286,6 +289,7 @@ def test_torchrun_commands(in_workdir):
         assert run["plan"]["batch"]["world_size"] == 2
 
 
+@pytest.mark.slow
 def test_python_snippet(in_workdir, capsys):
     """The README's Python example, with the size, device and paths substituted (and nothing else)."""
     code = re.search(r"```python\n(.*?)```", README, re.S).group(1)
@@ -300,6 +304,7 @@ def test_python_snippet(in_workdir, capsys):
     assert "def fibonacci(n):" in printed
 
 
+@pytest.mark.slow
 def test_finetune_and_table_commands(in_workdir, capsys):
     """The fine-tuning block, then every command of the "Other commands" table on the runs made above."""
     for line in bash_commands():

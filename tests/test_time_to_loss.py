@@ -71,6 +71,7 @@ def test_target_rule():
     assert "reached by: adamw never, muon at 1.0 s (0.06x the Trainer's whole run)" in ttl.table(rows, 2.5)
 
 
+@pytest.mark.slow
 def test_time_to_loss_on_cpu(text_corpus, cache_dir, tmp_path, capsys):
     ttl = _script()
     variants = ["adamw", "muon"] + (["hf"] if _has_transformers() else [])

@@ -62,6 +62,7 @@ def test_bare_train_is_the_quickstart_and_says_so(capsys, cache_dir):
     assert "--max_steps 250" in text and "data.max_bytes = 6,000,000" in text and "runs/quickstart" in text
 
 
+@pytest.mark.slow
 def test_a_12mb_corpus_is_read_whole(tmp_path, cache_dir, capsys):
     import sysconfig
 
@@ -100,6 +101,7 @@ def test_a_12mb_corpus_is_read_whole(tmp_path, cache_dir, capsys):
     assert plan["corpus"]["cut"] is False and plan["corpus"]["bytes_read"] == plan["corpus"]["bytes"] == total
 
 
+@pytest.mark.slow
 def test_plan_counts_equal_what_the_run_reports(text_corpus, cache_dir, tmp_path, capsys):
     out = tmp_path / "run"
     text = _ok(
@@ -189,6 +191,7 @@ def test_the_stopping_rule_given_wins_and_two_are_an_error(text_corpus, capsys):
 # -------------------------------------------------------------------------------------------- the defects
 
 
+@pytest.mark.slow
 def test_generate_is_the_function_twice_in_a_fresh_process(tmp_path, text_corpus, cache_dir):
     code = f"""
 import gptoughts
@@ -211,6 +214,7 @@ print("OK")
     assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_resume_auto_takes_the_runs_own_config(text_corpus, cache_dir, tmp_path, capsys):
     out = tmp_path / "run"
     _ok(
@@ -240,6 +244,7 @@ def test_resume_auto_takes_the_runs_own_config(text_corpus, cache_dir, tmp_path,
     assert steps == sorted(set(steps)) and steps[-1] == 4
 
 
+@pytest.mark.slow
 def test_eval_scores_all_of_the_corpus(text_corpus, cache_dir, tmp_path, capsys):
     out = tmp_path / "run"
     _ok(
@@ -545,6 +550,7 @@ def test_finetune_override_is_checked_against_the_folders_family(tmp_path, cache
     )
 
 
+@pytest.mark.slow
 def test_an_fsdp_run_resumed_on_one_process_keeps_its_global_batch(text_corpus, cache_dir, tmp_path, capsys):
     """Saved by 2 FSDP ranks with batch 2 (4 rows a step), resumed alone: accumulation 2 keeps 4 rows a step."""
     import os

@@ -85,6 +85,7 @@ print(json.dumps({"growth_kib": kib("VmHWM") - before, "bytes": m.totals["bytes"
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(
     not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc to reset the RSS peak"
 )

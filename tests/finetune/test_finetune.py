@@ -57,6 +57,7 @@ def test_lora_finetune_then_export_matches_transformers(kind, hf_model, tmp_path
     assert isinstance(api.generate_text(api.load(run), "add 1 2", max_new_tokens=3, temperature=0), str)
 
 
+@pytest.mark.slow
 def test_lora_resume_matches_uninterrupted_run(hf_model, tmp_path, ft_fast, ft_cache, monkeypatch):
     base, data = hf_model("llama"), sft_rows(tmp_path / "d.jsonl")
     o = _o(ft_fast, **{"train.max_steps": 12, "train.learning_rate": 1e-2, "lora.dropout": 0.1})

@@ -393,6 +393,7 @@ def trained():
     return model, sentence
 
 
+@pytest.mark.slow
 def test_trained_model_predicts_masked_tokens_far_above_chance(trained):
     model, sentence = trained
     g = torch.Generator().manual_seed(1)

@@ -228,6 +228,7 @@ saver.wait()
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["writing", "renaming"])
 def test_kill_9_during_async_save_leaves_previous_checkpoint(tmp_path, where):
     import os

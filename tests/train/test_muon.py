@@ -173,6 +173,7 @@ def _sharded_step(rank: int, world: int, init: str, out: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_sharded_parameters_step_like_whole_ones(tmp_path):
     """Under FSDP a parameter is a DTensor sharded on dim 0: each rank's step equals the whole matrix's step
     (the update is orthogonalized on the gathered matrix, then cut to the shard), bit for bit."""

@@ -108,6 +108,7 @@ def test_bf16_second_moment_keeps_increments_below_half_a_bf16_step():
     assert v == pytest.approx(1 - 0.999**1000, rel=0.01)
 
 
+@pytest.mark.slow
 def test_compiled_step_is_one_graph_and_matches_eager():
     """The step CUDA runs (torch.compile, fullgraph: a graph break is an error), here through inductor on the
     CPU: the same update as eager up to the stochastic rounding, and a skipped step leaves everything alone."""

@@ -121,6 +121,7 @@ def test_no_memory_data_means_no_memory_png(tmp_path):
     _assert_png(run / "plots" / "overview.png")
 
 
+@pytest.mark.slow
 def test_rewriting_replaces_files(tmp_path):
     run = _write_run(tmp_path / "run", steps=60)
     loss_png = run / "plots" / "loss.png"

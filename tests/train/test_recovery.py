@@ -342,6 +342,7 @@ def _train_losses(run: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in _rows(run) if "loss" in r}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["transient", "reproducible"])
 def test_loss_spike_is_rerun_and_classified(
     kind, tmp_path, text_corpus, cache_dir, fast, monkeypatch, capsys
@@ -420,6 +421,7 @@ sys.exit(cli.main(sys.argv[1:]))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kill_at", ["after_rollback_line", "mid_replace", "after_resave"])
 def test_sigkill_while_rolling_back_then_resume(kill_at, tmp_path, text_corpus, cache_dir, fast, capsys):
     out = tmp_path / "run"

@@ -63,6 +63,7 @@ def _uninterrupted_and_resumed(corpus: Path, tmp_path: Path, monkeypatch: pytest
     return _losses(tmp_path / "a"), _losses(tmp_path / "b"), hist
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "optimizer,states",
     [("adamw", "fp32"), ("muon", "fp32"), ("adamw", "bf16"), ("muon", "bf16"), ("adamw", "8bit")],
@@ -99,6 +100,7 @@ def test_exact_resume_bit_identical(optimizer, states, tmp_path, text_corpus, ca
     assert {"fp32": "torch.float32", "bf16": "torch.bfloat16", "8bit": "OptimState8bit"}[states] in kinds
 
 
+@pytest.mark.slow
 def test_exact_resume_from_checkpoints_written_in_the_background(
     tmp_path, text_corpus, cache_dir, monkeypatch
 ):
@@ -128,6 +130,7 @@ def test_exact_resume_from_checkpoints_written_in_the_background(
     assert {3, 6, 9, 10, 12, 15, 16} <= {step for step, _ in written}
 
 
+@pytest.mark.slow
 def test_corrupt_newest_checkpoint_falls_back(tmp_path, text_corpus, cache_dir):
     common = {
         "train.max_steps": 6,
@@ -370,6 +373,7 @@ def test_python_api_mirrors_inl_guide(tmp_path, text_corpus, cache_dir):
     assert history.steps >= 1 and tokenizer.vocab_size > 256 and isinstance(model, torch.nn.Module)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", list_presets())
 def test_every_preset_runs_one_step_at_debug_size(preset, tmp_path, text_corpus, cache_dir):
     o = dict(FAST)
@@ -567,6 +571,7 @@ def test_fsdp_matches_one_process_and_checkpoints_move_between_them(
     close(ref, _losses(tmp_path / "f2"), [4, 5])
 
 
+@pytest.mark.slow
 def test_profile_writes_a_trace(tmp_path, text_corpus, cache_dir):
     out = tmp_path / "prof"
     api.run_training(
@@ -585,6 +590,7 @@ def test_bad_profile_spec_is_a_config_error(tmp_path, text_corpus):
         _cfg(text_corpus, tmp_path / "x", **{"train.profile": "5"})
 
 
+@pytest.mark.slow
 def test_quickstart_pipeline_learns_on_a_stdlib_slice(tmp_path, cache_dir):
     """The embedded default end to end (stdlib corpus, BPE trained on it), on a small slice and a smaller model."""
     import math
