@@ -365,22 +365,14 @@ class Pipeline:
                     merged["param_groups"].append({**group, "params": list(group["params"])})
         return merged
 
-    def load_weights(self, path: Any) -> None:
-        """Load this rank's stages from a checkpoint of the whole model (``checkpoint.MODEL_FILE`` in
-        ``path``): each rank reads the file and keeps its stages' tensors (its shards under FSDP)."""
-        from safetensors.torch import load_file
-
-        from gptoughts.train.checkpoint import MODEL_FILE, UnreadableCheckpoint
-
-        try:
-            state = load_file(str(path / MODEL_FILE))
-        except Exception as e:  # noqa: BLE001 - OSError, or safetensors' own error type
-            raise UnreadableCheckpoint(f"{path / MODEL_FILE} cannot be read ({type(e).__name__})") from None
+    def load_weights(self, state: dict[str, torch.Tensor], where: Any) -> None:
+        """Load this rank's stages from the whole model's weights (read from checkpoint ``where``): each rank keeps
+        its stages' tensors (its shards under FSDP)."""
         mine = set(self.view.state_dict())
         missing = sorted(mine - set(state))
         if missing:
             raise UserError(
-                f"checkpoint {path} does not match the model (missing {missing[:4]}); was it trained with "
+                f"checkpoint {where} does not match the model (missing {missing[:4]}); was it trained with "
                 "another --size or family?"
             )
         state = {k: v for k, v in state.items() if k in mine}

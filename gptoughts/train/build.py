@@ -1034,7 +1034,7 @@ def load_resume_checkpoint(
                         f"{path} is a sharded checkpoint (an FSDP or tensor-parallel run's); a pipeline run "
                         "cannot load one yet: resume it without --parallel.pp"
                     )
-                model.built.pipeline.load_weights(path)
+                model.built.pipeline.load_weights(ckpt.read_model_file(path), path)
             else:
                 ckpt.load_weights(model.weights, path, sharded=env.dist.sharded)
             # FSDP: the full optimizer state stays in host memory; each rank copies only its shard to the GPU

@@ -349,6 +349,14 @@ class UnreadableCheckpoint(UserError):
     a resume falls back to the previous checkpoint as for any other corruption."""
 
 
+def read_model_file(path: Path) -> dict[str, torch.Tensor]:
+    """A single-file checkpoint's weights, whole (for a pipeline run: each rank keeps its stages')."""
+    try:
+        return load_file(str(path / MODEL_FILE))
+    except Exception as e:  # noqa: BLE001 - OSError, or safetensors' own error type
+        raise UnreadableCheckpoint(f"{path / MODEL_FILE} cannot be read ({type(e).__name__})") from None
+
+
 def load_weights(model: nn.Module, path: Path, *, strict: bool = True, sharded: bool = False) -> None:
     """Load a checkpoint's weights; ``sharded``: into an FSDP model (every rank reads the file, keeps its shard).
     A sharded (DCP) checkpoint loads into any model: sharded (resharded to this run's ranks) or whole."""

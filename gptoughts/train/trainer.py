@@ -621,7 +621,7 @@ class Trainer:
         if path is None:
             raise self._diverged(reason, bad_from)
         if self.pipeline is not None:
-            self.pipeline.load_weights(path)
+            self.pipeline.load_weights(ckpt.read_model_file(path), path)
         else:
             ckpt.load_weights(self.weights_module(), path, sharded=self.dist.sharded)
         if not self.weights_finite():  # checkpoints written before this check existed
