@@ -8,6 +8,9 @@ exits with status 2. Any other exception is a bug and keeps its traceback.
 from __future__ import annotations
 
 import difflib
+import errno
+import os
+import re
 from collections.abc import Iterable
 
 
@@ -41,3 +44,27 @@ def did_you_mean(name: str, candidates: Iterable[str]) -> str:
         return f" (did you mean `{best}`?)"
     shown = ", ".join(candidates[:12]) + (", ..." if len(candidates) > 12 else "")
     return f" (valid: {shown})"
+
+
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+_RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")
+
+
+def as_disk_full(e: BaseException, filename: object = None) -> OSError | None:
+    """``e`` as an ``OSError(ENOSPC or EDQUOT)`` when a full disk (or quota) caused it, else None.
+
+    Libraries report a full disk in their own ways: torch's writer raises a RuntimeError ("unexpected pos")
+    whose context holds Python's OSError; the Rust of ``tokenizers`` and ``safetensors`` raises a plain
+    Exception whose message ends in "(os error 28)". ``filename`` (default: the OSError's) names what was
+    being written."""
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        code = e.errno if isinstance(e, OSError) else None
+        if code is None and (m := _RUST_OS_ERROR.search(str(e))):
+            code = int(m.group(1))
+        if code in DISK_FULL:
+            name = filename if filename is not None else getattr(e, "filename", None)
+            return OSError(code, os.strerror(code), *([str(name)] if name is not None else []))
+        e = e.__cause__ or e.__context__
+    return None
