@@ -460,6 +460,8 @@ def generate_text(
 
     ``chat`` (default ``loaded.chat``): the prompt is a user message rendered with the chat template (the
     tokenizer's own, else the SFT default) and only the assistant's answer is returned."""
+    if max_new_tokens < 1:
+        raise UserError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     return sampler(loaded)(
         prompt,
         max_new_tokens=max_new_tokens,

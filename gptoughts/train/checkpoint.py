@@ -978,14 +978,16 @@ class _BackgroundWriter:
         return self._thread is not None
 
     def wait(self) -> None:
-        """Block until the pending write (if any) is on disk; raise its error as a :class:`UserError`."""
+        """Block until the pending write (if any) is on disk; raise its error as a :class:`UserError` (a full disk
+        as an ``OSError(ENOSPC)``, which the caller reports with the last good checkpoint)."""
         if self._thread is not None:
             self._thread.join()
             self._thread = None
         if self._error is not None:
             err, self._error = self._error, None
-            if as_disk_full(err) is not None:  # the same full disk as a synchronous save's, reported alike
-                raise err
+            full = as_disk_full(err)
+            if full is not None:  # the same full disk as a synchronous save's, reported alike
+                raise full from None
             raise UserError(str(err)) from None
 
     def _prepare_staging(self, layout: list[tuple[tuple[int, ...], torch.dtype]], gpu: int | None) -> None:

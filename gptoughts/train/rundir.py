@@ -194,6 +194,11 @@ def check_resumable(run_dir: Path) -> None:
     there is started without --resume, never silently in its place) or has lost the config.toml it resumes."""
     if not is_run(run_dir):
         present = _contents(run_dir)
+        if "run.json" in present:
+            raise UserError(
+                f"--resume auto: {run_dir}/run.json is corrupt or not a gptoughts run's, so this is not a run to "
+                "resume; restore the file from a copy, or name a run's folder with --out"
+            )
         holds = f"is not a gptoughts run (it holds {', '.join(present[:4])})" if present else "holds no run"
         raise UserError(
             f"--resume auto: {run_dir} {holds}, so there is nothing to resume; name a run's folder with "

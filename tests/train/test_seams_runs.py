@@ -116,6 +116,21 @@ def test_resume_auto_of_a_run_whose_config_toml_is_missing_is_refused(run, capsy
     assert _snapshot(run) == before
 
 
+def test_resume_auto_of_a_run_whose_run_json_is_corrupt_names_it(run, capsys):
+    (run / "run.json").write_text('{"family": "llama", "ar')
+    before = _snapshot(run)
+    _refused(["train", "--resume", "auto", "--out", str(run)], capsys, str(run / "run.json"), "corrupt")
+    assert _snapshot(run) == before
+
+
+def test_the_python_api_refuses_a_non_positive_max_new_tokens(run):
+    from gptoughts import api
+    from gptoughts.errors import UserError
+
+    with pytest.raises(UserError, match="max_new_tokens"):
+        api.generate_text(api.load(run, device="cpu"), "def ", max_new_tokens=-5)
+
+
 # ---------------------------------------------------------------------------- 2. overwrite and symlinks
 
 
