@@ -4,7 +4,6 @@ layer over these; the assembly of a run is ``gptoughts.train.build``."""
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import math
 import time
@@ -18,7 +17,7 @@ from torch import nn
 
 from gptoughts import models
 from gptoughts.config import Config, config_from_toml_text, load_config
-from gptoughts.errors import ConfigError, DataError, UserError
+from gptoughts.errors import ConfigError, DataError, UserError, as_disk_full
 from gptoughts.models import GENERIC_FAMILY
 from gptoughts.models.hf import HFCausalLM, is_hf_folder, load_pretrained
 from gptoughts.parallel import dist as pdist
@@ -183,7 +182,7 @@ def run_training(cfg: Config, *, dry_run: bool = False) -> tuple[nn.Module, Any,
     tasks = read_scorer(ev.eval_tasks, task_dir=ev.eval_task_dir, limit=ev.eval_tasks_limit)
     env = setup_environment(cfg)
     try:
-        with _disk_full_is_a_user_error():
+        with _disk_full_is_a_user_error(Path(cfg.run.out)):
             asm = build(cfg, dry_run=dry_run, env=env, tasks=tasks)
         startup.assembly_s = startup.age() - startup.imports_s
         main = env.dist.is_main
@@ -202,9 +201,10 @@ def run_training(cfg: Config, *, dry_run: bool = False) -> tuple[nn.Module, Any,
             if main and asm.model.pretrained is not None and asm.model.pretrained.notice:
                 console.print(asm.model.pretrained.notice, highlight=False)
             asm.trainer.startup = startup
-            start_tokens, t0 = asm.trainer.state.tokens_seen, time.perf_counter()
+            # where this session starts (a resumed run's step and tokens): the summary tells its figures apart
+            start, t0 = (asm.trainer.state.step, asm.trainer.state.tokens_seen), time.perf_counter()
             try:
-                with _disk_full_is_a_user_error():
+                with _disk_full_is_a_user_error(asm.run_dir):
                     st = asm.trainer.fit()
             except torch.OutOfMemoryError:
                 raise UserError(
@@ -220,7 +220,7 @@ def run_training(cfg: Config, *, dry_run: bool = False) -> tuple[nn.Module, Any,
                 with asm.trainer.autocast():
                     history.sample = asm.sampler(prompts[0])
             if main:
-                history.summary = _summary(asm, history, wall, st.tokens_seen - start_tokens)
+                history.summary = _summary(asm, history, wall, start)
                 _print_summary(asm, history)
         finally:
             asm.close()
@@ -230,20 +230,26 @@ def run_training(cfg: Config, *, dry_run: bool = False) -> tuple[nn.Module, Any,
 
 
 @contextlib.contextmanager
-def _disk_full_is_a_user_error() -> Iterator[None]:
-    """A full disk (data cache, tokenizer, checkpoint) is one line, not a traceback: every write goes to a temp
-    file or folder renamed into place, so what was already saved is intact."""
+def _disk_full_is_a_user_error(run_dir: Path) -> Iterator[None]:
+    """A full disk (data cache, tokenizer, checkpoint; whichever library wrote) is one line naming the run's last
+    good checkpoint, not a traceback: every write goes to a temp file or folder renamed into place, so what was
+    already saved is intact."""
     try:
         yield
-    except OSError as e:
-        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+    except Exception as e:
+        full = as_disk_full(e)
+        if full is None:
             raise
-        where = f" while writing {e.filename}" if e.filename else ""
-        raise UserError(
-            f"disk full{where} ({e.strerror}); what was saved before is intact: free some space (or "
-            "point --out / GPTOUGHTS_CACHE elsewhere) and run again, with --resume auto for a run "
-            "that had started"
-        ) from None
+        where = f" while writing {full.filename}" if full.filename else ""
+        last = ckpt.latest_valid(run_dir / "checkpoints") if run_dir.is_dir() else None
+        kept = (
+            f"the last good checkpoint, {last}, is intact: free some space (or point --out / GPTOUGHTS_CACHE "
+            f"elsewhere) and continue from it with --resume auto --out {run_dir}"
+            if last is not None
+            else "no checkpoint of this run was written yet: free some space (or point --out / GPTOUGHTS_CACHE "
+            "elsewhere) and run again"
+        )
+        raise UserError(f"disk full{where} ({full.strerror}); {kept}") from None
 
 
 def _history(asm: Any, st: Any, history: History) -> History:
@@ -258,10 +264,13 @@ def _history(asm: Any, st: Any, history: History) -> History:
     return history
 
 
-def _summary(asm: Any, history: History, wall: float, tokens: int) -> dict[str, Any]:
-    """What the run did, for the end of the log and ``RUN/summary.json``; the plots are drawn here too."""
+def _summary(asm: Any, history: History, wall: float, start: tuple[int, int]) -> dict[str, Any]:
+    """What the run did, for the end of the log and ``RUN/summary.json``; the plots are drawn here too. ``steps``
+    and ``tokens`` are the whole run's; ``session_*``, ``wall_s``, ``tokens_per_s`` and ``mfu`` this process's,
+    which resumed the run at ``start`` = (step, tokens)."""
     from gptoughts.train.rundir import write_text_atomic
 
+    tokens = history.tokens - start[1]
     tps = tokens / wall if wall > 0 else None
     peak = asm.env.hw.peak_bf16_flops if asm.env.device.type == "cuda" else None
     flops = asm.model.raw.flops_per_token(asm.batch.block_size)
@@ -272,6 +281,9 @@ def _summary(asm: Any, history: History, wall: float, tokens: int) -> dict[str, 
     summary = {
         "steps": history.steps,
         "tokens": history.tokens,
+        "resumed_at_step": start[0] or None,
+        "session_steps": history.steps - start[0],
+        "session_tokens": tokens,
         "wall_s": round(wall, 2),
         "tokens_per_s": tps,
         "mfu": flops * tps / (peak * asm.env.dist.world_size) if tps and peak else None,
@@ -310,11 +322,12 @@ def _print_summary(asm: Any, history: History) -> None:
         if s["final_val_loss"] is not None
         else ""
     )
-    console.print(
-        f"[bold]done[/bold] ({history.stop_reason}): {s['steps']:,} steps, {s['tokens']:,} tokens in "
-        f"{_clock(s['wall_s'])}, {speed}{mfu}; {best}{final}",
-        highlight=False,
+    session = (
+        f"{s['session_steps']:,} steps, {s['session_tokens']:,} tokens in {_clock(s['wall_s'])}, {speed}{mfu}"
     )
+    if s["resumed_at_step"]:  # the run's totals apart from what this session did (and timed)
+        session = f"run: {s['steps']:,} steps, {s['tokens']:,} tokens; this session: {session}"
+    console.print(f"[bold]done[/bold] ({history.stop_reason}): {session}; {best}{final}", highlight=False)
     plots = f"{run / 'plots'}/ (overview.png)" if s["plots"] else "none (pip install matplotlib)"
     console.print(f"  run: {run}   checkpoints: {run / 'checkpoints'}   plots: {plots}", highlight=False)
     console.print(
@@ -448,6 +461,8 @@ def generate_text(
 
     ``chat`` (default ``loaded.chat``): the prompt is a user message rendered with the chat template (the
     tokenizer's own, else the SFT default) and only the assistant's answer is returned."""
+    if max_new_tokens < 1:
+        raise UserError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     return sampler(loaded)(
         prompt,
         max_new_tokens=max_new_tokens,
@@ -577,13 +592,13 @@ def export(
     names = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
     if dtype not in ("auto", *names):
         raise ConfigError(f"--dtype must be auto, fp32, bf16 or fp16; got {dtype!r}")
+    shard = parse_size(max_shard_size)  # (before the load, which can take minutes)
     loaded = load(path, device=device, trust_remote_code=trust_remote_code)
     model = loaded.model
     if hasattr(model, "merge_and_unload"):  # PEFT: fold B @ A * alpha / r into the base weights
         model = model.merge_and_unload()
     base = read_config(loaded.init_from) if loaded.init_from else None
     target = names.get(dtype) or (model_dtype(base) if base else torch.float32)
-    shard = parse_size(max_shard_size)
     if isinstance(model, HFCausalLM):
         written = save_generic(
             model, loaded.tokenizer, out, max_shard_bytes=shard, dtype=target, overwrite=overwrite

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -439,16 +440,25 @@ def cmd_sample(argv: Sequence[str]) -> int:
         help="render the prompt with the chat template and print only the answer; auto: on for SFT runs "
         "and for HF folders whose tokenizer has a chat template",
     )
-    p.add_argument("--max_new_tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--top_k", type=int, default=50)
-    p.add_argument("--top_p", type=float, default=None)
+    p.add_argument("--max_new_tokens", type=int, default=128, help="tokens to generate (>= 1)")
+    p.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
+    p.add_argument("--top_k", type=int, default=50, help="0: no top-k filtering")
+    p.add_argument("--top_p", type=float, default=None, help="in (0, 1]; default: no nucleus filtering")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--device", default="auto")
     p.add_argument(
         "--trust_remote_code", action="store_true", help="let transformers run an HF folder's own code"
     )
     a = p.parse_args(argv)
+    # checked before the model is loaded (which can take minutes)
+    if a.max_new_tokens < 1:
+        raise UserError(f"--max_new_tokens must be >= 1, got {a.max_new_tokens}")
+    if not a.temperature >= 0 or math.isinf(a.temperature):
+        raise UserError(f"--temperature must be a number >= 0 (0: greedy), got {a.temperature}")
+    if a.top_k < 0:
+        raise UserError(f"--top_k must be >= 0 (0: no top-k filtering), got {a.top_k}")
+    if a.top_p is not None and not 0 < a.top_p <= 1:
+        raise UserError(f"--top_p must be in (0, 1], got {a.top_p}")
     from gptoughts.api import generate_text, load
 
     loaded = load(a.path, device=a.device, trust_remote_code=a.trust_remote_code)
@@ -459,7 +469,7 @@ def cmd_sample(argv: Sequence[str]) -> int:
             a.prompt,
             max_new_tokens=a.max_new_tokens,
             temperature=a.temperature,
-            top_k=a.top_k if a.top_k and a.top_k > 0 else None,
+            top_k=a.top_k or None,
             top_p=a.top_p,
             seed=a.seed,
             chat=chat,
@@ -963,14 +973,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at interpreter exit
         return 0
-    except OSError as e:
-        import errno
+    except Exception as e:
+        from gptoughts.errors import as_disk_full
 
-        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+        full = as_disk_full(e)
+        if full is None:
             raise
         print(
-            f"error: disk full{' while writing ' + str(e.filename) if e.filename else ''} ({e.strerror}); what "
-            "was saved before is intact: free some space and run again",
+            f"error: disk full{' while writing ' + str(full.filename) if full.filename else ''} ({full.strerror}); "
+            "what was saved before is intact: free some space and run again",
             file=sys.stderr,
         )
         return 2

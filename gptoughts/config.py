@@ -696,6 +696,25 @@ def _run_config_file(data: dict[str, Any], overrides: dict[str, Any]) -> Path | 
     return f if f.is_file() else None
 
 
+def _read_run_config(run_file: Path) -> dict[str, Any]:
+    """The tables of a run's ``config.toml``. A run writes every section: one without ``[model]`` or ``[data]``
+    (an emptied file) is refused by name, rather than resumed as the defaults with no data."""
+    try:
+        data = _migrate(tomllib.loads(run_file.read_text(encoding="utf-8")))
+    except (tomllib.TOMLDecodeError, OSError, UnicodeDecodeError) as e:
+        raise ConfigError(
+            f"{run_file} is corrupt ({str(e).splitlines()[0]}); restore it, or start a new run with another --out"
+        ) from None
+    missing = [t for t in ("model", "data") if not isinstance(data.get(t), dict)]
+    if missing:
+        what = "is empty" if not data else f"has no [{'] or ['.join(missing)}] table"
+        raise ConfigError(
+            f"{run_file} {what}, so it is not the config the run was started with (a run writes every section); "
+            "restore it from a copy, or start over with --overwrite"
+        )
+    return data
+
+
 def default_out(data: dict[str, Any], overrides: dict[str, Any]) -> str:
     model = data.get("model", {})
     family = overrides.get("model.family", model.get("family", ModelConfig.family))
@@ -734,13 +753,7 @@ def load_config(preset: str | Path | None = None, overrides: dict[str, Any] | No
     run_file = _run_config_file(data, overrides)
     if run_file is not None:
         # (a preset named beside --resume is where the run started: its config.toml already holds it all)
-        try:
-            data = _migrate(tomllib.loads(run_file.read_text(encoding="utf-8")))
-        except (tomllib.TOMLDecodeError, OSError, UnicodeDecodeError) as e:
-            raise ConfigError(
-                f"{run_file} is corrupt ({str(e).splitlines()[0]}); restore it, or start a new run "
-                "with another --out"
-            ) from None
+        data = _read_run_config(run_file)
         data.setdefault("run", {})["out"] = str(run_file.parent)
         # How a run is launched is not part of it: a run saved under FSDP on 2 GPUs resumes on one.
         data.pop("parallel", None)

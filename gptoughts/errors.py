@@ -8,6 +8,9 @@ exits with status 2. Any other exception is a bug and keeps its traceback.
 from __future__ import annotations
 
 import difflib
+import errno
+import os
+import re
 from collections.abc import Iterable
 
 
@@ -41,3 +44,29 @@ def did_you_mean(name: str, candidates: Iterable[str]) -> str:
         return f" (did you mean `{best}`?)"
     shown = ", ".join(candidates[:12]) + (", ..." if len(candidates) > 12 else "")
     return f" (valid: {shown})"
+
+
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+# How an OS error code reads in a message: Rust's io::Error, and Python's OSError turned into text (an error
+# carried from another thread or rank as a string).
+_OS_ERROR_TEXT = re.compile(r"\(os error (\d+)\)|\[Errno (\d+)\]")
+
+
+def as_disk_full(e: BaseException, filename: object = None) -> OSError | None:
+    """``e`` as an ``OSError(ENOSPC or EDQUOT)`` when a full disk (or quota) caused it, else None.
+
+    Libraries report a full disk in their own ways: torch's writer raises a RuntimeError ("unexpected pos")
+    whose context holds Python's OSError; the Rust of ``tokenizers`` and ``safetensors`` raises a plain
+    Exception whose message ends in "(os error 28)"; an error passed on as text says "[Errno 28]".
+    ``filename`` (default: the OSError's) names what was being written."""
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        code = e.errno if isinstance(e, OSError) else None
+        if code is None and (m := _OS_ERROR_TEXT.search(str(e))):
+            code = int(m.group(1) or m.group(2))
+        if code in DISK_FULL:
+            name = filename if filename is not None else getattr(e, "filename", None)
+            return OSError(code, os.strerror(code), *([str(name)] if name is not None else []))
+        e = e.__cause__ or e.__context__
+    return None

@@ -92,7 +92,7 @@ def test_resume_with_every_checkpoint_corrupt_refuses_and_changes_nothing(run, c
 
 def test_a_rejected_resume_leaves_config_and_run_json_as_they_were(run, capsys, text_corpus):
     before = _snapshot(run)
-    _refused(["train", "--resume", "auto", "--out", str(run), "--size", "125m"], capsys, "impossible")
+    _refused(["train", "--resume", "auto", "--out", str(run), "--size", "125m"], capsys, "size debug -> 125m")
     _refused(["train", "--resume", "auto", "--out", str(run), "--seed", "7"], capsys, "seed")
     assert _snapshot(run) == before
 

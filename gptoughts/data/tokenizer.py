@@ -23,7 +23,7 @@ import numpy.typing
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from gptoughts.errors import ConfigError, DataError
+from gptoughts.errors import ConfigError, DataError, as_disk_full
 
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
@@ -239,7 +239,13 @@ class Tokenizer:
         # files are the ones transformers 5 writes for a PreTrainedTokenizerFast (a test loads them with
         # AutoTokenizer); "PreTrainedTokenizerFast" rather than 5.x's "TokenizersBackend", which 4.x cannot
         # resolve.
-        self.backend.save(str(d / "tokenizer.json"))
+        try:
+            self.backend.save(str(d / "tokenizer.json"))
+        except Exception as e:  # tokenizers' Rust raises a bare Exception, even for a full disk
+            full = as_disk_full(e, d / "tokenizer.json")
+            if full is None:
+                raise
+            raise full from None
         roles = {f"{k}_token": v for k, v in self._roles().items()}
         specials = {k: v for k, v in roles.items() if v is not None}
         cfg = {

@@ -411,22 +411,20 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def parse_size(text: str | int) -> int:
-    """``5GB``, ``200MB``, ``500KB`` or a number of bytes -> bytes (decimal units, as transformers)."""
-    if isinstance(text, int):
-        return text
+    """``5GB``, ``200MB``, ``500KB`` or a number of bytes -> bytes (decimal units, as transformers); > 0."""
     s = str(text).strip().upper().replace("IB", "B")
-    for unit, mult in (("GB", 10**9), ("MB", 10**6), ("KB", 10**3), ("B", 1)):
-        if s.endswith(unit):
-            try:
-                return int(float(s[: -len(unit)]) * mult)
-            except ValueError:
-                break
+    unit, mult = next(((u, m) for u, m in (("GB", 10**9), ("MB", 10**6), ("KB", 10**3), ("B", 1)) if s.endswith(u)),
+                      ("", 1))  # fmt: skip
     try:
-        return int(s)
-    except ValueError:
+        size = int(float(s[: len(s) - len(unit)]) * mult)
+    except (ValueError, OverflowError):
+        size = 0
+    if size < 1:
         raise ConfigError(
-            f"shard size {text!r} is not a size; write e.g. 5GB, 200MB or a number of bytes"
-        ) from None
+            f"--max_shard_size {text!r} is not a size of at least one byte; write e.g. 5GB, 200MB or a number "
+            "of bytes"
+        )
+    return size
 
 
 def save_state_dict(

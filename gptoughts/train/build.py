@@ -784,6 +784,8 @@ def build(
         check_wandb()  # a missing package is refused before the run directory is touched
     lock = None
     resume_from, resumed_run = None, None
+    if cfg.run.resume == "auto":  # before the lock, which would create the folder a refusal must not leave
+        rundir.check_resumable(run_dir)
     if not dry_run:
         # 2. the run directory: locked first (one process per run), then checked; nothing written yet
         if env.dist.is_main:
@@ -795,6 +797,14 @@ def build(
                 lock.release()
             raise
         resume_from, resumed_run = pdist.broadcast_object((resume_from, resumed_run), env.dist)
+        if cfg.run.resume == "auto" and resume_from is None and env.dist.is_main:
+            from gptoughts.train.metrics import console
+
+            console.print(
+                f"{run_dir} has no checkpoint yet (the run stopped before its first save): its own "
+                "config.toml starts again from step 0",
+                highlight=False,
+            )
     elif (run_dir / "config.toml").exists() and not cfg.run.resume and not cfg.run.overwrite:
         rundir.check(run_dir, cfg)  # the plan of a run that would be refused is a refusal too
     try:
@@ -1186,8 +1196,6 @@ def write_run_files(asm: Assembly) -> None:
         ),
         run=replace(cfg.run, resume=None, overwrite=False),
     )
-    rundir.write_text_atomic(run_dir / "config.toml", to_toml(saved))
-    data.tokenizer.save(run_dir / "tokenizer")
     raw = model.raw
     record = {
         "gptoughts": 1,
@@ -1211,7 +1219,11 @@ def write_run_files(asm: Assembly) -> None:
         "torch": torch.__version__,
         "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
+    # run.json first: it is what makes the folder a run, so that a kill before the rest is written leaves one
+    # that --overwrite may replace (and that --resume auto refuses, naming the missing config.toml)
     rundir.write_text_atomic(run_dir / "run.json", json.dumps(record, indent=2, default=str))
+    rundir.write_text_atomic(run_dir / "config.toml", to_toml(saved))
+    data.tokenizer.save(run_dir / "tokenizer")
 
 
 def _absolute(source: str) -> str:

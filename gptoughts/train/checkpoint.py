@@ -71,7 +71,7 @@ import torch
 from safetensors.torch import load_file, load_model, save_file, save_model
 from torch import nn
 
-from gptoughts.errors import UserError
+from gptoughts.errors import UserError, as_disk_full
 
 STEP_DIR = re.compile(r"^step_(\d{6,})$")
 MODEL_FILE = "model.safetensors"
@@ -149,14 +149,20 @@ def save(
                 str(tmp / MODEL_FILE),
                 metadata=weights_metadata,
             )
-        torch.save(state, tmp / STATE_FILE)
+        # Through a Python file: torch writing to a path reports a full disk as "unexpected pos" and nothing
+        # more, while Python's own write raises the OSError(ENOSPC) that says what happened.
+        with open(tmp / STATE_FILE, "wb") as f:
+            torch.save(state, f)
         files = {}
         for name in (MODEL_FILE, STATE_FILE):
             _fsync_file(tmp / name)
             files[name] = {"sha256": _sha256(tmp / name), "bytes": (tmp / name).stat().st_size}
         _commit(root, tmp, step, files, val_loss=val_loss, meta=meta)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        full = as_disk_full(e, final)
+        if full is not None:
+            raise full from None
         raise
     if is_best:
         write_json_atomic(root / "best.json", {"step": step, "val_loss": val_loss})
@@ -980,12 +986,16 @@ class _BackgroundWriter:
         return self._thread is not None
 
     def wait(self) -> None:
-        """Block until the pending write (if any) is on disk; raise its error as a :class:`UserError`."""
+        """Block until the pending write (if any) is on disk; raise its error as a :class:`UserError` (a full disk
+        as an ``OSError(ENOSPC)``, which the caller reports with the last good checkpoint)."""
         if self._thread is not None:
             self._thread.join()
             self._thread = None
         if self._error is not None:
             err, self._error = self._error, None
+            full = as_disk_full(err)
+            if full is not None:  # the same full disk as a synchronous save's, reported alike
+                raise full from None
             raise UserError(str(err)) from None
 
     def _prepare_staging(self, layout: list[tuple[tuple[int, ...], torch.dtype]], gpu: int | None) -> None:
@@ -1103,7 +1113,7 @@ class FileSaver(_BackgroundWriter):
         t0 = time.perf_counter()
         try:
             self.wait()  # the previous write still reads the host buffers that this save refills
-        except UserError as e:
+        except (UserError, OSError) as e:
             # That checkpoint is missing: this one is written now, here, so that nothing more is at risk (a disk
             # still full raises from it, as a synchronous save always did); training goes on if it succeeds.
             save(
@@ -1141,7 +1151,7 @@ class FileSaver(_BackgroundWriter):
             try:
                 save(self.root, step, host_weights, host_state, **kwargs)
             except BaseException as e:  # noqa: BLE001 - reported by wait() in the caller's thread
-                self._error = RuntimeError(
+                self._error = as_disk_full(e) or RuntimeError(
                     f"checkpoint step {step} could not be written: {type(e).__name__}: {e}"
                 )
 

@@ -61,7 +61,10 @@ class MetricsLogger:
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=resume_step)
+            # Events of the steps after the checkpoint are dropped as above; the checkpoint's own step was logged
+            # before it was saved and is not run again (purging from it lost its scalars).
+            purge = resume_step + 1 if resume_step is not None else None
+            self.tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=purge)
         if wandb:
             self.wandb = _start_wandb(run_dir, wandb_project, config)
 

@@ -4,15 +4,18 @@
   anything is read or written, and keeps it until the run ends. The kernel releases it when the process dies,
   so a crashed run never leaves a stale lock; a second ``train`` on the same ``--out`` is refused with the
   process that holds it.
-* **A run is recognised by its run.json** (written by every run since the first version: it has ``family``);
-  a folder with a ``checkpoints/`` subfolder alone is not a run, and ``--overwrite`` refuses folders that are
-  not runs. :func:`clear` removes only what a run writes (:data:`RUN_FILES`), never anything else in the folder.
+* **A run is recognised by its run.json** (written first by every run since the first version: it has
+  ``family`` and ``args``); files named like a run's (``config.toml``, ``tokenizer/``, ``checkpoints/``) do not
+  make one, and ``--overwrite`` refuses folders that are not runs. :func:`clear` removes only what a run writes
+  (:data:`RUN_FILES`), never anything else in the folder, and never follows a symlink out of it.
 * **Nothing is destroyed by a refusal.** :func:`check` decides (resume, start, refuse) by reading only; a run
-  whose every checkpoint is unusable is refused rather than restarted over them.
+  whose every checkpoint is unusable is refused rather than restarted over them, and ``--resume auto`` where
+  there is no run is refused rather than started as a new one.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -110,19 +113,9 @@ def _holder(text: str) -> str:
 
 
 def is_run(run_dir: Path) -> bool:
-    """Whether ``run_dir`` holds a gptoughts run (its run.json names a model family)."""
-    try:
-        return "family" in json.loads((run_dir / "run.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError, TypeError):
-        return (run_dir / "config.toml").is_file() and (run_dir / "tokenizer").is_dir()
-
-
-def _foreign(run_dir: Path) -> list[str]:
-    return (
-        sorted(p.name for p in run_dir.iterdir() if p.name not in (*RUN_FILES, LOCK_FILE))
-        if run_dir.is_dir()
-        else []
-    )
+    """Whether ``run_dir`` holds a gptoughts run: its run.json is one that gptoughts wrote (family and args)."""
+    record = read_run_json(run_dir)
+    return record is not None and "family" in record and "args" in record
 
 
 def read_run_json(run_dir: Path) -> dict[str, Any] | None:
@@ -140,46 +133,18 @@ def check(run_dir: Path, cfg: Config) -> tuple[Path | None, dict[str, Any] | Non
     if resume and resume != "auto":
         path = ckpt.resolve(resume)
         return path, read_run_json(path.parent.parent if path.parent.name == "checkpoints" else path.parent)
-    present = [p for p in run_dir.iterdir() if p.name != LOCK_FILE] if run_dir.is_dir() else []
+    if resume == "auto":
+        return _check_resume(run_dir, cfg)
+    present = _contents(run_dir)
     if not is_run(run_dir):
         if present and cfg.run.overwrite:
             raise UserError(
                 f"--overwrite replaces runs only, and {run_dir} is not a gptoughts run (it holds "
-                f"{', '.join(sorted(p.name for p in present)[:4])}); choose another --out"
+                f"{', '.join(present[:4])}); choose another --out"
             )
         if present:
             raise UserError(f"{run_dir} exists and is not empty; choose another --out")
         return None, None
-    if resume == "auto":
-        old = _old_config(run_dir)
-        if old is not None and (old.model.family, old.model.size, old.model.overrides) != (
-            cfg.model.family,
-            cfg.model.size,
-            cfg.model.overrides,
-        ):
-            raise UserError(
-                f"{run_dir} holds a run of model {old.model.family}/{old.model.size}; resuming it as "
-                f"{cfg.model.family}/{cfg.model.size} is impossible; use another --out"
-            )
-        if old is not None and (old.model.init_from, old.lora.enabled) != (
-            cfg.model.init_from,
-            cfg.lora.enabled,
-        ):
-            raise UserError(
-                f"{run_dir} fine-tunes {old.model.init_from} (LoRA {'on' if old.lora.enabled else 'off'})"
-                f"; resume it with the same --model and --lora, or use another --out"
-            )
-        steps = ckpt.list_steps(run_dir / "checkpoints")
-        found = ckpt.latest_valid(run_dir / "checkpoints")
-        if steps and found is None:
-            problems = "; ".join(
-                f"step_{s:06d}: {ckpt.verify(ckpt.step_dir(run_dir / 'checkpoints', s))}" for s in steps[-3:]
-            )
-            raise UserError(
-                f"every checkpoint of {run_dir} is unusable ({problems}); nothing was changed: restore "
-                "one, or start over with --overwrite"
-            )
-        return found, read_run_json(run_dir)  # None: killed before its first checkpoint, started again
     if cfg.run.overwrite:
         return None, None
     steps = ckpt.list_steps(run_dir / "checkpoints")
@@ -190,10 +155,88 @@ def check(run_dir: Path, cfg: Config) -> tuple[Path | None, dict[str, Any] | Non
     )
 
 
-def _old_config(run_dir: Path) -> Config | None:
+def _check_resume(run_dir: Path, cfg: Config) -> tuple[Path | None, dict[str, Any] | None]:
+    """``--resume auto``: the newest usable checkpoint of the run in ``run_dir`` (None: the run stopped before
+    its first one, and starts again from step 0 on its own config.toml, which ``cfg`` was loaded from)."""
+    check_resumable(run_dir)
+    old = _old_config(run_dir)
+    changed = architecture_changes(old, cfg)
+    if changed:
+        raise UserError(
+            f"{run_dir} holds a run of another architecture than this command's ({'; '.join(changed)}): a "
+            "checkpoint resumes only into the model it was saved from; drop those flags, or use another --out"
+        )
+    if (old.model.init_from, old.lora.enabled) != (cfg.model.init_from, cfg.lora.enabled):
+        raise UserError(
+            f"{run_dir} fine-tunes {old.model.init_from} (LoRA {'on' if old.lora.enabled else 'off'})"
+            f"; resume it with the same --model and --lora, or use another --out"
+        )
+    steps = ckpt.list_steps(run_dir / "checkpoints")
+    found = ckpt.latest_valid(run_dir / "checkpoints")
+    if steps and found is None:
+        problems = "; ".join(
+            f"step_{s:06d}: {ckpt.verify(ckpt.step_dir(run_dir / 'checkpoints', s))}" for s in steps[-3:]
+        )
+        raise UserError(
+            f"every checkpoint of {run_dir} is unusable ({problems}); nothing was changed: restore "
+            "one, or start over with --overwrite"
+        )
+    return found, read_run_json(run_dir)
+
+
+def _contents(run_dir: Path) -> list[str]:
+    """The names in ``run_dir`` (sorted; the lock file of a process that held it is not content)."""
+    return sorted(p.name for p in run_dir.iterdir() if p.name != LOCK_FILE) if run_dir.is_dir() else []
+
+
+def check_resumable(run_dir: Path) -> None:
+    """``--resume auto`` needs a run to resume: refused, by reading only, where ``run_dir`` holds none (a new run
+    there is started without --resume, never silently in its place) or has lost the config.toml it resumes."""
+    if not is_run(run_dir):
+        present = _contents(run_dir)
+        if "run.json" in present:
+            raise UserError(
+                f"--resume auto: {run_dir}/run.json is corrupt or not a gptoughts run's, so this is not a run to "
+                "resume; restore the file from a copy, or name a run's folder with --out"
+            )
+        holds = f"is not a gptoughts run (it holds {', '.join(present[:4])})" if present else "holds no run"
+        raise UserError(
+            f"--resume auto: {run_dir} {holds}, so there is nothing to resume; name a run's folder with "
+            "--out, or start a new run without --resume"
+        )
+    if not (run_dir / "config.toml").is_file():
+        raise UserError(
+            f"{run_dir}/config.toml is missing, and a resume starts from it: restore it from a copy, or "
+            "start over with --overwrite"
+        )
+
+
+def architecture_changes(old: Config, cfg: Config) -> list[str]:
+    """``field old -> new`` for each model field in which ``cfg`` builds another model than ``old`` did (the
+    resolved architecture: naming a run's own value again is no change)."""
+    from gptoughts import models
+
+    changes = [
+        f"{name} {a} -> {b}"
+        for name, a, b in (
+            ("family", old.model.family, cfg.model.family),
+            ("size", old.model.size, cfg.model.size),
+        )
+        if a != b
+    ]
+    if changes:
+        return changes
+    before = models.model_args(old.model.family, old.model.size, old.model.overrides)
+    after = models.model_args(cfg.model.family, cfg.model.size, cfg.model.overrides)
+    return [
+        f"{f.name} {getattr(before, f.name)} -> {getattr(after, f.name)}"
+        for f in dataclasses.fields(before)
+        if getattr(before, f.name) != getattr(after, f.name)
+    ]
+
+
+def _old_config(run_dir: Path) -> Config:
     f = run_dir / "config.toml"
-    if not f.exists():
-        return None
     try:
         return config_from_toml_text(f.read_text(encoding="utf-8"))
     except (ConfigError, ValueError, OSError) as e:
@@ -216,7 +259,7 @@ def check_tokenizer(run_dir: Path, tokenizer: Any, cfg: Config) -> None:
         ) from None
     if saved.fingerprint() == tokenizer.fingerprint():
         return
-    old = _old_config(run_dir)
+    old = _old_config(run_dir) if (run_dir / "config.toml").is_file() else None
     cause = (
         "the corpus differs from the one the run started on (edited, added or removed files), so the BPE "
         "trained on it differs"
@@ -240,23 +283,29 @@ def check_tokenizer(run_dir: Path, tokenizer: Any, cfg: Config) -> None:
 
 
 def clear(run_dir: Path) -> None:
-    """Remove what a run wrote (:data:`RUN_FILES`; inside checkpoints/ only checkpoints), nothing else."""
+    """Remove what a run wrote (:data:`RUN_FILES`; inside checkpoints/ only checkpoints), nothing else. A symlink
+    is removed, never followed: what it points to is not the run's to delete."""
     for name in RUN_FILES:
         p = run_dir / name
-        if name == "checkpoints" and p.is_dir():
+        if name == "checkpoints" and p.is_dir() and not p.is_symlink():
             for child in p.iterdir():
                 if (
                     ckpt.STEP_DIR.match(child.name)
                     or child.name == "best.json"
                     or child.name.startswith(".tmp-")
                 ):
-                    shutil.rmtree(child) if child.is_dir() else child.unlink()
+                    _remove(child)
             if not any(p.iterdir()):
                 p.rmdir()
-        elif p.is_dir():
-            shutil.rmtree(p)
-        elif p.exists():
-            p.unlink()
+        else:
+            _remove(p)
+
+
+def _remove(p: Path) -> None:
+    if p.is_dir() and not p.is_symlink():
+        shutil.rmtree(p)
+    elif p.is_symlink() or p.exists():
+        p.unlink()
 
 
 def write_text_atomic(path: Path, text: str) -> None:

@@ -793,7 +793,7 @@ class Trainer:
             if self.saver is not None:  # leaving on an error too: never mid-write; frees the staging buffers
                 try:
                     self.saver.close()
-                except UserError as e:
+                except (UserError, OSError) as e:  # (a full disk: see FileSaver.wait)
                     log.warning("%s", e)
             profiler.close()
             for sig, handler in old_handlers.items():
