@@ -1,0 +1,185 @@
+"""The end of a run, instability, evaluation windows and epochs (issue 29, items 4, 5, 10 and 11).
+
+A run never ends "done" with an open streak of non-finite or collapsed steps; a collapsed model (uniform
+predictions, zero gradient) is unstable, not "best"; a held-out split shorter than a block is still evaluated
+(never a nan val loss); "one epoch" plans one epoch. Faults are injected by wrapping the trainer's objective
+(``install_fault`` of test_recovery), through the command line run in this process.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from test_recovery import install_fault, nan_on_calls
+
+from gptoughts import cli
+from gptoughts.train import checkpoint as ckpt
+from gptoughts.train.trainer import Trainer
+
+
+def _argv(corpus: Path, out: Path, fast: dict, *extra: str) -> list[str]:
+    """The fast settings, logging every step, no periodic evaluation or sampling; ``extra`` (``--key value``
+    pairs) wins."""
+    settings = {k: v for k, v in fast.items() if k != "train.sample_prompts"}
+    settings.update({"train.log_interval": 1, "train.eval_interval": 0, "train.sample_interval": 0})
+    settings.update(zip((k.removeprefix("--") for k in extra[::2]), extra[1::2]))
+    flags = [f"--{k}={v}" for k, v in settings.items()]
+    return ["train", "default", "--data", str(corpus), "--out", str(out), *flags]
+
+
+def _main(argv: list[str], capsys) -> tuple[int, str, str]:
+    code = cli.main(argv)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def _rows(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def _one_line_error(code: int, err: str) -> str:
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert code == 2 and "Traceback" not in err, err
+    errors = [ln for ln in lines if ln.startswith("error: ")]
+    assert len(errors) == 1 and lines[-1] == errors[0], err
+    return errors[0]
+
+
+def _finite_weights(step_dir: Path) -> bool:
+    return all(torch.isfinite(t).all() for t in load_file(str(step_dir / ckpt.MODEL_FILE)).values())
+
+
+# ----------------------------------------------------------------------------- item 4: the end of a run
+
+END = ["--train.max_steps", "12", "--train.save_interval", "4", "--train.max_bad_steps", "5"]
+
+
+def test_rollback_settles_a_streak_open_at_the_end(
+    tmp_path, text_corpus, cache_dir, fast, monkeypatch, capsys
+):
+    """Steps 10-12 non-finite (fewer than max_bad_steps): the end of the run rolls back to step 8 and trains
+    steps 9-12 again on the batches after the streak; the run ends on finite steps and a written checkpoint."""
+    install_fault(monkeypatch.setattr, nan_on_calls(10, 12))
+    out = tmp_path / "run"
+    code, stdout, err = _main(_argv(text_corpus, out, fast, *END, "--train.nan_policy", "rollback"), capsys)
+    assert code == 0, err
+    assert "3 consecutive non-finite steps at the end of the run; rolled back to step_000008" in stdout
+    rows = _rows(out)
+    (rb,) = [r for r in rows if r.get("event") == "rollback"]
+    assert (rb["from_step"], rb["to_step"]) == (12, 8)
+    last = [r for r in rows if "loss" in r][-1]
+    assert last["step"] == 12 and math.isfinite(last["loss"]) and last["skipped_steps"] == 0
+    assert ckpt.list_steps(out / "checkpoints")[-1] == 12
+    assert _finite_weights(ckpt.step_dir(out / "checkpoints", 12))
+    state = ckpt.load_state(ckpt.step_dir(out / "checkpoints", 12))["trainer"]
+    assert (state["bad_steps"], state["rollbacks"], state["data_steps_skipped"]) == (0, 1, 4)
+
+
+def test_skip_policy_fails_a_run_that_ends_in_a_streak(
+    tmp_path, text_corpus, cache_dir, fast, monkeypatch, capsys
+):
+    """The same fault under skip: one line naming the last good checkpoint, exit 2, nothing written after it."""
+    install_fault(monkeypatch.setattr, nan_on_calls(10, 12))
+    out = tmp_path / "run"
+    code, stdout, err = _main(_argv(text_corpus, out, fast, *END), capsys)
+    good = out / "checkpoints" / "step_000008"
+    assert _one_line_error(code, err) == (
+        f"error: training diverged at step 12 (3 consecutive non-finite steps at the end of the run, 0 "
+        f"rollbacks); the last good checkpoint is {good}; resume from it with a lower --learning_rate"
+    )
+    assert "done (" not in stdout
+    assert ckpt.list_steps(out / "checkpoints") == [4, 8]
+
+
+# ------------------------------------------------------------------------------------ item 5: collapse
+
+
+def install_collapse(monkeypatch: pytest.MonkeyPatch, first: int, last: int | None) -> None:
+    """Training calls first..last (None: forever) give what a collapsed model gives: the loss of a uniform
+    prediction over the model's outputs, ln(vocab), and a zero gradient (the real loss times zero)."""
+    calls = {"n": 0}
+    original_init = Trainer.__init__
+
+    def init(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        inner = self.objective
+
+        def objective(model, batch):
+            ls, n = inner(model, batch)
+            if model.training:
+                calls["n"] += 1
+                if calls["n"] >= first and (last is None or calls["n"] <= last):
+                    uniform = math.log(model.output_weight.shape[0])
+                    ls = ls * 0.0 + n.float() * uniform
+            return ls, n
+
+        self.objective = objective
+
+    monkeypatch.setattr(Trainer, "__init__", init)
+
+
+COLLAPSE = ["--train.max_steps", "12", "--train.save_interval", "4", "--train.max_bad_steps", "3"]
+
+
+def test_collapse_under_skip_is_warned_never_best_and_stops(
+    tmp_path, text_corpus, cache_dir, fast, monkeypatch, capsys
+):
+    """Collapsed from step 6 on, evaluated at every save step: one warning line, no checkpoint (and no best)
+    from the collapsed steps, and the skip policy's error after max_bad_steps of them."""
+    install_collapse(monkeypatch, 6, None)
+    out = tmp_path / "run"
+    code, stdout, err = _main(_argv(text_corpus, out, fast, *COLLAPSE, "--train.eval_interval", "4"), capsys)
+    good = out / "checkpoints" / "step_000004"
+    assert _one_line_error(code, err) == (
+        f"error: training diverged at step 8 (3 consecutive collapsed steps, 0 rollbacks); the last good "
+        f"checkpoint is {good}; resume from it with a lower --learning_rate"
+    )
+    warnings = [ln for ln in stdout.splitlines() if "collapsed" in ln and "warning" in ln]
+    assert len(warnings) == 1 and "step 6" in warnings[0] and "zero gradient" in warnings[0], stdout
+    assert ckpt.list_steps(out / "checkpoints") == [4]
+    assert ckpt.best_step(out / "checkpoints") == 4
+    rows = [r for r in _rows(out) if "loss" in r]
+    assert [r.get("collapsed_steps", 0) for r in rows] == [0] * 5 + [1, 1, 1]
+
+
+def test_collapse_under_rollback_rolls_back_and_finishes(
+    tmp_path, text_corpus, cache_dir, fast, monkeypatch, capsys
+):
+    install_collapse(monkeypatch, 6, 8)
+    out = tmp_path / "run"
+    code, stdout, err = _main(
+        _argv(text_corpus, out, fast, *COLLAPSE, "--train.nan_policy", "rollback"), capsys
+    )
+    assert code == 0, err
+    assert "3 consecutive collapsed steps; rolled back to step_000004" in stdout
+    assert ckpt.list_steps(out / "checkpoints")[-1] == 12
+
+
+def test_collapse_under_stop_stops_at_the_first(tmp_path, text_corpus, cache_dir, fast, monkeypatch, capsys):
+    install_collapse(monkeypatch, 6, None)
+    out = tmp_path / "run"
+    code, _, err = _main(_argv(text_corpus, out, fast, *COLLAPSE, "--train.nan_policy", "stop"), capsys)
+    line = _one_line_error(code, err)
+    assert (
+        line.startswith("error: the model collapsed at step 6 (loss ")
+        and "recovery.nan_policy = stop" in line
+    )
+    assert str(out / "checkpoints" / "step_000004") in line
+
+
+def test_initial_loss_at_ln_vocab_is_not_a_collapse(tmp_path, text_corpus, cache_dir, fast, capsys):
+    """A zero-initialised output layer predicts uniformly at step 1 (loss ln(vocab)), but its gradient is not
+    zero: training goes on without a warning."""
+    out = tmp_path / "run"
+    code, stdout, err = _main(
+        _argv(text_corpus, out, fast, "--train.max_steps", "4", "--model.zero_init_output", "true"), capsys
+    )
+    assert code == 0, err
+    first = [r for r in _rows(out) if "loss" in r][0]
+    assert first["loss"] == pytest.approx(math.log(320), rel=1e-4) and first["grad_norm"] > 0
+    assert "collapsed" not in stdout
