@@ -755,7 +755,10 @@ class Trainer:
                 step = st.step
                 at_end = step >= self.total_steps
                 log_due = step % cfg.log_interval == 0 or at_end
-                eval_due = bool(self.ev.eval_interval and step % self.ev.eval_interval == 0) or at_end
+                # No held-out data, no evaluation (never a nan val loss in the log)
+                eval_due = self.eval_batches is not None and (
+                    bool(self.ev.eval_interval and step % self.ev.eval_interval == 0) or at_end
+                )
                 sample_due = bool(
                     self.sample_fn is not None and sample_every and (step % sample_every == 0 or at_end)
                 )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ import torch
 from safetensors.torch import load_file
 from test_recovery import install_fault, nan_on_calls
 
+import gptoughts
 from gptoughts import cli
 from gptoughts.train import checkpoint as ckpt
 from gptoughts.train.trainer import Trainer
@@ -183,3 +185,79 @@ def test_initial_loss_at_ln_vocab_is_not_a_collapse(tmp_path, text_corpus, cache
     first = [r for r in _rows(out) if "loss" in r][0]
     assert first["loss"] == pytest.approx(math.log(320), rel=1e-4) and first["grad_norm"] > 0
     assert "collapsed" not in stdout
+
+
+# ----------------------------------------------------------------------- item 10: evaluation windows
+
+
+def test_a_held_out_split_shorter_than_a_block_is_evaluated(tmp_path, text_corpus, cache_dir, fast, capsys):
+    """The held-out text of the tiny corpus (~1 KiB) is shorter than a block of 2048: the plan says evaluations
+    use shorter windows, every evaluation logs a finite val loss, and the summary reports it."""
+    out = tmp_path / "run"
+    code, stdout, err = _main(
+        _argv(
+            text_corpus,
+            out,
+            fast,
+            "--train.block_size",
+            "2048",
+            "--train.batch_size",
+            "1",
+            "--train.max_steps",
+            "4",
+            "--train.eval_interval",
+            "2",
+        ),
+        capsys,
+    )
+    assert code == 0, err
+    held_out = int(re.search(r"\+ ([\d,]+) held out", stdout).group(1).replace(",", ""))
+    assert held_out < 2048
+    warning = [ln for ln in stdout.splitlines() if "warning: the held-out split" in ln]
+    assert len(warning) == 1 and "evaluations use windows of" in warning[0], stdout
+    vals = [r["val_loss"] for r in _rows(out) if "val_loss" in r]
+    assert len(vals) == 2 and all(isinstance(v, float) and math.isfinite(v) for v in vals), vals
+    assert "no evaluation" not in stdout and "val loss nan" not in stdout
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["final_val_loss"] == pytest.approx(vals[-1])
+
+
+# -------------------------------------------------------------------------------------- item 11: epochs
+
+
+@pytest.mark.parametrize("size", ["125m", "1b"])
+def test_one_epoch_plans_one_epoch(size, text_corpus, cache_dir, tmp_path, capsys):
+    """A corpus smaller than the size's global batch: one epoch (no stopping rule given) plans about one epoch
+    of the train split, the steps times the tokens per step, and the printed line says so."""
+    _, _, hist = gptoughts.train(
+        data_path=str(text_corpus),
+        size=size,
+        dry_run=True,
+        save_dir=str(tmp_path / "run"),
+        **{"perf.device": "cpu", "data.tokenizer": "bytes"},
+    )
+    b = hist.plan["batch"]
+    assert b["stop_rule"].startswith("one epoch")
+    assert b["epochs"] == pytest.approx(b["total_steps"] * b["tokens_per_step"] / b["train_tokens"])
+    assert abs(b["epochs"] - 1.0) <= 0.5 * b["tokens_per_step"] / b["train_tokens"] + 1e-9
+    assert b["total_steps"] >= 20  # a batch larger than the corpus is cut, not taken twice in one step
+    printed = re.search(r"steps: ([\d,]+) \(one epoch[^)]*\)\) = ([\d.]+) epoch", capsys.readouterr().out)
+    assert printed and int(printed.group(1).replace(",", "")) == b["total_steps"]
+    assert float(printed.group(2)) == pytest.approx(b["epochs"], abs=0.005)
+    assert float(printed.group(2)) == pytest.approx(1.0, abs=0.03)
+
+
+def test_no_held_out_text_means_no_evaluation_not_nan(tmp_path, cache_dir, fast, capsys):
+    """A corpus of one short document keeps it all for training: no held-out split, so the plan says there is
+    no evaluation and the run logs none (never a nan val loss)."""
+    corpus = tmp_path / "one.txt"
+    corpus.write_text("def add(a, b):\n    return a + b\n\n\nprint(add(1, 2), add(3, 4), add(5, 6))\n")
+    out = tmp_path / "run"
+    code, stdout, err = _main(
+        _argv(corpus, out, fast, "--train.max_steps", "3", "--train.eval_interval", "1"), capsys
+    )
+    assert code == 0, err
+    assert "+ 0 held out" in stdout and "no evaluation (no held-out data)" in stdout
+    assert "the run is not evaluated" in stdout and "val loss" not in stdout
+    assert not [r for r in _rows(out) if "val_loss" in r]
+    assert "no evaluation" in stdout.splitlines()[-3]  # the summary line
