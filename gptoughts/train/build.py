@@ -978,7 +978,8 @@ def _assemble(
         forward_context=model.built.forward_context,
         after_optimizer_step=model.built.after_optimizer_step,
         keep_grads=model.built.keep_grads,
-        vocab_size=model.args.vocab_size,  # the collapse check: ln(vocab) is a uniform prediction's loss
+        # The collapse check: ln(vocab) is the loss of a uniform prediction.
+        vocab_size=getattr(model.args, "vocab_size", None),
         static_token_count=data.sft is None,
         mfu_per_token_s=_mfu_per_token_s(env, model, t.block_size),
         evaluation=evaluation,

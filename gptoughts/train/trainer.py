@@ -804,11 +804,12 @@ class Trainer:
                 # Ctrl-C is not made to wait for a scoring.
                 if tasks_due or (self.tasks is not None and stop_reason == "early stopping"):
                     self._score_tasks_or_drop_them()
-                if save_due or improved or stop:
-                    self.save(val_loss=val_loss, is_best=improved)
+                saved = (save_due or improved or stop) and self.save(val_loss=val_loss, is_best=improved)
                 if stop:
+                    # Inside a streak of bad steps the save is refused: the reason says which it was.
+                    kept = "checkpoint saved" if saved else "no checkpoint now, the last good one kept"
                     if self.stop_requested:
-                        stop_reason = "interrupted (checkpoint saved; resume with --resume auto)"
+                        stop_reason = f"interrupted ({kept}; resume with --resume auto)"
                     break
             self.wait_for_save()  # the run ends with its last checkpoint on disk (or with its write error)
         finally:

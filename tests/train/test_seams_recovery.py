@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import signal
 from pathlib import Path
 
 import pytest
@@ -261,3 +262,54 @@ def test_no_held_out_text_means_no_evaluation_not_nan(tmp_path, cache_dir, fast,
     assert "the run is not evaluated" in stdout and "val loss" not in stdout
     assert not [r for r in _rows(out) if "val_loss" in r]
     assert "no evaluation" in stdout.splitlines()[-3]  # the summary line
+
+
+def test_an_interrupt_inside_a_streak_says_no_checkpoint_was_written(
+    tmp_path, text_corpus, cache_dir, fast, monkeypatch, capsys
+):
+    """Ctrl-C while steps are non-finite: the save is refused, and the end line says so instead of "checkpoint
+    saved"; the exit code is the signal's."""
+    original_init = Trainer.__init__
+
+    def init(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        inner, calls = self.objective, {"n": 0}
+
+        def objective(model, batch):
+            ls, n = inner(model, batch)
+            if model.training:
+                calls["n"] += 1
+                if calls["n"] >= 6:
+                    ls = ls * math.nan
+                if calls["n"] == 7:  # what the SIGINT handler does
+                    self.stop_requested, self.stop_signal = True, signal.SIGINT
+            return ls, n
+
+        self.objective = objective
+
+    monkeypatch.setattr(Trainer, "__init__", init)
+    out = tmp_path / "run"
+    code, stdout, _ = _main(_argv(text_corpus, out, fast, *END), capsys)
+    assert code == 130
+    assert "interrupted (no checkpoint now, the last good one kept; resume with --resume auto)" in stdout
+    assert ckpt.list_steps(out / "checkpoints") == [4]
+
+
+def test_early_stopping_inside_a_streak_settles_it(
+    tmp_path, text_corpus, cache_dir, fast, monkeypatch, capsys
+):
+    """Non-finite from step 10 on, evaluated at every step with patience 1: the first bad step's evaluation does
+    not improve (the weights did not move), early stopping ends the run there, and the open streak is settled
+    (skip: the error naming the last good checkpoint, step 9's best) instead of "done"."""
+    install_fault(monkeypatch.setattr, nan_on_calls(10, None))
+    out = tmp_path / "run"
+    argv = _argv(
+        text_corpus, out, fast, *END, "--train.eval_interval", "1", "--eval.early_stopping_patience", "1"
+    )
+    code, stdout, err = _main(argv, capsys)
+    good = out / "checkpoints" / "step_000009"  # the best of step 9
+    assert _one_line_error(code, err) == (
+        f"error: training diverged at step 10 (1 consecutive non-finite steps at the end of the run, 0 "
+        f"rollbacks); the last good checkpoint is {good}; resume from it with a lower --learning_rate"
+    )
+    assert [r["step"] for r in _rows(out) if "val_loss" in r] == list(range(1, 11))
