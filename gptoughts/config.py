@@ -224,8 +224,10 @@ class RecoveryConfig:
     stop with an error after max_rollbacks rollbacks or when no such checkpoint exists. stop (old name: raise):
     stop with an error at the first one (detected at the next log interval). Each error names the last good
     checkpoint. No checkpoint is written while non-finite steps are in a row or when the weights are not
-    finite. A reproducible loss spike (see spike_detection) is dropped (skip), rolled back (rollback) or stops
-    the run (stop)."""
+    finite. A collapsed step (loss ln(vocab), a uniform prediction, with a zero gradient) counts as a
+    non-finite one. A streak still open at the end of the run is rolled back (rollback) or stops the run with
+    the error (skip). A reproducible loss spike (see spike_detection) is dropped (skip), rolled back (rollback)
+    or stops the run (stop)."""
     max_bad_steps: int = 20
     """Non-finite steps in a row that make skip stop and rollback roll back (>= 1)."""
     max_rollbacks: int = 3

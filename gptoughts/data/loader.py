@@ -99,6 +99,12 @@ class TokenDataset:
         idx = range(len(self.sources)) if source is None else [source]
         return sum(a.size for i in idx for a in self.shards(split, i))
 
+    def longest_window(self, split: str, block_size: int) -> int:
+        """The longest window of at most ``block_size`` tokens (plus its shifted target) that the split holds:
+        ``block_size`` unless every shard is shorter (windows never cross shard files); 0 when none."""
+        longest = max((a.size for i in range(len(self.sources)) for a in self.shards(split, i)), default=0)
+        return max(0, min(block_size, longest - 1))
+
     def source_index(self, ref: str | int) -> int:
         """A source by index, by the path as given to prepare, by its resolved path or by its file name."""
         n = len(self.sources)

@@ -555,6 +555,18 @@ def plan_batches(
     t, info = cfg.train, env.dist
     why: dict[str, str] = {}
     micro, accum = t.batch_size, t.grad_accum
+    if data.sft is not None:
+        packing = data_packing(cfg, model)
+        if packing and info.pp > 1:
+            raise ConfigError(
+                "parallel.pp passes only the hidden state between stages, not the packed rows' document "
+                "ids: add --data.packing false"
+            )
+        train_tokens = epoch_rows(data.sft, t.seed, packing) * t.block_size
+    else:
+        train_tokens = int(data.corpus["tokens"])
+    # The epochs asked for (one when no stopping rule is given); None under a step or token budget.
+    epochs = None if t.max_steps is not None or t.max_tokens is not None else (t.epochs or 1.0)
     if not isinstance(micro, int):
         if info.pp > 1:
             raise ConfigError(
@@ -611,6 +623,8 @@ def plan_batches(
             accum = accumulation_for(t.global_batch_tokens, micro, t.block_size, info.dp_size)
             micro = min(micro, -(-t.global_batch_tokens // (accum * t.block_size * info.dp_size)))
             why["grad_accum"] = f"to reach train.global_batch_tokens = {t.global_batch_tokens:,}"
+        if epochs is not None:
+            micro, accum = _fit_epochs(micro, accum, epochs * train_tokens, t.block_size * info.dp_size, why)
     tokens_per_step = micro * t.block_size * accum * info.dp_size
     saved_dp = resumed_run.get("dp_size", resumed_run.get("world_size")) if resumed_run else None
     if saved_dp and saved_dp != info.dp_size:
@@ -632,23 +646,14 @@ def plan_batches(
                 f"{accum}: keeps the resumed run's global batch of {old:,} tokens on "
                 f"{info.dp_size} process(es) (it was saved on {saved_dp})"
             )
-    if data.sft is not None:
-        packing = data_packing(cfg, model)
-        if packing and info.pp > 1:
-            raise ConfigError(
-                "parallel.pp passes only the hidden state between stages, not the packed rows' document "
-                "ids: add --data.packing false"
-            )
-        train_tokens = epoch_rows(data.sft, t.seed, packing) * t.block_size
-    else:
-        train_tokens = int(data.corpus["tokens"])
     if t.max_steps is not None:
         total_steps, rule = t.max_steps, f"--max_steps {t.max_steps}"
     elif t.max_tokens is not None:
         total_steps, rule = math.ceil(t.max_tokens / tokens_per_step), f"--max_tokens {t.max_tokens:,}"
     else:
-        epochs = t.epochs if t.epochs is not None else 1.0
-        total_steps = math.ceil(epochs * train_tokens / tokens_per_step)
+        assert epochs is not None
+        # The nearest whole number of steps: the plan's epochs are then the asked ones to within half a step.
+        total_steps = math.floor(epochs * train_tokens / tokens_per_step + 0.5)
         rule = (
             f"--epochs {epochs:g}"
             if t.epochs is not None
@@ -696,7 +701,28 @@ def plan_batches(
         why=why,
         tp=info.tp,
         tasks_interval=tasks_interval,
+        eval_block=data.dataset.longest_window("val", t.block_size) if data.manifest is not None else None,
     )
+
+
+def _fit_epochs(
+    micro: int, accum: int, tokens: float, row_tokens: int, why: dict[str, str]
+) -> tuple[int, int]:
+    """An automatic batch cut so that the epochs asked for (``tokens`` of training) hold at least
+    MIN_USEFUL_STEPS steps: a global batch larger than a small corpus would take it twice or more in one step
+    (one epoch planned as 2, even 4), with too few steps for the schedule. Returns (micro-batch, accumulation)."""
+    from gptoughts.train.plan import MIN_USEFUL_STEPS
+
+    rows = max(1, int(tokens // (MIN_USEFUL_STEPS * row_tokens)))  # rows each rank reads per step
+    if micro * accum <= rows:
+        return micro, accum
+    micro = min(micro, rows)
+    accum = max(1, rows // micro)
+    why["grad_accum"] = (
+        f"{accum}, with micro-batch {micro}: the automatic batch cut so that {tokens:,.0f} tokens of training "
+        f"(the epochs asked for) are at least {MIN_USEFUL_STEPS} steps"
+    )
+    return micro, accum
 
 
 def _estimated_micro_batch(cfg: Config, env: Environment, model: Model) -> int:
@@ -920,7 +946,7 @@ def _assemble(
         t.schedule, t.learning_rate, batch.total_steps, batch.warmup_steps, t.min_lr_ratio, t.decay_fraction
     )
     optimizer = train_optimizer(cfg, env, model, t)
-    loader, eval_fn = make_loaders(cfg, env, data, model, t)
+    loader, eval_fn = make_loaders(cfg, env, data, model, t, batch.eval_block)
     asm.loader = loader
     asm.sampler = Sampler(
         model.raw,
@@ -965,6 +991,8 @@ def _assemble(
         forward_context=model.built.forward_context,
         after_optimizer_step=model.built.after_optimizer_step,
         keep_grads=model.built.keep_grads,
+        # The collapse check: ln(vocab) is the loss of a uniform prediction.
+        vocab_size=getattr(model.args, "vocab_size", None),
         static_token_count=data.sft is None,
         mfu_per_token_s=_mfu_per_token_s(env, model, t.block_size),
         evaluation=evaluation,
@@ -1093,8 +1121,11 @@ def _probe_step(cfg: Config, model: Model, data: Data):
     return step
 
 
-def make_loaders(cfg: Config, env: Environment, data: Data, model: Model, t: TrainConfig) -> tuple[Any, Any]:
-    """The training loader (resumable, rank-aware) and the evaluation batches (None without held-out data)."""
+def make_loaders(
+    cfg: Config, env: Environment, data: Data, model: Model, t: TrainConfig, eval_block: int | None = None
+) -> tuple[Any, Any]:
+    """The training loader (resumable, rank-aware) and the evaluation batches (None without held-out data).
+    ``eval_block``: the evaluation windows' length (BatchPlan.eval_block; None: the block)."""
     from gptoughts.data.loader import BatchLoader, eval_batches
     from gptoughts.data.sft import SFTLoader
 
@@ -1138,19 +1169,20 @@ def make_loaders(cfg: Config, env: Environment, data: Data, model: Model, t: Tra
         phases=phases(cfg),
         device=device,
     )
-    has_val = dataset.num_tokens("val") > t.block_size
+    # A held-out split shorter than a block is evaluated in shorter windows (the plan says so), never skipped.
+    window = t.block_size if eval_block is None else eval_block
     eval_fn = (
         (
             lambda: eval_batches(
                 dataset,
                 split="val",
                 batch_size=t.batch_size,
-                block_size=t.block_size,
+                block_size=window,
                 max_batches=cfg.eval.eval_batches,
                 device=device,
             )
         )
-        if has_val
+        if window > 0
         else None
     )
     return loader, eval_fn

@@ -18,6 +18,9 @@ import numpy as np
 # Beyond ~4 epochs, repeated data adds little and overfits (Muennighoff et al. 2023, "Scaling data-constrained
 # language models").
 MAX_USEFUL_EPOCHS = 4.0
+# Fewer optimizer steps than this leave the schedule (warmup, decay) no room; an automatic batch is cut to keep
+# an epoch rule above it.
+MIN_USEFUL_STEPS = 20
 # Compute-optimal training wants ~20 tokens per parameter (Hoffmann et al. 2022); below 1 the model memorises.
 TOKENS_PER_PARAM_OPTIMAL = 20
 
@@ -45,6 +48,9 @@ class BatchPlan:
     """Tensor-parallel degree: ``world_size / tp`` data-parallel ranks read different micro-batches."""
     tasks_interval: int = 0
     """Steps between two scorings of ``eval.eval_tasks`` (0: only at the end)."""
+    eval_block: int | None = None
+    """Tokens of an evaluation window: the block, or less when the held-out split is shorter (0: no held-out
+    data, no evaluation); None: the block (not known before the corpus is tokenized, or examples)."""
 
 
 @dataclass
@@ -120,6 +126,8 @@ class RunPlan:
             + f" = {b['tokens_per_step']:,} tokens per step"
         )
         ev = f"eval every {b['eval_interval']:,}" if b["eval_interval"] else "eval at the end"
+        if b.get("eval_block") == 0:
+            ev = "no evaluation (no held-out data)"
         sv = f"checkpoint every {b['save_interval']:,}" if b["save_interval"] else "checkpoint at the end"
         lines.append(
             f"  steps: {b['total_steps']:,} ({b['stop_rule']}) = {b['epochs']:.2f} epoch(s) over the data, "
@@ -413,7 +421,19 @@ def _warnings(
             "packed end to end (separated by an end-of-text token), which is fine for pretraining; a shorter "
             "--block_size trains faster if long context is not needed"
         )
-    if batch.total_steps < 20 and cfg.train.max_steps is None:
+    window = batch.eval_block
+    if window is not None and window < batch.block_size:
+        val = data.corpus.get("val_tokens", 0)
+        out.append(
+            f"the held-out split ({val:,} tokens) is shorter than one block ({batch.block_size:,}): "
+            + (
+                f"evaluations use windows of {window:,} tokens (a shorter context than training's)"
+                if window
+                else "the run is not evaluated"
+            )
+            + "; raise --data.val_fraction or add data"
+        )
+    if batch.total_steps < MIN_USEFUL_STEPS and cfg.train.max_steps is None:
         out.append(
             f"only {batch.total_steps} optimizer step(s) of {batch.tokens_per_step:,} tokens: too few for the "
             "schedule; add data, raise --epochs, or lower --train.global_batch_tokens / --batch_size"

@@ -15,6 +15,13 @@ Recovery (``train.nan_policy``, documented on :class:`~gptoughts.config.TrainCon
   ``stop`` raises at the first; ``skip`` raises after ``max_bad_steps`` in a row; ``rollback`` then reloads
   the newest checkpoint saved *before the streak began* (weights, optimizer, RNG), multiplies the learning rate
   by ``rollback_lr_factor`` and goes on, up to ``max_rollbacks`` times.
+* A *collapsed* step counts as a bad step too: a finite loss equal to ln(vocab) (the loss of a uniform
+  prediction over the model's outputs) with a zero gradient, what a model that has blown up to constant logits
+  gives (it then never learns again). It is decided at the flush from the values the flush reads anyway (no
+  sync of its own), and warned once per streak. Masked-diffusion losses are weighted, so this test does not
+  apply to them.
+* The end of the run settles a streak still open: ``rollback`` rolls back (and the run trains on to its last
+  step), the other policies raise, so a run never ends "done" on bad steps.
 * After a rollback the step counter is the checkpoint's (logged steps restart from there and increase), and so
   are the learning-rate schedule and ``tokens_seen`` (tokens trained on). The data loader is *not* rewound: it
   goes on after the batches of the streak, which are never replayed. ``TrainState.data_steps_skipped`` counts
@@ -86,6 +93,10 @@ Batch = tuple[torch.Tensor, ...]
 
 _SPIKE_EMA = 0.02  # weight of one step in the running loss statistics (~50 steps of memory)
 _SPIKE_MIN_SAMPLES = 8  # steps seen before the spike check can arm
+# A collapsed step: loss within this relative distance of ln(vocab) and a gradient norm below this. Healthy
+# training can sit at ln(vocab) (a zero-initialised output layer at step 1) but never with a zero gradient.
+_COLLAPSE_LOSS_RTOL = 1e-3
+_COLLAPSE_GRAD_NORM = 1e-6
 _ROLLED_BACK = "rolled back"
 
 
@@ -166,6 +177,7 @@ class Trainer:
         pipeline: Any = None,
         tasks: Any = None,
         keep_grads: bool = False,
+        vocab_size: int | None = None,
     ):
         check_train_ranges(cfg, evaluation, checkpointing, recovery)
         self.model = model
@@ -235,7 +247,9 @@ class Trainer:
         self._logs = 0
         self._previous_gpu: dict[str, float] = {}  # the last window's GPU reading (advice needs two low ones)
         self._pending: list[_StepRecord] = []
-        self._streak_start = 0  # first step of the current non-finite streak
+        self._streak_start = 0  # first step of the current streak of bad steps
+        self._streak_kinds: set[str] = set()  # "non-finite", "collapsed": what the current streak holds
+        self.vocab_size = vocab_size  # the model's outputs, for the collapse check (None: none)
         self._window_t0 = time.perf_counter()
         # The on-device spike check needs the global loss of each step and the right to skip a step: one process,
         # no fp16 loss scaler (which decides its own skips). Elsewhere spikes are only reported at flushes.
@@ -525,7 +539,7 @@ class Trainer:
     def _checkpoint_problem(self) -> str | None:
         """Why the current state is not one to write (and roll back to later), or None."""
         if self.state.bad_steps:
-            return f"the last {self.state.bad_steps} step(s) were non-finite"
+            return f"the last {self.state.bad_steps} step(s) were {self._streak_kind()}"
         if not self.weights_finite():
             return "the weights are not finite"
         return None
@@ -639,6 +653,7 @@ class Trainer:
         new.data_steps_skipped = old.data_steps_skipped + skipped
         new.bad_steps = 0
         self._streak_start = 0
+        self._streak_kinds = set()
         self._pending = []
         self._arm_spike_gate()
         batches = skipped * cfg.grad_accum
@@ -740,7 +755,10 @@ class Trainer:
                 step = st.step
                 at_end = step >= self.total_steps
                 log_due = step % cfg.log_interval == 0 or at_end
-                eval_due = bool(self.ev.eval_interval and step % self.ev.eval_interval == 0) or at_end
+                # No held-out data, no evaluation (never a nan val loss in the log)
+                eval_due = self.eval_batches is not None and (
+                    bool(self.ev.eval_interval and step % self.ev.eval_interval == 0) or at_end
+                )
                 sample_due = bool(
                     self.sample_fn is not None and sample_every and (step % sample_every == 0 or at_end)
                 )
@@ -754,8 +772,8 @@ class Trainer:
                 if not (log_due or eval_due or sample_due or tasks_due or save_due or stop):
                     continue
                 # Evaluating, sampling and saving read the model: the window's held or non-finite steps are
-                # settled first (the flush may re-run a spike, roll back, or raise).
-                if self._flush() == _ROLLED_BACK:
+                # settled first (the flush may re-run a spike, roll back, or raise; at the end, any open streak).
+                if self._flush(at_end) == _ROLLED_BACK:
                     continue
                 if log_due:
                     stop = stop or self._agree_stop()
@@ -776,17 +794,22 @@ class Trainer:
                         and self.state.evals_without_improvement >= self.ev.early_stopping_patience
                     ):
                         stop, stop_reason = True, "early stopping"
+                        # An end too: an open streak is settled first (a rollback trains on from there).
+                        if self.state.bad_steps and self._settle_streak(at_end=True) == _ROLLED_BACK:
+                            stop, stop_reason = False, "max steps"
+                            continue
                 if sample_due:
                     self._sample()
                 # An early stop is an end too (every rank decides it alike, from the all-reduced val loss); a
                 # Ctrl-C is not made to wait for a scoring.
                 if tasks_due or (self.tasks is not None and stop_reason == "early stopping"):
                     self._score_tasks_or_drop_them()
-                if save_due or improved or stop:
-                    self.save(val_loss=val_loss, is_best=improved)
+                saved = (save_due or improved or stop) and self.save(val_loss=val_loss, is_best=improved)
                 if stop:
+                    # Inside a streak of bad steps the save is refused: the reason says which it was.
+                    kept = "checkpoint saved" if saved else "no checkpoint now, the last good one kept"
                     if self.stop_requested:
-                        stop_reason = "interrupted (checkpoint saved; resume with --resume auto)"
+                        stop_reason = f"interrupted ({kept}; resume with --resume auto)"
                     break
             self.wait_for_save()  # the run ends with its last checkpoint on disk (or with its write error)
         finally:
@@ -825,9 +848,10 @@ class Trainer:
             table[:, _LOSS] = col
         return table.tolist()
 
-    def _flush(self) -> str | None:
+    def _flush(self, at_end: bool = False) -> str | None:
         """Settle the steps since the last flush: re-run held spikes, log the window, apply the non-finite policy,
-        update the spike statistics. Returns ``_ROLLED_BACK`` when a rollback replaced the state."""
+        update the spike statistics. Returns ``_ROLLED_BACK`` when a rollback replaced the state. ``at_end``: the
+        run's last step, where a streak still open is settled whatever its length."""
         recs, self._pending = self._pending, []
         if not recs:
             return None
@@ -843,19 +867,24 @@ class Trainer:
                 if not v[_INF] and loss > self._spike_thr:
                     self._report_spike(r.step, "unchecked", loss, None, "none (kept)")
 
-        nonfinite = []
+        nonfinite, collapsed, new_collapse = [], [], None
         for r, v, drop in zip(recs, vals, dropped):
-            if drop:  # a reproducible spike held back: neither breaks nor extends a non-finite streak
+            if drop:  # a reproducible spike held back: neither breaks nor extends a streak
                 continue
-            if v[_INF]:
-                nonfinite.append(r.step)
-                if st.bad_steps == 0:
-                    self._streak_start = r.step
-                st.bad_steps += 1
-            else:
+            kind = "non-finite" if v[_INF] else "collapsed" if self._collapsed(v) else None
+            if kind is None:
                 st.bad_steps = 0
+                self._streak_kinds = set()
+                continue
+            if kind == "collapsed" and kind not in self._streak_kinds and new_collapse is None:
+                new_collapse = (r.step, v)  # warned once per streak
+            (nonfinite if kind == "non-finite" else collapsed).append(r.step)
+            self._streak_kinds.add(kind)
+            if st.bad_steps == 0:
+                self._streak_start = r.step
+            st.bad_steps += 1
         good = [v for v, drop in zip(vals, dropped) if not v[_INF] and not drop]
-        self._log_window(recs, vals, good, len(nonfinite), sum(dropped))
+        self._log_window(recs, vals, good, len(nonfinite), sum(dropped), len(collapsed))
 
         if nonfinite:
             if self.policy == "stop":
@@ -864,11 +893,10 @@ class Trainer:
                     f"{self._last_good_text(nonfinite[0])}"
                 )
             self.log_line(f"step {st.step}: {len(nonfinite)} step(s) skipped (non-finite loss or gradient)")
-        if st.bad_steps >= self.rc.max_bad_steps:
-            what = f"{st.bad_steps} consecutive non-finite steps"
-            if self.policy != "rollback":
-                raise self._diverged(what, self._streak_start)
-            return self.rollback(what, self._streak_start)
+        if new_collapse is not None:
+            self._warn_collapse(*new_collapse)
+        if st.bad_steps >= self.rc.max_bad_steps or (at_end and st.bad_steps):
+            return self._settle_streak(at_end=st.bad_steps < self.rc.max_bad_steps)
 
         thr = self._spike_thr
         self._update_loss_stats(
@@ -878,6 +906,39 @@ class Trainer:
         self._arm_spike_gate()
         return None
 
+    def _collapsed(self, v: list[float]) -> bool:
+        """Whether a finite step is a collapsed one (see the module docstring)."""
+        if not self.vocab_size or not v[_TOKENS]:
+            return False
+        uniform, loss = math.log(self.vocab_size), v[_LOSS] / v[_TOKENS]
+        return abs(loss - uniform) <= _COLLAPSE_LOSS_RTOL * uniform and v[_NORM] <= _COLLAPSE_GRAD_NORM
+
+    def _warn_collapse(self, step: int, v: list[float]) -> None:
+        loss = f"{v[_LOSS] / v[_TOKENS]:.4f} = ln({self.vocab_size:,})"
+        if self.policy == "stop":
+            raise UserError(
+                f"the model collapsed at step {step} (loss {loss} with a zero gradient; recovery.nan_policy = "
+                f"stop); {self._last_good_text(step)}"
+            )
+        self.log_line(
+            f"[yellow]warning:[/yellow] step {step}: the model collapsed (loss {loss}, a uniform prediction, "
+            f"with a zero gradient): its steps count as bad steps "
+            f"(recovery.nan_policy = {self.policy}, max_bad_steps = {self.rc.max_bad_steps}); no checkpoint is "
+            "written while it lasts"
+        )
+
+    def _streak_kind(self) -> str:
+        return " or ".join(sorted(self._streak_kinds, reverse=True)) or "non-finite"
+
+    def _settle_streak(self, *, at_end: bool) -> str:
+        """Apply the policy to the open streak of bad steps: roll back, or raise the divergence error."""
+        what = f"{self.state.bad_steps} consecutive {self._streak_kind()} steps"
+        if at_end:
+            what += " at the end of the run"
+        if self.policy != "rollback":
+            raise self._diverged(what, self._streak_start)
+        return self.rollback(what, self._streak_start)
+
     def _log_window(
         self,
         recs: list[_StepRecord],
@@ -885,6 +946,7 @@ class Trainer:
         good: list[list[float]],
         bad: int,
         dropped: int,
+        collapsed: int = 0,
     ) -> None:
         st = self.state
         n_steps = len(recs)
@@ -904,6 +966,8 @@ class Trainer:
         }
         if dropped:
             row["dropped_spikes"] = dropped
+        if collapsed:
+            row["collapsed_steps"] = collapsed
         phase = getattr(self.loader, "phase_name", None)
         if phase is not None:
             row["phase"] = phase
@@ -1051,7 +1115,12 @@ class Trainer:
     def _eval_and_track(self) -> tuple[float, bool]:
         st = self.state
         val_loss, ppl = self.evaluate()
-        improved = math.isfinite(val_loss) and val_loss < st.best_val_loss - self.ev.early_stopping_min_delta
+        # Weights inside a streak of bad steps are never the best (a collapsed model's first evaluation would be).
+        improved = (
+            math.isfinite(val_loss)
+            and not st.bad_steps
+            and val_loss < st.best_val_loss - self.ev.early_stopping_min_delta
+        )
         if improved:
             st.best_val_loss = val_loss
             st.evals_without_improvement = 0
