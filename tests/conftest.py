@@ -29,6 +29,9 @@ def _own_working_directory(tmp_path_factory: pytest.TempPathFactory, monkeypatch
     cwd = tmp_path_factory.mktemp("cwd")
     monkeypatch.chdir(cwd)
     monkeypatch.setenv("GPTOUGHTS_CACHE", str(cwd / ".gptoughts-cache"))
+    monkeypatch.delenv(
+        "TORCHINDUCTOR_CACHE_DIR", raising=False
+    )  # a run sets it in-process: undone after each test
     return cwd
 
 

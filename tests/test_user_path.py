@@ -4,6 +4,7 @@ newcomer met (issue 10) stay fixed. Through the CLI as typed, wherever the defec
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -44,6 +45,8 @@ def test_data_and_size_build_that_size(family, size, text_corpus, cache_dir):
     assert hist.plan["params"] == expected.num_params() == model.num_params()
     assert hist.plan["model"] == f"{family}/{size}" and hist.plan["corpus"]["cut"] is False
     assert not Path(hist.run_dir).exists() and not cache_dir.exists()  # a dry run writes nothing at all
+    # nor points torch.compile's caches into it (in a fresh process, importing dynamo would create the folder)
+    assert str(cache_dir) not in os.environ.get("TORCHINDUCTOR_CACHE_DIR", "")
 
 
 def test_size_1b_from_the_command_line_is_the_1b_shape(text_corpus, cache_dir, capsys):

@@ -133,9 +133,11 @@ def run_bench(
         setup_environment,
         synthetic_data,
         timing_trainer,
+        use_our_compile_cache,
     )
 
     env = setup_environment(cfg)
+    use_our_compile_cache()
     device, hw, precision = env.device, env.hw, env.precision
     family = models.get_family(cfg.model.family)
     vocab = int(models.model_args(family.name, cfg.model.size, dict(cfg.model.overrides)).vocab_size)

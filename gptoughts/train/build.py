@@ -53,6 +53,21 @@ class Environment:
     """Each ``auto`` of the environment and why it became what it is."""
 
 
+def use_our_compile_cache() -> None:
+    """Point torch.compile's caches beside the token cache (not for a dry run: importing dynamo creates the
+    folder, and a dry run writes nothing)."""
+    # torch.compile's caches (inductor's FX graphs, AOTAutograd's graphs, autotuning results) default to /tmp,
+    # which a reboot or a cluster's job cleanup empties; beside the token cache they last, so a second run of
+    # the same config compiles from cache (its start-up is printed after the first step). A user's own wins.
+    # (torch writes its /tmp default into the variable the first time it looks, so that value counts as unset.)
+    # (Only a set variable is compared with it: reading torch's default imports the inductor package.)
+    user_cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if user_cache is None or user_cache == _torch_inductor_default():
+        from gptoughts.data.prepare import default_cache_dir
+
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(default_cache_dir() / "inductor")
+
+
 def setup_environment(cfg: Config) -> Environment:
     """Device, process group (torchrun), hardware profile and precision. Call :func:`pdist.shutdown` after."""
     import warnings
@@ -64,16 +79,6 @@ def setup_environment(cfg: Config) -> Environment:
     # runtime value (flash-attn-4 4.0.0b36); two "warning:" lines per run for the user, nothing to act on.
     warnings.filterwarnings("ignore", message=r"Argument aux_data .* cannot be converted to a JitArgument")
     device = hardware.resolve_device(cfg.perf.device)
-    # torch.compile's caches (inductor's FX graphs, AOTAutograd's graphs, autotuning results) default to /tmp,
-    # which a reboot or a cluster's job cleanup empties; beside the token cache they last, so a second run of
-    # the same config compiles from cache (its start-up is printed after the first step). A user's own wins.
-    # (torch writes its /tmp default into the variable the first time it looks, so that value counts as unset.)
-    # (Only a set variable is compared with it: reading torch's default imports the inductor package.)
-    user_cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    if user_cache is None or user_cache == _torch_inductor_default():
-        from gptoughts.data.prepare import default_cache_dir
-
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(default_cache_dir() / "inductor")
     # Before anything touches CUDA: the allocator reads its settings when it starts.
     hardware.apply_runtime_settings(
         device, tf32=cfg.perf.tf32, expandable_segments=cfg.perf.expandable_segments
@@ -813,6 +818,7 @@ def build(
     if cfg.run.resume == "auto":  # before the lock, which would create the folder a refusal must not leave
         rundir.check_resumable(run_dir)
     if not dry_run:
+        use_our_compile_cache()
         # 2. the run directory: locked first (one process per run), then checked; nothing written yet
         if env.dist.is_main:
             lock = rundir.RunLock.acquire(run_dir)

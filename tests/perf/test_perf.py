@@ -585,11 +585,9 @@ def test_compile_caches_live_beside_the_token_cache(tmp_path, monkeypatch):
     torch writes it into the variable when it first looks); a user's own choice is kept."""
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
-    from gptoughts.config import load_config
-    from gptoughts.train.build import setup_environment
+    from gptoughts.train.build import use_our_compile_cache
 
     monkeypatch.setenv("GPTOUGHTS_CACHE", str(tmp_path / "cache"))
-    cfg = load_config("default", {"perf.device": "cpu"})
     for before, after in (
         (None, tmp_path / "cache" / "inductor"),
         (default_cache_dir(), tmp_path / "cache" / "inductor"),
@@ -599,7 +597,7 @@ def test_compile_caches_live_beside_the_token_cache(tmp_path, monkeypatch):
             monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
         else:
             monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", before)
-        setup_environment(cfg)
+        use_our_compile_cache()
         assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(after)
 
 
