@@ -15,12 +15,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
+from cli_helpers import FASTRUN, run_cli
 
 from gptoughts.data.tokenizer import bytes_tokenizer
 from gptoughts.models import build_model, get_family, model_args
 from gptoughts.parallel.dist import wrap_fsdp
 from gptoughts.sampling import Sampler, compute_device, diffusion_generate, generate
+from gptoughts.tools.task_scorer import TaskScorer
 from gptoughts.tools.tasks import generate_until, loglikelihoods
+from gptoughts.train import checkpoint as ckpt
 
 FAMILIES = ["llama", "gpt2", "deepseek", "inl", "llada"]
 
@@ -89,3 +92,94 @@ def test_compute_device_is_the_mesh_device_of_offloaded_shards(monkeypatch):
     assert compute_device(model) == torch.device("cuda", 1)
     plain = torch.nn.Linear(2, 2)
     assert compute_device(plain) == torch.device("cpu")
+
+
+def test_an_offloaded_bf16_run_samples_scores_and_ends_cleanly(tmp_path, text_corpus, cache_dir, capsys):
+    """The reported command's shape on CPU: ``--parallel.cpu_offload true`` in bf16, with its end-of-run sample
+    and task scoring, then ``gptoughts sample`` and ``gptoughts eval`` on the run."""
+    run = tmp_path / "run"
+    task = tmp_path / "gen.jsonl"
+    task.write_text('{"prompt": "def ", "expected": "f", "until": ["(" ]}\n')
+    argv = [
+        "train",
+        "--data",
+        str(text_corpus),
+        "--out",
+        str(run),
+        "--max_steps",
+        "2",
+        "--sample_interval",
+        "2",
+    ]
+    argv += ["--parallel.cpu_offload", "true", "--precision", "bf16", "--eval_tasks", str(task), *FASTRUN]
+    code, text = run_cli(argv, capsys)
+    assert code == 0 and "Traceback" not in text and "warning: step" not in text, text[-2000:]
+    assert "tasks gen exact_match" in text and "done (max steps)" in text
+    assert (run / "samples.txt").read_text().count("--- prompt:") == 1
+    code, text = run_cli(["sample", str(run), "--prompt", "def ", "--max_new_tokens", "4"], capsys)
+    assert code == 0 and text.startswith("def "), text[-2000:]
+    code, text = run_cli(["eval", str(run), "--tasks", str(task), "--device", "cpu"], capsys)
+    assert code == 0 and "exact_match" in text, text[-2000:]
+
+
+# ------------------------------------------------------------------------------- a failure after training
+
+
+def _train_failing(tmp_path, corpus, capsys, monkeypatch, cls, *flags: str) -> tuple[int, str, list]:
+    """A 2-step run whose ``cls.__call__`` (the sampler or the task scorer) raises; what the latest intact
+    checkpoint was at each call."""
+    run = tmp_path / "run"
+    seen = []
+
+    def fails(*args, **kwargs):
+        last = ckpt.latest_valid(run / "checkpoints") if (run / "checkpoints").is_dir() else None
+        seen.append(last.name if last else None)
+        raise RuntimeError("out of memory while generating\nsecond line of the error")
+
+    monkeypatch.setattr(cls, "__call__", fails)
+    argv = ["train", "--data", str(corpus), "--out", str(run), "--max_steps", "2", *flags, *FASTRUN]
+    code, text = run_cli(argv, capsys)
+    assert ckpt.latest_valid(run / "checkpoints").name == "step_000002"
+    return code, text, seen
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [["--sample_interval", "2"], ["--sample_interval", "0"]],
+    ids=["trainer-sample-at-the-last-step", "summary-sample-only"],
+)
+def test_a_failing_sample_after_training_is_one_warning_after_the_final_checkpoint(
+    tmp_path, text_corpus, cache_dir, capsys, monkeypatch, flags
+):
+    code, text, seen = _train_failing(tmp_path, text_corpus, capsys, monkeypatch, Sampler, *flags)
+    assert code == 0 and "Traceback" not in text, text[-2000:]
+    assert seen == ["step_000002"]  # called once, with the final checkpoint already on disk
+    warnings = [ln for ln in text.splitlines() if "out of memory while generating" in ln]
+    assert len(warnings) == 1 and warnings[0].startswith("warning:"), text[-2000:]
+    assert "second line" not in text
+    assert "done (max steps)" in text  # the summary still ends the run
+
+
+def test_a_failing_periodic_sample_is_one_warning_and_training_goes_on(
+    tmp_path, text_corpus, cache_dir, capsys, monkeypatch
+):
+    code, text, seen = _train_failing(
+        tmp_path, text_corpus, capsys, monkeypatch, Sampler, "--sample_interval", "1"
+    )
+    assert code == 0 and "Traceback" not in text, text[-2000:]
+    assert len(seen) == 1  # dropped after the first failure (step 1), not retried at the end
+    assert "warning: step 1: sampling failed (out of memory while generating)" in text
+    assert "done (max steps)" in text
+
+
+def test_failing_task_scoring_at_the_end_comes_after_the_final_checkpoint(
+    tmp_path, text_corpus, cache_dir, capsys, monkeypatch
+):
+    task = tmp_path / "mc.jsonl"
+    task.write_text('{"context": "x =", "choices": [" 1", "!!"], "answer": 0}\n')
+    flags = ["--eval_tasks", str(task), "--eval_tasks_interval", "0", "--sample_interval", "0"]
+    code, text, seen = _train_failing(tmp_path, text_corpus, capsys, monkeypatch, TaskScorer, *flags)
+    assert code == 0 and "Traceback" not in text, text[-2000:]
+    assert seen == ["step_000002"]
+    assert sum("out of memory while generating" in ln for ln in text.splitlines()) == 1
+    assert "done (max steps)" in text
