@@ -1149,7 +1149,6 @@ class Trainer:
         self._window_t0 += time.perf_counter() - t0
         return results
 
-    @torch.no_grad()
     def _sample_or_drop_it(self) -> None:
         """Write the samples; a failure (memory, a sampler bug) is one warning line and the run goes on without
         samples: they must not cost the run. Under FSDP every rank generates the same tokens, so a failure is
