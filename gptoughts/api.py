@@ -17,7 +17,7 @@ from torch import nn
 
 from gptoughts import models
 from gptoughts.config import Config, config_from_toml_text, load_config
-from gptoughts.errors import ConfigError, DataError, UserError, as_disk_full
+from gptoughts.errors import ConfigError, DataError, UserError, as_disk_full, first_line
 from gptoughts.models import GENERIC_FAMILY
 from gptoughts.models.hf import HFCausalLM, is_hf_folder, load_pretrained
 from gptoughts.parallel import dist as pdist
@@ -213,12 +213,7 @@ def run_training(cfg: Config, *, dry_run: bool = False) -> tuple[nn.Module, Any,
                 ) from None
             wall = time.perf_counter() - t0
             history = _history(asm, st, history)
-            prompts = cfg.eval.sample_prompts
-            # Under FSDP or TP every rank takes part in generation; a pipeline's stages do not generate (run plan).
-            if prompts and (main or env.dist.sharded) and env.dist.pp == 1:
-                asm.model.raw.eval()
-                with asm.trainer.autocast():
-                    history.sample = asm.sampler(prompts[0])
+            history.sample = _final_sample(asm)
             if main:
                 history.summary = _summary(asm, history, wall, start)
                 _print_summary(asm, history)
@@ -250,6 +245,30 @@ def _disk_full_is_a_user_error(run_dir: Path) -> Iterator[None]:
             "elsewhere) and run again"
         )
         raise UserError(f"disk full{where} ({full.strerror}); {kept}") from None
+
+
+def _final_sample(asm: Any) -> str | None:
+    """The summary's sample of the first prompt, once training and its last checkpoint are done: the trainer's from
+    the final step when it sampled there (the same seeded text), else generated now. A failure is one warning line:
+    a sample never turns a finished run into an error."""
+    trainer, prompts, d = asm.trainer, asm.cfg.eval.sample_prompts, asm.env.dist
+    # No sampler: a pipeline's stages do not generate (run plan), or sampling failed during the run (warned then).
+    if not prompts or trainer.sample_fn is None:
+        return None
+    if trainer.last_samples is not None and trainer.last_samples[0] == trainer.state.step:
+        return trainer.last_samples[1][0]
+    if not (d.is_main or d.sharded):  # under FSDP or TP every rank takes part in generation
+        return None
+    asm.model.raw.eval()
+    try:
+        with trainer.autocast():
+            return trainer.sample_fn(prompts[0])
+    except Exception as e:  # noqa: BLE001 - said in one line; the run is complete
+        trainer.log_line(
+            f"warning: the end-of-run sample failed ({first_line(e)}); the run and its checkpoints are complete "
+            "(generate from them with gptoughts sample RUN)"
+        )
+        return None
 
 
 def _history(asm: Any, st: Any, history: History) -> History:

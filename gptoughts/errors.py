@@ -46,6 +46,12 @@ def did_you_mean(name: str, candidates: Iterable[str]) -> str:
     return f" (valid: {shown})"
 
 
+def first_line(e: BaseException, limit: int = 300) -> str:
+    """``e``'s message cut to its first line (its type's name when it has none): an error told as a warning."""
+    lines = str(e).strip().splitlines()
+    return lines[0][:limit] if lines else type(e).__name__
+
+
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 # How an OS error code reads in a message: Rust's io::Error, and Python's OSError turned into text (an error
 # carried from another thread or rank as a string).

@@ -33,12 +33,33 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from gptoughts.errors import UserError
 from gptoughts.models.layers import softcap
 
-__all__ = ["Sampler", "diffusion_generate", "eager", "filter_top_k_top_p", "generate", "sample_top_k_top_p"]
+__all__ = [
+    "Sampler",
+    "compute_device",
+    "diffusion_generate",
+    "eager",
+    "filter_top_k_top_p",
+    "generate",
+    "sample_top_k_top_p",
+]
 
 # Decoding changes the key length at every step. On H100/H200 (torch 2.11) SDPA prefers cuDNN, which builds
 # an execution plan per new shape: ~10x slower decoding than flash (measured: docs/performance.md).
 # Generation therefore runs with cuDNN excluded; training (static shapes) is unaffected.
 _DECODE_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def compute_device(model: nn.Module) -> torch.device:
+    """The device ``model``'s forward runs on, where prompts, caches and sampling generators belong.
+
+    That is where its parameters are, except under FSDP2's CPU offload: the shards (DTensors) stay in host memory
+    between forwards while each forward runs on the device of their mesh (FSDP moves the inputs there), the
+    current one of its kind, as FSDP picks it."""
+    param = next(model.parameters())
+    mesh = getattr(param, "device_mesh", None)
+    if mesh is None or mesh.device_type == param.device.type:
+        return param.device
+    return torch.device(mesh.device_type, torch.get_device_module(mesh.device_type).current_device())
 
 
 def filter_top_k_top_p(
@@ -410,7 +431,7 @@ class Sampler:
         s = {**self.defaults, **settings}
         chat = self.chat if chat is None else chat
         tok = self.tokenizer
-        device = next(self.model.parameters()).device
+        device = compute_device(self.model)
         ids = self.prompt_ids(prompt, chat)
         x = torch.tensor([ids], dtype=torch.long, device=device)
         g = torch.Generator(device=device).manual_seed(seed) if seed is not None else None

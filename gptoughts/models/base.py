@@ -218,20 +218,15 @@ class DecoderLM(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> Any:
         """An empty cache for ``batch_size`` rows and up to ``max_len`` (default and upper bound
-        ``max_seq_len``) positions, on the model's device and in its parameter dtype unless told otherwise."""
+        ``max_seq_len``) positions. Its buffers take the dtype and device of the first keys stored (what the
+        forward computes in: see ``layers.KVCache``) unless ``device``/``dtype`` say otherwise."""
         max_len = self.args.max_seq_len if max_len is None else max_len
         if max_len > self.args.max_seq_len:
             raise ValueError(f"cache of {max_len} positions exceeds max_seq_len={self.args.max_seq_len}")
-        ref = self.output_weight
-        return self.make_cache(
-            batch_size,
-            max_len,
-            ref.device if device is None else device,
-            ref.dtype if dtype is None else dtype,
-        )
+        return self.make_cache(batch_size, max_len, device, dtype)
 
     def make_cache(
-        self, batch_size: int, max_len: int, device: torch.device | str, dtype: torch.dtype
+        self, batch_size: int, max_len: int, device: torch.device | str | None, dtype: torch.dtype | None
     ) -> Any:
         """The family's cache object; by default a ``layers.KVCache`` of ``args.kv_heads`` key/value heads of
         ``args.hd`` per layer."""

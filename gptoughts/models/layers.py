@@ -212,6 +212,11 @@ class KVCache:
     nothing per token. ``length`` (tokens already stored, the same for every layer) is a host int: reading
     it never syncs with the device. The model calls ``update`` once per layer, then ``advance`` once per
     forward.
+
+    The buffers are allocated at the first ``update``, in the dtype and on the device of its keys unless
+    ``dtype``/``device`` say otherwise: what attention computes in is decided outside the model (autocast,
+    FSDP's mixed-precision policy, CPU offload bringing host shards to the GPU for each forward), so the
+    stored parameters cannot tell it, and a cache in their fp32 would meet bf16 queries.
     """
 
     def __init__(
@@ -223,11 +228,13 @@ class KVCache:
         head_dim: int,
         *,
         device: torch.device | str | None = None,
-        dtype: torch.dtype = torch.float32,
+        dtype: torch.dtype | None = None,
     ) -> None:
-        shape = (batch_size, n_kv_heads, max_len, head_dim)
-        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
-        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
+        self.n_layers = n_layers
+        self.shape = (batch_size, n_kv_heads, max_len, head_dim)
+        self.device, self.dtype = device, dtype
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
         self.batch_size = batch_size
         self.max_len = max_len
         self.length = 0
@@ -238,6 +245,9 @@ class KVCache:
         start, end = self.length, self.length + k.size(2)
         if end > self.max_len:
             raise ValueError(f"KV cache overflow: {end} positions needed, cache holds {self.max_len}")
+        if not self.k:
+            self.k = cache_buffers(self.n_layers, self.shape, k, self.device, self.dtype)
+            self.v = cache_buffers(self.n_layers, self.shape, v, self.device, self.dtype)
         self.k[layer_idx][:, :, start:end] = k
         self.v[layer_idx][:, :, start:end] = v
         return self.k[layer_idx][:, :, :end], self.v[layer_idx][:, :, :end]
@@ -248,6 +258,20 @@ class KVCache:
     def reset(self) -> None:
         """Forget the cached tokens (the buffers are reused, not zeroed: stale entries are never read)."""
         self.length = 0
+
+
+def cache_buffers(
+    n_layers: int,
+    shape: tuple[int, ...],
+    like: torch.Tensor,
+    device: torch.device | str | None,
+    dtype: torch.dtype | None,
+) -> list[torch.Tensor]:
+    """One zeroed ``shape`` buffer per layer, on ``device`` in ``dtype``, each defaulting to ``like``'s (the first
+    entries stored: see ``KVCache``)."""
+    device = like.device if device is None else device
+    dtype = like.dtype if dtype is None else dtype
+    return [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
 
 
 # --------------------------------------------------------------------------------------------- attention

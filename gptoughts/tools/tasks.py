@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from gptoughts.errors import DataError, UserError
+from gptoughts.sampling import compute_device
 
 
 class Interrupted(Exception):  # noqa: N818 - a stop asked for, not an error
@@ -287,7 +288,7 @@ def score_tokens(
             seed=seed,
         )
         return [(ll, False) for ll in lls] if with_greedy else lls
-    dev = next(model.parameters()).device
+    dev = compute_device(model)
     seqs: list[tuple[list[int], int]] = []
     for ctx, cont in windows:
         whole = (ctx or [eos_id]) + cont
@@ -346,7 +347,7 @@ def diffusion_loglikelihoods(
 
     if mc_samples < 1:
         raise UserError(f"mc_samples must be >= 1, got {mc_samples}")
-    dev = next(model.parameters()).device
+    dev = compute_device(model)
     out = []
     for ctx, cont in windows:
         _check_stop()
@@ -424,7 +425,7 @@ def generate_until(
     by_len: dict[int, list[int]] = defaultdict(list)
     for i, t in enumerate(ids):
         by_len[len(t)].append(i)
-    dev = next(model.parameters()).device
+    dev = compute_device(model)
     out = [""] * len(prompts)
 
     def stopped(new: torch.Tensor) -> list[bool]:

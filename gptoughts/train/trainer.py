@@ -79,7 +79,7 @@ from gptoughts.config import (
     TrainConfig,
     check_train_ranges,
 )
-from gptoughts.errors import UserError
+from gptoughts.errors import UserError, first_line
 from gptoughts.parallel import dist as pdist
 from gptoughts.perf.autobatch import free_memory
 from gptoughts.perf.timing import GpuMonitor, StepTimer, advice, format_profile, summarize_profile
@@ -210,6 +210,8 @@ class Trainer:
         self.tasks = tasks
         self.task_scores: dict[str, dict[str, float]] = {}
         """The last scores of ``tasks`` (``{task: {"examples": n, metric: value}}``), for the run's summary."""
+        self.last_samples: tuple[int, list[str]] | None = None
+        """(step, one text per ``sample_prompts``) of the last samples generated, for the run's summary."""
         self.startup: Any = None
         """A :class:`~gptoughts.perf.startup.Startup` the caller fills before :meth:`fit`: the first step
         completes it (one device sync) and prints it."""
@@ -798,13 +800,15 @@ class Trainer:
                         if self.state.bad_steps and self._settle_streak(at_end=True) == _ROLLED_BACK:
                             stop, stop_reason = False, "max steps"
                             continue
+                saved = (save_due or improved or stop) and self.save(val_loss=val_loss, is_best=improved)
+                # Samples and task scores only read the model: they come after the save, and a failure in them is a
+                # warning, so neither can cost this step's checkpoint (at the end: the run's last one).
                 if sample_due:
-                    self._sample()
+                    self._sample_or_drop_it()
                 # An early stop is an end too (every rank decides it alike, from the all-reduced val loss); a
                 # Ctrl-C is not made to wait for a scoring.
                 if tasks_due or (self.tasks is not None and stop_reason == "early stopping"):
                     self._score_tasks_or_drop_them()
-                saved = (save_due or improved or stop) and self.save(val_loss=val_loss, is_best=improved)
                 if stop:
                     # Inside a streak of bad steps the save is refused: the reason says which it was.
                     kept = "checkpoint saved" if saved else "no checkpoint now, the last good one kept"
@@ -1146,10 +1150,9 @@ class Trainer:
             self._score_tasks()
         except Exception as e:  # noqa: BLE001 - said in one line; the run continues
             self.model.train()
-            first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
             self.log_line(
-                f"warning: step {self.state.step}: scoring eval_tasks failed ({first}); training goes on without "
-                "them (score the run afterwards with gptoughts eval RUN --tasks ...)"
+                f"warning: step {self.state.step}: scoring eval_tasks failed ({first_line(e)}); the run goes on "
+                "without them (score the run afterwards with gptoughts eval RUN --tasks ...)"
             )
             self.tasks = None
 
@@ -1177,7 +1180,7 @@ class Trainer:
                 stop = None if d.sharded else (lambda: self.stop_requested)
                 local = self.tasks(model, shard=shard, stop=stop)
         except Exception as e:  # noqa: BLE001 - told to every rank below, before the next collective
-            local, error = {}, (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+            local, error = {}, first_line(e)
         finally:
             self.model.train()
             self._set_rng_state(rng)
@@ -1215,6 +1218,20 @@ class Trainer:
         self._window_t0 += time.perf_counter() - t0
         return results
 
+    def _sample_or_drop_it(self) -> None:
+        """Write the samples; a failure (memory, a sampler bug) is one warning line and the run goes on without
+        samples: they must not cost the run. Under FSDP every rank generates the same tokens, so a failure is
+        every rank's alike."""
+        try:
+            self._sample()
+        except Exception as e:  # noqa: BLE001 - said in one line; the run continues
+            self.model.train()
+            self.log_line(
+                f"warning: step {self.state.step}: sampling failed ({first_line(e)}); the run goes on without "
+                "samples (generate from a checkpoint afterwards with gptoughts sample RUN)"
+            )
+            self.sample_fn = None
+
     def _sample(self) -> None:
         # Under FSDP or TP every rank generates (each forward is a collective), the same tokens (same logits, same
         # seeded generator); rank 0 writes.
@@ -1226,6 +1243,7 @@ class Trainer:
             with self.autocast():
                 texts.append(self.sample_fn(prompt))
         self.model.train()
+        self.last_samples = (self.state.step, texts)
         if not self.dist.is_main:
             return
         with open(self.run_dir / "samples.txt", "a", encoding="utf-8") as f:

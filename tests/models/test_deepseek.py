@@ -146,12 +146,12 @@ def test_latent_cache_matches_full_forward():
     ids = _ids(t=20)
     full = model(ids)
     cache = model.new_cache(batch_size=2, max_len=20)
-    assert cache.latent[0].shape == (2, 20, 32 + 8)  # kv_lora_rank + qk_rope_head_dim per token
     parts = [
         model(ids[:, :8], cache=cache),  # prefill into an empty cache
         model(ids[:, 8:13], cache=cache),  # prefill after a prefix (explicit mask)
         *(model(ids[:, t : t + 1], cache=cache) for t in range(13, 20)),  # one token at a time
     ]
+    assert cache.latent[0].shape == (2, 20, 32 + 8)  # kv_lora_rank + qk_rope_head_dim per token
     assert cache.length == 20
     torch.testing.assert_close(torch.cat(parts, dim=1), full, rtol=0, atol=1e-5)
     with pytest.raises(ValueError, match="KV cache overflow"):

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gptoughts.models.deepseek.args import DeepSeekArgs
-from gptoughts.models.layers import RMSNorm, apply_rotary
+from gptoughts.models.layers import RMSNorm, apply_rotary, cache_buffers
 
 __all__ = ["MLA", "MLACache"]
 
@@ -27,7 +27,8 @@ class MLACache:
     kv_lora_rank + qk_rope_head_dim]`` (576 numbers per token for V2/V3 shapes, against 2 * heads * 128-192 for
     expanded keys and values). Attention over the cache uses the absorbed form (``wkv_b`` folded into the
     query and the output), so the expanded k/v are never materialised. Same interface as ``layers.KVCache``:
-    ``length`` is a host int, ``update`` once per layer, ``advance`` once per forward.
+    ``length`` is a host int, ``update`` once per layer, ``advance`` once per forward; the buffers are allocated
+    at the first ``update``, in its dtype and on its device unless ``dtype``/``device`` say otherwise.
     """
 
     def __init__(
@@ -38,11 +39,12 @@ class MLACache:
         dim: int,
         *,
         device: torch.device | str | None = None,
-        dtype: torch.dtype = torch.float32,
+        dtype: torch.dtype | None = None,
     ) -> None:
-        self.latent = [
-            torch.zeros(batch_size, max_len, dim, device=device, dtype=dtype) for _ in range(n_layers)
-        ]
+        self.n_layers = n_layers
+        self.shape = (batch_size, max_len, dim)
+        self.device, self.dtype = device, dtype
+        self.latent: list[torch.Tensor] = []
         self.batch_size = batch_size
         self.max_len = max_len
         self.length = 0
@@ -52,6 +54,8 @@ class MLACache:
         start, end = self.length, self.length + latent.size(1)
         if end > self.max_len:
             raise ValueError(f"KV cache overflow: {end} positions needed, cache holds {self.max_len}")
+        if not self.latent:
+            self.latent = cache_buffers(self.n_layers, self.shape, latent, self.device, self.dtype)
         self.latent[layer_idx][:, start:end] = latent
         return self.latent[layer_idx][:, :end]
 

@@ -291,7 +291,7 @@ class DeepSeek(DecoderLM):
         return out
 
     def make_cache(
-        self, batch_size: int, max_len: int, device: torch.device | str, dtype: torch.dtype
+        self, batch_size: int, max_len: int, device: torch.device | str | None, dtype: torch.dtype | None
     ) -> MLACache:
         """An empty latent KV cache (see ``MLACache``); ``DecoderLM.new_cache`` picks length, device and dtype."""
         a = self.args
