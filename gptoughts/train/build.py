@@ -814,11 +814,13 @@ def _assemble(
     threads = _given_threads(cfg, env, resumed_run)  # None: measured after the plan is printed
     why = _threads_why(env, threads, dry_run)
     resolved, plan = _plan(cfg, env, data, model, batch, run_dir, resume_from, tasks, why)
-    refusal = memory_refusal(plan, on_cpu=env.device.type == "cpu")
-    if refusal and not dry_run and not cfg.perf.ignore_memory_estimate:
-        if env.dist.is_main:
-            console.print(plan.format(), highlight=False)
-        raise UserError(refusal)
+    if not dry_run and not cfg.perf.ignore_memory_estimate:
+        # rank 0's verdict for all: each rank reads a CPU's available memory at a slightly different moment
+        refusal = pdist.broadcast_object(memory_refusal(plan, on_cpu=env.device.type == "cpu"), env.dist)
+        if refusal:
+            if env.dist.is_main:
+                console.print(plan.format(), highlight=False)
+            raise UserError(refusal)
     if not dry_run:
         if threads is not None:
             torch.set_num_threads(threads[0])
@@ -1048,8 +1050,15 @@ def _given_threads(
     it is measured, or not ours to choose."""
     if not _single_cpu_process(env):
         return None
-    kept = resumed_run.get("threads") if resumed_run else None
-    return hardware.given_cpu_threads(cfg.perf.threads, kept if isinstance(kept, int) else None)
+    run = resumed_run or {}
+    kept = run.get("threads")
+    resolved = run.get("resolved")
+    if kept is None and isinstance(
+        resolved, dict
+    ):  # a run.json with the count in its text only: "2 (measured...)"
+        first = str(resolved.get("threads", "")).split(" ")[0]
+        kept = int(first) if first.isdigit() else None
+    return hardware.given_cpu_threads(cfg.perf.threads, kept if isinstance(kept, int) and kept > 0 else None)
 
 
 def _whole_model_for_long_runs(env: Environment, model: Model, batch: BatchPlan) -> None:

@@ -347,13 +347,17 @@ def estimate_peak(
 
 
 def device_memory_gib(env: Any) -> float | None:
-    """What a run may fill: the GPU's memory (or its ``perf.gpu_memory_gib`` cap); on a CPU the memory available
-    now (``MemAvailable`` within the cgroup's limit: other processes' share is not ours); None when unknown."""
+    """What a run's process may fill: the GPU's memory (or its ``perf.gpu_memory_gib`` cap); on a CPU its share of
+    the memory available now (``MemAvailable`` within the cgroup's limit, split between the processes torchrun
+    started on this machine); None when unknown."""
     if env.device.type == "cpu":
+        import os
+
         from gptoughts.train import checkpoint as ckpt
 
         free = ckpt.host_memory_available()
-        return free / 2**30 if free else None
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if env.dist.enabled else 1
+        return free / max(1, local) / 2**30 if free else None
     return (env.hw.memory_bytes or 0) / 2**30 or None
 
 
