@@ -824,7 +824,8 @@ def _assemble(
     if not dry_run:
         if threads is not None:
             torch.set_num_threads(threads[0])
-        if data.estimated:
+        # the real shards: prepared, or their checksums verified (SFT examples were made whole above)
+        if data.format == "text":
             data = prepare_data(cfg, env)  # 3
         if resume_from is not None and (run_dir / "tokenizer").exists():
             rundir.check_tokenizer(run_dir, data.tokenizer, cfg)
