@@ -182,12 +182,10 @@ def run_training(cfg: Config, *, dry_run: bool = False) -> tuple[nn.Module, Any,
     tasks = read_scorer(ev.eval_tasks, task_dir=ev.eval_task_dir, limit=ev.eval_tasks_limit)
     env = setup_environment(cfg)
     try:
-        with _disk_full_is_a_user_error(Path(cfg.run.out)):
-            asm = build(cfg, dry_run=dry_run, env=env, tasks=tasks)
+        with _disk_full_is_a_user_error(Path(cfg.run.out)), _out_of_memory_is_a_user_error(env.device):
+            asm = build(cfg, dry_run=dry_run, env=env, tasks=tasks)  # prints the plan
         startup.assembly_s = startup.age() - startup.imports_s
         main = env.dist.is_main
-        if main:
-            console.print(asm.plan.format(), highlight=False)
         history = History(run_dir=str(asm.run_dir), plan=asm.plan.to_dict())
         if dry_run:
             history.stop_reason = "dry run: nothing trained or written"
@@ -203,14 +201,8 @@ def run_training(cfg: Config, *, dry_run: bool = False) -> tuple[nn.Module, Any,
             asm.trainer.startup = startup
             # where this session starts (a resumed run's step and tokens): the summary tells its figures apart
             start, t0 = (asm.trainer.state.step, asm.trainer.state.tokens_seen), time.perf_counter()
-            try:
-                with _disk_full_is_a_user_error(asm.run_dir):
-                    st = asm.trainer.fit()
-            except torch.OutOfMemoryError:
-                raise UserError(
-                    "out of GPU memory; lower --batch_size (raise --grad_accum to keep the global batch) "
-                    "or --block_size; checkpoints already written are intact"
-                ) from None
+            with _disk_full_is_a_user_error(asm.run_dir), _out_of_memory_is_a_user_error(env.device):
+                st = asm.trainer.fit()
             wall = time.perf_counter() - t0
             history = _history(asm, st, history)
             history.sample = _final_sample(asm)
@@ -269,6 +261,25 @@ def _final_sample(asm: Any) -> str | None:
             "(generate from them with gptoughts sample RUN)"
         )
         return None
+
+
+@contextlib.contextmanager
+def _out_of_memory_is_a_user_error(device: torch.device) -> Iterator[None]:
+    """Out of memory while building or training (on a CPU a failed allocation, when the kernel does not kill the
+    process first): one line, not a traceback; checkpoints are written atomically, so those on disk are intact."""
+    from gptoughts.perf.autobatch import is_oom
+
+    try:
+        yield
+    except RuntimeError as e:  # torch.OutOfMemoryError is one
+        if not is_oom(e):
+            raise
+        what = "GPU memory" if device.type == "cuda" else "memory"
+        raise UserError(
+            f"out of {what}; lower --batch_size (raise --grad_accum to keep the global batch) or --block_size"
+            + ("" if device.type == "cuda" else ", or train a smaller --size here")
+            + "; checkpoints already written are intact"
+        ) from None
 
 
 def _history(asm: Any, st: Any, history: History) -> History:

@@ -45,6 +45,7 @@ FLAGS: dict[str, Any] = {
     "no_progress": False,
     "auto_batch": "auto",
     "recover_nan": "rollback",
+    "ignore_memory_estimate": True,
 }
 # Options whose value may be left out, and the value they then take.
 OPTIONAL_VALUE: dict[str, Any] = {"resume": "auto", "compile": True, "fp8": True, "use_fp8": True}
@@ -164,27 +165,78 @@ def parse_overrides(
 def ask_interactive(
     overrides: dict[str, Any], ask: Callable[[str, str], str] | None = None
 ) -> dict[str, Any]:
-    """The INL guide's four questions (size, corpus, epochs, batch size), each with a default."""
-
-    def default_ask(question: str, default: str) -> str:
-        answer = input(f"{question} [{default}]: ").strip()
-        return answer or default
-
-    ask = ask or default_ask
+    """The INL guide's four questions (size, corpus, epochs, batch size), each with a default; an answer that cannot
+    work is said at once, and the question asked again."""
     from gptoughts import models
 
+    ask = ask or _ask_stdin
     family = overrides.get("model.family", "llama")
-    sizes = ", ".join(models.list_sizes(family))
+    sizes = models.list_sizes(family)
+
+    def until_valid(question: str, default: Any, check: Callable[[str], Any]) -> Any:
+        while True:
+            try:
+                return check(ask(question, str(default)))
+            except ConfigError as e:
+                print(f"  {e}")
+
     out = dict(overrides)
-    out["model.size"] = ask(f"Model size ({sizes})", str(overrides.get("model.size", "debug")))
-    corpus = ask(
+    out["model.size"] = until_valid(
+        f"Model size ({', '.join(sizes)})",
+        overrides.get("model.size", "debug"),
+        lambda a: _size_answer(a, family, sizes),
+    )
+    out["data.sources"] = until_valid(
         "Training corpus (file, folder, .jsonl, .parquet; @stdlib = Python's standard library)",
         ",".join(overrides.get("data.sources", ["@stdlib"])),
+        _corpus_answer,
     )
-    out["data.sources"] = [c.strip() for c in corpus.split(",") if c.strip()]
-    out["train.epochs"] = ask("Epochs", str(overrides.get("train.epochs", 1)))
-    out["train.batch_size"] = ask("Batch size", str(overrides.get("train.batch_size", 8)))
+    out["train.epochs"] = until_valid("Epochs", overrides.get("train.epochs", 1), _epochs_answer)
+    out["train.batch_size"] = until_valid("Batch size", overrides.get("train.batch_size", 8), _batch_answer)
     return out
+
+
+def _ask_stdin(question: str, default: str) -> str:
+    try:
+        answer = input(f"{question} [{default}]: ").strip()
+    except EOFError:
+        raise UserError(
+            "--interactive reads its answers from the terminal, which has closed; pass them as options "
+            "(--size, --data, --epochs, --batch_size)"
+        ) from None
+    return answer or default
+
+
+def _size_answer(answer: str, family: str, sizes: list[str]) -> str:
+    if answer not in sizes:
+        raise ConfigError(f"{answer!r} is not a size of {family}; one of {', '.join(sizes)}")
+    return answer
+
+
+def _corpus_answer(answer: str) -> list[str]:
+    from gptoughts.data.sources import STDLIB_ALIAS
+
+    found = [c.strip() for c in answer.split(",") if c.strip()]
+    missing = [c for c in found if c != STDLIB_ALIAS and not Path(c).expanduser().exists()]
+    if not found or missing:
+        raise ConfigError(f"no file or folder {', '.join(missing) or repr(answer)}; give a path that exists")
+    return found
+
+
+def _epochs_answer(answer: str) -> str:
+    try:
+        ok = 0 < float(answer) < float("inf")
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ConfigError(f"{answer!r} is not a number of epochs; a number > 0 (e.g. 1 or 0.5)")
+    return answer
+
+
+def _batch_answer(answer: str) -> str:
+    if answer != "auto" and not (answer.isdigit() and int(answer) > 0):
+        raise ConfigError(f"{answer!r} is not a batch size; a whole number >= 1, or auto")
+    return answer
 
 
 WHERE_A_RUN_STARTS = """Where a run starts: a bare `gptoughts train` trains the quickstart preset (a ~10M-parameter Llama on

@@ -291,6 +291,10 @@ class PerfConfig:
     """Use at most this much of the GPU's memory (``torch.cuda.set_per_process_memory_fraction``); the plan, the
     estimate and ``--batch_size auto`` see a GPU of this size. To rehearse a run meant for a smaller GPU, or to
     share one. None: all of it."""
+    ignore_memory_estimate: bool = False
+    """Start a run whose estimated peak memory exceeds the device's (on a CPU: the memory available now) by more
+    than the estimate's error; by default such a run is refused before anything is built, since it would end
+    out of memory (on a CPU, killed by the kernel without a word)."""
     fp8_all_gather: bool = False
     """With fp8 tensorwise under FSDP2: all-gather the weights in fp8 (half the bytes of bf16), their scales
     computed for all weights at once after each optimizer step (torchao's FSDP float8 all-gather). No effect
@@ -321,8 +325,10 @@ class PerfConfig:
     expandable_segments: bool = True
     """CUDA allocator with expandable segments: less fragmentation when batch shapes vary (eval vs train)."""
     threads: int | None = None
-    """CPU threads for torch on a CPU run; None (auto) picks by model size (see ``perf/hardware.py``:
-    one thread for small models, where OpenMP's spinning threads lose on a busy machine)."""
+    """CPU threads for torch on a CPU run; None (auto): ``OMP_NUM_THREADS`` when set, a resumed run's own count,
+    else the faster of one thread and every core on a short forward+backward of the model (one thread wins on a
+    busy machine, every core on an idle one). Losses reproduce bit for bit at the same count only: the plan says
+    it, run.json records it."""
 
 
 @dataclass
@@ -868,6 +874,10 @@ def validate(cfg: Config) -> None:
         value = getattr(cfg.perf, name)
         if isinstance(value, str) and value != "auto":
             raise ConfigError(f"perf.{name} must be true, false or auto; got {value!r}")
+    if cfg.perf.threads is not None and cfg.perf.threads < 1:
+        raise ConfigError(
+            f"perf.threads must be >= 1, got {cfg.perf.threads}; leave it out to measure the count (--threads N)"
+        )
     if cfg.perf.gpu_memory_gib is not None and not cfg.perf.gpu_memory_gib > 0:
         raise ConfigError(f"perf.gpu_memory_gib must be > 0 GiB, got {cfg.perf.gpu_memory_gib}")
     if cfg.perf.fp8_bf16_end_layers < 0:

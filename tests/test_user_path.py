@@ -492,8 +492,9 @@ def test_progress_line_has_an_eta_and_threads_are_measured_or_given(
             time.sleep(0.02)
 
     monkeypatch.setattr(hardware.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
-    chosen, _ = hardware.choose_cpu_threads(None, step)
-    assert chosen.startswith("1 (measured") and torch.get_num_threads() == 1 and slow["n"] == 4
+    n, why = hardware.measure_cpu_threads(step)
+    # an untimed first step, then each count once: 1 thread clearly faster, no second round
+    assert (n, torch.get_num_threads(), slow["n"]) == (1, 1, 3) and why.startswith("measured")
 
 
 def test_finetune_override_is_checked_against_the_folders_family(tmp_path, cache_dir):

@@ -461,6 +461,17 @@ def parse_spec(spec: str) -> tuple[str, int | None]:
     raise ConfigError(f"{_SPEC_HELP} {s!r}")
 
 
+def tokenizer_before_training(spec: str) -> tuple[Tokenizer | None, int]:
+    """What ``spec`` gives before any corpus is read: the tokenizer of ``bytes`` or a folder and its vocabulary, or
+    ``(None, VOCAB)`` for ``bpe:VOCAB`` (trained on the corpus later; VOCAB unless the corpus is too small)."""
+    kind, vocab = parse_spec(spec)
+    if kind == "bpe":
+        assert vocab is not None
+        return None, vocab
+    tok = bytes_tokenizer() if kind == "bytes" else Tokenizer.load(spec)
+    return tok, tok.vocab_size
+
+
 def build_tokenizer(spec: str, texts: Callable[[], Iterator[str]] | None = None) -> Tokenizer:
     """Build the tokenizer a spec names: ``bytes``, ``bpe:VOCAB`` (trained on ``texts()``) or a folder."""
     kind, vocab = parse_spec(spec)

@@ -22,9 +22,11 @@ from gptoughts.errors import UserError
 
 
 def is_oom(e: BaseException) -> bool:
+    """A failed allocation: CUDA's OutOfMemoryError, or the CPU allocator's RuntimeError ("can't allocate")."""
     if isinstance(e, torch.OutOfMemoryError):
         return True
-    return isinstance(e, RuntimeError) and "out of memory" in str(e).lower()
+    text = str(e).lower()
+    return isinstance(e, RuntimeError) and ("out of memory" in text or "can't allocate memory" in text)
 
 
 def free_memory(device: torch.device) -> None:

@@ -186,7 +186,7 @@ def recommend(p: HardwareProfile) -> dict[str, object]:
             "compile": False,
             "fp8": False,
             "fused_adamw": False,
-            "batch_size": "small fixed (auto batch needs a GPU)",
+            "batch_size": "auto: up to 8, by the memory estimate (trial steps need a GPU)",
             "activation_checkpointing": "selective for LoRA, else none",
             "cuda_graphs": False,
             "residual_dtype": "fp32",
@@ -249,39 +249,63 @@ def apply_runtime_settings(device: torch.device, *, tf32: bool, expandable_segme
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
 
 
-def choose_cpu_threads(requested: int | None, step: Callable[[], None]) -> tuple[str, float]:
-    """Set torch's CPU thread count for a CPU run; returns (what was chosen and why, seconds per probe step).
+def given_cpu_threads(requested: int | None, run_threads: int | None) -> tuple[int, str] | None:
+    """The CPU thread count a run is given rather than measures, and why: ``perf.threads`` (``--threads``), else
+    ``OMP_NUM_THREADS``, else the resumed run's own count (``run_threads``, from its run.json); None: measure it.
+    Losses reproduce bit for bit only at the same count (1 and 2 threads differ in the last bits at a few steps
+    of 20), so a resume keeps the run's count unless the user names one."""
+    omp = _omp_threads()
+    if requested:
+        n, why = requested, "--threads"
+    elif omp:
+        n, why = omp, "OMP_NUM_THREADS"
+    else:
+        return (run_threads, "the run's own count") if run_threads else None
+    if run_threads and run_threads != n:
+        why += f"; the run trained at {run_threads}: --threads {run_threads} resumes it exactly"
+    return n, why
 
-    ``requested`` (``perf.threads``) wins. Otherwise one forward+backward of the real model at the run's
-    micro-batch (``step``) is timed with one thread and with every core, twice each, and the faster is kept.
-    Measured on a 2-core machine (quickstart model, batch 8 x 128): idle, 2 threads 434 ms vs 1 thread 861 ms;
-    with another process busy on the cores, 2 threads 8.0 s vs 1 thread 1.7 s (OpenMP's threads wait for a
-    descheduled peer at every barrier). No fixed rule wins on both, so the run measures.
-    """
+
+def _omp_threads() -> int | None:
+    # OpenMP allows a list, one count per nesting level: the first is ours
+    first = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
+    return int(first) if first.isdigit() and int(first) > 0 else None
+
+
+def cpu_cores() -> int:
+    """The cores this process may run on (its affinity mask: a container or taskset may give it fewer)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def measure_cpu_threads(step: Callable[[], None]) -> tuple[int, str]:
+    """Set torch's CPU thread count to the faster of one thread and every core on ``step`` (a short forward+backward
+    of the run's model); returns (count, how it was measured).
+
+    The default stays measured: on two cores of an idle machine two threads trained 1.4-1.5x faster than one, and
+    with another process busy on one of them 10-72x slower (OpenMP's threads wait for a descheduled peer at every
+    barrier; bench/BENCHMARKS.md, "CPU thread count"). No fixed count is right on both, so the run measures once,
+    and run.json keeps the count for its resume. One untimed step first (allocations, lazy initialisation), then each
+    count once, and again only when they are within 1.5x of each other."""
     import time
 
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    if requested:
-        torch.set_num_threads(requested)
-        t = time.perf_counter()
-        step()
-        return f"{requested} (--threads)", time.perf_counter() - t
+    cores = cpu_cores()
     if cores <= 1:
         torch.set_num_threads(1)
-        t = time.perf_counter()
-        step()
-        return "1 (one core)", time.perf_counter() - t
+        return 1, "one core"
+    torch.set_num_threads(1)
+    step()
     timings: dict[int, float] = {}
     for _ in range(2):
-        for n in (cores, 1):
+        for n in (1, cores):
             torch.set_num_threads(n)
             t = time.perf_counter()
             step()
             timings[n] = min(timings.get(n, math.inf), time.perf_counter() - t)
+        if max(timings.values()) > 1.5 * min(timings.values()):
+            break
     best = min(timings, key=timings.__getitem__)
     torch.set_num_threads(best)
     other = cores if best == 1 else 1
-    return (
-        f"{best} (measured: {timings[best] * 1e3:.0f} ms per forward+backward vs {timings[other] * 1e3:.0f} ms "
-        f"with {other}; --threads N to choose)"
-    ), timings[best]
+    return best, (
+        f"measured: {timings[best] * 1e3:.0f} ms per forward+backward vs {timings[other] * 1e3:.0f} ms with {other}"
+    )

@@ -80,17 +80,29 @@ class Startup:
         return (
             f"first step done {self.total_s:.1f} s after the command (imports {self.imports_s:.1f} s, "
             f"data + model {self.assembly_s:.1f} s, compile + first step {self.first_step_s:.1f} s)"
-            + self.bytecode_hint()
         )
 
     def bytecode_hint(self, slow_s: float = 5.0) -> str:
-        """A start-up slower than ``slow_s`` in a Python that writes no bytecode caches (``PYTHONDONTWRITEBYTECODE``,
-        ``python -B``): every process then compiles the sources of torch, sympy and dynamo it imports
-        (seconds of every start-up: ``docs/performance.md``)."""
+        """One short line, once per cache folder (``$GPTOUGHTS_CACHE``), when a start-up slower than ``slow_s`` ran
+        in a Python that writes no bytecode caches (``PYTHONDONTWRITEBYTECODE``, ``python -B``): every process then
+        compiles the sources of torch, sympy and dynamo it imports again (seconds of every start-up:
+        ``docs/performance.md``). "" otherwise."""
         if not sys.flags.dont_write_bytecode or self.total_s < slow_s:
             return ""
+        from pathlib import Path
+
+        # data.prepare.default_cache_dir's rule (that module imports numpy; this one is read before anything heavy)
+        cache = os.environ.get("GPTOUGHTS_CACHE")
+        shown = (
+            Path(cache).expanduser() if cache else Path.home() / ".cache" / "gptoughts"
+        ) / "hint-bytecode"
+        if shown.exists():
+            return ""
+        try:
+            shown.parent.mkdir(parents=True, exist_ok=True)
+            shown.touch()
+        except OSError:  # a read-only cache: the hint again next time, rather than none
+            pass
         return (
-            "; this Python writes no bytecode caches (PYTHONDONTWRITEBYTECODE or -B), so every start compiles "
-            "torch's sources again: unset it to start faster (and, where the installation is read-only, set "
-            "PYTHONPYCACHEPREFIX to a writable folder: the prefix alone writes nothing while the flag is set)"
+            "hint: PYTHONDONTWRITEBYTECODE is set, so each start recompiles torch: unset it to start faster"
         )

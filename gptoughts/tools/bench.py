@@ -127,6 +127,7 @@ def run_bench(
         tt_modes, tt_graphs = parse_torchtitan_compare(compare)
         # Before anything is built or timed: a missing peer is said in one line at once, not after our run.
         import_torchtitan()
+    from gptoughts.data.tokenizer import tokenizer_before_training
     from gptoughts.train.build import (
         build_model,
         plan_batches,
@@ -140,14 +141,21 @@ def run_bench(
     use_our_compile_cache()
     device, hw, precision = env.device, env.hw, env.precision
     family = models.get_family(cfg.model.family)
-    vocab = int(models.model_args(family.name, cfg.model.size, dict(cfg.model.overrides)).vocab_size)
+    # The vocabulary train would build for this size's tokenizer (bpe:8192 at debug, bytes: 259 rounded up to 320),
+    # or the prepared shards' own: the model's default would time another model than `train --size S` trains.
+    if data_dir is not None:
+        from gptoughts.data.loader import TokenDataset
+
+        tokenizer, vocab = None, TokenDataset(data_dir).vocab_size
+    else:
+        tokenizer, vocab = tokenizer_before_training(cfg.data.tokenizer)
     _reset_memory(device)
-    data = synthetic_data(vocab)
+    data = synthetic_data(vocab, tokenizer=tokenizer)
     model = build_model(cfg, env, data)  # the train assembly's own step: transforms in their one order
     batch = plan_batches(cfg, env, data, model)  # batch_size = auto: the same search as train
     t = replace(cfg.train, batch_size=batch.micro_batch, grad_accum=batch.grad_accum)
     if data_dir is not None:
-        from gptoughts.data.loader import BatchLoader, TokenDataset
+        from gptoughts.data.loader import BatchLoader
 
         loader: Any = BatchLoader(
             TokenDataset(data_dir),

@@ -38,7 +38,8 @@ from gptoughts.parallel import dist as pdist
 from gptoughts.perf import checkpointing, hardware
 from gptoughts.train import checkpoint as ckpt
 from gptoughts.train import rundir
-from gptoughts.train.plan import BatchPlan, RunPlan, make_plan
+from gptoughts.train.plan import BatchPlan, RunPlan, make_plan, memory_refusal
+from gptoughts.train.plan import gib as plan_gib
 
 
 # ------------------------------------------------------------------------------------------ 1. environment
@@ -263,15 +264,10 @@ def prepare_data(cfg: Config, env: Environment, *, dry_run: bool = False) -> Dat
     if dry_run:
         manifest = lookup_cached(sources, tok_spec, **kwargs)
         if manifest is None:  # estimate, tokenize nothing
-            from gptoughts.data.tokenizer import parse_spec
+            from gptoughts.data.tokenizer import parse_spec, tokenizer_before_training
 
-            kind, vocab = parse_spec(tok_spec) if isinstance(tok_spec, str) else ("folder", None)
-            tokenizer = None
-            if kind == "folder":
-                from gptoughts.data.tokenizer import Tokenizer
-
-                tokenizer = Tokenizer.load(tok_spec)
-                vocab = tokenizer.vocab_size
+            kind = parse_spec(tok_spec)[0]
+            tokenizer, vocab = tokenizer_before_training(tok_spec)
             read = (
                 corpus["bytes"]
                 if cfg.data.max_bytes is None
@@ -279,7 +275,7 @@ def prepare_data(cfg: Config, env: Environment, *, dry_run: bool = False) -> Dat
             )
             corpus.update(
                 bytes_read=read,
-                vocab=vocab or 256,
+                vocab=vocab,
                 tokens=int(read / _bytes_per_token(kind, vocab)),
                 cut=read < corpus["bytes"],
             )
@@ -376,10 +372,6 @@ class Model:
     objective: Any = None
     pretrained: Any = None
     """models.hf.Pretrained when fine-tuning."""
-    threads: str | None = None
-    """CPU runs: the thread count chosen and why."""
-    probe_step_s: float | None = None
-    """CPU runs: measured seconds of one forward+backward at the run's micro-batch (the plan's speed)."""
 
 
 def build_model(cfg: Config, env: Environment, data: Data, *, meta: bool = False) -> Model:
@@ -584,13 +576,11 @@ def plan_batches(
                 "parallel) run cannot do safely (a rank out of memory would leave the others waiting in a "
                 "collective); pass --batch_size N (`gptoughts estimate --num_gpus N --strategy fsdp`)"
             )
-        if dry_run:
-            micro, cached = _estimated_micro_batch(cfg, env, model), False
-            why["batch_size"] = (
-                "auto: estimated from memory (found with real steps when the run starts)"
-                if env.device.type == "cuda"
-                else "auto: 8 on a CPU"
-            )
+        if env.device.type != "cuda":
+            micro, why["batch_size"] = _cpu_micro_batch(cfg, env, model)
+        elif dry_run:
+            micro = _largest_fitting(cfg, env, model, [2**k for k in range(9)])[0]
+            why["batch_size"] = "auto: estimated from memory (found with real steps when the run starts)"
         else:
             parts = {
                 "family": model.family.name,
@@ -615,11 +605,7 @@ def plan_batches(
                 dist=info,
                 parts=parts,
             )
-            why["batch_size"] = (
-                "auto: largest that fits" + (" (cached)" if cached else "")
-                if env.device.type == "cuda"
-                else "auto: 8 on a CPU (the search needs a GPU)"
-            )
+            why["batch_size"] = "auto: largest that fits" + (" (cached)" if cached else "")
         if t.global_batch_tokens:
             # A micro-batch larger than the global batch would overshoot the target: cap it there. Then the
             # fewest accumulation steps with a micro-batch that fits, and the smallest micro-batch that reaches
@@ -730,34 +716,36 @@ def _fit_epochs(
     return micro, accum
 
 
-def _estimated_micro_batch(cfg: Config, env: Environment, model: Model) -> int:
-    """Dry run of ``batch_size = auto``: the largest power of two the memory estimate fits in 90% of the GPU."""
-    if env.device.type != "cuda":
-        return 8
-    from gptoughts.perf.estimate import estimate
+def _largest_fitting(
+    cfg: Config, env: Environment, model: Model, candidates: list[int], default: int = 8
+) -> tuple[int, float | None, float | None]:
+    """(micro-batch, its estimated peak GiB, the device's GiB): the largest of ``candidates`` whose estimate fits
+    90% of the device's memory (the smallest when none does: the memory check then refuses the run); ``default``
+    where there is no estimate or no memory figure."""
+    from gptoughts.train.plan import device_memory_gib, estimate_peak
 
-    mem = (env.hw.memory_bytes or 0) / 2**30
-    best = 1
-    for b in (1, 2, 4, 8, 16, 32, 64, 128, 256):
-        e = estimate(
-            model.family.name,
-            cfg.model.size,
-            cfg.model.overrides,
-            batch_size=b,
-            block_size=cfg.train.block_size,
-            activation_checkpointing=checkpointing.resolve(cfg.perf.activation_checkpointing, cfg.lora)[0],
-            gpu="H100",
-            num_gpus=env.dist.world_size,
-            strategy="fsdp" if env.dist.sharded else "ddp",
-            optimizer=cfg.train.optimizer,
-            optimizer_states=cfg.train.optimizer_states,
-            cpu_offload=env.dist.cpu_offload,
-            reshard_after_forward=env.dist.reshard_after_forward,
-        )
-        if e.total_gib > 0.9 * mem:
+    mem = device_memory_gib(env)
+    best, peak = candidates[0], None
+    for b in candidates:
+        e = estimate_peak(cfg, env, model, b, cfg.train.block_size, env.dist.world_size, env.dist.tp)
+        if e is None or not mem:
+            return default, None, mem
+        if b > candidates[0] and e.total_gib > 0.9 * mem:
             break
-        best = b
-    return best
+        best, peak = b, e.total_gib
+    return best, peak, mem
+
+
+def _cpu_micro_batch(cfg: Config, env: Environment, model: Model) -> tuple[int, str]:
+    """``batch_size = auto`` off CUDA, and why: no trial steps (the memory search needs a GPU's allocator), so the
+    largest of 1, 2, 4, 8 rows (8: the CPU default) whose estimated peak fits 90% of the memory available."""
+    micro, peak, mem = _largest_fitting(cfg, env, model, [1, 2, 4, 8])
+    if peak is None or not mem:
+        return micro, f"auto on a {env.device.type.upper()}: {micro}, the default (no memory estimate here)"
+    return micro, (
+        f"auto on a {env.device.type.upper()}: the largest of 1, 2, 4, 8 rows whose estimated peak "
+        f"(~{plan_gib(peak)}) fits 90% of the {plan_gib(mem)} available"
+    )
 
 
 def data_packing(cfg: Config, model: Model) -> bool:
@@ -782,6 +770,8 @@ class Assembly:
     sampler: Any = None
     resolved: dict[str, Any] = field(default_factory=dict)
     lock: Any = None
+    threads: int | None = None
+    """CPU runs: torch's thread count (run.json keeps it: a resume keeps it, and with it the same losses)."""
 
     def close(self) -> None:
         if self.trainer is not None and self.trainer.plots is not None:
@@ -859,72 +849,42 @@ def _assemble(
 ) -> Assembly:
     from gptoughts.train.metrics import console
 
-    data = prepare_data(cfg, env, dry_run=dry_run)  # 3
-    if data.format == "text" and not data.estimated and data.corpus["tokens"] < cfg.train.block_size + 1:
-        raise DataError(
-            f"the corpus has {data.corpus['tokens']:,} training tokens, fewer than one block of "
-            f"{cfg.train.block_size + 1:,}; lower --block_size or add data"
-        )
-    if resume_from is not None and (run_dir / "tokenizer").exists():
-        rundir.check_tokenizer(run_dir, data.tokenizer, cfg)
-    model = build_model(cfg, env, data, meta=dry_run)  # 4
-    # CPU threads: measured for a single process (under torchrun, OMP_NUM_THREADS set by the launcher stands).
-    if not dry_run and env.device.type == "cpu" and not env.dist.enabled:
-        model.threads, model.probe_step_s = hardware.choose_cpu_threads(
-            cfg.perf.threads, _probe_step(cfg, model, data)
-        )
-    batch = plan_batches(cfg, env, data, model, dry_run=dry_run, resumed_run=resumed_run)  # 5
-    if model.built is not None and model.built.whole_model_auto:
-        _whole_model_for_long_runs(env, model, batch)
-    built = (
-        {}
-        if model.built is None
-        else {
-            k: f"{v} ({model.built.why[k]})" if k in model.built.why else str(v)
-            for k, v in model.built.resolved.items()
-        }
-    )
-    resolved = {**cfg.resolved, **env.resolved, **built, **batch.why}
-    pp_micro = 0
-    if env.dist.pp > 1:
-        from gptoughts.parallel import pp
-
-        par = cfg.parallel
-        pp_micro = pp.microbatches(
-            batch.micro_batch * batch.grad_accum, env.dist.pp, par.pp_schedule, par.pp_microbatches
-        )
-        split = pp.split_layers(
-            model.args.n_layers, pp.stages_of(env.dist.pp, par.pp_schedule), par.pp_layers
-        )
-        resolved["pipeline"] = pp.describe(split, env.dist.pp, par.pp_schedule, pp_micro)
-        if model.built is not None:
-            model.built.pipeline.n_micro = pp_micro
-    if model.raw is not None:
-        from gptoughts.train.optim import describe_states
-        from gptoughts.train.setup import optimizer_rule
-
-        name, why = optimizer_rule(model.raw, cfg.train)
-        t = cfg.train
-        lr = f"peak lr {t.learning_rate:.1e}" + (
-            f" (Muon {t.muon_learning_rate:.1e})" if name == "muon" and t.muon_learning_rate else ""
-        )
-        if "learning_rate" in cfg.resolved:
-            lr += f" ({cfg.resolved['learning_rate']})"
-        states = describe_states(t.optimizer_states) + (" for the AdamW groups" if name == "muon" else "")
-        resolved["optimizer"] = f"{name} ({states}), {lr}, {t.schedule} schedule ({why})"
-    if model.threads:
-        resolved["threads"] = model.threads
-    plan = make_plan(
-        cfg,
-        env=env,
-        data=data,
-        model=model,
-        batch=batch,
-        run_dir=run_dir,  # 6
-        resume_from=resume_from,
-        resolved=resolved,
-        tasks=tasks,
-    )
+    # 3-6 first on estimates: the vocabulary and the corpus's size (nothing tokenized), the model on the meta
+    # device, the micro-batch, the plan. A run that cannot fit is refused here, before anything heavy is done.
+    data = prepare_data(cfg, env, dry_run=True)
+    model = build_model(cfg, env, data, meta=True)
+    batch = plan_batches(cfg, env, data, model, dry_run=True, resumed_run=resumed_run)
+    threads = _given_threads(cfg, env, resumed_run)  # None: measured after the plan is printed
+    why = _threads_why(env, threads, dry_run)
+    resolved, plan = _plan(cfg, env, data, model, batch, run_dir, resume_from, tasks, why)
+    if not dry_run and not cfg.perf.ignore_memory_estimate:
+        # rank 0's verdict for all: each rank reads a CPU's available memory at a slightly different moment
+        refusal = pdist.broadcast_object(memory_refusal(plan, on_cpu=env.device.type == "cpu"), env.dist)
+        if refusal:
+            if env.dist.is_main:
+                console.print(plan.format(), highlight=False)
+            raise UserError(refusal)
+    if not dry_run:
+        if threads is not None:
+            torch.set_num_threads(threads[0])
+        # the real shards: prepared, or their checksums verified (SFT examples were made whole above)
+        if data.format == "text":
+            data = prepare_data(cfg, env)  # 3
+        if resume_from is not None and (run_dir / "tokenizer").exists():
+            rundir.check_tokenizer(run_dir, data.tokenizer, cfg)
+    _check_corpus(cfg, data)
+    if not dry_run:
+        model = build_model(cfg, env, data)  # 4
+        batch = plan_batches(cfg, env, data, model, resumed_run=resumed_run)  # 5
+        resolved, plan = _plan(cfg, env, data, model, batch, run_dir, resume_from, tasks, why)  # 6
+    if env.dist.is_main:
+        console.print(plan.format(), highlight=False)
+    if threads is None and not dry_run and _single_cpu_process(env):
+        # After the plan: on a CPU the probe's forward+backward steps are the first thing that takes a while.
+        threads = hardware.measure_cpu_threads(_probe_step(cfg, model, data))
+        resolved["threads"] = f"{threads[0]} ({threads[1]})"
+        if env.dist.is_main:
+            console.print(plan.threads_line(), highlight=False)
     asm = Assembly(
         cfg=cfg,
         env=env,
@@ -936,6 +896,7 @@ def _assemble(
         resume_from=resume_from,
         resolved=resolved,
         lock=lock,
+        threads=threads[0] if threads is not None and not dry_run else None,
     )
     if dry_run:
         return asm
@@ -1038,6 +999,116 @@ def _assemble(
     return asm
 
 
+def _plan(
+    cfg: Config,
+    env: Environment,
+    data: Data,
+    model: Model,
+    batch: BatchPlan,
+    run_dir: Path,
+    resume_from: Path | None,
+    tasks: Any,
+    threads: str | None,
+) -> tuple[dict[str, Any], RunPlan]:
+    """Every ``auto`` resolved (with why) and the run's plan, from what steps 3-5 decided; ``threads``: the CPU
+    thread count and why, when known before the plan."""
+    if model.built is not None and model.built.whole_model_auto:
+        _whole_model_for_long_runs(env, model, batch)
+    built = (
+        {}
+        if model.built is None
+        else {
+            k: f"{v} ({model.built.why[k]})" if k in model.built.why else str(v)
+            for k, v in model.built.resolved.items()
+        }
+    )
+    resolved = {**cfg.resolved, **env.resolved, **built, **batch.why}
+    if env.dist.pp > 1:
+        from gptoughts.parallel import pp
+
+        par = cfg.parallel
+        pp_micro = pp.microbatches(
+            batch.micro_batch * batch.grad_accum, env.dist.pp, par.pp_schedule, par.pp_microbatches
+        )
+        split = pp.split_layers(
+            model.args.n_layers, pp.stages_of(env.dist.pp, par.pp_schedule), par.pp_layers
+        )
+        resolved["pipeline"] = pp.describe(split, env.dist.pp, par.pp_schedule, pp_micro)
+        if model.built is not None:
+            model.built.pipeline.n_micro = pp_micro
+    if model.raw is not None:
+        from gptoughts.train.optim import describe_states
+        from gptoughts.train.setup import optimizer_rule
+
+        name, why = optimizer_rule(model.raw, cfg.train)
+        t = cfg.train
+        lr = f"peak lr {t.learning_rate:.1e}" + (
+            f" (Muon {t.muon_learning_rate:.1e})" if name == "muon" and t.muon_learning_rate else ""
+        )
+        if "learning_rate" in cfg.resolved:
+            lr += f" ({cfg.resolved['learning_rate']})"
+        states = describe_states(t.optimizer_states) + (" for the AdamW groups" if name == "muon" else "")
+        resolved["optimizer"] = f"{name} ({states}), {lr}, {t.schedule} schedule ({why})"
+    if threads is not None:
+        resolved["threads"] = threads
+    plan = make_plan(
+        cfg,
+        env=env,
+        data=data,
+        model=model,
+        batch=batch,
+        run_dir=run_dir,
+        resume_from=resume_from,
+        resolved=resolved,
+        tasks=tasks,
+    )
+    return resolved, plan
+
+
+def _check_corpus(cfg: Config, data: Data) -> None:
+    if data.format == "text" and not data.estimated and data.corpus["tokens"] < cfg.train.block_size + 1:
+        raise DataError(
+            f"the corpus has {data.corpus['tokens']:,} training tokens, fewer than one block of "
+            f"{cfg.train.block_size + 1:,}; lower --block_size or add data"
+        )
+
+
+def _threads_why(env: Environment, threads: tuple[int, str] | None, dry_run: bool) -> str | None:
+    """The plan's thread line before the run starts: the count given and why, what a dry run's run would measure,
+    or None (measured after the plan, or not ours to choose)."""
+    if threads is not None:
+        return f"{threads[0]} ({threads[1]})"
+    if dry_run and _single_cpu_process(env):
+        return (
+            f"measured when the run starts: the faster of 1 and {hardware.cpu_cores()} on a short forward+backward "
+            "(--threads N sets it)"
+        )
+    return None
+
+
+def _single_cpu_process(env: Environment) -> bool:
+    """A CPU run in one process: it chooses its thread count (under torchrun, the launcher's OMP_NUM_THREADS)."""
+    return env.device.type == "cpu" and not env.dist.enabled
+
+
+def _given_threads(
+    cfg: Config, env: Environment, resumed_run: dict[str, Any] | None
+) -> tuple[int, str] | None:
+    """(count, why) of a one-process CPU run whose thread count is given (hardware.given_cpu_threads); None when
+    it is measured, or not ours to choose."""
+    if not _single_cpu_process(env):
+        return None
+    run = resumed_run or {}
+    kept = run.get("threads")
+    resolved = run.get("resolved")
+    if kept is None and isinstance(
+        resolved, dict
+    ):  # a run.json with the count in its text only: "2 (measured...)"
+        first = str(resolved.get("threads", "")).split(" ")[0]
+        kept = int(first) if first.isdigit() else None
+    return hardware.given_cpu_threads(cfg.perf.threads, kept if isinstance(kept, int) and kept > 0 else None)
+
+
 def _whole_model_for_long_runs(env: Environment, model: Model, batch: BatchPlan) -> None:
     """``compile_mode = auto``: a run estimated shorter than ``WHOLE_MODEL_MIN_RUN_S`` trains on the per-block
     graphs (the whole model's compile would cost more than its faster steps gain)."""
@@ -1099,10 +1170,17 @@ def load_resume_checkpoint(
             path = older
 
 
+# Tokens of the thread-count probe's forward+backward: enough for the cores to share real matmuls, few enough that
+# the probe takes seconds where the run's own micro-batch may take minutes (four forward+backward passes of a 125m
+# model's 8 x 2048 micro-batch: ~6 minutes on 2 cores).
+PROBE_TOKENS = 512
+
+
 def _probe_step(cfg: Config, model: Model, data: Data):
-    """One forward+backward of the real model at the run's micro-batch (CPU thread-count probe)."""
-    block = cfg.train.block_size
+    """One forward+backward of the real model on at most :data:`PROBE_TOKENS` tokens (CPU thread-count probe)."""
+    block = min(cfg.train.block_size, PROBE_TOKENS)
     micro = cfg.train.batch_size if isinstance(cfg.train.batch_size, int) else 8
+    rows = max(1, min(micro, PROBE_TOKENS // block))
     vocab = model.args.vocab_size if hasattr(model.args, "vocab_size") else data.vocab_size
 
     def step() -> None:
@@ -1111,7 +1189,7 @@ def _probe_step(cfg: Config, model: Model, data: Data):
         # draws its tokens from a generator of its own.
         saved = {n: b.detach().clone() for n, b in model.raw.named_buffers()}
         g = torch.Generator().manual_seed(0)
-        x = torch.randint(0, min(vocab, data.vocab_size), (micro, block + 1), generator=g)
+        x = torch.randint(0, min(vocab, data.vocab_size), (rows, block + 1), generator=g)
         model.built.model.eval()
         try:
             with model.built.per_block():  # under whole-model compile: not a graph the run never uses
@@ -1252,6 +1330,7 @@ def write_run_files(asm: Assembly) -> None:
         "lora": cfg.lora.enabled,
         "trainable_params": sum(p.numel() for p in raw.parameters() if p.requires_grad),
         "tokens_per_step": asm.batch.tokens_per_step,
+        "threads": asm.threads,
         "plan": asm.plan.to_dict(),
         "resolved": asm.resolved,
         "torch": torch.__version__,

@@ -81,6 +81,8 @@ class RunPlan:
     layout: str = ""
     """The transformers architecture a Llama with a variant's switch is (``qwen2 layout (exports as
     Qwen2ForCausalLM)``: what ``--model qwen2`` asked for); empty for the family's own layout."""
+    device_type: str = "cuda"
+    """cuda, mps or cpu: what the processes are (GPUs or not) and what memory bounds them."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -88,6 +90,7 @@ class RunPlan:
     def format(self) -> str:
         """The plan as the lines a person reads before the run starts."""
         c, b = self.corpus, self.batch
+        units = "GPUs" if self.device_type == "cuda" else "processes"
         lines = [
             f"[bold]plan[/bold]: {self.model}, {self.params:,} parameters ({self.params_non_embedding:,} "
             f"non-embedding"
@@ -115,15 +118,16 @@ class RunPlan:
             f"  batch: {b['micro_batch']} x {b['block_size']} tokens x accumulation {b['grad_accum']}"
             + (
                 f" x {b['world_size'] // b.get('tp', 1)} data-parallel rank(s) (tensor parallel x{b['tp']}: "
-                f"{b['world_size']} GPUs)"
+                f"{b['world_size']} {units})"
                 if b.get("tp", 1) > 1
                 else f" x {b['dp_size']} data-parallel"
                 if (b.get("dp_size") or 1) > 1 and b.get("dp_size") != b["world_size"]
-                else f" x {b['world_size']} GPUs"
+                else f" x {b['world_size']} {units}"
                 if b["world_size"] > 1 and not b.get("dp_size")
                 else ""
             )
             + f" = {b['tokens_per_step']:,} tokens per step"
+            + (f" (batch_size {self.resolved['batch_size']})" if "batch_size" in self.resolved else "")
         )
         ev = f"eval every {b['eval_interval']:,}" if b["eval_interval"] else "eval at the end"
         if b.get("eval_block") == 0:
@@ -167,11 +171,15 @@ class RunPlan:
         mem = (
             "memory: not estimated"
             if self.memory_gib is None
-            else f"memory: ~{_gib(self.memory_gib)} peak"
-            + (f" of {self.device_memory_gib:.0f} GiB" if self.device_memory_gib else "")
-            + (f" + ~{_gib(self.host_memory_gib)} of CPU memory (offload)" if self.host_memory_gib else "")
+            else f"memory: ~{gib(self.memory_gib)} peak"
             + (
-                f" + ~{_gib(self.checkpoint_staging_gib)} of CPU memory per saving process for background checkpoints"
+                f" of {gib(self.device_memory_gib)}" + (" available" if self.device_type == "cpu" else "")
+                if self.device_memory_gib
+                else ""
+            )
+            + (f" + ~{gib(self.host_memory_gib)} of CPU memory (offload)" if self.host_memory_gib else "")
+            + (
+                f" + ~{gib(self.checkpoint_staging_gib)} of CPU memory per saving process for background checkpoints"
                 if self.checkpoint_staging_gib
                 else ""
             )
@@ -182,16 +190,26 @@ class RunPlan:
             else f"time: ~{_duration(self.hours)} at ~{_rate(self.tokens_per_s)} tokens/s ({self.speed_basis})"
         )
         lines.append(f"  {mem}; {speed}")
+        if "threads" in self.resolved:
+            lines.append(self.threads_line())
         lines.append(f"  out: {self.out}" + (f" (resuming {self.resume})" if self.resume else ""))
         lines += [f"  [yellow]warning:[/yellow] {w}" for w in self.warnings]
         return "\n".join(lines)
+
+    def threads_line(self) -> str:
+        """The CPU thread count and why; a count is where the run's losses reproduce bit for bit."""
+        t = str(self.resolved["threads"])
+        n = t.split(" ", 1)[0]
+        return f"  threads: {t}" + (
+            f"; results reproduce at this count (--threads {n})" if n.isdigit() else ""
+        )
 
 
 def _rate(r: float) -> str:
     return f"{r:,.0f}" if r >= 100 else f"{r:.2g}"
 
 
-def _gib(g: float) -> str:
+def gib(g: float) -> str:
     return f"{g:.1f} GiB" if g >= 1 else f"{g * 1024:.0f} MiB"
 
 
@@ -261,6 +279,7 @@ def make_plan(
         resolved=resolved,
         warnings=warnings,
         tasks=_tasks(env, batch, tasks),
+        device_type=env.device.type,
     )
 
 
@@ -297,9 +316,29 @@ def _tasks(env: Any, batch: BatchPlan, tasks: Any) -> dict[str, Any]:
 def _memory(
     cfg: Any, env: Any, model: Any, batch: BatchPlan
 ) -> tuple[float | None, float | None, float | None, float | None]:
-    """Peak training memory per device from ``perf/estimate.py`` (native families trained in full), the device's
-    memory, the host memory an offloaded run keeps per process, and the host copy that background checkpoints
-    keep per saving process (the trainer's ShardedSaver or FileSaver; pipelines are not estimated)."""
+    """Peak training memory per device (:func:`estimate_peak`), the device's memory (:func:`device_memory_gib`), the
+    host memory an offloaded run keeps per process, and the host copy that background checkpoints keep per saving
+    process (the trainer's ShardedSaver or FileSaver; pipelines are not estimated)."""
+    e = estimate_peak(cfg, env, model, batch.micro_batch, batch.block_size, batch.world_size, batch.tp)
+    if e is None:
+        return None, None, None, None
+    ck = cfg.checkpoint
+    # Background checkpoints keep a host copy of what each saving process writes: every rank's shards (sharded
+    # runs), rank 0's whole state (one process or DDP on GPUs: ckpt.FileSaver; CPU runs write synchronously).
+    staged = ck.checkpoints and ck.async_save and (env.dist.sharded or env.device.type == "cuda")
+    return (
+        e.total_gib,
+        device_memory_gib(env),
+        e.host_gib or None,
+        (e.checkpoint_staging_gib or None) if staged else None,
+    )
+
+
+def estimate_peak(
+    cfg: Any, env: Any, model: Any, micro_batch: int, block_size: int, world_size: int, tp: int = 1
+) -> Any:
+    """``perf/estimate.py``'s estimate of one training step at ``micro_batch`` (native families trained in full;
+    None for LoRA, generic transformers models and pipelines, which it does not model)."""
     if (
         cfg.lora.enabled
         or not hasattr(model.args, "__dataclass_fields__")
@@ -308,41 +347,73 @@ def _memory(
         or env.dist.pp
         > 1  # the estimate knows no pipeline stages (it printed 227 GiB for 100 measured at 8b)
     ):
-        return None, None, None, None
+        return None
     from gptoughts.perf import checkpointing
     from gptoughts.perf.estimate import estimate
 
-    args = {k: v for k, v in asdict(model.args).items()}
-    gpu = env.hw.name if env.device.type == "cuda" else "H100"  # the bytes do not depend on the GPU's name
-    residual = "bf16" if env.precision == "bf16" and cfg.perf.residual_dtype != "fp32" else "fp32"
-    strategy = "fsdp" if env.dist.strategy == "fsdp" else "ddp"
     try:
-        e = estimate(
+        return estimate(
             model.family.name,
             "debug",
-            args,
-            batch_size=batch.micro_batch,
-            block_size=batch.block_size,
+            asdict(model.args),
+            batch_size=micro_batch,
+            block_size=block_size,
             activation_checkpointing=checkpointing.resolve(cfg.perf.activation_checkpointing, cfg.lora)[0],
             loss="chunked" if env.device.type == "cuda" else "plain",
-            gpu=gpu,
-            residual_dtype=residual,
-            num_gpus=batch.world_size,
-            strategy=strategy,
+            gpu=env.hw.name if env.device.type == "cuda" else "H100",  # the bytes do not depend on the name
+            residual_dtype="bf16"
+            if env.precision == "bf16" and cfg.perf.residual_dtype != "fp32"
+            else "fp32",
+            num_gpus=world_size,
+            strategy="fsdp" if env.dist.strategy == "fsdp" else "ddp",
             optimizer=cfg.train.optimizer,
             optimizer_states=cfg.train.optimizer_states,
             cpu_offload=env.dist.cpu_offload,
             reshard_after_forward=env.dist.reshard_after_forward,
-            tp=batch.tp,
+            tp=tp,
         )
     except Exception:  # noqa: BLE001 - an estimate must never stop a run
-        return None, None, None, None
-    device_mem = (env.hw.memory_bytes or 0) / 2**30 or None  # the GPU's, or on a CPU the machine's RAM
-    ck = cfg.checkpoint
-    # Background checkpoints keep a host copy of what each saving process writes: every rank's shards (sharded
-    # runs), rank 0's whole state (one process or DDP on GPUs: ckpt.FileSaver; CPU runs write synchronously).
-    staged = ck.checkpoints and ck.async_save and (env.dist.sharded or env.device.type == "cuda")
-    return e.total_gib, device_mem, e.host_gib or None, (e.checkpoint_staging_gib or None) if staged else None
+        return None
+
+
+def device_memory_gib(env: Any) -> float | None:
+    """What a run's process may fill: the GPU's memory (or its ``perf.gpu_memory_gib`` cap); on a CPU its share of
+    the memory available now (``MemAvailable`` within the cgroup's limit, split between the processes torchrun
+    started on this machine); None when unknown."""
+    if env.device.type == "cpu":
+        import os
+
+        from gptoughts.train import checkpoint as ckpt
+
+        free = ckpt.host_memory_available()
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if env.dist.enabled else 1
+        return free / max(1, local) / 2**30 if free else None
+    return (env.hw.memory_bytes or 0) / 2**30 or None
+
+
+# An estimate beyond the device's memory by more than its own error (within 3% of measured peaks on an H200,
+# bench/BENCHMARKS.md) is refused before anything is built: it would end out of memory, and on a CPU the kernel
+# kills the process without a word.
+REFUSE_ABOVE = 1.1
+
+
+def memory_refusal(plan: RunPlan, on_cpu: bool) -> str | None:
+    """The one-line refusal of a run whose estimated peak clearly exceeds the device's memory (None: it fits)."""
+    mem, limit = plan.memory_gib, plan.device_memory_gib
+    if mem is None or not limit or mem <= REFUSE_ABOVE * limit:
+        return None
+    b = plan.batch
+    where = f"the {gib(limit)} this machine has available" if on_cpu else f"this GPU's {gib(limit)}"
+    fixes = (
+        "lower --batch_size or --block_size, or train a smaller --size here"
+        if on_cpu
+        else "use --activation_checkpointing selective|full, a lower --batch_size or --block_size, or several "
+        "GPUs (FSDP)"
+    )
+    return (
+        f"the estimated peak memory, ~{gib(mem)} at micro-batch {b['micro_batch']} x {b['block_size']:,} tokens, "
+        f"exceeds {where}: {fixes}; --ignore_memory_estimate tries anyway"
+    )
 
 
 def _speed(cfg: Any, env: Any, model: Any, batch: BatchPlan) -> tuple[float | None, str]:
@@ -354,9 +425,8 @@ def _speed(cfg: Any, env: Any, model: Any, batch: BatchPlan) -> tuple[float | No
 def estimate_speed(
     env: Any, model: Any, block_size: int, micro_batch: int, world_size: int
 ) -> tuple[float | None, str]:
-    """Tokens/s: on a GPU from its peak and the MFU ``bench`` measured for the size class; on a CPU from the
-    timed forward+backward of the thread-count probe (or a matmul probe in a dry run)."""
-    probe = getattr(model, "probe_step_s", None)
+    """Tokens/s: on a GPU from its peak and the MFU ``bench`` measured for the size class; on a CPU from a short
+    matmul timed at the threads torch has now (the plan comes before the thread count is measured)."""
     flops = model.raw.flops_per_token(block_size)
     if env.device.type == "cuda":
         peak = env.hw.peak_bf16_flops
@@ -364,9 +434,6 @@ def estimate_speed(
             return None, "unknown GPU peak"
         mfu = 0.55 if getattr(model.args, "d_model", 0) >= 2048 else 0.45
         return peak * mfu / flops * world_size, f"estimated at MFU {mfu:.2f} of {env.hw.name}'s peak"
-    if probe:
-        # the probe timed forward+backward of one micro-batch; the optimizer step adds ~10% on a CPU
-        return micro_batch * block_size / (probe * 1.1), "measured forward+backward on this CPU"
     flops_s = _cpu_matmul_flops()
     return flops_s * 0.5 / flops, "from this CPU's measured matmul speed, at 50% of it"
 
@@ -439,15 +506,20 @@ def _warnings(
             "schedule; add data, raise --epochs, or lower --train.global_batch_tokens / --batch_size"
         )
     if memory is not None and device_memory and memory > 0.95 * device_memory:
+        refused = (
+            " (a run is refused at this estimate; --ignore_memory_estimate tries anyway)"
+            if memory > REFUSE_ABOVE * device_memory
+            else ""
+        )
         if on_cpu:
             out.append(
-                f"the estimated peak ({memory:.0f} GiB) exceeds this machine's {device_memory:.0f} GiB of RAM: "
-                "train a smaller size here, or on a GPU"
+                f"the estimated peak ({gib(memory)}) exceeds the {gib(device_memory)} of memory available on "
+                f"this machine: train a smaller size here, or on a GPU{refused}"
             )
         else:
             out.append(
-                f"the estimated peak ({memory:.0f} GiB) exceeds this GPU's {device_memory:.0f} GiB: use "
-                "--activation_checkpointing selective|full, --batch_size auto or several GPUs (FSDP)"
+                f"the estimated peak ({gib(memory)}) exceeds this GPU's {gib(device_memory)}: use "
+                f"--activation_checkpointing selective|full, --batch_size auto or several GPUs (FSDP){refused}"
             )
     if cfg.model.size == "debug" and data.init_from is None and cfg.model.overrides == {}:
         out.append(

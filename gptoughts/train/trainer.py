@@ -712,6 +712,9 @@ class Trainer:
         su.first_step_s = max(1e-3, su.age() - su.imports_s - su.assembly_s)
         if self.dist.is_main:
             console.print(su.line(), highlight=False)
+            hint = su.bytecode_hint()
+            if hint:
+                console.print(hint, highlight=False)
 
     def fit(self) -> TrainState:
         cfg = self.cfg

@@ -68,7 +68,7 @@ def test_tp_and_fsdp_x_tp_match_one_process_and_checkpoints_move(tmp_path, text_
         tp, text_corpus, *llama, "--batch_size", "4", "--max_steps", "5", "--parallel.tp", "2", procs=2
     )
     _ok(r)
-    assert "x 1 data-parallel rank(s) (tensor parallel x2: 2 GPUs)" in r.stdout
+    assert "x 1 data-parallel rank(s) (tensor parallel x2: 2 processes)" in r.stdout
     run = json.loads((tp / "run.json").read_text())
     assert run["world_size"] == 2 and run["dp_size"] == 1
     a, b = _losses(one), _losses(tp)
@@ -85,7 +85,7 @@ def test_tp_and_fsdp_x_tp_match_one_process_and_checkpoints_move(tmp_path, text_
         fsdp_tp, text_corpus, *llama, "--batch_size", "2", "--max_steps", "5", "--parallel.tp", "2", procs=4
     )
     _ok(r)
-    assert "x 2 data-parallel rank(s) (tensor parallel x2: 4 GPUs) = 128 tokens per step" in r.stdout
+    assert "x 2 data-parallel rank(s) (tensor parallel x2: 4 processes) = 128 tokens per step" in r.stdout
     run = json.loads((fsdp_tp / "run.json").read_text())
     assert run["dp_size"] == 2 and "fsdp x2, tp x2" in run["resolved"]["parallel"]
     _close(a, _losses(fsdp_tp), [1, 2, 3, 4, 5])

@@ -231,7 +231,7 @@ def test_the_assembly_keeps_the_whole_model_for_long_runs_only(recorded, auto_pi
         built = setup.apply_transforms(
             raw, perf=_perf(compile=True), hw=_cpu_hw(), device=torch.device("cpu"), dist=ONE, family="llama"
         )
-        model = SimpleNamespace(raw=raw, args=args, built=built, probe_step_s=None)
+        model = SimpleNamespace(raw=raw, args=args, built=built)
         batch = SimpleNamespace(block_size=256, micro_batch=8, total_steps=steps, tokens_per_step=2048)
         _whole_model_for_long_runs(env, model, batch)
         kept[steps] = built.resolved["compile"]

@@ -1,0 +1,348 @@
+"""The plan first, threads, memory refusals, newcomer paths (issue 29, items 7, 9, 17, 18): a CPU run's thread count
+is kept by its resume and honoured when the user sets it; a run the memory estimate says cannot fit is refused in
+one line before anything heavy; the plan comes before the thread probe, which is bounded; the wizard checks each
+answer as it is given; the README's Python block runs as written without a GPU; bench/tune build train's model."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from cli_helpers import run_cli
+
+from gptoughts import cli
+from gptoughts.config import load_config
+from gptoughts.errors import ConfigError
+from gptoughts.perf import hardware
+from gptoughts.train import build as build_mod
+from gptoughts.train import checkpoint as ckpt
+
+ROOT = Path(__file__).resolve().parents[2]
+README = (ROOT / "README.md").read_text(encoding="utf-8")
+
+# CPU, quiet, short: like cli_helpers.FASTRUN but without --threads (the thread count is what is tested here)
+QUIET_CPU = ["--device", "cpu", "--no_progress", "--run.tensorboard", "false", "--eval_batches", "2",
+             "--sample_max_new_tokens", "4", "--tokenizer", "bytes"]  # fmt: skip
+QUIET = [*QUIET_CPU, "--block_size", "32", "--batch_size", "2"]
+
+
+@pytest.fixture(autouse=True)
+def _threads_restored(monkeypatch):
+    """A run chooses torch's thread count for the whole process: put it back for the next test; no OMP_NUM_THREADS
+    from the environment unless a test sets it."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
+def _refused(argv: list[str], capsys, *needles: str) -> str:
+    code, text = run_cli(argv, capsys)
+    assert code == 2, text[-2000:]
+    assert "Traceback" not in text, text[-2000:]
+    errors = [ln for ln in text.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1, text[-2000:]
+    for n in needles:
+        assert n in errors[0], errors[0]
+    return errors[0]
+
+
+def _ok(argv: list[str], capsys) -> str:
+    code, text = run_cli(argv, capsys)
+    assert code == 0, text[-2000:]
+    assert "Traceback" not in text
+    return text
+
+
+def _probe_prefers(n: int, monkeypatch, calls: list | None = None) -> None:
+    """Make the thread probe find ``n`` threads the faster (any other count sleeps) on a 2-core machine."""
+    import time
+
+    monkeypatch.setattr(hardware.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    real = build_mod._probe_step
+
+    def probe_step(cfg, model, data):
+        step = real(cfg, model, data)
+
+        def timed() -> None:
+            if calls is not None:
+                calls.append(torch.get_num_threads())
+            if torch.get_num_threads() != n:
+                time.sleep(0.05)
+            step()
+
+        return timed
+
+    monkeypatch.setattr(build_mod, "_probe_step", probe_step)
+
+
+# ------------------------------------------------------------------------------------------------ item 7
+@pytest.mark.parametrize("value", ["0", "-2"])
+def test_threads_below_one_are_refused(value, tmp_path, text_corpus, cache_dir, capsys):
+    out = tmp_path / "run"
+    _refused(
+        [
+            "train",
+            "--data",
+            str(text_corpus),
+            "--out",
+            str(out),
+            "--threads",
+            value,
+            "--max_steps",
+            "1",
+            *QUIET,
+        ],
+        capsys,
+        "threads",
+        value,
+    )
+    assert not out.exists()
+    with pytest.raises(ConfigError, match="threads"):
+        load_config(None, {"data.sources": [str(text_corpus)], "perf.threads": int(value)})
+
+
+def test_resume_keeps_the_runs_measured_thread_count(tmp_path, text_corpus, cache_dir, capsys, monkeypatch):
+    """The first run measures 1 thread the faster; its resume, measured now, would pick 2: it keeps 1, and the
+    plan says the count at which the results reproduce."""
+    out = tmp_path / "run"
+    _probe_prefers(1, monkeypatch)
+    text = _ok(["train", "--data", str(text_corpus), "--out", str(out), "--max_steps", "2", *QUIET], capsys)
+    first = json.loads((out / "run.json").read_text())
+    assert first["threads"] == 1 and "measured" in first["resolved"]["threads"]
+    assert re.search(r"threads: 1 \(measured.*reproduce", text), text
+    calls: list[int] = []
+    _probe_prefers(2, monkeypatch, calls)
+    text = _ok(["train", "--resume", "auto", "--out", str(out), "--max_steps", "3", *QUIET], capsys)
+    resumed = json.loads((out / "run.json").read_text())
+    assert resumed["threads"] == 1 and torch.get_num_threads() == 1
+    assert calls == []  # nothing measured: the run's own count
+    assert re.search(r"threads: 1 \(the run's own.*reproduce", text), text
+
+
+def test_omp_num_threads_is_honoured(tmp_path, text_corpus, cache_dir, capsys, monkeypatch):
+    calls: list[int] = []
+    _probe_prefers(2, monkeypatch, calls)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    out = tmp_path / "run"
+    text = _ok(["train", "--data", str(text_corpus), "--out", str(out), "--max_steps", "1", *QUIET], capsys)
+    run = json.loads((out / "run.json").read_text())
+    assert run["threads"] == 1 and "OMP_NUM_THREADS" in run["resolved"]["threads"]
+    assert calls == [] and torch.get_num_threads() == 1
+    assert "threads: 1 (OMP_NUM_THREADS" in text
+
+
+# ------------------------------------------------------------------------------------------------ item 9
+def test_a_run_that_cannot_fit_is_refused_before_anything_heavy(
+    tmp_path, text_corpus, cache_dir, capsys, monkeypatch
+):
+    """The estimate exceeds what this machine has available: one line naming the estimate, the limit and the flag
+    that tries anyway; the plan was printed; nothing tokenized, built or written."""
+    monkeypatch.setattr(ckpt, "host_memory_available", lambda: 2**20)  # 1 MiB available
+    built = []
+    monkeypatch.setattr(build_mod, "build_raw_model", lambda *a, **k: built.append(a), raising=False)
+    out = tmp_path / "run"
+    argv = [
+        "train",
+        "--data",
+        str(text_corpus),
+        "--out",
+        str(out),
+        "--max_steps",
+        "2",
+        "--threads",
+        "1",
+        *QUIET,
+    ]
+    err = _refused(argv, capsys, "estimated peak", "available", "--ignore_memory_estimate")
+    assert re.search(r"~[\d.]+ (G|M)iB", err) and "1 MiB" in err, err
+    assert not out.exists() and not built
+    assert not (cache_dir.exists() and any(cache_dir.rglob("*.bin"))), "the corpus was tokenized"
+
+
+def test_ignore_memory_estimate_tries_anyway(tmp_path, text_corpus, cache_dir, capsys, monkeypatch):
+    monkeypatch.setattr(ckpt, "host_memory_available", lambda: 2**20)
+    out = tmp_path / "run"
+    text = _ok(
+        ["train", "--data", str(text_corpus), "--out", str(out), "--max_steps", "1", "--threads", "1",
+         "--ignore_memory_estimate", *QUIET],
+        capsys,
+    )  # fmt: skip
+    assert "exceeds" in text and (out / "run.json").is_file()
+
+
+def test_out_of_memory_in_training_is_one_line(tmp_path, text_corpus, cache_dir, capsys, monkeypatch):
+    from gptoughts.train.trainer import Trainer
+
+    def fit(self):
+        raise RuntimeError(
+            "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you "
+            "tried to allocate 68719476736 bytes. Error code 12 (Cannot allocate memory)"
+        )
+
+    monkeypatch.setattr(Trainer, "fit", fit)
+    out = tmp_path / "run"
+    _refused(
+        [
+            "train",
+            "--data",
+            str(text_corpus),
+            "--out",
+            str(out),
+            "--max_steps",
+            "1",
+            "--threads",
+            "1",
+            *QUIET,
+        ],
+        capsys,
+        "out of memory",
+        "--batch_size",
+    )
+
+
+def test_cpu_auto_batch_says_what_it_chose_and_why(tmp_path, text_corpus, cache_dir, capsys, monkeypatch):
+    argv = ["train", "--data", str(text_corpus), "--out", str(tmp_path / "r"), "--dry_run", *QUIET_CPU,
+            "--block_size", "32", "--batch_size", "auto"]  # fmt: skip
+    text = _ok(argv, capsys)
+    line = next(ln for ln in text.splitlines() if ln.strip().startswith("batch:"))
+    assert "auto" in line and "available" in line, line
+    full = int(re.search(r"batch: (\d+) x", line).group(1))
+    # With little memory available, auto takes fewer rows: room for the estimate at 1 row, not at 8.
+    at = {}
+    for rows in (1, 8):
+        cfg = load_config(None, {**_overrides(argv), "train.batch_size": rows})
+        at[rows] = build_mod.build(cfg, dry_run=True).plan.memory_gib
+    capsys.readouterr()
+    monkeypatch.setattr(ckpt, "host_memory_available", lambda: int((at[1] + at[8]) / 2 / 0.9 * 2**30))
+    text = _ok(argv, capsys)
+    line = next(ln for ln in text.splitlines() if ln.strip().startswith("batch:"))
+    assert 1 <= int(re.search(r"batch: (\d+) x", line).group(1)) < full, line
+
+
+def _overrides(argv: list[str]) -> dict:
+    preset, overrides, _ = cli.parse_overrides(argv[1:])
+    assert preset is None
+    return overrides
+
+
+# ------------------------------------------------------------------------------------------------ item 17
+def test_the_plan_comes_before_a_bounded_thread_probe(tmp_path, text_corpus, cache_dir, capsys, monkeypatch):
+    monkeypatch.setattr(hardware.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    real = build_mod._probe_step
+    seen: list[tuple[tuple[int, ...], bool]] = []
+    printed: list[str] = []
+
+    def probe_step(cfg, model, data):
+        step = real(cfg, model, data)
+
+        def spied() -> None:
+            printed.append(capsys.readouterr().out)
+            h = model.raw.register_forward_pre_hook(
+                lambda m, args: seen.append((tuple(args[0].shape), "plan:" in "".join(printed)))
+            )
+            try:
+                step()
+            finally:
+                h.remove()
+
+        return spied
+
+    monkeypatch.setattr(build_mod, "_probe_step", probe_step)
+    argv = ["train", "--data", str(text_corpus), "--out", str(tmp_path / "r"), "--max_steps", "1", *QUIET_CPU,
+            "--batch_size", "8", "--block_size", "128"]  # fmt: skip
+    _ok(argv, capsys)
+    assert seen and all(plan_first for _, plan_first in seen), seen
+    # an untimed step and at most two rounds of two counts, each on a bounded probe, not the 8 x 128 micro-batch
+    assert len(seen) <= 5 and all(rows * cols <= build_mod.PROBE_TOKENS < 8 * 128 for (rows, cols), _ in seen)
+
+
+def test_the_wizard_checks_each_answer_when_given(tmp_path, text_corpus, capsys):
+    answers = iter(
+        ["huge", "debug", str(tmp_path / "missing"), str(text_corpus), "-1", "0.5", "zero", "auto"]
+    )
+    asked: list[str] = []
+
+    def ask(question: str, default: str) -> str:
+        asked.append(question.split(" (")[0].split(" [")[0])
+        return next(answers)
+
+    out = cli.ask_interactive({}, ask)
+    assert asked == ["Model size", "Model size", "Training corpus", "Training corpus", "Epochs", "Epochs",
+                     "Batch size", "Batch size"]  # fmt: skip
+    assert out["model.size"] == "debug" and out["data.sources"] == [str(text_corpus)]
+    assert out["train.epochs"] == "0.5" and out["train.batch_size"] == "auto"
+    said = capsys.readouterr().out
+    assert "huge" in said and "missing" in said and "-1" in said and "zero" in said
+
+
+def test_the_bytecode_hint_is_one_short_line_once(cache_dir, monkeypatch):
+    from types import SimpleNamespace
+
+    from gptoughts.perf.startup import Startup
+
+    monkeypatch.setattr(sys, "flags", SimpleNamespace(dont_write_bytecode=1))
+    slow = Startup(imports_s=4.0, assembly_s=3.0, first_step_s=2.0)
+    assert "bytecode" not in slow.line().lower()
+    hint = slow.bytecode_hint()
+    assert "PYTHONDONTWRITEBYTECODE" in hint and "\n" not in hint and len(hint) <= 100, hint
+    assert Startup(imports_s=4.0, assembly_s=3.0, first_step_s=2.0).bytecode_hint() == ""  # once
+
+
+def test_cpu_processes_are_not_gpus_in_the_plan(tmp_path, text_corpus, cache_dir):
+    from dataclasses import replace
+
+    cfg = load_config(None, {"data.sources": [str(text_corpus)], "perf.device": "cpu", "data.tokenizer": "bytes",
+                             "run.out": str(tmp_path / "r"), "train.batch_size": 2, "train.block_size": 32})  # fmt: skip
+    env = build_mod.setup_environment(cfg)
+    env = replace(env, dist=replace(env.dist, world_size=2))  # as under torchrun --nproc_per_node 2
+    text = build_mod.build(cfg, dry_run=True, env=env).plan.format()
+    line = next(ln for ln in text.splitlines() if ln.strip().startswith("batch:"))
+    assert "GPU" not in line and "x 2 processes" in line, line
+
+
+# ------------------------------------------------------------------------------------------------ item 18
+def test_readme_python_block_runs_as_written_without_a_gpu(
+    tmp_path, text_corpus, cache_dir, capsys, monkeypatch
+):
+    """The block as written (device included), with its paths in tmp_path and the debug size; on this CPU machine
+    the device it names must work."""
+    code = re.search(r"```python\n(.*?)```", README, re.S).group(1)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n\n".join(p.read_text() for p in sorted(text_corpus.iterdir())), encoding="utf-8")
+    code = code.replace('size="125m"', 'size="debug"').replace('"corpus.txt"', repr(str(corpus)))
+    code = code.replace('"runs/mine"', repr(str(tmp_path / "mine")))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # a tiny model: one thread, nothing measured
+    scope: dict = {}
+    exec(compile(code, "README.md", "exec"), scope)  # noqa: S102 - our own README, the point of the test
+    history = scope["history"]
+    assert history.final_val_ppl == history.final_val_ppl and history.final_val_ppl > 1
+    assert "def fibonacci(n):" in capsys.readouterr().out
+
+
+def test_bench_and_tune_build_trains_model(tmp_path, text_corpus, cache_dir, capsys, monkeypatch):
+    """`bench --size debug` and `tune --size debug` time the model `train --size debug` trains (same vocabulary,
+    so the same parameters), at the tokenizer the size trains with."""
+    from gptoughts.tools import bench, tune
+
+    plan = _ok(["train", "--data", str(text_corpus), "--size", "debug", "--out", str(tmp_path / "r"), "--dry_run",
+                "--device", "cpu"], capsys)  # fmt: skip
+    params = int(re.search(r"plan: llama/debug, ([\d,]+) parameters", plan).group(1).replace(",", ""))
+    cfg = load_config("default", {"model.size": "debug", "perf.device": "cpu", "perf.threads": 1,
+                                  "train.block_size": 32, "train.batch_size": 2})  # fmt: skip
+    assert bench.run_bench(cfg, steps=1, warmup=0)["params"] == params
+    seen: list[int] = []
+    real = bench.run_bench
+
+    def spy(cfg, **kw):
+        r = real(cfg, **kw)
+        seen.append(r["params"])
+        return r
+
+    monkeypatch.setattr(bench, "run_bench", spy)
+    tune.run_tune(cfg, steps=1, warmup=0, ac=["none"], compile_modes=["off"], fp8=["off"], batches=[2])
+    assert seen and set(seen) == {params}
