@@ -297,6 +297,7 @@ def test_a_run_trained_on_the_answers_scores_above_chance(capitals, capsys):
     assert text.splitlines()[0].split() == ["task", "examples", "acc", "acc_norm"]  # one run: as before
 
 
+@pytest.mark.slow
 def test_several_runs_are_compared_in_one_table_llama_and_llada(capitals, tmp_path, capsys):
     from gptoughts import cli
 

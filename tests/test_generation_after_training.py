@@ -94,6 +94,7 @@ def test_compute_device_is_the_mesh_device_of_offloaded_shards(monkeypatch):
     assert compute_device(plain) == torch.device("cpu")
 
 
+@pytest.mark.slow
 def test_an_offloaded_bf16_run_samples_scores_and_ends_cleanly(tmp_path, text_corpus, cache_dir, capsys):
     """The reported command's shape on CPU: ``--parallel.cpu_offload true`` in bf16, with its end-of-run sample
     and task scoring, then ``gptoughts sample`` and ``gptoughts eval`` on the run."""
@@ -143,6 +144,7 @@ def _train_failing(tmp_path, corpus, capsys, monkeypatch, cls, *flags: str) -> t
     return code, text, seen
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "flags",
     [["--sample_interval", "2"], ["--sample_interval", "0"]],
@@ -172,6 +174,7 @@ def test_a_failing_periodic_sample_is_one_warning_and_training_goes_on(
     assert "done (max steps)" in text
 
 
+@pytest.mark.slow
 def test_failing_task_scoring_at_the_end_comes_after_the_final_checkpoint(
     tmp_path, text_corpus, cache_dir, capsys, monkeypatch
 ):

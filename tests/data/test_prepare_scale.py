@@ -281,6 +281,7 @@ prepare(args["sources"], args["out"], "bpe:300", progress=False, workers=2)
 """
 
 
+@pytest.mark.slow
 def test_a_killed_prepare_resumes(
     tmp_path: Path,
     write_folder: Callable[..., Path],

@@ -24,6 +24,7 @@ def _o(fast: dict, **kw) -> dict:
     return o
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "qwen3"])
 def test_lora_finetune_then_export_matches_transformers(kind, hf_model, tmp_path, ft_fast, ft_cache):
     base = hf_model(kind, **({"sliding_window": 16} if kind == "mistral" else {}))

@@ -106,6 +106,7 @@ def test_threads_below_one_are_refused(value, tmp_path, text_corpus, cache_dir, 
         load_config(None, {"data.sources": [str(text_corpus)], "perf.threads": int(value)})
 
 
+@pytest.mark.slow
 def test_resume_keeps_the_runs_measured_thread_count(tmp_path, text_corpus, cache_dir, capsys, monkeypatch):
     """The first run measures 1 thread the faster; its resume, measured now, would pick 2: it keeps 1, and the
     plan says the count at which the results reproduce."""
@@ -306,6 +307,7 @@ def test_cpu_processes_are_not_gpus_in_the_plan(tmp_path, text_corpus, cache_dir
 
 
 # ------------------------------------------------------------------------------------------------ item 18
+@pytest.mark.slow
 def test_readme_python_block_runs_as_written_without_a_gpu(
     tmp_path, text_corpus, cache_dir, capsys, monkeypatch
 ):

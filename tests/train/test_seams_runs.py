@@ -342,6 +342,7 @@ def _event_steps(run: Path, tag: str) -> list[int]:
     return [e.step for e in acc.Scalars(tag)]
 
 
+@pytest.mark.slow
 def test_a_resumed_runs_summary_labels_run_and_session_and_tensorboard_keeps_every_step(
     tmp_path, text_corpus, cache_dir, capsys
 ):

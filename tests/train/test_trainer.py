@@ -353,6 +353,7 @@ def test_outputs_of_a_run(tmp_path, text_corpus, cache_dir):
     assert text.startswith("def ")
 
 
+@pytest.mark.slow
 def test_python_api_mirrors_inl_guide(tmp_path, text_corpus, cache_dir):
     model, tokenizer, history = api.train(
         "default",
