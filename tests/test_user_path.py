@@ -492,9 +492,10 @@ def test_progress_line_has_an_eta_and_threads_are_measured_or_given(
             time.sleep(0.02)
 
     monkeypatch.setattr(hardware.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
-    n, why = hardware.measure_cpu_threads(step)
+    n, why, step_s = hardware.measure_cpu_threads(step)
     # an untimed first step, then each count once: 1 thread clearly faster, no second round
     assert (n, torch.get_num_threads(), slow["n"]) == (1, 1, 3) and why.startswith("measured")
+    assert step_s < 0.02  # the chosen count's own step time (the run's speed estimate is made from it)
 
 
 def test_finetune_override_is_checked_against_the_folders_family(tmp_path, cache_dir):

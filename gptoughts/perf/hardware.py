@@ -277,9 +277,9 @@ def cpu_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-def measure_cpu_threads(step: Callable[[], None]) -> tuple[int, str]:
+def measure_cpu_threads(step: Callable[[], None]) -> tuple[int, str, float]:
     """Set torch's CPU thread count to the faster of one thread and every core on ``step`` (a short forward+backward
-    of the run's model); returns (count, how it was measured).
+    of the run's model); returns (count, how it was measured, seconds of one step at that count).
 
     The default stays measured: on two cores of an idle machine two threads trained 1.4-1.5x faster than one, and
     with another process busy on one of them 10-72x slower (OpenMP's threads wait for a descheduled peer at every
@@ -291,7 +291,9 @@ def measure_cpu_threads(step: Callable[[], None]) -> tuple[int, str]:
     cores = cpu_cores()
     if cores <= 1:
         torch.set_num_threads(1)
-        return 1, "one core"
+        t = time.perf_counter()
+        step()
+        return 1, "one core", time.perf_counter() - t
     torch.set_num_threads(1)
     step()
     timings: dict[int, float] = {}
@@ -306,6 +308,8 @@ def measure_cpu_threads(step: Callable[[], None]) -> tuple[int, str]:
     best = min(timings, key=timings.__getitem__)
     torch.set_num_threads(best)
     other = cores if best == 1 else 1
-    return best, (
-        f"measured: {timings[best] * 1e3:.0f} ms per forward+backward vs {timings[other] * 1e3:.0f} ms with {other}"
+    return (
+        best,
+        f"measured: {timings[best] * 1e3:.0f} ms per forward+backward vs {timings[other] * 1e3:.0f} ms with {other}",
+        timings[best],
     )

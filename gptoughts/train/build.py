@@ -881,10 +881,14 @@ def _assemble(
         console.print(plan.format(), highlight=False)
     if threads is None and not dry_run and _single_cpu_process(env):
         # After the plan: on a CPU the probe's forward+backward steps are the first thing that takes a while.
-        threads = hardware.measure_cpu_threads(_probe_step(cfg, model, data))
-        resolved["threads"] = f"{threads[0]} ({threads[1]})"
+        step, probe_tokens = _probe_step(cfg, model, data)
+        count, how, step_s = hardware.measure_cpu_threads(step)
+        threads = (count, how)
+        resolved["threads"] = f"{count} ({how})"
+        # The probe's speed at the chosen count is a better guess of the run's than the matmul-based one
+        plan.retime(probe_tokens / step_s, "the thread probe's forward+backward at this count")
         if env.dist.is_main:
-            console.print(plan.threads_line(), highlight=False)
+            console.print(plan.threads_line() + "\n  " + plan.time_line(), highlight=False)
     asm = Assembly(
         cfg=cfg,
         env=env,
@@ -1176,8 +1180,9 @@ def load_resume_checkpoint(
 PROBE_TOKENS = 512
 
 
-def _probe_step(cfg: Config, model: Model, data: Data):
-    """One forward+backward of the real model on at most :data:`PROBE_TOKENS` tokens (CPU thread-count probe)."""
+def _probe_step(cfg: Config, model: Model, data: Data) -> tuple[Any, int]:
+    """One forward+backward of the real model on at most :data:`PROBE_TOKENS` tokens (CPU thread-count probe), and
+    the tokens it reads."""
     block = min(cfg.train.block_size, PROBE_TOKENS)
     micro = cfg.train.batch_size if isinstance(cfg.train.batch_size, int) else 8
     rows = max(1, min(micro, PROBE_TOKENS // block))
@@ -1202,7 +1207,7 @@ def _probe_step(cfg: Config, model: Model, data: Data):
                 for n, b in model.raw.named_buffers():
                     b.copy_(saved[n])
 
-    return step
+    return step, rows * block
 
 
 def make_loaders(

@@ -184,17 +184,23 @@ class RunPlan:
                 else ""
             )
         )
-        speed = (
-            "time: measured once the run starts"
-            if self.tokens_per_s is None
-            else f"time: ~{_duration(self.hours)} at ~{_rate(self.tokens_per_s)} tokens/s ({self.speed_basis})"
-        )
-        lines.append(f"  {mem}; {speed}")
+        lines.append(f"  {mem}; {self.time_line()}")
         if "threads" in self.resolved:
             lines.append(self.threads_line())
         lines.append(f"  out: {self.out}" + (f" (resuming {self.resume})" if self.resume else ""))
         lines += [f"  [yellow]warning:[/yellow] {w}" for w in self.warnings]
         return "\n".join(lines)
+
+    def time_line(self) -> str:
+        if self.tokens_per_s is None:
+            return "time: measured once the run starts"
+        return f"time: ~{_duration(self.hours)} at ~{_rate(self.tokens_per_s)} tokens/s ({self.speed_basis})"
+
+    def retime(self, tokens_per_s: float, basis: str) -> None:
+        """A better speed figure than the plan's first (measured after the plan was printed)."""
+        b = self.batch
+        self.tokens_per_s, self.speed_basis = tokens_per_s, basis
+        self.hours = b["total_steps"] * b["tokens_per_step"] / tokens_per_s / 3600
 
     def threads_line(self) -> str:
         """The CPU thread count and why; a count is where the run's losses reproduce bit for bit."""

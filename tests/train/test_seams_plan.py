@@ -66,7 +66,7 @@ def _probe_prefers(n: int, monkeypatch, calls: list | None = None) -> None:
     real = build_mod._probe_step
 
     def probe_step(cfg, model, data):
-        step = real(cfg, model, data)
+        step, tokens = real(cfg, model, data)
 
         def timed() -> None:
             if calls is not None:
@@ -239,7 +239,7 @@ def test_the_plan_comes_before_a_bounded_thread_probe(tmp_path, text_corpus, cac
     printed: list[str] = []
 
     def probe_step(cfg, model, data):
-        step = real(cfg, model, data)
+        step, tokens = real(cfg, model, data)
 
         def spied() -> None:
             printed.append(capsys.readouterr().out)
@@ -251,13 +251,15 @@ def test_the_plan_comes_before_a_bounded_thread_probe(tmp_path, text_corpus, cac
             finally:
                 h.remove()
 
-        return spied
+        return spied, tokens
 
     monkeypatch.setattr(build_mod, "_probe_step", probe_step)
     argv = ["train", "--data", str(text_corpus), "--out", str(tmp_path / "r"), "--max_steps", "1", *QUIET_CPU,
             "--batch_size", "8", "--block_size", "128"]  # fmt: skip
-    _ok(argv, capsys)
+    out = _ok(argv, capsys)
     assert seen and all(plan_first for _, plan_first in seen), seen
+    # the run's time, estimated again from the probe's speed once it is known
+    assert re.search(r"threads: \d .*\n  time: ~.* at ~[\d,.]+ tokens/s \(the thread probe's", out), out
     # an untimed step and at most two rounds of two counts, each on a bounded probe, not the 8 x 128 micro-batch
     assert len(seen) <= 5 and all(rows * cols <= build_mod.PROBE_TOKENS < 8 * 128 for (rows, cols), _ in seen)
 
