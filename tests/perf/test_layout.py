@@ -12,6 +12,7 @@ import re
 
 import pytest
 import torch
+from cli_helpers import run_cli
 
 import gptoughts
 from gptoughts import models
@@ -238,24 +239,44 @@ def test_a_dry_run_on_a_small_gpu_plans_the_layout_and_says_why(
     assert not (tmp_path / "run").exists()
 
 
-def test_a_set_value_is_kept_end_to_end_and_the_refusal_is_one_line(
+def test_a_set_value_is_kept_end_to_end(tmp_path, text_corpus, cache_dir, capsys, pretend_gpu):
+    """A cap where selective checkpointing would be chosen; with --activation_checkpointing none given, the next
+    step, bf16 states, is chosen instead and checkpointing stays off."""
+    plain = _debug_need(tmp_path, text_corpus, capsys, Layout())
+    bf16 = _debug_need(tmp_path, text_corpus, capsys, Layout(optimizer_states="bf16"))
+    selective = _debug_need(tmp_path, text_corpus, capsys, Layout("selective"))
+    assert selective < bf16 < plain
+    cap = (bf16 / FIT + plain / FIT) / 2
+    plan, text = _dry_run(
+        tmp_path, text_corpus, capsys, **{"perf.gpu_memory_gib": cap, "train.batch_size": 4}
+    )
+    assert plan["resolved"]["activation_checkpointing"].startswith("selective (auto")
+    assert "optimizer_states" not in plan["resolved"]
+    given = {"perf.gpu_memory_gib": cap, "train.batch_size": 4, "perf.activation_checkpointing": "none"}
+    plan, text = _dry_run(tmp_path, text_corpus, capsys, **given)
+    assert "activation_checkpointing" not in plan["resolved"] and "activation checkpointing:" not in text
+    assert re.search(r"optimizer states: bf16 \(auto: .*[MG]iB", text), text
+    assert plan["memory_gib"] <= FIT * cap
+
+
+def test_a_run_nothing_fits_is_refused_in_one_line_before_anything_is_written(
     tmp_path, text_corpus, cache_dir, capsys, pretend_gpu
 ):
-    """--activation_checkpointing none given: kept; the cap is too small for anything else: the run is refused in
-    one line naming offload and the figures, before anything is written."""
+    """The user's command with a cap nothing fits (and checkpointing set off): exit 2, one line naming each option
+    with its memory, offload included, and what the user set; no traceback; no run directory."""
     plain = _debug_need(tmp_path, text_corpus, capsys, Layout())
-    over = {"perf.gpu_memory_gib": plain / 50, "train.batch_size": 4, "perf.activation_checkpointing": "none"}
-    with pytest.raises(UserError) as e:
-        gptoughts.train(
-            data_path=str(text_corpus),
-            save_dir=str(tmp_path / "run"),
-            max_steps=1,
-            **{"data.tokenizer": "bytes", "train.block_size": 64, "perf.compile": False, **over},
-        )
-    text = str(e.value)
-    assert "\n" not in text and OFFLOAD_FLAG in text and "GiB" in text, text
-    assert "activation_checkpointing = none" in text or "you set" in text, text
-    assert not (tmp_path / "run").exists()
+    out = tmp_path / "run"
+    argv = ["train", "--data", str(text_corpus), "--out", str(out), "--tokenizer", "bytes", "--block_size", "64",
+            "--batch_size", "4", "--max_steps", "1", "--compile", "false", "--activation_checkpointing", "none",
+            "--gpu_memory_gib", str(plain / 50)]  # fmt: skip
+    code, text = run_cli(argv, capsys)
+    errors = [ln for ln in text.splitlines() if ln.startswith("error:")]
+    assert code == 2 and "Traceback" not in text and len(errors) == 1, text[-2000:]
+    line = errors[0]
+    for option in ("--activation_checkpointing full", "--train.optimizer_states bf16", OFFLOAD_FLAG):
+        assert re.search(re.escape(option) + r" ~[\d.]+ [MG]iB", line), line
+    assert "you set perf.activation_checkpointing = none" in line and "--ignore_memory_estimate" in line
+    assert not out.exists()
 
 
 def test_autobatch_finding_nothing_gives_the_layout_refusal(tmp_path, cache_dir, monkeypatch):
