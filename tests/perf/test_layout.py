@@ -322,3 +322,28 @@ def test_on_a_cpu_the_cap_is_a_gpus_and_no_layout_is_chosen(tmp_path, text_corpu
     assert plan["device_type"] == "cpu" and plan["device_memory_gib"] > 1e-3
     assert not {"activation_checkpointing", "optimizer_states", "cpu_offload"} & set(plan["resolved"])
     assert "CPU offload:" not in text and "optimizer states:" not in text
+
+
+def test_offload_chosen_for_a_real_run_starts_its_process_group(cache_dir, monkeypatch):
+    """A run (not a dry one) that the chooser offloads gets the one-process group offload needs, as one given
+    --parallel.cpu_offload true does, and trains with the layout it was given: the size's selective checkpointing
+    and fp32 states kept, offload's reason in the config's resolved entries."""
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(ckpt, "host_memory_available", lambda: int(HOST_GIB * GIB))
+    over = {"model.family": "inl", "model.size": "3b", "perf.gpu_memory_gib": 24, "parallel.backend": "gloo"}
+    cfg = load_config(None, over)
+    env = build_mod.Environment(
+        device=torch.device("cuda", 0), dist=build_mod.pdist.DistInfo(), hw=_h100(24), precision="bf16"
+    )
+    args = models.model_args("inl", "3b", _args("inl", "3b")[1])
+    model = build_mod.Model(family=models.get_family("inl"), args=args, raw=None, weights=None)
+    try:
+        chosen, env = build_mod.choose_memory_layout(cfg, env, model, dry_run=False)
+        assert torch.distributed.is_initialized() and env.dist.cpu_offload and env.dist.strategy == "fsdp"
+    finally:
+        build_mod.pdist.shutdown()
+    assert chosen.parallel.cpu_offload and chosen.perf.activation_checkpointing == "selective"
+    assert chosen.train.optimizer_states == "fp32" and chosen.resolved["cpu_offload"].startswith(
+        "true (auto:"
+    )
+    assert not cfg.parallel.cpu_offload  # the caller's config is not changed in place
