@@ -146,7 +146,8 @@ class TrainConfig:
     fp32 (8 bytes/param; torch's fused AdamW), bf16 (4 bytes/param, stored with stochastic rounding; also Muon's
     AdamW groups) or 8bit (~2 bytes/param: torchao's AdamW8bit, block-wise quantized; needs ``pip install
     torchao``; AdamW only, not under FSDP, tensor or pipeline parallelism). A resumed run may name other states than its
-    checkpoint's: the moments are converted as they load (to bf16: rounded; to 8bit: quantized)."""
+    checkpoint's: the moments are converted as they load (to bf16: rounded; to 8bit: quantized). Left unset, bf16
+    (8bit where torchao is installed) is chosen where checkpointing alone does not fit the GPU (perf/layout.py)."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this; 0 disables."""
     seed: int = 1337
@@ -357,7 +358,9 @@ class ParallelConfig:
     stage also holds the head); empty: as even as the layers allow, the head counting as one layer."""
     cpu_offload: bool = False
     """Keep parameters, gradients and optimizer state in CPU memory between uses (FSDP2 CPUOffloadPolicy; the
-    optimizer steps on the CPU). Fits models several times larger than the GPU, slower; also on one GPU."""
+    optimizer steps on the CPU). Fits models several times larger than the GPU, slower; also on one GPU. Left
+    unset, a one-process run turns it on where nothing else fits the GPU and the host memory holds the states
+    (perf/layout.py)."""
     reshard_after_forward: bool | str = "auto"
     """FSDP2: true frees each block's gathered weights after its forward and gathers them again for its backward
     (the last block is always kept); false keeps them until the backward: one all-gather per block and step
@@ -430,15 +433,30 @@ class Config:
     run: RunConfig = field(default_factory=RunConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     resolved: dict[str, str] = field(default_factory=dict)
-    """Settings the run did not give that :func:`load_config` decided from outside the config files (a fine-tuning
-    run's block from its model's positions), each with why, for the run plan; not a section of config.toml."""
+    """Settings the run did not give that were decided from outside the config files (a fine-tuning run's block
+    from its model's positions; the memory layout, ``perf/layout.py``), each with why, for the run plan; not a
+    section of config.toml."""
+    given: frozenset[str] | None = field(default=None, compare=False, repr=False)
+    """The dotted keys the user set: the preset or TOML file named (a resumed run's config.toml) and the flags; not
+    the family's size defaults (``presets/sizes.toml``) nor the dataclass defaults. Automatic choices leave them
+    alone (:meth:`is_given`). None: a Config built in code. Where a value came from, not part of it (not
+    compared)."""
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d.pop("resolved")
+        d.pop("given")
         overrides = d["model"].pop("overrides")
         d["model"].update(overrides)
         return d
+
+    def is_given(self, key: str) -> bool:
+        """Whether the user set the dotted ``key``: named in :attr:`given`; in a Config built in code, a value other
+        than the dataclass default."""
+        if self.given is not None:
+            return key in self.given
+        section, name = key.split(".")
+        return getattr(getattr(self, section), name) != getattr(SECTIONS[section](), name)
 
 
 # ------------------------------------------------------------------------------------------ self-description
@@ -765,6 +783,7 @@ def load_config(preset: str | Path | None = None, overrides: dict[str, Any] | No
         data.setdefault("run", {})["out"] = str(run_file.parent)
         # How a run is launched is not part of it: a run saved under FSDP on 2 GPUs resumes on one.
         data.pop("parallel", None)
+        given = dotted_keys(data)  # (a resumed run's config.toml holds every value its first start decided)
     else:
         preset_model = data.get("model", {})
         family = overrides.get("model.family", preset_model.get("family", ModelConfig.family))
@@ -776,44 +795,49 @@ def load_config(preset: str | Path | None = None, overrides: dict[str, Any] | No
             # The preset's architecture fields describe its own shape (the quickstart's d_model, n_kv_heads, ...):
             # another family or size starts from its size preset, not from them.
             data["model"] = {k: v for k, v in preset_model.items() if k in _MODEL_FIXED}
+        given = dotted_keys(data)  # the preset's or file's: the size's defaults below are not the user's
         if isinstance(family, str) and isinstance(size, str):
             data = _deep_update(size_defaults(family, size), data)
     if given_stops:
         for key in STOP_KEYS:
             data.get("train", {}).pop(key.split(".")[1], None)
+        given -= set(STOP_KEYS)
     for key, value in overrides.items():
         set_dotted(data, key, value)
-    # (a resumed run's config.toml holds every value its first start decided)
-    given = set(data.get("train", {})) if run_file is None else set(FINETUNE_DEFAULTS)
     cfg = from_dict(data)
+    cfg.given = frozenset(given | set(overrides))
     if cfg.run.out is None:
         cfg.run.out = default_out(data, {})
     validate(cfg)
     if cfg.model.init_from is not None:
-        finetune_defaults(cfg, given)
+        finetune_defaults(cfg)
     return cfg
+
+
+def dotted_keys(data: dict[str, Any]) -> set[str]:
+    """The ``section.key`` names a TOML table's sections set."""
+    return {f"{sec}.{k}" for sec, table in data.items() if isinstance(table, dict) for k in table}
 
 
 # The block and peak learning rate of a fine-tuning run that gives none. The block is the model's positions up to
 # this; the rate depends on the method: full fine-tuning stays close to the pretrained weights, LoRA's adapters
 # start from zero and want about 10x more (the rates of PEFT's and the Llama recipes' examples).
 FINETUNE_BLOCK_SIZE = 1024
-FINETUNE_DEFAULTS = ("block_size", "learning_rate")
 FINETUNE_LEARNING_RATE = {"full": 2e-5, "lora": 2e-4}
 
 
-def finetune_defaults(cfg: Config, given: set[str]) -> None:
-    """Set the ``[train]`` fields of :data:`FINETUNE_DEFAULTS` that are not in ``given`` (the keys the command,
-    its files and presets set), and say why in ``cfg.resolved``."""
+def finetune_defaults(cfg: Config) -> None:
+    """Set the block and the learning rate where the user did not (:meth:`Config.is_given`), and say why in
+    ``cfg.resolved``."""
     t = cfg.train
-    if "learning_rate" not in given:
+    if not cfg.is_given("train.learning_rate"):
         method, other = ("lora", "full") if cfg.lora.enabled else ("full", "lora")
         t.learning_rate = FINETUNE_LEARNING_RATE[method]
         names = {"lora": "LoRA's", "full": "full fine-tuning's"}
         cfg.resolved["learning_rate"] = (
             f"{names[method]} default; {names[other]} is {FINETUNE_LEARNING_RATE[other]:g}"
         )
-    if "block_size" not in given:
+    if not cfg.is_given("train.block_size"):
         from gptoughts.models.hf import locate, max_positions
 
         positions = max_positions(locate(cfg.model.init_from, weights=False))

@@ -136,6 +136,19 @@ class BatchCache:
         os.replace(tmp, self.path)
 
 
+class NothingFits(UserError):
+    """Not even one row fits in real training steps. The run's assembly, which has its memory estimates, says what
+    each way out would need (``train/build.py``); this message is for the others."""
+
+    def __init__(self, message: str = "") -> None:
+        super().__init__(
+            message
+            or "not even one row fits in memory in real training steps: lower --block_size, use "
+            "--activation_checkpointing full, --train.optimizer_states bf16 or --parallel.cpu_offload true, a "
+            "smaller --size, or more GPUs (FSDP)"
+        )
+
+
 def find_batch_size(
     try_step: Callable[[int], None],
     device: torch.device,
@@ -147,7 +160,7 @@ def find_batch_size(
     capacity: int | None = None,
     peak: Callable[[], int] | None = None,
 ) -> tuple[int, bool]:
-    """(micro-batch, from_cache). Raises a UserError when not even one sequence fits."""
+    """(micro-batch, from_cache). Raises :class:`NothingFits` when not even one row fits."""
     cache = cache or BatchCache()
     key = cache_key(parts)
     hit = cache.get(key)
@@ -157,9 +170,6 @@ def find_batch_size(
         make_fits(try_step, device, safety=safety, capacity=capacity, peak=peak), max_batch=max_batch
     )
     if best == 0:
-        raise UserError(
-            "not even one sequence fits in memory: lower --block_size, use "
-            "--activation_checkpointing full, a smaller --size, or more GPUs (FSDP)"
-        )
+        raise NothingFits()
     cache.put(key, best, parts)
     return best, False

@@ -212,7 +212,8 @@ def recommend(p: HardwareProfile) -> dict[str, object]:
         "fp8": p.arch in ("hopper", "blackwell"),  # Ada has fp8 tensor cores but small models rarely gain
         "fused_adamw": True,
         "batch_size": "auto",
-        "activation_checkpointing": "selective for LoRA (19% less memory, 2-5% slower at 1b), else none",
+        "activation_checkpointing": "selective for LoRA (19% less memory, 2-5% slower at 1b), else none; raised "
+        "where the training state does not fit the GPU (perf/layout.py)",
         # LoRA steps are many small kernels: 1.06-1.2x at 1b with the launches replayed (train/setup.py, BENCHMARKS)
         "cuda_graphs": "on for LoRA on a Llama base in one process at a fixed batch, else off"
         if p.compile

@@ -6,7 +6,9 @@
 2. :func:`check_run_dir`      what ``run.out`` holds: a new run, a run to resume (its checkpoint), a refusal
 3. :func:`prepare_data`       sources -> tokenizer -> token shards (or SFT examples)
 4. :func:`build_model`        build on meta -> load or init -> LoRA -> the transforms of ``train/setup.py``
-                              (residual dtype -> fp8 -> activation checkpointing -> compile -> DDP/FSDP)
+                              (residual dtype -> fp8 -> activation checkpointing -> compile -> DDP/FSDP);
+                              first on meta, for :func:`choose_memory_layout` (checkpointing, optimizer
+                              states, CPU offload: what fits the GPU, decided before the real build)
 5. :func:`plan_batches`       micro-batch, accumulation, tokens per step, steps, epochs, warmup, intervals
 6. :func:`~gptoughts.train.plan.make_plan`   what the run will do (printed before the first step)
 7. optimizer and schedule, loaders, sampler, metrics, the :class:`~gptoughts.train.trainer.Trainer`
@@ -545,7 +547,7 @@ def plan_batches(
     """Micro-batch (auto: the largest that fits), accumulation, tokens per step, steps, epochs, warmup and the
     evaluation/checkpoint intervals, each with the rule that decided it."""
     from gptoughts.data.sft import epoch_rows
-    from gptoughts.perf.autobatch import accumulation_for
+    from gptoughts.perf.autobatch import NothingFits, accumulation_for
     from gptoughts.train.optim import default_warmup
     from gptoughts.train.setup import auto_micro_batch
 
@@ -593,18 +595,22 @@ def plan_batches(
                 "resolved": model.built.resolved,
                 "world": info.world_size,
             }
-            micro, cached = auto_micro_batch(
-                model.built,
-                model.objective,
-                vocab_size=model.args.vocab_size,
-                block_size=t.block_size,
-                precision=env.precision,
-                perf=cfg.perf,
-                t=t,
-                device=env.device,
-                dist=info,
-                parts=parts,
-            )
+            try:
+                micro, cached = auto_micro_batch(
+                    model.built,
+                    model.objective,
+                    vocab_size=model.args.vocab_size,
+                    block_size=t.block_size,
+                    precision=env.precision,
+                    perf=cfg.perf,
+                    t=t,
+                    device=env.device,
+                    dist=info,
+                    parts=parts,
+                )
+            except NothingFits:  # the estimate said it would: say what each way out needs
+                lead = f"not even one row of {t.block_size:,} tokens fits in real training steps"
+                raise UserError(layout_refusal(cfg, env, model, lead)) from None
             why["batch_size"] = "auto: largest that fits" + (" (cached)" if cached else "")
         if t.global_batch_tokens:
             # A micro-batch larger than the global batch would overshoot the target: cap it there. Then the
@@ -853,6 +859,7 @@ def _assemble(
     # device, the micro-batch, the plan. A run that cannot fit is refused here, before anything heavy is done.
     data = prepare_data(cfg, env, dry_run=True)
     model = build_model(cfg, env, data, meta=True)
+    cfg, env = choose_memory_layout(cfg, env, model, dry_run=dry_run)  # 4b: what the later steps build
     batch = plan_batches(cfg, env, data, model, dry_run=True, resumed_run=resumed_run)
     threads = _given_threads(cfg, env, resumed_run)  # None: measured after the plan is printed
     why = _threads_why(env, threads, dry_run)
@@ -1003,6 +1010,48 @@ def _assemble(
     return asm
 
 
+def choose_memory_layout(
+    cfg: Config, env: Environment, model: Model, *, dry_run: bool
+) -> tuple[Config, Environment]:
+    """The memory layout that fits this GPU (``perf/layout.py``: activation checkpointing, optimizer states, CPU
+    offload, among the settings the user left to their defaults), decided once on the meta model's estimates and
+    applied to the config, with why in ``cfg.resolved`` (the plan prints it); offload also starts the process group
+    of one it needs. A run that nothing fits is refused here, before anything heavy, unless
+    ``--ignore_memory_estimate`` (or a dry run: its plan warns)."""
+    from gptoughts.train.plan import layout_search
+
+    search = layout_search(cfg, env, model)
+    if search is None:
+        return cfg, env
+    # rank 0's choice for all: the host memory each rank reads differs by a little
+    choice = pdist.broadcast_object(search.choose(), env.dist)
+    if choice.refusal and not dry_run and not cfg.perf.ignore_memory_estimate:
+        raise UserError(choice.refusal)
+    if choice.layout == search.start:
+        return cfg, env
+    cfg = replace(choice.layout.apply(cfg, search.start), resolved={**cfg.resolved, **choice.why})
+    if choice.layout.cpu_offload and not env.dist.cpu_offload:
+        par = cfg.parallel
+        dist = (
+            replace(env.dist, strategy="fsdp", cpu_offload=True)  # a dry run trains nothing: no process group
+            if dry_run
+            else pdist.init(
+                env.device, par.backend, par.strategy, 1, 1, True, ddp_bucket_mb=par.ddp_bucket_mb
+            )
+        )
+        env = replace(env, dist=dist)
+    return cfg, env
+
+
+def layout_refusal(cfg: Config, env: Environment, model: Model, lead: str) -> str:
+    """The refusal of a run that does not fit, led by ``lead``: the memory each way out would need (estimates), or
+    the ways out alone where the run has no estimate."""
+    from gptoughts.train.plan import GPU_FIXES, layout_search
+
+    search = layout_search(cfg, env, model)
+    return search.refusal(lead) if search is not None else f"{lead}: {GPU_FIXES}"
+
+
 def _plan(
     cfg: Config,
     env: Environment,
@@ -1026,7 +1075,8 @@ def _plan(
             for k, v in model.built.resolved.items()
         }
     )
-    resolved = {**cfg.resolved, **env.resolved, **built, **batch.why}
+    # (the config's own last: the memory layout's reasons replace the "asked" of the values it set)
+    resolved = {**env.resolved, **built, **batch.why, **cfg.resolved}
     if env.dist.pp > 1:
         from gptoughts.parallel import pp
 

@@ -9,11 +9,13 @@ longer than most documents, a cap that cuts the corpus.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from gptoughts.perf.layout import KEYS, REFUSE_ABOVE, Layout, LayoutSearch, Need, gib_figure
 
 # Beyond ~4 epochs, repeated data adds little and overfits (Muennighoff et al. 2023, "Scaling data-constrained
 # language models").
@@ -155,6 +157,9 @@ class RunPlan:
         ac = str(self.resolved.get("activation_checkpointing", "none"))
         if not ac.startswith("none"):
             lines.append(f"  activation checkpointing: {ac}")
+        for key, label in (("optimizer_states", "optimizer states"), ("cpu_offload", "CPU offload")):
+            if key in self.resolved:  # (set by the memory layout's choice, with why)
+                lines.append(f"  {label}: {self.resolved[key]}")
         fp8 = str(self.resolved.get("fp8", "False"))
         if not fp8.startswith("False"):
             n = self.resolved.get("fp8_linears")
@@ -387,35 +392,116 @@ def device_memory_gib(env: Any) -> float | None:
     the memory available now (``MemAvailable`` within the cgroup's limit, split between the processes torchrun
     started on this machine); None when unknown."""
     if env.device.type == "cpu":
-        import os
-
-        from gptoughts.train import checkpoint as ckpt
-
-        free = ckpt.host_memory_available()
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if env.dist.enabled else 1
-        return free / max(1, local) / 2**30 if free else None
+        return host_memory_gib(env)
     return (env.hw.memory_bytes or 0) / 2**30 or None
 
 
-# An estimate beyond the device's memory by more than its own error (within 3% of measured peaks on an H200,
-# bench/BENCHMARKS.md) is refused before anything is built: it would end out of memory, and on a CPU the kernel
-# kills the process without a word.
-REFUSE_ABOVE = 1.1
+def host_memory_gib(env: Any) -> float | None:
+    """This process's share of the host memory available now (``MemAvailable`` within the cgroup's limit, split
+    between the processes torchrun started on this machine); None when unknown."""
+    import os
+
+    from gptoughts.train import checkpoint as ckpt
+
+    free = ckpt.host_memory_available()
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if env.dist.enabled else 1
+    return free / max(1, local) / 2**30 if free else None
+
+
+def layout_search(cfg: Any, env: Any, model: Any) -> LayoutSearch | None:
+    """What the memory layout is chosen from (``perf/layout.py``) for this run on this GPU: its settings now, those
+    the user set, the GPU's memory (or ``perf.gpu_memory_gib``) and the host's, and :func:`estimate_peak` of each
+    layout at the micro-batch given (auto: its smallest, 1). None off CUDA (the cap is a GPU's; a CPU run is bounded
+    by the host's available memory, :func:`memory_refusal`) or without a memory figure."""
+    import importlib.util
+
+    from gptoughts.perf import checkpointing
+
+    gpu = device_memory_gib(env)
+    if env.device.type != "cuda" or not gpu:
+        return None
+    t = cfg.train
+    micro = t.batch_size if isinstance(t.batch_size, int) else 1
+    start = Layout(
+        checkpointing.resolve(cfg.perf.activation_checkpointing, cfg.lora)[0],
+        t.optimizer_states,
+        env.dist.cpu_offload,
+    )
+    # background checkpoints keep a host copy of the states (checkpoint_staging_gib): host memory too
+    staged = cfg.checkpoint.checkpoints and cfg.checkpoint.async_save
+
+    def measure(layout: Layout) -> Need | None:
+        dist = replace(env.dist, strategy="fsdp", cpu_offload=True) if layout.cpu_offload else env.dist
+        e = estimate_peak(
+            layout.apply(cfg, start),
+            replace(env, dist=dist),
+            model,
+            micro,
+            t.block_size,
+            dist.world_size,
+            dist.tp,
+        )
+        if e is None:
+            return None
+        staging = e.checkpoint_staging_gib if staged else 0.0
+        return Need(e.total_gib, e.host_gib + staging, staging)
+
+    capped = cfg.perf.gpu_memory_gib is not None
+    return LayoutSearch(
+        start=start,
+        measure=measure,
+        gpu_gib=gpu,
+        host_gib=host_memory_gib(env),
+        what=f"{model.family.name}/{cfg.model.size}"
+        if cfg.model.init_from is None
+        else str(cfg.model.init_from),
+        where=f"the {gib_figure(gpu)} of --gpu_memory_gib" if capped else f"this GPU's {gib_figure(gpu)}",
+        shape=f"micro-batch {micro} x {t.block_size:,} tokens",
+        fixed=_fixed_layout(cfg, env),
+        eight_bit=importlib.util.find_spec("torchao") is not None
+        and t.optimizer == "adamw"
+        and not env.dist.sharded
+        and env.dist.pp == 1,
+    )
+
+
+def _fixed_layout(cfg: Any, env: Any) -> dict[str, str]:
+    """The layout's fields the chooser leaves as they are, and why: those the user set (an ``auto`` is not a
+    setting), and offload where the launch rules it out."""
+    out = {}
+    for name, key in KEYS.items():
+        section, field_name = key.split(".")
+        value = getattr(getattr(cfg, section), field_name)
+        if cfg.is_given(key) and value != "auto":
+            out[name] = f"you set {key} = {str(value).lower() if isinstance(value, bool) else value}"
+    d, strategy = env.dist, cfg.parallel.strategy
+    if "cpu_offload" in out or d.cpu_offload:
+        return out
+    if d.tp > 1 or d.pp > 1:
+        out["cpu_offload"] = "offload is FSDP's alone, not with --parallel.tp or --parallel.pp"
+    elif strategy in ("ddp", "none"):
+        out["cpu_offload"] = f"not under parallel.strategy = {strategy}"
+    elif d.enabled:  # the process group started without the CPU backend offload's collectives need
+        out["cpu_offload"] = "with several processes, pass --parallel.cpu_offload true when launching"
+    return out
+
+
+# The ways out of a GPU's memory (the layout chooser tries the first three itself: perf/layout.py).
+GPU_FIXES = (
+    "use --activation_checkpointing selective|full, --train.optimizer_states bf16, --parallel.cpu_offload true, a "
+    "lower --batch_size or --block_size, or several GPUs (FSDP)"
+)
 
 
 def memory_refusal(plan: RunPlan, on_cpu: bool) -> str | None:
-    """The one-line refusal of a run whose estimated peak clearly exceeds the device's memory (None: it fits)."""
+    """The one-line refusal of a run whose estimated peak clearly exceeds the device's memory (None: it fits): it
+    would end out of memory, and on a CPU the kernel kills the process without a word."""
     mem, limit = plan.memory_gib, plan.device_memory_gib
     if mem is None or not limit or mem <= REFUSE_ABOVE * limit:
         return None
     b = plan.batch
     where = f"the {gib(limit)} this machine has available" if on_cpu else f"this GPU's {gib(limit)}"
-    fixes = (
-        "lower --batch_size or --block_size, or train a smaller --size here"
-        if on_cpu
-        else "use --activation_checkpointing selective|full, a lower --batch_size or --block_size, or several "
-        "GPUs (FSDP)"
-    )
+    fixes = "lower --batch_size or --block_size, or train a smaller --size here" if on_cpu else GPU_FIXES
     return (
         f"the estimated peak memory, ~{gib(mem)} at micro-batch {b['micro_batch']} x {b['block_size']:,} tokens, "
         f"exceeds {where}: {fixes}; --ignore_memory_estimate tries anyway"
@@ -524,8 +610,7 @@ def _warnings(
             )
         else:
             out.append(
-                f"the estimated peak ({gib(memory)}) exceeds this GPU's {gib(device_memory)}: use "
-                f"--activation_checkpointing selective|full, --batch_size auto or several GPUs (FSDP){refused}"
+                f"the estimated peak ({gib(memory)}) exceeds this GPU's {gib(device_memory)}: {GPU_FIXES}{refused}"
             )
     if cfg.model.size == "debug" and data.init_from is None and cfg.model.overrides == {}:
         out.append(

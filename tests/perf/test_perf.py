@@ -164,7 +164,7 @@ def test_autobatch_safety_margin_and_cache(tmp_path):
 
 def test_autobatch_nothing_fits_is_a_clear_error(tmp_path):
     fake = FakeMemory(0)
-    with pytest.raises(UserError, match="not even one sequence fits"):
+    with pytest.raises(autobatch.NothingFits, match="not even one row fits.*--parallel.cpu_offload true"):
         autobatch.find_batch_size(
             fake.step,
             torch.device("cpu"),

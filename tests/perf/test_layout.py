@@ -1,0 +1,349 @@
+"""The memory layout chooser (issue 36, items 1 and 4): when a model's training state does not fit the GPU (or
+``--gpu_memory_gib``), the settings the user left to their defaults change in a fixed order (activation
+checkpointing, optimizer states, CPU offload) until the estimate fits; where nothing does, the refusal names every
+option with the memory it needs. Everything here runs on estimates (meta-device models): no GPU, no allocation.
+A GPU run is rehearsed on this CPU machine by a pretend H100 profile (the cap is a GPU's: on a CPU the plan is
+bounded by the host's available memory instead, and no layout is chosen)."""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import pytest
+import torch
+from cli_helpers import run_cli
+
+import gptoughts
+from gptoughts import models
+from gptoughts.config import load_config
+from gptoughts.errors import UserError
+from gptoughts.perf import autobatch, hardware
+from gptoughts.perf.estimate import estimate
+from gptoughts.perf.layout import FIT, Layout, LayoutSearch, Need
+from gptoughts.train import build as build_mod
+from gptoughts.train import checkpoint as ckpt
+
+GIB = 2**30
+CAPS = (16, 24, 40, 80)
+# The seeds' sizes (the INL guide's 3b and 4b, the textbook's Llamas) and each other family's sizes.
+SEED_SIZES = [("inl", "3b"), ("inl", "4b"), ("llama", "1b"), ("llama", "3b"), ("llama", "8b"), ("deepseek", "small"),
+              ("deepseek", "16b"), ("llada", "medium"), ("llada", "8b"), ("gpt2", "small"), ("gpt2", "xl")]  # fmt: skip
+HOST_GIB = 100.0  # a workstation's RAM, as MemAvailable reports it
+OFFLOAD_FLAG = "--parallel.cpu_offload true"
+
+
+def _h100(cap_gib: float) -> hardware.HardwareProfile:
+    p = hardware.HardwareProfile(
+        device="cuda:0",
+        name="NVIDIA H100 80GB HBM3",
+        arch="hopper",
+        compute_capability=(9, 0),
+        memory_bytes=int(cap_gib * GIB),
+        gpu_count=1,
+        cpu_count=2,
+        peak_bf16_flops=989e12,
+        bf16=True,
+        fp16=True,
+        fp8=True,
+        compile=True,
+    )
+    p.recommended = hardware.recommend(p)
+    return p
+
+
+@pytest.fixture
+def pretend_gpu(monkeypatch):
+    """Runs on this CPU machine see one H100 whose memory is the run's --gpu_memory_gib (80 GiB without it), and a
+    host with HOST_GIB available. Only what a dry run touches is pretended: nothing is allocated on it."""
+    monkeypatch.setattr(hardware, "resolve_device", lambda requested="auto": torch.device("cuda", 0))
+    monkeypatch.setattr(hardware, "apply_runtime_settings", lambda *a, **k: None)
+    monkeypatch.setattr(hardware, "detect", lambda device="auto": _h100(80))
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda *a, **k: None)
+    monkeypatch.setattr(ckpt, "host_memory_available", lambda: int(HOST_GIB * GIB))
+
+
+def _args(family: str, size: str):
+    cfg = load_config(None, {"model.family": family, "model.size": size})
+    spec = str(cfg.data.tokenizer)
+    vocab = int(spec.split(":")[1]) if spec.startswith("bpe:") else 320
+    return cfg, {"vocab_size": -(-vocab // 64) * 64}
+
+
+@functools.cache
+def _need(family: str, size: str, layout: Layout) -> Need:
+    """The estimate a run of ``family``/``size`` at its size defaults (micro-batch 1: the auto batch's smallest)
+    makes for ``layout``: what the chooser sees (bf16 residual, chunked loss, one GPU)."""
+    cfg, overrides = _args(family, size)
+    e = estimate(
+        family,
+        size,
+        overrides,
+        batch_size=1,
+        block_size=cfg.train.block_size,
+        activation_checkpointing=layout.activation_checkpointing,
+        optimizer_states=layout.optimizer_states,
+        cpu_offload=layout.cpu_offload,
+        residual_dtype="bf16",
+    )
+    staged = e.checkpoint_staging_gib  # background checkpoints' host copy (async_save, the default)
+    return Need(e.total_gib, e.host_gib + staged, staged)
+
+
+def _search(family: str, size: str, cap: float, **kw) -> LayoutSearch:
+    cfg, _ = _args(family, size)
+    ac = cfg.perf.activation_checkpointing
+    start = Layout(activation_checkpointing="none" if ac == "auto" else ac)
+    return LayoutSearch(
+        start=start,
+        measure=functools.partial(_need, family, size),
+        gpu_gib=cap,
+        host_gib=kw.pop("host_gib", HOST_GIB),
+        what=f"{family}/{size}",
+        where=f"this GPU's {cap:.1f} GiB",
+        shape=f"micro-batch 1 x {cfg.train.block_size:,} tokens",
+        **kw,
+    )
+
+
+# ------------------------------------------------------------------------------------------------ item 4
+@pytest.mark.parametrize(("family", "size"), SEED_SIZES)
+def test_the_chosen_layout_fits_each_cap_or_the_refusal_names_offload(family, size):
+    for cap in CAPS:
+        search = _search(family, size, cap)
+        choice = search.choose()
+        if choice.refusal is None:
+            need = _need(family, size, choice.layout)  # the estimator's own figure, not the chooser's
+            assert need.gpu_gib <= FIT * cap, (family, size, cap, choice)
+            assert not choice.layout.cpu_offload or need.host_gib <= FIT * HOST_GIB
+            if choice.layout == search.start:
+                assert choice.why == {}
+            else:  # each setting changed says why, with the figure it went by
+                assert set(choice.why) == set(choice.layout.changes(search.start)), choice.why
+                assert all("auto" in w and "GiB" in w for w in choice.why.values()), choice.why
+        else:
+            text = choice.refusal
+            assert choice.layout == search.start and OFFLOAD_FLAG in text and "host" in text, text
+            assert "\n" not in text and "--ignore_memory_estimate" in text
+            # every option with the memory it would need
+            assert text.count("GiB") >= 4 and "--activation_checkpointing full" in text, text
+            assert "--train.optimizer_states bf16" in text, text
+
+
+def test_the_guides_hardware_gets_a_layout_in_the_fixed_order():
+    """inl/3b on 24 GiB: its states alone (~34 GiB) exceed the card, checkpointing and bf16 states are not
+    enough, CPU offload is; inl/4b on 40 GiB: full checkpointing with bf16 states fits, no offload; llama/3b on
+    40 GiB: bf16 states alone, without the checkpointing that would not be needed."""
+    three = _search("inl", "3b", 24).choose()
+    assert three.refusal is None and three.layout.cpu_offload, three
+    assert set(three.why) == {"cpu_offload"}, three.why  # the size's selective checkpointing fits offloaded
+    assert "host" in three.why["cpu_offload"]
+    four = _search("inl", "4b", 40).choose()
+    assert four.layout == Layout("full", "bf16", False), four
+    llama = _search("llama", "3b", 40).choose()
+    assert llama.layout == Layout("none", "bf16", False), llama
+
+
+def test_nothing_changes_when_the_plain_layout_fits():
+    for family, size in (("llama", "1b"), ("inl", "3b"), ("gpt2", "small")):
+        search = _search(family, size, 80)
+        choice = search.choose()
+        assert choice.layout == search.start and choice.why == {} and choice.refusal is None
+
+
+def test_a_value_the_user_set_is_kept():
+    """perf.activation_checkpointing and train.optimizer_states set: the chooser goes straight to offload; with
+    offload set false as well, nothing is left: refused, saying the offload it would have needed."""
+    fixed = {"activation_checkpointing": "you set it", "optimizer_states": "you set it"}
+    choice = _search("llama", "3b", 40, fixed=dict(fixed)).choose()
+    assert choice.layout == Layout("none", "fp32", True), choice
+    fixed["cpu_offload"] = "you set --parallel.cpu_offload false"
+    choice = _search("llama", "3b", 40, fixed=fixed).choose()
+    assert choice.layout == Layout() and choice.refusal is not None
+    assert OFFLOAD_FLAG in choice.refusal and "you set --parallel.cpu_offload false" in choice.refusal
+
+
+def test_the_host_must_hold_what_is_offloaded():
+    """Offload moves the states to host memory: with too little of it, offload is not a layout that fits, and the
+    refusal says how much host memory it would need and how much there is."""
+    choice = _search("llama", "8b", 24, host_gib=32.0).choose()
+    assert choice.refusal is not None, choice
+    m = re.search(
+        r"--parallel\.cpu_offload true ~[\d.]+ GiB and ~([\d.]+) GiB of host memory", choice.refusal
+    )
+    assert m and float(m.group(1)) > 32, choice.refusal
+    assert "32.0 GiB available" in choice.refusal
+
+
+def test_8bit_states_only_where_torchao_is():
+    plain = _search("llama", "3b", 34).choose()
+    assert plain.layout.optimizer_states != "8bit"
+    eight = _search("llama", "3b", 34, eight_bit=True).choose()
+    assert eight.layout.optimizer_states == "8bit" and not eight.layout.cpu_offload, eight
+    offloaded = _search("llama", "3b", 16, eight_bit=True).choose()  # 8-bit states are not sharded (FSDP)
+    assert offloaded.layout.cpu_offload and offloaded.layout.optimizer_states != "8bit", offloaded
+
+
+# ------------------------------------------------------------------------------------------------ item 1
+def test_the_config_records_what_the_user_set_not_the_sizes_defaults():
+    cfg = load_config(None, {"model.family": "inl", "model.size": "3b", "perf.gpu_memory_gib": 24})
+    assert cfg.perf.activation_checkpointing == "selective"  # the size's default: the chooser may raise it
+    assert "perf.activation_checkpointing" not in cfg.given and "perf.gpu_memory_gib" in cfg.given
+    cfg = load_config(
+        None, {"model.size": "3b", "perf.activation_checkpointing": "none", "parallel.cpu_offload": False}
+    )
+    assert {"perf.activation_checkpointing", "parallel.cpu_offload"} <= cfg.given
+
+
+def _dry_run(tmp_path, text_corpus, capsys, **overrides):
+    _, _, history = gptoughts.train(
+        data_path=str(text_corpus),
+        save_dir=str(tmp_path / "run"),
+        dry_run=True,
+        **{"data.tokenizer": "bytes", "train.block_size": 64, "perf.compile": False, **overrides},
+    )
+    return history.plan, capsys.readouterr().out
+
+
+def _debug_need(tmp_path, text_corpus, capsys, layout: Layout) -> float:
+    plan, _ = _dry_run(
+        tmp_path,
+        text_corpus,
+        capsys,
+        **{
+            "perf.activation_checkpointing": layout.activation_checkpointing,
+            "train.optimizer_states": layout.optimizer_states,
+            "train.batch_size": 4,
+        },
+    )
+    return plan["memory_gib"]
+
+
+def test_a_dry_run_on_a_small_gpu_plans_the_layout_and_says_why(
+    tmp_path, text_corpus, cache_dir, capsys, pretend_gpu
+):
+    """End to end through gptoughts.train(dry_run=True): the debug model with a cap between its plain estimate and
+    its estimate with selective checkpointing; the plan prints the layout chosen, one line each, with why; the
+    returned plan records it; nothing is written."""
+    plain = _debug_need(tmp_path, text_corpus, capsys, Layout())
+    selective = _debug_need(tmp_path, text_corpus, capsys, Layout("selective"))
+    assert selective < plain
+    cap = (selective / FIT + plain / FIT) / 2  # selective fits under FIT, the plain layout does not
+    plan, text = _dry_run(
+        tmp_path, text_corpus, capsys, **{"perf.gpu_memory_gib": cap, "train.batch_size": 4}
+    )
+    line = next(ln for ln in text.splitlines() if "activation checkpointing:" in ln)
+    assert re.search(r"activation checkpointing: (selective|full) \(auto: .*[MG]iB", line), line
+    assert plan["memory_gib"] <= FIT * cap and plan["device_memory_gib"] == pytest.approx(cap)
+    assert plan["resolved"]["activation_checkpointing"].split(" ")[0] in ("selective", "full")
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_set_value_is_kept_end_to_end(tmp_path, text_corpus, cache_dir, capsys, pretend_gpu):
+    """A cap where selective checkpointing would be chosen; with --activation_checkpointing none given, the next
+    step, bf16 states, is chosen instead and checkpointing stays off."""
+    plain = _debug_need(tmp_path, text_corpus, capsys, Layout())
+    bf16 = _debug_need(tmp_path, text_corpus, capsys, Layout(optimizer_states="bf16"))
+    selective = _debug_need(tmp_path, text_corpus, capsys, Layout("selective"))
+    assert selective < bf16 < plain
+    cap = (bf16 / FIT + plain / FIT) / 2
+    plan, text = _dry_run(
+        tmp_path, text_corpus, capsys, **{"perf.gpu_memory_gib": cap, "train.batch_size": 4}
+    )
+    assert plan["resolved"]["activation_checkpointing"].startswith("selective (auto")
+    assert "optimizer_states" not in plan["resolved"]
+    given = {"perf.gpu_memory_gib": cap, "train.batch_size": 4, "perf.activation_checkpointing": "none"}
+    plan, text = _dry_run(tmp_path, text_corpus, capsys, **given)
+    assert "activation_checkpointing" not in plan["resolved"] and "activation checkpointing:" not in text
+    assert re.search(r"optimizer states: bf16 \(auto: .*[MG]iB", text), text
+    assert plan["memory_gib"] <= FIT * cap
+
+
+def test_a_run_nothing_fits_is_refused_in_one_line_before_anything_is_written(
+    tmp_path, text_corpus, cache_dir, capsys, pretend_gpu
+):
+    """The user's command with a cap nothing fits (and checkpointing set off): exit 2, one line naming each option
+    with its memory, offload included, and what the user set; no traceback; no run directory."""
+    plain = _debug_need(tmp_path, text_corpus, capsys, Layout())
+    out = tmp_path / "run"
+    argv = ["train", "--data", str(text_corpus), "--out", str(out), "--tokenizer", "bytes", "--block_size", "64",
+            "--batch_size", "4", "--max_steps", "1", "--compile", "false", "--activation_checkpointing", "none",
+            "--gpu_memory_gib", str(plain / 50)]  # fmt: skip
+    code, text = run_cli(argv, capsys)
+    errors = [ln for ln in text.splitlines() if ln.startswith("error:")]
+    assert code == 2 and "Traceback" not in text and len(errors) == 1, text[-2000:]
+    line = errors[0]
+    for option in ("--activation_checkpointing full", "--train.optimizer_states bf16", OFFLOAD_FLAG):
+        assert re.search(re.escape(option) + r" ~[\d.]+ [MG]iB", line), line
+    assert "you set perf.activation_checkpointing = none" in line and "--ignore_memory_estimate" in line
+    assert not out.exists()
+
+
+def test_autobatch_finding_nothing_gives_the_layout_refusal(tmp_path, cache_dir, monkeypatch):
+    """The real-step search finding not even one row (the estimate said one fits): the same informative refusal,
+    naming offload and the memory figures, instead of a bare "lower --block_size"."""
+    from types import SimpleNamespace
+
+    from gptoughts.train import setup
+
+    monkeypatch.setattr(autobatch, "search", lambda fits, max_batch=1024: 0)
+    with pytest.raises(autobatch.NothingFits):
+        autobatch.find_batch_size(lambda b: None, torch.device("cpu"), parts={"k": 1},
+                                  cache=autobatch.BatchCache(tmp_path / "c.json"))  # fmt: skip
+
+    def nothing_fits(*a, **k):
+        raise autobatch.NothingFits()
+
+    monkeypatch.setattr(setup, "auto_micro_batch", nothing_fits)
+    monkeypatch.setattr(ckpt, "host_memory_available", lambda: int(HOST_GIB * GIB))
+    cfg = load_config(None, {"model.family": "inl", "model.size": "3b", "perf.gpu_memory_gib": 24})
+    env = build_mod.Environment(
+        device=torch.device("cuda", 0), dist=build_mod.pdist.DistInfo(), hw=_h100(24), precision="bf16"
+    )
+    args = models.model_args("inl", "3b", _args("inl", "3b")[1])
+    model = build_mod.Model(family=models.get_family("inl"), args=args, raw=None, weights=None)
+    model.built = SimpleNamespace(resolved={})
+    with pytest.raises(UserError) as e:
+        build_mod.plan_batches(cfg, env, build_mod.synthetic_data(args.vocab_size), model)
+    text = str(e.value)
+    assert "not even one row of 2,048 tokens" in text and OFFLOAD_FLAG in text, text
+    assert re.search(r"--train.optimizer_states bf16 ~[\d.]+ GiB", text) and "\n" not in text, text
+
+
+def test_on_a_cpu_the_cap_is_a_gpus_and_no_layout_is_chosen(tmp_path, text_corpus, cache_dir, capsys):
+    """--gpu_memory_gib bounds a GPU: a CPU run ignores it (its plan is bounded by the host's available memory) and
+    keeps its layout as set."""
+    plan, text = _dry_run(
+        tmp_path,
+        text_corpus,
+        capsys,
+        **{"perf.device": "cpu", "perf.gpu_memory_gib": 1e-4, "train.batch_size": 4},
+    )
+    assert plan["device_type"] == "cpu" and plan["device_memory_gib"] > 1e-3
+    assert not {"activation_checkpointing", "optimizer_states", "cpu_offload"} & set(plan["resolved"])
+    assert "CPU offload:" not in text and "optimizer states:" not in text
+
+
+def test_offload_chosen_for_a_real_run_starts_its_process_group(cache_dir, monkeypatch):
+    """A run (not a dry one) that the chooser offloads gets the one-process group offload needs, as one given
+    --parallel.cpu_offload true does, and trains with the layout it was given: the size's selective checkpointing
+    and fp32 states kept, offload's reason in the config's resolved entries."""
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(ckpt, "host_memory_available", lambda: int(HOST_GIB * GIB))
+    over = {"model.family": "inl", "model.size": "3b", "perf.gpu_memory_gib": 24, "parallel.backend": "gloo"}
+    cfg = load_config(None, over)
+    env = build_mod.Environment(
+        device=torch.device("cuda", 0), dist=build_mod.pdist.DistInfo(), hw=_h100(24), precision="bf16"
+    )
+    args = models.model_args("inl", "3b", _args("inl", "3b")[1])
+    model = build_mod.Model(family=models.get_family("inl"), args=args, raw=None, weights=None)
+    try:
+        chosen, env = build_mod.choose_memory_layout(cfg, env, model, dry_run=False)
+        assert torch.distributed.is_initialized() and env.dist.cpu_offload and env.dist.strategy == "fsdp"
+    finally:
+        build_mod.pdist.shutdown()
+    assert chosen.parallel.cpu_offload and chosen.perf.activation_checkpointing == "selective"
+    assert chosen.train.optimizer_states == "fp32" and chosen.resolved["cpu_offload"].startswith(
+        "true (auto:"
+    )
+    assert not cfg.parallel.cpu_offload  # the caller's config is not changed in place
