@@ -11,9 +11,13 @@ common=(--data @stdlib --data.max_bytes 8000000 --max_steps "$STEPS" --grad_accu
 run() {  # NAME TIMEOUT ARGS...
   local name=$1 limit=$2; shift 2
   echo "== $name: gptoughts train $* ${common[*]}"
-  timeout "$limit" gptoughts train "$@" "${common[@]}" --out "/tmp/runs/$name" >"$OUT/$name.log" 2>&1
+  # the host's peak (offloaded states live there): the process's maximum resident set, from the kernel
+  timeout "$limit" python3 -c 'import resource, subprocess, sys
+rc = subprocess.call(sys.argv[1:])
+print(f"host peak RSS {resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20:.1f} GiB")
+sys.exit(rc)' gptoughts train "$@" "${common[@]}" --out "/tmp/runs/$name" >"$OUT/$name.log" 2>&1
   echo "exit $?"; cp "/tmp/runs/$name/metrics.jsonl" "$OUT/$name-metrics.jsonl" 2>/dev/null
-  grep -E "plan:|checkpointing|optimizer states|CPU offload|memory:|done|warning|error" "$OUT/$name.log" | cut -c1-400
+  grep -E "plan:|checkpointing|optimizer states|CPU offload|memory:|done|warning|error|host peak|Traceback" "$OUT/$name.log" | cut -c1-400
   nvidia-smi --query-gpu=memory.used --format=csv,noheader 2>/dev/null | head -1
 }
 run inl-3b-24gib 260 --model inl --size 3b --gpu_memory_gib 24
