@@ -612,7 +612,17 @@ def plan_batches(
                 lead = f"not even one row of {t.block_size:,} tokens fits in real training steps"
                 raise UserError(layout_refusal(cfg, env, model, lead)) from None
             why["batch_size"] = "auto: largest that fits" + (" (cached)" if cached else "")
-        if t.global_batch_tokens:
+        if t.global_batch_tokens and cfg.is_given("train.grad_accum"):
+            if cfg.is_given("train.global_batch_tokens"):
+                raise ConfigError(
+                    "--grad_accum and --global_batch_tokens both set the accumulation of an automatic batch; "
+                    "give one of them"
+                )
+            why["grad_accum"] = (
+                f"{accum} (--grad_accum): the global batch follows the automatic micro-batch, not the size's "
+                f"train.global_batch_tokens = {t.global_batch_tokens:,}"
+            )
+        elif t.global_batch_tokens:
             # A micro-batch larger than the global batch would overshoot the target: cap it there. Then the
             # fewest accumulation steps with a micro-batch that fits, and the smallest micro-batch that reaches
             # the target with them (115 x 3 x 2048 would overshoot 0.5M by 35%; 86 x 3 is within 1%).

@@ -130,6 +130,7 @@ class RunPlan:
             )
             + f" = {b['tokens_per_step']:,} tokens per step"
             + (f" (batch_size {self.resolved['batch_size']})" if "batch_size" in self.resolved else "")
+            + (f"; accumulation {self.resolved['grad_accum']}" if "grad_accum" in self.resolved else "")
         )
         ev = f"eval every {b['eval_interval']:,}" if b["eval_interval"] else "eval at the end"
         if b.get("eval_block") == 0:

@@ -225,6 +225,22 @@ def test_cpu_auto_batch_says_what_it_chose_and_why(tmp_path, text_corpus, cache_
     assert 1 <= int(re.search(r"batch: (\d+) x", line).group(1)) < full, line
 
 
+def test_an_accumulation_the_user_gives_is_kept_under_an_automatic_batch(
+    tmp_path, text_corpus, cache_dir, capsys
+):
+    """A size's global batch (125m: 524,288 tokens) sets the accumulation of an automatic batch, unless the user
+    gave --grad_accum: then theirs (it was overridden: asked 1, planned 128)."""
+    argv = ["train", "--data", str(text_corpus), "--size", "125m", "--out", str(tmp_path / "r"), "--dry_run",
+            *QUIET_CPU, "--max_steps", "10", "--grad_accum", "1"]  # fmt: skip
+    text = _ok(argv, capsys)
+    assert re.search(r"batch: \d+ x 2048 tokens x accumulation 1 ", text), text
+    assert "(--grad_accum)" in text
+    text = _ok(argv[:-2], capsys)
+    assert not re.search(r"x accumulation 1 ", text), text  # the size's global batch otherwise
+    code, out = run_cli([*argv, "--global_batch_tokens", "65536"], capsys)
+    assert code == 2 and "give one of them" in out
+
+
 def _overrides(argv: list[str]) -> dict:
     preset, overrides, _ = cli.parse_overrides(argv[1:])
     assert preset is None
