@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from gptoughts import models
-from gptoughts.train import checkpoint as ckpt
+from gptoughts.training import checkpoint as ckpt
 
 
 def build(size: str, with_state: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer]:

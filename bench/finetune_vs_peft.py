@@ -198,10 +198,10 @@ def run_ours(
     device: torch.device,
     extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Our LoRA step, assembled by gptoughts.train.build exactly as `gptoughts finetune` assembles it."""
+    """Our LoRA step, assembled by gptoughts.training.build exactly as `gptoughts finetune` assembles it."""
     from gptoughts.config import load_config
     from gptoughts.models.hf import load_tokenizer
-    from gptoughts.train.build import (
+    from gptoughts.training.build import (
         build_model,
         plan_batches,
         setup_environment,

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from gptoughts.data.tokenizer import bytes_tokenizer
 from gptoughts.models import build_model, model_args
-from gptoughts.train.optim import Schedule, build_adamw
+from gptoughts.training.optim import Schedule, build_adamw
 
 
 def load_corpus(max_bytes: int, val_every: int) -> tuple[np.ndarray, np.ndarray]:

@@ -23,7 +23,7 @@
 #            dependent launch), at 125m and at the 47M small shape; each row's wall time includes its compile.
 #   pool:    start-up of the speedrun config (13 steps, one evaluation) from an empty compile cache, with the
 #            compile workers started before the data and model steps and at the first graph (torch's), twice each,
-#            alternating (needs gptoughts.train.build.start_compile_workers, of commit df10059: no gain measured,
+#            alternating (needs gptoughts.training.build.start_compile_workers, of commit df10059: no gain measured,
 #            removed since), then an eager start-up of the same config under cProfile.
 #   small:   small models on the user's path (train with auto batch, evaluations, samples): per-block compile ("old",
 #            the default before session 10), auto (a 40-step run is too short for the whole model: per-block), the
@@ -136,7 +136,7 @@ if [ "$part" = parity ]; then
 fi
 if [ "$part" = ttl ]; then
   for n in 1 2; do
-    python3 -X importtime -c "import gptoughts.api, gptoughts.train.build, gptoughts.train.setup, torch; \
+    python3 -X importtime -c "import gptoughts.api, gptoughts.training.build, gptoughts.training.setup, torch; \
 torch.zeros(1, device='cuda')" 2> "$out/importtime-$n.txt"
     python3 - "$out/importtime-$n.txt" <<'PY' | tee -a "$out/summary.txt"
 import sys
@@ -163,7 +163,7 @@ if [ -n "${PYC:-}" ]; then
   for i in 1 2; do
     t0=$(date +%s.%N)
     python3 -c "import torch, torch._dynamo, torch._inductor.compile_fx, transformers, transformers.trainer, \
-matplotlib.pyplot, gptoughts.api, gptoughts.train.build, gptoughts.train.setup, gptoughts.train.trainer"
+matplotlib.pyplot, gptoughts.api, gptoughts.training.build, gptoughts.training.setup, gptoughts.training.trainer"
     echo "pyc warm-up $i: $(python3 -c "import time; print(round(time.time() - $t0, 1))") s" | tee -a "$out/summary.txt"
   done
 fi
@@ -219,7 +219,7 @@ if [ "$part" = pool ]; then
       rm -rf /tmp/pool-cache
       TORCHINDUCTOR_CACHE_DIR=/tmp/pool-cache/i TRITON_CACHE_DIR=/tmp/pool-cache/t EARLY=$early python3 -c "
 import os, sys
-from gptoughts.train import build as b
+from gptoughts.training import build as b
 if os.environ['EARLY'] == 'late':
     b.start_compile_workers = lambda *a: None
 from gptoughts.cli import main

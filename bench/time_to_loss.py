@@ -231,7 +231,7 @@ class _NoDist:
 
 def prepare_shards(cfg: Any) -> tuple[Any, Any]:
     """Tokenize once, into the cache every run reads; returns (Data, model args)."""
-    from gptoughts.train.build import build_model, prepare_data
+    from gptoughts.training.build import build_model, prepare_data
 
     env = _NoDist()
     data = prepare_data(cfg, env)  # type: ignore[arg-type]
@@ -349,7 +349,7 @@ def run_gptoughts(v: Variant, a: argparse.Namespace, common: list[str], out: Pat
 
 
 def run_hf(a: argparse.Namespace, cfg: Any, data: Any, margs: Any, steps: int, eval_every: int, out: Path):
-    from gptoughts.train.optim import default_warmup
+    from gptoughts.training.optim import default_warmup
 
     t = cfg.train
     if t.schedule != "cosine":

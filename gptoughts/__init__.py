@@ -14,8 +14,6 @@ Python API::
     gptoughts.export("runs/ft", "my-hf-model-ft")
 """
 
-import sys
-import types
 from typing import Any
 
 from gptoughts.errors import ConfigError, DataError, HardwareError, UserError
@@ -42,21 +40,6 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_API))
-
-
-class _Package(types.ModuleType):
-    """The import system binds a subpackage to its parent's attribute of the same name: importing
-    ``gptoughts.train.build`` would make ``gptoughts.train`` the subpackage instead of the API function. The eager
-    import this replaces rebound the name to the function last; here the binding is refused instead
-    (``from gptoughts.train import build`` goes through ``sys.modules`` and is unaffected)."""
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name in _API and isinstance(value, types.ModuleType):
-            return
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package
 
 
 __version__ = "0.1.0"

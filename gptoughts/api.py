@@ -1,5 +1,5 @@
 """The Python API: ``train``, ``finetune``, ``load``, ``generate``, ``evaluate``, ``export``. The CLI is a thin
-layer over these; the assembly of a run is ``gptoughts.train.build``."""
+layer over these; the assembly of a run is ``gptoughts.training.build``."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from gptoughts.models import GENERIC_FAMILY
 from gptoughts.models.hf import HFCausalLM, is_hf_folder, load_pretrained
 from gptoughts.parallel import dist as pdist
 from gptoughts.perf import hardware
-from gptoughts.train import checkpoint as ckpt
+from gptoughts.training import checkpoint as ckpt
 
 
 @dataclass
@@ -169,11 +169,11 @@ def finetune(
 
 
 def run_training(cfg: Config, *, dry_run: bool = False) -> tuple[nn.Module, Any, History]:
-    """Assemble the run (``train/build.py``), print its plan, train, print and write the summary."""
+    """Assemble the run (``training/build.py``), print its plan, train, print and write the summary."""
     from gptoughts.perf.startup import Startup, startup_clock
     from gptoughts.tools.task_scorer import read_scorer
-    from gptoughts.train.build import build, setup_environment
-    from gptoughts.train.metrics import console
+    from gptoughts.training.build import build, setup_environment
+    from gptoughts.training.metrics import console
 
     startup = Startup(imports_s=0.0, origin=startup_clock())
     startup.imports_s = startup.age()
@@ -298,7 +298,7 @@ def _summary(asm: Any, history: History, wall: float, start: tuple[int, int]) ->
     """What the run did, for the end of the log and ``RUN/summary.json``; the plots are drawn here too. ``steps``
     and ``tokens`` are the whole run's; ``session_*``, ``wall_s``, ``tokens_per_s`` and ``mfu`` this process's,
     which resumed the run at ``start`` = (step, tokens)."""
-    from gptoughts.train.rundir import write_text_atomic
+    from gptoughts.training.rundir import write_text_atomic
 
     tokens = history.tokens - start[1]
     tps = tokens / wall if wall > 0 else None
@@ -334,7 +334,7 @@ def _summary(asm: Any, history: History, wall: float, start: tuple[int, int]) ->
 
 
 def _print_summary(asm: Any, history: History) -> None:
-    from gptoughts.train.metrics import console
+    from gptoughts.training.metrics import console
 
     s, run = history.summary, asm.run_dir
     if history.sample:
@@ -398,7 +398,7 @@ def load(path: str | Path, device: str = "auto", *, trust_remote_code: bool = Fa
     ``model.init_from`` folder, then load the checkpoint (the adapters) over it; the result is the PEFT model
     (``merge_and_unload()`` gives the plain one)."""
     from gptoughts.data.tokenizer import Tokenizer
-    from gptoughts.train.setup import TrainableWeights, apply_lora, build_raw_model
+    from gptoughts.training.setup import TrainableWeights, apply_lora, build_raw_model
 
     dev = hardware.resolve_device(device)
     if is_hf_folder(path):
@@ -526,8 +526,8 @@ def evaluate(
     ``max_batches`` batches spread evenly over it."""
     from gptoughts.data.loader import TokenDataset, eval_batches
     from gptoughts.data.prepare import cached_prepare
-    from gptoughts.train.build import resolve_sources
-    from gptoughts.train.objectives import build_objective
+    from gptoughts.training.build import resolve_sources
+    from gptoughts.training.objectives import build_objective
 
     cfg = loaded.config
     block = block_size or cfg.train.block_size

@@ -460,7 +460,7 @@ def cmd_prepare(argv: Sequence[str]) -> int:
     preset, overrides, _ = parse_overrides(rest, sections=("model", "data", "train"), switches=())
     from gptoughts.config import load_config
     from gptoughts.data.prepare import prepare
-    from gptoughts.train.build import resolve_sources
+    from gptoughts.training.build import resolve_sources
 
     cfg = load_config(preset, overrides)
     d = cfg.data
@@ -538,7 +538,7 @@ def _save_task_scores(run: Path, scores: dict[str, Any]) -> None:
         old = json.loads(path.read_text()) if path.is_file() else {}
     except (OSError, ValueError):
         old = {}
-    from gptoughts.train.rundir import write_text_atomic
+    from gptoughts.training.rundir import write_text_atomic
 
     try:
         write_text_atomic(
@@ -736,7 +736,7 @@ def cmd_plot(argv: Sequence[str]) -> int:
     p.add_argument("runs", nargs="+", help="run directories (each holds metrics.jsonl)")
     p.add_argument("--out", default=None, help="with several runs: the PNG to write (default compare.png)")
     a = p.parse_args(argv)
-    from gptoughts.train.plots import compare_runs, write_run_plots
+    from gptoughts.training.plots import compare_runs, write_run_plots
 
     if len(a.runs) == 1 and a.out is None:
         if not (Path(a.runs[0]) / "metrics.jsonl").is_file():
@@ -777,7 +777,7 @@ def cmd_env(argv: Sequence[str]) -> int:
     prof = detect(a.device)
     d = prof.to_dict()
     d["attention"] = available(torch.device(prof.device))
-    # perf.sdpa_backend = auto's choice (train/setup.py attention_rule: FA4 measured faster where it runs)
+    # perf.sdpa_backend = auto's choice (training/setup.py attention_rule: FA4 measured faster where it runs)
     d["recommended"]["attention"] = "fa4" if d["attention"].get("fa4") == "available" else "sdpa"
     if a.json:
         print(json.dumps(d, default=str))

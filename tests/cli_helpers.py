@@ -5,7 +5,9 @@ Imported by name (``from cli_helpers import ...``): pytest puts this folder on s
 
 from __future__ import annotations
 
+import hashlib
 import re
+from pathlib import Path
 
 from gptoughts import cli
 
@@ -57,3 +59,24 @@ def plan_of(text: str) -> tuple[str, str, int]:
     m = re.search(r"plan: (\w+)/(\w+), ([\d,]+) parameters", text)
     assert m, text[-1500:]
     return m.group(1), m.group(2), int(m.group(3).replace(",", ""))
+
+
+def refused(argv: list[str], capsys, *needles: str) -> str:
+    """``gptoughts ARGV``, which must be refused in one line (exit 2, no traceback) holding every needle; the line."""
+    code, text = run_cli(argv, capsys)
+    assert code == 2, text[-2000:]
+    assert "Traceback" not in text, text[-2000:]
+    errors = [ln for ln in text.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1, text[-2000:]
+    for n in needles:
+        assert n in errors[0], errors[0]
+    return errors[0]
+
+
+def snapshot(folder: Path) -> dict[str, str]:
+    """Every file under ``folder`` by its SHA-256: what a refusal must leave as it was."""
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }

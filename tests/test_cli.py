@@ -289,7 +289,7 @@ def test_wandb_offline(tmp_path, text_corpus, cache_dir, fast, monkeypatch):
 @pytest.mark.slow
 def test_version_and_help_do_not_import_torch_and_the_api_stays_callable():
     """The package imports its API on first use: `gptoughts --version` / `--help` start without torch; importing a
-    subpackage first (gptoughts.train.build) does not replace gptoughts.train, the function."""
+    subpackage (gptoughts.training.build: the package is not named train) leaves gptoughts.train the function."""
     import subprocess
     import sys
 
@@ -299,7 +299,7 @@ def test_version_and_help_do_not_import_torch_and_the_api_stays_callable():
         code += "assert 'torch' not in sys.modules, 'torch imported'"
         subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
     code = (
-        "import gptoughts.train.build, gptoughts; from gptoughts import train, generate; "
+        "import gptoughts.training.build, gptoughts; from gptoughts import train, generate; "
         "assert callable(gptoughts.train) and train is gptoughts.train and generate.__name__ == 'generate_text'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -16,8 +16,8 @@ from gptoughts.config import load_config
 from gptoughts.data.tokenizer import bytes_tokenizer
 from gptoughts.errors import ConfigError
 from gptoughts.tools.task_scorer import read_scorer
-from gptoughts.train import checkpoint as ckpt
-from gptoughts.train.trainer import combine_task_scores
+from gptoughts.training import checkpoint as ckpt
+from gptoughts.training.trainer import combine_task_scores
 
 EXAMPLES = [
     {"context": "def f(x):\n    return", "choices": [" x", " banana"], "answer": 0},
@@ -83,7 +83,7 @@ def test_tasks_are_scored_at_their_steps_logged_plotted_and_leave_training_alone
     assert (run / "plots" / "tasks.png").stat().st_size > 1000
     from PIL import Image
 
-    from gptoughts.train.plots import compare_runs
+    from gptoughts.training.plots import compare_runs
 
     with Image.open(compare_runs([run, tmp_path / "plain"], tmp_path / "cmp.png")) as png:
         assert png.height > 1200  # a third row: the task scores of the runs that have them

@@ -1,11 +1,10 @@
 """Never lose a run (issue 11): refusals instead of silent restarts, one process per run directory, every failure
 one line with a non-zero exit, and nothing that was saved is damaged. Through the CLI as a user types it.
-(Non-finite and spike recovery: tests/train/test_recovery.py.)"""
+(Non-finite and spike recovery: tests/training/test_recovery.py.)"""
 
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import os
 import signal
@@ -17,34 +16,15 @@ from pathlib import Path
 import pytest
 import torch
 from cli_helpers import FASTRUN as CPU_FASTRUN
-from cli_helpers import run_cli
+from cli_helpers import refused, run_cli, snapshot
 
-from gptoughts.train import checkpoint as ckpt
-from gptoughts.train.rundir import RunLock
+from gptoughts.training import checkpoint as ckpt
+from gptoughts.training.rundir import RunLock
 
 FASTRUN = [*CPU_FASTRUN, "--tokenizer", "bytes"]
 
 
 _run = run_cli
-
-
-def _refused(argv: list[str], capsys, *needles: str) -> str:
-    code, text = _run(argv, capsys)
-    assert code == 2, text[-2000:]
-    assert "Traceback" not in text
-    errors = [ln for ln in text.splitlines() if ln.startswith("error:")]
-    assert len(errors) == 1, text[-2000:]
-    for n in needles:
-        assert n in errors[0], errors[0]
-    return errors[0]
-
-
-def _snapshot(folder: Path) -> dict[str, str]:
-    return {
-        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(folder.rglob("*"))
-        if p.is_file()
-    }
 
 
 @pytest.fixture
@@ -80,21 +60,21 @@ def test_resume_with_every_checkpoint_corrupt_refuses_and_changes_nothing(run, c
     for step in (2, 4):
         f = ckpt.step_dir(run / "checkpoints", step) / ckpt.MODEL_FILE
         f.write_bytes(f.read_bytes()[:-10] + b"0123456789")
-    before = _snapshot(run)
-    _refused(
+    before = snapshot(run)
+    refused(
         ["train", "--resume", "auto", "--out", str(run), "--max_steps", "6"],
         capsys,
         "every checkpoint",
         "nothing was changed",
     )
-    assert _snapshot(run) == before
+    assert snapshot(run) == before
 
 
 def test_a_rejected_resume_leaves_config_and_run_json_as_they_were(run, capsys, text_corpus):
-    before = _snapshot(run)
-    _refused(["train", "--resume", "auto", "--out", str(run), "--size", "125m"], capsys, "size debug -> 125m")
-    _refused(["train", "--resume", "auto", "--out", str(run), "--seed", "7"], capsys, "seed")
-    assert _snapshot(run) == before
+    before = snapshot(run)
+    refused(["train", "--resume", "auto", "--out", str(run), "--size", "125m"], capsys, "size debug -> 125m")
+    refused(["train", "--resume", "auto", "--out", str(run), "--seed", "7"], capsys, "seed")
+    assert snapshot(run) == before
 
 
 def test_forged_state_falls_back_to_the_previous_checkpoint(run, capsys):
@@ -138,13 +118,13 @@ def test_overwrite_removes_only_a_runs_files_and_refuses_other_folders(run, tmp_
     foreign = tmp_path / "photos"
     (foreign / "checkpoints").mkdir(parents=True)  # a checkpoints/ folder alone does not make a run
     (foreign / "cat.jpg").write_bytes(b"\xff\xd8 not a run")
-    before = _snapshot(foreign)
-    _refused(
+    before = snapshot(foreign)
+    refused(
         ["train", "--data", str(text_corpus), "--out", str(foreign), "--overwrite", *FASTRUN],
         capsys,
         "not a gptoughts run",
     )
-    assert _snapshot(foreign) == before
+    assert snapshot(foreign) == before
 
 
 @pytest.mark.slow
@@ -186,7 +166,7 @@ def test_a_second_train_on_the_same_out_is_refused_while_the_first_holds_it(run,
             sys.executable,
             "-c",
             (
-                "import sys, time; from pathlib import Path; from gptoughts.train.rundir import RunLock; "
+                "import sys, time; from pathlib import Path; from gptoughts.training.rundir import RunLock; "
                 f"held = RunLock.acquire(Path({str(run)!r})); print('locked', flush=True); time.sleep(60)"
             ),
         ],
@@ -195,14 +175,14 @@ def test_a_second_train_on_the_same_out_is_refused_while_the_first_holds_it(run,
     )
     try:
         assert holder.stdout.readline().strip() == "locked"
-        before = _snapshot(run)
-        _refused(
+        before = snapshot(run)
+        refused(
             ["train", "--resume", "auto", "--out", str(run), "--max_steps", "6"],
             capsys,
             f"process {holder.pid}",
             "in use",
         )
-        assert {k: v for k, v in _snapshot(run).items() if k != ".lock"} == {
+        assert {k: v for k, v in snapshot(run).items() if k != ".lock"} == {
             k: v for k, v in before.items() if k != ".lock"
         }
     finally:
@@ -239,7 +219,7 @@ def test_bad_numbers_are_refused_before_anything_is_built(
     flags, needle, tmp_path, text_corpus, capsys, cache_dir
 ):
     out = tmp_path / "r"
-    _refused(["train", "--data", str(text_corpus), "--out", str(out), *flags], capsys, needle)
+    refused(["train", "--data", str(text_corpus), "--out", str(out), *flags], capsys, needle)
     assert not out.exists() and not cache_dir.exists()
 
 
@@ -248,29 +228,29 @@ def test_toml_base_loops_and_relative_bases(tmp_path, capsys):
     b.parent.mkdir()
     a.write_text('base = "sub/b.toml"\n[train]\nmax_steps = 3\n')
     b.write_text('base = "../a.toml"\n')
-    _refused(["train", str(a), "--dry_run"], capsys, "loops back")
+    refused(["train", str(a), "--dry_run"], capsys, "loops back")
     b.write_text('base = "default"\n[train]\nlearning_rate = 0.005\n')  # relative to a.toml's folder
     code, text = _run(["config", str(a)], capsys)
     assert code == 0 and "learning_rate = 0.005" in text and "max_steps = 3" in text
     (tmp_path / "self.toml").write_text('base = "self.toml"\n')
-    _refused(["train", str(tmp_path / "self.toml")], capsys, "loops back")
+    refused(["train", str(tmp_path / "self.toml")], capsys, "loops back")
 
 
 def test_corrupt_run_files_are_one_line(run, capsys, text_corpus):
     (run / "config.toml").write_text("[train\nmax_steps = ")
-    _refused(["train", "--resume", "auto", "--out", str(run)], capsys, "config.toml", "corrupt")
-    _refused(["sample", str(run), "--prompt", "x"], capsys, "config.toml", "corrupt")
+    refused(["train", "--resume", "auto", "--out", str(run)], capsys, "config.toml", "corrupt")
+    refused(["sample", str(run), "--prompt", "x"], capsys, "config.toml", "corrupt")
     (run / "config.toml").unlink()
     (run / "run.json").write_text('{"args": 3}')
-    _refused(["sample", str(run), "--prompt", "x"], capsys, "run.json", "corrupt")
+    refused(["sample", str(run), "--prompt", "x"], capsys, "run.json", "corrupt")
 
 
 def test_corrupt_run_tokenizer_on_resume_is_one_line(run, capsys):
-    before = _snapshot(run)
+    before = snapshot(run)
     (run / "tokenizer" / "tokenizer.json").write_text('{"model": ')
-    before = _snapshot(run)
-    _refused(["train", "--resume", "auto", "--out", str(run), "--max_steps", "6"], capsys, "tokenizer")
-    assert _snapshot(run) == before
+    before = snapshot(run)
+    refused(["train", "--resume", "auto", "--out", str(run), "--max_steps", "6"], capsys, "tokenizer")
+    assert snapshot(run) == before
 
 
 def test_corrupt_cache_manifest_is_rebuilt(run, capsys, cache_dir, text_corpus, tmp_path):
@@ -294,13 +274,13 @@ def test_hf_weight_index_pointing_outside_its_folder_is_refused(tmp_path, capsys
     (folder / "model.safetensors.index.json").write_text(
         json.dumps({"weight_map": {"model.embed_tokens.weight": "../elsewhere.safetensors"}})
     )
-    _refused(["sample", str(folder), "--prompt", "x"], capsys, "outside the model folder")
+    refused(["sample", str(folder), "--prompt", "x"], capsys, "outside the model folder")
 
 
 def test_disk_full_during_a_checkpoint_is_one_line_and_earlier_checkpoints_are_intact(
     run, capsys, monkeypatch
 ):
-    before = _snapshot(run / "checkpoints")
+    before = snapshot(run / "checkpoints")
     real = ckpt._fsync_file
 
     def full(path):
@@ -309,12 +289,12 @@ def test_disk_full_during_a_checkpoint_is_one_line_and_earlier_checkpoints_are_i
         real(path)
 
     monkeypatch.setattr(ckpt, "_fsync_file", full)
-    _refused(
+    refused(
         ["train", "--resume", "auto", "--out", str(run), "--max_steps", "6", "--save_interval", "1"],
         capsys,
         "disk full",
     )
-    after = _snapshot(run / "checkpoints")
+    after = snapshot(run / "checkpoints")
     assert {k: v for k, v in after.items() if k.startswith("step_000002") or k.startswith("step_000004")} == {
         k: v for k, v in before.items() if k.startswith("step_000002") or k.startswith("step_000004")
     }

@@ -140,7 +140,7 @@ def test_plan_counts_equal_what_the_run_reports(text_corpus, cache_dir, tmp_path
 def test_the_plan_says_fp8_and_warns_of_fp8_switches_in_a_run_without_it(
     text_corpus, cache_dir, tmp_path, capsys
 ):
-    from gptoughts.train.plan import RunPlan
+    from gptoughts.training.plan import RunPlan
 
     out = tmp_path / "run"
     argv = [
@@ -293,7 +293,7 @@ def test_eval_scores_all_of_the_corpus(text_corpus, cache_dir, tmp_path, capsys)
 
 
 def test_wandb_without_a_key_logs_offline_and_a_failure_costs_one_line(monkeypatch, tmp_path, capsys):
-    from gptoughts.train import metrics
+    from gptoughts.training import metrics
 
     calls = []
 

@@ -4,7 +4,7 @@ Nothing registers itself at import time: adding a family means adding one line t
 The contract every model class obeys is in ``docs/internals.md`` (and ``tests/models/test_protocol.py``).
 
     args = model_args("llama", "125m", {"vocab_size": tok.vocab_size, "max_seq_len": 4096})
-    model = build_model("llama", args, device="meta")   # then the transforms of train/setup.py
+    model = build_model("llama", args, device="meta")   # then the transforms of training/setup.py
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ through them under a ``torch.distributed.pipelining`` schedule (1F1B, or interle
   format. Data parallelism across pipelines: FSDP2 per stage, or gradients averaged over ``dp`` after a step.
 
 Covers the llama family with untied embeddings and plain batches; :func:`check_supported` refuses the rest in
-one line. Sampling is skipped. Applied in ``train/setup.py`` after fp8 and before activation checkpointing,
+one line. Sampling is skipped. Applied in ``training/setup.py`` after fp8 and before activation checkpointing,
 compile and FSDP/DDP (each applied per stage). The whole design: ``docs/parallel.md``.
 """
 

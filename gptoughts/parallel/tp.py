@@ -9,7 +9,7 @@ runs unchanged. Between sub-layers the residual stream and the norms are split a
 replicated.
 
 Covers :data:`SUPPORTED` (the Llama layout, LLaDA, INL); :func:`check_tp` refuses the rest in one line.
-Applied in ``train/setup.py`` after fp8, before activation checkpointing, compile and FSDP (2-D ``(dp, tp)``
+Applied in ``training/setup.py`` after fp8, before activation checkpointing, compile and FSDP (2-D ``(dp, tp)``
 parameters). The whole design: ``docs/parallel.md``.
 """
 

@@ -138,7 +138,7 @@ class BatchCache:
 
 class NothingFits(UserError):
     """Not even one row fits in real training steps. The run's assembly, which has its memory estimates, says what
-    each way out would need (``train/build.py``); this message is for the others."""
+    each way out would need (``training/build.py``); this message is for the others."""
 
     def __init__(self, message: str = "") -> None:
         super().__init__(

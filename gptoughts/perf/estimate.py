@@ -90,7 +90,7 @@ class Estimate:
     """CPU memory per process for what ``cpu_offload`` keeps there (fp32 weights, gradients, optimizer state)."""
     checkpoint_staging_gib: float = 0.0
     """CPU memory per saving process that background checkpoints keep for the whole run: one host copy of the
-    process's fp32 weights and optimizer state (``train/checkpoint.py``, ``_HostStaging``; each rank's shards under
+    process's fp32 weights and optimizer state (``training/checkpoint.py``, ``_HostStaging``; each rank's shards under
     FSDP, rank 0's whole state for one process or DDP)."""
     optimizer_states: str = "fp32"
     """How AdamW's moments are stored (``train.optimizer_states``): what ``optimizer_gib`` counts."""
@@ -400,7 +400,7 @@ def estimate(
     )
 
 
-# Bytes per parameter of AdamW's two moments, by ``train.optimizer_states`` (train/optim.py builds them). 8bit:
+# Bytes per parameter of AdamW's two moments, by ``train.optimizer_states`` (training/optim.py builds them). 8bit:
 # torchao's OptimState8bit, one uint8 code per value and one fp32 scale per block of 256 (tensors under 4096
 # values, or not a multiple of 256, stay fp32: norms and biases, a negligible share).
 STATE_BYTES = {"fp32": 8.0, "bf16": 4.0, "8bit": 2 * (1 + 4 / 256)}

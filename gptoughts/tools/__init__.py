@@ -1,2 +1,2 @@
-"""Commands built on top of whole runs (``bench``, ``tune``): they assemble through ``gptoughts.train.build``
+"""Commands built on top of whole runs (``bench``, ``tune``): they assemble through ``gptoughts.training.build``
 and nothing below this package imports them."""

@@ -128,7 +128,7 @@ def run_bench(
         # Before anything is built or timed: a missing peer is said in one line at once, not after our run.
         import_torchtitan()
     from gptoughts.data.tokenizer import tokenizer_before_training
-    from gptoughts.train.build import (
+    from gptoughts.training.build import (
         build_model,
         plan_batches,
         setup_environment,

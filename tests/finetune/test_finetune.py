@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from gptoughts import api, cli
 from gptoughts.config import load_config
 from gptoughts.errors import ConfigError, HardwareError, UserError
-from gptoughts.train.trainer import Trainer
+from gptoughts.training.trainer import Trainer
 
 
 def _o(fast: dict, **kw) -> dict:

@@ -177,7 +177,7 @@ def test_merge_and_unload_and_disabled_adapters_behave_as_peft():
 @pytest.mark.parametrize("merged_forward", [True, False])
 def test_apply_lora_registers_the_merged_layer_only_when_asked(merged_forward):
     from gptoughts.config import LoraConfig
-    from gptoughts.train.setup import apply_lora
+    from gptoughts.training.setup import apply_lora
 
     class Block(nn.Module):
         def __init__(self) -> None:

@@ -13,7 +13,7 @@ from gptoughts.errors import ConfigError, UserError
 from gptoughts.models import build_model, get_family, model_args
 from gptoughts.models.llada import LLaDA, LLaDAArgs, diffusion_log_likelihood
 from gptoughts.sampling import diffusion_generate, generate
-from gptoughts.train.objectives import MaskedDiffusion, build_objective, weighted_linear_ce
+from gptoughts.training.objectives import MaskedDiffusion, build_objective, weighted_linear_ce
 
 MASK = 2
 EPS = 1e-3

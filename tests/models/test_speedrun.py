@@ -19,7 +19,7 @@ from gptoughts.models.llama import ReLU2MLP
 from gptoughts.perf import ce
 from gptoughts.perf.ce import chunked_linear_ce, make_loss, plain_linear_ce
 from gptoughts.perf.estimate import _layer_activation_bytes
-from gptoughts.train.objectives import CausalLM
+from gptoughts.training.objectives import CausalLM
 
 OFF = dict(qk_norm=False, mlp="swiglu", zero_init_output=False, zero_init_proj=False, logit_softcap=None)
 ON = dict(qk_norm=True, mlp="relu2", zero_init_output=True, zero_init_proj=True, logit_softcap=15.0)

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from gptoughts.config import load_config
 from gptoughts.errors import ConfigError
 from gptoughts.perf.estimate import estimate
-from gptoughts.train import checkpoint as ckpt
+from gptoughts.training import checkpoint as ckpt
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 

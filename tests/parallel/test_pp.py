@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from gptoughts import models
 from gptoughts.errors import ConfigError
 from gptoughts.parallel import pp
-from gptoughts.train import checkpoint as ckpt
+from gptoughts.training import checkpoint as ckpt
 
 
 def _counts(split: list[range]) -> list[int]:

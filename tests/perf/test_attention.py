@@ -16,7 +16,7 @@ from gptoughts.errors import ConfigError, UserError
 from gptoughts.models import build_model, model_args
 from gptoughts.models.layers import AttentionKernels, sdpa, use_attention_kernels
 from gptoughts.perf import attention
-from gptoughts.train.setup import attention_rule, check_attention
+from gptoughts.training.setup import attention_rule, check_attention
 
 warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
 
@@ -268,7 +268,7 @@ def test_fa4_without_the_package_is_one_line_naming_the_fix(monkeypatch):
 
 
 def test_fa4_on_cpu_refused_before_the_run_dir_is_written(tmp_path):
-    from gptoughts.train.build import build
+    from gptoughts.training.build import build
 
     out = tmp_path / "run"
     cfg = load_config("quickstart", {"run.out": str(out), "perf.sdpa_backend": "fa4", "perf.device": "cpu"})

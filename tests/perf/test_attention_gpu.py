@@ -111,7 +111,7 @@ def test_flex_doc_mask_matches_math_sdpa(h, kv, hd, causal, window, compiled_blo
 
 def test_train_setup_routes_packed_rows_to_flex_when_asked_and_auto_to_fa4_where_installed():
     from gptoughts.config import PerfConfig
-    from gptoughts.train.setup import attention_rule
+    from gptoughts.training.setup import attention_rule
 
     cuda = torch.device("cuda")
     kernels, chosen, _ = attention_rule(PerfConfig(doc_mask_attention="flex"), cuda)

@@ -13,7 +13,7 @@ from gptoughts import cli
 from gptoughts.config import load_config
 from gptoughts.errors import ConfigError, UserError
 from gptoughts.tools import bench
-from gptoughts.train import build
+from gptoughts.training import build
 
 
 def test_missing_torchtitan_is_one_line_and_exit_2_before_our_run(monkeypatch, capsys):

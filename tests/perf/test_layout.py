@@ -21,8 +21,8 @@ from gptoughts.errors import UserError
 from gptoughts.perf import autobatch, hardware
 from gptoughts.perf.estimate import estimate
 from gptoughts.perf.layout import FIT, Layout, LayoutSearch, Need
-from gptoughts.train import build as build_mod
-from gptoughts.train import checkpoint as ckpt
+from gptoughts.training import build as build_mod
+from gptoughts.training import checkpoint as ckpt
 
 GIB = 2**30
 CAPS = (16, 24, 40, 80)
@@ -284,7 +284,7 @@ def test_autobatch_finding_nothing_gives_the_layout_refusal(tmp_path, cache_dir,
     naming offload and the memory figures, instead of a bare "lower --block_size"."""
     from types import SimpleNamespace
 
-    from gptoughts.train import setup
+    from gptoughts.training import setup
 
     monkeypatch.setattr(autobatch, "search", lambda fits, max_batch=1024: 0)
     with pytest.raises(autobatch.NothingFits):

@@ -303,7 +303,7 @@ def test_activation_checkpointing_replays_the_dropout_masks_of_lora():
     from gptoughts import models
     from gptoughts.config import LoraConfig
     from gptoughts.perf.checkpointing import _draws_randomness, apply_activation_checkpointing
-    from gptoughts.train.setup import apply_lora
+    from gptoughts.training.setup import apply_lora
 
     def lora_model(dropout: float) -> torch.nn.Module:
         torch.manual_seed(0)
@@ -426,7 +426,7 @@ def test_kernel_categories_and_summary():
 @pytest.mark.parametrize("residual", ["fp32", "bf16"])
 def test_residual_dtype_switch(residual):
     from gptoughts import models
-    from gptoughts.train.setup import set_residual_dtype
+    from gptoughts.training.setup import set_residual_dtype
 
     torch.manual_seed(0)
     m = models.build_model("llama", models.model_args("llama", "debug", {}))
@@ -445,7 +445,7 @@ def test_residual_dtype_switch(residual):
 
 def test_compile_modes_and_their_validation():
     from gptoughts.errors import ConfigError
-    from gptoughts.train.setup import inductor_mode
+    from gptoughts.training.setup import inductor_mode
 
     perf = load_config("default", {"perf.cuda_graphs": True}).perf
     assert inductor_mode(perf) == "reduce-overhead"
@@ -465,7 +465,7 @@ def test_cuda_graphs_auto_is_on_for_lora_on_a_llama_base_in_one_cuda_process_onl
 
     from gptoughts.config import LoraConfig
     from gptoughts.errors import ConfigError
-    from gptoughts.train.setup import cuda_graphs_rule
+    from gptoughts.training.setup import cuda_graphs_rule
 
     auto = load_config("default", {}).perf
     assert auto.cuda_graphs == "auto"
@@ -585,7 +585,7 @@ def test_compile_caches_live_beside_the_token_cache(tmp_path, monkeypatch):
     torch writes it into the variable when it first looks); a user's own choice is kept."""
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
-    from gptoughts.train.build import use_our_compile_cache
+    from gptoughts.training.build import use_our_compile_cache
 
     monkeypatch.setenv("GPTOUGHTS_CACHE", str(tmp_path / "cache"))
     for before, after in (
@@ -603,7 +603,7 @@ def test_compile_caches_live_beside_the_token_cache(tmp_path, monkeypatch):
 
 def test_startup_line_names_a_python_without_bytecode_caches(monkeypatch, cache_dir):
     """A slow start-up in a Python that writes no .pyc (PYTHONDONTWRITEBYTECODE) gets a hint (one short line, once:
-    tests/train/test_seams_plan.py); a fast one, or a Python with caches, none."""
+    tests/training/test_seams_plan.py); a fast one, or a Python with caches, none."""
     import sys
     from types import SimpleNamespace
 

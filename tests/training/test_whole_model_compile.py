@@ -17,7 +17,7 @@ from gptoughts.config import load_config
 from gptoughts.parallel.dist import DistInfo
 from gptoughts.perf import hardware
 from gptoughts.perf.hardware import HardwareProfile
-from gptoughts.train import setup
+from gptoughts.training import setup
 
 ONE = DistInfo()
 GPU = torch.device("cuda")  # the rule only reads the device's type
@@ -217,7 +217,7 @@ def test_cuda_graphs_rule_decides_the_compile_mode_and_says_why(monkeypatch):
 def test_the_assembly_keeps_the_whole_model_for_long_runs_only(recorded, auto_picks_model):
     from types import SimpleNamespace
 
-    from gptoughts.train.build import _whole_model_for_long_runs
+    from gptoughts.training.build import _whole_model_for_long_runs
 
     args = models.model_args("llama", "debug", {"vocab_size": 256, "n_layers": 2})
     env = SimpleNamespace(

@@ -2,7 +2,7 @@
 
 Pretraining, fine-tuning, LoRA and masked diffusion all run here; they differ by the model, the data loader
 and the objective passed in, never by a copied loop. Speed features (compile, fp8, activation checkpointing,
-FSDP) are applied to the model before it reaches the trainer (see ``train/setup.py``).
+FSDP) are applied to the model before it reaches the trainer (see ``training/setup.py``).
 
 Host-device synchronisation happens only at log/eval/save intervals ("flushes"): each step's loss sum, token
 count, gradient norm and skip flag stay on the device, referenced from ``Trainer._pending``, and the next flush
@@ -83,11 +83,11 @@ from gptoughts.errors import UserError, first_line
 from gptoughts.parallel import dist as pdist
 from gptoughts.perf.autobatch import free_memory
 from gptoughts.perf.timing import GpuMonitor, StepTimer, advice, format_profile, summarize_profile
-from gptoughts.train import checkpoint as ckpt
-from gptoughts.train.metrics import MetricsLogger, ProgressBar, console, format_eta
-from gptoughts.train.optim import Schedule, clip_and_step, set_lr, zero_grads
+from gptoughts.training import checkpoint as ckpt
+from gptoughts.training.metrics import MetricsLogger, ProgressBar, console, format_eta
+from gptoughts.training.optim import Schedule, clip_and_step, set_lr, zero_grads
 
-log = logging.getLogger("gptoughts.train")
+log = logging.getLogger("gptoughts.training")
 
 Batch = tuple[torch.Tensor, ...]
 
@@ -1146,18 +1146,26 @@ class Trainer:
 
     @torch.no_grad()
     def _score_tasks_or_drop_them(self) -> None:
-        """Score the tasks; a failure while scoring (a task the checks before the run could not see fail: a harness
-        metric's options, memory) is a warning, and training goes on without them: an evaluation must not cost the
-        run. ``_score_tasks`` tells every rank about any rank's failure, so all drop them alike."""
+        """Score the tasks, or drop them on a failure the checks before the run could not see (a harness metric's
+        options, memory). ``_score_tasks`` tells every rank about any rank's failure, so all drop them alike."""
+        if not self._or_warn(
+            "scoring eval_tasks", self._score_tasks, "them", "gptoughts eval RUN --tasks ..."
+        ):
+            self.tasks = None
+
+    def _or_warn(self, what: str, action: Callable[[], Any], lost: str, later: str) -> bool:
+        """Run an optional part of the run (samples, task scores): a failure is one warning line and the run goes on
+        without it, since it must not cost the run. False on a failure."""
         try:
-            self._score_tasks()
+            action()
+            return True
         except Exception as e:  # noqa: BLE001 - said in one line; the run continues
             self.model.train()
             self.log_line(
-                f"warning: step {self.state.step}: scoring eval_tasks failed ({first_line(e)}); the run goes on "
-                "without them (score the run afterwards with gptoughts eval RUN --tasks ...)"
+                f"warning: step {self.state.step}: {what} failed ({first_line(e)}); the run goes on without {lost} "
+                f"({later} afterwards)"
             )
-            self.tasks = None
+            return False
 
     def _score_tasks(self) -> dict[str, dict[str, float]]:
         """Score ``eval.eval_tasks`` with the live model; log ``tasks/NAME/METRIC`` rows and a console line.
@@ -1222,17 +1230,9 @@ class Trainer:
         return results
 
     def _sample_or_drop_it(self) -> None:
-        """Write the samples; a failure (memory, a sampler bug) is one warning line and the run goes on without
-        samples: they must not cost the run. Under FSDP every rank generates the same tokens, so a failure is
-        every rank's alike."""
-        try:
-            self._sample()
-        except Exception as e:  # noqa: BLE001 - said in one line; the run continues
-            self.model.train()
-            self.log_line(
-                f"warning: step {self.state.step}: sampling failed ({first_line(e)}); the run goes on without "
-                "samples (generate from a checkpoint afterwards with gptoughts sample RUN)"
-            )
+        """Write the samples, or stop sampling on a failure (memory, a sampler bug). Under FSDP every rank generates
+        the same tokens, so a failure is every rank's alike."""
+        if not self._or_warn("sampling", self._sample, "samples", "gptoughts sample RUN"):
             self.sample_fn = None
 
     def _sample(self) -> None:

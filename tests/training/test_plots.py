@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from gptoughts.errors import UserError
-from gptoughts.train.plots import compare_runs, read_series, write_run_plots
+from gptoughts.training.plots import compare_runs, read_series, write_run_plots
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 SINGLE_PNGS = {"loss.png", "lr.png", "throughput.png", "grad_norm.png"}
@@ -156,7 +156,7 @@ def test_only_eval_rows(tmp_path):
 
 
 def test_loss_spanning_more_than_10x_uses_log_scale(tmp_path, monkeypatch):
-    plots = importlib.import_module("gptoughts.train.plots")
+    plots = importlib.import_module("gptoughts.training.plots")
     scales = {}
     real = plots._panel_loss
 
@@ -182,15 +182,17 @@ def test_without_matplotlib_plots_are_skipped_with_one_warning(tmp_path, monkeyp
     run = _write_run(tmp_path / "run", steps=30)
     for name in ("matplotlib", "matplotlib.figure", "matplotlib.backends", "matplotlib.backends.backend_agg"):
         monkeypatch.setitem(sys.modules, name, None)  # import of a None entry raises ImportError
-    log = logging.getLogger("gptoughts.train")  # (the CLI stops "gptoughts" propagating to the root logger)
+    log = logging.getLogger(
+        "gptoughts.training"
+    )  # (the CLI stops "gptoughts" propagating to the root logger)
     log.addHandler(caplog.handler)
     try:
-        with caplog.at_level(logging.WARNING, logger="gptoughts.train"):
+        with caplog.at_level(logging.WARNING, logger="gptoughts.training"):
             assert write_run_plots(run) == []
     finally:
         log.removeHandler(caplog.handler)
     # (one record, maybe seen twice: by our handler and, where "gptoughts" propagates, by caplog's at the root)
-    warnings = list({id(r): r for r in caplog.records if r.name == "gptoughts.train"}.values())
+    warnings = list({id(r): r for r in caplog.records if r.name == "gptoughts.training"}.values())
     assert len(warnings) == 1 and "pip install matplotlib" in warnings[0].getMessage()
     with pytest.raises(UserError, match="pip install matplotlib"):
         compare_runs([run], tmp_path / "cmp.png")
@@ -208,7 +210,7 @@ def test_compare_runs_overlays_two_runs(tmp_path):
 
 
 def test_compare_labels_are_disambiguated(tmp_path):
-    plots = importlib.import_module("gptoughts.train.plots")
+    plots = importlib.import_module("gptoughts.training.plots")
     paths = [tmp_path / "x" / "run", tmp_path / "y" / "run", tmp_path / "solo"]
     assert plots._labels(paths) == ["x/run", "y/run", "solo"]
     assert plots._labels([tmp_path / "x" / "run", tmp_path / "x" / "run"]) == ["x/run", "x/run #2"]
@@ -227,7 +229,7 @@ def test_compare_runs_rejects_a_folder_without_metrics(tmp_path):
 
 
 def test_thin_keeps_spikes_and_gaps():
-    plots = importlib.import_module("gptoughts.train.plots")
+    plots = importlib.import_module("gptoughts.training.plots")
     n = 10_007  # not a multiple of the bucket size
     steps = np.arange(n)
     values = np.sin(steps / 300.0)
@@ -247,7 +249,7 @@ def test_thin_keeps_spikes_and_gaps():
 
 
 def test_smooth_is_a_trailing_mean_ignoring_nans():
-    plots = importlib.import_module("gptoughts.train.plots")
+    plots = importlib.import_module("gptoughts.training.plots")
     y = np.array([1.0, 3.0, np.nan, 5.0, np.nan, np.nan, np.nan])
     out = plots._smooth(y, 2)
     np.testing.assert_allclose(out[:5], [1.0, 2.0, 3.0, 5.0, 5.0])
@@ -261,7 +263,7 @@ def test_plot_writer_draws_at_most_once_per_interval_and_at_close(tmp_path, monk
     import threading
     import time
 
-    from gptoughts.train import plots
+    from gptoughts.training import plots
 
     calls: list[tuple[str, float]] = []
 

@@ -31,7 +31,7 @@ import numpy as np
 
 from gptoughts.errors import UserError
 
-log = logging.getLogger("gptoughts.train")
+log = logging.getLogger("gptoughts.training")
 
 METRICS_FILE = "metrics.jsonl"
 _MEMORY_PREFIXES = ("gpu/mem", "memory/")

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from gptoughts.errors import ConfigError, UserError
-from gptoughts.train.optim import (
+from gptoughts.training.optim import (
     AdamWBf16States,
     Muon,
     bf16_stochastic_round,
@@ -112,7 +112,7 @@ def test_bf16_second_moment_keeps_increments_below_half_a_bf16_step():
 def test_compiled_step_is_one_graph_and_matches_eager():
     """The step CUDA runs (torch.compile, fullgraph: a graph break is an error), here through inductor on the
     CPU: the same update as eager up to the stochastic rounding, and a skipped step leaves everything alone."""
-    from gptoughts.train.optim import _adamw_bf16_step, _compiled_bf16_step
+    from gptoughts.training.optim import _adamw_bf16_step, _compiled_bf16_step
 
     torch.manual_seed(0)
     w, m0, v0 = torch.randn(64, 32), torch.randn(64, 32).bfloat16(), torch.rand(64, 32).bfloat16()
@@ -227,7 +227,7 @@ def test_8bit_states_are_torchaos_adamw8bit():
     ref_model.load_state_dict(model.state_dict())
     opt = build_adamw(model, fused=False, states="8bit", **HYPER)
     assert isinstance(opt, AdamW8bit) and not opt.defaults.get("fused")  # clip_and_step's host-checked path
-    from gptoughts.train.optim import param_groups
+    from gptoughts.training.optim import param_groups
 
     ref = AdamW8bit(param_groups(ref_model, 0.1), lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
     x = torch.randn(6, 128, generator=torch.Generator().manual_seed(3))
@@ -272,7 +272,7 @@ def test_8bit_is_refused_where_it_was_never_checked(monkeypatch):
 
     from gptoughts.config import TrainConfig
     from gptoughts.parallel.dist import DistInfo
-    from gptoughts.train.build import check_optimizer_states
+    from gptoughts.training.build import check_optimizer_states
 
     find_spec = importlib.util.find_spec  # as if torchao were installed
     monkeypatch.setattr(
@@ -337,7 +337,7 @@ def test_bf16_states_under_fsdp_checkpoint_and_resume(tmp_path, text_corpus, cac
     import subprocess
     import sys
 
-    from gptoughts.train import checkpoint as ckpt
+    from gptoughts.training import checkpoint as ckpt
 
     skip = ("train.batch_size", "train.sample_prompts")
     args = ["--data", str(text_corpus), "--log_interval", "1", "--eval_interval", "0", "--save_interval", "3"]

@@ -402,7 +402,7 @@ def host_memory_gib(env: Any) -> float | None:
     between the processes torchrun started on this machine); None when unknown."""
     import os
 
-    from gptoughts.train import checkpoint as ckpt
+    from gptoughts.training import checkpoint as ckpt
 
     free = ckpt.host_memory_available()
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if env.dist.enabled else 1

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from gptoughts.models import build_model, hidden_matrices, model_args
-from gptoughts.train.optim import Muon, build_muon, set_lr
+from gptoughts.training.optim import Muon, build_muon, set_lr
 
 
 def _pair(shape: tuple[int, ...], seed: int = 0) -> tuple[nn.Parameter, nn.Parameter]:

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from gptoughts.train.optim import Schedule, param_groups
+from gptoughts.training.optim import Schedule, param_groups
 
 
 def test_cosine_schedule_shape():
@@ -41,7 +41,7 @@ def test_no_weight_decay_on_norms_biases_embeddings():
 
 @pytest.mark.parametrize("max_norm", [0.05, 1e9, math.inf])
 def test_clipping_folded_into_fused_adamw_equals_clip_then_step(max_norm):
-    from gptoughts.train.optim import clip_and_step
+    from gptoughts.training.optim import clip_and_step
 
     def run(fused: bool):
         torch.manual_seed(0)
@@ -67,7 +67,7 @@ def test_clipping_folded_into_fused_adamw_equals_clip_then_step(max_norm):
 
 
 def test_fused_step_is_skipped_when_not_finite():
-    from gptoughts.train.optim import clip_and_step
+    from gptoughts.training.optim import clip_and_step
 
     m = nn.Linear(4, 4)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True)

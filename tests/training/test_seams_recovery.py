@@ -21,8 +21,8 @@ from test_recovery import install_fault, nan_on_calls
 
 import gptoughts
 from gptoughts import cli
-from gptoughts.train import checkpoint as ckpt
-from gptoughts.train.trainer import Trainer
+from gptoughts.training import checkpoint as ckpt
+from gptoughts.training.trainer import Trainer
 
 
 def _argv(corpus: Path, out: Path, fast: dict, *extra: str) -> list[str]:

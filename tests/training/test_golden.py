@@ -1,6 +1,6 @@
 """A golden loss curve: 30 steps of the debug Llama on a fixed synthetic corpus (CPU, fp32, one thread) must
 reproduce the committed losses. Any silent change of numerics (init, data order, loss, optimizer, schedule)
-shows here. After an intended change, regenerate with ``GPTOUGHTS_WRITE_GOLDEN=1 pytest tests/train/test_golden.py``
+shows here. After an intended change, regenerate with ``GPTOUGHTS_WRITE_GOLDEN=1 pytest tests/training/test_golden.py``
 and say why in the commit."""
 
 from __future__ import annotations

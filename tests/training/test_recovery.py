@@ -22,8 +22,8 @@ from safetensors.torch import load_file
 from gptoughts import cli
 from gptoughts.config import load_config
 from gptoughts.errors import ConfigError
-from gptoughts.train import checkpoint as ckpt
-from gptoughts.train.trainer import Trainer
+from gptoughts.training import checkpoint as ckpt
+from gptoughts.training.trainer import Trainer
 
 BATCH = 4  # train.batch_size of the conftest FAST settings (grad_accum 1, one process)
 
@@ -388,8 +388,8 @@ import os, signal, sys, time
 sys.path.insert(0, {tests!r})
 from test_recovery import install_fault, nan_on_calls
 from gptoughts import cli
-from gptoughts.train import checkpoint as ckpt
-from gptoughts.train.trainer import Trainer
+from gptoughts.training import checkpoint as ckpt
+from gptoughts.training.trainer import Trainer
 
 install_fault(setattr, nan_on_calls(6, 8))
 where = os.environ["KILL_AT"]

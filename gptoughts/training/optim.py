@@ -90,7 +90,7 @@ class Muon(torch.optim.Optimizer):
 
     The Muon update is ``torch.optim.Muon``'s, step for step (same coefficients, nesterov momentum, bf16
     iteration, decoupled weight decay; ``adjust_lr = "match_rms_adamw"`` by default, Moonshot's 0.2·√max(A, B)
-    scaling, so AdamW's learning rate and weight decay carry over), and tests/train/test_muon.py checks it
+    scaling, so AdamW's learning rate and weight decay carry over), and tests/training/test_muon.py checks it
     against ``torch.optim.Muon``. We do not call that class because it refuses what we need: parameters of
     more than two dimensions (MoE experts are stacked ``[E, out, in]``: each expert is orthogonalized alone,
     as a batch), sharded parameters (under FSDP2 the update of a DTensor is computed on the whole matrix,
@@ -394,7 +394,7 @@ def _quantized_states(optimizer: torch.optim.Optimizer) -> None:
 class AdamWBf16States(torch.optim.Optimizer):
     """AdamW whose two moments are stored in bf16 (4 bytes per parameter instead of 8), each step computed in fp32
     (the stored moments widened, the new ones rounded stochastically when stored); the weights stay fp32 masters.
-    The same update as ``torch.optim.AdamW`` up to that rounding (tests/train/test_optim.py checks it).
+    The same update as ``torch.optim.AdamW`` up to that rounding (tests/training/test_optim.py checks it).
 
     Like the fused AdamW, ``step`` reads ``self.grad_scale`` (gradient clipping folded in: each gradient is
     divided by it as it is read) and ``self.found_inf`` (a device flag; 1 leaves weights, moments and step count

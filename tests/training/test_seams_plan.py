@@ -12,14 +12,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_helpers import run_cli
+from cli_helpers import refused, run_cli
 
 from gptoughts import cli
 from gptoughts.config import load_config
 from gptoughts.errors import ConfigError
 from gptoughts.perf import hardware
-from gptoughts.train import build as build_mod
-from gptoughts.train import checkpoint as ckpt
+from gptoughts.training import build as build_mod
+from gptoughts.training import checkpoint as ckpt
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text(encoding="utf-8")
@@ -38,17 +38,6 @@ def _threads_restored(monkeypatch):
     n = torch.get_num_threads()
     yield
     torch.set_num_threads(n)
-
-
-def _refused(argv: list[str], capsys, *needles: str) -> str:
-    code, text = run_cli(argv, capsys)
-    assert code == 2, text[-2000:]
-    assert "Traceback" not in text, text[-2000:]
-    errors = [ln for ln in text.splitlines() if ln.startswith("error:")]
-    assert len(errors) == 1, text[-2000:]
-    for n in needles:
-        assert n in errors[0], errors[0]
-    return errors[0]
 
 
 def _ok(argv: list[str], capsys) -> str:
@@ -75,7 +64,7 @@ def _probe_prefers(n: int, monkeypatch, calls: list | None = None) -> None:
                 time.sleep(0.05)
             step()
 
-        return timed
+        return timed, tokens
 
     monkeypatch.setattr(build_mod, "_probe_step", probe_step)
 
@@ -84,7 +73,7 @@ def _probe_prefers(n: int, monkeypatch, calls: list | None = None) -> None:
 @pytest.mark.parametrize("value", ["0", "-2"])
 def test_threads_below_one_are_refused(value, tmp_path, text_corpus, cache_dir, capsys):
     out = tmp_path / "run"
-    _refused(
+    refused(
         [
             "train",
             "--data",
@@ -159,7 +148,7 @@ def test_a_run_that_cannot_fit_is_refused_before_anything_heavy(
         "1",
         *QUIET,
     ]
-    err = _refused(argv, capsys, "estimated peak", "available", "--ignore_memory_estimate")
+    err = refused(argv, capsys, "estimated peak", "available", "--ignore_memory_estimate")
     assert re.search(r"~[\d.]+ (G|M)iB", err) and "1 MiB" in err, err
     assert not out.exists() and not built
     assert not (cache_dir.exists() and any(cache_dir.rglob("*.bin"))), "the corpus was tokenized"
@@ -177,7 +166,7 @@ def test_ignore_memory_estimate_tries_anyway(tmp_path, text_corpus, cache_dir, c
 
 
 def test_out_of_memory_in_training_is_one_line(tmp_path, text_corpus, cache_dir, capsys, monkeypatch):
-    from gptoughts.train.trainer import Trainer
+    from gptoughts.training.trainer import Trainer
 
     def fit(self):
         raise RuntimeError(
@@ -187,7 +176,7 @@ def test_out_of_memory_in_training_is_one_line(tmp_path, text_corpus, cache_dir,
 
     monkeypatch.setattr(Trainer, "fit", fit)
     out = tmp_path / "run"
-    _refused(
+    refused(
         [
             "train",
             "--data",

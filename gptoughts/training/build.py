@@ -5,13 +5,13 @@
 1. :func:`setup_environment`  device, process group, hardware profile, precision
 2. :func:`check_run_dir`      what ``run.out`` holds: a new run, a run to resume (its checkpoint), a refusal
 3. :func:`prepare_data`       sources -> tokenizer -> token shards (or SFT examples)
-4. :func:`build_model`        build on meta -> load or init -> LoRA -> the transforms of ``train/setup.py``
+4. :func:`build_model`        build on meta -> load or init -> LoRA -> the transforms of ``training/setup.py``
                               (residual dtype -> fp8 -> activation checkpointing -> compile -> DDP/FSDP);
                               first on meta, for :func:`choose_memory_layout` (checkpointing, optimizer
                               states, CPU offload: what fits the GPU, decided before the real build)
 5. :func:`plan_batches`       micro-batch, accumulation, tokens per step, steps, epochs, warmup, intervals
-6. :func:`~gptoughts.train.plan.make_plan`   what the run will do (printed before the first step)
-7. optimizer and schedule, loaders, sampler, metrics, the :class:`~gptoughts.train.trainer.Trainer`
+6. :func:`~gptoughts.training.plan.make_plan`   what the run will do (printed before the first step)
+7. optimizer and schedule, loaders, sampler, metrics, the :class:`~gptoughts.training.trainer.Trainer`
 
 Nothing is written to the run directory before every step has succeeded (a rejected resume leaves the run as it
 was); ``dry_run`` stops after step 6 having written nothing at all (the model is built on the meta device and
@@ -38,10 +38,10 @@ from gptoughts.data.sources import STDLIB_ALIAS, stdlib_path
 from gptoughts.errors import ConfigError, DataError, UserError
 from gptoughts.parallel import dist as pdist
 from gptoughts.perf import checkpointing, hardware
-from gptoughts.train import checkpoint as ckpt
-from gptoughts.train import rundir
-from gptoughts.train.plan import BatchPlan, RunPlan, make_plan, memory_refusal
-from gptoughts.train.plan import gib as plan_gib
+from gptoughts.training import checkpoint as ckpt
+from gptoughts.training import rundir
+from gptoughts.training.plan import BatchPlan, RunPlan, make_plan, memory_refusal
+from gptoughts.training.plan import gib as plan_gib
 
 
 # ------------------------------------------------------------------------------------------ 1. environment
@@ -97,7 +97,7 @@ def setup_environment(cfg: Config) -> Environment:
         ddp_bucket_mb=par.ddp_bucket_mb,
     )
     hw = hardware.detect(device)
-    from gptoughts.train.setup import check_attention
+    from gptoughts.training.setup import check_attention
 
     # a missing kernel or optimizer package is said before anything is built or written (every Environment is made
     # here: the later steps that use them need not check again)
@@ -379,7 +379,7 @@ class Model:
 def build_model(cfg: Config, env: Environment, data: Data, *, meta: bool = False) -> Model:
     """Build on meta, then load (fine-tuning) or initialise, LoRA, then the transforms in their one order.
     ``meta``: stop after building on the meta device (dry run: parameter counts without memory)."""
-    from gptoughts.train.setup import TrainableWeights, apply_transforms, build_raw_model, make_objective
+    from gptoughts.training.setup import TrainableWeights, apply_transforms, build_raw_model, make_objective
 
     device = torch.device("meta") if meta else env.device
     # Offloaded runs keep the weights in CPU memory: build or load them there (the model may not fit the GPU).
@@ -482,7 +482,7 @@ def build_finetune_model(
     allocated). ``model.*`` overrides that leave the architecture unchanged (e.g. DeepSeek's
     ``bias_update_rate``) apply to native families."""
     from gptoughts.models.hf import load_pretrained
-    from gptoughts.train.setup import apply_lora, lora_base_dtype
+    from gptoughts.training.setup import apply_lora, lora_base_dtype
 
     base_dtype = lora_base_dtype(cfg.lora, precision) if cfg.lora.enabled else torch.float32
     pretrained = load_pretrained(
@@ -548,8 +548,8 @@ def plan_batches(
     evaluation/checkpoint intervals, each with the rule that decided it."""
     from gptoughts.data.sft import epoch_rows
     from gptoughts.perf.autobatch import NothingFits, accumulation_for
-    from gptoughts.train.optim import default_warmup
-    from gptoughts.train.setup import auto_micro_batch
+    from gptoughts.training.optim import default_warmup
+    from gptoughts.training.setup import auto_micro_batch
 
     t, info = cfg.train, env.dist
     why: dict[str, str] = {}
@@ -669,7 +669,7 @@ def plan_batches(
     total_steps = max(1, total_steps)
     warmup = t.warmup_steps if t.warmup_steps is not None else default_warmup(total_steps)
     why["warmup_steps"] = "asked" if t.warmup_steps is not None else "auto: 2% of the run, at most 2000"
-    from gptoughts.train.plan import estimate_speed
+    from gptoughts.training.plan import estimate_speed
 
     tps, _ = estimate_speed(env, model, t.block_size, micro, info.world_size)
     step_s = tokens_per_step / tps if tps else 0.0
@@ -718,7 +718,7 @@ def _fit_epochs(
     """An automatic batch cut so that the epochs asked for (``tokens`` of training) hold at least
     MIN_USEFUL_STEPS steps: a global batch larger than a small corpus would take it twice or more in one step
     (one epoch planned as 2, even 4), with too few steps for the schedule. Returns (micro-batch, accumulation)."""
-    from gptoughts.train.plan import MIN_USEFUL_STEPS
+    from gptoughts.training.plan import MIN_USEFUL_STEPS
 
     rows = max(1, int(tokens // (MIN_USEFUL_STEPS * row_tokens)))  # rows each rank reads per step
     if micro * accum <= rows:
@@ -738,7 +738,7 @@ def _largest_fitting(
     """(micro-batch, its estimated peak GiB, the device's GiB): the largest of ``candidates`` whose estimate fits
     90% of the device's memory (the smallest when none does: the memory check then refuses the run); ``default``
     where there is no estimate or no memory figure."""
-    from gptoughts.train.plan import device_memory_gib, estimate_peak
+    from gptoughts.training.plan import device_memory_gib, estimate_peak
 
     mem = device_memory_gib(env)
     best, peak = candidates[0], None
@@ -816,7 +816,7 @@ def build(
         check_family(cfg.model.family, env.dist.tp, lora=cfg.lora.enabled)
     run_dir = Path(cfg.run.out)
     if cfg.run.wandb and not dry_run:
-        from gptoughts.train.metrics import check_wandb
+        from gptoughts.training.metrics import check_wandb
 
         check_wandb()  # a missing package is refused before the run directory is touched
     lock = None
@@ -836,7 +836,7 @@ def build(
             raise
         resume_from, resumed_run = pdist.broadcast_object((resume_from, resumed_run), env.dist)
         if cfg.run.resume == "auto" and resume_from is None and env.dist.is_main:
-            from gptoughts.train.metrics import console
+            from gptoughts.training.metrics import console
 
             console.print(
                 f"{run_dir} has no checkpoint yet (the run stopped before its first save): its own "
@@ -863,7 +863,7 @@ def _assemble(
     lock: Any,
     tasks: Any = None,
 ) -> Assembly:
-    from gptoughts.train.metrics import console
+    from gptoughts.training.metrics import console
 
     # 3-6 first on estimates: the vocabulary and the corpus's size (nothing tokenized), the model on the meta
     # device, the micro-batch, the plan. A run that cannot fit is refused here, before anything heavy is done.
@@ -923,7 +923,7 @@ def _assemble(
         return asm
     # 7. optimizer, schedule, loaders, sampler: still nothing written
     from gptoughts.sampling import Sampler
-    from gptoughts.train.optim import Schedule
+    from gptoughts.training.optim import Schedule
 
     t = replace(cfg.train, batch_size=batch.micro_batch, grad_accum=batch.grad_accum)
     evaluation = replace(
@@ -948,9 +948,9 @@ def _assemble(
     state = None
     if resume_from is not None:  # read and checked before anything of the run directory is rewritten
         asm.resume_from, state = load_resume_checkpoint(cfg, env, model, run_dir, resume_from)
-    from gptoughts.train.metrics import MetricsLogger
-    from gptoughts.train.plots import PlotWriter
-    from gptoughts.train.trainer import Trainer
+    from gptoughts.training.metrics import MetricsLogger
+    from gptoughts.training.plots import PlotWriter
+    from gptoughts.training.trainer import Trainer
 
     # Masked-diffusion objectives draw their noise from torch's global RNG (checkpoints save and restore it);
     # seeding it here, after any autobatch probe, makes a run reproducible from train.seed. Data-parallel ranks
@@ -1028,7 +1028,7 @@ def choose_memory_layout(
     applied to the config, with why in ``cfg.resolved`` (the plan prints it); offload also starts the process group
     of one it needs. A run that nothing fits is refused here, before anything heavy, unless
     ``--ignore_memory_estimate`` (or a dry run: its plan warns)."""
-    from gptoughts.train.plan import layout_search
+    from gptoughts.training.plan import layout_search
 
     search = layout_search(cfg, env, model)
     if search is None:
@@ -1056,7 +1056,7 @@ def choose_memory_layout(
 def layout_refusal(cfg: Config, env: Environment, model: Model, lead: str) -> str:
     """The refusal of a run that does not fit, led by ``lead``: the memory each way out would need (estimates), or
     the ways out alone where the run has no estimate."""
-    from gptoughts.train.plan import GPU_FIXES, layout_search
+    from gptoughts.training.plan import GPU_FIXES, layout_search
 
     search = layout_search(cfg, env, model)
     return search.refusal(lead) if search is not None else f"{lead}: {GPU_FIXES}"
@@ -1101,8 +1101,8 @@ def _plan(
         if model.built is not None:
             model.built.pipeline.n_micro = pp_micro
     if model.raw is not None:
-        from gptoughts.train.optim import describe_states
-        from gptoughts.train.setup import optimizer_rule
+        from gptoughts.training.optim import describe_states
+        from gptoughts.training.setup import optimizer_rule
 
         name, why = optimizer_rule(model.raw, cfg.train)
         t = cfg.train
@@ -1176,8 +1176,8 @@ def _given_threads(
 def _whole_model_for_long_runs(env: Environment, model: Model, batch: BatchPlan) -> None:
     """``compile_mode = auto``: a run estimated shorter than ``WHOLE_MODEL_MIN_RUN_S`` trains on the per-block
     graphs (the whole model's compile would cost more than its faster steps gain)."""
-    from gptoughts.train.plan import estimate_speed
-    from gptoughts.train.setup import WHOLE_MODEL_MIN_RUN_S
+    from gptoughts.training.plan import estimate_speed
+    from gptoughts.training.setup import WHOLE_MODEL_MIN_RUN_S
 
     tps, _ = estimate_speed(env, model, batch.block_size, batch.micro_batch, env.dist.world_size)
     if not tps:
@@ -1203,7 +1203,7 @@ def load_resume_checkpoint(
     """Weights and trainer state of the checkpoint to resume. With ``--resume auto`` a checkpoint that verifies
     but cannot be read (forged or corrupt state.pt or weights) is skipped for the previous one, as a corrupt one
     is; when none is left, or for an explicit ``--resume PATH``, the run is refused with nothing changed."""
-    from gptoughts.train.metrics import console
+    from gptoughts.training.metrics import console
 
     while True:
         try:
@@ -1282,7 +1282,7 @@ def make_loaders(
     if data.sft is not None:
         sft, packing = data.sft, data_packing(cfg, model)
         if not packing and cfg.data.packing and info.is_main:
-            from gptoughts.train.metrics import console
+            from gptoughts.training.metrics import console
 
             console.print(
                 "note: packed rows need the native fast path; one SFT example per row", highlight=False
@@ -1431,7 +1431,7 @@ def train_optimizer(cfg: Config, env: Environment, model: Model, t: TrainConfig)
     """The run's optimizer; under pipeline parallelism also the order in which a one-process run's optimizer holds
     the parameters (its checkpoints key them by index): an optimizer over the whole model, built but never stepped
     (no state is allocated; unfused: the parameters a rank does not hold are on the meta device)."""
-    from gptoughts.train.setup import make_optimizer
+    from gptoughts.training.setup import make_optimizer
 
     optimizer = make_optimizer(model.built.model, t, cfg.perf, env.device)
     if model.built.pipeline is not None:
@@ -1449,7 +1449,7 @@ def check_optimizer_states(t: TrainConfig, dist: pdist.DistInfo) -> None:
         return
     import importlib.util
 
-    from gptoughts.train.optim import TORCHAO_MISSING
+    from gptoughts.training.optim import TORCHAO_MISSING
 
     if importlib.util.find_spec("torchao") is None:  # said here, before the data is prepared
         raise UserError(TORCHAO_MISSING)
@@ -1465,9 +1465,9 @@ def timing_trainer(
 ) -> Any:
     """The trainer of a timing run: the real train_step (precision, fused AdamW, clipping, accumulation), no run
     directory, no metrics, no checkpoints (what ``bench``, ``tune`` and bench/finetune_vs_peft.py time)."""
-    from gptoughts.train.metrics import MetricsLogger
-    from gptoughts.train.optim import Schedule
-    from gptoughts.train.trainer import Trainer
+    from gptoughts.training.metrics import MetricsLogger
+    from gptoughts.training.optim import Schedule
+    from gptoughts.training.trainer import Trainer
 
     t = replace(cfg.train, batch_size=batch.micro_batch, grad_accum=batch.grad_accum)
     optimizer = train_optimizer(cfg, env, model, t)

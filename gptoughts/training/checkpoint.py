@@ -80,7 +80,7 @@ META_FILE = "meta.json"
 DCP_METADATA = ".metadata"
 """DCP's index file; its presence (and ``"format": "dcp"`` in meta.json) marks a sharded checkpoint."""
 DCP_FORMAT = "dcp"
-log = logging.getLogger("gptoughts.train")
+log = logging.getLogger("gptoughts.training")
 
 
 def _sha256(path: Path, chunk: int = 1 << 22) -> str:
@@ -408,7 +408,7 @@ def load_state(path: Path, device: torch.device | str = "cpu") -> dict[str, Any]
                 raise
             # 8-bit optimizer states (train.optimizer_states = 8bit): torchao's tensor subclass, which its import
             # allows in weights_only loads. A run with other states has not imported it (the moments are
-            # converted once loaded: train/optim.py).
+            # converted once loaded: training/optim.py).
             try:
                 import torchao.optim  # noqa: F401
             except ImportError:

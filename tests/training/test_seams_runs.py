@@ -4,7 +4,6 @@ messages of a bad resume or a bad sampling option, and the end summary and Tenso
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 from pathlib import Path
 
@@ -12,30 +11,11 @@ import pytest
 import tokenizers
 import torch
 from cli_helpers import FASTRUN as CPU_FASTRUN
-from cli_helpers import run_cli
+from cli_helpers import refused, run_cli, snapshot
 
-from gptoughts.train import checkpoint as ckpt
+from gptoughts.training import checkpoint as ckpt
 
 FASTRUN = [*CPU_FASTRUN, "--tokenizer", "bytes"]
-
-
-def _refused(argv: list[str], capsys, *needles: str) -> str:
-    code, text = run_cli(argv, capsys)
-    assert code == 2, text[-2000:]
-    assert "Traceback" not in text
-    errors = [ln for ln in text.splitlines() if ln.startswith("error:")]
-    assert len(errors) == 1, text[-2000:]
-    for n in needles:
-        assert n in errors[0], errors[0]
-    return errors[0]
-
-
-def _snapshot(folder: Path) -> dict[str, str]:
-    return {
-        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(folder.rglob("*"))
-        if p.is_file()
-    }
 
 
 def _train(out: Path, corpus: Path, capsys, *flags: str) -> str:
@@ -70,8 +50,8 @@ def test_resume_auto_where_no_run_is_refuses_and_writes_nothing(
         out.mkdir(parents=True)
     if state == "killed while preparing its data":  # the lock file is all such a run leaves
         (out / ".lock").write_text('{"pid": 1}')
-    before = _snapshot(tmp_path)
-    _refused(
+    before = snapshot(tmp_path)
+    refused(
         [
             "train",
             "--resume",
@@ -88,7 +68,7 @@ def test_resume_auto_where_no_run_is_refuses_and_writes_nothing(
         str(out),
         "nothing to resume",
     )
-    assert _snapshot(tmp_path) == before
+    assert snapshot(tmp_path) == before
     assert out.exists() == (state != "missing") and (tmp_path / "runs").exists() == (state != "missing")
     assert not cache_dir.exists()  # refused before the corpus was read
 
@@ -111,16 +91,16 @@ def test_resume_auto_of_a_run_without_checkpoint_starts_its_own_config_from_step
 
 def test_resume_auto_of_a_run_whose_config_toml_is_missing_is_refused(run, capsys):
     (run / "config.toml").unlink()
-    before = _snapshot(run)
-    _refused(["train", "--resume", "auto", "--out", str(run)], capsys, "config.toml", "missing")
-    assert _snapshot(run) == before
+    before = snapshot(run)
+    refused(["train", "--resume", "auto", "--out", str(run)], capsys, "config.toml", "missing")
+    assert snapshot(run) == before
 
 
 def test_resume_auto_of_a_run_whose_run_json_is_corrupt_names_it(run, capsys):
     (run / "run.json").write_text('{"family": "llama", "ar')
-    before = _snapshot(run)
-    _refused(["train", "--resume", "auto", "--out", str(run)], capsys, str(run / "run.json"), "corrupt")
-    assert _snapshot(run) == before
+    before = snapshot(run)
+    refused(["train", "--resume", "auto", "--out", str(run)], capsys, str(run / "run.json"), "corrupt")
+    assert snapshot(run) == before
 
 
 def test_the_python_api_refuses_a_non_positive_max_new_tokens(run):
@@ -141,21 +121,21 @@ def test_overwrite_refuses_a_folder_with_run_like_files_that_gptoughts_did_not_m
     (foreign / "tokenizer").mkdir(parents=True)
     (foreign / "config.toml").write_text("[server]\nport = 8080\n")
     (foreign / "tokenizer" / "vocab.txt").write_text("hello\nworld\n")
-    before = _snapshot(foreign)
-    _refused(
+    before = snapshot(foreign)
+    refused(
         ["train", "--data", str(text_corpus), "--out", str(foreign), "--overwrite", *FASTRUN],
         capsys,
         "not a gptoughts run",
     )
-    assert _snapshot(foreign) == before
+    assert snapshot(foreign) == before
     (foreign / "run.json").write_text(json.dumps({"name": "someone else's run.json"}))
-    before = _snapshot(foreign)
-    _refused(
+    before = snapshot(foreign)
+    refused(
         ["train", "--data", str(text_corpus), "--out", str(foreign), "--overwrite", *FASTRUN],
         capsys,
         "not a gptoughts run",
     )
-    assert _snapshot(foreign) == before
+    assert snapshot(foreign) == before
 
 
 def test_overwrite_never_follows_a_symlink_out_of_the_run(run, tmp_path, text_corpus, capsys):
@@ -165,12 +145,12 @@ def test_overwrite_never_follows_a_symlink_out_of_the_run(run, tmp_path, text_co
     (elsewhere / "ckpts" / "best.json").write_text('{"step": 7}')
     (elsewhere / "vocab").mkdir()
     (elsewhere / "vocab" / "vocab.txt").write_text("hello\n")
-    before = _snapshot(elsewhere)
+    before = snapshot(elsewhere)
     for name, target in (("checkpoints", "ckpts"), ("tokenizer", "vocab")):
         ckpt.shutil.rmtree(run / name)
         (run / name).symlink_to(elsewhere / target, target_is_directory=True)
     _train(run, text_corpus, capsys, "--overwrite", "--max_steps", "1")
-    assert _snapshot(elsewhere) == before
+    assert snapshot(elsewhere) == before
     assert not (run / "checkpoints").is_symlink() and ckpt.list_steps(run / "checkpoints") == [1]
     assert not (run / "tokenizer").is_symlink() and (run / "tokenizer" / "tokenizer.json").is_file()
 
@@ -206,16 +186,16 @@ def test_disk_full_while_torch_writes_a_checkpoint_is_one_line_naming_the_last_g
                 return real(obj, _FullDisk(fh, 1000), *args, **kwargs)
         return real(obj, _FullDisk(f, 1000), *args, **kwargs)
 
-    before = _snapshot(run / "checkpoints")
+    before = snapshot(run / "checkpoints")
     monkeypatch.setattr(torch, "save", save_on_a_full_disk)
-    line = _refused(
+    line = refused(
         ["train", "--resume", "auto", "--out", str(run), "--max_steps", "6", "--save_interval", "1"],
         capsys,
         "disk full",
         str(ckpt.step_dir(run / "checkpoints", 4)),
     )
     assert "--resume auto" in line
-    assert _snapshot(run / "checkpoints") == before
+    assert snapshot(run / "checkpoints") == before
     assert not [p for p in (run / "checkpoints").iterdir() if p.name.startswith(".")]
 
 
@@ -230,7 +210,7 @@ def test_disk_full_in_a_background_checkpoint_write_is_one_line(run, capsys, mon
         real(path)
 
     monkeypatch.setattr(ckpt, "_fsync_file", full)
-    _refused(
+    refused(
         ["train", "--resume", "auto", "--out", str(run), "--max_steps", "6", "--save_interval", "3"],
         capsys,
         "disk full",
@@ -261,15 +241,15 @@ def test_disk_full_while_saving_the_tokenizer_on_resume_is_one_line(run, capsys,
     def save(self, path, pretty=True):  # what the tokenizers library raises: a bare Exception
         raise Exception("No space left on device (os error 28)")
 
-    before = _snapshot(run)
+    before = snapshot(run)
     monkeypatch.setattr(tokenizers.Tokenizer, "save", save)
-    _refused(
+    refused(
         ["train", "--resume", "auto", "--out", str(run), "--max_steps", "6"],
         capsys,
         "disk full",
         str(ckpt.step_dir(run / "checkpoints", 4)),
     )
-    assert _snapshot(run) == before
+    assert snapshot(run) == before
 
 
 # ---------------------------------------------------------------------------- 6. messages
@@ -277,25 +257,25 @@ def test_disk_full_while_saving_the_tokenizer_on_resume_is_one_line(run, capsys,
 
 def test_an_empty_config_toml_on_resume_names_the_file(run, capsys):
     (run / "config.toml").write_text("")
-    before = _snapshot(run)
-    line = _refused(
+    before = snapshot(run)
+    line = refused(
         ["train", "--resume", "auto", "--out", str(run)], capsys, str(run / "config.toml"), "empty"
     )
     assert "no training data" not in line
-    assert _snapshot(run) == before
+    assert snapshot(run) == before
 
 
 def test_a_resume_with_changed_architecture_names_each_field_old_and_new(run, capsys):
-    before = _snapshot(run)
-    line = _refused(
+    before = snapshot(run)
+    line = refused(
         ["train", "--resume", "auto", "--out", str(run), "--model.n_layers", "3", "--model.d_model", "96"],
         capsys,
         "n_layers 2 -> 3",
         "d_model 64 -> 96",
     )
     assert "ffn_dim" not in line
-    _refused(["train", "--resume", "auto", "--out", str(run), "--size", "125m"], capsys, "size debug -> 125m")
-    assert _snapshot(run) == before
+    refused(["train", "--resume", "auto", "--out", str(run), "--size", "125m"], capsys, "size debug -> 125m")
+    assert snapshot(run) == before
     # the architecture it already has is no change: it resumes
     code, text = run_cli(
         ["train", "--resume", "auto", "--out", str(run), "--model.n_layers", "2", "--max_steps", "5"], capsys
@@ -327,7 +307,7 @@ def test_bad_numbers_of_sample_and_export_are_refused_in_one_line(
     monkeypatch.setattr(api, "load", no_load)
     out = tmp_path / "out"
     argv = [str(tmp_path) if a == "RUN" else str(out) if a == "OUT" else a for a in argv]
-    _refused(argv, capsys, needle)
+    refused(argv, capsys, needle)
     assert not out.exists()
 
 

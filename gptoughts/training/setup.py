@@ -519,7 +519,7 @@ def _no_loss(*args: object) -> torch.Tensor:
 
 def make_objective(family: models.Family, built: Built, perf: PerfConfig) -> Callable:
     from gptoughts.perf.ce import make_loss
-    from gptoughts.train.objectives import build_objective
+    from gptoughts.training.objectives import build_objective
 
     loss_fn = make_loss(
         str(built.resolved["loss"]), compiled=bool(built.resolved["compile"]), chunk_size=perf.loss_chunk
@@ -535,8 +535,8 @@ def make_optimizer(
 ) -> torch.optim.Optimizer:
     """``train.optimizer``: AdamW, or Muon for the hidden matrices + AdamW for the rest. A model with LoRA
     adapters keeps AdamW (:func:`optimizer_rule` says so in the plan). AdamW's moments are stored as
-    ``train.optimizer_states`` says (:func:`~gptoughts.train.optim.with_states`)."""
-    from gptoughts.train.optim import build_adamw, build_muon, with_states
+    ``train.optimizer_states`` says (:func:`~gptoughts.training.optim.with_states`)."""
+    from gptoughts.training.optim import build_adamw, build_muon, with_states
 
     # On a GPU run, fused whatever the parameters' device: offloaded ones (FSDP2 CPUOffloadPolicy) step on the CPU
     # with torch's fused CPU kernel.
@@ -585,7 +585,7 @@ def auto_micro_batch(
 ) -> tuple[int, bool]:
     """The largest micro-batch that fits (see perf/autobatch.py), agreed on by all ranks (their minimum)."""
     from gptoughts.perf.autobatch import BatchCache, find_batch_size
-    from gptoughts.train.optim import set_lr, zero_grads
+    from gptoughts.training.optim import set_lr, zero_grads
 
     if device.type != "cuda":
         return 8, False

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from gptoughts.errors import UserError
-from gptoughts.train import checkpoint as ckpt
+from gptoughts.training import checkpoint as ckpt
 
 
 def _model(seed: int) -> nn.Module:
@@ -204,7 +204,7 @@ _KILL_CHILD = """
 import sys, time, torch
 from torch import nn
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
-from gptoughts.train import checkpoint as ckpt
+from gptoughts.training import checkpoint as ckpt
 
 root, where = sys.argv[1], sys.argv[2]
 torch.manual_seed(0)
@@ -451,7 +451,7 @@ def test_8bit_optimizer_states_load_in_a_process_without_torchao_imported(tmp_pa
     import sys
 
     pytest.importorskip("torchao.optim")
-    from gptoughts.train.optim import build_adamw
+    from gptoughts.training.optim import build_adamw
 
     model = nn.Linear(128, 64)
     opt = build_adamw(
@@ -461,7 +461,7 @@ def test_8bit_optimizer_states_load_in_a_process_without_torchao_imported(tmp_pa
     opt.step()
     torch.save({"trainer": {"step": 1}, "optimizer": opt.state_dict()}, tmp_path / ckpt.STATE_FILE)
     code = (
-        "import sys; from pathlib import Path; from gptoughts.train.checkpoint import load_state; "
+        "import sys; from pathlib import Path; from gptoughts.training.checkpoint import load_state; "
         "assert 'torchao' not in sys.modules; s = load_state(Path(sys.argv[1])); "
         "print(type(s['optimizer']['state'][0]['exp_avg']).__name__)"
     )

@@ -14,8 +14,8 @@ from safetensors.torch import load_file
 
 from gptoughts import api
 from gptoughts.config import list_presets, load_config
-from gptoughts.train import checkpoint as ckpt
-from gptoughts.train.trainer import Trainer
+from gptoughts.training import checkpoint as ckpt
+from gptoughts.training.trainer import Trainer
 
 
 def _losses(run: Path) -> dict[int, float]:
@@ -153,9 +153,9 @@ def _bare_trainer(model, optimizer, batches, *, batch: int, accum: int, steps: i
     """A Trainer over in-memory batches: CPU, fp32, no run directory, metrics or evaluation."""
     from gptoughts.config import RunConfig, TrainConfig
     from gptoughts.parallel.dist import DistInfo
-    from gptoughts.train.metrics import MetricsLogger
-    from gptoughts.train.objectives import build_objective
-    from gptoughts.train.optim import Schedule
+    from gptoughts.training.metrics import MetricsLogger
+    from gptoughts.training.objectives import build_objective
+    from gptoughts.training.optim import Schedule
 
     lr = optimizer.param_groups[0]["lr"]
     return Trainer(
@@ -232,8 +232,8 @@ def test_nonfinite_step_is_skipped(tmp_path):
     from gptoughts import models
     from gptoughts.config import RunConfig, TrainConfig
     from gptoughts.parallel.dist import DistInfo
-    from gptoughts.train.metrics import MetricsLogger
-    from gptoughts.train.optim import Schedule
+    from gptoughts.training.metrics import MetricsLogger
+    from gptoughts.training.optim import Schedule
 
     model = models.build_model("llama", models.model_args("llama", "debug", {"vocab_size": 256}))
     before = [p.detach().clone() for p in model.parameters()]
@@ -271,9 +271,9 @@ def test_oom_backoff_halves_micro_batch(tmp_path):
     from gptoughts import models
     from gptoughts.config import RunConfig, TrainConfig
     from gptoughts.parallel.dist import DistInfo
-    from gptoughts.train.metrics import MetricsLogger
-    from gptoughts.train.objectives import build_objective
-    from gptoughts.train.optim import Schedule
+    from gptoughts.training.metrics import MetricsLogger
+    from gptoughts.training.objectives import build_objective
+    from gptoughts.training.optim import Schedule
 
     model = models.build_model("llama", models.model_args("llama", "debug", {"vocab_size": 256}))
     causal = build_objective("causal")
@@ -558,7 +558,7 @@ def test_fsdp_matches_one_process_and_checkpoints_move_between_them(
     a = load_file(str(single / "checkpoints" / "step_000003" / ckpt.MODEL_FILE))
     b = ckpt.consolidated_weights(sharded / "checkpoints" / "step_000003")  # FSDP: sharded (DCP) checkpoints
     # Muon orthogonalizes in bf16 (as torch.optim.Muon): the last-bit differences of the ranks' summed
-    # gradients flip a few bf16 roundings (tests/train/test_muon.py checks the sharded step bit for bit).
+    # gradients flip a few bf16 roundings (tests/training/test_muon.py checks the sharded step bit for bit).
     atol = 1e-5 if optimizer == "adamw" else 2e-4
     assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=atol) for k in a)
     biases = [k for k in a if k.endswith("expert_bias")]
