@@ -262,6 +262,66 @@ def wrap_fsdp(
     return model
 
 
+def discard_failed_step(model: nn.Module) -> None:
+    """Make an FSDP2 model whose forward or backward raised (out of memory) ready for a new step; other models
+    need nothing. For one process: the out-of-memory retry and the batch-size probe.
+
+    Only a backward that completes resets FSDP2's per-step state. An exception leaves gathered parameters
+    registered on the modules (the model's parameters are then not the shards the optimizer holds), modules
+    marked as in backward and the end-of-backward callback marked as queued though it never ran: later steps
+    reduce no gradient into some or all shards, so the optimizer steps only some parameters and the sharded
+    state dict fails (``KeyError`` in ``get_optimizer_state_dict``). The gradients that the failed step's
+    completed micro-batches accumulated on gathered copies are dropped too, or the retry would add them in."""
+    from torch.distributed.fsdp import FSDPModule
+
+    modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    # The outermost is fully_shard's root (a compile wrapper around it is no FSDPModule). It is set up by the
+    # first forward: before that there is nothing to undo.
+    root = modules[0] if modules else None
+    if root is None or root._get_fsdp_state()._is_root is None:
+        return
+    if hasattr(root, "reset_iter_state"):  # torch >= 2.13
+        root.reset_iter_state()
+    else:
+        _reset_iter_state(root._get_fsdp_state())
+    for module in modules:
+        group = module._get_fsdp_state()._fsdp_param_group
+        for param in group.fsdp_params if group is not None else ():
+            param.unsharded_accumulated_grad = None
+            if hasattr(param, "_unsharded_param"):  # created at the module's first gather
+                param._unsharded_param.grad = None
+
+
+def _reset_iter_state(root: Any) -> None:
+    """``FSDPModule.reset_iter_state`` for torch 2.11 and 2.12 (from their FSDP2 state): wait on and drop the
+    collectives in flight, put every state back to idle with its parameters sharded, clear the step's marks.
+    Not FSDP's end-of-backward callback: it would run the post-backward of modules the forward never reached."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+    comm, ctx = root._comm_ctx, root._state_ctx
+    in_flight = [comm.all_gather_state]
+    if hasattr(comm, "reduce_scatter_states"):  # torch 2.12: a list
+        in_flight += comm.reduce_scatter_states
+        comm.reduce_scatter_states.clear()
+    else:  # torch 2.11: one
+        in_flight.append(comm.reduce_scatter_state)
+        comm.reduce_scatter_state = None
+    comm.all_gather_state = None
+    for pending in in_flight:
+        if pending is not None and pending.event is not None:
+            comm.device_handle.current_stream().wait_event(pending.event)
+    comm.post_forward_order.clear()
+    for state in ctx.all_states:
+        state._training_state = TrainingState.IDLE
+        group = state._fsdp_param_group
+        if group is not None:
+            group.finalize_backward()  # waits on this module's own collectives and drops their buffers
+            group._training_state = TrainingState.IDLE
+            group.reshard()
+    ctx.iter_forward_root = None
+    ctx.post_backward_final_callback_queued = False
+
+
 def wrap(model: nn.Module, device: torch.device, info: DistInfo, precision: str) -> nn.Module:
     """The data-parallel wrapper ``info.strategy`` asks for (the model itself when running alone, or when a
     tensor-parallel run has one data-parallel rank and did not ask for FSDP)."""

@@ -583,12 +583,12 @@ def auto_micro_batch(
     parts: dict[str, object],
     cache_path: str | None = None,
 ) -> tuple[int, bool]:
-    """The largest micro-batch that fits (see perf/autobatch.py), agreed on by all ranks (their minimum)."""
+    """The largest micro-batch that fits (see perf/autobatch.py), agreed on by all ranks (their minimum). The
+    assembly asks on a GPU only (CPU runs are sized from memory estimates); on a CPU only a failed allocation
+    counts, as the tests use it."""
     from gptoughts.perf.autobatch import BatchCache, find_batch_size
     from gptoughts.training.optim import set_lr, zero_grads
 
-    if device.type != "cuda":
-        return 8, False
     model = (
         built.raw
     )  # no DDP: a rank that runs out of memory must not leave the others waiting in a collective
@@ -613,6 +613,9 @@ def auto_micro_batch(
                 loss.backward()
                 probe.step()
                 zero_grads(probe, params, keep=built.keep_grads)
+        except BaseException:
+            pdist.discard_failed_step(model)  # an offloaded (FSDP2) model out of memory is left mid-step
+            raise
         finally:
             probe.zero_grad(set_to_none=True)
 

@@ -322,6 +322,7 @@ class Trainer:
                 # One rank cannot change its micro-batch alone: the others would wait in a collective forever.
                 if self.dist.enabled or self.split * 2 > rows:
                     raise
+                pdist.discard_failed_step(self.model)  # before the zeroing: its reset may reduce gradients
                 zero_grads(self.optimizer, self.params, keep=self.keep_grads)
                 self.timer.start()  # drop the failed step's partial marks
                 free_memory(self.device)
