@@ -7,59 +7,15 @@ Layout of a prepared folder::
     train_<src>_<k>.bin      raw numpy arrays of token ids (uint16 when the vocab fits, else uint32)
     val_<src>_<k>.bin
 
-Each document is written as ``[bos] + tokens + [eos]`` (bos only for tokenizers that have one distinct from
-eos, e.g. Llama's; ours and GPT-2's join documents with eos alone). Shards hold at most
-:data:`SHARD_TOKENS` tokens; a document may straddle two shards.
+Key decisions (the reasons and measurements: docs/data.md, "Preparing a corpus"):
 
-The split (deterministic: a function of the text read and the settings, all in the cache key). With ``C``
-the characters read and ``f = val_fraction``, let ``s = max(f, min(10%, 1 KiB / C))`` (the floor only when
-``min_val_docs > 0``: a tiny corpus still gets ~1 KiB of val text) and ``cap = min(2s, 0.5) * C``:
-
-* a *long* document (more than ``cap`` characters, and a tail of at least 32 characters) is cut: the last
-  ``s`` of its text (at the nearest line start) is val, the head stays train. Its share of val is exactly
-  its share of the corpus times ``s``, so a single file, or a few big ones, hold out ~``s`` of their tokens
-  instead of a whole document (a 1.5 MB file read as two ~1 MiB pieces used to lose one of them, 40-70% of
-  its tokens, to val). At most ``1 / (2s)`` documents can be long;
-* every other document is held out whole when a hash of (seed, source, index, content) falls under ``f``
-  (the behaviour of corpora of many files, such as the stdlib, is unchanged: none of their files is long);
-* when fewer than ``min_val_docs`` documents gave val text, the short documents with the smallest hashes
-  are held out whole (each is at most ``cap``, i.e. ~``2s`` of the corpus), and one document always stays
-  train.
-
-Two passes over the sources: the first counts documents and decides the split (and collects the BPE
-training text, at most ``tokenizer_train_bytes``), the second tokenises. Reading is cheap next to
-tokenising (measured ~60 MB/s vs ~3 MB/s per core), and the two passes keep memory bounded whatever the
-corpus size: every reader streams (text files in ~1 MB documents, JSONL by line, Parquet and arrow by record
-batch), the first pass keeps O(min_val_docs + a few long documents) of state plus the BPE training text,
-the second O(workers) batches of :data:`_ENCODE_BATCH_BYTES`; the manifest's per-document val indices are
-the only list that grows (by ``val_fraction`` of the documents). Measured: bytes tokenizer, one worker,
-~50 MB of peak RSS above the baseline for 32 MB as for 200 MB of text; bpe:8192 on 2.0 GB with 2 workers,
-parent ~0.75 GB (~0.35 GB of it the interpreter with torch, imported by gptoughts; the rest mostly BPE
-training) and ~0.25 GB private per worker.
-
-Parallelism: the parent reads, labels and writes; ``workers`` processes (default: one per available core)
-tokenise batches of whole documents, and their results are written in submission order, so the output is
-byte-identical whatever the number of workers (which is therefore not in the cache key).
-
-Resuming: the build goes into ``.<out>.partial-<key>`` beside ``out``. Once pass 1 is done it holds the
-tokenizer and ``plan.json`` (the split decided); pass 2 then writes ``progress.json`` (atomically, after
-making the shards durable) whenever a shard fills, every :data:`_CHECKPOINT_CHARS` characters and at the
-end of each source: the finished sources' shards and checksums, and for the current one the next document
-and each open shard's durable length and running crc32. A prepare of the same key finds that folder,
-checks every recorded shard against its crc32, cuts the open shards back to their durable length and goes
-on from the next document (read, not tokenised again); anything that does not check out is rebuilt from
-scratch. A build that fails while reading (bad input) leaves nothing.
-
-Integrity: the manifest records a crc32 of every shard (computed while it is written) and of every
-tokenizer file. ``prepare`` verifies them before reusing a folder and rebuilds a damaged one;
-:class:`~gptoughts.data.loader.TokenDataset` checks only presence and sizes (reading every shard on each
-load would double the start-up cost; :meth:`Manifest.verify` reads them on demand), and the loader checks
-every batch's ids against the vocabulary, so a damaged shard never indexes past the embedding.
-
-Caching: :func:`cache_key` hashes everything the output depends on. ``prepare`` returns an existing folder
-with the same key untouched; otherwise it builds into the partial sibling and renames it into place, under
-a file lock, so a half-written folder never looks valid and concurrent callers (all ranks of a node) build
-once and share. It never replaces a folder that does not look like one it wrote.
+* documents are ``[bos] + tokens + [eos]`` (bos only when distinct from eos); shards hold at most
+  :data:`SHARD_TOKENS` tokens and a document may straddle two;
+* the train/val split is deterministic (in the cache key); long documents give their tail to val;
+* two streaming passes (count and split, then tokenise) keep memory bounded whatever the corpus size;
+* ``workers`` processes tokenise, results are written in order: output byte-identical for any worker count;
+* builds go into ``.<out>.partial-<key>`` and resume from ``progress.json``; every shard carries a crc32;
+* :func:`cache_key` hashes every input; the finished folder is renamed into place under a file lock.
 """
 
 from __future__ import annotations
@@ -1133,10 +1089,8 @@ def _encoded(
     flight (memory stays bounded; ``Pool.imap`` would read the whole corpus ahead), and results are taken in
     submission order, so the shards are byte-identical whatever ``workers`` is. Processes rather than the
     tokenizers library's own parallel ``encode_batch`` (Rust threads, which ``workers=1`` uses): they also
-    spread the Python side (ids to numpy, concatenation), and were faster. Measured on the 2-core dev
-    machine, 2.0 GB, bpe:8192 (bench/BENCHMARKS.md, "prepare at scale"): 2 processes 350 s (5.8 MB/s), one
-    process with the library's threads 491 s (4.1 MB/s), identical shards. The bytes tokenizer runs at
-    memory speed in the parent.
+    spread the Python side (ids to numpy, concatenation), and measured faster (docs/data.md, "Preparing a
+    corpus"). The bytes tokenizer runs at memory speed in the parent.
     """
     if workers <= 1 or tok.is_bytes:
         for b in batches:
