@@ -1,52 +1,19 @@
 """Atomic, verifiable checkpoints, in one of two formats.
 
-Layout of ``RUN/checkpoints/``::
+``RUN/checkpoints/step_N/`` holds either the single-file format (one process or DDP: ``model.safetensors``,
+``state.pt``, ``meta.json``) or the sharded format (FSDP: torch.distributed.checkpoint shards, ``.metadata``,
+``state.pt``, ``meta.json``); ``best.json`` names the best step, never rotated away. Key decisions (layout,
+reasons and measurements: docs/checkpoints.md):
 
-    step_000120/                    one process or DDP: the single-file format
-        model.safetensors   weights (safetensors: no pickle, loadable anywhere)
-        state.pt            optimizer, step, RNG, loader and trainer state; torch.load(weights_only=True) reads it
-        meta.json           step, val loss, sha256 of each file (written last), and what the trainer adds
-                            (tokens seen, data steps skipped by rollbacks, rollbacks, learning-rate scale)
-    step_000240/                    FSDP: the sharded format (torch.distributed.checkpoint, "DCP")
-        __0_0.distcp …      each rank's shards of the weights and of the optimizer state (rank r writes __r_*)
-        .metadata           DCP's index of every tensor's chunks (a pickle: read with an allow-list, below)
-        state.pt            step, RNG of every rank, loader and trainer state (no optimizer: it is in the shards)
-        meta.json           as above, with "format": "dcp" and the sha256 of every rank's files
-    best.json               {"step": ..., "val_loss": ...}: the best checkpoint, never rotated away
-
-A checkpoint is written into a hidden temp dir, every file fsynced, then the dir is renamed into place, so
-a crash mid-write never leaves a directory that looks complete. ``latest_valid`` re-hashes files and skips a
-truncated or corrupted newest checkpoint with a warning, falling back to the previous one.
-
-Re-saving a step that exists (a rollback records its decision in the checkpoint it returned to) moves the old
-dir aside as ``.old-step_N-*`` before renaming the new one in; a crash between the two renames leaves only the
-``.old`` dir, which :func:`recover` (run by ``save`` and ``latest_valid``) renames back, so a step dir is
-never lost.
-
-Sharded checkpoints (:class:`ShardedSaver`): every rank writes its own shards (``dcp.save``; async by default:
-the trainer is blocked only while its shards are copied to host buffers that the saver keeps for the whole run,
-one host copy of each rank's weights and optimizer state (:class:`_HostStaging`), and ``dcp.save`` writes that
-copy from a background thread). When every rank's files are written, each rank hashes its own files, rank 0
-gathers the hashes into meta.json and renames the temp dir: all of it on the checkpoint thread, over a gloo
-process group of its own (the training collectives never share a group with a thread). The trainer waits for
-a pending save before the next one, before a rollback reads the checkpoints, and at the end of the run. A
-sharded checkpoint loads on any number of ranks (DCP reshards), on one process (``load_weights``: sampling,
-``gptoughts export``, a one-process resume) and into a DDP run.
-
-Why two formats: one process and DDP keep ``model.safetensors`` + ``state.pt``. Every reader of a run's
-weights outside training (``gptoughts sample``/``generate``/``export``, the tests, anything with safetensors)
-reads one file without torch.distributed, and on one process DCP brings no speed (bench/BENCHMARKS.md, session 6,
-this 2-core CPU machine, fp32 + AdamW): saving took the same time in both formats (125m: 6.5 s each; 1b: 58 s
-vs 55 s: bound by writing and hashing the bytes), loading was slower with DCP (125m: 9.5 s vs 2.7 s; 1b: 70 s vs
-41 s: DCP reads each tensor into a new buffer, then copies it into the destination). What DCP brings is for
-sharded runs: no gather of the full model and optimizer to rank 0 (whose host memory bounded the size of a
-run), ranks writing in parallel, resharding on resume, and async saving.
-
-Loading is never unpickling of code: state.pt is read with ``torch.load(weights_only=True)``; DCP reads the
-shards' tensors and small objects with ``torch.load(weights_only=True)`` too, but its ``.metadata`` with a plain
-``pickle.load`` (``FileSystemReader.read_metadata``, checked in torch 2.13): :func:`read_dcp_metadata` reads that
-file first with an unpickler that allows only DCP's own metadata classes, ``torch.Size``, dtypes and paths, and
-the checkpoint is refused (an unusable one: ``--resume auto`` falls back) if it names anything else.
+* written into a hidden temp dir, fsynced, then renamed; ``meta.json`` (sha256 of every file) is written last,
+  and ``latest_valid`` falls back past a checkpoint that does not verify;
+* re-saving a step moves the old dir aside first; :func:`recover` renames it back after a crash;
+* saves run in the background where that pays (:class:`FileSaver`, :class:`ShardedSaver`): training waits
+  only for a copy into host buffers kept for the whole run (:class:`_HostStaging`);
+* one process and DDP keep the single-file format: readable without torch.distributed, and DCP is no faster
+  there;
+* loading never unpickles code: ``weights_only=True`` everywhere, and DCP's ``.metadata`` through an
+  allow-list unpickler (:func:`read_dcp_metadata`).
 """
 
 from __future__ import annotations
@@ -1040,12 +1007,11 @@ class FileSaver(_BackgroundWriter):
 
     Training stops only while the state is copied to host buffers that the saver keeps from one save to the next
     (:class:`_HostStaging`, pinned after the first write); a thread then writes, hashes and renames the checkpoint
-    (:func:`save`, the same files as a synchronous save). Before, every save stopped training for the whole
-    write: a 1b model with its AdamW state is 13 GB (an H100 run of ``gptoughts train --size 1b`` stood still
-    ~40 s at its first evaluation, whose improved val loss saved a checkpoint; bench/BENCHMARKS.md). The next
-    save, a rollback and the end of the run wait for a pending write (:meth:`wait`). Elsewhere (CPU runs, whose
-    write would compete with training for the same cores; a host without the memory for one more copy of the
-    state) it writes synchronously, as before."""
+    (:func:`save`, the same files as a synchronous save): a synchronous save of a 1b model with its AdamW state
+    (13 GB) stops training for the whole write (docs/checkpoints.md). The next save, a rollback and the end of
+    the run wait for a pending write (:meth:`wait`). Elsewhere (CPU runs, whose write would compete with
+    training for the same cores; a host without the memory for one more copy of the state) it writes
+    synchronously."""
 
     def __init__(self, root: str | Path, *, keep_last: int = 3, background: bool = True):
         super().__init__()
