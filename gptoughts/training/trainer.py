@@ -4,55 +4,18 @@ Pretraining, fine-tuning, LoRA and masked diffusion all run here; they differ by
 and the objective passed in, never by a copied loop. Speed features (compile, fp8, activation checkpointing,
 FSDP) are applied to the model before it reaches the trainer (see ``training/setup.py``).
 
-Host-device synchronisation happens only at log/eval/save intervals ("flushes"): each step's loss sum, token
-count, gradient norm and skip flag stay on the device, referenced from ``Trainer._pending``, and the next flush
-reads them all in one transfer. A non-finite step is skipped on the device by the optimizer (``found_inf``)
-instead of being checked from Python, so it never changes the weights or the optimizer state.
+Key decisions (the full account and measurements: docs/checkpoints.md, "Recovery" and "Loss spikes"):
 
-Recovery (``train.nan_policy``, documented on :class:`~gptoughts.config.TrainConfig`):
-
-* A flush knows exactly which steps were non-finite; ``TrainState.bad_steps`` counts the ones in a row.
-  ``stop`` raises at the first; ``skip`` raises after ``max_bad_steps`` in a row; ``rollback`` then reloads
-  the newest checkpoint saved *before the streak began* (weights, optimizer, RNG), multiplies the learning rate
-  by ``rollback_lr_factor`` and goes on, up to ``max_rollbacks`` times.
-* A *collapsed* step counts as a bad step too: a finite loss equal to ln(vocab) (the loss of a uniform
-  prediction over the model's outputs) with a zero gradient, what a model that has blown up to constant logits
-  gives (it then never learns again). It is decided at the flush from the values the flush reads anyway (no
-  sync of its own), and warned once per streak. Masked-diffusion losses are weighted, so this test does not
-  apply to them.
-* The end of the run settles a streak still open: ``rollback`` rolls back (and the run trains on to its last
-  step), the other policies raise, so a run never ends "done" on bad steps.
-* After a rollback the step counter is the checkpoint's (logged steps restart from there and increase), and so
-  are the learning-rate schedule and ``tokens_seen`` (tokens trained on). The data loader is *not* rewound: it
-  goes on after the batches of the streak, which are never replayed. ``TrainState.data_steps_skipped`` counts
-  the steps' worth of batches so jumped over, so that always ``loader position == (step + data_steps_skipped)
-  steps of batches``; ``meta.json`` carries both. The rollback then re-saves the checkpoint it returned to with
-  that state, so that a crash or a resume after it does not replay the bad batches nor forget the rollback.
-* No checkpoint (so no ``best.json``) is written while non-finite steps are in a row or when the weights are
-  not finite (one fused ``_foreach_norm(inf)`` reduction at save time, already a sync point). So every
-  checkpoint on disk is a good one to return to.
-
-Loss spikes (``train.spike_*``), in the spirit of Megatron-LM's rerun state machine. Each flush feeds the
-per-step losses into running statistics (an EMA of mean and variance, in ``TrainState`` so resumes decide
-alike) and sets a threshold ``max(mean + spike_std * std, spike_ratio * mean)``, armed after
-``spike_warmup_steps``. While armed, each step compares its loss with the threshold *on the device* (a
-multiply, a compare, an or and a where: no sync); a step above it, and every later step of the same window,
-is held back like a non-finite one (the optimizer skips it), and its batches and RNG state are kept. The
-weights at the flush are therefore exactly the pre-step state of the first held step: the flush re-runs that
-step on the same batch (same weights, optimizer state, learning rate and RNG) with the check still armed. A
-re-run below the threshold is a *transient* fault: its update is kept. A re-run above it is a *reproducible*
-spike: ``skip`` drops the step, ``rollback`` rolls back, ``stop`` raises. The later held steps then run from
-their kept batches (they had never been applied), so a transient spike leaves the run identical to one without
-it. Each spike gets a log line and a ``{"event": "spike", "kind": ...}`` row in ``metrics.jsonl``.
-Measured cost of the armed check on CPU (debug Llama, block 32, batch 4, fp32, AdamW, 1 thread; 150 interleaved
-pairs of 20-step blocks, armed vs not): the four ops and the RNG copy take 7.5 us a step (0.2% of the ~4 ms
-step); end to end the median difference was +37 us (+0.9%), inside the noise (interquartile range +-165 us) of a
-shared 2-core machine. On a GPU they are four tiny kernels queued asynchronously, never a sync.
-Limits: multi-process runs and fp16 loss scaling only *report* spikes at the flush (``"kind": "unchecked"``),
-with no hold or re-run (the check would need the global loss of every step, and the fp16 scaler decides its own
-skips); a model's ``after_optimizer_step`` hook (DeepSeek's expert-bias update) still runs on held steps, so
-its re-run is close to, not exactly, the pre-step state; a held window keeps its batches (one log interval of
-them) alive until the flush.
+* host-device syncs happen only at log/eval/save intervals ("flushes"): each step's values stay on the device
+  in ``Trainer._pending`` and the flush reads them in one transfer;
+* a non-finite step is skipped on the device by the optimizer (``found_inf``), never checked from Python;
+* ``recovery.nan_policy`` (on :class:`~gptoughts.config.RecoveryConfig`): ``stop``, ``skip`` (up to
+  ``max_bad_steps`` in a row) or ``rollback`` (to the checkpoint saved before the streak, learning rate cut,
+  data not rewound: ``TrainState.data_steps_skipped`` keeps the loader position consistent); a collapsed step
+  (loss ln(vocab), zero gradient) counts as bad; no checkpoint is written during a streak;
+* loss spikes (``recovery.spike_*``) are detected on the device; a spiking step is held, re-run once from its
+  pre-step state at the flush, and kept (transient) or handled by the policy (reproducible). Multi-process and
+  fp16 runs only report spikes.
 """
 
 from __future__ import annotations
@@ -344,8 +307,7 @@ class Trainer:
         if self.static_token_count:
             # torch.full, not torch.tensor(host number, device=cuda): the latter is a pageable host-to-device copy
             # that waits for the GPU to drain the previous step, so the GPU idled while the host queued the next
-            # one (1b b8 step 214.0 ms before, 210.6 ms after; 125m b128 +1.9% tokens/s; measured in two runs on
-            # the same H200 kind, not side by side: bench/BENCHMARKS.md, 2026-11-22).
+            # one (measured faster: see docs/performance.md, "Host-device copies in the step").
             n_total = torch.full(
                 (), float(sum(b[1].numel() for b in micro) * self.dist.dp_size), device=self.device
             )
