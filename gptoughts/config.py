@@ -1,7 +1,7 @@
 """The typed configuration tree, TOML presets and dotted overrides.
 
-A run is described by one :class:`Config`: sections ``model``, ``data``, ``train``, ``perf``, ``parallel``,
-``run`` and ``lora``. Each section is a dataclass whose fields are documented where they are declared.
+A run is described by one :class:`Config`: sections ``model``, ``data``, ``train``, ``eval``, ``checkpoint``,
+``recovery``, ``perf``, ``parallel``, ``run`` and ``lora``. Each section is a dataclass whose fields are documented where they are declared.
 Configs are data: TOML files (``gptoughts/presets/*.toml`` or a user's file) and ``--section.key value``
 overrides, never Python code. Validation is strict: an unknown key or a wrong type raises
 :class:`~gptoughts.errors.ConfigError` naming the closest valid key.

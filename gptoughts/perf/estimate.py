@@ -1,26 +1,11 @@
 """``gptoughts estimate``: memory, time and cost of a run before it starts.
 
-Memory at the peak of a training step (fp32 master weights, mixed precision):
-
-* weights: 4 bytes/param (fp32 master copy)
-* gradients: 4 bytes/param
-* optimizer: AdamW's two moments, 8 bytes/param (``train.optimizer_states``: fp32; bf16 4; 8bit ~2.03, one byte
-  each and an fp32 scale per block of 256); Muon's momentum 4 bytes per hidden-matrix param
-* autocast weight copies: 2 bytes per matmul param (the bf16 casts autocast keeps for backward): every weight
-  of two or more dims (DeepSeek's 3-D expert weights included) except embedding lookups; a tied LM head counts
-* activations: per token and layer, the tensors autograd saves for backward, counted from the block's ops
-  per family and activation-checkpointing mode (Llama and LLaDA: ``_layer_activation_bytes``; GPT-2, INL and
-  DeepSeek: ``_gpt2_layer_bytes``, ``_inl_layer_bytes``, ``_deepseek_layer_bytes``); the peak holds either the
-  activations (with the bf16 weight copies and logits) early in backward, or all gradients at the optimizer step
-* logits: the LM-head working set (one chunk with the chunked loss, the whole batch with the plain loss)
-
-Under FSDP (``strategy = "fsdp"``) weights, gradients and optimizer state are divided by the GPU count; the
-"autocast copies" line becomes what FSDP holds gathered at a time: the bf16 parameters of two blocks (the one
-running and the one prefetched) and of the root (embeddings, head), plus one block's unsharded gradient (bf16 and
-its fp32 reduce copy).
-
-Time: tokens × FLOPs/token / (peak FLOP/s × MFU). The default MFU is what ``bench`` measured for the size class
-on Hopper (bench/BENCHMARKS.md); pass ``--mfu`` to use your own.
+Memory is the peak of a training step with fp32 master weights and mixed precision: weights, gradients,
+optimizer state (per ``train.optimizer_states``), autocast weight copies, activations counted per family and
+activation-checkpointing mode from the block's ops, and the LM-head logits; under FSDP the sharded parts are
+divided by the GPU count and the gathered blocks added. Time is tokens × FLOPs/token / (peak FLOP/s × MFU), with
+a default MFU per size class measured on Hopper; ``--mfu`` overrides it. The full breakdown and the
+measurements it was checked against: docs/performance.md, "Memory and time estimate".
 """
 
 from __future__ import annotations

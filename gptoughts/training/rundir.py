@@ -4,8 +4,7 @@
   anything is read or written, and keeps it until the run ends. The kernel releases it when the process dies,
   so a crashed run never leaves a stale lock; a second ``train`` on the same ``--out`` is refused with the
   process that holds it.
-* **A run is recognised by its run.json** (written first by every run since the first version: it has
-  ``family`` and ``args``); files named like a run's (``config.toml``, ``tokenizer/``, ``checkpoints/``) do not
+* **A run is recognised by its run.json** (written first by every run: it has ``family`` and ``args``); files named like a run's (``config.toml``, ``tokenizer/``, ``checkpoints/``) do not
   make one, and ``--overwrite`` refuses folders that are not runs. :func:`clear` removes only what a run writes
   (:data:`RUN_FILES`), never anything else in the folder, and never follows a symlink out of it.
 * **Nothing is destroyed by a refusal.** :func:`check` decides (resume, start, refuse) by reading only; a run
