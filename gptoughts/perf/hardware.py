@@ -206,7 +206,7 @@ def recommend(p: HardwareProfile) -> dict[str, object]:
     return {
         "precision": precision,
         "compile": p.compile,
-        # whole-model compile +2-6% a step on the user's path below 400M (training/setup.py, BENCHMARKS)
+        # whole-model compile +2-6% a step on the user's path below 400M (docs/performance.md)
         "compile_mode": "model for llama/gpt2 up to 400M non-embedding parameters in one process and runs of "
         "20+ min, else blocks",
         "fp8": p.arch in ("hopper", "blackwell"),  # Ada has fp8 tensor cores but small models rarely gain
@@ -214,7 +214,7 @@ def recommend(p: HardwareProfile) -> dict[str, object]:
         "batch_size": "auto",
         "activation_checkpointing": "selective for LoRA (19% less memory, 2-5% slower at 1b), else none; raised "
         "where the training state does not fit the GPU (perf/layout.py)",
-        # LoRA steps are many small kernels: 1.06-1.2x at 1b with the launches replayed (training/setup.py, BENCHMARKS)
+        # LoRA steps are many small kernels: 1.06-1.2x at 1b with the launches replayed (docs/performance.md)
         "cuda_graphs": "on for LoRA on a Llama base in one process at a fixed batch, else off"
         if p.compile
         else False,

@@ -97,10 +97,9 @@ def compile_rule(perf: PerfConfig, hw: HardwareProfile) -> tuple[bool, str]:
     return bool(perf.compile), "asked"
 
 
-# Whole-model compile against per-block compile, measured on the user's path on one H100 (`train` with auto batch,
-# bench/BENCHMARKS.md, session 10): steady tokens/s +4.2% at 125m, +5.6% at 47M, +2.2% at gpt2 small, for ~20-25 s
-# more compile at the first step. CUDA graphs on top gained nothing there (the auto batch is large: 86 x 2048
-# tokens at 125m): cuda_graphs_rule keeps them for LoRA.
+# Whole-model compile beats per-block compile by a few % tokens/s on the user's path, for ~20-25 s more compile
+# at the first step (measured: docs/performance.md, "Compile and CUDA graphs"); CUDA graphs on top gain nothing
+# at pretraining's auto batch: cuda_graphs_rule keeps them for LoRA.
 WHOLE_MODEL_MIN_RUN_S = 1200
 """``compile_mode = auto`` keeps the whole model for runs estimated at least this long (break-even: ~8 min at
 125m, ~19 min at gpt2 small)."""
@@ -122,12 +121,10 @@ def cuda_graphs_rule(
     """What ``perf.cuda_graphs`` becomes, and why. ``auto``: on for LoRA adapters over a Llama base that is not
     4-bit (QLoRA), compiled, in one CUDA process, in bf16 or fp32 (fp16's loss scaler was not measured with them),
     at a given micro-batch (``--batch_size auto`` probes sizes with real steps, each of which would record graphs:
-    not measured). Measured on one H100 (bench/BENCHMARKS.md session 12, LoRA 1b, seq 2048, batch
-    4): a LoRA step is short and launches many small kernels (the adapters' skinny matmuls, the dropout bits), so
-    kernel launches left the GPU idle ~9% of it; replayed as CUDA graphs, 79.6k -> 84.3k tokens/s at dropout 0
-    and 61-69k -> 73.3-73.5k at dropout 0.05, for +0.03 GiB. Pretraining's auto batch makes steps long enough that
-    graphs gain nothing there (session 10), and other families, QLoRA's 4-bit matmuls and several processes
-    were not measured with them: off."""
+    not measured). A LoRA step is short and launches many small kernels (the adapters' skinny matmuls, the
+    dropout bits), so replaying it as CUDA graphs measured 1.06-1.2x faster at 1b (docs/performance.md, "Compile
+    and CUDA graphs"). Pretraining's auto batch makes steps long enough that graphs gain nothing there, and other
+    families, QLoRA's 4-bit matmuls and several processes were not measured with them: off."""
     if perf.cuda_graphs != "auto":
         return bool(perf.cuda_graphs), "asked"
     one_process = not dist.enabled and not dist.sharded
@@ -232,11 +229,9 @@ def attention_rule(
 ) -> tuple[layers.AttentionKernels, dict[str, str], dict[str, str]]:
     """The kernels ``layers.sdpa`` routes to; what ``sdpa_backend`` and ``doc_mask_attention`` became, and why.
 
-    Measured on one H100 (bench/BENCHMARKS.md, 2026-11-23): FA4 ran forward+backward 1.16x faster than cuDNN's
-    SDPA at the 1b shape (head_dim 64), 1.09x at head_dim 128, 1.18x bidirectional, and the 1b step 1.014x;
-    so ``auto`` takes FA4 wherever flash-attn-4 is installed and runs. FlexAttention ran packed rows' attention
-    4.2x faster than the dense mask, but a 350m SFT run took 106 s to compile and then failed in its evaluation
-    forward with an illegal memory access (torch 2.11): ``auto`` keeps the dense mask, flex stays a switch."""
+    FA4 measured faster than cuDNN's SDPA, so ``auto`` takes it wherever flash-attn-4 is installed and runs;
+    FlexAttention was faster on packed rows but failed in a 350m SFT run, so ``auto`` keeps the dense mask and
+    flex stays a switch (measurements: docs/performance.md, "Attention kernels")."""
     from gptoughts.perf import attention
 
     check_attention(perf, device)
