@@ -35,7 +35,7 @@ ALIASES: dict[str, str] = {
     "use_fp8": "perf.fp8",
     "no_progress": "run.progress",
     "auto_batch": "train.batch_size",
-    "recover_nan": "train.nan_policy",
+    "recover_nan": "recovery.nan_policy",
 }
 REPEATABLE = {"data.sources"}
 # Flags that take no value, and the value they set.

@@ -286,8 +286,7 @@ class PerfConfig:
     """With fp8: the backward's matmuls (input and weight gradients) also accumulate in the tensor cores' fast,
     lower-precision mode, as the forward's already do (torchao's default keeps them precise). 3b on an H100:
     1.23-1.24x bf16 instead of 1.19-1.21x (tensorwise; rowwise not measured); 300-step losses of 3 runs no
-    worse than bf16's, but nothing longer was checked, hence off by default (bench/BENCHMARKS.md, 2026-11-23
-    session 11)."""
+    worse than bf16's, but nothing longer was checked, hence off by default (bench/BENCHMARKS.md)."""
     gpu_memory_gib: float | None = None
     """Use at most this much of the GPU's memory (``torch.cuda.set_per_process_memory_fraction``); the plan, the
     estimate and ``--batch_size auto`` see a GPU of this size. To rehearse a run meant for a smaller GPU, or to

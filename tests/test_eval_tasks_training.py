@@ -230,6 +230,7 @@ def test_harness_tasks_are_scored_during_training(tmp_path, text_corpus, cache_d
     assert load_config(str(mine)).eval.eval_tasks == ["hellaswag", str(mine.parent / "t.jsonl")]
 
 
+@pytest.mark.slow
 def test_a_task_failing_while_scored_is_a_warning_and_the_run_goes_on(
     tmp_path, text_corpus, cache_dir, fast, monkeypatch, capsys
 ):

@@ -137,6 +137,7 @@ def test_plan_counts_equal_what_the_run_reports(text_corpus, cache_dir, tmp_path
         assert data[:8] == PNG and len(data) > 2000
 
 
+@pytest.mark.slow
 def test_the_plan_says_fp8_and_warns_of_fp8_switches_in_a_run_without_it(
     text_corpus, cache_dir, tmp_path, capsys
 ):
@@ -403,7 +404,7 @@ def test_the_seeds_spellings_are_aliases():
 
 def test_seeds_auto_batch_flag_sets_auto():
     _, o, _ = cli.parse_overrides(["--auto-batch", "--recover-nan"])
-    assert o == {"train.batch_size": "auto", "train.nan_policy": "rollback"}
+    assert o == {"train.batch_size": "auto", "recovery.nan_policy": "rollback"}
 
 
 def test_tune_writes_a_config_without_the_quickstarts_out(tmp_path):
@@ -418,6 +419,7 @@ def test_tune_writes_a_config_without_the_quickstarts_out(tmp_path):
     assert load_config(str(path), {}).run.out == "runs/llama-debug"
 
 
+@pytest.mark.slow
 def test_curriculum_paths_are_relative_to_the_toml_and_phases_are_announced(
     tmp_path, text_corpus, cache_dir, capsys, monkeypatch
 ):
@@ -457,6 +459,7 @@ def test_bench_headline_and_breakdown_agree():
     assert r["tokens_per_s"] == pytest.approx(2 * 32 / (r["step_ms"] / 1e3), rel=1e-6)
 
 
+@pytest.mark.slow
 def test_progress_line_has_an_eta_and_threads_are_measured_or_given(
     text_corpus, cache_dir, tmp_path, capsys, monkeypatch
 ):

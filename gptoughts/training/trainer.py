@@ -1042,7 +1042,7 @@ class Trainer:
                 if self.policy == "stop":
                     raise UserError(
                         f"reproducible loss spike at step {rec.step} (loss {rerun:.4g}, threshold "
-                        f"{thr:.4g}; train.nan_policy = stop); {self._last_good_text(rec.step)}"
+                        f"{thr:.4g}; recovery.nan_policy = stop); {self._last_good_text(rec.step)}"
                     )
                 if self.policy == "rollback":
                     st.step, st.tokens_seen = end_step, end_tokens  # the loader is at the window's end

@@ -216,6 +216,7 @@ def test_garbage_collected_loader_stops_its_thread(bytes_dataset: Path) -> None:
     assert not thread.is_alive()
 
 
+@pytest.mark.slow
 def test_interpreter_exits_with_a_running_loader(bytes_dataset: Path) -> None:
     import subprocess
     import sys

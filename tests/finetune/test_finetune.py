@@ -283,6 +283,7 @@ def test_finetune_command_line_and_config_checks(tmp_path, hf_model):
         )
 
 
+@pytest.mark.slow
 def test_lora_keeps_the_frozen_base_in_bf16_under_bf16_training(hf_model, tmp_path, ft_fast, ft_cache):
     model, _, hist = api.finetune(
         model_path=str(hf_model("qwen2")),

@@ -331,6 +331,7 @@ def test_activation_checkpointing_replays_the_dropout_masks_of_lora():
     assert torch.allclose(grads["none"], grads["full"], atol=1e-6)
 
 
+@pytest.mark.slow
 def test_tune_table_and_winner(tmp_path):
     from gptoughts.tools.tune import best, format_table, run_tune, write_winner
 

@@ -34,6 +34,7 @@ def synthetic_corpus(folder: Path) -> Path:
     return folder
 
 
+@pytest.mark.slow
 def test_golden_loss_curve(tmp_path, monkeypatch):
     monkeypatch.setenv("GPTOUGHTS_CACHE", str(tmp_path / "cache"))
     corpus = synthetic_corpus(tmp_path / "corpus")

@@ -125,6 +125,7 @@ def _check_checkpoints(run: Path) -> list[int]:
     return steps
 
 
+@pytest.mark.slow
 def test_transient_nan_rolls_back_past_the_bad_batches(
     tmp_path, text_corpus, cache_dir, fast, monkeypatch, capsys
 ):
@@ -207,6 +208,7 @@ def test_permanent_nan_from_init_exits_2_without_checkpoints(tmp_path, text_corp
     assert ckpt.list_steps(out / "checkpoints") == [] and not (out / "checkpoints" / "best.json").exists()
 
 
+@pytest.mark.slow
 def test_permanent_nan_after_rollbacks_names_the_last_good_checkpoint(
     tmp_path, text_corpus, cache_dir, fast, monkeypatch, capsys
 ):
@@ -246,6 +248,7 @@ def test_permanent_nan_after_rollbacks_names_the_last_good_checkpoint(
     assert ckpt.best_step(out / "checkpoints") in (2, 4)  # evaluated at every save step: never a bad one
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["stop", "raise", "skip", "rollback"])
 def test_policies_differ_on_the_same_fault(
     policy, tmp_path, text_corpus, cache_dir, fast, monkeypatch, capsys

@@ -154,6 +154,7 @@ def test_a_run_that_cannot_fit_is_refused_before_anything_heavy(
     assert not (cache_dir.exists() and any(cache_dir.rglob("*.bin"))), "the corpus was tokenized"
 
 
+@pytest.mark.slow
 def test_ignore_memory_estimate_tries_anyway(tmp_path, text_corpus, cache_dir, capsys, monkeypatch):
     monkeypatch.setattr(ckpt, "host_memory_available", lambda: 2**20)
     out = tmp_path / "run"
@@ -333,6 +334,7 @@ def test_readme_python_block_runs_as_written_without_a_gpu(
     assert "def fibonacci(n):" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_bench_and_tune_build_trains_model(tmp_path, text_corpus, cache_dir, capsys, monkeypatch):
     """`bench --size debug` and `tune --size debug` time the model `train --size debug` trains (same vocabulary,
     so the same parameters), at the tokenizer the size trains with."""

@@ -191,6 +191,7 @@ def test_initial_loss_at_ln_vocab_is_not_a_collapse(tmp_path, text_corpus, cache
 # ----------------------------------------------------------------------- item 10: evaluation windows
 
 
+@pytest.mark.slow
 def test_a_held_out_split_shorter_than_a_block_is_evaluated(tmp_path, text_corpus, cache_dir, fast, capsys):
     """The held-out text of the tiny corpus (~1 KiB) is shorter than a block of 2048: the plan says evaluations
     use shorter windows, every evaluation logs a finite val loss, and the summary reports it."""

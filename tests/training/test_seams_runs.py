@@ -73,6 +73,7 @@ def test_resume_auto_where_no_run_is_refuses_and_writes_nothing(
     assert not cache_dir.exists()  # refused before the corpus was read
 
 
+@pytest.mark.slow
 def test_resume_auto_of_a_run_without_checkpoint_starts_its_own_config_from_step_0(
     tmp_path, text_corpus, cache_dir, capsys
 ):
@@ -138,6 +139,7 @@ def test_overwrite_refuses_a_folder_with_run_like_files_that_gptoughts_did_not_m
     assert snapshot(foreign) == before
 
 
+@pytest.mark.slow
 def test_overwrite_never_follows_a_symlink_out_of_the_run(run, tmp_path, text_corpus, capsys):
     elsewhere = tmp_path / "elsewhere"
     (elsewhere / "ckpts" / "step_000007").mkdir(parents=True)
@@ -175,6 +177,7 @@ class _FullDisk:
         return getattr(self.f, name)
 
 
+@pytest.mark.slow
 def test_disk_full_while_torch_writes_a_checkpoint_is_one_line_naming_the_last_good_one(
     run, capsys, monkeypatch
 ):
@@ -199,6 +202,7 @@ def test_disk_full_while_torch_writes_a_checkpoint_is_one_line_naming_the_last_g
     assert not [p for p in (run / "checkpoints").iterdir() if p.name.startswith(".")]
 
 
+@pytest.mark.slow
 def test_disk_full_in_a_background_checkpoint_write_is_one_line(run, capsys, monkeypatch):
     """The thread's write fails, then the synchronous retry too (the disk is still full): one line."""
     monkeypatch.setattr(ckpt.FileSaver, "_worth_it", lambda self, weights, state: True)
@@ -265,6 +269,7 @@ def test_an_empty_config_toml_on_resume_names_the_file(run, capsys):
     assert snapshot(run) == before
 
 
+@pytest.mark.slow
 def test_a_resume_with_changed_architecture_names_each_field_old_and_new(run, capsys):
     before = snapshot(run)
     line = refused(

@@ -308,6 +308,7 @@ def test_oom_backoff_halves_micro_batch(tmp_path):
     assert float(n_tokens) == 64 and float(found_inf) == 0
 
 
+@pytest.mark.slow
 def test_early_stopping(tmp_path, text_corpus, cache_dir):
     # A zero learning-rate run never improves after its first evaluation: patience 2 stops it at the 3rd.
     cfg = _cfg(
