@@ -385,7 +385,7 @@ def test_the_seeds_spellings_are_aliases():
         "model.family": "llada",
         "perf.fp8": True,
         "train.batch_size": "2",
-        "train.nan_policy": "rollback",
+        "recovery.nan_policy": "rollback",
         "perf.compile": True,
         "train.block_size": "64",
         "train.epochs": "3",
