@@ -32,10 +32,9 @@ BATCH = 4  # train.batch_size of the conftest FAST settings (grad_accum 1, one p
 Pick = Callable[[int, int, int], "float | None"]
 
 
-def install_fault(setattr_: Callable[[object, str, object], None], pick: Pick) -> dict:
-    """Wrap the objective of every Trainer built from now on; returns the call counters."""
-    seen: dict[bytes, list[int]] = {}
-    count = {"calls": 0}
+def wrap_training_objective(setattr_: Callable[[object, str, object], None], wrap: Callable) -> None:
+    """Wrap the objective of every Trainer built from now on: ``wrap(model, batch, loss_sum, tokens)`` returns the
+    loss sum a training call (not an evaluation) reports instead."""
     original_init = Trainer.__init__
 
     def init(self, *args, **kwargs):
@@ -44,19 +43,26 @@ def install_fault(setattr_: Callable[[object, str, object], None], pick: Pick) -
 
         def objective(model, batch):
             ls, n = inner(model, batch)
-            if model.training:  # not evaluation
-                count["calls"] += 1
-                key = batch[0].numpy().tobytes()
-                entry = seen.setdefault(key, [len(seen) + 1, 0])
-                entry[1] += 1
-                factor = pick(count["calls"], entry[0], entry[1])
-                if factor is not None:
-                    ls = ls * factor
-            return ls, n
+            return (wrap(model, batch, ls, n) if model.training else ls), n
 
         self.objective = objective
 
     setattr_(Trainer, "__init__", init)
+
+
+def install_fault(setattr_: Callable[[object, str, object], None], pick: Pick) -> dict:
+    """Scale the training losses as ``pick`` says; returns the call counters."""
+    seen: dict[bytes, list[int]] = {}
+    count = {"calls": 0}
+
+    def wrap(model, batch, ls, n):
+        count["calls"] += 1
+        entry = seen.setdefault(batch[0].numpy().tobytes(), [len(seen) + 1, 0])
+        entry[1] += 1
+        factor = pick(count["calls"], entry[0], entry[1])
+        return ls if factor is None else ls * factor
+
+    wrap_training_objective(setattr_, wrap)
     return count
 
 

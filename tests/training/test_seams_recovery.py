@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_recovery import install_fault, nan_on_calls
+from test_recovery import install_fault, nan_on_calls, wrap_training_objective
 
 import gptoughts
 from gptoughts import cli
@@ -106,24 +106,14 @@ def install_collapse(monkeypatch: pytest.MonkeyPatch, first: int, last: int | No
     """Training calls first..last (None: forever) give what a collapsed model gives: the loss of a uniform
     prediction over the model's outputs, ln(vocab), and a zero gradient (the real loss times zero)."""
     calls = {"n": 0}
-    original_init = Trainer.__init__
 
-    def init(self, *args, **kwargs):
-        original_init(self, *args, **kwargs)
-        inner = self.objective
+    def wrap(model, batch, ls, n):
+        calls["n"] += 1
+        if calls["n"] >= first and (last is None or calls["n"] <= last):
+            return ls * 0.0 + n.float() * math.log(model.output_weight.shape[0])
+        return ls
 
-        def objective(model, batch):
-            ls, n = inner(model, batch)
-            if model.training:
-                calls["n"] += 1
-                if calls["n"] >= first and (last is None or calls["n"] <= last):
-                    uniform = math.log(model.output_weight.shape[0])
-                    ls = ls * 0.0 + n.float() * uniform
-            return ls, n
-
-        self.objective = objective
-
-    monkeypatch.setattr(Trainer, "__init__", init)
+    wrap_training_objective(monkeypatch.setattr, wrap)
 
 
 COLLAPSE = ["--train.max_steps", "12", "--train.save_interval", "4", "--train.max_bad_steps", "3"]
