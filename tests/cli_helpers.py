@@ -80,3 +80,19 @@ def snapshot(folder: Path) -> dict[str, str]:
         for p in sorted(folder.rglob("*"))
         if p.is_file()
     }
+
+
+def disk_full_at_state_file(monkeypatch) -> None:
+    """Every checkpoint write from now on finds the disk full when it flushes the optimizer state file."""
+    import errno
+
+    from gptoughts.training import checkpoint as ckpt
+
+    real = ckpt._fsync_file
+
+    def full(path):
+        if path.name == ckpt.STATE_FILE:
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        real(path)
+
+    monkeypatch.setattr(ckpt, "_fsync_file", full)

@@ -4,7 +4,6 @@ one line with a non-zero exit, and nothing that was saved is damaged. Through th
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import signal
@@ -16,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from cli_helpers import FASTRUN as CPU_FASTRUN
-from cli_helpers import refused, run_cli, snapshot
+from cli_helpers import disk_full_at_state_file, refused, run_cli, snapshot
 
 from gptoughts.training import checkpoint as ckpt
 from gptoughts.training.rundir import RunLock
@@ -281,14 +280,7 @@ def test_disk_full_during_a_checkpoint_is_one_line_and_earlier_checkpoints_are_i
     run, capsys, monkeypatch
 ):
     before = snapshot(run / "checkpoints")
-    real = ckpt._fsync_file
-
-    def full(path):
-        if path.name == ckpt.STATE_FILE:
-            raise OSError(errno.ENOSPC, "No space left on device", str(path))
-        real(path)
-
-    monkeypatch.setattr(ckpt, "_fsync_file", full)
+    disk_full_at_state_file(monkeypatch)
     refused(
         ["train", "--resume", "auto", "--out", str(run), "--max_steps", "6", "--save_interval", "1"],
         capsys,

@@ -11,7 +11,7 @@ import pytest
 import tokenizers
 import torch
 from cli_helpers import FASTRUN as CPU_FASTRUN
-from cli_helpers import refused, run_cli, snapshot
+from cli_helpers import disk_full_at_state_file, refused, run_cli, snapshot
 
 from gptoughts.training import checkpoint as ckpt
 
@@ -206,14 +206,7 @@ def test_disk_full_while_torch_writes_a_checkpoint_is_one_line_naming_the_last_g
 def test_disk_full_in_a_background_checkpoint_write_is_one_line(run, capsys, monkeypatch):
     """The thread's write fails, then the synchronous retry too (the disk is still full): one line."""
     monkeypatch.setattr(ckpt.FileSaver, "_worth_it", lambda self, weights, state: True)
-    real = ckpt._fsync_file
-
-    def full(path):
-        if path.name == ckpt.STATE_FILE:
-            raise OSError(errno.ENOSPC, "No space left on device", str(path))
-        real(path)
-
-    monkeypatch.setattr(ckpt, "_fsync_file", full)
+    disk_full_at_state_file(monkeypatch)
     refused(
         ["train", "--resume", "auto", "--out", str(run), "--max_steps", "6", "--save_interval", "3"],
         capsys,
