@@ -11,6 +11,9 @@ from pathlib import Path
 
 from gptoughts import cli
 
+GIB = 2**30
+HOST_GIB = 100.0  # a workstation's RAM, as MemAvailable reports it
+
 # Settings that keep a training run to a second or two on 2 CPU cores.
 FAST = {
     "model.family": "llama",
@@ -96,3 +99,29 @@ def disk_full_at_state_file(monkeypatch) -> None:
         real(path)
 
     monkeypatch.setattr(ckpt, "_fsync_file", full)
+
+
+def h100(cap_gib: float):
+    """An H100's profile whose memory is ``cap_gib`` (what ``--gpu_memory_gib`` makes of it)."""
+    from gptoughts.perf import hardware
+
+    p = hardware.HardwareProfile(device="cuda:0", name="NVIDIA H100 80GB HBM3", arch="hopper",
+                                 compute_capability=(9, 0), memory_bytes=int(cap_gib * GIB), gpu_count=1, cpu_count=2,
+                                 peak_bf16_flops=989e12, bf16=True, fp16=True, fp8=True, compile=True)  # fmt: skip
+    p.recommended = hardware.recommend(p)
+    return p
+
+
+def pretend_gpu(monkeypatch, gpu_gib: float = 80) -> None:
+    """Runs on this CPU machine see one H100 of ``gpu_gib`` (the run's --gpu_memory_gib caps it further), and a
+    host with HOST_GIB available. Only what a dry run touches is pretended: nothing is allocated on it."""
+    import torch
+
+    from gptoughts.perf import hardware
+    from gptoughts.training import checkpoint as ckpt
+
+    monkeypatch.setattr(hardware, "resolve_device", lambda requested="auto": torch.device("cuda", 0))
+    monkeypatch.setattr(hardware, "apply_runtime_settings", lambda *a, **k: None)
+    monkeypatch.setattr(hardware, "detect", lambda device="auto": h100(gpu_gib))
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda *a, **k: None)
+    monkeypatch.setattr(ckpt, "host_memory_available", lambda: int(HOST_GIB * GIB))

@@ -10,57 +10,32 @@ from __future__ import annotations
 import functools
 import re
 
+import cli_helpers
 import pytest
 import torch
-from cli_helpers import run_cli
+from cli_helpers import GIB, HOST_GIB, run_cli
+from cli_helpers import h100 as _h100
 
 import gptoughts
 from gptoughts import models
 from gptoughts.config import load_config
 from gptoughts.errors import UserError
-from gptoughts.perf import autobatch, hardware
+from gptoughts.perf import autobatch
 from gptoughts.perf.estimate import estimate
 from gptoughts.perf.layout import FIT, Layout, LayoutSearch, Need
 from gptoughts.training import build as build_mod
 from gptoughts.training import checkpoint as ckpt
 
-GIB = 2**30
 CAPS = (16, 24, 40, 80)
 # The seeds' sizes (the INL guide's 3b and 4b, the textbook's Llamas) and each other family's sizes.
 SEED_SIZES = [("inl", "3b"), ("inl", "4b"), ("llama", "1b"), ("llama", "3b"), ("llama", "8b"), ("deepseek", "small"),
               ("deepseek", "16b"), ("llada", "medium"), ("llada", "8b"), ("gpt2", "small"), ("gpt2", "xl")]  # fmt: skip
-HOST_GIB = 100.0  # a workstation's RAM, as MemAvailable reports it
 OFFLOAD_FLAG = "--parallel.cpu_offload true"
-
-
-def _h100(cap_gib: float) -> hardware.HardwareProfile:
-    p = hardware.HardwareProfile(
-        device="cuda:0",
-        name="NVIDIA H100 80GB HBM3",
-        arch="hopper",
-        compute_capability=(9, 0),
-        memory_bytes=int(cap_gib * GIB),
-        gpu_count=1,
-        cpu_count=2,
-        peak_bf16_flops=989e12,
-        bf16=True,
-        fp16=True,
-        fp8=True,
-        compile=True,
-    )
-    p.recommended = hardware.recommend(p)
-    return p
 
 
 @pytest.fixture
 def pretend_gpu(monkeypatch):
-    """Runs on this CPU machine see one H100 whose memory is the run's --gpu_memory_gib (80 GiB without it), and a
-    host with HOST_GIB available. Only what a dry run touches is pretended: nothing is allocated on it."""
-    monkeypatch.setattr(hardware, "resolve_device", lambda requested="auto": torch.device("cuda", 0))
-    monkeypatch.setattr(hardware, "apply_runtime_settings", lambda *a, **k: None)
-    monkeypatch.setattr(hardware, "detect", lambda device="auto": _h100(80))
-    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda *a, **k: None)
-    monkeypatch.setattr(ckpt, "host_memory_available", lambda: int(HOST_GIB * GIB))
+    cli_helpers.pretend_gpu(monkeypatch)
 
 
 def _args(family: str, size: str):
