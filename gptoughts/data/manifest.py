@@ -29,12 +29,9 @@ from gptoughts.errors import ConfigError, DataError
 
 # 2: long documents cut into train head + val tail; crc32 checksums of shards and tokenizer files.
 FORMAT_VERSION = 2
-# Checksum of shards and tokenizer files. Measured on the 2-core dev machine over a 200 MB in-memory array:
-# zlib.crc32 6.7 GB/s (0.15 s per GB), sha1 2.1, sha256 1.9 (SHA-NI), blake2b 1.0 GB/s. Verifying a 400 MB
-# shard from the page cache (crc32_file) ran at 5.3 GB/s, 0.19 s per GB; from a cold disk, the disk's read
-# speed bounds it. A checksum here detects damage (truncation, flipped bits, a partly copied file), not
-# forgery (a forger rewrites the manifest too; the loader's id check guards the model), so the fastest
-# adequate one is used.
+# Checksum of shards and tokenizer files. It detects damage (truncation, flipped bits, a partly copied file),
+# not forgery (a forger rewrites the manifest too; the loader's id check guards the model), so the fastest
+# adequate one is used (speeds measured: docs/data.md, "Integrity").
 CHECKSUM = "crc32"
 _CHECKSUM_BLOCK = 1 << 22
 SHARD_NAME = re.compile(r"(train|val)_(\d+)_(\d+)\.bin")
