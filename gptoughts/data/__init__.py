@@ -2,16 +2,10 @@
 
 from __future__ import annotations
 
+from gptoughts.data.cache import cache_key, default_cache_dir
 from gptoughts.data.loader import BatchLoader, Phase, TokenDataset, eval_batches
-from gptoughts.data.prepare import (
-    Manifest,
-    SourceInfo,
-    cache_key,
-    cached_prepare,
-    default_cache_dir,
-    prepare,
-    token_dtype,
-)
+from gptoughts.data.manifest import Manifest, SourceInfo, token_dtype
+from gptoughts.data.prepare import cached_prepare, prepare
 from gptoughts.data.sources import DEFAULT_EXTENSIONS, SourceStats, iter_documents, source_kind
 from gptoughts.data.tokenizer import Tokenizer, build_tokenizer
 

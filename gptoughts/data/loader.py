@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from gptoughts.data.prepare import Manifest, SourceInfo
+from gptoughts.data.manifest import Manifest, SourceInfo
 from gptoughts.errors import ConfigError, DataError, did_you_mean
 
 STATE_VERSION = 1

@@ -91,7 +91,7 @@ class Startup:
             return ""
         from pathlib import Path
 
-        # data.prepare.default_cache_dir's rule (that module imports numpy; this one is read before anything heavy)
+        # data.cache.default_cache_dir's rule (that module imports numpy; this one is read before anything heavy)
         cache = os.environ.get("GPTOUGHTS_CACHE")
         shown = (
             Path(cache).expanduser() if cache else Path.home() / ".cache" / "gptoughts"

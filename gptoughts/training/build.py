@@ -66,7 +66,7 @@ def use_our_compile_cache() -> None:
     # (Only a set variable is compared with it: reading torch's default imports the inductor package.)
     user_cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     if user_cache is None or user_cache == _torch_inductor_default():
-        from gptoughts.data.prepare import default_cache_dir
+        from gptoughts.data.cache import default_cache_dir
 
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(default_cache_dir() / "inductor")
 

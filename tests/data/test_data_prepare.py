@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from gptoughts.data import BatchLoader, Manifest, TokenDataset, cached_prepare, prepare, token_dtype
-from gptoughts.data.prepare import FORMAT_VERSION
+from gptoughts.data.manifest import FORMAT_VERSION
 from gptoughts.data.tokenizer import bytes_tokenizer
 from gptoughts.errors import DataError
 
@@ -304,7 +304,7 @@ def test_bpe_on_a_single_file_holds_out_about_val_fraction(tmp_path: Path) -> No
 def test_many_documents_keep_the_document_lottery(tmp_path: Path, write_folder: Callable[..., Path]) -> None:
     # No document is longer than 2 * val_fraction of the corpus: exactly the documents whose hash falls
     # under val_fraction are held out, whole, as before the tail rule.
-    from gptoughts.data.prepare import _doc_u
+    from gptoughts.data.split import _doc_u
 
     docs = [f"<doc-{k}> " + _text(1000, seed=k) for k in range(300)]
     folder = write_folder(tmp_path / "many", docs)

@@ -21,6 +21,7 @@ import pytest
 from gptoughts.data import Manifest, prepare
 
 prepare_module = importlib.import_module("gptoughts.data.prepare")  # gptoughts.data.prepare is the function
+shards_module = importlib.import_module("gptoughts.data.shards")
 
 MB = 1 << 20
 
@@ -64,7 +65,7 @@ import json, re, sys
 from pathlib import Path
 import importlib
 from gptoughts.data import prepare
-prepare_module = importlib.import_module("gptoughts.data.prepare")  # the package's name is the function
+shards_module = importlib.import_module("gptoughts.data.shards")
 sources_module = importlib.import_module("gptoughts.data.sources")
 
 def kib(field):
@@ -73,7 +74,7 @@ def kib(field):
 args = json.loads(sys.argv[1])
 # Smaller batches than the defaults (memory is O(batch): ~50 MB at the defaults, whatever the corpus size),
 # so that a corpus a few times larger than the bound is quick to read.
-prepare_module._ENCODE_BATCH_BYTES = 128 << 10
+shards_module._ENCODE_BATCH_BYTES = 128 << 10
 sources_module.CHUNK_BYTES = 64 << 10
 sources_module._COLUMN_SLICE_BYTES = 32 << 10
 # The same kinds of source, small: imports, allocator arenas and pyarrow's pool are in the baseline.
@@ -143,7 +144,7 @@ def _same_output(a: Manifest, b: Manifest) -> None:
 def small_shards(monkeypatch: pytest.MonkeyPatch) -> None:
     """Shards of 2000 tokens and batches of ~3 documents: many of each on a tiny corpus."""
     monkeypatch.setattr(prepare_module, "SHARD_TOKENS", 2000)
-    monkeypatch.setattr(prepare_module, "_ENCODE_BATCH_BYTES", 600)
+    monkeypatch.setattr(shards_module, "_ENCODE_BATCH_BYTES", 600)
 
 
 def test_workers_give_byte_identical_shards(
@@ -168,20 +169,20 @@ class _Kill(Exception):
 def _encoded_texts(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Counts the texts tokenised in this process (workers=1), in a one-element list."""
     count = [0]
-    encode = prepare_module._encode
+    encode = shards_module._encode
 
     def counting(tok, texts, splits, dtype):  # type: ignore[no-untyped-def]
         count[0] += len(texts)
         return encode(tok, texts, splits, dtype)
 
-    monkeypatch.setattr(prepare_module, "_encode", counting)
+    monkeypatch.setattr(shards_module, "_encode", counting)
     return count
 
 
 def _interrupt_after(monkeypatch: pytest.MonkeyPatch, shards: int) -> None:
     """Raise in the middle of a write once ``shards`` shards were filled: the open shard then holds bytes
     past the last checkpoint, as after a kill."""
-    write = prepare_module._ShardWriter.write
+    write = shards_module.ShardWriter.write
     filled = [0]
 
     def failing(self, arr):  # type: ignore[no-untyped-def]
@@ -191,7 +192,7 @@ def _interrupt_after(monkeypatch: pytest.MonkeyPatch, shards: int) -> None:
             raise _Kill
         return n
 
-    monkeypatch.setattr(prepare_module._ShardWriter, "write", failing)
+    monkeypatch.setattr(shards_module.ShardWriter, "write", failing)
 
 
 def test_an_interrupted_prepare_resumes(
@@ -265,9 +266,10 @@ _KILLED = """
 import importlib, json, os, signal, sys
 from gptoughts.data import prepare
 P = importlib.import_module("gptoughts.data.prepare")
+S = importlib.import_module("gptoughts.data.shards")
 args = json.loads(sys.argv[1])
-P.SHARD_TOKENS, P._ENCODE_BATCH_BYTES = 2000, 600
-write, filled = P._ShardWriter.write, [0]
+P.SHARD_TOKENS, S._ENCODE_BATCH_BYTES = 2000, 600
+write, filled = S.ShardWriter.write, [0]
 
 def killing(self, arr):
     n = write(self, arr)
@@ -276,7 +278,7 @@ def killing(self, arr):
         os.kill(os.getpid(), signal.SIGKILL)
     return n
 
-P._ShardWriter.write = killing
+S.ShardWriter.write = killing
 prepare(args["sources"], args["out"], "bpe:300", progress=False, workers=2)
 """
 
@@ -308,7 +310,7 @@ def _die(*args: object) -> None:
 def test_a_dead_worker_is_a_one_line_error(
     tmp_path: Path, corpus: Path, small_shards: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(prepare_module, "_worker_encode", _die)
+    monkeypatch.setattr(shards_module, "_worker_encode", _die)
     with pytest.raises(prepare_module.DataError, match=r"a tokenizing worker process died .*\(it resumes\)"):
         prepare([corpus], tmp_path / "out", "bpe:300", progress=False, workers=2)
     assert list(tmp_path.glob(".out.partial-*"))  # kept for the next run
