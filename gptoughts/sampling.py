@@ -22,7 +22,7 @@ decided once, from the family's objective; the chat template is applied for SFT 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -363,26 +363,9 @@ def _gumbel_argmax(
 
 
 @contextlib.contextmanager
-def uncompiled(modules: Iterable[nn.Module]) -> Iterator[None]:
-    """``modules`` compiled in place (``Module.compile`` keeps the compiled call in ``_compiled_call_impl``; None
-    is the plain call) run their plain call for a while; their compiled calls are put back on exit."""
-    stashed = []
-    for m in modules:
-        fn = getattr(m, "_compiled_call_impl", None)
-        if fn is not None:
-            stashed.append((m, fn))
-            m._compiled_call_impl = None
-    try:
-        yield
-    finally:
-        for m, fn in stashed:
-            m._compiled_call_impl = fn
-
-
-@contextlib.contextmanager
 def eager(model: nn.Module) -> Iterator[nn.Module]:
-    """Run compiled modules eagerly for a while (generation: changing shapes would trigger recompiles)."""
-    with uncompiled(model.modules()):
+    """Run compiled code eagerly for a while (generation: changing shapes would trigger recompiles)."""
+    with torch.compiler.set_stance("force_eager"):
         yield model
 
 

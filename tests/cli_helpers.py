@@ -124,4 +124,5 @@ def pretend_gpu(monkeypatch, gpu_gib: float = 80) -> None:
     monkeypatch.setattr(hardware, "apply_runtime_settings", lambda *a, **k: None)
     monkeypatch.setattr(hardware, "detect", lambda device="auto": h100(gpu_gib))
     monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(ckpt, "host_memory_available", lambda: int(HOST_GIB * GIB))

@@ -97,7 +97,7 @@ def setup_environment(cfg: Config) -> Environment:
         ddp_bucket_mb=par.ddp_bucket_mb,
     )
     hw = hardware.detect(device)
-    from gptoughts.training.setup import check_attention
+    from gptoughts.training.resolve import check_attention
 
     # a missing kernel or optimizer package is said before anything is built or written (every Environment is made
     # here: the later steps that use them need not check again)
@@ -374,11 +374,14 @@ class Model:
     objective: Any = None
     pretrained: Any = None
     """models.hf.Pretrained when fine-tuning."""
+    transforms: Any = None
+    """resolve.Transforms: how the model is (or, in a dry run, would be) transformed, every ``auto`` decided."""
 
 
 def build_model(cfg: Config, env: Environment, data: Data, *, meta: bool = False) -> Model:
     """Build on meta, then load (fine-tuning) or initialise, LoRA, then the transforms in their one order.
     ``meta``: stop after building on the meta device (dry run: parameter counts without memory)."""
+    from gptoughts.training.resolve import resolve_transforms
     from gptoughts.training.setup import TrainableWeights, apply_transforms, build_raw_model, make_objective
 
     device = torch.device("meta") if meta else env.device
@@ -442,20 +445,28 @@ def build_model(cfg: Config, env: Environment, data: Data, *, meta: bool = False
             objective=family.objective,
         )
     weights = TrainableWeights(raw) if cfg.lora.enabled else raw
-    out = Model(family=family, args=args, raw=raw, weights=weights, pretrained=pretrained)
-    if meta:
-        return out
-    out.built = apply_transforms(
+    spec = resolve_transforms(
         raw,
         perf=perf,
         hw=env.hw,
         device=env.device,
         dist=env.dist,
         precision=env.precision,
-        parallel=cfg.parallel,
         family=family.name,
         lora=cfg.lora,
         auto_batch=cfg.train.batch_size == "auto",
+    )
+    out = Model(family=family, args=args, raw=raw, weights=weights, pretrained=pretrained, transforms=spec)
+    if meta:
+        return out
+    out.built = apply_transforms(
+        raw,
+        spec,
+        device=env.device,
+        dist=env.dist,
+        precision=env.precision,
+        parallel=cfg.parallel,
+        family=family.name,
     )
     out.objective = make_objective(family, out.built, cfg.perf)
     return out
@@ -906,6 +917,8 @@ def _assemble(
         plan.retime(probe_tokens / step_s, "the thread probe's forward+backward at this count")
         if env.dist.is_main:
             console.print(plan.threads_line() + "\n  " + plan.time_line(), highlight=False)
+    if not dry_run:
+        apply_planned_compile(env, model)
     asm = Assembly(
         cfg=cfg,
         env=env,
@@ -1075,16 +1088,15 @@ def _plan(
 ) -> tuple[dict[str, Any], RunPlan]:
     """Every ``auto`` resolved (with why) and the run's plan, from what steps 3-5 decided; ``threads``: the CPU
     thread count and why, when known before the plan."""
-    if model.built is not None and model.built.whole_model_auto:
+    if model.transforms is not None and model.transforms.whole_model_auto:
         _whole_model_for_long_runs(env, model, batch)
-    built = (
-        {}
-        if model.built is None
-        else {
-            k: f"{v} ({model.built.why[k]})" if k in model.built.why else str(v)
-            for k, v in model.built.resolved.items()
-        }
-    )
+    if model.built is not None:
+        values, why = model.built.resolved, model.built.why
+    elif model.transforms is not None:  # a dry run: what the build would apply
+        values, why = model.transforms.resolved(), model.transforms.why
+    else:
+        values, why = {}, {}
+    built = {k: f"{v} ({why[k]})" if k in why else str(v) for k, v in values.items()}
     # (the config's own last: the memory layout's reasons replace the "asked" of the values it set)
     resolved = {**env.resolved, **built, **batch.why, **cfg.resolved}
     if env.dist.pp > 1:
@@ -1102,7 +1114,7 @@ def _plan(
             model.built.pipeline.n_micro = pp_micro
     if model.raw is not None:
         from gptoughts.training.optim import describe_states
-        from gptoughts.training.setup import optimizer_rule
+        from gptoughts.training.resolve import optimizer_rule
 
         name, why = optimizer_rule(model.raw, cfg.train)
         t = cfg.train
@@ -1177,18 +1189,36 @@ def _whole_model_for_long_runs(env: Environment, model: Model, batch: BatchPlan)
     """``compile_mode = auto``: a run estimated shorter than ``WHOLE_MODEL_MIN_RUN_S`` trains on the per-block
     graphs (the whole model's compile would cost more than its faster steps gain)."""
     from gptoughts.training.plan import estimate_speed
-    from gptoughts.training.setup import WHOLE_MODEL_MIN_RUN_S
+    from gptoughts.training.resolve import WHOLE_MODEL_MIN_RUN_S
 
     tps, _ = estimate_speed(env, model, batch.block_size, batch.micro_batch, env.dist.world_size)
     if not tps:
-        model.built.use_per_block("auto: the run's length cannot be estimated on this GPU (unknown peak)")
+        _use_blocks(model, "auto: the run's length cannot be estimated on this GPU (unknown peak)")
         return
     run_s = batch.total_steps * batch.tokens_per_step / tps
     if run_s < WHOLE_MODEL_MIN_RUN_S:
-        model.built.use_per_block(
+        _use_blocks(
+            model,
             f"auto: a run estimated at ~{max(1, round(run_s / 60))} min (the whole model's compile repays from "
-            f"~{WHOLE_MODEL_MIN_RUN_S // 60} min)"
+            f"~{WHOLE_MODEL_MIN_RUN_S // 60} min)",
         )
+
+
+def _use_blocks(model: Model, why: str) -> None:
+    """The decision recorded where the plan reads it (nothing compiled whole yet: nothing to undo)."""
+    model.transforms = model.transforms.with_blocks(why)
+    if model.built is not None:
+        model.built.spec = model.transforms
+        model.built.resolved["compile"] = "blocks"
+        model.built.why["compile"] = model.transforms.why["compile"]
+
+
+def apply_planned_compile(env: Environment, model: Model) -> None:
+    """The whole model's compile, once the batch is planned (and the CPU thread probe has run its steps)."""
+    from gptoughts.training.setup import apply_whole_model_compile, whole_model_later
+
+    if model.built is not None and whole_model_later(model.built.spec, env.dist):
+        apply_whole_model_compile(model.built)
 
 
 def _mfu_per_token_s(env: Environment, model: Model, block_size: int) -> float | None:
@@ -1257,8 +1287,7 @@ def _probe_step(cfg: Config, model: Model, data: Data) -> tuple[Any, int]:
         x = torch.randint(0, min(vocab, data.vocab_size), (rows, block + 1), generator=g)
         model.built.model.eval()
         try:
-            with model.built.per_block():  # under whole-model compile: not a graph the run never uses
-                loss, _ = model.objective(model.built.model, (x[:, :-1], x[:, 1:]))
+            loss, _ = model.objective(model.built.model, (x[:, :-1], x[:, 1:]))
             loss.backward()
         finally:
             model.built.model.train()

@@ -1,18 +1,19 @@
 """Building the model that the trainer runs: the one place where transforms are applied, in one order.
 
-Order (each step only if configured): build on the meta device → materialise on the target device and
-initialise (or load) weights → residual-stream dtype (an embedding hook) → fp8 conversion → pipeline split
-(this rank's stages; every later step applies to each stage) → tensor parallel → activation checkpointing →
-compile → FSDP / DDP → optimizer. Model code stays single-device; everything here wraps or converts it.
+Order (each step only if the :class:`~gptoughts.training.resolve.Transforms` decided it; nothing is decided
+here): build on the meta device → materialise on the target device and initialise (or load) weights →
+residual-stream dtype (an embedding hook) → fp8 conversion → pipeline split (this rank's stages; every later
+step applies to each stage) → tensor parallel → activation checkpointing → compile (blocks) → FSDP / DDP →
+[the batch is planned] → whole-model compile → optimizer. Model code stays single-device; everything here
+wraps or converts it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import itertools
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -20,12 +21,11 @@ from torch import nn
 
 from gptoughts import models
 from gptoughts.config import LoraConfig, ParallelConfig, PerfConfig, TrainConfig
-from gptoughts.errors import ConfigError, HardwareError, UserError
+from gptoughts.errors import ConfigError, HardwareError
 from gptoughts.models import layers
 from gptoughts.parallel import dist as pdist
 from gptoughts.perf import checkpointing
-from gptoughts.perf.hardware import HardwareProfile
-from gptoughts.sampling import uncompiled
+from gptoughts.training.resolve import Transforms, input_embeddings, optimizer_rule
 
 
 @dataclass
@@ -34,6 +34,8 @@ class Built:
     """What the trainer calls (possibly compiled and/or DDP-wrapped)."""
     raw: nn.Module
     """The plain module (for state dicts, generation and export)."""
+    spec: Transforms | None = None
+    """What was applied (and, under whole-model compile, what :func:`apply_whole_model_compile` applies)."""
     forward_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
     """Entered around every forward/backward (SDPA backend selection)."""
     resolved: dict[str, object] = field(default_factory=dict)
@@ -44,13 +46,6 @@ class Built:
     """Run by the trainer after each optimizer step (fp8 all-gather: the next step's weight scales)."""
     pipeline: Any = None
     """``parallel.pp.Pipeline`` under pipeline parallelism (``model`` is then its ``RankModel``), else None."""
-    per_block: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
-    """Under whole-model compile: the context in which the model runs its per-block compiled graphs (the
-    auto-batch probe's steps; evaluations enter it through ``forward_context``). Else a no-op."""
-    whole_model: list[nn.Module] = field(default_factory=list)
-    """The modules compiled whole, their blocks compiled too (the per-block graphs); [] under per-block compile."""
-    whole_model_auto: bool = False
-    """``compile_mode = auto`` chose the whole model: the assembly keeps it only for a long enough run."""
     keep_grads: bool = False
     """CUDA graphs: gradients stay allocated between steps (zeroed, not freed), so that each backward adds into
     them in place. Freed, the first backward of a step would hand its graph's static output buffer over as
@@ -58,16 +53,6 @@ class Built:
     has been overwritten by a subsequent run" under gradient accumulation). A trainable parameter that gets no
     gradient in a step then has a zero one, and AdamW decays it (every parameter of our families gets a gradient
     in every step; checked at debug size)."""
-
-    def use_per_block(self, why: str) -> None:
-        """Train on the per-block graphs instead of the whole-model one (``why``: the rule that decided). Nothing
-        compiled is lost: the whole-model graph is compiled at the first training step, the blocks' already are."""
-        for part in self.whole_model:
-            part._compiled_call_impl = None  # Module.compile's slot; None is the plain call (compiled blocks)
-        self.whole_model, self.whole_model_auto = [], False
-        self.per_block = contextlib.nullcontext
-        self.resolved["compile"] = "blocks"
-        self.why["compile"] = self.why.get("compile", "").split("; ")[0] + f"; blocks: {why}"
 
 
 def build_raw_model(family: str, args: object, device: torch.device, seed: int) -> nn.Module:
@@ -79,118 +64,6 @@ def build_raw_model(family: str, args: object, device: torch.device, seed: int) 
         torch.manual_seed(seed)
         model.init_weights()
     return model
-
-
-# The one rule of each `auto` of [perf] that depends on the hardware or the model: (value, why). The run plan and
-# run.json show both ("compile": "blocks (auto: on for CUDA GPUs)").
-
-
-def compile_rule(perf: PerfConfig, hw: HardwareProfile) -> tuple[bool, str]:
-    if perf.compile == "auto":
-        on = bool(hw.recommended.get("compile")) and hw.arch not in ("cpu", "mps")
-        return on, "auto: on for CUDA GPUs" if on else f"auto: off on {hw.arch} (tiny graphs, long compiles)"
-    if perf.compile and not hw.compile:
-        raise HardwareError(
-            "--compile needs a working torch.compile backend (a C compiler on CPU, Triton on GPU);"
-            " install one or drop --compile"
-        )
-    return bool(perf.compile), "asked"
-
-
-# Whole-model compile beats per-block compile by a few % tokens/s on the user's path, for ~20-25 s more compile
-# at the first step (measured: docs/performance.md, "Compile and CUDA graphs"); CUDA graphs on top gain nothing
-# at pretraining's auto batch: cuda_graphs_rule keeps them for LoRA.
-WHOLE_MODEL_MIN_RUN_S = 1200
-"""``compile_mode = auto`` keeps the whole model for runs estimated at least this long (break-even: ~8 min at
-125m, ~19 min at gpt2 small)."""
-WHOLE_MODEL_MAX_PARAMS = 400_000_000
-"""``compile_mode = auto`` compiles the whole model up to this many non-embedding parameters (one process)."""
-_WHOLE_MODEL_FAMILIES = ("llama", "gpt2")
-
-
-def cuda_graphs_rule(
-    perf: PerfConfig,
-    compiled: bool,
-    family: str,
-    lora: LoraConfig | None,
-    dist: pdist.DistInfo,
-    device: torch.device,
-    precision: str = "bf16",
-    auto_batch: bool = False,
-) -> tuple[bool, str]:
-    """What ``perf.cuda_graphs`` becomes, and why. ``auto``: on for LoRA adapters over a Llama base that is not
-    4-bit (QLoRA), compiled, in one CUDA process, in bf16 or fp32 (fp16's loss scaler was not measured with them),
-    at a given micro-batch (``--batch_size auto`` probes sizes with real steps, each of which would record graphs:
-    not measured). A LoRA step is short and launches many small kernels (the adapters' skinny matmuls, the
-    dropout bits), so replaying it as CUDA graphs measured 1.06-1.2x faster at 1b (docs/performance.md, "Compile
-    and CUDA graphs"). Pretraining's auto batch makes steps long enough that graphs gain nothing there, and other
-    families, QLoRA's 4-bit matmuls and several processes were not measured with them: off."""
-    if perf.cuda_graphs != "auto":
-        return bool(perf.cuda_graphs), "asked"
-    one_process = not dist.enabled and not dist.sharded
-    if compiled and device.type == "cuda" and family == "llama" and one_process and precision != "fp16":
-        if lora is not None and lora.enabled and lora.quantize == "none" and not auto_batch:
-            return True, "auto: LoRA in one process, whose short steps wait on kernel launches"
-    return False, "auto"
-
-
-def compile_mode_rule(
-    perf: PerfConfig,
-    compiled: bool,
-    raw: nn.Module,
-    family: str,
-    dist: pdist.DistInfo,
-    device: torch.device,
-) -> tuple[str, str]:
-    """What ``perf.compile_mode`` becomes (blocks or model), and why."""
-    if perf.compile_mode != "auto":
-        return perf.compile_mode, "asked"
-    if not compiled:
-        return "blocks", "auto: not compiled"
-    if device.type != "cuda":
-        return "blocks", f"auto: per-block on {device.type} (whole-model compile measured on GPUs)"
-    if dist.world_size > 1 or dist.sharded:
-        return "blocks", "auto: per-block under several processes or offload"
-    if family not in _WHOLE_MODEL_FAMILIES:
-        return (
-            "blocks",
-            f"auto: per-block for {family or 'this model'} (whole-model compile measured on llama)",
-        )
-    if any(not p.requires_grad for p in raw.parameters()):
-        return "blocks", "auto: per-block with frozen weights (LoRA: whole-model compile measured no faster)"
-    n = raw.num_params(non_embedding=True)  # llama and gpt2: our DecoderLM
-    if n > WHOLE_MODEL_MAX_PARAMS:
-        return "blocks", f"auto: per-block above {WHOLE_MODEL_MAX_PARAMS / 1e6:.0f}M non-embedding parameters"
-    return (
-        "model",
-        f"auto: whole model at {n / 1e6:.0f}M non-embedding parameters (3-6% faster steps below 400M)",
-    )
-
-
-def fp8_rule(perf: PerfConfig, hw: HardwareProfile, model: nn.Module) -> tuple[bool, str]:
-    if perf.fp8 == "auto":
-        d_model = getattr(getattr(model, "args", None), "d_model", 0)
-        if hw.arch not in ("hopper", "blackwell"):
-            return False, f"auto: off on {hw.arch} (fp8 pays on Hopper and later)"
-        if d_model < 2048:
-            return False, f"auto: off at d_model {d_model} < 2048 (the casts cost more than the matmuls gain)"
-        try:
-            import torchao  # noqa: F401
-        except ImportError:
-            return False, "auto: off, torchao is not installed (pip install 'gptoughts[fp8]')"
-        return True, "auto: Hopper+, d_model >= 2048, torchao present"
-    return bool(perf.fp8), "asked"
-
-
-def resolve_loss(perf: PerfConfig, device: torch.device) -> str:
-    if perf.loss != "auto":
-        if perf.loss == "liger":
-            try:
-                import liger_kernel  # noqa: F401
-            except ImportError:
-                raise UserError("perf.loss = liger needs liger-kernel: pip install liger-kernel") from None
-        return perf.loss
-    return "chunked" if device.type == "cuda" else "plain"
 
 
 _SDPA = {
@@ -210,67 +83,6 @@ def sdpa_context(backend: str) -> Callable[[], contextlib.AbstractContextManager
     return lambda: sdpa_kernel([chosen])
 
 
-def check_attention(perf: PerfConfig, device: torch.device) -> None:
-    """Refuse, before anything is built or written, an attention kernel this machine cannot run."""
-    from gptoughts.perf import attention
-
-    if perf.sdpa_backend == "fa4":
-        why = attention.fa4_unavailable(device)
-        if why is not None:
-            raise UserError(f"perf.sdpa_backend = fa4: {why}; or use --perf.sdpa_backend auto")
-    if perf.doc_mask_attention == "flex":
-        why = attention.flex_unavailable(device)
-        if why is not None:
-            raise UserError(f"perf.doc_mask_attention = flex: {why}; use auto or sdpa")
-
-
-def attention_rule(
-    perf: PerfConfig, device: torch.device
-) -> tuple[layers.AttentionKernels, dict[str, str], dict[str, str]]:
-    """The kernels ``layers.sdpa`` routes to; what ``sdpa_backend`` and ``doc_mask_attention`` became, and why.
-
-    FA4 measured faster than cuDNN's SDPA, so ``auto`` takes it wherever flash-attn-4 is installed and runs;
-    FlexAttention was faster on packed rows but failed in a 350m SFT run, so ``auto`` keeps the dense mask and
-    flex stays a switch (measurements: docs/performance.md, "Attention kernels")."""
-    from gptoughts.perf import attention
-
-    check_attention(perf, device)
-    backend, backend_why = perf.sdpa_backend, "asked"
-    if backend == "auto" and device.type == "cuda":
-        missing = attention.fa4_unavailable(device)
-        if missing is None:
-            backend, backend_why = (
-                "fa4",
-                "auto: FlashAttention-4 installed (measured faster than SDPA on Hopper)",
-            )
-        else:
-            backend_why = "auto: SDPA's choice (flash-attn-4 not usable here)"
-    fa4 = attention.FA4() if backend == "fa4" else None
-    doc, doc_why = perf.doc_mask_attention, "asked"
-    if doc == "auto":
-        doc, doc_why = (
-            "sdpa",
-            "auto: dense mask (flex is faster but failed in a GPU run; --perf.doc_mask_attention flex)",
-        )
-    flex = attention.FlexDocAttention(compiled=device.type == "cuda") if doc == "flex" else None
-    resolved = {"sdpa_backend": backend, "doc_mask_attention": doc}
-    return (
-        layers.AttentionKernels(fa4=fa4, doc=flex),
-        resolved,
-        {"sdpa_backend": backend_why, "doc_mask_attention": doc_why},
-    )
-
-
-def inductor_mode(perf: PerfConfig) -> str | None:
-    """torch.compile ``mode`` for the perf switches (None: the default mode)."""
-    return {
-        (False, False): None,
-        (True, False): "reduce-overhead",
-        (False, True): "max-autotune-no-cudagraphs",
-        (True, True): "max-autotune",
-    }[(perf.cuda_graphs is True, bool(perf.max_autotune))]  # "auto" is resolved by cuda_graphs_rule first
-
-
 def _residual_to_bf16(module: nn.Module, args: object, out: torch.Tensor) -> torch.Tensor:
     dev = out.device.type
     if (
@@ -288,224 +100,241 @@ def set_residual_dtype(model: nn.Module, residual_dtype: str) -> int:
     bf16. Returns the number of embeddings hooked (a no-op outside bf16 autocast)."""
     if residual_dtype == "fp32":
         return 0
-    inside = {id(m) for m in model.layers.modules()}
-    n = 0
-    for m in model.modules():
-        if isinstance(m, nn.Embedding) and id(m) not in inside:
-            m.register_forward_hook(_residual_to_bf16)
-            n += 1
-    return n
+    embeddings = input_embeddings(model)
+    for m in embeddings:
+        m.register_forward_hook(_residual_to_bf16)
+    return len(embeddings)
 
 
 def _forward_context(
-    perf: PerfConfig,
-    kernels: layers.AttentionKernels | None = None,
-    per_block: Callable[[], contextlib.AbstractContextManager] | None = None,
+    perf: PerfConfig, kernels: layers.AttentionKernels | None = None
 ) -> Callable[[], contextlib.AbstractContextManager]:
     sdpa = sdpa_context(perf.sdpa_backend)
     kernels = kernels or layers.AttentionKernels()
-    if not perf.cuda_graphs and kernels == layers.AttentionKernels() and per_block is None:
+    if not perf.cuda_graphs and kernels == layers.AttentionKernels():
         return sdpa
 
     @contextlib.contextmanager
     def ctx():
-        training = torch.is_grad_enabled()
         if perf.cuda_graphs:
             # Each forward starts a new CUDA-graph "iteration": the previous one's outputs were consumed by its
             # backward (or are eval outputs), so their static buffers may be reused.
             torch.compiler.cudagraph_mark_step_begin()
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(sdpa())
-            stack.enter_context(layers.use_attention_kernels(kernels))
-            if per_block is not None and not training:  # evaluations: the per-block graphs (apply_transforms)
-                stack.enter_context(per_block())
+        with sdpa(), layers.use_attention_kernels(kernels):
             yield
 
     return ctx
 
 
+def attention_kernels(chosen: dict[str, str], device: torch.device) -> layers.AttentionKernels:
+    """The kernels ``layers.sdpa`` routes to, as ``resolve.attention_rule`` chose them."""
+    from gptoughts.perf import attention
+
+    return layers.AttentionKernels(
+        fa4=attention.FA4() if chosen["sdpa_backend"] == "fa4" else None,
+        doc=attention.FlexDocAttention(compiled=device.type == "cuda")
+        if chosen["doc_mask_attention"] == "flex"
+        else None,
+    )
+
+
 def apply_transforms(
     raw: nn.Module,
+    spec: Transforms,
     *,
-    perf: PerfConfig,
-    hw: HardwareProfile,
     device: torch.device,
     dist: pdist.DistInfo,
     precision: str = "fp32",
     parallel: ParallelConfig | None = None,
     family: str = "",
-    lora: LoraConfig | None = None,
-    auto_batch: bool = False,
 ) -> Built:
-    resolved: dict[str, object] = {}
-    why: dict[str, str] = {}
-    # 0. precision of the residual stream (a hook on the embeddings; model code untouched)
-    residual = perf.residual_dtype
-    why["residual_dtype"] = "asked"
-    if residual == "auto":
-        residual = str(hw.recommended.get("residual_dtype", "fp32"))
-        why["residual_dtype"] = (
-            f"auto: {residual} on {hw.arch} (bf16 where the GPU has it; acts under bf16 only)"
-        )
-    if set_residual_dtype(raw, residual):
-        resolved["residual_dtype"] = residual
-    # 1. fp8 (before compile, so the compiled graph contains the fp8 casts and can fuse them)
-    use_fp8, why["fp8"] = fp8_rule(perf, hw, raw)
-    if use_fp8:
-        from gptoughts.perf.fp8 import check_fp8_supported, convert_to_fp8
-
-        check_fp8_supported(device)
-        gather = perf.fp8_all_gather and dist.strategy == "fsdp"
-        resolved["fp8_linears"] = convert_to_fp8(
-            raw, perf.fp8_recipe, perf.fp8_bf16_end_layers, gather, perf.fp8_fast_accum
-        )
-        resolved["fp8"] = perf.fp8_recipe
-        if perf.fp8_fast_accum:
-            resolved["fp8_fast_accum"] = True
-        if perf.fp8_all_gather:
-            resolved["fp8_all_gather"] = gather
-            why["fp8_all_gather"] = "asked" if gather else "asked, but only FSDP all-gathers weights: off"
-    else:
-        resolved["fp8"] = False
-    # 1b. pipeline split: this rank's stages (after fp8, which swaps modules in place: the stages share them);
-    # each of the following transforms applies to every stage
-    parts, stage_ids, n_stages = [raw], [0], 1
-    if dist.pp > 1:
-        from gptoughts.parallel import pp
-
-        par = parallel or ParallelConfig()
-        n_stages = pp.stages_of(dist.pp, par.pp_schedule)
-        split = pp.split_layers(len(raw.layers), n_stages, par.pp_layers)
-        stage_ids = [s for s in range(n_stages) if s % dist.pp == dist.pp_rank]
-        parts = [pp.make_stage(raw, split[s], first=s == 0, last=s == n_stages - 1) for s in stage_ids]
-    # 2. tensor parallel (+ sequence parallel) over the mesh's tp dimension; build_model ran check_tp before
-    # (tensor and pipeline parallelism do not combine: config.check_parallel)
-    if dist.tp > 1:
+    """The transforms ``spec`` decided, in their one order (the module docstring); the whole model's compile
+    comes later, once the batch is planned (:func:`apply_whole_model_compile`)."""
+    hooked = set_residual_dtype(raw, spec.residual_dtype) if spec.embeddings_hooked else 0
+    fp8_linears = apply_fp8(raw, spec, device)
+    par = parallel or ParallelConfig()
+    parts, stage_ids, n_stages = split_pipeline(raw, dist, par)
+    if dist.tp > 1:  # build_model ran check_tp before (tensor and pipeline parallelism do not combine)
         from gptoughts.parallel.tp import apply_tp
 
         apply_tp(raw, dist.mesh["tp"], family)
-    # 3. activation checkpointing, inside the compiled region
-    ac, why["activation_checkpointing"] = checkpointing.resolve(perf.activation_checkpointing, lora)
-    for part in parts:
-        checkpointing.apply_activation_checkpointing(part, ac)
-    resolved["activation_checkpointing"] = ac
-    # 4. compile
-    compiled, why["compile"] = compile_rule(perf, hw)
-    compile_mode, mode_why = compile_mode_rule(perf, compiled, raw, family, dist, device)
-    if compiled:
-        why["compile"] += f"; {compile_mode}: {mode_why}"
-    graphs, graphs_why = cuda_graphs_rule(perf, compiled, family, lora, dist, device, precision, auto_batch)
-    perf = replace(perf, compile_mode=compile_mode, cuda_graphs=graphs)
-    resolved["compile"] = compile_mode if compiled else False
-    if compiled and graphs:
-        resolved["cuda_graphs"] = True
-        if graphs_why != "asked":
-            why["cuda_graphs"] = graphs_why
-    # Whole-model compile in a replicated run also compiles each block: evaluations (no_grad) and the auto-batch
-    # probe run the per-block graphs (Built.per_block), so the whole model is compiled once, for training, at
-    # the run's batch shape (each probe's batch would recompile it: +94 s to the first step at 125m; an
-    # evaluation would compile a whole-model inference graph, and record CUDA graphs for it).
-    per_block = compiled and compile_mode == "model" and dist.pp == 1 and not dist.sharded
-    if compiled:
-        mode = inductor_mode(perf)
-        if mode:
-            resolved["inductor_mode"] = mode
-        for part in parts:
-            if compile_mode == "blocks" or per_block:
-                # Module.compile() compiles in place, so parameter names (and checkpoints) are unchanged.
-                # Per-block compile keeps compile time flat in depth; the blocks are identical, so one graph
-                # is reused. Under whole-model compile these graphs serve evaluations and the probe (without
-                # CUDA graphs, which replay the whole model's): dynamo inlines them when it traces the whole model.
-                block_mode = (
-                    mode if compile_mode == "blocks" else inductor_mode(replace(perf, cuda_graphs=False))
-                )
-                for block in part.layers:
-                    block.compile(mode=block_mode)
-            if compile_mode == "model":
-                part.compile(mode=mode)
-    elif perf.cuda_graphs or perf.max_autotune:
-        raise ConfigError(
-            "perf.cuda_graphs and perf.max_autotune are torch.compile modes: add --compile true "
-            "(or drop them)"
-        )
-    whole = list(parts) if per_block else []  # the compiled modules themselves, not their DDP wrappers
-    # 5. data parallel: DDP, or FSDP2 (each compiled block sharded in place), over the data-parallel ranks
-    parts = [pdist.wrap(part, device, dist, precision) for part in parts]
-    model: nn.Module = parts[0]
-    if dist.enabled or dist.sharded:
-        dp = (
-            f"{dist.strategy} x{dist.dp_size}"
-            if dist.strategy == "fsdp" or dist.tp == 1
-            else f"dp x{dist.dp_size}"
-        )
-        resolved["parallel"] = (
-            dp
-            + (f", tp x{dist.tp}" if dist.tp > 1 else "")
-            + (f", pipeline x{dist.pp}" if dist.pp > 1 else "")
-            + (" + cpu offload" if dist.cpu_offload else "")
-        )
+    for part in parts:  # inside the compiled region
+        checkpointing.apply_activation_checkpointing(part, spec.activation_checkpointing)
+    apply_compile(parts, spec, whole_later=whole_model_later(spec, dist))
+    parts = [
+        pdist.wrap(part, device, dist, precision) for part in parts
+    ]  # DDP, or FSDP2 over compiled blocks
     pipeline = None
     if dist.pp > 1:
-        bf16_stream = resolved.get("residual_dtype") == "bf16" and precision == "bf16"
-        pipeline = pp.Pipeline(
-            parts,
-            stage_ids,
-            n_stages,
-            info=dist,
-            device=device,
-            schedule=par.pp_schedule,
-            hidden_loss=_no_loss,  # the objective's, set by make_objective
-            hidden_dim=int(raw.args.d_model),
-            hidden_dtype=torch.bfloat16 if bf16_stream else torch.float32,
-        )
-        model = pipeline.view
-        # The whole model was built on every rank (the weights of a one-process run); what this rank's stages do not
-        # hold (or, under FSDP, hold as shards of their own) is now dead weight: the rest of `raw` goes to the meta
-        # device, keeping shapes and names (parameter counts, the plan, the optimizer's order of parameters).
-        live = {id(t) for part in parts for t in itertools.chain(part.parameters(), part.buffers())}
-        dead: dict[int, torch.Tensor] = {}
-        for module in raw.modules():  # `raw`'s own module objects: the stages' are copies
-            for table in (module._parameters, module._buffers):
-                for name, t in table.items():
-                    if t is not None and id(t) not in live:
-                        if id(t) not in dead:
-                            meta = torch.empty_like(t, device="meta")
-                            dead[id(t)] = (
-                                nn.Parameter(meta, t.requires_grad) if isinstance(t, nn.Parameter) else meta
-                            )
-                        table[name] = dead[id(t)]
-    resolved["loss"] = resolve_loss(perf, device)
-    why["loss"] = (
-        "asked" if perf.loss != "auto" else "auto: chunked on CUDA (no fp32 logits of the whole batch)"
-    )
-    kernels, chosen, reasons = attention_rule(perf, device)
-    resolved.update(chosen)
-    why.update(reasons)
-    after = None
-    if use_fp8 and resolved.get("fp8_all_gather"):
-        from gptoughts.perf.fp8 import precompute_scales
-
-        def after() -> None:
-            for part in parts:  # a pipeline's stages (raw's other tensors are on the meta device there)
-                precompute_scales(part)
-
-    # Under whole-model compile, each part's own compiled call set aside: its plain call runs the blocks, each
-    # compiled in place (the per-block graphs).
-    per_block_ctx = functools.partial(uncompiled, whole) if per_block else contextlib.nullcontext
+        pipeline = make_pipeline(raw, parts, stage_ids, n_stages, spec, dist, device, precision, par)
+    resolved = _resolved(spec, hooked, fp8_linears, dist)
     return Built(
-        model=model,
+        model=pipeline.view if pipeline is not None else parts[0],
         raw=raw,
-        forward_context=_forward_context(perf, kernels, per_block_ctx if per_block else None),
-        per_block=per_block_ctx,
+        spec=spec,
+        forward_context=_forward_context(spec.perf, attention_kernels(spec.resolved(), device)),
         resolved=resolved,
-        why=why,
-        after_optimizer_step=after,
+        why=dict(spec.why),
+        after_optimizer_step=_fp8_scales(parts) if spec.fp8_all_gather else None,
         pipeline=pipeline,
-        whole_model=whole,
-        # asked CUDA graphs replay the whole-model graph (the blocks' are compiled without): kept for any length
-        whole_model_auto=per_block and mode_why.startswith("auto") and not perf.cuda_graphs,
-        keep_grads=compiled and bool(perf.cuda_graphs),
+        keep_grads=spec.compiled and spec.cuda_graphs,
     )
+
+
+def _resolved(
+    spec: Transforms, hooked: int, fp8_linears: int | None, dist: pdist.DistInfo
+) -> dict[str, object]:
+    """The spec's values, with what applying it counted (fp8 linears) and the process layout, in the plan's order."""
+    out: dict[str, object] = {}
+    for key, value in spec.resolved().items():
+        if key == "residual_dtype" and not hooked:
+            continue
+        if key == "fp8" and fp8_linears is not None:
+            out["fp8_linears"] = fp8_linears
+        if key == "loss" and (dist.enabled or dist.sharded):
+            out["parallel"] = describe_parallel(dist)
+        out[key] = value
+    return out
+
+
+def describe_parallel(dist: pdist.DistInfo) -> str:
+    dp = (
+        f"{dist.strategy} x{dist.dp_size}"
+        if dist.strategy == "fsdp" or dist.tp == 1
+        else f"dp x{dist.dp_size}"
+    )
+    return (
+        dp
+        + (f", tp x{dist.tp}" if dist.tp > 1 else "")
+        + (f", pipeline x{dist.pp}" if dist.pp > 1 else "")
+        + (" + cpu offload" if dist.cpu_offload else "")
+    )
+
+
+def apply_fp8(raw: nn.Module, spec: Transforms, device: torch.device) -> int | None:
+    """fp8 linears (before compile, so the compiled graph holds the casts and fuses them); how many, or None."""
+    if not spec.fp8:
+        return None
+    from gptoughts.perf.fp8 import check_fp8_supported, convert_to_fp8
+
+    check_fp8_supported(device)
+    p = spec.perf
+    return convert_to_fp8(raw, p.fp8_recipe, p.fp8_bf16_end_layers, spec.fp8_all_gather, p.fp8_fast_accum)
+
+
+def _fp8_scales(parts: list[nn.Module]) -> Callable[[], None]:
+    """After each optimizer step under fp8 all-gather: the next step's weight scales, for each stage."""
+    from gptoughts.perf.fp8 import precompute_scales
+
+    def after() -> None:
+        for part in parts:  # a pipeline's stages (raw's other tensors are on the meta device there)
+            precompute_scales(part)
+
+    return after
+
+
+def split_pipeline(
+    raw: nn.Module, dist: pdist.DistInfo, par: ParallelConfig
+) -> tuple[list[nn.Module], list[int], int]:
+    """This rank's pipeline stages (after fp8, which swaps modules in place: the stages share them), their ids
+    and the number of stages; ``[raw]`` without pipeline parallelism. Later transforms apply to each stage."""
+    if dist.pp == 1:
+        return [raw], [0], 1
+    from gptoughts.parallel import pp
+
+    n_stages = pp.stages_of(dist.pp, par.pp_schedule)
+    split = pp.split_layers(len(raw.layers), n_stages, par.pp_layers)
+    stage_ids = [s for s in range(n_stages) if s % dist.pp == dist.pp_rank]
+    parts = [pp.make_stage(raw, split[s], first=s == 0, last=s == n_stages - 1) for s in stage_ids]
+    return parts, stage_ids, n_stages
+
+
+def whole_model_later(spec: Transforms, dist: pdist.DistInfo) -> bool:
+    """Whole-model compile in a replicated run: the blocks are compiled now (evaluations and the auto-batch probe
+    run their graphs), the whole model once the batch is planned, for training at the run's batch shape (each
+    probe's batch would recompile it: +94 s to the first step at 125m)."""
+    return spec.compiled and spec.compile_mode == "model" and dist.pp == 1 and not dist.sharded
+
+
+def apply_compile(parts: list[nn.Module], spec: Transforms, *, whole_later: bool) -> None:
+    """Module.compile() compiles in place, so parameter names (and checkpoints) are unchanged. Per-block compile
+    keeps compile time flat in depth; the blocks are identical, so one graph is reused."""
+    if not spec.compiled:
+        return
+    for part in parts:
+        if spec.compile_mode == "blocks" or whole_later:
+            for block in part.layers:
+                block.compile(mode=spec.block_mode)
+        else:  # sharded or pipelined: the whole stage, before FSDP wraps it
+            part.compile(mode=spec.inductor_mode)
+
+
+def apply_whole_model_compile(built: Built) -> None:
+    """Training runs the whole model as one graph (blocks inlined); evaluations keep the per-block graphs."""
+    built.model = WholeModel(built.model, torch.compile(built.model, mode=built.spec.inductor_mode))
+
+
+class WholeModel(nn.Module):
+    """A forward with gradients (training) runs the whole model's compiled graph; one without (evaluations) runs
+    ``module``, whose blocks are compiled: a whole-model inference graph per evaluation shape would otherwise be
+    compiled (and, under CUDA graphs, recorded)."""
+
+    def __init__(self, module: nn.Module, compiled: Callable[..., Any]):
+        super().__init__()
+        self.module = module
+        self._whole = (compiled,)  # in a tuple: not a submodule (its parameters are module's)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.is_grad_enabled():
+            return self._whole[0](*args, **kwargs)
+        return self.module(*args, **kwargs)
+
+
+def make_pipeline(
+    raw: nn.Module,
+    parts: list[nn.Module],
+    stage_ids: list[int],
+    n_stages: int,
+    spec: Transforms,
+    dist: pdist.DistInfo,
+    device: torch.device,
+    precision: str,
+    par: ParallelConfig,
+) -> Any:
+    from gptoughts.parallel import pp
+
+    bf16_stream = spec.embeddings_hooked and spec.residual_dtype == "bf16" and precision == "bf16"
+    pipeline = pp.Pipeline(
+        parts,
+        stage_ids,
+        n_stages,
+        info=dist,
+        device=device,
+        schedule=par.pp_schedule,
+        hidden_loss=_no_loss,  # the objective's, set by make_objective
+        hidden_dim=int(raw.args.d_model),
+        hidden_dtype=torch.bfloat16 if bf16_stream else torch.float32,
+    )
+    _drop_other_stages(raw, parts)
+    return pipeline
+
+
+def _drop_other_stages(raw: nn.Module, parts: list[nn.Module]) -> None:
+    """The whole model was built on every rank (the weights of a one-process run); what this rank's stages do not
+    hold (or, under FSDP, hold as shards of their own) is dead weight: it goes to the meta device, keeping shapes
+    and names (parameter counts, the plan, the optimizer's order of parameters)."""
+    live = {id(t) for part in parts for t in itertools.chain(part.parameters(), part.buffers())}
+    dead: dict[int, torch.Tensor] = {}
+    for module in raw.modules():  # `raw`'s own module objects: the stages' are copies
+        for table in (module._parameters, module._buffers):
+            for name, t in table.items():
+                if t is not None and id(t) not in live:
+                    if id(t) not in dead:
+                        meta = torch.empty_like(t, device="meta")
+                        dead[id(t)] = (
+                            nn.Parameter(meta, t.requires_grad) if isinstance(t, nn.Parameter) else meta
+                        )
+                    table[name] = dead[id(t)]
 
 
 def _no_loss(*args: object) -> torch.Tensor:
@@ -550,18 +379,6 @@ def make_optimizer(
     else:
         optimizer = build_adamw(model, **common)
     return with_states(optimizer, t.optimizer_states)
-
-
-def optimizer_rule(model: nn.Module, t: TrainConfig) -> tuple[str, str]:
-    """The optimizer this run uses, and why."""
-    if t.optimizer == "muon":
-        if any("lora_" in n for n, p in model.named_parameters() if p.requires_grad):
-            return "adamw", "train.optimizer = muon, but LoRA adapters train with AdamW (low-rank factors)"
-        return (
-            "muon",
-            "train.optimizer = muon: Muon for the hidden matrices, AdamW for embeddings, head, norms",
-        )
-    return "adamw", "train.optimizer = adamw"
 
 
 def auto_micro_batch(
@@ -614,11 +431,10 @@ def auto_micro_batch(
         finally:
             probe.zero_grad(set_to_none=True)
 
-    try:
-        with built.per_block():  # whole-model compile: the probe's batches must not each recompile the model
-            best, cached = find_batch_size(
-                try_step, device, parts=parts, cache=BatchCache(cache_path) if cache_path else None
-            )
+    try:  # (before any whole-model compile: the probe's batches run the per-block graphs)
+        best, cached = find_batch_size(
+            try_step, device, parts=parts, cache=BatchCache(cache_path) if cache_path else None
+        )
     finally:
         probe.state.clear()  # the real optimizer allocates its own state at the first real step
     if dist.enabled:

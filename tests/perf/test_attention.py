@@ -16,7 +16,8 @@ from gptoughts.errors import ConfigError, UserError
 from gptoughts.models import build_model, model_args
 from gptoughts.models.layers import AttentionKernels, sdpa, use_attention_kernels
 from gptoughts.perf import attention
-from gptoughts.training.setup import attention_rule, check_attention
+from gptoughts.training.resolve import attention_rule, check_attention
+from gptoughts.training.setup import attention_kernels
 
 warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
 
@@ -279,10 +280,13 @@ def test_fa4_on_cpu_refused_before_the_run_dir_is_written(tmp_path):
 
 def test_doc_mask_attention_rules_on_cpu():
     cpu = torch.device("cpu")
-    kernels, chosen, why = attention_rule(PerfConfig(), cpu)
-    assert kernels == AttentionKernels() and chosen == {"sdpa_backend": "auto", "doc_mask_attention": "sdpa"}
+    chosen, why = attention_rule(PerfConfig(), cpu)
+    assert attention_kernels(chosen, cpu) == AttentionKernels() and chosen == {
+        "sdpa_backend": "auto",
+        "doc_mask_attention": "sdpa",
+    }
     assert why["doc_mask_attention"].startswith("auto: dense mask")
-    _, chosen, why = attention_rule(PerfConfig(doc_mask_attention="sdpa"), cpu)
+    chosen, why = attention_rule(PerfConfig(doc_mask_attention="sdpa"), cpu)
     assert (chosen["doc_mask_attention"], why["doc_mask_attention"]) == ("sdpa", "asked")
     with pytest.raises(UserError, match="doc_mask_attention = flex: .*use auto or sdpa"):
         attention_rule(PerfConfig(doc_mask_attention="flex"), cpu)

@@ -111,12 +111,15 @@ def test_flex_doc_mask_matches_math_sdpa(h, kv, hd, causal, window, compiled_blo
 
 def test_train_setup_routes_packed_rows_to_flex_when_asked_and_auto_to_fa4_where_installed():
     from gptoughts.config import PerfConfig
-    from gptoughts.training.setup import attention_rule
+    from gptoughts.training.resolve import attention_rule
+    from gptoughts.training.setup import attention_kernels
 
     cuda = torch.device("cuda")
-    kernels, chosen, _ = attention_rule(PerfConfig(doc_mask_attention="flex"), cuda)
+    chosen, _ = attention_rule(PerfConfig(doc_mask_attention="flex"), cuda)
+    kernels = attention_kernels(chosen, cuda)
     assert chosen["doc_mask_attention"] == "flex" and isinstance(kernels.doc, attention.FlexDocAttention)
-    kernels, chosen, why = attention_rule(PerfConfig(), cuda)
+    chosen, why = attention_rule(PerfConfig(), cuda)
+    kernels = attention_kernels(chosen, cuda)
     fa4 = attention.fa4_unavailable(cuda) is None
     assert chosen == {"sdpa_backend": "fa4" if fa4 else "auto", "doc_mask_attention": "sdpa"}, why
     assert (kernels.fa4 is not None) == fa4 and kernels.doc is None

@@ -229,7 +229,7 @@ def test_a_set_value_is_kept_end_to_end(tmp_path, text_corpus, cache_dir, capsys
     assert "optimizer_states" not in plan["resolved"]
     given = {"perf.gpu_memory_gib": cap, "train.batch_size": 4, "perf.activation_checkpointing": "none"}
     plan, text = _dry_run(tmp_path, text_corpus, capsys, **given)
-    assert "activation_checkpointing" not in plan["resolved"] and "activation checkpointing:" not in text
+    assert plan["resolved"]["activation_checkpointing"] == "none (asked)" and "activation checkpointing:" not in text
     assert re.search(r"optimizer states: bf16 \(auto: .*[MG]iB", text), text
     assert plan["memory_gib"] <= FIT * cap
 
@@ -295,7 +295,8 @@ def test_on_a_cpu_the_cap_is_a_gpus_and_no_layout_is_chosen(tmp_path, text_corpu
         **{"perf.device": "cpu", "perf.gpu_memory_gib": 1e-4, "train.batch_size": 4},
     )
     assert plan["device_type"] == "cpu" and plan["device_memory_gib"] > 1e-3
-    assert not {"activation_checkpointing", "optimizer_states", "cpu_offload"} & set(plan["resolved"])
+    assert not {"optimizer_states", "cpu_offload"} & set(plan["resolved"])
+    assert plan["resolved"]["activation_checkpointing"] == "none (auto)"  # the size's own, not the layout's
     assert "CPU offload:" not in text and "optimizer states:" not in text
 
 

@@ -446,7 +446,7 @@ def test_residual_dtype_switch(residual):
 
 def test_compile_modes_and_their_validation():
     from gptoughts.errors import ConfigError
-    from gptoughts.training.setup import inductor_mode
+    from gptoughts.training.resolve import inductor_mode
 
     perf = load_config("default", {"perf.cuda_graphs": True}).perf
     assert inductor_mode(perf) == "reduce-overhead"
@@ -466,7 +466,7 @@ def test_cuda_graphs_auto_is_on_for_lora_on_a_llama_base_in_one_cuda_process_onl
 
     from gptoughts.config import LoraConfig
     from gptoughts.errors import ConfigError
-    from gptoughts.training.setup import cuda_graphs_rule
+    from gptoughts.training.resolve import cuda_graphs_rule
 
     auto = load_config("default", {}).perf
     assert auto.cuda_graphs == "auto"

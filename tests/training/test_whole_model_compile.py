@@ -1,12 +1,12 @@
-"""Whole-model compile (``perf.compile_mode``): its auto rule, and the split between the whole-model graph
-(training) and the per-block graphs (evaluations, the auto-batch probe).
+"""Whole-model compile (``perf.compile_mode``): its auto rule, decided before the build (``training/resolve.py``),
+and the split between the whole-model graph (training, compiled once the batch is planned) and the per-block
+graphs (evaluations, and every step before: the auto-batch probe's).
 
 On CPU, torch.compile is replaced by a recording ``eager`` backend: what is checked is which graphs get
 traced, and that the values are the model's."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 
 import pytest
@@ -17,7 +17,7 @@ from gptoughts.config import load_config
 from gptoughts.parallel.dist import DistInfo
 from gptoughts.perf import hardware
 from gptoughts.perf.hardware import HardwareProfile
-from gptoughts.training import setup
+from gptoughts.training import resolve, setup
 
 ONE = DistInfo()
 GPU = torch.device("cuda")  # the rule only reads the device's type
@@ -35,9 +35,9 @@ def _perf(**kw: object):
 
 def test_auto_compiles_small_dense_models_whole_in_one_process():
     small = _meta("llama")
-    mode, why = setup.compile_mode_rule(_perf(), True, small, "llama", ONE, GPU)
+    mode, why = resolve.compile_mode_rule(_perf(), True, small, "llama", ONE, GPU)
     assert mode == "model" and why.startswith("auto: whole model")
-    assert setup.compile_mode_rule(_perf(), True, _meta("gpt2"), "gpt2", ONE, GPU)[0] == "model"
+    assert resolve.compile_mode_rule(_perf(), True, _meta("gpt2"), "gpt2", ONE, GPU)[0] == "model"
     # each exception, with its reason
     cases = [
         ((_perf(), False, small, "llama", ONE, GPU), "not compiled"),
@@ -47,25 +47,25 @@ def test_auto_compiles_small_dense_models_whole_in_one_process():
         ((_perf(), True, _meta("deepseek"), "deepseek", ONE, GPU), "per-block for deepseek"),
     ]
     for args, reason in cases:
-        mode, why = setup.compile_mode_rule(*args)
+        mode, why = resolve.compile_mode_rule(*args)
         assert mode == "blocks" and reason in why, (args[3], why)
     frozen = _meta("llama")
     for p in list(frozen.parameters())[:-1]:
         p.requires_grad_(False)
-    assert setup.compile_mode_rule(_perf(), True, frozen, "llama", ONE, GPU)[0] == "blocks"
+    assert resolve.compile_mode_rule(_perf(), True, frozen, "llama", ONE, GPU)[0] == "blocks"
     # size: the threshold on non-embedding parameters
     wide = _meta("llama", d_model=2048, n_layers=12, n_heads=16, n_kv_heads=16, ffn_dim=5632)
-    assert wide.num_params(non_embedding=True) > setup.WHOLE_MODEL_MAX_PARAMS
-    assert setup.compile_mode_rule(_perf(), True, wide, "llama", ONE, GPU)[0] == "blocks"
+    assert wide.num_params(non_embedding=True) > resolve.WHOLE_MODEL_MAX_PARAMS
+    assert resolve.compile_mode_rule(_perf(), True, wide, "llama", ONE, GPU)[0] == "blocks"
     mid = _meta("llama", d_model=1024, n_layers=24, n_heads=16, n_kv_heads=16, ffn_dim=2816)
-    assert mid.num_params(non_embedding=True) < setup.WHOLE_MODEL_MAX_PARAMS
-    assert setup.compile_mode_rule(_perf(), True, mid, "llama", ONE, GPU)[0] == "model"
+    assert mid.num_params(non_embedding=True) < resolve.WHOLE_MODEL_MAX_PARAMS
+    assert resolve.compile_mode_rule(_perf(), True, mid, "llama", ONE, GPU)[0] == "model"
     # asked settings stand
-    assert setup.compile_mode_rule(_perf(compile_mode="blocks"), True, small, "llama", ONE, GPU) == (
+    assert resolve.compile_mode_rule(_perf(compile_mode="blocks"), True, small, "llama", ONE, GPU) == (
         "blocks",
         "asked",
     )
-    assert setup.compile_mode_rule(_perf(compile_mode="model"), True, wide, "llama", ONE, GPU) == (
+    assert resolve.compile_mode_rule(_perf(compile_mode="model"), True, wide, "llama", ONE, GPU) == (
         "model",
         "asked",
     )
@@ -79,8 +79,8 @@ def _cpu_hw() -> HardwareProfile:
 @pytest.fixture
 def auto_picks_model(monkeypatch):
     """compile_mode auto as on a GPU (the rule leaves CPUs per-block) for the CPU model of these tests."""
-    rule = setup.compile_mode_rule
-    monkeypatch.setattr(setup, "compile_mode_rule", lambda *a: rule(*a[:5], GPU))
+    rule = resolve.compile_mode_rule
+    monkeypatch.setattr(resolve, "compile_mode_rule", lambda *a: rule(*a[:5], GPU, *a[6:]))
 
 
 @pytest.fixture
@@ -102,110 +102,81 @@ def recorded(monkeypatch):
     torch._dynamo.reset()
 
 
-def test_whole_model_graph_trains_and_per_block_graphs_evaluate(recorded):
-    torch.manual_seed(0)
-    args = models.model_args("llama", "debug", {"vocab_size": 256, "n_layers": 3})
-    raw = setup.build_raw_model("llama", args, torch.device("cpu"), seed=0)
-    reference = setup.build_raw_model("llama", args, torch.device("cpu"), seed=0)
-    hw = _cpu_hw()
-    perf = _perf(compile=True, compile_mode="model", cuda_graphs=False)
-    built = setup.apply_transforms(
-        raw, perf=perf, hw=hw, device=torch.device("cpu"), dist=ONE, family="llama"
-    )
-    assert built.resolved["compile"] == "model" and "cuda_graphs" not in built.resolved
-    x = torch.randint(0, 256, (2, 16))
+def _built(raw, perf, family="llama"):
+    """The transforms as the assembly applies them on this CPU (a working compile backend)."""
+    cpu = torch.device("cpu")
+    spec = resolve.resolve_transforms(raw, perf=perf, hw=_cpu_hw(), device=cpu, dist=ONE, family=family)
+    return setup.apply_transforms(raw, spec, device=cpu, dist=ONE, family=family)
 
+
+def _raw(n_layers: int = 2):
+    args = models.model_args("llama", "debug", {"vocab_size": 256, "n_layers": n_layers})
+    return setup.build_raw_model("llama", args, torch.device("cpu"), seed=0)
+
+
+def test_whole_model_graph_trains_and_per_block_graphs_evaluate(recorded):
+    raw, reference = _raw(3), _raw(3)
+    built = _built(raw, _perf(compile=True, compile_mode="model", cuda_graphs=False))
+    assert built.resolved["compile"] == "model" and "cuda_graphs" not in built.resolved
+    assert setup.whole_model_later(built.spec, ONE)
+    x = torch.randint(0, 256, (2, 16))
+    with built.forward_context():  # before the batch is planned (the probe's steps): the per-block graphs
+        built.model(x).float().sum().backward()
+    assert len(recorded) == 1, recorded
+    block = recorded[0]
+    setup.apply_whole_model_compile(built)
     with built.forward_context():
         out = built.model(x)
     out.float().sum().backward()
-    assert len(recorded) == 1, recorded  # one graph: the whole model, blocks inlined
-    whole = recorded[0]
+    assert len(recorded) == 2 and recorded[1] > 2 * block, recorded  # the whole model, blocks inlined
     with torch.no_grad(), built.forward_context():
         ev = built.model(x)
-    assert len(recorded) == 2 and recorded[1] < whole / 2, (
-        recorded
-    )  # one block's graph, reused by every block
+    assert len(recorded) == 3 and recorded[2] < recorded[1] / 2, recorded  # one block's inference graph
     with torch.no_grad():
         torch.testing.assert_close(ev, reference(x))
         torch.testing.assert_close(out, reference(x))
     with built.forward_context():  # training again: the whole-model graph, nothing new traced
         built.model(x).float().sum().backward()
-    assert len(recorded) == 2, recorded
-    with built.per_block():  # the auto-batch probe's context: a training step on the per-block graphs
-        built.model(x).float().sum().backward()
-    assert len(recorded) == 3 and recorded[2] < whole / 2, recorded
-    with built.forward_context():
-        built.model(x).float().sum().backward()
-    assert len(recorded) == 3, recorded  # the whole-model graph is back after each
+    with torch.no_grad(), built.forward_context():
+        built.model(x)
+    assert len(recorded) == 3, recorded
+    # the weights are the plain model's, under their own names
+    assert {n for n, _ in raw.named_parameters()} == {
+        n.removeprefix("module.") for n, _ in built.model.named_parameters()
+    }
 
 
-def test_blocks_mode_has_no_per_block_context(recorded):
-    args = models.model_args("llama", "debug", {"vocab_size": 256, "n_layers": 2})
-    raw = setup.build_raw_model("llama", args, torch.device("cpu"), seed=0)
-    hw = _cpu_hw()
-    built = setup.apply_transforms(
-        raw, perf=_perf(compile=True, compile_mode="blocks"), hw=hw, device=torch.device("cpu"), dist=ONE
-    )
-    assert built.per_block is contextlib.nullcontext
-    assert built.resolved["compile"] == "blocks" and not built.whole_model
-
-
-def test_a_short_run_drops_the_auto_whole_model_compile(recorded, auto_picks_model):
-    args = models.model_args("llama", "debug", {"vocab_size": 256, "n_layers": 2})
-    raw = setup.build_raw_model("llama", args, torch.device("cpu"), seed=0)
-    built = setup.apply_transforms(
-        raw, perf=_perf(compile=True), hw=_cpu_hw(), device=torch.device("cpu"), dist=ONE, family="llama"
-    )
-    assert built.whole_model_auto and built.resolved["compile"] == "model" and not built.keep_grads
-    built.use_per_block("auto: a short run")
-    assert built.resolved["compile"] == "blocks" and built.why["compile"].endswith(
-        "; blocks: auto: a short run"
-    )
-    assert not built.whole_model_auto and not built.whole_model
+def test_blocks_mode_compiles_blocks_only(recorded):
+    built = _built(_raw(), _perf(compile=True, compile_mode="blocks"))
+    assert built.resolved["compile"] == "blocks" and not setup.whole_model_later(built.spec, ONE)
     x = torch.randint(0, 256, (2, 16))
     with built.forward_context():
         built.model(x).float().sum().backward()
-    with torch.no_grad(), built.forward_context():
-        built.model(x)
-    # training and evaluation: one block's graph each, never the whole model's
-    assert len(recorded) == 2 and max(recorded) < 60, recorded
-    asked = setup.apply_transforms(
-        setup.build_raw_model("llama", args, torch.device("cpu"), seed=0),
-        perf=_perf(compile=True, compile_mode="model"),
-        hw=_cpu_hw(),
-        device=torch.device("cpu"),
-        dist=ONE,
-        family="llama",
-    )
-    # asked: the assembly keeps it whatever the length
-    assert asked.whole_model and not asked.whole_model_auto
-    graphs = setup.apply_transforms(
-        setup.build_raw_model("llama", args, torch.device("cpu"), seed=0),
-        perf=_perf(compile=True, cuda_graphs=True),
-        hw=_cpu_hw(),
-        device=torch.device("cpu"),
-        dist=ONE,
-        family="llama",
-    )
+    assert len(recorded) == 1 and built.model is built.raw
+
+
+def test_a_short_run_keeps_the_blocks_of_an_auto_whole_model_compile(recorded, auto_picks_model):
+    spec = _built(_raw(), _perf(compile=True)).spec
+    assert spec.whole_model_auto and spec.compile_mode == "model" and not spec.cuda_graphs
+    blocks = spec.with_blocks("auto: a short run")
+    assert blocks.compile_mode == "blocks" and blocks.why["compile"].endswith("; blocks: auto: a short run")
+    assert not blocks.whole_model_auto and not setup.whole_model_later(blocks, ONE)
+    assert blocks.resolved()["compile"] == "blocks" and spec.resolved()["compile"] == "model"
+    asked = _built(_raw(), _perf(compile=True, compile_mode="model")).spec
+    assert asked.compile_mode == "model" and not asked.whole_model_auto  # asked: kept whatever the length
+    graphs = _built(_raw(), _perf(compile=True, cuda_graphs=True))
     # auto chose the whole model and CUDA graphs are asked: they replay the whole-model graph, kept at any length
-    assert graphs.whole_model and not graphs.whole_model_auto and graphs.resolved["cuda_graphs"] is True
+    assert graphs.spec.compile_mode == "model" and not graphs.spec.whole_model_auto
+    assert graphs.resolved["cuda_graphs"] is True and graphs.keep_grads
 
 
 def test_cuda_graphs_rule_decides_the_compile_mode_and_says_why(monkeypatch):
     """``perf.cuda_graphs = auto`` as the rule resolves it: reduce-overhead blocks, gradients kept, the reason in the
     plan; or nothing of it."""
-    args = models.model_args("llama", "debug", {"vocab_size": 256, "n_layers": 2})
 
     def built(rule):
-        monkeypatch.setattr(setup, "cuda_graphs_rule", lambda *a: rule)
-        return setup.apply_transforms(
-            setup.build_raw_model("llama", args, torch.device("cpu"), seed=0),
-            perf=_perf(compile=True, compile_mode="blocks"),
-            hw=_cpu_hw(),
-            device=torch.device("cpu"),
-            dist=ONE,
-            family="llama",
-        )
+        monkeypatch.setattr(resolve, "cuda_graphs_rule", lambda *a: rule)
+        return _built(_raw(), _perf(compile=True, compile_mode="blocks"))
 
     on = built((True, "auto: LoRA test"))
     assert on.resolved["cuda_graphs"] is True and on.why["cuda_graphs"] == "auto: LoRA test"
@@ -219,7 +190,6 @@ def test_the_assembly_keeps_the_whole_model_for_long_runs_only(recorded, auto_pi
 
     from gptoughts.training.build import _whole_model_for_long_runs
 
-    args = models.model_args("llama", "debug", {"vocab_size": 256, "n_layers": 2})
     env = SimpleNamespace(
         device=torch.device("cuda"),
         hw=SimpleNamespace(peak_bf16_flops=1e15, name="GPU"),
@@ -227,17 +197,15 @@ def test_the_assembly_keeps_the_whole_model_for_long_runs_only(recorded, auto_pi
     )
     kept = {}
     for steps in (10, 10**10):
-        raw = setup.build_raw_model("llama", args, torch.device("cpu"), seed=0)
-        built = setup.apply_transforms(
-            raw, perf=_perf(compile=True), hw=_cpu_hw(), device=torch.device("cpu"), dist=ONE, family="llama"
-        )
-        model = SimpleNamespace(raw=raw, args=args, built=built)
+        raw = _raw()
+        built = _built(raw, _perf(compile=True))
+        model = SimpleNamespace(raw=raw, args=raw.args, built=built, transforms=built.spec)
         batch = SimpleNamespace(block_size=256, micro_batch=8, total_steps=steps, tokens_per_step=2048)
         _whole_model_for_long_runs(env, model, batch)
-        kept[steps] = built.resolved["compile"]
+        kept[steps] = (built.resolved["compile"], model.transforms.compile_mode, built.spec.compile_mode)
         if steps == 10:
             assert "blocks: auto: a run estimated at ~1 min" in built.why["compile"], built.why
-    assert kept == {10: "blocks", 10**10: "model"}
+    assert kept == {10: ("blocks",) * 3, 10**10: ("model",) * 3}
 
 
 def test_activation_checkpointing_auto_is_selective_for_lora_only():
