@@ -94,14 +94,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except (
-        KeyboardInterrupt
-    ):  # Ctrl-C before training started (or a second one): nothing half-written remains
+    except KeyboardInterrupt:
+        # Ctrl-C before training started (or a second one): nothing half-written remains
         print("interrupted", file=sys.stderr)
         return 130
-    except (
-        BrokenPipeError
-    ):  # `gptoughts ... | head`: the reader left; nothing to say, and no one to say it to
+    except BrokenPipeError:
+        # `gptoughts ... | head`: the reader left; nothing to say, and no one to say it to
         import os
 
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at interpreter exit

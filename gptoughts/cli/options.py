@@ -49,6 +49,8 @@ _BOOL_WORDS = {"true", "false", "auto", "1", "0"}
 OPTIONAL_CHOICES: dict[str, set[str]] = {"compile": _BOOL_WORDS, "fp8": _BOOL_WORDS, "use_fp8": _BOOL_WORDS}
 # Options of the train command itself (not config keys).
 TRAIN_SWITCHES = ("interactive", "dry_run", "print_config")
+# The config sections whose options train (and the commands that take its options) accept.
+TRAIN_SECTIONS = ("model", "data", "train", "eval", "checkpoint", "recovery", "perf", "parallel", "run")
 
 
 def bare_keys(sections: tuple[str, ...]) -> dict[str, str]:
@@ -58,9 +60,6 @@ def bare_keys(sections: tuple[str, ...]) -> dict[str, str]:
     return {
         f: f"{sec}.{f}" for sec in sections for f in SECTIONS[sec].__dataclass_fields__ if f != "overrides"
     }
-
-
-TRAIN_SECTIONS = ("model", "data", "train", "eval", "checkpoint", "recovery", "perf", "parallel", "run")
 
 
 def parse_overrides(

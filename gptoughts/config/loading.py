@@ -237,17 +237,7 @@ def load_config(preset: str | Path | None = None, overrides: dict[str, Any] | No
     given in the overrides replaces the preset's; two stopping rules given together are an error.
     """
     overrides = {MOVED.get(k, k): v for k, v in (overrides or {}).items()}
-    top = list(SECTIONS)
-    for key in overrides:
-        section = key.split(".")[0]
-        if section not in top:
-            raise ConfigError(
-                f"unknown config key `{key}`: sections are {', '.join(top)}{did_you_mean(section, top)}"
-            )
-    given_stops = [k for k in STOP_KEYS if overrides.get(k) is not None]
-    if len(given_stops) > 1:
-        flags = " and ".join(f"--{k.split('.')[1]}" for k in given_stops)
-        raise ConfigError(f"{flags} are two stopping rules; give one (steps, epochs or a token budget)")
+    given_stops = _check_overrides(overrides)
     data = read_toml(starting_preset(preset, overrides))
     run_file = _run_config_file(data, overrides)
     if run_file is not None:
@@ -258,19 +248,7 @@ def load_config(preset: str | Path | None = None, overrides: dict[str, Any] | No
         data.pop("parallel", None)
         given = dotted_keys(data)  # (a resumed run's config.toml holds every value its first start decided)
     else:
-        preset_model = data.get("model", {})
-        family = overrides.get("model.family", preset_model.get("family", ModelConfig.family))
-        size = overrides.get("model.size", preset_model.get("size", ModelConfig.size))
-        if (family, size) != (
-            preset_model.get("family", ModelConfig.family),
-            preset_model.get("size", ModelConfig.size),
-        ):
-            # The preset's architecture fields describe its own shape (the quickstart's d_model, n_kv_heads, ...):
-            # another family or size starts from its size preset, not from them.
-            data["model"] = {k: v for k, v in preset_model.items() if k in _MODEL_FIXED}
-        given = dotted_keys(data)  # the preset's or file's: the size's defaults below are not the user's
-        if isinstance(family, str) and isinstance(size, str):
-            data = _deep_update(size_defaults(family, size), data)
+        data, given = _under_size_defaults(data, overrides)
     if given_stops:
         for key in STOP_KEYS:
             data.get("train", {}).pop(key.split(".")[1], None)
@@ -285,6 +263,41 @@ def load_config(preset: str | Path | None = None, overrides: dict[str, Any] | No
     if cfg.model.init_from is not None:
         finetune_defaults(cfg)
     return cfg
+
+
+def _check_overrides(overrides: dict[str, Any]) -> list[str]:
+    """Refuse an override outside the sections, and two stopping rules; return the stopping rule given (if any)."""
+    top = list(SECTIONS)
+    for key in overrides:
+        section = key.split(".")[0]
+        if section not in top:
+            raise ConfigError(
+                f"unknown config key `{key}`: sections are {', '.join(top)}{did_you_mean(section, top)}"
+            )
+    given_stops = [k for k in STOP_KEYS if overrides.get(k) is not None]
+    if len(given_stops) > 1:
+        flags = " and ".join(f"--{k.split('.')[1]}" for k in given_stops)
+        raise ConfigError(f"{flags} are two stopping rules; give one (steps, epochs or a token budget)")
+    return given_stops
+
+
+def _under_size_defaults(data: dict[str, Any], overrides: dict[str, Any]) -> tuple[dict[str, Any], set[str]]:
+    """The preset's or file's tables over the training defaults of the family and size the run asks for, and the
+    keys the preset or file set (the size's defaults are not the user's)."""
+    preset_model = data.get("model", {})
+    family = overrides.get("model.family", preset_model.get("family", ModelConfig.family))
+    size = overrides.get("model.size", preset_model.get("size", ModelConfig.size))
+    if (family, size) != (
+        preset_model.get("family", ModelConfig.family),
+        preset_model.get("size", ModelConfig.size),
+    ):
+        # The preset's architecture fields describe its own shape (the quickstart's d_model, n_kv_heads, ...):
+        # another family or size starts from its size preset, not from them.
+        data["model"] = {k: v for k, v in preset_model.items() if k in _MODEL_FIXED}
+    given = dotted_keys(data)
+    if isinstance(family, str) and isinstance(size, str):
+        data = _deep_update(size_defaults(family, size), data)
+    return data, given
 
 
 def dotted_keys(data: dict[str, Any]) -> set[str]:
