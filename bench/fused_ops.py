@@ -166,7 +166,7 @@ def patch_liger() -> None:
 
 
 def step_rows(step_args: str, steps: int) -> list[dict]:
-    from gptoughts.cli import parse_overrides
+    from gptoughts.cli.options import parse_overrides
     from gptoughts.config import load_config
     from gptoughts.tools.bench import run_bench
 

@@ -212,7 +212,7 @@ def settings_of(a: argparse.Namespace) -> dict[str, Any]:
 
 def load_variant_config(v: Variant, common: list[str]) -> Any:
     """The variant's resolved gptoughts Config (checks its preset and keys before anything runs)."""
-    from gptoughts.cli import parse_overrides
+    from gptoughts.cli.options import parse_overrides
     from gptoughts.config import load_config
 
     argv = ([v.preset] if v.preset else []) + common + list(v.args)

@@ -197,7 +197,7 @@ def test_tensor_parallel_without_enough_processes_is_one_line() -> None:
 
 
 def test_lora_is_refused_under_offload_as_under_fsdp():
-    from gptoughts.config import _validate_finetune
+    from gptoughts.config.validation import _validate_finetune
 
     cfg = Config()
     cfg.lora.enabled, cfg.parallel.cpu_offload = (

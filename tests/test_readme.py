@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 from cli_helpers import QUIET_CPU, ok, plan_of
 
-from gptoughts import cli, models
+from gptoughts import models
+from gptoughts.cli import options as cli_options
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text(encoding="utf-8")
@@ -124,7 +125,7 @@ def _default_out(args: list[str]) -> str:
     """The run directory `gptoughts train ARGS` as written would write (config.default_out)."""
     from gptoughts.config import load_config
 
-    preset, overrides, _ = cli.parse_overrides(args)
+    preset, overrides, _ = cli_options.parse_overrides(args)
     return str(load_config(preset, overrides).run.out)
 
 

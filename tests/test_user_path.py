@@ -16,6 +16,7 @@ from cli_helpers import FASTRUN, ok, plan_of, run_cli
 
 import gptoughts
 from gptoughts import cli, models
+from gptoughts.cli import options as cli_options
 from gptoughts.config import load_config, size_defaults
 from gptoughts.errors import ConfigError
 
@@ -341,7 +342,9 @@ def test_every_option_the_cli_suggests_is_one_it_accepts(typo, capsys):
     suggested = re.findall(r"did you mean (--[\w.]+)\?", text)
     for s in suggested:  # each parses (a flag takes no value), or this raises
         name = s[2:].replace("-", "_")
-        cli.parse_overrides([s] if name in cli.FLAGS or name in cli.TRAIN_SWITCHES else [s, "1"])
+        cli_options.parse_overrides(
+            [s] if name in cli_options.FLAGS or name in cli_options.TRAIN_SWITCHES else [s, "1"]
+        )
     assert suggested or "--help" in text
 
 
@@ -360,7 +363,7 @@ def test_version_help_and_bare_command(capsys):
 
 
 def test_the_seeds_spellings_are_aliases():
-    _, o, _ = cli.parse_overrides(
+    _, o, _ = cli_options.parse_overrides(
         [
             "--model_type",
             "llada",
@@ -403,7 +406,7 @@ def test_the_seeds_spellings_are_aliases():
 
 
 def test_seeds_auto_batch_flag_sets_auto():
-    _, o, _ = cli.parse_overrides(["--auto-batch", "--recover-nan"])
+    _, o, _ = cli_options.parse_overrides(["--auto-batch", "--recover-nan"])
     assert o == {"train.batch_size": "auto", "recovery.nan_policy": "rollback"}
 
 

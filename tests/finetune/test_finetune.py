@@ -12,6 +12,8 @@ from hf_helpers import losses as run_losses
 from safetensors.torch import load_file
 
 from gptoughts import api, cli
+from gptoughts.cli import options as cli_options
+from gptoughts.cli import train as cli_train
 from gptoughts.config import load_config
 from gptoughts.errors import ConfigError, HardwareError, UserError
 from gptoughts.training.trainer import Trainer
@@ -223,7 +225,7 @@ def test_plain_text_continues_pretraining_with_the_model_tokenizer(hf_model, tmp
 
 
 def test_finetune_command_line_and_config_checks(tmp_path, hf_model):
-    preset, o, _ = cli.parse_overrides(
+    preset, o, _ = cli_options.parse_overrides(
         [
             "--model",
             "M",
@@ -236,8 +238,8 @@ def test_finetune_command_line_and_config_checks(tmp_path, hf_model):
             "--data",
             "d.jsonl",
         ],
-        cli.FINETUNE_ALIASES,
-        cli.FINETUNE_FLAGS,
+        cli_train.FINETUNE_ALIASES,
+        cli_train.FINETUNE_FLAGS,
     )
     assert o == {
         "model.init_from": "M",

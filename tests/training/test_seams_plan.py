@@ -14,7 +14,8 @@ import pytest
 import torch
 from cli_helpers import refused, run_cli
 
-from gptoughts import cli
+from gptoughts.cli import options as cli_options
+from gptoughts.cli import train as cli_train
 from gptoughts.config import load_config
 from gptoughts.errors import ConfigError
 from gptoughts.perf import hardware
@@ -232,7 +233,7 @@ def test_an_accumulation_the_user_gives_is_kept_under_an_automatic_batch(
 
 
 def _overrides(argv: list[str]) -> dict:
-    preset, overrides, _ = cli.parse_overrides(argv[1:])
+    preset, overrides, _ = cli_options.parse_overrides(argv[1:])
     assert preset is None
     return overrides
 
@@ -280,7 +281,7 @@ def test_the_wizard_checks_each_answer_when_given(tmp_path, text_corpus, capsys)
         asked.append(question.split(" (")[0].split(" [")[0])
         return next(answers)
 
-    out = cli.ask_interactive({}, ask)
+    out = cli_train.ask_interactive({}, ask)
     assert asked == ["Model size", "Model size", "Training corpus", "Training corpus", "Epochs", "Epochs",
                      "Batch size", "Batch size"]  # fmt: skip
     assert out["model.size"] == "debug" and out["data.sources"] == [str(text_corpus)]

@@ -1,0 +1,208 @@
+"""The options of the config commands (train, finetune, config, prepare, bench, estimate, tune): ``[PRESET]
+--key VALUE ...`` into a preset and dotted config overrides, the spellings they accept, and their ``--help``.
+
+Any dotted config key works (``--train.learning_rate 1e-3``), so does the bare name of any field
+(``--learning_rate``); the aliases are the spellings of the user's own scripts and of the API.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from gptoughts.errors import ConfigError, closest
+
+# alias -> dotted key: the spellings of the user's own scripts and of the API (num_epochs, save_dir). Besides
+# these, the bare name of any config field is accepted (--weight_decay = --train.weight_decay): see bare_keys.
+ALIASES: dict[str, str] = {
+    "model": "model.family",
+    "model_type": "model.family",
+    "model_name": "model.init_from",  # the user's first command: `run_train.py --model_name huggyllama/llama-7b`
+    "size": "model.size",
+    "data": "data.sources",
+    "data_path": "data.sources",
+    "out": "run.out",
+    "save_dir": "run.out",
+    "epochs": "train.epochs",
+    "num_epochs": "train.epochs",
+    "gradient_accumulation_steps": "train.grad_accum",
+    "lr": "train.learning_rate",
+    "fp8": "perf.fp8",
+    "use_fp8": "perf.fp8",
+    "no_progress": "run.progress",
+    "auto_batch": "train.batch_size",
+    "recover_nan": "recovery.nan_policy",
+}
+REPEATABLE = {"data.sources"}
+# Flags that take no value, and the value they set.
+FLAGS: dict[str, Any] = {
+    "overwrite": True,
+    "wandb": True,
+    "no_progress": False,
+    "auto_batch": "auto",
+    "recover_nan": "rollback",
+    "ignore_memory_estimate": True,
+}
+# Options whose value may be left out, and the value they then take.
+OPTIONAL_VALUE: dict[str, Any] = {"resume": "auto", "compile": True, "fp8": True, "use_fp8": True}
+_BOOL_WORDS = {"true", "false", "auto", "1", "0"}
+OPTIONAL_CHOICES: dict[str, set[str]] = {"compile": _BOOL_WORDS, "fp8": _BOOL_WORDS, "use_fp8": _BOOL_WORDS}
+# Options of the train command itself (not config keys).
+TRAIN_SWITCHES = ("interactive", "dry_run", "print_config")
+# The config sections whose options train (and the commands that take its options) accept.
+TRAIN_SECTIONS = ("model", "data", "train", "eval", "checkpoint", "recovery", "perf", "parallel", "run")
+
+
+def bare_keys(sections: tuple[str, ...]) -> dict[str, str]:
+    """field name -> dotted key for every field of ``sections`` (no two sections share a field name)."""
+    from gptoughts.config import SECTIONS
+
+    return {
+        f: f"{sec}.{f}" for sec in sections for f in SECTIONS[sec].__dataclass_fields__ if f != "overrides"
+    }
+
+
+def parse_overrides(
+    argv: Sequence[str],
+    aliases: dict[str, str] | None = None,
+    flags: dict[str, Any] | None = None,
+    sections: tuple[str, ...] = TRAIN_SECTIONS,
+    switches: Sequence[str] = TRAIN_SWITCHES,
+) -> tuple[str | None, dict[str, Any], set[str]]:
+    """Split ``[PRESET] --k v ...`` into (preset, {dotted key: value}, switches given).
+
+    ``aliases``/``flags`` replace :data:`ALIASES`/:data:`FLAGS` (``finetune`` maps ``--model`` elsewhere).
+    An option that is not an alias, a field name of ``sections``, a dotted key or a switch is an error that
+    suggests only options this command accepts."""
+    aliases = {**bare_keys(sections), **(ALIASES if aliases is None else aliases)}
+    flags = FLAGS if flags is None else flags
+    preset: str | None = None
+    out: dict[str, Any] = {}
+    seen: set[str] = set()
+    i = 0
+    args = list(argv)
+    while i < len(args):
+        tok = args[i]
+        i += 1
+        if not tok.startswith("--") or tok == "--":
+            if preset is None and not out and not tok.startswith("-"):
+                preset = tok
+                continue
+            raise ConfigError(f"unexpected argument {tok!r}; options are written --key VALUE")
+        name, eq, value = tok[2:].partition("=")
+        if "." in name:
+            name = key = _dotted_key(name, sections)
+        else:
+            name = name.replace("-", "_")
+            if name in switches:
+                seen.add(name)
+                continue
+            key = _alias_key(name, aliases, switches)
+        if name in flags and not eq:
+            out[key] = flags[name]
+            continue
+        if not eq:
+            value, i = _option_value(name, args, i)
+        if key in REPEATABLE:
+            out.setdefault(key, []).append(value)
+        elif key in out and out[key] != value:
+            raise ConfigError(f"--{name} is given twice ({out[key]!r} and {value!r}); give it once")
+        else:
+            out[key] = value
+    return preset, out, seen
+
+
+def _dotted_key(name: str, sections: tuple[str, ...]) -> str:
+    """``--section.field``: the key it names (keys that moved are read at their new place), or an error with the
+    closest section or field of this command."""
+    from gptoughts.config import MOVED, SECTIONS
+
+    name = MOVED.get(name, name)  # train.eval_interval -> eval.eval_interval (keys that moved)
+    section, _, field_name = name.partition(".")
+    if section not in sections:
+        near = closest(section, sections)
+        raise ConfigError(
+            f"unknown option --{name}: no section `{section}`"
+            + (f" (did you mean --{near}.{field_name}?)" if near else f"; sections are {', '.join(sections)}")
+        )
+    if section != "model" and field_name not in SECTIONS[section].__dataclass_fields__:
+        near = closest(field_name, list(SECTIONS[section].__dataclass_fields__))
+        raise ConfigError(
+            f"unknown option --{name}"
+            + (f" (did you mean --{section}.{near}?)" if near else "; `gptoughts train --help` lists them")
+        )
+    return name
+
+
+def _alias_key(name: str, aliases: dict[str, str], switches: Sequence[str]) -> str:
+    key = aliases.get(name)
+    if key is None:
+        near = closest(name, [*aliases, *switches])
+        raise ConfigError(
+            f"unknown option --{name}"
+            + (f" (did you mean --{near}?)" if near else "; `--help` lists the options")
+        )
+    return key
+
+
+def _option_value(name: str, args: list[str], i: int) -> tuple[str, int]:
+    """The value of ``--name`` written as a separate argument (``args[i]``), and the index after it. An option of
+    :data:`OPTIONAL_VALUE` takes its default when the next argument is another option or not one of its words."""
+    nxt = args[i] if i < len(args) else None
+    if name in OPTIONAL_VALUE:
+        choices = OPTIONAL_CHOICES.get(name)
+        if nxt is None or nxt.startswith("--") or (choices is not None and nxt.lower() not in choices):
+            return OPTIONAL_VALUE[name], i
+        return nxt, i + 1
+    if nxt is None or (nxt.startswith("--") and len(nxt) > 2):
+        raise ConfigError(f"--{name} needs a value")
+    return nxt, i + 1
+
+
+def pop_options(argv: Sequence[str], flags: set[str], valued: set[str]) -> tuple[list[str], dict[str, Any]]:
+    """Take command-specific options out of argv; the rest are config overrides."""
+    rest: list[str] = []
+    found: dict[str, Any] = {}
+    args = list(argv)
+    i = 0
+    while i < len(args):
+        name, eq, value = args[i][2:].partition("=") if args[i].startswith("--") else ("", "", "")
+        if name in flags:
+            found[name] = True
+        elif name in valued:
+            if not eq:
+                if i + 1 >= len(args):
+                    raise ConfigError(f"--{name} needs a value")
+                i += 1
+                value = args[i]
+            found[name] = value
+        else:
+            rest.append(args[i])
+        i += 1
+    return rest, found
+
+
+def options_help(sections: tuple[str, ...], aliases: dict[str, str], flags: dict[str, Any]) -> list[str]:
+    """Every option of ``sections`` with its type, default and the docstring of its field."""
+    import textwrap
+
+    from gptoughts.config import describe_fields
+
+    by_key: dict[str, list[str]] = {}
+    for alias, key in aliases.items():
+        by_key.setdefault(key, []).append(alias)
+    lines = []
+    current = None
+    for key, tp, default, doc in describe_fields(sections):
+        section, name = key.split(".")
+        if section != current:
+            lines.append(f"\n[{section}]")
+            current = section
+        other = [a for a in by_key.get(key, []) if a != name]
+        spelled = f"--{name}" + "".join(f", --{a}" for a in other if a not in flags)
+        spelled += "".join(f", --{a} (flag)" for a in other if a in flags)
+        default = "none" if default == "null" else default
+        lines.append(f"  {spelled}  ({tp}, default {default})")
+        if doc:
+            lines += textwrap.wrap(doc, 108, initial_indent="      ", subsequent_indent="      ")
+    return lines

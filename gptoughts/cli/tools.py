@@ -1,0 +1,198 @@
+"""Commands around a run: ``prepare`` (a corpus into token shards), ``env`` (the hardware), ``estimate``
+(memory, time and cost before a run), ``tune`` and ``bench`` (measured settings and speed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from gptoughts.cli.options import ALIASES, FLAGS, bare_keys, options_help, parse_overrides, pop_options
+from gptoughts.errors import ConfigError, UserError
+
+
+def cmd_prepare(argv: Sequence[str]) -> int:
+    if any(a in ("-h", "--help") for a in argv):
+        print(
+            "usage: gptoughts prepare --data PATH [--data PATH ...] --out DIR [--size S | --tokenizer SPEC]\n"
+            "                         [--text_field F --extensions a,b --val_fraction X --max_bytes N --seed N\n"
+            "                          --workers N]\n"
+            "Tokenize a corpus into token shards in DIR (manifest.json, tokenizer/, *.bin): the same keys and\n"
+            "defaults as `gptoughts train` (with --size, the tokenizer that size trains with), so\n"
+            "`gptoughts bench --shards DIR` and a train of the same settings read the same tokens."
+        )
+        print("\n".join(options_help(("data",), {**bare_keys(("data",)), **ALIASES}, FLAGS)))
+        return 0
+    rest, opts = pop_options(argv, set(), {"out"})
+    if "out" not in opts:
+        raise ConfigError("prepare needs an output folder: --out DIR")
+    preset, overrides, _ = parse_overrides(rest, sections=("model", "data", "train"), switches=())
+    from gptoughts.config import load_config
+    from gptoughts.data.prepare import prepare
+    from gptoughts.training.build import resolve_sources
+
+    cfg = load_config(preset, overrides)
+    d = cfg.data
+    m = prepare(
+        resolve_sources(d.sources),
+        opts["out"],
+        d.tokenizer,
+        text_field=d.text_field,
+        extensions=d.extensions or None,
+        val_fraction=d.val_fraction,
+        max_bytes=d.max_bytes,
+        seed=cfg.train.seed,
+        workers=d.workers,
+    )
+    print(
+        f"{opts['out']}: {m.train_tokens:,} train tokens, {m.val_tokens:,} val tokens (vocab {m.vocab_size:,})"
+    )
+    return 0
+
+
+def cmd_env(argv: Sequence[str]) -> int:
+    p = argparse.ArgumentParser(prog="gptoughts env", description="Hardware and what `auto` means on it.")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--device", default="auto")
+    a = p.parse_args(argv)
+    import torch
+
+    from gptoughts.perf.attention import available
+    from gptoughts.perf.hardware import detect
+
+    prof = detect(a.device)
+    d = prof.to_dict()
+    d["attention"] = available(torch.device(prof.device))
+    # perf.sdpa_backend = auto's choice (training/setup.py attention_rule: FA4 measured faster where it runs)
+    d["recommended"]["attention"] = "fa4" if d["attention"].get("fa4") == "available" else "sdpa"
+    if a.json:
+        print(json.dumps(d, default=str))
+        return 0
+    mem = f"{d['memory_bytes'] / 2**30:.1f} GiB" if d["memory_bytes"] else "unknown"
+    print(
+        f"device     {d['device']}  ({d['name']}, {d['arch']}, {d['gpu_count']} GPU(s), {d['cpu_count']} CPU cores)"
+    )
+    print(f"memory     {mem}")
+    precisions = ["fp32"] + [p for p in ("bf16", "fp16", "fp8") if d[p]]
+    print(f"precisions {', '.join(precisions)}")
+    print(f"compile    {'available' if d['compile'] else 'unavailable'}")
+    # what --perf.sdpa_backend fa4 and --perf.doc_mask_attention flex would find here
+    print("attention  " + "\n           ".join(f"{k}: {v}" for k, v in d["attention"].items()))
+    print(f"torch      {d['torch_version']}")
+    print("recommended: " + ", ".join(f"{k}={v}" for k, v in d["recommended"].items()))
+    return 0
+
+
+def cmd_bench(argv: Sequence[str]) -> int:
+    if any(a in ("-h", "--help") for a in argv):
+        print(
+            "usage: gptoughts bench [PRESET|FILE.toml] [--model F --size S --block_size T --batch_size B ...]\n"
+            "                       [--steps 20] [--warmup 5] [--compare hf|torchtitan[:flex,sdpa,nographs]]\n"
+            "                       [--shards DIR] [--kernels N] [--json]\n"
+            "Times training steps (synthetic tokens, or prepared --shards) and prints tokens/s, MFU, peak memory\n"
+            "and the step breakdown; --compare hf runs transformers' LlamaForCausalLM (eager and compiled) on the\n"
+            "same shape in the same process and prints the ratios; --compare torchtitan runs torchtitan's own\n"
+            "Llama 3 model and parallelize functions (pip install torchtitan==0.3.0). --kernels N profiles N more steps and\n"
+            "reports GPU time by kernel category (matmul, attention, element-wise, optimizer, ...)."
+        )
+        return 0
+    rest, opts = pop_options(argv, {"json"}, {"steps", "warmup", "compare", "shards", "kernels"})
+    preset, overrides, _ = parse_overrides(rest)
+    from gptoughts.config import load_config
+    from gptoughts.tools.bench import format_result, run_bench
+
+    cfg = load_config(preset or "default", overrides)
+    res = run_bench(
+        cfg,
+        steps=int(opts.get("steps", 20)),
+        warmup=int(opts.get("warmup", 5)),
+        compare=opts.get("compare"),
+        data_dir=opts.get("shards"),
+        kernel_steps=int(opts.get("kernels", 0)),
+    )
+    print(json.dumps(res, default=str) if opts.get("json") else format_result(res))
+    return 0
+
+
+def cmd_estimate(argv: Sequence[str]) -> int:
+    if any(a in ("-h", "--help") for a in argv):
+        print(
+            "usage: gptoughts estimate [PRESET|FILE.toml] [train's options: --model F --size S --batch_size N|auto\n"
+            "                          --block_size T --activation_checkpointing M --strategy fsdp --cpu_offload ...]\n"
+            "                          [--gpu H100] [--num_gpus N] [--tokens 50e9] [--mfu 0.5] [--price 2.5] [--json]\n"
+            "Memory, time and cost of the run `gptoughts train` would make with the same options (same keys, same\n"
+            "defaults: --size 1b means its block 2048 and automatic batch), on --gpu (default H100)."
+        )
+        return 0
+    rest, opts = pop_options(argv, {"json"}, {"gpu", "num_gpus", "tokens", "mfu", "price"})
+    preset, overrides, _ = parse_overrides(rest, switches=())
+    from gptoughts.config import load_config
+    from gptoughts.perf.estimate import estimate_config, format_estimate
+
+    def number(name: str, kind: type) -> Any:
+        if name not in opts:
+            return None
+        try:
+            return kind(float(opts[name])) if kind is int else kind(opts[name])
+        except ValueError:
+            raise ConfigError(f"--{name} must be a number, got {opts[name]!r}") from None
+
+    cfg = load_config(preset, overrides)
+    e, micro, accum = estimate_config(
+        cfg,
+        gpu=opts.get("gpu", "H100"),
+        num_gpus=number("num_gpus", int) or 1,
+        tokens=number("tokens", int),
+        mfu=number("mfu", float),
+        price=number("price", float),
+    )
+    if opts.get("json"):
+        print(json.dumps({**e.to_dict(), "micro_batch": micro, "grad_accum": accum}))
+    else:
+        print(
+            f"{cfg.model.family}/{cfg.model.size}: micro-batch {micro} x {cfg.train.block_size} tokens x "
+            f"accumulation {accum}"
+            + ("" if isinstance(cfg.train.batch_size, int) else f" (auto: fits 90% of {e.gpu})")
+        )
+        print(format_estimate(e))
+    return 0
+
+
+def cmd_tune(argv: Sequence[str]) -> int:
+    if any(a in ("-h", "--help") for a in argv):
+        print(
+            "usage: gptoughts tune [PRESET|FILE.toml] [--size S --block_size T ...] [--ac none,selective,full]\n"
+            "                      [--compile_modes blocks,model] [--fp8 off,tensorwise,rowwise] [--batches auto]\n"
+            "                      [--steps 10] [--out tuned.toml]\n"
+            "Searches micro-batch x activation checkpointing x compile mode x fp8 recipe for the highest tokens/s\n"
+            "within memory, prints the table and writes the winning config (default tuned.toml)."
+        )
+        return 0
+    rest, opts = pop_options(argv, set(), {"ac", "compile_modes", "fp8", "batches", "steps", "warmup", "out"})
+    preset, overrides, _ = parse_overrides(rest)
+    from gptoughts.config import load_config
+    from gptoughts.tools.tune import best, format_table, run_tune, write_winner
+
+    def csv(name: str) -> list[str] | None:
+        return [v.strip() for v in opts[name].split(",")] if name in opts else None
+
+    batches = [int(b) if b.isdigit() else b for b in csv("batches")] if "batches" in opts else None
+    cfg = load_config(preset or "default", overrides)
+    trials = run_tune(
+        cfg,
+        steps=int(opts.get("steps", 10)),
+        warmup=int(opts.get("warmup", 3)),
+        ac=csv("ac"),
+        compile_modes=csv("compile_modes"),
+        fp8=csv("fp8"),
+        batches=batches,
+    )
+    print(format_table(trials))
+    win = best(trials)
+    if win is None:
+        raise UserError("no combination ran; see the errors in the table")
+    path = write_winner(win, cfg, opts.get("out", "tuned.toml"))
+    print(f"best settings written to {path}: gptoughts train {path} --data ...")
+    return 0

@@ -1,0 +1,349 @@
+"""Commands that read a trained run (a run or checkpoint directory, or a Hugging Face folder): ``sample``,
+``eval``, ``export`` and ``plot``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from gptoughts.errors import ConfigError, UserError
+
+
+def cmd_sample(argv: Sequence[str]) -> int:
+    p = argparse.ArgumentParser(prog="gptoughts sample", description="Generate text from a trained model.")
+    p.add_argument("path", help="run directory, checkpoint directory or Hugging Face model folder")
+    p.add_argument("--prompt", default="", help="text to continue (with --chat: the user's message)")
+    p.add_argument(
+        "--chat",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="render the prompt with the chat template and print only the answer; auto: on for SFT runs "
+        "and for HF folders whose tokenizer has a chat template",
+    )
+    p.add_argument("--max_new_tokens", type=int, default=128, help="tokens to generate (>= 1)")
+    p.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
+    p.add_argument("--top_k", type=int, default=50, help="0: no top-k filtering")
+    p.add_argument("--top_p", type=float, default=None, help="in (0, 1]; default: no nucleus filtering")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--device", default="auto")
+    p.add_argument(
+        "--trust_remote_code", action="store_true", help="let transformers run an HF folder's own code"
+    )
+    a = p.parse_args(argv)
+    # checked before the model is loaded (which can take minutes)
+    if a.max_new_tokens < 1:
+        raise UserError(f"--max_new_tokens must be >= 1, got {a.max_new_tokens}")
+    if not a.temperature >= 0 or math.isinf(a.temperature):
+        raise UserError(f"--temperature must be a number >= 0 (0: greedy), got {a.temperature}")
+    if a.top_k < 0:
+        raise UserError(f"--top_k must be >= 0 (0: no top-k filtering), got {a.top_k}")
+    if a.top_p is not None and not 0 < a.top_p <= 1:
+        raise UserError(f"--top_p must be in (0, 1], got {a.top_p}")
+    from gptoughts.api import generate_text, load
+
+    loaded = load(a.path, device=a.device, trust_remote_code=a.trust_remote_code)
+    chat = None if a.chat == "auto" else a.chat == "on"
+    print(
+        generate_text(
+            loaded,
+            a.prompt,
+            max_new_tokens=a.max_new_tokens,
+            temperature=a.temperature,
+            top_k=a.top_k or None,
+            top_p=a.top_p,
+            seed=a.seed,
+            chat=chat,
+        )
+    )
+    return 0
+
+
+def cmd_eval(argv: Sequence[str]) -> int:
+    a = _eval_parser().parse_args(argv)
+    _check_eval_args(a)
+    # Everything a user can get wrong is checked before the first (possibly long) model load and scoring.
+    tasks, bench = _eval_tasks(a)
+    for run in a.path:
+        if not Path(run).exists():
+            raise UserError(
+                f"{run} does not exist; pass a run directory, a checkpoint directory or a HF folder"
+            )
+    results: dict[str, dict[str, Any]] = {}
+    for run in a.path:
+        results[run] = _evaluate_run(run, a, tasks, bench)
+    _print_eval(results, a, bool(tasks or bench))
+    return 0
+
+
+def _eval_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="gptoughts eval",
+        description="Loss and perplexity of a run (or HF folder) on all of a corpus; multiple-choice accuracy and "
+        "generation exact match on task files and lm-evaluation-harness tasks (--tasks). Several runs: one table "
+        "comparing them.",
+    )
+    p.add_argument(
+        "path",
+        nargs="+",
+        metavar="RUN",
+        help="run directory, checkpoint directory or Hugging Face model folder (several: compared side by side)",
+    )
+    p.add_argument(
+        "--data", action="append", default=None, help="file, folder, .jsonl, .parquet (repeatable)"
+    )
+    _add_task_options(p)
+    p.add_argument(
+        "--batch_size",
+        type=int,
+        default=8,
+        help="sequences per forward pass (LLaDA choices: Monte-Carlo copies of one choice per pass)",
+    )
+    p.add_argument("--block_size", type=int, default=None, help="default: the run's train.block_size")
+    p.add_argument(
+        "--max_batches",
+        type=int,
+        default=None,
+        help="score only this many batches, spread evenly over the corpus (default: all of it)",
+    )
+    p.add_argument(
+        "--max_new_tokens",
+        type=int,
+        default=64,
+        help="generation task files: most tokens generated per prompt (harness tasks: their max_gen_toks)",
+    )
+    p.add_argument(
+        "--mc_samples",
+        type=int,
+        default=None,
+        help="masked-diffusion models (LLaDA): Monte-Carlo draws per choice of a multiple-choice task "
+        "(default 32; more is less noisy and proportionally slower)",
+    )
+    p.add_argument("--device", default="auto")
+    p.add_argument("--json", action="store_true", help="print one JSON object (several runs: {run: results})")
+    p.add_argument(
+        "--trust_remote_code", action="store_true", help="let transformers run an HF folder's own code"
+    )
+    return p
+
+
+def _add_task_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--tasks",
+        action="append",
+        default=None,
+        help='task file (repeatable), JSONL of one kind: multiple choice, {"context": str, "choices": [str, ...], '
+        '"answer": int} per line, scored by log-likelihood (acc, acc_norm); or generation, {"prompt": str, '
+        '"expected": str, "until": [str, ...]} per line, scored by greedy decoding (exact_match); or '
+        "lm-evaluation-harness task names, comma-separated (hellaswag,arc_easy; needs gptoughts[eval])",
+    )
+    p.add_argument(
+        "--task_dir",
+        default=None,
+        help="a folder of lm-evaluation-harness task YAML files (e.g. reading local data: dataset_path: json)",
+    )
+    p.add_argument(
+        "--download",
+        action="store_true",
+        help="harness tasks: let datasets download missing task data (default: offline, missing data is an error)",
+    )
+    p.add_argument(
+        "--limit",
+        type=int,
+        default=None,
+        help="score the first N examples of each task (files and harness tasks)",
+    )
+    p.add_argument(
+        "--num_fewshot", type=int, default=None, help="harness tasks: few-shot examples per prompt"
+    )
+
+
+def _check_eval_args(a: argparse.Namespace) -> None:
+    if not a.data and not a.tasks:
+        raise UserError(
+            "gptoughts eval needs --data PATH (loss, perplexity) or --tasks FILE.jsonl (accuracy, exact match)"
+        )
+    for flag, value in (
+        ("--batch_size", a.batch_size),
+        ("--max_new_tokens", a.max_new_tokens),
+        ("--mc_samples", a.mc_samples),
+        ("--limit", a.limit),
+        ("--max_batches", a.max_batches),
+        ("--block_size", a.block_size),
+    ):
+        if value is not None and value < 1:
+            raise UserError(f"{flag} must be >= 1, got {value}")
+    repeated = sorted({r for r in a.path if a.path.count(r) > 1})
+    if repeated:
+        raise UserError(f"{', '.join(repeated)} is given more than once; name each run once")
+    if a.num_fewshot is not None and a.num_fewshot < 0:
+        raise UserError(f"--num_fewshot must be >= 0, got {a.num_fewshot}")
+
+
+def _eval_tasks(a: argparse.Namespace) -> tuple[list[Any], Any]:
+    """The task files read (cut to ``--limit``), and the lm-evaluation-harness tasks named (None: none)."""
+    from gptoughts.tools.harness import check_names, split_specs
+    from gptoughts.tools.tasks import read_tasks
+
+    files, names = split_specs(a.tasks) if a.tasks else ([], [])
+    if a.task_dir and not names:
+        raise UserError("--task_dir holds harness tasks: name them with --tasks NAME[,NAME...]")
+    tasks = read_tasks(files)
+    if a.limit is not None:  # the first N examples of every task, files as harness tasks (as in training)
+        from dataclasses import replace
+
+        tasks = [replace(t, examples=t.examples[: a.limit]) for t in tasks]
+    check_names([t.name for t in tasks], names)
+    if not names:
+        return tasks, None
+    from gptoughts.tools.harness import Harness
+
+    bench = Harness(
+        names,
+        task_dir=a.task_dir,
+        allow_download=a.download,
+        num_fewshot=a.num_fewshot,
+        limit=a.limit,
+    )
+    return tasks, bench
+
+
+def _evaluate_run(run: str, a: argparse.Namespace, tasks: list[Any], bench: Any) -> dict[str, Any]:
+    """Loss on ``--data`` and the task scores of one run; the scores are saved beside a run's run.json."""
+    from gptoughts.api import evaluate, load
+    from gptoughts.tools.tasks import MC_SAMPLES, evaluate_tasks
+
+    loaded = load(run, device=a.device, trust_remote_code=a.trust_remote_code)
+    res: dict[str, Any] = {}
+    if a.data:
+        res = evaluate(
+            loaded, a.data, batch_size=a.batch_size, block_size=a.block_size, max_batches=a.max_batches
+        )
+    if tasks or bench:
+        res["tasks"] = evaluate_tasks(
+            loaded,
+            tasks,
+            batch_size=a.batch_size,
+            mc_samples=a.mc_samples or MC_SAMPLES,
+            max_new_tokens=a.max_new_tokens,
+        )
+        if bench is not None:
+            res["tasks"].update(bench.evaluate(loaded, batch_size=a.batch_size, mc_samples=a.mc_samples))
+        if (Path(run) / "run.json").is_file():
+            _save_task_scores(Path(run), res["tasks"])
+    return res  # (the model is dropped here: one in memory at a time)
+
+
+def _print_eval(results: dict[str, dict[str, Any]], a: argparse.Namespace, scored_tasks: bool) -> None:
+    from gptoughts.tools.tasks import format_comparison, format_table
+
+    if len(results) > 1:
+        if a.json:
+            print(json.dumps(results))
+            return
+        print(format_comparison(results))
+        if a.data:
+            for run, res in results.items():
+                print(f"{run}: {int(res['tokens']):,} tokens scored: {res['scored']} of {', '.join(a.data)}")
+        return
+    (res,) = results.values()
+    if a.json:
+        print(json.dumps(res))
+        return
+    if a.data:
+        print(
+            f"loss {res['loss']:.4f}  perplexity {res['perplexity']:.2f}  ({int(res['tokens']):,} tokens scored: "
+            f"{res['scored']} of {', '.join(a.data)})"
+        )
+    if scored_tasks:
+        print(format_table(res["tasks"]))
+
+
+def _save_task_scores(run: Path, scores: dict[str, Any]) -> None:
+    """``RUN/eval_tasks.json``: this evaluation's scores over the earlier ones (tasks scored before and not now
+    stay). A run folder that cannot be written is a warning after the table, not a lost evaluation."""
+    path = run / "eval_tasks.json"
+    try:
+        old = json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, ValueError):
+        old = {}
+    from gptoughts.training.rundir import write_text_atomic
+
+    try:
+        write_text_atomic(
+            path, json.dumps({**(old if isinstance(old, dict) else {}), **scores}, indent=2) + "\n"
+        )
+    except OSError as e:
+        print(
+            f"warning: could not write {path} ({e.strerror or e}); the scores are printed only",
+            file=sys.stderr,
+        )
+
+
+def cmd_export(argv: Sequence[str]) -> int:
+    p = argparse.ArgumentParser(
+        prog="gptoughts export",
+        description="Write a run as a Hugging Face transformers model folder (LoRA merged).",
+    )
+    p.add_argument("path", help="run directory, checkpoint directory (or an HF folder)")
+    p.add_argument("out_pos", nargs="?", metavar="OUT", help="output folder (or --out)")
+    p.add_argument("--out", default=None, help="output folder")
+    p.add_argument("--format", default="hf", choices=["hf"], help="hf: config.json + safetensors + tokenizer")
+    p.add_argument("--max_shard_size", default="5GB", help="split weights above this size (e.g. 5GB, 500MB)")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "fp32", "bf16", "fp16"],
+        help="auto: the base model's dtype (fp32 for models trained from scratch)",
+    )
+    p.add_argument("--overwrite", action="store_true", help="write into a non-empty OUT")
+    p.add_argument("--device", default="cpu", help="where LoRA is merged (cpu needs no GPU memory)")
+    p.add_argument(
+        "--trust_remote_code", action="store_true", help="let transformers run an HF folder's own code"
+    )
+    a = p.parse_intermixed_args(argv)
+    out = a.out or a.out_pos
+    if out is None:
+        raise ConfigError("export needs an output folder: gptoughts export RUN --format hf OUT")
+    from gptoughts.api import export
+
+    written = export(
+        a.path,
+        out,
+        format=a.format,
+        max_shard_size=a.max_shard_size,
+        dtype=a.dtype,
+        overwrite=a.overwrite,
+        device=a.device,
+        trust_remote_code=a.trust_remote_code,
+    )
+    print(f"wrote {written} (load it with transformers.AutoModelForCausalLM.from_pretrained)")
+    return 0
+
+
+def cmd_plot(argv: Sequence[str]) -> int:
+    p = argparse.ArgumentParser(
+        prog="gptoughts plot",
+        description="PNG plots of runs (loss, lr, tokens/s, grad "
+        "norm, memory): one run -> RUN/plots/; several -> one figure overlaying them.",
+    )
+    p.add_argument("runs", nargs="+", help="run directories (each holds metrics.jsonl)")
+    p.add_argument("--out", default=None, help="with several runs: the PNG to write (default compare.png)")
+    a = p.parse_args(argv)
+    from gptoughts.training.plots import compare_runs, write_run_plots
+
+    if len(a.runs) == 1 and a.out is None:
+        if not (Path(a.runs[0]) / "metrics.jsonl").is_file():
+            raise UserError(f"{a.runs[0]} has no metrics.jsonl; pass a run directory")
+        written = write_run_plots(a.runs[0])
+        if not written:
+            raise UserError(f"nothing to plot in {a.runs[0]} (no metrics yet, or matplotlib is missing)")
+        print("\n".join(str(w) for w in written))
+        return 0
+    print(compare_runs(a.runs, a.out or "compare.png"))
+    return 0
