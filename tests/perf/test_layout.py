@@ -229,7 +229,10 @@ def test_a_set_value_is_kept_end_to_end(tmp_path, text_corpus, cache_dir, capsys
     assert "optimizer_states" not in plan["resolved"]
     given = {"perf.gpu_memory_gib": cap, "train.batch_size": 4, "perf.activation_checkpointing": "none"}
     plan, text = _dry_run(tmp_path, text_corpus, capsys, **given)
-    assert plan["resolved"]["activation_checkpointing"] == "none (asked)" and "activation checkpointing:" not in text
+    assert (
+        plan["resolved"]["activation_checkpointing"] == "none (asked)"
+        and "activation checkpointing:" not in text
+    )
     assert re.search(r"optimizer states: bf16 \(auto: .*[MG]iB", text), text
     assert plan["memory_gib"] <= FIT * cap
 
