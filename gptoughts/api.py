@@ -19,7 +19,8 @@ from gptoughts import models
 from gptoughts.config import Config, config_from_toml_text, load_config
 from gptoughts.errors import ConfigError, DataError, UserError, as_disk_full, first_line
 from gptoughts.models import GENERIC_FAMILY
-from gptoughts.models.hf import HFCausalLM, is_hf_folder, load_pretrained
+from gptoughts.models.hf import is_hf_folder, load_pretrained
+from gptoughts.models.hf_generic import HFCausalLM
 from gptoughts.parallel import dist as pdist
 from gptoughts.perf import hardware
 from gptoughts.training import checkpoint as ckpt
@@ -637,11 +638,11 @@ def export(
     ``dtype``: auto (the dtype of the model the run started from, fp32 for runs trained from scratch), fp32,
     bf16 or fp16. ``max_shard_size``: weights above it are split into shards with an index (e.g. ``5GB``).
     """
-    from gptoughts.models.hf import (
+    from gptoughts.models.hf import read_config
+    from gptoughts.models.hf_export import (
         copy_tokenizer_files,
         model_dtype,
         parse_size,
-        read_config,
         save_generic,
         save_hf,
     )

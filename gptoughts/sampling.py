@@ -144,7 +144,9 @@ def generate(
     if max_new_tokens <= 0:
         return input_ids
     hf_generate = getattr(model, "hf_generate", None)
-    if hf_generate is not None:  # generic transformers models (models/hf.py) decode with their own KV cache
+    if (
+        hf_generate is not None
+    ):  # generic transformers models (models/hf_generic.py) decode with their own KV cache
         return hf_generate(
             input_ids,
             max_new_tokens,
