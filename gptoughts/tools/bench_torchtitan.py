@@ -324,15 +324,7 @@ def bench_torchtitan(
     reset_memory(device)
     with _one_process_group(tt, device) as pdims, tempfile.TemporaryDirectory() as dump:
         model, loss_fn, n_params = _parallelized_model(
-            tt,
-            cfg,
-            pdims,
-            device,
-            mp=mp,
-            compiled=compiled,
-            ac=ac,
-            dump=dump,
-            vocab=args.vocab_size,
+            tt, cfg, pdims, device, mp=mp, compiled=compiled, ac=ac, dump=dump, vocab=args.vocab_size
         )
         notes = list(tt.notes) + _old_fsdp_workarounds(model)
         step = _training_step(
