@@ -251,7 +251,7 @@ def run_ours(
         "overrides": extra or {},
     }
     if a.kernels:
-        from gptoughts.tools.bench import profile_steps
+        from gptoughts.tools.measure import profile_steps
 
         out["kernels"] = profile_steps(step, device, a.kernels)
     return out

@@ -19,7 +19,8 @@ from gptoughts import models
 from gptoughts.config import Config, config_from_toml_text, load_config
 from gptoughts.errors import ConfigError, DataError, UserError, as_disk_full, first_line
 from gptoughts.models import GENERIC_FAMILY
-from gptoughts.models.hf import HFCausalLM, is_hf_folder, load_pretrained
+from gptoughts.models.hf import is_hf_folder, load_pretrained
+from gptoughts.models.hf_generic import HFCausalLM
 from gptoughts.parallel import dist as pdist
 from gptoughts.perf import hardware
 from gptoughts.training import checkpoint as ckpt
@@ -398,23 +399,49 @@ def load(path: str | Path, device: str = "auto", *, trust_remote_code: bool = Fa
     ``model.init_from`` folder, then load the checkpoint (the adapters) over it; the result is the PEFT model
     (``merge_and_unload()`` gives the plain one)."""
     from gptoughts.data.tokenizer import Tokenizer
-    from gptoughts.training.setup import TrainableWeights, apply_lora, build_raw_model
 
     dev = hardware.resolve_device(device)
     if is_hf_folder(path):
-        pre = load_pretrained(path, device=dev, trust_remote_code=trust_remote_code)
-        return Loaded(
-            model=pre.model.eval(),
-            tokenizer=pre.tokenizer,
-            config=load_config("default"),
-            checkpoint=Path(path),
-            family=pre.family or GENERIC_FAMILY.name,
-            chat=pre.tokenizer.chat_template is not None,
-            init_from=str(path),
-            args=pre.model.args,
-        )
+        return _load_hf_folder(path, dev, trust_remote_code)
     ck = ckpt.resolve(path)
     run_dir = ck.parent.parent if ck.parent.name == "checkpoints" else ck.parent
+    cfg, run = _read_run(run_dir)
+    init_from = run.get("init_from")
+    if init_from and (cfg.lora.enabled or run.get("generic")):
+        model, family_name, args = _load_over_base(run_dir, ck, cfg, init_from, dev, trust_remote_code)
+    else:
+        model, family_name, args = _load_native(run_dir / "run.json", ck, run, dev)
+    model.eval()
+    if not (run_dir / "tokenizer").exists():
+        raise DataError(f"{run_dir}/tokenizer is missing; cannot decode this model's outputs")
+    return Loaded(
+        model=model,
+        tokenizer=Tokenizer.load(run_dir / "tokenizer"),
+        config=cfg,
+        checkpoint=ck,
+        family=family_name,
+        chat=run.get("data_format") == "sft",
+        init_from=init_from,
+        args=args,
+    )
+
+
+def _load_hf_folder(path: str | Path, dev: torch.device, trust_remote_code: bool) -> Loaded:
+    pre = load_pretrained(path, device=dev, trust_remote_code=trust_remote_code)
+    return Loaded(
+        model=pre.model.eval(),
+        tokenizer=pre.tokenizer,
+        config=load_config("default"),
+        checkpoint=Path(path),
+        family=pre.family or GENERIC_FAMILY.name,
+        chat=pre.tokenizer.chat_template is not None,
+        init_from=str(path),
+        args=pre.model.args,
+    )
+
+
+def _read_run(run_dir: Path) -> tuple[Config, dict[str, Any]]:
+    """The run's config.toml and run.json, or a UserError naming the file that is missing or corrupt."""
     cfg_file, run_file = run_dir / "config.toml", run_dir / "run.json"
     if not cfg_file.exists() or not run_file.exists():
         raise UserError(
@@ -434,45 +461,48 @@ def load(path: str | Path, device: str = "auto", *, trust_remote_code: bool = Fa
         raise UserError(
             f"{run_file} is corrupt ({str(e).splitlines()[0][:150]}); restore it from a copy"
         ) from None
-    init_from = run.get("init_from")
-    if init_from and (cfg.lora.enabled or run.get("generic")):
-        if not Path(init_from).is_dir():
-            raise UserError(
-                f"{run_dir} holds only what was trained on top of {init_from}, which is missing; put "
-                "the base model folder back at that path"
-            )
-        pre = load_pretrained(
-            init_from, device=dev, trust_remote_code=cfg.model.trust_remote_code or trust_remote_code
+    return cfg, run
+
+
+def _load_over_base(
+    run_dir: Path, ck: Path, cfg: Config, init_from: str, dev: torch.device, trust_remote_code: bool
+) -> tuple[nn.Module, str, Any]:
+    """A run that holds only what was trained on top of its ``init_from`` folder (LoRA adapters, or a generic
+    transformers model): the base rebuilt, then the checkpoint loaded over it."""
+    from gptoughts.training.setup import TrainableWeights, apply_lora
+
+    if not Path(init_from).is_dir():
+        raise UserError(
+            f"{run_dir} holds only what was trained on top of {init_from}, which is missing; put "
+            "the base model folder back at that path"
         )
-        model, family_name, args = pre.model, pre.family or GENERIC_FAMILY.name, pre.model.args
-        if cfg.lora.enabled:
-            # QLoRA adapters are put back over the full-precision base (the usual way to merge and export them:
-            # the result differs from the 4-bit training-time model by the base's quantization error only), so a
-            # QLoRA run loads, samples and exports on any device.
-            model = apply_lora(model, replace(cfg.lora, quantize="none"), device=dev)
-        ckpt.load_weights(TrainableWeights(model) if cfg.lora.enabled else model, ck)
-    else:
-        family = models.get_family(run["family"])
-        try:
-            args = family.args_cls(**run["args"])
-        except (TypeError, ValueError) as e:
-            raise UserError(f"{run_file} is corrupt (args: {e}); restore it from a copy") from None
-        family_name = family.name
-        model = build_raw_model(family.name, args, dev, seed=0)
-        ckpt.load_weights(model, ck)
-    model.eval()
-    if not (run_dir / "tokenizer").exists():
-        raise DataError(f"{run_dir}/tokenizer is missing; cannot decode this model's outputs")
-    return Loaded(
-        model=model,
-        tokenizer=Tokenizer.load(run_dir / "tokenizer"),
-        config=cfg,
-        checkpoint=ck,
-        family=family_name,
-        chat=run.get("data_format") == "sft",
-        init_from=init_from,
-        args=args,
+    pre = load_pretrained(
+        init_from, device=dev, trust_remote_code=cfg.model.trust_remote_code or trust_remote_code
     )
+    model, family_name, args = pre.model, pre.family or GENERIC_FAMILY.name, pre.model.args
+    if cfg.lora.enabled:
+        # QLoRA adapters are put back over the full-precision base (the usual way to merge and export them:
+        # the result differs from the 4-bit training-time model by the base's quantization error only), so a
+        # QLoRA run loads, samples and exports on any device.
+        model = apply_lora(model, replace(cfg.lora, quantize="none"), device=dev)
+    ckpt.load_weights(TrainableWeights(model) if cfg.lora.enabled else model, ck)
+    return model, family_name, args
+
+
+def _load_native(
+    run_file: Path, ck: Path, run: dict[str, Any], dev: torch.device
+) -> tuple[nn.Module, str, Any]:
+    """A native family's model rebuilt from run.json's args, with the checkpoint's weights."""
+    from gptoughts.training.setup import build_raw_model
+
+    family = models.get_family(run["family"])
+    try:
+        args = family.args_cls(**run["args"])
+    except (TypeError, ValueError) as e:
+        raise UserError(f"{run_file} is corrupt (args: {e}); restore it from a copy") from None
+    model = build_raw_model(family.name, args, dev, seed=0)
+    ckpt.load_weights(model, ck)
+    return model, family.name, args
 
 
 def generate_text(
@@ -608,11 +638,11 @@ def export(
     ``dtype``: auto (the dtype of the model the run started from, fp32 for runs trained from scratch), fp32,
     bf16 or fp16. ``max_shard_size``: weights above it are split into shards with an index (e.g. ``5GB``).
     """
-    from gptoughts.models.hf import (
+    from gptoughts.models.hf import read_config
+    from gptoughts.models.hf_export import (
         copy_tokenizer_files,
         model_dtype,
         parse_size,
-        read_config,
         save_generic,
         save_hf,
     )

@@ -144,7 +144,9 @@ def generate(
     if max_new_tokens <= 0:
         return input_ids
     hf_generate = getattr(model, "hf_generate", None)
-    if hf_generate is not None:  # generic transformers models (models/hf.py) decode with their own KV cache
+    if (
+        hf_generate is not None
+    ):  # generic transformers models (models/hf_generic.py) decode with their own KV cache
         return hf_generate(
             input_ids,
             max_new_tokens,
@@ -270,6 +272,29 @@ def diffusion_generate(
         raise UserError(f"prompt_ids must be a [batch, seq] tensor, got shape {tuple(prompt_ids.shape)}")
     if gen_length <= 0:
         return prompt_ids
+    _check_schedule(steps, block_length, temperature, cfg_scale, remasking)
+    if mask_id is None:
+        mask_id = model.args.mask_token_id
+    x, blocks = _masked_answer(model, prompt_ids, gen_length, block_length, mask_id)
+    prompt_len = prompt_ids.shape[1]
+    was_training = model.training
+    model.eval()
+    try:
+        for (start, end), block_steps in zip(blocks, _even_split(steps, len(blocks))):
+            block_steps = min(max(block_steps, 1), end - start)
+            # Host ints: the schedule never depends on device values, so the loop has no sync.
+            for n_commit in _even_split(end - start, block_steps):
+                logits = _block_logits(model, x, prompt_len, start, end, cfg_scale, mask_id)
+                # x[:, start:end] is a view: the commit writes into x
+                _commit(x[:, start:end], logits, n_commit, temperature, remasking, mask_id, generator)
+    finally:
+        model.train(was_training)
+    return x
+
+
+def _check_schedule(
+    steps: int, block_length: int, temperature: float, cfg_scale: float, remasking: str
+) -> None:
     if steps < 1 or block_length < 1:
         raise UserError(
             f"steps and block_length must be >= 1, got steps={steps}, block_length={block_length}"
@@ -280,8 +305,12 @@ def diffusion_generate(
         raise UserError(f"cfg_scale must be >= 0 (0 turns guidance off), got {cfg_scale}")
     if remasking not in _REMASKING:
         raise UserError(f"remasking must be one of {', '.join(_REMASKING)}, got {remasking!r}")
-    if mask_id is None:
-        mask_id = model.args.mask_token_id
+
+
+def _masked_answer(
+    model: nn.Module, prompt_ids: torch.Tensor, gen_length: int, block_length: int, mask_id: int
+) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+    """The prompt followed by ``gen_length`` mask tokens, and the answer's blocks as ``(start, end)`` positions."""
     bsz, prompt_len = prompt_ids.shape
     total = prompt_len + gen_length
     if total > model.args.max_seq_len:
@@ -295,28 +324,28 @@ def diffusion_generate(
         raise UserError(f"the prompt contains the mask token (id {mask_id}); remove it")
     x = prompt_ids.new_full((bsz, total), mask_id)
     x[:, :prompt_len] = prompt_ids
-    blocks = [(s, min(s + block_length, total)) for s in range(prompt_len, total, block_length)]
+    return x, [(s, min(s + block_length, total)) for s in range(prompt_len, total, block_length)]
 
-    was_training = model.training
-    model.eval()
-    try:
-        for (start, end), block_steps in zip(blocks, _even_split(steps, len(blocks))):
-            block_steps = min(max(block_steps, 1), end - start)
-            # Host ints: the schedule never depends on device values, so the loop has no sync.
-            for n_commit in _even_split(end - start, block_steps):
-                logits = _block_logits(model, x, prompt_len, start, end, cfg_scale, mask_id)
-                x0 = _gumbel_argmax(logits, temperature, generator)
-                if remasking == "low_confidence":
-                    confidence = logits.softmax(dim=-1).gather(-1, x0[..., None]).squeeze(-1)
-                else:
-                    confidence = torch.rand(x0.shape, device=x0.device, generator=generator)
-                block = x[:, start:end]  # a view: the scatter below writes into x
-                confidence = confidence.masked_fill(block != mask_id, float("-inf"))
-                pick = confidence.topk(n_commit, dim=-1).indices
-                block.scatter_(1, pick, x0.gather(1, pick))
-    finally:
-        model.train(was_training)
-    return x
+
+def _commit(
+    block: torch.Tensor,
+    logits: torch.Tensor,
+    n_commit: int,
+    temperature: float,
+    remasking: str,
+    mask_id: int,
+    generator: torch.Generator | None,
+) -> None:
+    """One denoising step of ``block`` (in place): a candidate at every position, the ``n_commit`` most confident
+    of those still masked written."""
+    x0 = _gumbel_argmax(logits, temperature, generator)
+    if remasking == "low_confidence":
+        confidence = logits.softmax(dim=-1).gather(-1, x0[..., None]).squeeze(-1)
+    else:
+        confidence = torch.rand(x0.shape, device=x0.device, generator=generator)
+    confidence = confidence.masked_fill(block != mask_id, float("-inf"))
+    pick = confidence.topk(n_commit, dim=-1).indices
+    block.scatter_(1, pick, x0.gather(1, pick))
 
 
 def _even_split(n: int, parts: int) -> list[int]:

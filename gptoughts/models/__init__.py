@@ -94,7 +94,7 @@ def resolve_variant(name: str, overrides: Mapping[str, Any] | None = None) -> tu
 
 
 def _generic_family() -> Family:
-    from gptoughts.models.hf import HFArgs, HFCausalLM
+    from gptoughts.models.hf_generic import HFArgs, HFCausalLM
 
     return Family("hf", HFCausalLM, HFArgs, {}, objective="causal")
 

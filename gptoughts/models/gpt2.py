@@ -262,7 +262,7 @@ def hf_config(args: GPT2Args, base: dict[str, Any] | None = None) -> dict:
     ``base`` (the config of the GPT-2 checkpoint a run started from) is kept for every key not set here
     (e.g. ``task_specific_params``). Dropouts are 0 (the model was trained without). Token ids are None
     unless ``base`` has them: ``GPT2Config`` would otherwise default them to 50256, GPT-2's own
-    ``<|endoftext|>``; ``models.hf.save_hf`` sets them from the run's tokenizer.
+    ``<|endoftext|>``; ``models.hf_export.save_hf`` sets them from the run's tokenizer.
     """
     cfg = dict(base) if base and base.get("model_type") == "gpt2" else {}
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):

@@ -1,31 +1,25 @@
-"""Hugging Face interop: import a local ``transformers`` model folder, export ours back to one.
+"""Hugging Face interop, reading: import a local ``transformers`` model folder.
 
 Native path: a family that sets ``Family.hf`` to an :class:`HFAdapter` maps ``config.json`` to its args and the
 HF state dict to its own names (the mapping functions live in the family's file, e.g. ``llama_hf.py``), so a
 fine-tuned Llama/Mistral/Qwen runs on our fast code. Generic path: any other ``AutoModelForCausalLM`` is wrapped
-by :class:`HFCausalLM`, which obeys the model protocol of ``docs/internals.md``, so the same trainer (precision,
-compile, checkpoints, LoRA) runs it; a one-line notice says the native fast path does not cover it.
+by ``hf_generic.HFCausalLM``, which obeys the model protocol of ``docs/internals.md``, so the same trainer
+(precision, compile, checkpoints, LoRA) runs it; a one-line notice says the native fast path does not cover it.
 
 Where from: a local folder, or a Hugging Face hub id (``ORG/NAME``) found in the Hugging Face cache and
 downloaded into it when online (:func:`locate`, through ``huggingface_hub``).
 
 Reading: ``config.json``; weights from ``model.safetensors``, sharded ``model.safetensors.index.json`` or, as a
 last resort, ``pytorch_model.bin`` read with ``torch.load(weights_only=True)`` (never arbitrary pickles); the
-tokenizer from the same folder. ``trust_remote_code`` stays off unless the caller passes it.
-
-Writing (:func:`save_hf`): ``config.json`` (with ``torch_dtype``), ``model.safetensors`` or shards with an
-index above ``max_shard_bytes``, the tokenizer files and ``generation_config.json``; ``transformers`` loads
-the folder with ``AutoModelForCausalLM.from_pretrained`` and computes the same logits.
+tokenizer from the same folder. ``trust_remote_code`` stays off unless the caller passes it. Writing a folder
+back: ``hf_export.py``.
 """
 
 from __future__ import annotations
 
-import contextlib
-import inspect
 import json
 import logging
 import re
-import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +29,7 @@ import torch
 from torch import nn
 
 from gptoughts.errors import ConfigError, UserError, did_you_mean
+from gptoughts.models.hf_generic import HFCausalLM
 
 log = logging.getLogger("gptoughts.models.hf")
 
@@ -43,11 +38,6 @@ SAFE_WEIGHTS = "model.safetensors"
 SAFE_INDEX = "model.safetensors.index.json"
 BIN_WEIGHTS = "pytorch_model.bin"
 BIN_INDEX = "pytorch_model.bin.index.json"
-GENERATION_CONFIG = "generation_config.json"
-DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
-"""Shard size of exported weights (transformers' own default is of this order; hubs cap single files)."""
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class UnsupportedHFConfig(Exception):
@@ -401,380 +391,3 @@ def _load_native(
             f"{sorted(missing)[:4]}, unexpected {sorted(unexpected)[:4]}); is the folder complete?"
         )
     return model.eval()
-
-
-# ------------------------------------------------------------------------------------------------ writing
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def parse_size(text: str | int) -> int:
-    """``5GB``, ``200MB``, ``500KB`` or a number of bytes -> bytes (decimal units, as transformers); > 0."""
-    s = str(text).strip().upper().replace("IB", "B")
-    unit, mult = next(((u, m) for u, m in (("GB", 10**9), ("MB", 10**6), ("KB", 10**3), ("B", 1)) if s.endswith(u)),
-                      ("", 1))  # fmt: skip
-    try:
-        size = int(float(s[: len(s) - len(unit)]) * mult)
-    except (ValueError, OverflowError):
-        size = 0
-    if size < 1:
-        raise ConfigError(
-            f"--max_shard_size {text!r} is not a size of at least one byte; write e.g. 5GB, 200MB or a number "
-            "of bytes"
-        )
-    return size
-
-
-def save_state_dict(
-    sd: dict[str, torch.Tensor],
-    out_dir: Path,
-    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-) -> list[str]:
-    """Write ``sd`` as ``model.safetensors``, or as ``model-0000k-of-0000n.safetensors`` shards plus
-    ``model.safetensors.index.json`` when it is larger than ``max_shard_bytes``. Returns the file names."""
-    from safetensors.torch import save_file
-
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    total = 0
-    for name, t in sd.items():
-        nbytes = t.numel() * t.element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = t
-        size += nbytes
-        total += nbytes
-    meta = {"format": "pt"}  # transformers checks this key to know the tensors are PyTorch's
-    if len(shards) == 1:
-        save_file(shards[0], str(out_dir / SAFE_WEIGHTS), metadata=meta)
-        return [SAFE_WEIGHTS]
-    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    weight_map = {}
-    for fname, shard in zip(names, shards):
-        save_file(shard, str(out_dir / fname), metadata=meta)
-        weight_map.update({k: fname for k in shard})
-    (out_dir / SAFE_INDEX).write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n"
-    )
-    return names + [SAFE_INDEX]
-
-
-def prepare_out_dir(out_dir: str | Path, overwrite: bool = False) -> Path:
-    out = Path(out_dir).expanduser()
-    if out.exists() and any(out.iterdir()):
-        if not overwrite:
-            raise UserError(
-                f"{out} exists and is not empty; choose another output folder or pass --overwrite"
-            )
-        for f in list(out.glob("*.safetensors")) + [out / SAFE_INDEX, out / BIN_WEIGHTS, out / BIN_INDEX]:
-            if f.exists():
-                f.unlink()  # stale shards of an earlier export would be picked up by the index-less reader
-    out.mkdir(parents=True, exist_ok=True)
-    return out
-
-
-def _token_ids(tokenizer: Any) -> dict[str, int | None]:
-    return {
-        "bos_token_id": tokenizer.bos_id,
-        "eos_token_id": tokenizer.eos_id,
-        "pad_token_id": tokenizer.pad_id if tokenizer.pad_id is not None else None,
-    }
-
-
-def write_generation_config(out: Path, tokenizer: Any, base: dict[str, Any] | None = None) -> None:
-    """``generation_config.json``: the source model's sampling defaults (when there was one) with our token ids."""
-    gen = dict(base or {})
-    gen.update({k: v for k, v in _token_ids(tokenizer).items() if v is not None})
-    gen.setdefault("do_sample", False)
-    (out / GENERATION_CONFIG).write_text(json.dumps(gen, indent=2, sort_keys=True) + "\n")
-
-
-def save_hf(
-    model: nn.Module,
-    family: str,
-    args: Any,
-    tokenizer: Any,
-    out_dir: str | Path,
-    *,
-    base_config: dict[str, Any] | None = None,
-    base_generation_config: dict[str, Any] | None = None,
-    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-    dtype: torch.dtype | None = None,
-    overwrite: bool = False,
-) -> Path:
-    """Write a native model as a ``transformers`` folder (see the module docstring). ``dtype`` defaults to the
-    parameters' own; ``base_config`` is the config of the model the run started from, if any."""
-    from gptoughts import models
-
-    fam = models.get_family(family)
-    adapter: HFAdapter | None = getattr(fam, "hf", None)
-    if adapter is None:
-        exporting = ", ".join(
-            name if types == (name,) else f"{name} (as {', '.join(types)})"
-            for name, types in hf_families().items()
-        )
-        raise UserError(
-            f"the {family} family has no transformers export (gptoughts sample and eval run it); the families "
-            f"that export: {exporting}"
-        )
-    ours = {k: v for k, v in model.state_dict().items()}
-    if dtype is None:
-        dtype = next((v.dtype for v in ours.values() if v.is_floating_point()), torch.float32)
-    hf_sd = {}
-    for k, v in adapter.to_hf(ours, args).items():
-        v = v.detach().to("cpu", dtype=dtype if v.is_floating_point() else v.dtype)
-        hf_sd[k] = (
-            v.contiguous().clone()
-            if v.data_ptr() in {t.data_ptr() for t in hf_sd.values()}
-            else v.contiguous()
-        )
-    takes_base = len(inspect.signature(adapter.hf_config).parameters) > 1
-    cfg = adapter.hf_config(args, base_config) if takes_base else adapter.hf_config(args)
-    cfg.update({k: v for k, v in _token_ids(tokenizer).items()})
-    cfg["torch_dtype"] = cfg["dtype"] = _dtype_name(dtype)  # 4.x reads torch_dtype, 5.x dtype
-    # Only now, with the weights mapped and the config accepted (a switch transformers cannot represent is
-    # refused above), is the folder created or an old export cleared: a refusal leaves it as it was.
-    out = prepare_out_dir(out_dir, overwrite)
-    (out / CONFIG_NAME).write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-    save_state_dict(hf_sd, out, max_shard_bytes)
-    tokenizer.save(out)
-    write_generation_config(out, tokenizer, base_generation_config)
-    return out
-
-
-def save_generic(
-    model: HFCausalLM,
-    tokenizer: Any,
-    out_dir: str | Path,
-    *,
-    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-    dtype: torch.dtype | None = None,
-    overwrite: bool = False,
-) -> Path:
-    """Write a generic (wrapped ``transformers``) model with transformers' own ``save_pretrained``."""
-    out = prepare_out_dir(out_dir, overwrite)
-    hf = model.hf
-    if dtype is not None:
-        hf = hf.to(dtype)
-    hf.save_pretrained(str(out), max_shard_size=max_shard_bytes, safe_serialization=True)
-    tokenizer.save(out)
-    base = json.loads((out / GENERATION_CONFIG).read_text()) if (out / GENERATION_CONFIG).is_file() else None
-    write_generation_config(out, tokenizer, base)
-    return out
-
-
-# -------------------------------------------------------------------------------------- generic wrapper
-
-
-@dataclass
-class HFArgs:
-    """What the rest of gptoughts reads from a model's ``args`` (generation length, vocabulary, width)."""
-
-    model_type: str
-    vocab_size: int
-    d_model: int
-    n_layers: int
-    max_seq_len: int
-
-
-_HEAD_SCALES = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
-
-
-def _find_layers(model: nn.Module) -> nn.ModuleList:
-    """The decoder blocks: the longest ModuleList of identical modules (``model.layers``, ``transformer.h``...)."""
-    best = nn.ModuleList()
-    for module in model.modules():
-        if (
-            isinstance(module, nn.ModuleList)
-            and len(module) > len(best)
-            and len({type(m) for m in module}) == 1
-        ):
-            best = module
-    return best
-
-
-class HFCausalLM(nn.Module):
-    """Any ``transformers`` causal LM behind our model protocol (``docs/internals.md``).
-
-    ``forward(..., return_hidden=True)`` runs the base model and returns its final (normed) hidden state, so the
-    objective's chunked cross-entropy applies the head; a head bias is folded in as an extra input column of
-    ones (exact). Heads that rescale or soft-cap logits are refused: the chunked loss cannot apply them.
-    Generation goes through transformers' ``generate`` (:meth:`hf_generate`); there is no ``new_cache``.
-    """
-
-    def __init__(self, hf_model: nn.Module) -> None:
-        super().__init__()
-        self.hf = hf_model
-        cfg = hf_model.config
-        head = hf_model.get_output_embeddings()
-        if not isinstance(head, nn.Linear):
-            raise UserError(
-                f"{type(hf_model).__name__} has no linear LM head; the generic path cannot train it"
-            )
-        for name in _HEAD_SCALES:
-            value = getattr(cfg, name, None)
-            if value not in (None, 1, 1.0):
-                raise UserError(
-                    f"{type(hf_model).__name__} rescales its logits ({name} = {value}); the generic "
-                    "path does not support that head yet"
-                )
-        text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-        d = getattr(text_cfg, "hidden_size", None) or getattr(text_cfg, "n_embd", None) or head.in_features
-        layers = _find_layers(hf_model)
-        self.args = HFArgs(
-            model_type=str(getattr(cfg, "model_type", "unknown")),
-            vocab_size=int(head.out_features),
-            d_model=int(d),
-            n_layers=len(layers),
-            max_seq_len=int(
-                getattr(text_cfg, "max_position_embeddings", None)
-                or getattr(text_cfg, "n_positions", None)
-                or 2048
-            ),
-        )
-        # Not registered as submodules: they are already under `hf`, and a second name would duplicate every
-        # parameter in the state dict.
-        self.__dict__["_layers"] = layers
-        self.__dict__["_head"] = head
-
-    @classmethod
-    def from_pretrained(
-        cls,
-        path: str | Path,
-        *,
-        device: torch.device | str = "cpu",
-        dtype: torch.dtype = torch.float32,
-        trust_remote_code: bool = False,
-    ) -> HFCausalLM:
-        from transformers import AutoModelForCausalLM
-
-        try:
-            hf = AutoModelForCausalLM.from_pretrained(
-                str(path), trust_remote_code=trust_remote_code, dtype=dtype, attn_implementation="sdpa"
-            )
-        except ValueError as e:
-            if "trust_remote_code" in str(e) and not trust_remote_code:
-                raise UserError(
-                    f"{path} needs its own Python code to load; pass --trust_remote_code if you trust "
-                    "that code"
-                ) from None
-            try:  # some architectures have no SDPA implementation: their default attention then
-                hf = AutoModelForCausalLM.from_pretrained(
-                    str(path), trust_remote_code=trust_remote_code, dtype=dtype
-                )
-            except ValueError as e2:
-                raise UserError(f"transformers cannot load {path} as a causal LM: {e2}") from None
-        return cls(hf.to(device)).eval()
-
-    @property
-    def layers(self) -> nn.ModuleList:
-        return self.__dict__["_layers"]
-
-    @property
-    def output_weight(self) -> torch.Tensor:
-        head = self.__dict__["_head"]
-        if head.bias is None:
-            return head.weight
-        return torch.cat([head.weight, head.bias[:, None].to(head.weight.dtype)], dim=1)
-
-    def init_weights(self) -> None:
-        """A no-op: the weights come from the model folder."""
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        *,
-        position_ids: torch.Tensor | None = None,
-        cache: Any = None,
-        return_hidden: bool = False,
-        doc_ids: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        if cache is not None:
-            raise UserError(
-                "generic transformers models decode through hf_generate, not a gptoughts KV cache"
-            )
-        if doc_ids is not None:
-            raise UserError(
-                "packed rows (doc_ids) need the native fast path; set data.packing = false for "
-                f"{self.args.model_type} models"
-            )
-        out = self.hf.base_model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
-        h = out[0]
-        head = self.__dict__["_head"]
-        if not return_hidden:
-            return head(h)
-        if head.bias is not None:  # h @ [W | b]^T == h @ W^T + b with a column of ones appended to h
-            h = torch.cat([h, h.new_ones(*h.shape[:-1], 1)], dim=-1)
-        return h
-
-    @torch.no_grad()
-    def hf_generate(
-        self,
-        input_ids: torch.Tensor,
-        max_new_tokens: int,
-        *,
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        eos_id: int | None = None,
-        generator: torch.Generator | None = None,
-    ) -> torch.Tensor:
-        """transformers' ``generate`` (its own KV cache) with our sampling arguments; ``[B, T + n]``."""
-        kw: dict[str, Any] = dict(
-            max_new_tokens=max_new_tokens, do_sample=temperature > 0, eos_token_id=eos_id, pad_token_id=eos_id
-        )
-        if temperature > 0:
-            kw.update(temperature=temperature, top_k=top_k or 0, top_p=top_p if top_p is not None else 1.0)
-        was_training = self.training
-        self.eval()
-        rng = (
-            torch.random.fork_rng(devices=[input_ids.device] if input_ids.device.type == "cuda" else [])
-            if generator is not None
-            else contextlib.nullcontext()
-        )
-        try:
-            with rng:
-                if generator is not None:  # transformers samples from the global RNG: seed it from ours
-                    torch.manual_seed(generator.initial_seed())
-                return self.hf.generate(input_ids, attention_mask=torch.ones_like(input_ids), **kw)
-        finally:
-            self.train(was_training)
-
-    def num_params(self, non_embedding: bool = False) -> int:
-        n = sum(p.numel() for p in self.parameters())
-        if non_embedding:
-            n -= self.hf.get_input_embeddings().weight.numel()
-        return n
-
-    def flops_per_token(self, seq_len: int) -> int:
-        """``6 * N + 12 * n_layers * d_model * seq_len`` (N counts the head even when tied)."""
-        n = self.num_params(non_embedding=True)
-        head = self.__dict__["_head"].weight
-        if head.data_ptr() == self.hf.get_input_embeddings().weight.data_ptr():
-            n += head.numel()
-        return 6 * n + 12 * self.args.n_layers * self.args.d_model * seq_len
-
-
-def model_dtype(config: dict[str, Any]) -> torch.dtype:
-    """The dtype a model folder stores (``torch_dtype``/``dtype`` of its config), fp32 when unknown."""
-    name = config.get("dtype") or config.get("torch_dtype") or "float32"
-    return _DTYPES.get(str(name).removeprefix("torch."), torch.float32)
-
-
-def copy_tokenizer_files(src: str | Path, out: str | Path) -> None:
-    """Copy the original tokenizer files of a model folder over ours: same vocabulary, but the folder's own
-    tokenizer class and settings (``model_max_length``, ``add_bos_token``...) survive the round trip."""
-    src, out = Path(src), Path(out)
-    for name in (
-        "tokenizer.json",
-        "tokenizer_config.json",
-        "special_tokens_map.json",
-        "tokenizer.model",
-        "chat_template.jinja",
-        "chat_template.json",
-    ):
-        if (src / name).is_file():
-            shutil.copy2(src / name, out / name)

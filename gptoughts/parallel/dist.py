@@ -109,6 +109,34 @@ def init(
     processes (one process joins a group of one), with a gloo backend beside NCCL for the collectives on
     CPU tensors (the global gradient norm, Muon's gathers of offloaded shards)."""
     world_env = int(os.environ["WORLD_SIZE"]) if launched_by_torchrun() else 1
+    _check_launch(world_env, tp, pp)
+    if cpu_offload:
+        strategy, backend = _offload_choices(device, backend, strategy, tp, pp)
+    if world_env == 1:
+        return _one_process(device, backend, strategy, cpu_offload)
+    if strategy == "none":
+        raise ConfigError("parallel.strategy = none but torchrun started several processes; use auto or ddp")
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    dp = world // (tp * pp)
+    strategy = _with_tp(strategy, tp, dp)
+    if not dist.is_initialized():
+        _join_group(device, backend)
+    return DistInfo(
+        rank=rank,
+        local_rank=local,
+        world_size=world,
+        strategy="fsdp" if strategy == "fsdp" else "ddp",
+        tp=tp,
+        pp=pp,
+        mesh=_mesh(device, pp, dp, tp) if tp > 1 or pp > 1 else None,
+        cpu_offload=cpu_offload,
+        ddp_bucket_mb=ddp_bucket_mb,
+    )
+
+
+def _check_launch(world_env: int, tp: int, pp: int) -> None:
+    """Tensor and pipeline parallelism need torchrun and a process count they divide."""
     if tp * pp > 1 and not launched_by_torchrun():
         raise ConfigError(
             f"parallel.tp x parallel.pp = {tp} x {pp} needs {tp * pp} processes or a multiple: launch with "
@@ -119,73 +147,74 @@ def init(
             f"parallel.tp x parallel.pp = {tp} x {pp} does not divide the {world_env} process(es) torchrun "
             f"started; use --nproc_per_node a multiple of {tp * pp}"
         )
+
+
+def _offload_choices(device: torch.device, backend: str, strategy: str, tp: int, pp: int) -> tuple[str, str]:
+    """The strategy and backend CPU offload takes (FSDP2; gloo beside NCCL for the collectives on CPU tensors), or
+    a ConfigError where the rest of the launch rules it out."""
+    if strategy in ("ddp", "none"):
+        raise ConfigError(
+            f"parallel.cpu_offload keeps FSDP2's shards in CPU memory; parallel.strategy = {strategy} "
+            "does not shard: use --parallel.strategy fsdp (or auto)"
+        )
+    if tp > 1 or pp > 1:
+        raise ConfigError("parallel.cpu_offload is for FSDP alone; drop --parallel.tp / --parallel.pp")
+    if backend == "auto":
+        backend = "cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo"
+    return "fsdp", backend
+
+
+def _one_process(device: torch.device, backend: str, strategy: str, cpu_offload: bool) -> DistInfo:
+    """One process: no process group, except a group of one for FSDP2's CPU offload."""
     if cpu_offload:
-        if strategy in ("ddp", "none"):
-            raise ConfigError(
-                f"parallel.cpu_offload keeps FSDP2's shards in CPU memory; parallel.strategy = {strategy} "
-                "does not shard: use --parallel.strategy fsdp (or auto)"
-            )
-        if tp > 1 or pp > 1:
-            raise ConfigError("parallel.cpu_offload is for FSDP alone; drop --parallel.tp / --parallel.pp")
-        strategy = "fsdp"
-        if backend == "auto":
-            backend = "cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo"
-    if world_env == 1 and cpu_offload:
         if not dist.is_initialized():
             if device.type == "cuda":
                 torch.cuda.set_device(device)
             # One process: an in-memory store, no rendezvous (no port, no torchrun).
             dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
         return DistInfo(strategy="fsdp", cpu_offload=True)
-    if world_env == 1:
-        if strategy in ("ddp", "fsdp") and not launched_by_torchrun():
-            raise ConfigError(
-                f"parallel.strategy = {strategy} needs several processes: launch with "
-                "`torchrun --nproc_per_node=N -m gptoughts train ...`"
-            )
-        return DistInfo()
-    if strategy == "none":
-        raise ConfigError("parallel.strategy = none but torchrun started several processes; use auto or ddp")
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local = int(os.environ.get("LOCAL_RANK", 0))
-    dp = world // (tp * pp)
+    if strategy in ("ddp", "fsdp") and not launched_by_torchrun():
+        raise ConfigError(
+            f"parallel.strategy = {strategy} needs several processes: launch with "
+            "`torchrun --nproc_per_node=N -m gptoughts train ...`"
+        )
+    return DistInfo()
+
+
+def _with_tp(strategy: str, tp: int, dp: int) -> str:
+    """Tensor parallelism with several data-parallel ranks takes FSDP2: DDP does not reduce DTensor gradients.
+    Refused before joining the group: every rank says it alone."""
     if tp > 1 and dp > 1:
-        if strategy == "ddp":  # refused before joining the group: every rank says it alone
+        if strategy == "ddp":
             raise ConfigError(
                 "parallel.strategy = ddp does not combine with --parallel.tp (DDP does not reduce DTensor "
                 "gradients); use --parallel.strategy fsdp (or auto)"
             )
-        strategy = "fsdp"  # auto
-    if not dist.is_initialized():
-        if backend == "auto":
-            backend = "nccl" if device.type == "cuda" else "gloo"
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        dist.init_process_group(
-            backend=backend,
-            timeout=datetime.timedelta(minutes=30),
-            device_id=device if device.type == "cuda" else None,
-        )
-    mesh = None
-    if tp > 1 or pp > 1:
-        from torch.distributed.device_mesh import init_device_mesh
+        return "fsdp"  # auto
+    return strategy
 
-        mesh = init_device_mesh(device.type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
-        if dp > 1 and tp > 1 and hasattr(mesh, "_flatten"):
-            # A DTensor reduced over both dimensions (the gradient norm of the (dp, tp)-sharded blocks) then
-            # takes one all-reduce over the flattened mesh instead of two in a row (DTensor warns otherwise).
-            mesh["dp", "tp"]._flatten("dp_tp")
-    return DistInfo(
-        rank=rank,
-        local_rank=local,
-        world_size=world,
-        strategy="fsdp" if strategy == "fsdp" else "ddp",
-        tp=tp,
-        pp=pp,
-        mesh=mesh,
-        cpu_offload=cpu_offload,
-        ddp_bucket_mb=ddp_bucket_mb,
+
+def _join_group(device: torch.device, backend: str) -> None:
+    if backend == "auto":
+        backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        backend=backend,
+        timeout=datetime.timedelta(minutes=30),
+        device_id=device if device.type == "cuda" else None,
     )
+
+
+def _mesh(device: torch.device, pp: int, dp: int, tp: int) -> Any:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device.type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
+    if dp > 1 and tp > 1 and hasattr(mesh, "_flatten"):
+        # A DTensor reduced over both dimensions (the gradient norm of the (dp, tp)-sharded blocks) then
+        # takes one all-reduce over the flattened mesh instead of two in a row (DTensor warns otherwise).
+        mesh["dp", "tp"]._flatten("dp_tp")
+    return mesh
 
 
 def shutdown() -> None:

@@ -71,86 +71,116 @@ def apply_tp(model: nn.Module, mesh: Any, family: str) -> None:
     """Parallelize ``model``'s blocks in place over the 1-D ``mesh`` (the ``tp`` dimension), see the module
     docstring and ``docs/parallel.md``. Parameters keep their names; block parameters become DTensors (sharded
     or replicated)."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        PrepareModuleInput,
-        PrepareModuleOutput,
-        RowwiseParallel,
-        SequenceParallel,
-        parallelize_module,
-    )
+    from torch.distributed.tensor.parallel import parallelize_module
 
     if family not in SUPPORTED:  # check_tp ran before; this guards direct callers
         raise ConfigError(f"--parallel.tp: the {family} family has no tensor-parallel plan")
     blocks = list(model.layers)
-    # Block arguments are (x, cos, sin, cache, doc_ids): only x changes layout; None leaves an argument alone.
-    rest = (None, None, None, None)
+    for block in blocks:
+        parallelize_module(block, mesh, _block_plan(block))
+        block.attention.wo.register_forward_hook(_local_if_even)
+        getattr(block.feed_forward, _mlp_names(block.feed_forward)[1]).register_forward_hook(_local_if_even)
+        if getattr(block, "integrator", None) is not None:
+            _replicate_integrator(block.integrator, mesh)
+    _split_residual_stream(model, blocks[0], mesh)
+    # Decoding: each rank caches the keys and values of its own heads (the model's cache is sized for all).
+    if hasattr(model, "make_cache"):
+        model.make_cache = partial(_local_cache, model.args, mesh.size())
+
+
+# Block arguments are (x, cos, sin, cache, doc_ids): only x changes layout; None leaves an argument alone.
+_REST = (None, None, None, None)
+
+
+def _mlp_names(ff: nn.Module) -> tuple[list[str], str]:
+    """The MLP's projections opening it (w1/w3, or fc1) and the one closing it (w2, or fc2)."""
+    return [n for n in ("w1", "w3", "fc1") if hasattr(ff, n)], next(
+        n for n in ("w2", "fc2") if hasattr(ff, n)
+    )
+
+
+def _block_plan(block: nn.Module) -> dict[str, Any]:
+    """One block's ``parallelize_module`` plan: norms sequence-parallel, projections opening a sub-layer split by
+    output features, those closing it by input features (their output cut along the sequence again)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
     # Into a sub-layer: its sequence-sharded input all-gathered (local tensor out: the projections take it).
     gather_in = PrepareModuleInput(
-        input_layouts=(Shard(1), *rest), desired_input_layouts=(Replicate(), *rest), use_local_output=True
+        input_layouts=(Shard(1), *_REST), desired_input_layouts=(Replicate(), *_REST), use_local_output=True
     )
     mlp_in = PrepareModuleInput(
         input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
     )
-    for block in blocks:
-        plan: dict[str, Any] = {
-            "attention_norm": SequenceParallel(),
-            "attention": gather_in,
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
-            "ffn_norm": SequenceParallel(),
-            "feed_forward": mlp_in,
-        }
-        if block.attention.q_norm is not None:
-            # q/k norms act per head on [B, T, H, hd]: each rank holds its heads (dim 2); their shared weight's
-            # gradient is summed over the group like a sequence-parallel norm's.
-            plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
-            plan["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
-        ff = block.feed_forward
-        up = [n for n in ("w1", "w3", "fc1") if hasattr(ff, n)]
-        down = next(n for n in ("w2", "fc2") if hasattr(ff, n))
-        for n in up:
-            plan[f"feed_forward.{n}"] = ColwiseParallel()
-        plan[f"feed_forward.{down}"] = RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
-        parallelize_module(block, mesh, plan)
-        block.attention.wo.register_forward_hook(_local_if_even)
-        getattr(ff, down).register_forward_hook(_local_if_even)
-        if getattr(block, "integrator", None) is not None:
-            # INL: a per-position refinement of the attention output with small replicated weights. It runs on
-            # the whole (gathered) sequence on every rank of the group, then each keeps its positions: its weights
-            # and their gradients stay plain tensors, identical on every rank. (Run on the rank's positions only,
-            # its weights would need DTensor matmuls over an uneven sequence split.) The integrator's activations
-            # are therefore not divided by the group size.
-            parallelize_module(
-                block.integrator,
-                mesh,
-                PrepareModuleInput(
-                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
-                ),
-            )
-            parallelize_module(
-                block.integrator,
-                mesh,
-                PrepareModuleOutput(
-                    output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=False
-                ),
-            )
-            block.integrator.register_forward_hook(_local_if_even)
-    # The residual stream: cut along the sequence entering the first block, gathered into a plain tensor entering
-    # the final norm (see _local_if_even for its type in between).
+    plan: dict[str, Any] = {
+        "attention_norm": SequenceParallel(),
+        "attention": gather_in,
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+        "ffn_norm": SequenceParallel(),
+        "feed_forward": mlp_in,
+    }
+    if block.attention.q_norm is not None:
+        # q/k norms act per head on [B, T, H, hd]: each rank holds its heads (dim 2); their shared weight's
+        # gradient is summed over the group like a sequence-parallel norm's.
+        plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+        plan["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+    up, down = _mlp_names(block.feed_forward)
+    for n in up:
+        plan[f"feed_forward.{n}"] = ColwiseParallel()
+    plan[f"feed_forward.{down}"] = RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
+    return plan
+
+
+def _replicate_integrator(integrator: nn.Module, mesh: Any) -> None:
+    """INL: a per-position refinement of the attention output with small replicated weights. It runs on the whole
+    (gathered) sequence on every rank of the group, then each keeps its positions: its weights and their gradients
+    stay plain tensors, identical on every rank. (Run on the rank's positions only, its weights would need DTensor
+    matmuls over an uneven sequence split.) The integrator's activations are therefore not divided by the group
+    size."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import PrepareModuleInput, PrepareModuleOutput, parallelize_module
+
     parallelize_module(
-        blocks[0],
+        integrator,
         mesh,
         PrepareModuleInput(
-            input_layouts=(Replicate(), *rest),
-            desired_input_layouts=(Shard(1), *rest),
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
+        ),
+    )
+    parallelize_module(
+        integrator,
+        mesh,
+        PrepareModuleOutput(
+            output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=False
+        ),
+    )
+    integrator.register_forward_hook(_local_if_even)
+
+
+def _split_residual_stream(model: nn.Module, first: nn.Module, mesh: Any) -> None:
+    """The residual stream: cut along the sequence entering the first block, gathered into a plain tensor entering
+    the final norm (see _local_if_even for its type in between)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import PrepareModuleInput, parallelize_module
+
+    parallelize_module(
+        first,
+        mesh,
+        PrepareModuleInput(
+            input_layouts=(Replicate(), *_REST),
+            desired_input_layouts=(Shard(1), *_REST),
             use_local_output=False,
         ),
     )
-    blocks[0].register_forward_pre_hook(_first_input_local_if_even)
+    first.register_forward_pre_hook(_first_input_local_if_even)
     parallelize_module(
         model.final_norm,
         mesh,
@@ -158,9 +188,6 @@ def apply_tp(model: nn.Module, mesh: Any, family: str) -> None:
             input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
         ),
     )
-    # Decoding: each rank caches the keys and values of its own heads (the model's cache is sized for all).
-    if hasattr(model, "make_cache"):
-        model.make_cache = partial(_local_cache, model.args, mesh.size())
 
 
 def _local_if_even(module: nn.Module, args: Any, out: Any) -> Any:

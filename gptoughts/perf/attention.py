@@ -70,6 +70,25 @@ def _fa4_op() -> Any:
     tracing into CuTe-DSL's Python (flash_attn.cute's own ``FlashAttnFunc`` is a plain autograd.Function, which
     dynamo cannot trace). Defined on first use: nothing is registered at import time. Calls flash_attn.cute's
     ``_flash_attn_fwd`` / ``_flash_attn_bwd`` (what torch's own FA4 routing calls), checked against 4.0.0b36."""
+    fa4_fwd = _define_fa4_fwd()
+    fa4_bwd = _define_fa4_bwd()
+
+    def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
+        q, k, v, ctx.causal, ctx.window_left, ctx.window_right = inputs
+        ctx.save_for_backward(q, k, v, *output)
+
+    def backward(ctx: Any, dout: torch.Tensor, dlse: torch.Tensor | None) -> tuple:
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = fa4_bwd(dout, q, k, v, out, lse, ctx.causal, ctx.window_left, ctx.window_right)
+        return dq, dk, dv, None, None, None
+
+    fa4_fwd.register_autograd(backward, setup_context=setup_context)
+    return torch.ops.gptoughts.fa4_fwd.default
+
+
+def _define_fa4_fwd() -> Any:
+    """``gptoughts::fa4_fwd``: (out, lse) of ``_flash_attn_fwd``, and its fake implementation. Once only
+    (:func:`_fa4_op` is cached): a second registration of the name is an error."""
 
     @torch.library.custom_op("gptoughts::fa4_fwd", mutates_args=())
     def fa4_fwd(
@@ -99,6 +118,13 @@ def _fa4_op() -> Any:
     def _(q, k, v, causal, window_left, window_right):
         b, t, h, _ = q.shape
         return q.new_empty(b, t, h, v.size(-1)), q.new_empty(b, h, t, dtype=torch.float32)
+
+    return fa4_fwd
+
+
+def _define_fa4_bwd() -> Any:
+    """``gptoughts::fa4_bwd``: (dq, dk, dv) of ``_flash_attn_bwd``, and its fake implementation (once only, as
+    :func:`_define_fa4_fwd`)."""
 
     @torch.library.custom_op("gptoughts::fa4_bwd", mutates_args=())
     def fa4_bwd(
@@ -136,17 +162,7 @@ def _fa4_op() -> Any:
             v.new_empty(v.shape),
         )  # contiguous, as the real ones
 
-    def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
-        q, k, v, ctx.causal, ctx.window_left, ctx.window_right = inputs
-        ctx.save_for_backward(q, k, v, *output)
-
-    def backward(ctx: Any, dout: torch.Tensor, dlse: torch.Tensor | None) -> tuple:
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = fa4_bwd(dout, q, k, v, out, lse, ctx.causal, ctx.window_left, ctx.window_right)
-        return dq, dk, dv, None, None, None
-
-    fa4_fwd.register_autograd(backward, setup_context=setup_context)
-    return torch.ops.gptoughts.fa4_fwd.default
+    return fa4_bwd
 
 
 class FA4:

@@ -200,7 +200,19 @@ def _deepseek_layer_bytes(args: Any, mode: str, r: int, moe: bool) -> float:
 
 def _activation_bytes(family: str, args: Any, mode: str, r: int) -> tuple[float, float]:
     """(bytes per token saved for backward by all blocks in ``mode``, the most one block saves without
-    checkpointing, i.e. what the block being recomputed under ``full`` rebuilds during its backward)."""
+    checkpointing, i.e. what the block being recomputed under ``full`` rebuilds during its backward).
+
+    Activation bytes per token and block without checkpointing (d = ``d_model``, f = FFN width, d_kv = key/value
+    width, r = residual bytes; the function named gives the selective and full modes and what is counted):
+
+    * llama, llada: (8 + 2r) d + 4 d_kv + 6f (``_layer_activation_bytes``, measured on an H200);
+    * gpt2: (12 + 2r) d + 4f (LayerNorm, q/k/v without GQA, 4d GELU MLP; ``_gpt2_layer_bytes``);
+    * inl: (8 + 2r) d + 4 d_kv + 4f + 2d + K (22d + 4H), with r = 4 once the integrator's fp32 state joins the
+      residual stream, K integrator iterations and H the controller's width (``_inl_layer_bytes``);
+    * deepseek: MLA (latent, q/k/v, output) plus, in the dense layers, a SwiGLU, and in the MoE layers the router,
+      each token's copies through its *active* experts only and the shared experts (``_deepseek_layer_bytes``);
+      an MTP block counts as one more, never checkpointed, block.
+    """
     if mode not in ("none", "selective", "full"):
         raise ConfigError(f"activation checkpointing must be none, selective or full; got {mode!r}")
     L = args.n_layers
@@ -246,18 +258,124 @@ def estimate(
     reshard_after_forward: bool = True,
     tp: int = 1,
 ) -> Estimate:
-    """Peak memory of one training step, speed and cost for ``family`` at ``size`` (module docstring: each line).
+    """Peak memory of one training step, speed and cost for ``family`` at ``size`` (module docstring: each line;
+    the activations per family: ``_activation_bytes``; tensor parallelism, FSDP, offload: ``_place``)."""
+    args = models.model_args(family, size, dict(overrides or {}))
+    import torch
 
-    Activation bytes per token and block without checkpointing (d = ``d_model``, f = FFN width, d_kv = key/value
-    width, r = residual bytes; the function named gives the selective and full modes and what is counted):
+    with torch.device("meta"):
+        model = models.build_model(family, args)
+    n = model.num_params()
+    tokens_step = batch_size * block_size
+    if residual_dtype not in ("fp32", "bf16"):
+        raise ConfigError(f"residual dtype must be fp32 or bf16; got {residual_dtype!r}")
+    r = 4 if residual_dtype == "fp32" else 2
+    per_token, rebuilt = _activation_bytes(models.get_family(family).name, args, activation_checkpointing, r)
+    act = per_token * tokens_step
+    if activation_checkpointing == "full":  # one block's activations are rebuilt during its backward
+        act += rebuilt * tokens_step
+    logits = _logits_bytes(args, loss, loss_chunk, tokens_step)
+    if strategy not in ("ddp", "fsdp"):
+        raise ConfigError(f"strategy must be ddp or fsdp; got {strategy!r}")
+    b = _Bytes(
+        weights=4 * n,
+        grads=4 * n,
+        optim=_optimizer_bytes(model, n, optimizer, optimizer_states),
+        copies=2 * _matmul_params(model),
+        act=act,
+        logits=logits,
+    )
+    strategy = _place(b, model, n, tp, num_gpus, strategy, cpu_offload, reshard_after_forward)
+    speed = _speed_and_cost(
+        gpu, args.d_model, model.flops_per_token(block_size), mfu, num_gpus, tokens, price
+    )
+    mem = speed.pop("gpu_memory_gib")
+    return Estimate(
+        params=n,
+        params_non_embedding=model.num_params(non_embedding=True),
+        weights_gib=b.weights / GIB,
+        gradients_gib=b.grads / GIB,
+        optimizer_gib=b.optim / GIB,
+        autocast_copies_gib=b.copies / GIB,
+        activations_gib=b.act / GIB,
+        logits_gib=b.logits / GIB,
+        total_gib=b.total / GIB,
+        gpu=gpu,
+        gpu_memory_gib=mem,
+        fits=(b.total / GIB <= mem * 0.95) if mem else None,
+        strategy=strategy if num_gpus > 1 or cpu_offload else "ddp",
+        host_gib=b.host / GIB,
+        checkpoint_staging_gib=b.staging / GIB,
+        optimizer_states=optimizer_states,
+        **speed,
+    )
 
-    * llama, llada: (8 + 2r) d + 4 d_kv + 6f (``_layer_activation_bytes``, measured on an H200);
-    * gpt2: (12 + 2r) d + 4f (LayerNorm, q/k/v without GQA, 4d GELU MLP; ``_gpt2_layer_bytes``);
-    * inl: (8 + 2r) d + 4 d_kv + 4f + 2d + K (22d + 4H), with r = 4 once the integrator's fp32 state joins the
-      residual stream, K integrator iterations and H the controller's width (``_inl_layer_bytes``);
-    * deepseek: MLA (latent, q/k/v, output) plus, in the dense layers, a SwiGLU, and in the MoE layers the router,
-      each token's copies through its *active* experts only and the shared experts (``_deepseek_layer_bytes``);
-      an MTP block counts as one more, never checkpointed, block.
+
+@dataclass
+class _Bytes:
+    """One training step's memory per GPU, part by part, in bytes (host: per process, for offload; staging: the
+    host copy background checkpoints keep)."""
+
+    weights: float
+    grads: float
+    optim: float
+    copies: float
+    act: float
+    logits: float
+    host: float = 0.0
+    staging: float = 0.0
+    total: float = 0.0
+
+
+def _matmul_params(model: Any) -> int:
+    """Weights autocast casts to bf16 and keeps for backward: every matrix (and DeepSeek's 3-D expert stacks) except
+    embedding lookups, which read rows without a cast; a tied LM head is a matmul, so it counts."""
+    import torch
+
+    lookups = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    lookups.discard(id(model.output_weight))
+    return sum(p.numel() for p in model.parameters() if p.ndim >= 2 and id(p) not in lookups)
+
+
+def _logits_bytes(args: Any, loss: str, loss_chunk: int, tokens_step: int) -> float:
+    """chunked: fp32 logits + their gradient for one chunk, plus the fp32 head-weight gradient accumulator;
+    plain: bf16 logits, their fp32 upcast and its gradient, for the whole batch. DeepSeek's MTP is a second
+    LM-head loss (its own head-gradient accumulator, or its own logits)."""
+    vocab = args.vocab_size
+    rows = min(loss_chunk, tokens_step) if loss == "chunked" else tokens_step
+    logits = rows * vocab * 8 + vocab * args.d_model * 4 if loss == "chunked" else rows * vocab * (2 + 4 + 4)
+    if getattr(args, "mtp_depth", 0):
+        logits += vocab * args.d_model * 4 if loss == "chunked" else rows * vocab * (2 + 4 + 4)
+    return logits
+
+
+def _optimizer_bytes(model: Any, n: int, optimizer: str, optimizer_states: str) -> float:
+    """AdamW keeps two moments per parameter (8 bytes in fp32; ``optimizer_states``: STATE_BYTES); Muon one fp32
+    momentum buffer (4 bytes) for the hidden matrices it trains, AdamW's two for the rest (models.hidden_matrices)."""
+    if optimizer_states not in STATE_BYTES:
+        raise ConfigError(
+            f"optimizer states must be one of {', '.join(STATE_BYTES)}; got {optimizer_states!r}"
+        )
+    adam = STATE_BYTES[optimizer_states]
+    optim = adam * n
+    if optimizer == "muon":
+        hidden = models.hidden_matrices(model)
+        optim -= (adam - 4) * sum(p.numel() for p in model.parameters() if id(p) in hidden)
+    return optim
+
+
+def _place(
+    b: _Bytes,
+    model: Any,
+    n: int,
+    tp: int,
+    num_gpus: int,
+    strategy: str,
+    cpu_offload: bool,
+    reshard_after_forward: bool,
+) -> str:
+    """Spread ``b`` over the GPUs (tensor parallel, FSDP, offload to the host) and set its peak ``total``; returns
+    the strategy the figures assume (offload is FSDP's).
 
     ``cpu_offload`` (FSDP2's CPUOffloadPolicy, on any number of GPUs): the fp32 weights, gradients and optimizer
     state live in host memory (``host_gib``, per process); the GPU holds the gathered bf16 blocks, one block's
@@ -271,118 +389,75 @@ def estimate(
     ``reshard_after_forward`` False (FSDP2 keeps every block gathered from its forward to its backward): the
     working set holds every block's bf16 weights instead of two.
     """
-    args = models.model_args(family, size, dict(overrides or {}))
-    import torch
-
-    with torch.device("meta"):
-        model = models.build_model(family, args)
-    n = model.num_params()
-    n_ne = model.num_params(non_embedding=True)
-    # Weights autocast casts to bf16 and keeps for backward: every matrix (and DeepSeek's 3-D expert stacks) except
-    # embedding lookups, which read rows without a cast; a tied LM head is a matmul, so it counts.
-    lookups = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
-    lookups.discard(id(model.output_weight))
-    matmul_params = sum(p.numel() for p in model.parameters() if p.ndim >= 2 and id(p) not in lookups)
-    flops_tok = model.flops_per_token(block_size)
-    tokens_step = batch_size * block_size
-    if residual_dtype not in ("fp32", "bf16"):
-        raise ConfigError(f"residual dtype must be fp32 or bf16; got {residual_dtype!r}")
-    r = 4 if residual_dtype == "fp32" else 2
-    fam = models.get_family(family).name
-    per_token, rebuilt = _activation_bytes(fam, args, activation_checkpointing, r)
-    act = per_token * tokens_step
-    if activation_checkpointing == "full":  # one block's activations are rebuilt during its backward
-        act += rebuilt * tokens_step
-    vocab = args.vocab_size
-    rows = min(loss_chunk, tokens_step) if loss == "chunked" else tokens_step
-    # chunked: fp32 logits + their gradient for one chunk, plus the fp32 head-weight gradient accumulator;
-    # plain: bf16 logits, their fp32 upcast and its gradient, for the whole batch.
-    logits = rows * vocab * 8 + vocab * args.d_model * 4 if loss == "chunked" else rows * vocab * (2 + 4 + 4)
-    # DeepSeek's MTP: a second LM-head loss (its own head-gradient accumulator, or its own logits).
-    if getattr(args, "mtp_depth", 0):
-        logits += vocab * args.d_model * 4 if loss == "chunked" else rows * vocab * (2 + 4 + 4)
-    if strategy not in ("ddp", "fsdp"):
-        raise ConfigError(f"strategy must be ddp or fsdp; got {strategy!r}")
-    # AdamW keeps two moments per parameter (8 bytes in fp32; ``optimizer_states``: STATE_BYTES); Muon one fp32
-    # momentum buffer (4 bytes) for the hidden matrices it trains, AdamW's two for the rest (models.hidden_matrices).
-    if optimizer_states not in STATE_BYTES:
-        raise ConfigError(
-            f"optimizer states must be one of {', '.join(STATE_BYTES)}; got {optimizer_states!r}"
-        )
-    adam = STATE_BYTES[optimizer_states]
-    optim = adam * n
-    if optimizer == "muon":
-        hidden = models.hidden_matrices(model)
-        optim -= (adam - 4) * sum(p.numel() for p in model.parameters() if id(p) in hidden)
-    weights, grads = 4 * n, 4 * n
-    copies = 2 * matmul_params
-    in_blocks = sum(p.numel() for p in model.layers.parameters())
+    n_blocks = sum(p.numel() for p in model.layers.parameters())
     # FSDP's working set (offloaded or not): the largest block (DeepSeek's MoE blocks outweigh its dense ones)
     # gathered in bf16 with the next one prefetched, the root (embeddings, final norm, head), and the block's
     # unsharded fp32 gradient in backward.
     block = max(sum(p.numel() for p in layer.parameters()) for layer in model.layers) / tp
-    gathered = 2 * (2 * block + (n - in_blocks)) + 6 * block
+    gathered = 2 * (2 * block + (n - n_blocks)) + 6 * block
     if not reshard_after_forward:
-        gathered = 2 * (in_blocks / tp + (n - in_blocks)) + 6 * block
+        gathered = 2 * (n_blocks / tp + (n - n_blocks)) + 6 * block
     if tp > 1:
-        kept = (n - in_blocks + in_blocks / tp) / n  # the share of the parameters a rank holds
-        weights, grads, optim, copies = weights * kept, grads * kept, optim * kept, copies * kept
-        act = act / tp
+        kept = (n - n_blocks + n_blocks / tp) / n  # the share of the parameters a rank holds
+        b.weights, b.grads, b.optim, b.copies = (
+            b.weights * kept,
+            b.grads * kept,
+            b.optim * kept,
+            b.copies * kept,
+        )
+        b.act = b.act / tp
     dp = max(1, num_gpus // tp)
-    host = 0.0
-    staging = weights + optim
+    b.staging = b.weights + b.optim
     if cpu_offload:
-        host = (weights + grads + optim) / num_gpus
-        staging = (weights + optim) / num_gpus
-        weights, grads, optim, copies = 0.0, 4 * block, 0.0, gathered
-        total = copies + grads + logits + act
-        strategy = "fsdp"
-    elif strategy == "fsdp" and dp > 1:
-        weights, grads, optim, copies = weights / dp, grads / dp, optim / dp, gathered
-        staging = weights + optim
+        b.host = (b.weights + b.grads + b.optim) / num_gpus
+        b.staging = (b.weights + b.optim) / num_gpus
+        b.weights, b.grads, b.optim, b.copies = 0.0, 4 * block, 0.0, gathered
+        b.total = b.copies + b.grads + b.logits + b.act
+        return "fsdp"
+    if strategy == "fsdp" and dp > 1:
+        b.weights, b.grads, b.optim, b.copies = b.weights / dp, b.grads / dp, b.optim / dp, gathered
+        b.staging = b.weights + b.optim
         # Sharded gradients are small and fill up while activations are freed: counted in full (conservative).
-        total = weights + optim + grads + copies + logits + act
-    else:
-        # Two candidate peaks on top of weights and optimizer state: early in backward (all activations, the
-        # bf16 weight copies autocast saved, the logits working set) or at the optimizer step (all fp32
-        # gradients, the rest freed). Measured on an H200 (bench/BENCHMARKS.md): 1b 35.6 GiB (this formula
-        # 36.1), 3b 61.7 (62.4), 3b selective 50.3 (51.1), 3b full 45.7 (45.0).
-        total = weights + optim + max(grads, copies + logits + act)
+        b.total = b.weights + b.optim + b.grads + b.copies + b.logits + b.act
+        return strategy
+    # Two candidate peaks on top of weights and optimizer state: early in backward (all activations, the bf16
+    # weight copies autocast saved, the logits working set) or at the optimizer step (all fp32 gradients, the
+    # rest freed). Measured on an H200 (bench/BENCHMARKS.md): 1b 35.6 GiB (this formula 36.1), 3b 61.7 (62.4), 3b
+    # selective 50.3 (51.1), 3b full 45.7 (45.0).
+    b.total = b.weights + b.optim + max(b.grads, b.copies + b.logits + b.act)
+    return strategy
+
+
+def _speed_and_cost(
+    gpu: str,
+    d_model: int,
+    flops_tok: float,
+    mfu: float | None,
+    num_gpus: int,
+    tokens: int | None,
+    price: float | None,
+) -> dict[str, Any]:
+    """Speed at ``mfu`` of ``gpu``'s peak (default by size class), the time for ``tokens`` and its price, and the
+    GPU's memory (None for a GPU not in GPU_MEMORY_GIB): the Estimate fields of the same names."""
     peak = peak_flops(gpu)
     if peak is None:
         raise ConfigError(f"unknown GPU {gpu!r}; known: {', '.join(sorted(_PEAK_BF16))}")
     if mfu is None:
-        mfu = 0.55 if args.d_model >= 2048 else 0.45
+        mfu = 0.55 if d_model >= 2048 else 0.45
     tps = peak * mfu / flops_tok * num_gpus
     hours = tokens / tps / 3600 if tokens else None
     key = next((k for k in sorted(GPU_MEMORY_GIB, key=len, reverse=True) if k.lower() in gpu.lower()), None)
-    mem = GPU_MEMORY_GIB.get(key) if key else None
     pph = price if price is not None else DEFAULT_PRICE.get(key) if key else None
-    return Estimate(
-        params=n,
-        params_non_embedding=n_ne,
-        weights_gib=weights / GIB,
-        gradients_gib=grads / GIB,
-        optimizer_gib=optim / GIB,
-        autocast_copies_gib=copies / GIB,
-        activations_gib=act / GIB,
-        logits_gib=logits / GIB,
-        total_gib=total / GIB,
-        gpu=gpu,
-        gpu_memory_gib=mem,
-        fits=(total / GIB <= mem * 0.95) if mem else None,
-        flops_per_token=flops_tok,
-        mfu=mfu,
-        tokens_per_s=tps,
-        tokens=tokens,
-        hours=hours,
-        price_per_hour=pph,
-        cost=(hours * pph * num_gpus) if (hours is not None and pph is not None) else None,
-        strategy=strategy if num_gpus > 1 or cpu_offload else "ddp",
-        host_gib=host / GIB,
-        checkpoint_staging_gib=staging / GIB,
-        optimizer_states=optimizer_states,
-    )
+    return {
+        "gpu_memory_gib": GPU_MEMORY_GIB.get(key) if key else None,
+        "flops_per_token": flops_tok,
+        "mfu": mfu,
+        "tokens_per_s": tps,
+        "tokens": tokens,
+        "hours": hours,
+        "price_per_hour": pph,
+        "cost": (hours * pph * num_gpus) if (hours is not None and pph is not None) else None,
+    }
 
 
 # Bytes per parameter of AdamW's two moments, by ``train.optimizer_states`` (training/optim.py builds them). 8bit:

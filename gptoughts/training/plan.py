@@ -91,93 +91,127 @@ class RunPlan:
 
     def format(self) -> str:
         """The plan as the lines a person reads before the run starts."""
-        c, b = self.corpus, self.batch
-        units = "GPUs" if self.device_type == "cuda" else "processes"
-        lines = [
+        lines = [self._model_line(), self._corpus_line(), self._batch_line(), self._steps_line()]
+        lines += self._setting_lines()
+        lines.append(f"  {self._memory_figure()}; {self.time_line()}")
+        if "threads" in self.resolved:
+            lines.append(self.threads_line())
+        lines.append(f"  out: {self.out}" + (f" (resuming {self.resume})" if self.resume else ""))
+        lines += [f"  [yellow]warning:[/yellow] {w}" for w in self.warnings]
+        return "\n".join(lines)
+
+    def _model_line(self) -> str:
+        return (
             f"[bold]plan[/bold]: {self.model}, {self.params:,} parameters ({self.params_non_embedding:,} "
             f"non-embedding"
             + (f", {self.trainable_params:,} trainable" if self.trainable_params != self.params else "")
             + f"), vocab {self.vocab_size:,}, block {self.block_size:,}"
             + (f" ({self.resolved['block_size']})" if "block_size" in self.resolved else "")
             + (f"; {self.layout}" if self.layout else "")
-        ]
+        )
+
+    def _corpus_line(self) -> str:
+        c = self.corpus
         if "examples" in c:
-            lines.append(f"  corpus: {c['summary']}")
-        else:
-            approx = "≈" if c.get("estimated") else ""
-            read = (
-                "all of it"
-                if not c.get("cut")
-                else f"{_mb(c['bytes_read'])} of it (cut by data.max_bytes = {c.get('max_bytes'):,})"
-            )
-            lines.append(
-                f"  corpus: {c['files']:,} file(s), {_mb(c['bytes'])} on disk, read {read}; "
-                f"{approx}{c['tokens']:,} train tokens"
-                + (f" + {c['val_tokens']:,} held out" if c.get("val_tokens") is not None else "")
-                + (" (estimated: not tokenized yet)" if c.get("estimated") else "")
-            )
-        lines.append(
+            return f"  corpus: {c['summary']}"
+        approx = "≈" if c.get("estimated") else ""
+        read = (
+            "all of it"
+            if not c.get("cut")
+            else f"{_mb(c['bytes_read'])} of it (cut by data.max_bytes = {c.get('max_bytes'):,})"
+        )
+        return (
+            f"  corpus: {c['files']:,} file(s), {_mb(c['bytes'])} on disk, read {read}; "
+            f"{approx}{c['tokens']:,} train tokens"
+            + (f" + {c['val_tokens']:,} held out" if c.get("val_tokens") is not None else "")
+            + (" (estimated: not tokenized yet)" if c.get("estimated") else "")
+        )
+
+    def _batch_line(self) -> str:
+        b = self.batch
+        return (
             f"  batch: {b['micro_batch']} x {b['block_size']} tokens x accumulation {b['grad_accum']}"
-            + (
-                f" x {b['world_size'] // b.get('tp', 1)} data-parallel rank(s) (tensor parallel x{b['tp']}: "
-                f"{b['world_size']} {units})"
-                if b.get("tp", 1) > 1
-                else f" x {b['dp_size']} data-parallel"
-                if (b.get("dp_size") or 1) > 1 and b.get("dp_size") != b["world_size"]
-                else f" x {b['world_size']} {units}"
-                if b["world_size"] > 1 and not b.get("dp_size")
-                else ""
-            )
+            + self._ranks()
             + f" = {b['tokens_per_step']:,} tokens per step"
             + (f" (batch_size {self.resolved['batch_size']})" if "batch_size" in self.resolved else "")
             + (f"; accumulation {self.resolved['grad_accum']}" if "grad_accum" in self.resolved else "")
         )
+
+    def _ranks(self) -> str:
+        """The batch line's factor of processes: tensor-parallel groups, data-parallel ranks, or all of them."""
+        b = self.batch
+        units = "GPUs" if self.device_type == "cuda" else "processes"
+        if b.get("tp", 1) > 1:
+            return (
+                f" x {b['world_size'] // b.get('tp', 1)} data-parallel rank(s) (tensor parallel x{b['tp']}: "
+                f"{b['world_size']} {units})"
+            )
+        if (b.get("dp_size") or 1) > 1 and b.get("dp_size") != b["world_size"]:
+            return f" x {b['dp_size']} data-parallel"
+        if b["world_size"] > 1 and not b.get("dp_size"):
+            return f" x {b['world_size']} {units}"
+        return ""
+
+    def _steps_line(self) -> str:
+        b = self.batch
         ev = f"eval every {b['eval_interval']:,}" if b["eval_interval"] else "eval at the end"
         if b.get("eval_block") == 0:
             ev = "no evaluation (no held-out data)"
         sv = f"checkpoint every {b['save_interval']:,}" if b["save_interval"] else "checkpoint at the end"
-        lines.append(
+        return (
             f"  steps: {b['total_steps']:,} ({b['stop_rule']}) = {b['epochs']:.2f} epoch(s) over the data, "
             f"{b['total_steps'] * b['tokens_per_step']:,} tokens; warmup {b['warmup_steps']:,}, {ev}, {sv}"
         )
-        if "parallel" in self.resolved:
-            reshard = self.resolved.get("reshard_after_forward")
+
+    def _setting_lines(self) -> list[str]:
+        """One line per resolved setting that differs from a plain run (parallelism, tasks, optimizer, memory
+        layout, fp8, compile), in the order a reader checks them."""
+        r = self.resolved
+        lines = []
+        if "parallel" in r:
+            reshard = r.get("reshard_after_forward")
             lines.append(
-                f"  parallel: {self.resolved['parallel']}"
-                + (f"; reshard_after_forward {reshard}" if reshard else "")
+                f"  parallel: {r['parallel']}" + (f"; reshard_after_forward {reshard}" if reshard else "")
             )
         if self.tasks:
-            tk = self.tasks
-            every = f"every {tk['interval']:,} steps and at the end" if tk["interval"] else "at the end"
-            listed = ", ".join(f"{n} ({e:,} examples)" for n, e in zip(tk["names"], tk["examples"]))
-            lines.append(f"  tasks: {listed}; scored {every}{tk['how']}")
-        if "pipeline" in self.resolved:
-            lines.append(f"  pipeline: {self.resolved['pipeline']}")
-        if "optimizer" in self.resolved:
-            lines.append(f"  optimizer: {self.resolved['optimizer']}")
-        ac = str(self.resolved.get("activation_checkpointing", "none"))
+            lines.append(self._tasks_line())
+        for key, label in (("pipeline", "pipeline"), ("optimizer", "optimizer")):
+            if key in r:
+                lines.append(f"  {label}: {r[key]}")
+        ac = str(r.get("activation_checkpointing", "none"))
         if not ac.startswith("none"):
             lines.append(f"  activation checkpointing: {ac}")
         for key, label in (("optimizer_states", "optimizer states"), ("cpu_offload", "CPU offload")):
-            if key in self.resolved:  # (set by the memory layout's choice, with why)
-                lines.append(f"  {label}: {self.resolved[key]}")
-        fp8 = str(self.resolved.get("fp8", "False"))
-        if not fp8.startswith("False"):
-            n = self.resolved.get("fp8_linears")
-            fast = str(self.resolved.get("fp8_fast_accum", "")).startswith("True")
-            lines.append(
-                f"  fp8: {fp8}"
-                + (f", {n} linear layers" if n else "")
-                + ("; fast accumulation in the backward matmuls too" if fast else "")
-            )
-        if not str(self.resolved.get("compile", "False")).startswith("False"):
-            graphs = str(self.resolved.get("cuda_graphs", ""))  # "True" or "True (why)" when on
+            if key in r:  # (set by the memory layout's choice, with why)
+                lines.append(f"  {label}: {r[key]}")
+        if not str(r.get("fp8", "False")).startswith("False"):
+            lines.append(self._fp8_line())
+        if not str(r.get("compile", "False")).startswith("False"):
+            graphs = str(r.get("cuda_graphs", ""))  # "True" or "True (why)" when on
             graphs = f"; CUDA graphs{graphs[4:]}" if graphs.startswith("True") else ""
-            lines.append(f"  compile: {self.resolved['compile']}{graphs}")
-        mem = (
-            "memory: not estimated"
-            if self.memory_gib is None
-            else f"memory: ~{gib(self.memory_gib)} peak"
+            lines.append(f"  compile: {r['compile']}{graphs}")
+        return lines
+
+    def _tasks_line(self) -> str:
+        tk = self.tasks
+        every = f"every {tk['interval']:,} steps and at the end" if tk["interval"] else "at the end"
+        listed = ", ".join(f"{n} ({e:,} examples)" for n, e in zip(tk["names"], tk["examples"]))
+        return f"  tasks: {listed}; scored {every}{tk['how']}"
+
+    def _fp8_line(self) -> str:
+        n = self.resolved.get("fp8_linears")
+        fast = str(self.resolved.get("fp8_fast_accum", "")).startswith("True")
+        return (
+            f"  fp8: {self.resolved['fp8']}"
+            + (f", {n} linear layers" if n else "")
+            + ("; fast accumulation in the backward matmuls too" if fast else "")
+        )
+
+    def _memory_figure(self) -> str:
+        if self.memory_gib is None:
+            return "memory: not estimated"
+        return (
+            f"memory: ~{gib(self.memory_gib)} peak"
             + (
                 f" of {gib(self.device_memory_gib)}" + (" available" if self.device_type == "cpu" else "")
                 if self.device_memory_gib
@@ -190,12 +224,6 @@ class RunPlan:
                 else ""
             )
         )
-        lines.append(f"  {mem}; {self.time_line()}")
-        if "threads" in self.resolved:
-            lines.append(self.threads_line())
-        lines.append(f"  out: {self.out}" + (f" (resuming {self.resume})" if self.resume else ""))
-        lines += [f"  [yellow]warning:[/yellow] {w}" for w in self.warnings]
-        return "\n".join(lines)
 
     def time_line(self) -> str:
         if self.tokens_per_s is None:

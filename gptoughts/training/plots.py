@@ -509,16 +509,29 @@ def compare_runs(runs: Sequence[Path | str], out: Path | str) -> Path:
     fig = Figure(figsize=(16, 8.5 * rows / 2))
     grid = fig.add_gridspec(rows, 3, **_GRID_MARGINS)
     axes = np.array([[fig.add_subplot(grid[r, c]) for c in range(3)] for r in range(2)])
-    panels = [
-        (axes[0, 0], "loss", "train loss", "loss (nats/token)", True),
-        (axes[0, 1], "val_loss", "val loss", "loss (nats/token)", True),
-        (axes[0, 2], "lr", "learning rate", "lr", False),
-        (axes[1, 0], "tokens_per_s", "throughput", "tokens / s", False),
-        (axes[1, 1], "grad_norm", "gradient norm", "‖g‖ (before clipping)", True),
-    ]
     labels = _labels(paths)
-    handles = []
-    for ax, key, title, ylabel, log_y in panels:
+    _compare_panels(axes, data, labels)
+    if task_keys:
+        _compare_tasks(fig.add_subplot(grid[2, :]), data, labels, task_keys)
+    _runs_legend(axes[1, 2], data, labels)
+    fig.suptitle("comparison: " + ", ".join(labels), fontsize=12)
+    return _save(fig, Canvas, out)
+
+
+# The overlaid panels of a comparison: (row, column, metric, title, y label, log y when the values span > 10x).
+_COMPARED = [
+    (0, 0, "loss", "train loss", "loss (nats/token)", True),
+    (0, 1, "val_loss", "val loss", "loss (nats/token)", True),
+    (0, 2, "lr", "learning rate", "lr", False),
+    (1, 0, "tokens_per_s", "throughput", "tokens / s", False),
+    (1, 1, "grad_norm", "gradient norm", "‖g‖ (before clipping)", True),
+]
+
+
+def _compare_panels(axes: Any, data: list[Series], labels: list[str]) -> None:
+    """Each metric of :data:`_COMPARED` in its panel, one line per run (colour ``C<i>``)."""
+    for r, c, key, title, ylabel, log_y in _COMPARED:
+        ax = axes[r, c]
         values: list[float] = []
         for i, s in enumerate(data):
             if s.has(key):
@@ -530,29 +543,34 @@ def compare_runs(runs: Sequence[Path | str], out: Path | str) -> Path:
             _style(ax, title, ylabel)
         else:
             _no_data(ax, title)
-    if task_keys:
-        ax = fig.add_subplot(grid[2, :])
-        styles = ["-", "--", ":", "-."]
-        scores: list[float] = []
-        for i, s in enumerate(data):
-            for j, key in enumerate(task_keys):
-                if s.has(key):
-                    label = f"{labels[i]}: {key[len(_TASK_PREFIX) :]}"
-                    steps, values = s.points(key)
-                    ax.plot(steps, values, styles[j % 4], marker="o", ms=3, color=f"C{i % 10}", label=label)
-                    scores += _finite(values)
-        _unit_range(ax, scores)
-        _style(ax, "tasks", "score")
-        ax.legend(fontsize=8, ncol=2)
-    legend_ax = axes[1, 2]
-    legend_ax.axis("off")
+
+
+def _compare_tasks(ax: Any, data: list[Series], labels: list[str], task_keys: list[str]) -> None:
+    """The task scores row: one colour per run, one line style per task and metric."""
+    styles = ["-", "--", ":", "-."]
+    scores: list[float] = []
+    for i, s in enumerate(data):
+        for j, key in enumerate(task_keys):
+            if s.has(key):
+                label = f"{labels[i]}: {key[len(_TASK_PREFIX) :]}"
+                steps, values = s.points(key)
+                ax.plot(steps, values, styles[j % 4], marker="o", ms=3, color=f"C{i % 10}", label=label)
+                scores += _finite(values)
+    _unit_range(ax, scores)
+    _style(ax, "tasks", "score")
+    ax.legend(fontsize=8, ncol=2)
+
+
+def _runs_legend(ax: Any, data: list[Series], labels: list[str]) -> None:
+    """The panel naming each run by its colour, with how far it went."""
     from matplotlib.lines import Line2D
 
-    for i, (label, s) in enumerate(zip(labels, data)):
-        handles.append(Line2D([], [], color=f"C{i % 10}", lw=2, label=f"{label}  ({_tokens_title(s)})"))
-    legend_ax.legend(handles=handles, loc="center", fontsize=10, title="runs", frameon=False)
-    fig.suptitle("comparison: " + ", ".join(labels), fontsize=12)
-    return _save(fig, Canvas, out)
+    ax.axis("off")
+    handles = [
+        Line2D([], [], color=f"C{i % 10}", lw=2, label=f"{label}  ({_tokens_title(s)})")
+        for i, (label, s) in enumerate(zip(labels, data))
+    ]
+    ax.legend(handles=handles, loc="center", fontsize=10, title="runs", frameon=False)
 
 
 class PlotWriter:

@@ -10,7 +10,8 @@ import torch
 from hf_helpers import hf_logits, transformers
 
 from gptoughts.errors import UserError
-from gptoughts.models.hf import HFCausalLM, load_pretrained, read_state_dict
+from gptoughts.models.hf import load_pretrained, read_state_dict
+from gptoughts.models.hf_generic import HFCausalLM
 
 
 def _ids(t: int = 24, seed: int = 1) -> torch.Tensor:
@@ -182,7 +183,7 @@ def _other_family(kind: str):
 def test_other_registered_adapters_import_and_export(kind, family, tmp_path):
     from hf_helpers import make_tokenizer, randomize
 
-    from gptoughts.models.hf import save_hf
+    from gptoughts.models.hf_export import save_hf
 
     folder = tmp_path / kind
     model = _other_family(kind)

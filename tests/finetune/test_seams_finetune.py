@@ -189,7 +189,7 @@ def test_export_keeps_the_chat_template_fine_tuning_used(template, hf_model, tmp
 
 
 def test_export_refusal_lists_the_families_that_export(tmp_path):
-    from gptoughts.models.hf import save_hf
+    from gptoughts.models.hf_export import save_hf
 
     exporting = [name for name, fam in models.FAMILIES.items() if fam.hf is not None]
     assert {"llama", "gpt2", "deepseek"} <= set(exporting)

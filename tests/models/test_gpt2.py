@@ -238,7 +238,8 @@ def test_save_hf_folder_loads_in_transformers_and_back(tmp_path, monkeypatch):
     # the native path back once the family's adapter is registered (as the registry will do).
     from gptoughts import models
     from gptoughts.data.tokenizer import bytes_tokenizer
-    from gptoughts.models.hf import load_pretrained, save_hf
+    from gptoughts.models.hf import load_pretrained
+    from gptoughts.models.hf_export import save_hf
 
     fam = Family(
         "gpt2",

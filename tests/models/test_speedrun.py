@@ -225,7 +225,7 @@ def test_activation_estimate_counts_the_switches():
 
 def _export(model, tmp_path, name="out"):
     from gptoughts.data.tokenizer import bytes_tokenizer
-    from gptoughts.models.hf import save_hf
+    from gptoughts.models.hf_export import save_hf
 
     return save_hf(model, "llama", model.args, bytes_tokenizer(), tmp_path / name)
 
@@ -278,7 +278,7 @@ def test_export_refuses_a_switch_transformers_cannot_compute(overrides, named, t
     assert not (tmp_path / "out").exists()  # refused before anything is written
     # over an earlier export, even with overwrite: the old files stay (validate everything, then write)
     from gptoughts.data.tokenizer import bytes_tokenizer
-    from gptoughts.models.hf import save_hf
+    from gptoughts.models.hf_export import save_hf
 
     old = _export(_model(), tmp_path, "old")
     before = {f.name: f.read_bytes() for f in old.iterdir() if f.is_file()}

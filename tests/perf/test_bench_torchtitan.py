@@ -12,13 +12,13 @@ from test_perf import BENCH
 from gptoughts import cli
 from gptoughts.config import load_config
 from gptoughts.errors import ConfigError, UserError
-from gptoughts.tools import bench
+from gptoughts.tools import bench, bench_torchtitan
 from gptoughts.training import build
 
 
 def test_missing_torchtitan_is_one_line_and_exit_2_before_our_run(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "torchtitan", None)  # `import torchtitan` raises ImportError
-    monkeypatch.setattr(bench, "_TT", None)
+    monkeypatch.setattr(bench_torchtitan, "_TT", None)
 
     def never(*a, **k):
         raise AssertionError("our model was built before the missing peer was reported")
@@ -35,11 +35,11 @@ def test_missing_torchtitan_is_one_line_and_exit_2_before_our_run(monkeypatch, c
 
 
 def test_compare_words():
-    assert bench.parse_torchtitan_compare("torchtitan") == (("flex", "sdpa"), True)
-    assert bench.parse_torchtitan_compare("torchtitan:sdpa,nographs") == (("sdpa",), False)
-    assert bench.parse_torchtitan_compare("torchtitan:nographs") == (("flex", "sdpa"), False)
+    assert bench_torchtitan.parse_torchtitan_compare("torchtitan") == (("flex", "sdpa"), True)
+    assert bench_torchtitan.parse_torchtitan_compare("torchtitan:sdpa,nographs") == (("sdpa",), False)
+    assert bench_torchtitan.parse_torchtitan_compare("torchtitan:nographs") == (("flex", "sdpa"), False)
     with pytest.raises(ConfigError, match="unknown 'fast'"):
-        bench.parse_torchtitan_compare("torchtitan:fast")
+        bench_torchtitan.parse_torchtitan_compare("torchtitan:fast")
     with pytest.raises(ConfigError, match="`hf` or `torchtitan`"):
         bench.run_bench(load_config("default", BENCH), steps=1, warmup=0, compare="megatron")
 
@@ -47,7 +47,7 @@ def test_compare_words():
 @pytest.fixture
 def torchtitan():
     try:
-        return bench.import_torchtitan()
+        return bench_torchtitan.import_torchtitan()
     except UserError as e:
         pytest.skip(str(e))
 
@@ -77,7 +77,7 @@ def test_bf16_compare_reduces_uniform_gradient_dtypes(torchtitan):
     tt = r["torchtitan"]["sdpa"]
     assert "error" not in tt, tt.get("error")
     assert "FSDP2 x1 bfloat16" in tt["label"]
-    if bench._torch_version() < (2, 13):
+    if bench_torchtitan._torch_version() < (2, 13):
         assert "no-sync chunks skipped" in tt["label"]
 
 

@@ -83,6 +83,19 @@ class DeepSeekArgs:
     ``from_hf``/``to_hf`` permute accordingly; the model itself always computes in the rotate_half layout."""
 
     def __post_init__(self) -> None:
+        self._check_sizes()
+        if self.score_func not in ("sigmoid", "softmax"):
+            raise ConfigError(f"model.score_func must be 'sigmoid' or 'softmax', got {self.score_func!r}")
+        if self.mtp_depth not in (0, 1):
+            raise ConfigError(f"model.mtp_depth must be 0 or 1, got {self.mtp_depth}")
+        for name in ("bias_update_rate", "seq_aux_loss_coef", "mtp_loss_weight", "route_scale"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"model.{name} must be >= 0, got {getattr(self, name)}")
+        self._check_groups()
+        check_rope_scaling(self.rope_scaling)
+
+    def _check_sizes(self) -> None:
+        """Widths, counts and layer split: positive, even where RoPE needs it, within their bounds."""
         for name in (
             "d_model",
             "n_layers",
@@ -116,13 +129,9 @@ class DeepSeekArgs:
             raise ConfigError(
                 f"model.n_activated_experts ({self.n_activated_experts}) exceeds n_routed_experts ({self.n_routed_experts})"
             )
-        if self.score_func not in ("sigmoid", "softmax"):
-            raise ConfigError(f"model.score_func must be 'sigmoid' or 'softmax', got {self.score_func!r}")
-        if self.mtp_depth not in (0, 1):
-            raise ConfigError(f"model.mtp_depth must be 0 or 1, got {self.mtp_depth}")
-        for name in ("bias_update_rate", "seq_aux_loss_coef", "mtp_loss_weight", "route_scale"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"model.{name} must be >= 0, got {getattr(self, name)}")
+
+    def _check_groups(self) -> None:
+        """Group-limited routing: the groups split the experts evenly and still hold the experts a token picks."""
         g, tg = self.n_expert_groups, self.n_limited_groups
         if self.n_routed_experts % g:
             raise ConfigError(
@@ -136,7 +145,6 @@ class DeepSeekArgs:
             )
         if g > 1 and tg * (self.n_routed_experts // g) < self.n_activated_experts:
             raise ConfigError("n_limited_groups groups hold fewer experts than n_activated_experts")
-        check_rope_scaling(self.rope_scaling)
 
     @property
     def qk_head_dim(self) -> int:

@@ -1,0 +1,219 @@
+"""Hugging Face interop, writing: a model as a ``transformers`` folder (``gptoughts export``).
+
+:func:`save_hf` writes a native family through its ``HFAdapter``: ``config.json`` (with ``torch_dtype``),
+``model.safetensors`` or shards with an index above ``max_shard_bytes``, the tokenizer files and
+``generation_config.json``; ``transformers`` loads the folder with ``AutoModelForCausalLM.from_pretrained`` and
+computes the same logits. :func:`save_generic` writes a wrapped ``transformers`` model with its own
+``save_pretrained``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from gptoughts.errors import ConfigError, UserError
+from gptoughts.models.hf import (
+    BIN_INDEX,
+    BIN_WEIGHTS,
+    CONFIG_NAME,
+    SAFE_INDEX,
+    SAFE_WEIGHTS,
+    HFAdapter,
+    hf_families,
+)
+from gptoughts.models.hf_generic import HFCausalLM
+
+GENERATION_CONFIG = "generation_config.json"
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
+"""Shard size of exported weights (transformers' own default is of this order; hubs cap single files)."""
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def parse_size(text: str | int) -> int:
+    """``5GB``, ``200MB``, ``500KB`` or a number of bytes -> bytes (decimal units, as transformers); > 0."""
+    s = str(text).strip().upper().replace("IB", "B")
+    unit, mult = next(((u, m) for u, m in (("GB", 10**9), ("MB", 10**6), ("KB", 10**3), ("B", 1)) if s.endswith(u)),
+                      ("", 1))  # fmt: skip
+    try:
+        size = int(float(s[: len(s) - len(unit)]) * mult)
+    except (ValueError, OverflowError):
+        size = 0
+    if size < 1:
+        raise ConfigError(
+            f"--max_shard_size {text!r} is not a size of at least one byte; write e.g. 5GB, 200MB or a number "
+            "of bytes"
+        )
+    return size
+
+
+def save_state_dict(
+    sd: dict[str, torch.Tensor],
+    out_dir: Path,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> list[str]:
+    """Write ``sd`` as ``model.safetensors``, or as ``model-0000k-of-0000n.safetensors`` shards plus
+    ``model.safetensors.index.json`` when it is larger than ``max_shard_bytes``. Returns the file names."""
+    from safetensors.torch import save_file
+
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    total = 0
+    for name, t in sd.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += nbytes
+        total += nbytes
+    meta = {"format": "pt"}  # transformers checks this key to know the tensors are PyTorch's
+    if len(shards) == 1:
+        save_file(shards[0], str(out_dir / SAFE_WEIGHTS), metadata=meta)
+        return [SAFE_WEIGHTS]
+    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    weight_map = {}
+    for fname, shard in zip(names, shards):
+        save_file(shard, str(out_dir / fname), metadata=meta)
+        weight_map.update({k: fname for k in shard})
+    (out_dir / SAFE_INDEX).write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n"
+    )
+    return names + [SAFE_INDEX]
+
+
+def prepare_out_dir(out_dir: str | Path, overwrite: bool = False) -> Path:
+    out = Path(out_dir).expanduser()
+    if out.exists() and any(out.iterdir()):
+        if not overwrite:
+            raise UserError(
+                f"{out} exists and is not empty; choose another output folder or pass --overwrite"
+            )
+        for f in list(out.glob("*.safetensors")) + [out / SAFE_INDEX, out / BIN_WEIGHTS, out / BIN_INDEX]:
+            if f.exists():
+                f.unlink()  # stale shards of an earlier export would be picked up by the index-less reader
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def _token_ids(tokenizer: Any) -> dict[str, int | None]:
+    return {
+        "bos_token_id": tokenizer.bos_id,
+        "eos_token_id": tokenizer.eos_id,
+        "pad_token_id": tokenizer.pad_id if tokenizer.pad_id is not None else None,
+    }
+
+
+def write_generation_config(out: Path, tokenizer: Any, base: dict[str, Any] | None = None) -> None:
+    """``generation_config.json``: the source model's sampling defaults (when there was one) with our token ids."""
+    gen = dict(base or {})
+    gen.update({k: v for k, v in _token_ids(tokenizer).items() if v is not None})
+    gen.setdefault("do_sample", False)
+    (out / GENERATION_CONFIG).write_text(json.dumps(gen, indent=2, sort_keys=True) + "\n")
+
+
+def save_hf(
+    model: nn.Module,
+    family: str,
+    args: Any,
+    tokenizer: Any,
+    out_dir: str | Path,
+    *,
+    base_config: dict[str, Any] | None = None,
+    base_generation_config: dict[str, Any] | None = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    dtype: torch.dtype | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Write a native model as a ``transformers`` folder (see the module docstring). ``dtype`` defaults to the
+    parameters' own; ``base_config`` is the config of the model the run started from, if any."""
+    from gptoughts import models
+
+    fam = models.get_family(family)
+    adapter: HFAdapter | None = getattr(fam, "hf", None)
+    if adapter is None:
+        exporting = ", ".join(
+            name if types == (name,) else f"{name} (as {', '.join(types)})"
+            for name, types in hf_families().items()
+        )
+        raise UserError(
+            f"the {family} family has no transformers export (gptoughts sample and eval run it); the families "
+            f"that export: {exporting}"
+        )
+    ours = {k: v for k, v in model.state_dict().items()}
+    if dtype is None:
+        dtype = next((v.dtype for v in ours.values() if v.is_floating_point()), torch.float32)
+    hf_sd = {}
+    for k, v in adapter.to_hf(ours, args).items():
+        v = v.detach().to("cpu", dtype=dtype if v.is_floating_point() else v.dtype)
+        hf_sd[k] = (
+            v.contiguous().clone()
+            if v.data_ptr() in {t.data_ptr() for t in hf_sd.values()}
+            else v.contiguous()
+        )
+    takes_base = len(inspect.signature(adapter.hf_config).parameters) > 1
+    cfg = adapter.hf_config(args, base_config) if takes_base else adapter.hf_config(args)
+    cfg.update({k: v for k, v in _token_ids(tokenizer).items()})
+    cfg["torch_dtype"] = cfg["dtype"] = _dtype_name(dtype)  # 4.x reads torch_dtype, 5.x dtype
+    # Only now, with the weights mapped and the config accepted (a switch transformers cannot represent is
+    # refused above), is the folder created or an old export cleared: a refusal leaves it as it was.
+    out = prepare_out_dir(out_dir, overwrite)
+    (out / CONFIG_NAME).write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    save_state_dict(hf_sd, out, max_shard_bytes)
+    tokenizer.save(out)
+    write_generation_config(out, tokenizer, base_generation_config)
+    return out
+
+
+def save_generic(
+    model: HFCausalLM,
+    tokenizer: Any,
+    out_dir: str | Path,
+    *,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    dtype: torch.dtype | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Write a generic (wrapped ``transformers``) model with transformers' own ``save_pretrained``."""
+    out = prepare_out_dir(out_dir, overwrite)
+    hf = model.hf
+    if dtype is not None:
+        hf = hf.to(dtype)
+    hf.save_pretrained(str(out), max_shard_size=max_shard_bytes, safe_serialization=True)
+    tokenizer.save(out)
+    base = json.loads((out / GENERATION_CONFIG).read_text()) if (out / GENERATION_CONFIG).is_file() else None
+    write_generation_config(out, tokenizer, base)
+    return out
+
+
+def model_dtype(config: dict[str, Any]) -> torch.dtype:
+    """The dtype a model folder stores (``torch_dtype``/``dtype`` of its config), fp32 when unknown."""
+    name = config.get("dtype") or config.get("torch_dtype") or "float32"
+    return _DTYPES.get(str(name).removeprefix("torch."), torch.float32)
+
+
+def copy_tokenizer_files(src: str | Path, out: str | Path) -> None:
+    """Copy the original tokenizer files of a model folder over ours: same vocabulary, but the folder's own
+    tokenizer class and settings (``model_max_length``, ``add_bos_token``...) survive the round trip."""
+    src, out = Path(src), Path(out)
+    for name in (
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "tokenizer.model",
+        "chat_template.jinja",
+        "chat_template.json",
+    ):
+        if (src / name).is_file():
+            shutil.copy2(src / name, out / name)
