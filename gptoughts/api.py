@@ -22,7 +22,8 @@ from gptoughts.models import GENERIC_FAMILY
 from gptoughts.models.hf import HFCausalLM, is_hf_folder, load_pretrained
 from gptoughts.parallel import dist as pdist
 from gptoughts.perf import hardware
-from gptoughts.training import checkpoint as ckpt
+from gptoughts.training.checkpoint import restore
+from gptoughts.training.checkpoint import store as ckpt
 
 
 @dataclass
@@ -450,7 +451,7 @@ def load(path: str | Path, device: str = "auto", *, trust_remote_code: bool = Fa
             # the result differs from the 4-bit training-time model by the base's quantization error only), so a
             # QLoRA run loads, samples and exports on any device.
             model = apply_lora(model, replace(cfg.lora, quantize="none"), device=dev)
-        ckpt.load_weights(TrainableWeights(model) if cfg.lora.enabled else model, ck)
+        restore.load_weights(TrainableWeights(model) if cfg.lora.enabled else model, ck)
     else:
         family = models.get_family(run["family"])
         try:
@@ -459,7 +460,7 @@ def load(path: str | Path, device: str = "auto", *, trust_remote_code: bool = Fa
             raise UserError(f"{run_file} is corrupt (args: {e}); restore it from a copy") from None
         family_name = family.name
         model = build_raw_model(family.name, args, dev, seed=0)
-        ckpt.load_weights(model, ck)
+        restore.load_weights(model, ck)
     model.eval()
     if not (run_dir / "tokenizer").exists():
         raise DataError(f"{run_dir}/tokenizer is missing; cannot decode this model's outputs")

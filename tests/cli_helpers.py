@@ -86,7 +86,7 @@ def disk_full_at_state_file(monkeypatch) -> None:
     """Every checkpoint write from now on finds the disk full when it flushes the optimizer state file."""
     import errno
 
-    from gptoughts.training import checkpoint as ckpt
+    from gptoughts.training.checkpoint import store as ckpt
 
     real = ckpt._fsync_file
 

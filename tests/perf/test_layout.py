@@ -22,7 +22,7 @@ from gptoughts.perf import autobatch, hardware
 from gptoughts.perf.estimate import estimate
 from gptoughts.perf.layout import FIT, Layout, LayoutSearch, Need
 from gptoughts.training import build as build_mod
-from gptoughts.training import checkpoint as ckpt
+from gptoughts.training.checkpoint import staging
 
 GIB = 2**30
 CAPS = (16, 24, 40, 80)
@@ -60,7 +60,7 @@ def pretend_gpu(monkeypatch):
     monkeypatch.setattr(hardware, "apply_runtime_settings", lambda *a, **k: None)
     monkeypatch.setattr(hardware, "detect", lambda device="auto": _h100(80))
     monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda *a, **k: None)
-    monkeypatch.setattr(ckpt, "host_memory_available", lambda: int(HOST_GIB * GIB))
+    monkeypatch.setattr(staging, "host_memory_available", lambda: int(HOST_GIB * GIB))
 
 
 def _args(family: str, size: str):
@@ -295,7 +295,7 @@ def test_autobatch_finding_nothing_gives_the_layout_refusal(tmp_path, cache_dir,
         raise autobatch.NothingFits()
 
     monkeypatch.setattr(setup, "auto_micro_batch", nothing_fits)
-    monkeypatch.setattr(ckpt, "host_memory_available", lambda: int(HOST_GIB * GIB))
+    monkeypatch.setattr(staging, "host_memory_available", lambda: int(HOST_GIB * GIB))
     cfg = load_config(None, {"model.family": "inl", "model.size": "3b", "perf.gpu_memory_gib": 24})
     env = build_mod.Environment(
         device=torch.device("cuda", 0), dist=build_mod.pdist.DistInfo(), hw=_h100(24), precision="bf16"
@@ -329,7 +329,7 @@ def test_offload_chosen_for_a_real_run_starts_its_process_group(cache_dir, monke
     --parallel.cpu_offload true does, and trains with the layout it was given: the size's selective checkpointing
     and fp32 states kept, offload's reason in the config's resolved entries."""
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
-    monkeypatch.setattr(ckpt, "host_memory_available", lambda: int(HOST_GIB * GIB))
+    monkeypatch.setattr(staging, "host_memory_available", lambda: int(HOST_GIB * GIB))
     over = {"model.family": "inl", "model.size": "3b", "perf.gpu_memory_gib": 24, "parallel.backend": "gloo"}
     cfg = load_config(None, over)
     env = build_mod.Environment(
