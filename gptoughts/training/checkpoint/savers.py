@@ -310,18 +310,7 @@ class ShardedSaver(_BackgroundWriter):
         errors = [e for e in self._gather(error) if e]
         tmp_name = None
         if self.rank == 0:
-            try:
-                if errors:
-                    raise OSError("; ".join(errors))
-                self.root.mkdir(parents=True, exist_ok=True)
-                store.recover(self.root)
-                tmp_name = f".tmp-step_{step:06d}-{os.getpid()}-{time.monotonic_ns()}"
-                (self.root / tmp_name).mkdir()
-                torch.save(trainer_state, self.root / tmp_name / store.STATE_FILE)
-            except Exception as e:  # noqa: BLE001 - every rank must learn of it, not only rank 0
-                error = f"checkpoint step {step} could not be written: {type(e).__name__}: {e}"
-                if tmp_name is not None:
-                    shutil.rmtree(self.root / tmp_name, ignore_errors=True)
+            tmp_name, error = self._make_tmp(step, trainer_state, errors)
         tmp_name, error = self._broadcast((tmp_name, error))
         if error is not None:
             raise UserError(error)
@@ -354,6 +343,26 @@ class ShardedSaver(_BackgroundWriter):
             done()
 
         self._write_in_background(step, write, source)
+
+    def _make_tmp(
+        self, step: int, trainer_state: dict[str, Any] | None, errors: list[str]
+    ) -> tuple[str | None, str | None]:
+        """Rank 0's start of a save: the checkpoint's temp dir under ``root``, holding ``state.pt``. Returns its
+        name, or the error (``errors``: the ranks' staging failures) that every rank then raises."""
+        tmp_name = None
+        try:
+            if errors:
+                raise OSError("; ".join(errors))
+            self.root.mkdir(parents=True, exist_ok=True)
+            store.recover(self.root)
+            tmp_name = f".tmp-step_{step:06d}-{os.getpid()}-{time.monotonic_ns()}"
+            (self.root / tmp_name).mkdir()
+            torch.save(trainer_state, self.root / tmp_name / store.STATE_FILE)
+        except Exception as e:  # noqa: BLE001 - every rank must learn of it, not only rank 0
+            if tmp_name is not None:
+                shutil.rmtree(self.root / tmp_name, ignore_errors=True)
+            return None, f"checkpoint step {step} could not be written: {type(e).__name__}: {e}"
+        return tmp_name, None
 
     def _finish(
         self,

@@ -121,6 +121,21 @@ def save(
     return final
 
 
+def weights_for_file(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str] | None]:
+    """``model``'s state dict as ``safetensors.torch.save_model`` writes it: a tensor shared under several names
+    (tied embeddings) kept once, the other names in the file's metadata, so that ``load_model`` restores them.
+    Passing the result to :func:`save` writes the same file as passing the module."""
+    from safetensors.torch import _remove_duplicate_names
+
+    state = model.state_dict()
+    metadata: dict[str, str] = {}
+    for kept, removed in _remove_duplicate_names(state).items():
+        for name in removed:
+            metadata.setdefault(name, kept)
+            del state[name]
+    return state, metadata or None
+
+
 def file_record(path: Path, *, fsync: bool = True) -> dict[str, Any]:
     """``meta.json``'s entry for a written file: its sha256 and size, after flushing it to disk (``fsync``
     off: the writer flushed it itself, as DCP's does its shards)."""
@@ -241,8 +256,16 @@ def verify(path: Path) -> str | None:
         files = meta["files"]
     except (ValueError, KeyError, TypeError, UnicodeDecodeError):
         return "meta.json unreadable"
-    # A meta.json that is valid JSON but lists no files (or not both files, or wrong fields) verifies nothing.
     dcp_format = isinstance(meta, dict) and meta.get("format") == DCP_FORMAT
+    problem = _listing_problem(files, dcp_format) or _files_problem(path, files)
+    if problem is None and dcp_format:
+        problem = _dcp_index_problem(path, files)
+    return problem
+
+
+def _listing_problem(files: Any, dcp_format: bool) -> str | None:
+    """What is wrong with meta.json's list of files: one that is valid JSON but lists no files (or not both
+    files, or wrong fields, or a shard name that points elsewhere) verifies nothing."""
     if (
         not isinstance(files, dict)
         or not all(
@@ -259,6 +282,11 @@ def verify(path: Path) -> str | None:
         names = [n for n in files if n not in (DCP_METADATA, STATE_FILE)]
         if any("/" in n or "\\" in n or n.startswith(".") or not n.endswith(".distcp") for n in names):
             return "meta.json lists a file that is not a shard"
+    return None
+
+
+def _files_problem(path: Path, files: dict[str, dict[str, Any]]) -> str | None:
+    """The first listed file that is missing, truncated or corrupted."""
     for name, info in files.items():
         f = path / name
         if not f.exists():
@@ -267,15 +295,18 @@ def verify(path: Path) -> str | None:
             return f"{name} truncated ({f.stat().st_size} of {info['bytes']} bytes)"
         if _sha256(f) != info["sha256"]:
             return f"{name} checksum mismatch (corrupted)"
-    if dcp_format:
-        # The cheap check of DCP's own index: it reads safely and every shard file it points to is listed.
-        try:
-            index = read_dcp_metadata(path)
-        except UnreadableCheckpoint as e:
-            return str(e)
-        wanted = {str(getattr(i, "relative_path", "")) for i in (index.storage_data or {}).values()}
-        if not wanted <= set(files):
-            return f".metadata points to shards meta.json does not list ({sorted(wanted - set(files))[:3]})"
+    return None
+
+
+def _dcp_index_problem(path: Path, files: dict[str, dict[str, Any]]) -> str | None:
+    """The cheap check of DCP's own index: it reads safely and every shard file it points to is listed."""
+    try:
+        index = read_dcp_metadata(path)
+    except UnreadableCheckpoint as e:
+        return str(e)
+    wanted = {str(getattr(i, "relative_path", "")) for i in (index.storage_data or {}).values()}
+    if not wanted <= set(files):
+        return f".metadata points to shards meta.json does not list ({sorted(wanted - set(files))[:3]})"
     return None
 
 
@@ -323,12 +354,14 @@ def read_meta(path: Path) -> dict[str, Any]:
     return json.loads((path / META_FILE).read_text())
 
 
-# ------------------------------------------------------------------------------------- sharded (DCP) format
+# ----------------------------------------------------------------------------------- DCP's index, read safely
 def is_dcp(path: Path) -> bool:
     """Whether ``path`` is a sharded (DCP) checkpoint."""
     return (Path(path) / DCP_METADATA).exists()
 
 
+# What DCP's .metadata pickle may name (torch 2.11-2.13): its own dataclasses, torch.Size, dtypes, a layout
+# helper, the checkpoint's path. Anything else (a forged file naming os.system, say) is refused unread.
 _DCP_CLASSES = {
     "torch.distributed.checkpoint.metadata": {
         "Metadata",
@@ -398,18 +431,3 @@ def read_dcp_metadata(path: Path, name: str = DCP_METADATA) -> Any:
     if not isinstance(index, Metadata):
         raise UnreadableCheckpoint(f"{Path(path) / name} is not a DCP checkpoint index")
     return index
-
-
-def weights_for_file(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str] | None]:
-    """``model``'s state dict as ``safetensors.torch.save_model`` writes it: a tensor shared under several names
-    (tied embeddings) kept once, the other names in the file's metadata, so that ``load_model`` restores them.
-    Passing the result to :func:`save` writes the same file as passing the module."""
-    from safetensors.torch import _remove_duplicate_names
-
-    state = model.state_dict()
-    metadata: dict[str, str] = {}
-    for kept, removed in _remove_duplicate_names(state).items():
-        for name in removed:
-            metadata.setdefault(name, kept)
-            del state[name]
-    return state, metadata or None
