@@ -25,7 +25,8 @@ from pathlib import Path
 import torch
 
 from gptoughts import models
-from gptoughts.training import checkpoint as ckpt
+from gptoughts.training.checkpoint import restore, savers, sharded
+from gptoughts.training.checkpoint import store as ckpt
 
 
 def build(size: str, with_state: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -79,18 +80,18 @@ def main() -> None:
     model, opt = build(a.size, True)
     params = sum(p.numel() for p in model.parameters())
     print(json.dumps({"size": a.size, "params": params, "state_gib": round(gib(model, opt), 2)}), flush=True)
-    async_saver = ckpt.ShardedSaver(root / "dcp_async", async_save=True, keep_last=1)
+    async_saver = savers.ShardedSaver(root / "dcp_async", async_save=True, keep_last=1)
     for r in range(a.repeats):
         t = time.perf_counter()
         ckpt.save(root / "file", 1, model, trainer_state(opt), keep_last=1)
         record("file_save_s", time.perf_counter() - t)
         gc.collect()
-        saver = ckpt.ShardedSaver(root / "dcp", async_save=False, keep_last=1)
+        saver = savers.ShardedSaver(root / "dcp", async_save=False, keep_last=1)
         t = time.perf_counter()
-        saver.save(1, ckpt.sharded_state(model, opt), trainer_state(None))
+        saver.save(1, sharded.sharded_state(model, opt), trainer_state(None))
         record("dcp_sync_save_s", time.perf_counter() - t)
         if a.async_state != "none":  # one saver for all repeats, as in a run: its staging buffers are kept
-            state = ckpt.sharded_state(model, opt if a.async_state == "all" else None)
+            state = sharded.sharded_state(model, opt if a.async_state == "all" else None)
             t = time.perf_counter()
             async_saver.save(r + 1, state, trainer_state(None))
             record(f"dcp_async_{a.async_state}_blocked_s", async_saver.blocked_s)
@@ -105,16 +106,16 @@ def main() -> None:
         model, opt = build(a.size, False)
         t = time.perf_counter()
         path = ckpt.step_dir(root / "file", 1)
-        ckpt.load_weights(model, path)
-        opt.load_state_dict(ckpt.load_state(path)["optimizer"])
+        restore.load_weights(model, path)
+        opt.load_state_dict(restore.load_state(path)["optimizer"])
         record("file_load_s", time.perf_counter() - t)
         del model, opt
         gc.collect()
         model, opt = build(a.size, False)
         t = time.perf_counter()
         path = ckpt.step_dir(root / "dcp", 1)
-        ckpt.load_weights(model, path)
-        ckpt.load_dcp(path, model, opt, weights=False)
+        restore.load_weights(model, path)
+        sharded.load_dcp(path, model, opt, weights=False)
         record("dcp_load_s", time.perf_counter() - t)
         del model, opt
         gc.collect()

@@ -23,7 +23,8 @@ from gptoughts.models.hf import is_hf_folder, load_pretrained
 from gptoughts.models.hf_generic import HFCausalLM
 from gptoughts.parallel import dist as pdist
 from gptoughts.perf import hardware
-from gptoughts.training import checkpoint as ckpt
+from gptoughts.training.checkpoint import restore
+from gptoughts.training.checkpoint import store as ckpt
 
 
 @dataclass
@@ -485,7 +486,7 @@ def _load_over_base(
         # the result differs from the 4-bit training-time model by the base's quantization error only), so a
         # QLoRA run loads, samples and exports on any device.
         model = apply_lora(model, replace(cfg.lora, quantize="none"), device=dev)
-    ckpt.load_weights(TrainableWeights(model) if cfg.lora.enabled else model, ck)
+    restore.load_weights(TrainableWeights(model) if cfg.lora.enabled else model, ck)
     return model, family_name, args
 
 
@@ -501,7 +502,7 @@ def _load_native(
     except (TypeError, ValueError) as e:
         raise UserError(f"{run_file} is corrupt (args: {e}); restore it from a copy") from None
     model = build_raw_model(family.name, args, dev, seed=0)
-    ckpt.load_weights(model, ck)
+    restore.load_weights(model, ck)
     return model, family.name, args
 
 

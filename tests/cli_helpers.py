@@ -89,7 +89,7 @@ def disk_full_at_state_file(monkeypatch) -> None:
     """Every checkpoint write from now on finds the disk full when it flushes the optimizer state file."""
     import errno
 
-    from gptoughts.training import checkpoint as ckpt
+    from gptoughts.training.checkpoint import store as ckpt
 
     real = ckpt._fsync_file
 
@@ -118,11 +118,11 @@ def pretend_gpu(monkeypatch, gpu_gib: float = 80) -> None:
     import torch
 
     from gptoughts.perf import hardware
-    from gptoughts.training import checkpoint as ckpt
+    from gptoughts.training.checkpoint import staging
 
     monkeypatch.setattr(hardware, "resolve_device", lambda requested="auto": torch.device("cuda", 0))
     monkeypatch.setattr(hardware, "apply_runtime_settings", lambda *a, **k: None)
     monkeypatch.setattr(hardware, "detect", lambda device="auto": h100(gpu_gib))
     monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda *a, **k: None)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    monkeypatch.setattr(ckpt, "host_memory_available", lambda: int(HOST_GIB * GIB))
+    monkeypatch.setattr(staging, "host_memory_available", lambda: int(HOST_GIB * GIB))

@@ -16,7 +16,8 @@ from gptoughts.config import load_config
 from gptoughts.data.tokenizer import bytes_tokenizer
 from gptoughts.errors import ConfigError
 from gptoughts.tools.task_scorer import read_scorer
-from gptoughts.training import checkpoint as ckpt
+from gptoughts.training.checkpoint import restore
+from gptoughts.training.checkpoint import store as ckpt
 from gptoughts.training.trainer import combine_task_scores
 
 EXAMPLES = [
@@ -95,7 +96,9 @@ def test_tasks_are_scored_at_their_steps_logged_plotted_and_leave_training_alone
         return {x["step"]: x["loss"] for x in _rows(r) if "loss" in x}
 
     assert losses(run) == losses(tmp_path / "plain")
-    a, b = (ckpt.load_state(ckpt.latest_valid(r / "checkpoints"), "cpu") for r in (run, tmp_path / "plain"))
+    a, b = (
+        restore.load_state(ckpt.latest_valid(r / "checkpoints"), "cpu") for r in (run, tmp_path / "plain")
+    )
     assert torch.equal(a["rng"]["torch"], b["rng"]["torch"])
     assert a["loader"] == b["loader"]
 

@@ -23,7 +23,7 @@ from gptoughts.parallel.dist import wrap_fsdp
 from gptoughts.sampling import Sampler, compute_device, diffusion_generate, generate
 from gptoughts.tools.task_scorer import TaskScorer
 from gptoughts.tools.tasks import generate_until, loglikelihoods
-from gptoughts.training import checkpoint as ckpt
+from gptoughts.training.checkpoint import store as ckpt
 
 FAMILIES = ["llama", "gpt2", "deepseek", "inl", "llada"]
 

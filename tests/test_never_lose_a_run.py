@@ -17,7 +17,7 @@ import torch
 from cli_helpers import FASTRUN as CPU_FASTRUN
 from cli_helpers import disk_full_at_state_file, refused, run_cli, snapshot
 
-from gptoughts.training import checkpoint as ckpt
+from gptoughts.training.checkpoint import store as ckpt
 from gptoughts.training.rundir import RunLock
 
 FASTRUN = [*CPU_FASTRUN, "--tokenizer", "bytes"]

@@ -75,8 +75,8 @@ class Estimate:
     """CPU memory per process for what ``cpu_offload`` keeps there (fp32 weights, gradients, optimizer state)."""
     checkpoint_staging_gib: float = 0.0
     """CPU memory per saving process that background checkpoints keep for the whole run: one host copy of the
-    process's fp32 weights and optimizer state (``training/checkpoint.py``, ``_HostStaging``; each rank's shards under
-    FSDP, rank 0's whole state for one process or DDP)."""
+    process's fp32 weights and optimizer state (``HostStaging``, ``training/checkpoint/staging.py``; each rank's
+    shards under FSDP, rank 0's whole state for one process or DDP)."""
     optimizer_states: str = "fp32"
     """How AdamW's moments are stored (``train.optimizer_states``): what ``optimizer_gib`` counts."""
 

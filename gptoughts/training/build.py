@@ -38,8 +38,9 @@ from gptoughts.data.sources import STDLIB_ALIAS, stdlib_path
 from gptoughts.errors import ConfigError, DataError, UserError
 from gptoughts.parallel import dist as pdist
 from gptoughts.perf import checkpointing, hardware
-from gptoughts.training import checkpoint as ckpt
 from gptoughts.training import rundir
+from gptoughts.training.checkpoint import restore
+from gptoughts.training.checkpoint import store as ckpt
 from gptoughts.training.plan import BatchPlan, RunPlan, make_plan, memory_refusal
 from gptoughts.training.plan import gib as plan_gib
 
@@ -1243,11 +1244,11 @@ def load_resume_checkpoint(
                         f"{path} is a sharded checkpoint (an FSDP or tensor-parallel run's); a pipeline run "
                         "cannot load one yet: resume it without --parallel.pp"
                     )
-                model.built.pipeline.load_weights(ckpt.read_model_file(path), path)
+                model.built.pipeline.load_weights(restore.read_model_file(path), path)
             else:
-                ckpt.load_weights(model.weights, path, sharded=env.dist.sharded)
+                restore.load_weights(model.weights, path, sharded=env.dist.sharded)
             # FSDP: the full optimizer state stays in host memory; each rank copies only its shard to the GPU
-            return path, ckpt.load_state(path, "cpu" if env.dist.sharded else env.device)
+            return path, restore.load_state(path, "cpu" if env.dist.sharded else env.device)
         except ckpt.UnreadableCheckpoint as e:
             older = (
                 ckpt.latest_valid(run_dir / "checkpoints", before=ckpt.step_of(path))

@@ -364,7 +364,7 @@ def _memory(
         return None, None, None, None
     ck = cfg.checkpoint
     # Background checkpoints keep a host copy of what each saving process writes: every rank's shards (sharded
-    # runs), rank 0's whole state (one process or DDP on GPUs: ckpt.FileSaver; CPU runs write synchronously).
+    # runs), rank 0's whole state (one process or DDP on GPUs: savers.FileSaver; CPU runs write synchronously).
     staged = ck.checkpoints and ck.async_save and (env.dist.sharded or env.device.type == "cuda")
     return (
         e.total_gib,
@@ -430,9 +430,9 @@ def host_memory_gib(env: Any) -> float | None:
     between the processes torchrun started on this machine); None when unknown."""
     import os
 
-    from gptoughts.training import checkpoint as ckpt
+    from gptoughts.training.checkpoint import staging
 
-    free = ckpt.host_memory_available()
+    free = staging.host_memory_available()
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if env.dist.enabled else 1
     return free / max(1, local) / 2**30 if free else None
 

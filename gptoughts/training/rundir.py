@@ -26,7 +26,7 @@ from typing import Any
 
 from gptoughts.config import Config, config_from_toml_text
 from gptoughts.errors import ConfigError, UserError
-from gptoughts.training import checkpoint as ckpt
+from gptoughts.training.checkpoint import store as ckpt
 
 # Everything a run writes at its top level (checkpoints/ holds only step_* folders, best.json and temp dirs).
 RUN_FILES = (

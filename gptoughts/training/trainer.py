@@ -46,7 +46,8 @@ from gptoughts.errors import UserError, first_line
 from gptoughts.parallel import dist as pdist
 from gptoughts.perf.autobatch import free_memory
 from gptoughts.perf.timing import GpuMonitor, StepTimer, advice, format_profile, summarize_profile
-from gptoughts.training import checkpoint as ckpt
+from gptoughts.training.checkpoint import restore, savers, sharded
+from gptoughts.training.checkpoint import store as ckpt
 from gptoughts.training.metrics import MetricsLogger, ProgressBar, console, format_eta
 from gptoughts.training.optim import Schedule, clip_and_step, set_lr, zero_grads
 
@@ -226,16 +227,16 @@ class Trainer:
         self._last_micro: list[Batch] | None = None
         self._last_rng: tuple[torch.Tensor, torch.Tensor | None] | None = None
         # Sharded runs write sharded (DCP) checkpoints, each rank its own shards, by default in the background
-        # (see checkpoint.py); constructing the saver is a collective (its own gloo group). Other runs write the
-        # single-file format from rank 0, in the background where that pays (ckpt.FileSaver); a pipeline run
+        # (checkpoint/savers.py); constructing the saver is a collective (its own gloo group). Other runs write the
+        # single-file format from rank 0, in the background where that pays (savers.FileSaver); a pipeline run
         # gathers its stages to rank 0 for it (its ranks hold different keys).
-        self.saver: ckpt.ShardedSaver | ckpt.FileSaver | None = None
+        self.saver: savers.ShardedSaver | savers.FileSaver | None = None
         if self.ck.checkpoints and dist.sharded and pipeline is None:
-            self.saver = ckpt.ShardedSaver(
+            self.saver = savers.ShardedSaver(
                 self.ckpt_dir, rank=dist.rank, async_save=self.ck.async_save, keep_last=self.ck.keep_last
             )
         elif self.ck.checkpoints and dist.is_main:
-            self.saver = ckpt.FileSaver(
+            self.saver = savers.FileSaver(
                 self.ckpt_dir, keep_last=self.ck.keep_last, background=self.ck.async_save
             )
 
@@ -472,7 +473,7 @@ class Trainer:
         self.state = TrainState(**{k: v for k, v in sd["trainer"].items() if k in known})
         if sd.get("optimizer") is None and sd.get(ckpt.DCP_FORMAT):
             # A sharded checkpoint: DCP reads this rank's part of the optimizer state into the live optimizer
-            ckpt.load_dcp(Path(sd[ckpt.DCP_FORMAT]), self.weights_module(), self.optimizer, weights=False)
+            sharded.load_dcp(Path(sd[ckpt.DCP_FORMAT]), self.weights_module(), self.optimizer, weights=False)
         elif self.pipeline is not None:
             self.pipeline.load_optimizer_state(self.optimizer, sd["optimizer"])
         else:
@@ -528,11 +529,11 @@ class Trainer:
             "rollbacks": st.rollbacks,
             "lr_scale": st.lr_scale,
         }
-        if isinstance(self.saver, ckpt.ShardedSaver):  # every rank writes its own shards, no gather
+        if isinstance(self.saver, savers.ShardedSaver):  # every rank writes its own shards, no gather
             state = self.state_dict(optimizer=False)
             self.saver.save(
                 st.step,
-                ckpt.sharded_state(self.weights_module(), self.optimizer),
+                sharded.sharded_state(self.weights_module(), self.optimizer),
                 state if self.dist.is_main else None,
                 val_loss=val_loss,
                 is_best=is_best,
@@ -600,16 +601,16 @@ class Trainer:
         if path is None:
             raise self._diverged(reason, bad_from)
         if self.pipeline is not None:
-            self.pipeline.load_weights(ckpt.read_model_file(path), path)
+            self.pipeline.load_weights(restore.read_model_file(path), path)
         else:
-            ckpt.load_weights(self.weights_module(), path, sharded=self.dist.sharded)
+            restore.load_weights(self.weights_module(), path, sharded=self.dist.sharded)
         if not self.weights_finite():  # checkpoints written before this check existed
             raise UserError(
                 f"cannot roll back at step {old.step}: {path} holds non-finite weights; resume from an "
                 f"earlier checkpoint with a lower --learning_rate"
             )
         self.load_state_dict(
-            ckpt.load_state(path, "cpu" if self.dist.sharded else self.device), restore_loader=False
+            restore.load_state(path, "cpu" if self.dist.sharded else self.device), restore_loader=False
         )
         new = self.state
         skipped = old.step - new.step
@@ -643,7 +644,7 @@ class Trainer:
                 },
             )
         # Record the decision where a resume finds it: the checkpoint returned to, now with the loader past the
-        # bad batches, the cut learning rate and the rollback count (an atomic replace; see checkpoint.py).
+        # bad batches, the cut learning rate and the rollback count (an atomic replace; see checkpoint/store.py).
         meta = ckpt.read_meta(path) if self.dist.is_main else {}
         self.save(val_loss=meta.get("val_loss"))
         self._window_t0 = time.perf_counter()
@@ -712,8 +713,8 @@ class Trainer:
                 if self.saver is not None and not self.saver.prepared:
                     # After the first step the optimizer state exists: the saves' host buffers are allocated and
                     # pinned now, beside training, not at the first save (ShardedSaver/FileSaver.prepare).
-                    if isinstance(self.saver, ckpt.ShardedSaver):
-                        self.saver.prepare(ckpt.sharded_state(self.weights_module(), self.optimizer))
+                    if isinstance(self.saver, savers.ShardedSaver):
+                        self.saver.prepare(sharded.sharded_state(self.weights_module(), self.optimizer))
                     elif self.pipeline is None:
                         self.saver.prepare(ckpt.weights_for_file(self.weights_module())[0], self.state_dict())
                     else:  # its weights come from a gather at each save
@@ -747,7 +748,7 @@ class Trainer:
                     stop = stop or self._agree_stop()
                     if (
                         not self.dist.enabled
-                        and isinstance(self.saver, ckpt.FileSaver)
+                        and isinstance(self.saver, savers.FileSaver)
                         and self.saver.failed()
                     ):
                         # A background write failed: the state is saved again now (synchronously; see

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from gptoughts.config import load_config
 from gptoughts.errors import ConfigError
 from gptoughts.perf.estimate import estimate
-from gptoughts.training import checkpoint as ckpt
+from gptoughts.training.checkpoint import sharded
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
@@ -72,7 +72,7 @@ def test_one_process_offload_trains_like_a_plain_run(tmp_path, text_corpus, cach
     assert "cpu offload" in json.dumps(run)
     a = load_file(str(plain / "checkpoints" / "step_000003" / "model.safetensors"))
     # an offloaded run is sharded (FSDP2): its checkpoint is DCP's, consolidated on one process
-    b = ckpt.consolidated_weights(off / "checkpoints" / "step_000003")
+    b = sharded.consolidated_weights(off / "checkpoints" / "step_000003")
     assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)
     assert "CPU memory (offload)" in r.stdout  # the plan says where the state lives
 

@@ -16,7 +16,8 @@ from safetensors.torch import load_file
 from gptoughts import models
 from gptoughts.errors import ConfigError
 from gptoughts.parallel import pp
-from gptoughts.training import checkpoint as ckpt
+from gptoughts.training.checkpoint import restore
+from gptoughts.training.checkpoint import store as ckpt
 
 
 def _counts(split: list[range]) -> list[int]:
@@ -202,7 +203,7 @@ def test_pp2_trains_like_one_process(schedule, one_process):
         return
     # A pipeline checkpoint (every stage gathered, optimizer keyed by name) resumes in one process, and a
     # one-process checkpoint (optimizer keyed by index) resumes in the pipeline; both continue alike.
-    state = ckpt.load_state(piped / "checkpoints" / "step_000003")
+    state = restore.load_state(piped / "checkpoints" / "step_000003")
     assert all(isinstance(k, str) for k in state["optimizer"]["state"])
     _train(base / "s2", args, "--max_steps=5", "--resume", str(piped / "checkpoints" / "step_000003"))
     _close(ref, _losses(base / "s2"), [4, 5])

@@ -19,7 +19,7 @@ import torch
 from gptoughts.errors import ConfigError
 from gptoughts.models import model_args
 from gptoughts.parallel.tp import check_tp
-from gptoughts.training import checkpoint as ckpt
+from gptoughts.training.checkpoint import store as ckpt
 
 ARGS = [
     "--model.size", "debug", "--data.tokenizer", "bytes", "--eval_batches", "2",

@@ -24,7 +24,7 @@ from gptoughts.perf import autobatch
 from gptoughts.perf.estimate import estimate
 from gptoughts.perf.layout import FIT, Layout, LayoutSearch, Need
 from gptoughts.training import build as build_mod
-from gptoughts.training import checkpoint as ckpt
+from gptoughts.training.checkpoint import staging
 
 CAPS = (16, 24, 40, 80)
 # The seeds' sizes (the INL guide's 3b and 4b, the textbook's Llamas) and each other family's sizes.
@@ -273,7 +273,7 @@ def test_autobatch_finding_nothing_gives_the_layout_refusal(tmp_path, cache_dir,
         raise autobatch.NothingFits()
 
     monkeypatch.setattr(setup, "auto_micro_batch", nothing_fits)
-    monkeypatch.setattr(ckpt, "host_memory_available", lambda: int(HOST_GIB * GIB))
+    monkeypatch.setattr(staging, "host_memory_available", lambda: int(HOST_GIB * GIB))
     cfg = load_config(None, {"model.family": "inl", "model.size": "3b", "perf.gpu_memory_gib": 24})
     env = build_mod.Environment(
         device=torch.device("cuda", 0), dist=build_mod.pdist.DistInfo(), hw=_h100(24), precision="bf16"
@@ -308,7 +308,7 @@ def test_offload_chosen_for_a_real_run_starts_its_process_group(cache_dir, monke
     --parallel.cpu_offload true does, and trains with the layout it was given: the size's selective checkpointing
     and fp32 states kept, offload's reason in the config's resolved entries."""
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
-    monkeypatch.setattr(ckpt, "host_memory_available", lambda: int(HOST_GIB * GIB))
+    monkeypatch.setattr(staging, "host_memory_available", lambda: int(HOST_GIB * GIB))
     over = {"model.family": "inl", "model.size": "3b", "perf.gpu_memory_gib": 24, "parallel.backend": "gloo"}
     cfg = load_config(None, over)
     env = build_mod.Environment(

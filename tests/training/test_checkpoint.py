@@ -5,7 +5,8 @@ import torch
 from torch import nn
 
 from gptoughts.errors import UserError
-from gptoughts.training import checkpoint as ckpt
+from gptoughts.training.checkpoint import restore, savers, sharded, staging
+from gptoughts.training.checkpoint import store as ckpt
 
 
 def _model(seed: int) -> nn.Module:
@@ -19,10 +20,10 @@ def test_save_load_roundtrip_weights_only(tmp_path):
     path = ckpt.save(tmp_path, 3, m, state)
     assert ckpt.verify(path) is None
     m2 = _model(1)
-    ckpt.load_weights(m2, path)
+    restore.load_weights(m2, path)
     for a, b in zip(m.parameters(), m2.parameters()):
         assert torch.equal(a, b)
-    back = ckpt.load_state(path)  # torch.load(weights_only=True)
+    back = restore.load_state(path)  # torch.load(weights_only=True)
     assert back["trainer"]["step"] == 3 and back["loader"]["rows"] == 12
 
 
@@ -82,7 +83,7 @@ def test_shared_weights_save(tmp_path):
     path = ckpt.save(tmp_path, 1, m, {})
     m2 = nn.ModuleDict({"emb": nn.Embedding(10, 4), "head": nn.Linear(4, 10, bias=False)})
     m2["head"].weight = m2["emb"].weight
-    ckpt.load_weights(m2, path)
+    restore.load_weights(m2, path)
     assert torch.equal(m2["head"].weight, emb.weight)
 
 
@@ -98,9 +99,9 @@ def _trained(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
 
 
 def _dcp_save(root, step: int, m: nn.Module, opt, *, async_save: bool = False, **kw):
-    saver = ckpt.ShardedSaver(root, async_save=async_save)
+    saver = savers.ShardedSaver(root, async_save=async_save)
     state = {"trainer": {"step": step}, "rng": {"torch": torch.get_rng_state()}, "loader": {"rows": 12}}
-    saver.save(step, ckpt.sharded_state(m, opt), state, **kw)
+    saver.save(step, sharded.sharded_state(m, opt), state, **kw)
     return saver
 
 
@@ -113,18 +114,18 @@ def test_dcp_one_process_roundtrip(tmp_path):
     assert meta["format"] == "dcp" and meta["world_size"] == 1 and "__0_0.distcp" in meta["files"]
     assert ckpt.best_step(tmp_path) == 3 and not list(tmp_path.glob(".tmp-*"))
     m2, opt2 = _model(1), None
-    ckpt.load_weights(m2, path)  # what sampling and export do: no optimizer, no process group
+    restore.load_weights(m2, path)  # what sampling and export do: no optimizer, no process group
     assert all(torch.equal(a, b) for a, b in zip(m.parameters(), m2.parameters()))
-    state = ckpt.load_state(path)
+    state = restore.load_state(path)
     assert state["trainer"]["step"] == 3 and state["loader"]["rows"] == 12 and state["optimizer"] is None
     opt2 = torch.optim.AdamW(m2.parameters(), lr=1e-2)
-    ckpt.load_dcp(path, m2, opt2, weights=False)
+    sharded.load_dcp(path, m2, opt2, weights=False)
     for p, q in zip(m.parameters(), m2.parameters()):
         assert torch.equal(opt.state[p]["exp_avg_sq"], opt2.state[q]["exp_avg_sq"])
-    full = ckpt.consolidated_weights(path)
+    full = sharded.consolidated_weights(path)
     assert full.keys() == m.state_dict().keys()
     with pytest.raises(UserError, match="does not match the model"):
-        ckpt.load_weights(nn.Sequential(nn.Linear(8, 8)), path)
+        restore.load_weights(nn.Sequential(nn.Linear(8, 8)), path)
 
 
 def test_async_save_writes_what_a_sync_save_writes(tmp_path):
@@ -196,7 +197,7 @@ def test_dcp_forged_index_is_refused_unrun(tmp_path):
     with pytest.warns(UserWarning, match="unusable"):
         assert ckpt.latest_valid(tmp_path) == ckpt.step_dir(tmp_path, 1)
     with pytest.raises(ckpt.UnreadableCheckpoint, match="not allowed"):
-        ckpt.load_weights(_model(1), newest)
+        restore.load_weights(_model(1), newest)
     assert not marker.exists()
 
 
@@ -204,14 +205,15 @@ _KILL_CHILD = """
 import sys, time, torch
 from torch import nn
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
-from gptoughts.training import checkpoint as ckpt
+from gptoughts.training.checkpoint import savers, sharded
+from gptoughts.training.checkpoint import store as ckpt
 
 root, where = sys.argv[1], sys.argv[2]
 torch.manual_seed(0)
 m = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 2))
 opt = torch.optim.AdamW(m.parameters())
 state = {"trainer": {"step": 1}, "rng": {"torch": torch.get_rng_state()}, "loader": {"rows": 0}}
-ckpt.ShardedSaver(root, async_save=False).save(1, ckpt.sharded_state(m, opt), state)
+savers.ShardedSaver(root, async_save=False).save(1, sharded.sharded_state(m, opt), state)
 
 def hang(*a, **k):
     print("IN FLIGHT", flush=True)
@@ -220,9 +222,9 @@ def hang(*a, **k):
 if where == "writing":  # the shards are being written
     FileSystemWriter.write_data = hang
 else:  # every shard written and hashed, meta.json and the rename not yet done
-    ckpt._commit = hang
-saver = ckpt.ShardedSaver(root, async_save=True)
-saver.save(2, ckpt.sharded_state(m, opt), {**state, "trainer": {"step": 2}})
+    ckpt.commit = hang
+saver = savers.ShardedSaver(root, async_save=True)
+saver.save(2, sharded.sharded_state(m, opt), {**state, "trainer": {"step": 2}})
 print("SAVE RETURNED", flush=True)
 saver.wait()
 """
@@ -272,10 +274,12 @@ def test_dcp_shared_weights(tmp_path):
     head = nn.Linear(4, 10, bias=False)
     head.weight = emb.weight
     m = nn.ModuleDict({"emb": emb, "head": head})
-    ckpt.ShardedSaver(tmp_path, async_save=False).save(1, ckpt.sharded_state(m), {"trainer": {"step": 1}})
+    savers.ShardedSaver(tmp_path, async_save=False).save(
+        1, sharded.sharded_state(m), {"trainer": {"step": 1}}
+    )
     m2 = nn.ModuleDict({"emb": nn.Embedding(10, 4), "head": nn.Linear(4, 10, bias=False)})
     m2["head"].weight = m2["emb"].weight
-    ckpt.load_weights(m2, ckpt.step_dir(tmp_path, 1))
+    restore.load_weights(m2, ckpt.step_dir(tmp_path, 1))
     assert torch.equal(m2["head"].weight, emb.weight) and m2["head"].weight is m2["emb"].weight
 
 
@@ -316,7 +320,7 @@ def test_dcp_two_ranks_resume_on_one_and_four(tmp_path, text_corpus, cache_dir, 
         cmd = [*launch, "train", "default", "--out", str(out), "--batch_size", str(4 // ranks), *args, *extra]
         r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stderr[-3000:]
-        # the plan counts the host copy that async sharded saves keep (checkpoint._HostStaging)
+        # the plan counts the host copy that async sharded saves keep (checkpoint.staging.HostStaging)
         assert ("for background checkpoints" in r.stdout) == (ranks > 1), r.stdout[-2000:]
         rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         return {r["step"]: r["loss"] for r in rows if "loss" in r}
@@ -340,16 +344,16 @@ def test_async_saves_in_a_row_each_write_their_own_state(tmp_path):
     """The saver keeps its host staging buffers from one save to the next: each save still writes the state of
     its own step (the next staging waits for the previous write)."""
     m, opt = _trained(0)
-    saver = ckpt.ShardedSaver(tmp_path, async_save=True)
+    saver = savers.ShardedSaver(tmp_path, async_save=True)
     expected = {}
     for step in (1, 2, 3):
         with torch.no_grad():
             m[0].weight.fill_(float(step))
-        saver.save(step, ckpt.sharded_state(m, opt), {"trainer": {"step": step}})
+        saver.save(step, sharded.sharded_state(m, opt), {"trainer": {"step": step}})
         expected[step] = m[0].weight.clone()
     saver.close()
     for step in (1, 2, 3):
-        full = ckpt.consolidated_weights(ckpt.step_dir(tmp_path, step))
+        full = sharded.consolidated_weights(ckpt.step_dir(tmp_path, step))
         assert torch.equal(full["0.weight"], expected[step])
 
 
@@ -357,18 +361,18 @@ def test_async_staging_buffers_are_reused_and_reallocated_on_a_new_shape(tmp_pat
     """The host buffers are allocated at the first save and refilled by the next (same storages); a state with
     another shape gets new ones; tied weights share one buffer; close() frees them."""
     m, opt = _trained(0)
-    saver = ckpt.ShardedSaver(tmp_path, async_save=True)
-    saver.save(1, ckpt.sharded_state(m, opt), {"trainer": {"step": 1}})
+    saver = savers.ShardedSaver(tmp_path, async_save=True)
+    saver.save(1, sharded.sharded_state(m, opt), {"trainer": {"step": 1}})
     ptrs = [b.data_ptr() for b in saver.staging._buffers]
     assert saver.staging.allocations == 1 and saver.staging.nbytes >= 4 * sum(
         p.numel() for p in m.parameters()
     )
     with torch.no_grad():
         m[0].weight.add_(1.0)
-    saver.save(2, ckpt.sharded_state(m, opt), {"trainer": {"step": 2}})
+    saver.save(2, sharded.sharded_state(m, opt), {"trainer": {"step": 2}})
     assert [b.data_ptr() for b in saver.staging._buffers] == ptrs and saver.staging.allocations == 1
     saver.wait()
-    full = ckpt.consolidated_weights(ckpt.step_dir(tmp_path, 2))
+    full = sharded.consolidated_weights(ckpt.step_dir(tmp_path, 2))
     assert torch.equal(full["0.weight"], m[0].weight)
 
     emb = nn.Embedding(10, 4)
@@ -376,11 +380,11 @@ def test_async_staging_buffers_are_reused_and_reallocated_on_a_new_shape(tmp_pat
     head.weight = emb.weight
     tied = nn.ModuleDict({"emb": emb, "head": head})
     tied.register_buffer("nothing", torch.zeros(0, 3))  # an empty tensor has a (zero-byte) buffer too
-    saver.save(3, ckpt.sharded_state(tied), {"trainer": {"step": 3}})
+    saver.save(3, sharded.sharded_state(tied), {"trainer": {"step": 3}})
     assert saver.staging.allocations == 2 and len(saver.staging._buffers) == 2  # one copy of the tied weight
     saver.close()
     assert not saver.staging._buffers
-    assert torch.equal(ckpt.consolidated_weights(ckpt.step_dir(tmp_path, 3))["head.weight"], emb.weight)
+    assert torch.equal(sharded.consolidated_weights(ckpt.step_dir(tmp_path, 3))["head.weight"], emb.weight)
 
 
 def test_prepare_allocates_the_staging_before_the_first_save_which_reuses_it(tmp_path):
@@ -388,20 +392,20 @@ def test_prepare_allocates_the_staging_before_the_first_save_which_reuses_it(tmp
     thread; the first save waits for it and copies into those buffers (no second allocation), and the checkpoint
     holds the weights of the save, not of the prepare."""
     m, opt = _trained(0)
-    saver = ckpt.ShardedSaver(tmp_path, async_save=True)
-    saver.prepare(ckpt.sharded_state(m, opt))
+    saver = savers.ShardedSaver(tmp_path, async_save=True)
+    saver.prepare(sharded.sharded_state(m, opt))
     assert saver.prepared
     saver.wait()
     ptrs = [b.data_ptr() for b in saver.staging._buffers]
     assert saver.staging.allocations == 1 and ptrs
-    saver.prepare(ckpt.sharded_state(m, opt))  # once only
+    saver.prepare(sharded.sharded_state(m, opt))  # once only
     assert saver.staging.allocations == 1
     with torch.no_grad():
         m[0].weight.fill_(3.0)
-    saver.save(1, ckpt.sharded_state(m, opt), {"trainer": {"step": 1}})
+    saver.save(1, sharded.sharded_state(m, opt), {"trainer": {"step": 1}})
     assert [b.data_ptr() for b in saver.staging._buffers] == ptrs and saver.staging.allocations == 1
     saver.close()
-    assert torch.equal(ckpt.consolidated_weights(ckpt.step_dir(tmp_path, 1))["0.weight"], m[0].weight)
+    assert torch.equal(sharded.consolidated_weights(ckpt.step_dir(tmp_path, 1))["0.weight"], m[0].weight)
 
 
 def test_async_write_error_surfaces_at_the_next_wait(tmp_path, monkeypatch):
@@ -410,20 +414,20 @@ def test_async_write_error_surfaces_at_the_next_wait(tmp_path, monkeypatch):
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
     m, opt = _trained(0)
-    saver = ckpt.ShardedSaver(tmp_path, async_save=True)
+    saver = savers.ShardedSaver(tmp_path, async_save=True)
     real = FileSystemWriter.write_data
 
     def broken(*a, **k):
         raise OSError("No space left on device\nsecond line")
 
     monkeypatch.setattr(FileSystemWriter, "write_data", broken)
-    saver.save(1, ckpt.sharded_state(m, opt), {"trainer": {"step": 1}})
+    saver.save(1, sharded.sharded_state(m, opt), {"trainer": {"step": 1}})
     with pytest.raises(UserError, match="checkpoint step 1 could not be written.*No space left") as err:
-        saver.save(2, ckpt.sharded_state(m, opt), {"trainer": {"step": 2}})
+        saver.save(2, sharded.sharded_state(m, opt), {"trainer": {"step": 2}})
     assert "\n" not in str(err.value)
     assert ckpt.list_steps(tmp_path) == [] and not list(tmp_path.glob(".tmp-*"))
     monkeypatch.setattr(FileSystemWriter, "write_data", real)
-    saver.save(2, ckpt.sharded_state(m, opt), {"trainer": {"step": 2}})
+    saver.save(2, sharded.sharded_state(m, opt), {"trainer": {"step": 2}})
     saver.close()
     assert ckpt.list_steps(tmp_path) == [2] and ckpt.verify(ckpt.step_dir(tmp_path, 2)) is None
 
@@ -432,14 +436,14 @@ def test_async_staging_error_is_a_user_error_before_any_write(tmp_path, monkeypa
     """Host memory that cannot be had (the copy fails) stops the save at once with a UserError on every rank;
     nothing is left on disk."""
     m, opt = _trained(0)
-    saver = ckpt.ShardedSaver(tmp_path, async_save=True)
+    saver = savers.ShardedSaver(tmp_path, async_save=True)
 
     def no_memory(self, layout):
         raise MemoryError("cannot allocate 56 GiB")
 
-    monkeypatch.setattr(ckpt._HostStaging, "_ensure", no_memory)
+    monkeypatch.setattr(staging.HostStaging, "_ensure", no_memory)
     with pytest.raises(UserError, match="copy to host memory failed: MemoryError"):
-        saver.save(1, ckpt.sharded_state(m, opt), {"trainer": {"step": 1}})
+        saver.save(1, sharded.sharded_state(m, opt), {"trainer": {"step": 1}})
     assert not saver.pending and not list(tmp_path.glob(".tmp-*")) and ckpt.list_steps(tmp_path) == []
 
 
@@ -461,7 +465,7 @@ def test_8bit_optimizer_states_load_in_a_process_without_torchao_imported(tmp_pa
     opt.step()
     torch.save({"trainer": {"step": 1}, "optimizer": opt.state_dict()}, tmp_path / ckpt.STATE_FILE)
     code = (
-        "import sys; from pathlib import Path; from gptoughts.training.checkpoint import load_state; "
+        "import sys; from pathlib import Path; from gptoughts.training.checkpoint.restore import load_state; "
         "assert 'torchao' not in sys.modules; s = load_state(Path(sys.argv[1])); "
         "print(type(s['optimizer']['state'][0]['exp_avg']).__name__)"
     )
@@ -498,7 +502,7 @@ def test_weights_for_file_writes_what_save_model_writes(tmp_path):
 
 def _background(monkeypatch) -> None:
     # The background path is taken for GPU tensors; on this CPU machine it is forced for the test.
-    monkeypatch.setattr(ckpt.FileSaver, "_worth_it", lambda self, weights, state: self.background)
+    monkeypatch.setattr(savers.FileSaver, "_worth_it", lambda self, weights, state: self.background)
 
 
 def test_file_saver_in_the_background_writes_the_state_of_the_save_call(tmp_path, monkeypatch):
@@ -521,7 +525,7 @@ def test_file_saver_in_the_background_writes_the_state_of_the_save_call(tmp_path
     m(torch.tensor([1, 2])).sum().backward()
     opt.step()
     before = {k: v.clone() for k, v in m.state_dict().items()}
-    saver = ckpt.FileSaver(tmp_path / "bg", keep_last=2)
+    saver = savers.FileSaver(tmp_path / "bg", keep_last=2)
     weights, metadata = ckpt.weights_for_file(m)
     state = {"optimizer": opt.state_dict(), "trainer": {"step": 1, "history": [1.0]}}
     saver.save(1, weights, state, weights_metadata=metadata, val_loss=2.5, is_best=True)
@@ -537,11 +541,11 @@ def test_file_saver_in_the_background_writes_the_state_of_the_save_call(tmp_path
     path = ckpt.step_dir(tmp_path / "bg", 1)
     assert ckpt.verify(path) is None and ckpt.best_step(tmp_path / "bg") == 1
     fresh = _Tied()
-    ckpt.load_weights(fresh, path)
+    restore.load_weights(fresh, path)
     for k, v in fresh.state_dict().items():
         assert torch.equal(v, before[k]), k
     assert fresh.head.weight is fresh.embed.weight
-    back = ckpt.load_state(path)
+    back = restore.load_state(path)
     assert back["trainer"]["history"] == [1.0]
     moved = next(iter(opt.state.values()))["exp_avg"]
     assert not torch.equal(next(iter(back["optimizer"]["state"].values()))["exp_avg"], moved)
@@ -556,7 +560,7 @@ def test_file_saver_reports_a_failed_background_write_at_the_next_wait(tmp_path,
         raise OSError("No space left on device")
 
     monkeypatch.setattr(ckpt, "save", broken)
-    saver = ckpt.FileSaver(tmp_path)
+    saver = savers.FileSaver(tmp_path)
     weights, _ = ckpt.weights_for_file(_model(0))
     saver.save(1, weights, {"trainer": {"step": 1}})
     with pytest.raises(UserError, match="No space left on device"):
@@ -566,7 +570,7 @@ def test_file_saver_reports_a_failed_background_write_at_the_next_wait(tmp_path,
 
 
 def test_file_saver_writes_cpu_runs_synchronously(tmp_path):
-    saver = ckpt.FileSaver(tmp_path)
+    saver = savers.FileSaver(tmp_path)
     weights, _ = ckpt.weights_for_file(_model(0))
     saver.save(1, weights, {"trainer": {"step": 1}})
     assert not saver.last_in_background and not saver.pending
@@ -579,8 +583,8 @@ def test_file_saver_writes_synchronously_when_the_host_copy_fails(tmp_path, monk
     def no_memory(self, state):
         raise MemoryError("cannot allocate")
 
-    monkeypatch.setattr(ckpt._HostStaging, "stage", no_memory)
-    saver = ckpt.FileSaver(tmp_path)
+    monkeypatch.setattr(staging.HostStaging, "stage", no_memory)
+    saver = savers.FileSaver(tmp_path)
     weights, _ = ckpt.weights_for_file(_model(0))
     saver.save(1, weights, {"trainer": {"step": 1}})
     assert not saver.last_in_background and not saver.background  # and stays so for the run
@@ -600,13 +604,13 @@ def test_a_failed_background_write_is_made_good_by_a_synchronous_save(tmp_path, 
         return real_save(*args, **kwargs)
 
     monkeypatch.setattr(ckpt, "save", fails_once)
-    saver = ckpt.FileSaver(tmp_path)
+    saver = savers.FileSaver(tmp_path)
     weights, _ = ckpt.weights_for_file(_model(0))
     saver.save(1, weights, {"trainer": {"step": 1}})
     saver._thread.join()
     assert saver.failed()
     warned = []  # the CLI's logging setup (earlier tests) keeps this logger's records from pytest's capture
-    monkeypatch.setattr(ckpt.log, "warning", lambda fmt, *args: warned.append(fmt % args))
+    monkeypatch.setattr(savers.log, "warning", lambda fmt, *args: warned.append(fmt % args))
     saver.save(2, weights, {"trainer": {"step": 2}})
     assert not saver.last_in_background and not saver.failed()
     assert len(warned) == 1 and "step 1 could not be written" in warned[0]
@@ -621,8 +625,8 @@ def test_wrapper_tensors_are_not_staged():
     two_tensor = pytest.importorskip("torch.testing._internal.two_tensor")
     plain = {"w": torch.ones(3), "state": {"m": torch.zeros(3)}}
     wrapped = {"w": torch.ones(3), "state": {"m": two_tensor.TwoTensor(torch.zeros(3), torch.ones(3))}}
-    assert ckpt.stageable(plain) and not ckpt.stageable(wrapped)
-    saver = ckpt.FileSaver(".")
+    assert staging.stageable(plain) and not staging.stageable(wrapped)
+    saver = savers.FileSaver(".")
     monkey_cuda = {"w": torch.ones(3)}
     assert not saver._worth_it(
         monkey_cuda, wrapped

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from gptoughts.config import CheckpointConfig, PerfConfig, RunConfig, TrainConfig
 from gptoughts.models import build_model, model_args
 from gptoughts.parallel.dist import DistInfo, wrap_fsdp
-from gptoughts.training import checkpoint as ckpt
+from gptoughts.training.checkpoint import sharded
 from gptoughts.training.metrics import MetricsLogger
 from gptoughts.training.objectives import build_objective
 from gptoughts.training.optim import Schedule
@@ -118,7 +118,7 @@ def _trainer(
 
 def _assert_same_weights(model: torch.nn.Module, reference: torch.nn.Module) -> None:
     """Equal weights, read as the sharded saver reads them (one process: each shard is the whole tensor)."""
-    got, want = (ckpt.sharded_state(m)["model"] for m in (model, reference))
+    got, want = (sharded.sharded_state(m)["model"] for m in (model, reference))
     assert got.keys() == want.keys()
     for name, tensor in want.items():
         torch.testing.assert_close(
@@ -156,7 +156,7 @@ def test_a_step_retried_after_out_of_memory_ends_as_a_run_at_the_smaller_micro_b
     assert stepped == {id(p) for p in model.parameters()}
     assert len(optimizer.state) == len(stepped)
     # What the sharded saver reads after the first step (the reported KeyError): keyed by the model's names.
-    state = ckpt.sharded_state(model, optimizer)
+    state = sharded.sharded_state(model, optimizer)
     assert set(state["optimizer"]["state"]) == set(state["model"])
 
     smaller = _trainer(family, rows, batch=ROWS // 2, accum=4, tmp=tmp_path / "smaller")

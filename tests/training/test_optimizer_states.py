@@ -337,7 +337,7 @@ def test_bf16_states_under_fsdp_checkpoint_and_resume(tmp_path, text_corpus, cac
     import subprocess
     import sys
 
-    from gptoughts.training import checkpoint as ckpt
+    from gptoughts.training.checkpoint import store as ckpt
 
     skip = ("train.batch_size", "train.sample_prompts")
     args = ["--data", str(text_corpus), "--log_interval", "1", "--eval_interval", "0", "--save_interval", "3"]

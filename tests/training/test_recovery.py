@@ -22,7 +22,8 @@ from safetensors.torch import load_file
 from gptoughts import cli
 from gptoughts.config import load_config
 from gptoughts.errors import ConfigError
-from gptoughts.training import checkpoint as ckpt
+from gptoughts.training.checkpoint import restore
+from gptoughts.training.checkpoint import store as ckpt
 from gptoughts.training.trainer import Trainer
 
 BATCH = 4  # train.batch_size of the conftest FAST settings (grad_accum 1, one process)
@@ -118,7 +119,7 @@ def _check_checkpoints(run: Path) -> list[int]:
     for s in steps:
         d = ckpt.step_dir(root, s)
         assert ckpt.verify(d) is None, d
-        meta, state = ckpt.read_meta(d), ckpt.load_state(d)
+        meta, state = ckpt.read_meta(d), restore.load_state(d)
         tr = state["trainer"]
         assert meta["step"] == tr["step"] == s
         assert meta["data_steps_skipped"] == tr["data_steps_skipped"]
@@ -174,7 +175,7 @@ def test_transient_nan_rolls_back_past_the_bad_batches(
     assert lr[(1, 5)] == pytest.approx(0.5 * lr[(0, 5)])  # same schedule position, halved
     assert [r["skipped_steps"] for r in rows if "loss" in r and r["step"] in (6, 7, 8)][:3] == [1, 1, 1]
     assert _check_checkpoints(out)[-1] == 14
-    last = ckpt.load_state(ckpt.step_dir(out / "checkpoints", 14))["trainer"]
+    last = restore.load_state(ckpt.step_dir(out / "checkpoints", 14))["trainer"]
     assert (last["data_steps_skipped"], last["rollbacks"], last["lr_scale"]) == (4, 1, 0.5)
 
 
@@ -397,7 +398,7 @@ import os, signal, sys, time
 sys.path.insert(0, {tests!r})
 from test_recovery import install_fault, nan_on_calls
 from gptoughts import cli
-from gptoughts.training import checkpoint as ckpt
+from gptoughts.training.checkpoint import store as ckpt
 from gptoughts.training.trainer import Trainer
 
 install_fault(setattr, nan_on_calls(6, 8))
@@ -463,7 +464,7 @@ def test_sigkill_while_rolling_back_then_resume(kill_at, tmp_path, text_corpus, 
     assert not list(root.glob(".old-*")) and not list(root.glob(".tmp-*"))
     steps = _check_checkpoints(out)
     assert steps[-1] == 12
-    last = ckpt.load_state(ckpt.step_dir(root, 12))["trainer"]
+    last = restore.load_state(ckpt.step_dir(root, 12))["trainer"]
     # Killed before the rollback was recorded: the resume starts again from the old step 4 and meets no fault.
     # Killed after: the resume continues the rolled-back run (data past the bad batches, halved learning rate).
     expected = (4, 1, 0.5) if kill_at == "after_resave" else (0, 0, 1.0)

@@ -20,7 +20,7 @@ from gptoughts.config import load_config
 from gptoughts.errors import ConfigError
 from gptoughts.perf import hardware
 from gptoughts.training import build as build_mod
-from gptoughts.training import checkpoint as ckpt
+from gptoughts.training.checkpoint import staging
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text(encoding="utf-8")
@@ -133,7 +133,7 @@ def test_a_run_that_cannot_fit_is_refused_before_anything_heavy(
 ):
     """The estimate exceeds what this machine has available: one line naming the estimate, the limit and the flag
     that tries anyway; the plan was printed; nothing tokenized, built or written."""
-    monkeypatch.setattr(ckpt, "host_memory_available", lambda: 2**20)  # 1 MiB available
+    monkeypatch.setattr(staging, "host_memory_available", lambda: 2**20)  # 1 MiB available
     built = []
     monkeypatch.setattr(build_mod, "build_raw_model", lambda *a, **k: built.append(a), raising=False)
     out = tmp_path / "run"
@@ -157,7 +157,7 @@ def test_a_run_that_cannot_fit_is_refused_before_anything_heavy(
 
 @pytest.mark.slow
 def test_ignore_memory_estimate_tries_anyway(tmp_path, text_corpus, cache_dir, capsys, monkeypatch):
-    monkeypatch.setattr(ckpt, "host_memory_available", lambda: 2**20)
+    monkeypatch.setattr(staging, "host_memory_available", lambda: 2**20)
     out = tmp_path / "run"
     text = _ok(
         ["train", "--data", str(text_corpus), "--out", str(out), "--max_steps", "1", "--threads", "1",
@@ -210,7 +210,7 @@ def test_cpu_auto_batch_says_what_it_chose_and_why(tmp_path, text_corpus, cache_
         cfg = load_config(None, {**_overrides(argv), "train.batch_size": rows})
         at[rows] = build_mod.build(cfg, dry_run=True).plan.memory_gib
     capsys.readouterr()
-    monkeypatch.setattr(ckpt, "host_memory_available", lambda: int((at[1] + at[8]) / 2 / 0.9 * 2**30))
+    monkeypatch.setattr(staging, "host_memory_available", lambda: int((at[1] + at[8]) / 2 / 0.9 * 2**30))
     text = _ok(argv, capsys)
     line = next(ln for ln in text.splitlines() if ln.strip().startswith("batch:"))
     assert 1 <= int(re.search(r"batch: (\d+) x", line).group(1)) < full, line

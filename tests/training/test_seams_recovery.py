@@ -21,7 +21,8 @@ from test_recovery import install_fault, nan_on_calls, wrap_training_objective
 
 import gptoughts
 from gptoughts import cli
-from gptoughts.training import checkpoint as ckpt
+from gptoughts.training.checkpoint import restore
+from gptoughts.training.checkpoint import store as ckpt
 from gptoughts.training.trainer import Trainer
 
 
@@ -79,7 +80,7 @@ def test_rollback_settles_a_streak_open_at_the_end(
     assert last["step"] == 12 and math.isfinite(last["loss"]) and last["skipped_steps"] == 0
     assert ckpt.list_steps(out / "checkpoints")[-1] == 12
     assert _finite_weights(ckpt.step_dir(out / "checkpoints", 12))
-    state = ckpt.load_state(ckpt.step_dir(out / "checkpoints", 12))["trainer"]
+    state = restore.load_state(ckpt.step_dir(out / "checkpoints", 12))["trainer"]
     assert (state["bad_steps"], state["rollbacks"], state["data_steps_skipped"]) == (0, 1, 4)
 
 

@@ -13,7 +13,8 @@ import torch
 from cli_helpers import FASTRUN as CPU_FASTRUN
 from cli_helpers import disk_full_at_state_file, refused, run_cli, snapshot
 
-from gptoughts.training import checkpoint as ckpt
+from gptoughts.training.checkpoint import savers
+from gptoughts.training.checkpoint import store as ckpt
 
 FASTRUN = [*CPU_FASTRUN, "--tokenizer", "bytes"]
 
@@ -205,7 +206,7 @@ def test_disk_full_while_torch_writes_a_checkpoint_is_one_line_naming_the_last_g
 @pytest.mark.slow
 def test_disk_full_in_a_background_checkpoint_write_is_one_line(run, capsys, monkeypatch):
     """The thread's write fails, then the synchronous retry too (the disk is still full): one line."""
-    monkeypatch.setattr(ckpt.FileSaver, "_worth_it", lambda self, weights, state: True)
+    monkeypatch.setattr(savers.FileSaver, "_worth_it", lambda self, weights, state: True)
     disk_full_at_state_file(monkeypatch)
     refused(
         ["train", "--resume", "auto", "--out", str(run), "--max_steps", "6", "--save_interval", "3"],
@@ -217,8 +218,8 @@ def test_disk_full_in_a_background_checkpoint_write_is_one_line(run, capsys, mon
 
 
 def test_a_background_write_that_found_the_disk_full_reports_it_as_disk_full(tmp_path, monkeypatch):
-    saver = ckpt.FileSaver(tmp_path / "checkpoints")
-    monkeypatch.setattr(ckpt.FileSaver, "_worth_it", lambda self, weights, state: True)
+    saver = savers.FileSaver(tmp_path / "checkpoints")
+    monkeypatch.setattr(savers.FileSaver, "_worth_it", lambda self, weights, state: True)
 
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device", "state.pt")

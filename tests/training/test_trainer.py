@@ -14,7 +14,9 @@ from safetensors.torch import load_file
 
 from gptoughts import api
 from gptoughts.config import list_presets, load_config
-from gptoughts.training import checkpoint as ckpt
+from gptoughts.training.checkpoint import savers
+from gptoughts.training.checkpoint import store as ckpt
+from gptoughts.training.checkpoint.sharded import consolidated_weights
 from gptoughts.training.trainer import Trainer
 
 
@@ -104,18 +106,18 @@ def test_exact_resume_bit_identical(optimizer, states, tmp_path, text_corpus, ca
 def test_exact_resume_from_checkpoints_written_in_the_background(
     tmp_path, text_corpus, cache_dir, monkeypatch
 ):
-    """The background path of ckpt.FileSaver (taken on GPUs; forced here on the CPU): checkpoints every 3 steps
+    """The background path of savers.FileSaver (taken on GPUs; forced here on the CPU): checkpoints every 3 steps
     written by the thread while training goes on, a stop at step 10, and the resumed run's losses equal the
     uninterrupted run's, step for step."""
-    monkeypatch.setattr(ckpt.FileSaver, "_worth_it", lambda self, weights, state: self.background)
+    monkeypatch.setattr(savers.FileSaver, "_worth_it", lambda self, weights, state: self.background)
     written = []
-    real_save = ckpt.FileSaver.save
+    real_save = savers.FileSaver.save
 
     def spy(self, step, *args, **kwargs):
         real_save(self, step, *args, **kwargs)
         written.append((step, self.last_in_background))
 
-    monkeypatch.setattr(ckpt.FileSaver, "save", spy)
+    monkeypatch.setattr(savers.FileSaver, "save", spy)
     common = {
         "train.max_steps": 16,
         "train.log_interval": 1,
@@ -557,7 +559,7 @@ def test_fsdp_matches_one_process_and_checkpoints_move_between_them(
     assert json.loads((sharded / "run.json").read_text())["world_size"] == 2
     assert (sharded / "samples.txt").exists()  # every rank took part in generation; rank 0 wrote
     a = load_file(str(single / "checkpoints" / "step_000003" / ckpt.MODEL_FILE))
-    b = ckpt.consolidated_weights(sharded / "checkpoints" / "step_000003")  # FSDP: sharded (DCP) checkpoints
+    b = consolidated_weights(sharded / "checkpoints" / "step_000003")  # FSDP: sharded (DCP) checkpoints
     # Muon orthogonalizes in bf16 (as torch.optim.Muon): the last-bit differences of the ranks' summed
     # gradients flip a few bf16 roundings (tests/training/test_muon.py checks the sharded step bit for bit).
     atol = 1e-5 if optimizer == "adamw" else 2e-4

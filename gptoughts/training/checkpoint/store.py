@@ -1,0 +1,433 @@
+"""The on-disk checkpoint: layout, atomic writes, verification, and reading without running code.
+
+``RUN/checkpoints/step_N/`` holds the single-file format (``model.safetensors``, ``state.pt``, ``meta.json``) or
+the sharded one (DCP shards, ``.metadata``, ``state.pt``, ``meta.json`` with ``"format": "dcp"``); ``best.json``
+names the best step, never rotated away. A checkpoint is written into a hidden temp dir, fsynced, and renamed into
+place by :func:`commit`, which writes ``meta.json`` (every file's sha256) last: :func:`verify` checks it, and
+:func:`latest_valid` falls back past a checkpoint that does not verify. Re-saving a step moves the old dir aside
+first; :func:`recover` renames it back after a crash. DCP's ``.metadata`` is a pickle: it is read through an
+allow-list unpickler (:func:`read_dcp_metadata`), never by plain ``pickle``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+import re
+import shutil
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file, save_model
+from torch import nn
+
+from gptoughts.errors import UserError, as_disk_full
+
+STEP_DIR = re.compile(r"^step_(\d{6,})$")
+MODEL_FILE = "model.safetensors"
+STATE_FILE = "state.pt"
+META_FILE = "meta.json"
+DCP_METADATA = ".metadata"
+"""DCP's index file; its presence (and ``"format": "dcp"`` in meta.json) marks a sharded checkpoint."""
+DCP_FORMAT = "dcp"
+
+
+def _sha256(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+
+
+def step_of(path: Path) -> int:
+    """The step of a checkpoint directory ``step_000123`` (its meta.json's step when the name is not one)."""
+    m = STEP_DIR.match(Path(path).name)
+    return int(m.group(1)) if m else int(read_meta(Path(path))["step"])
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return root / f"step_{step:06d}"
+
+
+def save(
+    root: str | Path,
+    step: int,
+    model: nn.Module | dict[str, torch.Tensor],
+    state: dict[str, Any],
+    *,
+    val_loss: float | None = None,
+    keep_last: int = 3,
+    is_best: bool = False,
+    meta: dict[str, Any] | None = None,
+    weights_metadata: dict[str, str] | None = None,
+) -> Path:
+    """Write checkpoint ``step`` atomically, rotate old ones (never the best), return its directory.
+    ``model`` is the module, or its full state dict (a sharded run gathers one; :func:`weights_for_file` makes
+    one with its ``weights_metadata``); ``meta``: extra JSON fields for ``meta.json``."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    recover(root)
+    final = step_dir(root, step)
+    tmp = root / f".tmp-{final.name}-{os.getpid()}-{time.monotonic_ns()}"
+    tmp.mkdir()
+    try:
+        if isinstance(model, nn.Module):
+            save_model(model, str(tmp / MODEL_FILE))
+        else:
+            save_file(
+                {k: v.contiguous() for k, v in model.items()},
+                str(tmp / MODEL_FILE),
+                metadata=weights_metadata,
+            )
+        # Through a Python file: torch writing to a path reports a full disk as "unexpected pos" and nothing
+        # more, while Python's own write raises the OSError(ENOSPC) that says what happened.
+        with open(tmp / STATE_FILE, "wb") as f:
+            torch.save(state, f)
+        files = {name: file_record(tmp / name) for name in (MODEL_FILE, STATE_FILE)}
+        commit(root, tmp, step, files, val_loss=val_loss, meta=meta)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        full = as_disk_full(e, final)
+        if full is not None:
+            raise full from None
+        raise
+    if is_best:
+        mark_best(root, step, val_loss)
+    rotate(root, keep_last)
+    return final
+
+
+def weights_for_file(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str] | None]:
+    """``model``'s state dict as ``safetensors.torch.save_model`` writes it: a tensor shared under several names
+    (tied embeddings) kept once, the other names in the file's metadata, so that ``load_model`` restores them.
+    Passing the result to :func:`save` writes the same file as passing the module."""
+    from safetensors.torch import _remove_duplicate_names
+
+    state = model.state_dict()
+    metadata: dict[str, str] = {}
+    for kept, removed in _remove_duplicate_names(state).items():
+        for name in removed:
+            metadata.setdefault(name, kept)
+            del state[name]
+    return state, metadata or None
+
+
+def file_record(path: Path, *, fsync: bool = True) -> dict[str, Any]:
+    """``meta.json``'s entry for a written file: its sha256 and size, after flushing it to disk (``fsync``
+    off: the writer flushed it itself, as DCP's does its shards)."""
+    if fsync:
+        _fsync_file(path)
+    return {"sha256": _sha256(path), "bytes": path.stat().st_size}
+
+
+def commit(
+    root: Path,
+    tmp: Path,
+    step: int,
+    files: dict[str, dict[str, Any]],
+    *,
+    val_loss: float | None,
+    meta: dict[str, Any] | None,
+) -> Path:
+    """Write meta.json (the files' checksums) last into the complete temp dir ``tmp``, then rename it into
+    place as ``step_N`` (atomically replacing an existing one)."""
+    final = step_dir(root, step)
+    info = {
+        **(meta or {}),
+        "step": step,
+        "val_loss": val_loss,
+        "files": files,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+    (tmp / META_FILE).write_text(json.dumps(info, indent=2))
+    _fsync_file(tmp / META_FILE)
+    _fsync_dir(tmp)
+    if final.exists():  # re-saving the same step (end of run right after a periodic save, a rollback)
+        _replace(final, tmp, root)
+    else:
+        tmp.rename(final)
+    _fsync_dir(root)
+    return final
+
+
+def _replace(final: Path, tmp: Path, root: Path) -> None:
+    """Swap the complete dir ``tmp`` in for ``final``. A crash between the two renames leaves only
+    ``.old-<final>-*``, which :func:`recover` renames back."""
+    old = root / f".old-{final.name}-{time.monotonic_ns()}"
+    final.rename(old)
+    _fsync_dir(root)
+    tmp.rename(final)
+    _fsync_dir(root)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+_OLD_DIR = re.compile(r"^\.old-(step_\d{6,})-(\d+)$")
+
+
+def recover(root: str | Path) -> None:
+    """Finish a replace that a crash interrupted: a ``.old-step_N-*`` dir whose ``step_N`` is missing is renamed
+    back (it was complete: it had been in place); one whose ``step_N`` exists is a leftover and is removed."""
+    root = Path(root)
+    if not root.is_dir():
+        return
+    olds = sorted(
+        ((m, p) for p in root.iterdir() if p.is_dir() and (m := _OLD_DIR.match(p.name))),
+        key=lambda mp: -int(mp[0].group(2)),
+    )  # the newest first
+    for m, p in olds:
+        final = root / m.group(1)
+        if final.exists():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.rename(final)
+            _fsync_dir(root)
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(obj, indent=2))
+    _fsync_file(tmp)
+    os.replace(tmp, path)
+
+
+def mark_best(root: Path, step: int, val_loss: float | None) -> None:
+    """Name ``step`` the best checkpoint (``best.json``): :func:`rotate` never removes it."""
+    write_json_atomic(root / "best.json", {"step": step, "val_loss": val_loss})
+
+
+def best_step(root: Path) -> int | None:
+    try:
+        return int(json.loads((root / "best.json").read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def list_steps(root: str | Path) -> list[int]:
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return sorted(int(m.group(1)) for p in root.iterdir() if p.is_dir() and (m := STEP_DIR.match(p.name)))
+
+
+def rotate(root: Path, keep_last: int) -> None:
+    steps = list_steps(root)
+    keep = set(steps[-keep_last:]) if keep_last > 0 else set(steps[-1:])
+    best = best_step(root)
+    if best is not None:
+        keep.add(best)
+    for s in steps:
+        if s not in keep:
+            shutil.rmtree(step_dir(root, s), ignore_errors=True)
+    for p in root.glob(".tmp-step_*"):  # leftovers of a crash mid-write
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def verify(path: Path) -> str | None:
+    """None when the checkpoint dir is complete and intact, else the reason it is not."""
+    meta_path = path / META_FILE
+    if not meta_path.exists():
+        return "meta.json missing (interrupted write)"
+    try:
+        meta = json.loads(meta_path.read_text())
+        files = meta["files"]
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+        return "meta.json unreadable"
+    dcp_format = isinstance(meta, dict) and meta.get("format") == DCP_FORMAT
+    problem = _listing_problem(files, dcp_format) or _files_problem(path, files)
+    if problem is None and dcp_format:
+        problem = _dcp_index_problem(path, files)
+    return problem
+
+
+def _listing_problem(files: Any, dcp_format: bool) -> str | None:
+    """What is wrong with meta.json's list of files: one that is valid JSON but lists no files (or not both
+    files, or wrong fields, or a shard name that points elsewhere) verifies nothing."""
+    if (
+        not isinstance(files, dict)
+        or not all(
+            isinstance(i, dict) and isinstance(i.get("bytes"), int) and isinstance(i.get("sha256"), str)
+            for i in files.values()
+        )
+        or (not dcp_format and set(files) != {MODEL_FILE, STATE_FILE})
+        or (dcp_format and not {DCP_METADATA, STATE_FILE} <= set(files))
+    ):
+        if dcp_format:
+            return "meta.json does not describe .metadata, state.pt and the shards"
+        return "meta.json does not describe model.safetensors and state.pt"
+    if dcp_format:
+        names = [n for n in files if n not in (DCP_METADATA, STATE_FILE)]
+        if any("/" in n or "\\" in n or n.startswith(".") or not n.endswith(".distcp") for n in names):
+            return "meta.json lists a file that is not a shard"
+    return None
+
+
+def _files_problem(path: Path, files: dict[str, dict[str, Any]]) -> str | None:
+    """The first listed file that is missing, truncated or corrupted."""
+    for name, info in files.items():
+        f = path / name
+        if not f.exists():
+            return f"{name} missing"
+        if f.stat().st_size != info["bytes"]:
+            return f"{name} truncated ({f.stat().st_size} of {info['bytes']} bytes)"
+        if _sha256(f) != info["sha256"]:
+            return f"{name} checksum mismatch (corrupted)"
+    return None
+
+
+def _dcp_index_problem(path: Path, files: dict[str, dict[str, Any]]) -> str | None:
+    """The cheap check of DCP's own index: it reads safely and every shard file it points to is listed."""
+    try:
+        index = read_dcp_metadata(path)
+    except UnreadableCheckpoint as e:
+        return str(e)
+    wanted = {str(getattr(i, "relative_path", "")) for i in (index.storage_data or {}).values()}
+    if not wanted <= set(files):
+        return f".metadata points to shards meta.json does not list ({sorted(wanted - set(files))[:3]})"
+    return None
+
+
+def latest_valid(root: str | Path, *, before: int | None = None) -> Path | None:
+    """The newest intact checkpoint dir under ``root`` (with ``before``: of a step < ``before``); corrupted
+    newer ones are skipped with a warning."""
+    root = Path(root)
+    recover(root)
+    for s in reversed(list_steps(root)):
+        if before is not None and s >= before:
+            continue
+        path = step_dir(root, s)
+        problem = verify(path)
+        if problem is None:
+            return path
+        warnings.warn(
+            f"checkpoint {path} is unusable ({problem}); falling back to the previous one", stacklevel=2
+        )
+    return None
+
+
+def resolve(path_or_run: str | Path) -> Path:
+    """A checkpoint dir from a checkpoint dir, a run dir or a checkpoints dir (newest valid)."""
+    p = Path(path_or_run)
+    if not p.exists():
+        raise UserError(f"{p} does not exist; pass a run directory or a checkpoint directory")
+    if (p / META_FILE).exists() or (p / MODEL_FILE).exists() or (p / DCP_METADATA).exists():
+        problem = verify(p)
+        if problem:
+            raise UserError(f"checkpoint {p} is unusable: {problem}")
+        return p
+    for root in (p / "checkpoints", p):
+        found = latest_valid(root)
+        if found is not None:
+            return found
+    raise UserError(f"no valid checkpoint under {p}; train first or pass a checkpoint directory")
+
+
+class UnreadableCheckpoint(UserError):
+    """A checkpoint whose checksums verify but whose content cannot be read (forged or corrupt before hashing):
+    a resume falls back to the previous checkpoint as for any other corruption."""
+
+
+def read_meta(path: Path) -> dict[str, Any]:
+    return json.loads((path / META_FILE).read_text())
+
+
+# ----------------------------------------------------------------------------------- DCP's index, read safely
+def is_dcp(path: Path) -> bool:
+    """Whether ``path`` is a sharded (DCP) checkpoint."""
+    return (Path(path) / DCP_METADATA).exists()
+
+
+# What DCP's .metadata pickle may name (torch 2.11-2.13): its own dataclasses, torch.Size, dtypes, a layout
+# helper, the checkpoint's path. Anything else (a forged file naming os.system, say) is refused unread.
+_DCP_CLASSES = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata",
+        "StorageMeta",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "MetadataIndex",
+        "_MEM_FORMAT_ENCODING",
+    },
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "pathlib": {"Path", "PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
+    "collections": {"OrderedDict"},
+}
+
+
+def _dcp_data_class(module: str, name: str) -> bool:
+    """A dataclass or enum of DCP's own modules (another torch version may pickle one we have not listed):
+    rebuilt from its fields, never by calling code."""
+    import dataclasses
+    import enum
+    import sys
+
+    if not module.startswith("torch.distributed.checkpoint.") or "." in name:
+        return False
+    obj = getattr(sys.modules.get(module), name, None)
+    return isinstance(obj, type) and (dataclasses.is_dataclass(obj) or issubclass(obj, enum.Enum))
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        allowed = (
+            name in _DCP_CLASSES.get(module, ())
+            or (
+                module == "torch"
+                and isinstance(getattr(torch, name, None), (torch.dtype, torch.memory_format))
+            )
+            or _dcp_data_class(module, name)
+        )
+        if not allowed:
+            raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a checkpoint index")
+        return super().find_class(module, name)
+
+
+def read_dcp_metadata(path: Path, name: str = DCP_METADATA) -> Any:
+    """DCP's index of a sharded checkpoint, read with the allow-list above (never running code)."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    try:
+        with open(Path(path) / name, "rb") as f:
+            index = _MetadataUnpickler(f).load()
+    except (
+        pickle.UnpicklingError,
+        OSError,
+        EOFError,
+        AttributeError,
+        ValueError,
+        TypeError,
+        IndexError,
+    ) as e:
+        raise UnreadableCheckpoint(
+            f"{Path(path) / name} cannot be read safely ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
+        ) from None
+    if not isinstance(index, Metadata):
+        raise UnreadableCheckpoint(f"{Path(path) / name} is not a DCP checkpoint index")
+    return index
