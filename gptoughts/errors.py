@@ -12,6 +12,7 @@ import errno
 import os
 import re
 from collections.abc import Iterable
+from pathlib import Path
 
 
 class UserError(Exception):
@@ -58,14 +59,22 @@ DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 _OS_ERROR_TEXT = re.compile(r"\(os error (\d+)\)|\[Errno (\d+)\]")
 
 
-def as_disk_full(e: BaseException, filename: object = None) -> OSError | None:
+# torch's zip writer, writing to a path (torch.save, DCP's shards), says only this when a write comes up short.
+_SHORT_WRITE = "unexpected pos"
+_NEARLY_FULL = 2**30
+"""Free bytes under which a short write in a folder is taken for a full disk."""
+
+
+def as_disk_full(e: BaseException, filename: object = None, folder: object = None) -> OSError | None:
     """``e`` as an ``OSError(ENOSPC or EDQUOT)`` when a full disk (or quota) caused it, else None.
 
-    Libraries report a full disk in their own ways: torch's writer raises a RuntimeError ("unexpected pos")
-    whose context holds Python's OSError; the Rust of ``tokenizers`` and ``safetensors`` raises a plain
+    Libraries report a full disk in their own ways: torch's writer to a Python file raises a RuntimeError
+    ("unexpected pos") whose context holds Python's OSError, to a path the same RuntimeError alone (then, with
+    ``folder``, the folder's free space decides); the Rust of ``tokenizers`` and ``safetensors`` raises a plain
     Exception whose message ends in "(os error 28)"; an error passed on as text says "[Errno 28]".
     ``filename`` (default: the OSError's) names what was being written."""
     seen: set[int] = set()
+    short = False
     while e is not None and id(e) not in seen:
         seen.add(id(e))
         code = e.errno if isinstance(e, OSError) else None
@@ -74,5 +83,21 @@ def as_disk_full(e: BaseException, filename: object = None) -> OSError | None:
         if code in DISK_FULL:
             name = filename if filename is not None else getattr(e, "filename", None)
             return OSError(code, os.strerror(code), *([str(name)] if name is not None else []))
+        short = short or _SHORT_WRITE in str(e)
         e = e.__cause__ or e.__context__
+    if short and folder is not None and _free_bytes(folder) < _NEARLY_FULL:
+        name = filename if filename is not None else folder
+        return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(name))
     return None
+
+
+def _free_bytes(folder: object) -> int:
+    import shutil
+
+    path = Path(str(folder))
+    while not path.exists() and path != path.parent:  # the temp folder may be gone already
+        path = path.parent
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return _NEARLY_FULL

@@ -220,7 +220,7 @@ class FileSaver(_BackgroundWriter):
             try:
                 store.save(self.root, step, host_weights, host_state, **kwargs)
             except BaseException as e:  # noqa: BLE001 - reported by wait() in the caller's thread
-                self._error = as_disk_full(e) or RuntimeError(
+                self._error = as_disk_full(e, folder=self.root) or RuntimeError(
                     f"checkpoint step {step} could not be written: {type(e).__name__}: {e}"
                 )
 
@@ -312,8 +312,8 @@ class ShardedSaver(_BackgroundWriter):
         if self.rank == 0:
             tmp_name, error = self._make_tmp(step, trainer_state, errors)
         tmp_name, error = self._broadcast((tmp_name, error))
-        if error is not None:
-            raise UserError(error)
+        if error is not None:  # a full disk as an OSError(ENOSPC), as the other writers report it
+            raise as_disk_full(RuntimeError(error)) or UserError(error)
         tmp = self.root / tmp_name
         done = functools.partial(self._finish, tmp, step, val_loss=val_loss, is_best=is_best, meta=meta)
         if not background:
@@ -359,9 +359,10 @@ class ShardedSaver(_BackgroundWriter):
             (self.root / tmp_name).mkdir()
             torch.save(trainer_state, self.root / tmp_name / store.STATE_FILE)
         except Exception as e:  # noqa: BLE001 - every rank must learn of it, not only rank 0
+            error = f"checkpoint step {step} could not be written: {_failure(e, self.root)}"
             if tmp_name is not None:
                 shutil.rmtree(self.root / tmp_name, ignore_errors=True)
-            return None, f"checkpoint step {step} could not be written: {type(e).__name__}: {e}"
+            return None, error
         return tmp_name, None
 
     def _finish(
@@ -377,8 +378,7 @@ class ShardedSaver(_BackgroundWriter):
         renames the dir into place, and every rank learns the outcome."""
         mine: dict[str, Any] | str
         if self._error is not None:
-            err = first_failure(self._error)
-            mine = f"rank {self.rank}: {type(err).__name__}: {(str(err).splitlines() or [''])[0][:200]}"
+            mine = f"rank {self.rank}: {_failure(first_failure(self._error), tmp)}"
         else:
             try:
                 mine = {
@@ -412,7 +412,16 @@ class ShardedSaver(_BackgroundWriter):
                     store.mark_best(self.root, step, val_loss)
                 store.rotate(self.root, self.keep_last)
             except BaseException as e:  # noqa: BLE001 - every rank must learn of it
+                status = f"checkpoint step {step} could not be written: {_failure(e, tmp)}"
                 shutil.rmtree(tmp, ignore_errors=True)
-                status = f"checkpoint step {step} could not be written: {type(e).__name__}: {e}"
         status = self._broadcast(status)
         self._error = RuntimeError(status) if status is not None else None
+
+
+def _failure(e: BaseException, folder: Path) -> str:
+    """``e`` as one line of text that crosses ranks: a full disk as Python's "[Errno 28] ..." (which
+    :func:`~gptoughts.errors.as_disk_full` reads back), else its type and first line."""
+    full = as_disk_full(e, folder=folder)
+    if full is not None:
+        return str(full)
+    return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"

@@ -111,7 +111,7 @@ def save(
         commit(root, tmp, step, files, val_loss=val_loss, meta=meta)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        full = as_disk_full(e, final)
+        full = as_disk_full(e, final, folder=root)
         if full is not None:
             raise full from None
         raise
