@@ -201,13 +201,11 @@ def run_ours(
     """Our LoRA step, assembled by gptoughts.training.build exactly as `gptoughts finetune` assembles it."""
     from gptoughts.config import load_config
     from gptoughts.models.hf import load_tokenizer
-    from gptoughts.training.build import (
-        build_model,
-        plan_batches,
-        setup_environment,
-        synthetic_data,
-        timing_trainer,
-    )
+    from gptoughts.training.batches import plan_batches
+    from gptoughts.training.build import timing_trainer
+    from gptoughts.training.corpus import synthetic_data
+    from gptoughts.training.environment import setup_environment
+    from gptoughts.training.modeling import build_model
 
     _reset(device)
     overrides = {

@@ -231,7 +231,8 @@ class _NoDist:
 
 def prepare_shards(cfg: Any) -> tuple[Any, Any]:
     """Tokenize once, into the cache every run reads; returns (Data, model args)."""
-    from gptoughts.training.build import build_model, prepare_data
+    from gptoughts.training.corpus import prepare_data
+    from gptoughts.training.modeling import build_model
 
     env = _NoDist()
     data = prepare_data(cfg, env)  # type: ignore[arg-type]

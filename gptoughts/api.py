@@ -174,7 +174,8 @@ def run_training(cfg: Config, *, dry_run: bool = False) -> tuple[nn.Module, Any,
     """Assemble the run (``training/build.py``), print its plan, train, print and write the summary."""
     from gptoughts.perf.startup import Startup, startup_clock
     from gptoughts.tools.task_scorer import read_scorer
-    from gptoughts.training.build import build, setup_environment
+    from gptoughts.training.build import build
+    from gptoughts.training.environment import setup_environment
     from gptoughts.training.metrics import console
 
     startup = Startup(imports_s=0.0, origin=startup_clock())
@@ -557,7 +558,7 @@ def evaluate(
     ``max_batches`` batches spread evenly over it."""
     from gptoughts.data.loader import TokenDataset, eval_batches
     from gptoughts.data.prepare import cached_prepare
-    from gptoughts.training.build import resolve_sources
+    from gptoughts.training.corpus import resolve_sources
     from gptoughts.training.objectives import build_objective
 
     cfg = loaded.config

@@ -216,7 +216,7 @@ def test_fsdp_keeps_blocks_gathered_when_the_estimate_fits() -> None:
     import torch
 
     from gptoughts.parallel.dist import DistInfo
-    from gptoughts.training.build import _fsdp_reshard
+    from gptoughts.training.environment import _fsdp_reshard
 
     info = DistInfo(world_size=2, strategy="fsdp")
     cuda = torch.device("cuda")

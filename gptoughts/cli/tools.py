@@ -31,7 +31,7 @@ def cmd_prepare(argv: Sequence[str]) -> int:
     preset, overrides, _ = parse_overrides(rest, sections=("model", "data", "train"), switches=())
     from gptoughts.config import load_config
     from gptoughts.data.prepare import prepare
-    from gptoughts.training.build import resolve_sources
+    from gptoughts.training.corpus import resolve_sources
 
     cfg = load_config(preset, overrides)
     d = cfg.data

@@ -103,14 +103,11 @@ def _bench_ours(
     cfg: Config, *, steps: int, warmup: int, data_dir: str | None, kernel_steps: int
 ) -> tuple[dict[str, Any], _Ours]:
     """Our step, built by train's own assembly and timed; the result's fields, and what a peer is compared at."""
-    from gptoughts.training.build import (
-        build_model,
-        plan_batches,
-        setup_environment,
-        synthetic_data,
-        timing_trainer,
-        use_our_compile_cache,
-    )
+    from gptoughts.training.batches import plan_batches
+    from gptoughts.training.build import timing_trainer
+    from gptoughts.training.corpus import synthetic_data
+    from gptoughts.training.environment import setup_environment, use_our_compile_cache
+    from gptoughts.training.modeling import build_model
 
     env = setup_environment(cfg)
     use_our_compile_cache()

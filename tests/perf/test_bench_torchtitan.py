@@ -13,7 +13,7 @@ from gptoughts import cli
 from gptoughts.config import load_config
 from gptoughts.errors import ConfigError, UserError
 from gptoughts.tools import bench, bench_torchtitan
-from gptoughts.training import build
+from gptoughts.training import modeling
 
 
 def test_missing_torchtitan_is_one_line_and_exit_2_before_our_run(monkeypatch, capsys):
@@ -23,7 +23,7 @@ def test_missing_torchtitan_is_one_line_and_exit_2_before_our_run(monkeypatch, c
     def never(*a, **k):
         raise AssertionError("our model was built before the missing peer was reported")
 
-    monkeypatch.setattr(build, "build_model", never)
+    monkeypatch.setattr(modeling, "build_model", never)
     args = [f"--{k}={v}" for k, v in BENCH.items()]
     assert cli.main(["bench", *args, "--steps", "1", "--warmup", "0", "--compare", "torchtitan"]) == 2
     out, err = capsys.readouterr()

@@ -23,7 +23,11 @@ from gptoughts.errors import UserError
 from gptoughts.perf import autobatch
 from gptoughts.perf.estimate import estimate
 from gptoughts.perf.layout import FIT, Layout, LayoutSearch, Need
+from gptoughts.training import batches as batches_mod
 from gptoughts.training import build as build_mod
+from gptoughts.training import corpus as corpus_mod
+from gptoughts.training import environment as environment_mod
+from gptoughts.training import modeling as modeling_mod
 from gptoughts.training.checkpoint import staging
 
 CAPS = (16, 24, 40, 80)
@@ -275,14 +279,14 @@ def test_autobatch_finding_nothing_gives_the_layout_refusal(tmp_path, cache_dir,
     monkeypatch.setattr(setup, "auto_micro_batch", nothing_fits)
     monkeypatch.setattr(staging, "host_memory_available", lambda: int(HOST_GIB * GIB))
     cfg = load_config(None, {"model.family": "inl", "model.size": "3b", "perf.gpu_memory_gib": 24})
-    env = build_mod.Environment(
+    env = environment_mod.Environment(
         device=torch.device("cuda", 0), dist=build_mod.pdist.DistInfo(), hw=_h100(24), precision="bf16"
     )
     args = models.model_args("inl", "3b", _args("inl", "3b")[1])
-    model = build_mod.Model(family=models.get_family("inl"), args=args, raw=None, weights=None)
+    model = modeling_mod.Model(family=models.get_family("inl"), args=args, raw=None, weights=None)
     model.built = SimpleNamespace(resolved={})
     with pytest.raises(UserError) as e:
-        build_mod.plan_batches(cfg, env, build_mod.synthetic_data(args.vocab_size), model)
+        batches_mod.plan_batches(cfg, env, corpus_mod.synthetic_data(args.vocab_size), model)
     text = str(e.value)
     assert "not even one row of 2,048 tokens" in text and OFFLOAD_FLAG in text, text
     assert re.search(r"--train.optimizer_states bf16 ~[\d.]+ GiB", text) and "\n" not in text, text
@@ -311,11 +315,11 @@ def test_offload_chosen_for_a_real_run_starts_its_process_group(cache_dir, monke
     monkeypatch.setattr(staging, "host_memory_available", lambda: int(HOST_GIB * GIB))
     over = {"model.family": "inl", "model.size": "3b", "perf.gpu_memory_gib": 24, "parallel.backend": "gloo"}
     cfg = load_config(None, over)
-    env = build_mod.Environment(
+    env = environment_mod.Environment(
         device=torch.device("cuda", 0), dist=build_mod.pdist.DistInfo(), hw=_h100(24), precision="bf16"
     )
     args = models.model_args("inl", "3b", _args("inl", "3b")[1])
-    model = build_mod.Model(family=models.get_family("inl"), args=args, raw=None, weights=None)
+    model = modeling_mod.Model(family=models.get_family("inl"), args=args, raw=None, weights=None)
     try:
         chosen, env = build_mod.choose_memory_layout(cfg, env, model, dry_run=False)
         assert torch.distributed.is_initialized() and env.dist.cpu_offload and env.dist.strategy == "fsdp"

@@ -586,7 +586,7 @@ def test_compile_caches_live_beside_the_token_cache(tmp_path, monkeypatch):
     torch writes it into the variable when it first looks); a user's own choice is kept."""
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
-    from gptoughts.training.build import use_our_compile_cache
+    from gptoughts.training.environment import use_our_compile_cache
 
     monkeypatch.setenv("GPTOUGHTS_CACHE", str(tmp_path / "cache"))
     for before, after in (

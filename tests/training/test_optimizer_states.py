@@ -272,7 +272,7 @@ def test_8bit_is_refused_where_it_was_never_checked(monkeypatch):
 
     from gptoughts.config import TrainConfig
     from gptoughts.parallel.dist import DistInfo
-    from gptoughts.training.build import check_optimizer_states
+    from gptoughts.training.environment import check_optimizer_states
 
     find_spec = importlib.util.find_spec  # as if torchao were installed
     monkeypatch.setattr(

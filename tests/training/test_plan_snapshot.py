@@ -19,6 +19,7 @@ from cli_helpers import FAST, pretend_gpu
 
 from gptoughts.config import load_config
 from gptoughts.training import build as build_mod
+from gptoughts.training import environment as environment_mod
 
 SNAPSHOT = Path(__file__).with_name("plan_snapshot.json")
 # Measured or machine-dependent: the CPU's speed, paths, the clock, the host's memory and torch's version.
@@ -133,7 +134,7 @@ def _dry_plan(name: str, tmp_path: Path, monkeypatch) -> dict:
         pretend_gpu(monkeypatch, gpu_gib)
     preset, overrides = _materialise(overrides, tmp_path, monkeypatch)
     cfg = load_config(preset, {"run.out": str(tmp_path / "run"), **overrides})
-    env = build_mod.setup_environment(replace(cfg, parallel=replace(cfg.parallel, strategy="none", tp=1, pp=1,
+    env = environment_mod.setup_environment(replace(cfg, parallel=replace(cfg.parallel, strategy="none", tp=1, pp=1,
                                                                     cpu_offload=False)))  # fmt: skip
     if group:  # rank 0's view of a group that is not started: what it would broadcast, it keeps
         env = replace(env, dist=replace(env.dist, **group))

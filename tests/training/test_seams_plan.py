@@ -20,6 +20,7 @@ from gptoughts.config import load_config
 from gptoughts.errors import ConfigError
 from gptoughts.perf import hardware
 from gptoughts.training import build as build_mod
+from gptoughts.training import environment as environment_mod
 from gptoughts.training.checkpoint import staging
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -135,7 +136,9 @@ def test_a_run_that_cannot_fit_is_refused_before_anything_heavy(
     that tries anyway; the plan was printed; nothing tokenized, built or written."""
     monkeypatch.setattr(staging, "host_memory_available", lambda: 2**20)  # 1 MiB available
     built = []
-    monkeypatch.setattr(build_mod, "build_raw_model", lambda *a, **k: built.append(a), raising=False)
+    from gptoughts.training import setup
+
+    monkeypatch.setattr(setup, "build_raw_model", lambda *a, **k: built.append(a))
     out = tmp_path / "run"
     argv = [
         "train",
@@ -308,7 +311,7 @@ def test_cpu_processes_are_not_gpus_in_the_plan(tmp_path, text_corpus, cache_dir
 
     cfg = load_config(None, {"data.sources": [str(text_corpus)], "perf.device": "cpu", "data.tokenizer": "bytes",
                              "run.out": str(tmp_path / "r"), "train.batch_size": 2, "train.block_size": 32})  # fmt: skip
-    env = build_mod.setup_environment(cfg)
+    env = environment_mod.setup_environment(cfg)
     env = replace(env, dist=replace(env.dist, world_size=2))  # as under torchrun --nproc_per_node 2
     text = build_mod.build(cfg, dry_run=True, env=env).plan.format()
     line = next(ln for ln in text.splitlines() if ln.strip().startswith("batch:"))

@@ -1,0 +1,280 @@
+"""The batch step of the assembly: micro-batch (auto: the largest that fits), accumulation, tokens per step, steps,
+epochs, warmup and the evaluation/checkpoint intervals, each with the rule that decided it."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict
+from typing import Any
+
+from gptoughts.config import Config
+from gptoughts.errors import ConfigError, UserError
+from gptoughts.training.corpus import Data
+from gptoughts.training.environment import Environment
+from gptoughts.training.modeling import Model
+from gptoughts.training.plan import BatchPlan
+from gptoughts.training.plan import gib as plan_gib
+
+
+def auto_interval(total_steps: int, count: int, cap: int, at_least: int = 1) -> int:
+    """About ``count`` events per run, at a round number of steps (1, 2, 5 x 10^k), at most every ``cap`` steps
+    and at least every ``at_least``; 0 (only at the end) when ``at_least`` exceeds the run."""
+    if at_least > total_steps:
+        return 0
+    target = max(1, total_steps // count, at_least)
+    nice = 1
+    for k in range(7):
+        for m in (1, 2, 5):
+            if m * 10**k <= target:
+                nice = m * 10**k
+    if nice < at_least:  # rounding down went below the floor: the next round number
+        nice = next(m * 10**k for k in range(8) for m in (1, 2, 5) if m * 10**k >= at_least)
+    return min(nice, max(cap, at_least))
+
+
+# Evaluations at least this far apart, checkpoints at least this far apart, by the plan's time estimate (an
+# evaluation costs about a third of a step at the default eval_batches; a 1b checkpoint ~13 GB of writes).
+EVAL_EVERY_S, SAVE_EVERY_S = 60.0, 600.0
+
+
+def plan_batches(
+    cfg: Config,
+    env: Environment,
+    data: Data,
+    model: Model,
+    *,
+    dry_run: bool = False,
+    resumed_run: dict[str, Any] | None = None,
+) -> BatchPlan:
+    """Micro-batch (auto: the largest that fits), accumulation, tokens per step, steps, epochs, warmup and the
+    evaluation/checkpoint intervals, each with the rule that decided it."""
+    from gptoughts.data.sft import epoch_rows
+    from gptoughts.perf.autobatch import NothingFits, accumulation_for
+    from gptoughts.training.optim import default_warmup
+    from gptoughts.training.setup import auto_micro_batch
+
+    t, info = cfg.train, env.dist
+    why: dict[str, str] = {}
+    micro, accum = t.batch_size, t.grad_accum
+    if data.sft is not None:
+        packing = data_packing(cfg, model)
+        if packing and info.pp > 1:
+            raise ConfigError(
+                "parallel.pp passes only the hidden state between stages, not the packed rows' document "
+                "ids: add --data.packing false"
+            )
+        train_tokens = epoch_rows(data.sft, t.seed, packing) * t.block_size
+    else:
+        train_tokens = int(data.corpus["tokens"])
+    # The epochs asked for (one when no stopping rule is given); None under a step or token budget.
+    epochs = None if t.max_steps is not None or t.max_tokens is not None else (t.epochs or 1.0)
+    if not isinstance(micro, int):
+        if info.pp > 1:
+            raise ConfigError(
+                "train.batch_size = auto probes memory with whole-model trial steps, not a pipeline stage's; "
+                "with --parallel.pp pass --batch_size N"
+            )
+        if info.sharded and info.enabled:  # one offloading process probes like any single-GPU run
+            raise ConfigError(
+                "train.batch_size = auto probes memory with trial steps, which a sharded (FSDP or tensor-"
+                "parallel) run cannot do safely (a rank out of memory would leave the others waiting in a "
+                "collective); pass --batch_size N (`gptoughts estimate --num_gpus N --strategy fsdp`)"
+            )
+        if env.device.type != "cuda":
+            micro, why["batch_size"] = _cpu_micro_batch(cfg, env, model)
+        elif dry_run:
+            micro = _largest_fitting(cfg, env, model, [2**k for k in range(9)])[0]
+            why["batch_size"] = "auto: estimated from memory (found with real steps when the run starts)"
+        else:
+            parts = {
+                "family": model.family.name,
+                "args": asdict(model.args)
+                if hasattr(model.args, "__dataclass_fields__")
+                else repr(model.args),
+                "block": t.block_size,
+                "gpu": env.hw.name,
+                "precision": env.precision,
+                "resolved": model.built.resolved,
+                "world": info.world_size,
+            }
+            try:
+                micro, cached = auto_micro_batch(
+                    model.built,
+                    model.objective,
+                    vocab_size=model.args.vocab_size,
+                    block_size=t.block_size,
+                    precision=env.precision,
+                    perf=cfg.perf,
+                    t=t,
+                    device=env.device,
+                    dist=info,
+                    parts=parts,
+                )
+            except NothingFits:  # the estimate said it would: say what each way out needs
+                lead = f"not even one row of {t.block_size:,} tokens fits in real training steps"
+                raise UserError(layout_refusal(cfg, env, model, lead)) from None
+            why["batch_size"] = "auto: largest that fits" + (" (cached)" if cached else "")
+        if t.global_batch_tokens and cfg.is_given("train.grad_accum"):
+            if cfg.is_given("train.global_batch_tokens"):
+                raise ConfigError(
+                    "--grad_accum and --global_batch_tokens both set the accumulation of an automatic batch; "
+                    "give one of them"
+                )
+            why["grad_accum"] = (
+                f"{accum} (--grad_accum): the global batch follows the automatic micro-batch, not the size's "
+                f"train.global_batch_tokens = {t.global_batch_tokens:,}"
+            )
+        elif t.global_batch_tokens:
+            # A micro-batch larger than the global batch would overshoot the target: cap it there. Then the
+            # fewest accumulation steps with a micro-batch that fits, and the smallest micro-batch that reaches
+            # the target with them (115 x 3 x 2048 would overshoot 0.5M by 35%; 86 x 3 is within 1%).
+            micro = max(1, min(micro, t.global_batch_tokens // (t.block_size * info.dp_size)))
+            accum = accumulation_for(t.global_batch_tokens, micro, t.block_size, info.dp_size)
+            micro = min(micro, -(-t.global_batch_tokens // (accum * t.block_size * info.dp_size)))
+            why["grad_accum"] = f"to reach train.global_batch_tokens = {t.global_batch_tokens:,}"
+        if epochs is not None:
+            micro, accum = _fit_epochs(micro, accum, epochs * train_tokens, t.block_size * info.dp_size, why)
+    tokens_per_step = micro * t.block_size * accum * info.dp_size
+    saved_dp = resumed_run.get("dp_size", resumed_run.get("world_size")) if resumed_run else None
+    if saved_dp and saved_dp != info.dp_size:
+        old = resumed_run.get("tokens_per_step")
+        if old and old != tokens_per_step:
+            # Another number of ranks (an FSDP run resumed on one GPU): keep the global batch, so that the
+            # schedule, the data position and the loss scale mean what they meant.
+            k = old / (micro * t.block_size * info.dp_size)
+            if k != int(k):
+                raise ConfigError(
+                    f"resuming on {info.dp_size} process(es) a run saved on {saved_dp} "
+                    f"changes the global batch from {old:,} to {tokens_per_step:,} tokens and no "
+                    f"--grad_accum keeps it; pass --batch_size and --grad_accum with "
+                    f"batch x grad_accum x {info.dp_size} x {t.block_size} = {old:,}"
+                )
+            accum = int(k)
+            tokens_per_step = old
+            why["grad_accum"] = (
+                f"{accum}: keeps the resumed run's global batch of {old:,} tokens on "
+                f"{info.dp_size} process(es) (it was saved on {saved_dp})"
+            )
+    if t.max_steps is not None:
+        total_steps, rule = t.max_steps, f"--max_steps {t.max_steps}"
+    elif t.max_tokens is not None:
+        total_steps, rule = math.ceil(t.max_tokens / tokens_per_step), f"--max_tokens {t.max_tokens:,}"
+    else:
+        assert epochs is not None
+        # The nearest whole number of steps: the plan's epochs are then the asked ones to within half a step.
+        total_steps = math.floor(epochs * train_tokens / tokens_per_step + 0.5)
+        rule = (
+            f"--epochs {epochs:g}"
+            if t.epochs is not None
+            else "one epoch (no --max_steps, --epochs or --max_tokens)"
+        )
+    total_steps = max(1, total_steps)
+    warmup = t.warmup_steps if t.warmup_steps is not None else default_warmup(total_steps)
+    why["warmup_steps"] = "asked" if t.warmup_steps is not None else "auto: 2% of the run, at most 2000"
+    from gptoughts.training.plan import estimate_speed
+
+    tps, _ = estimate_speed(env, model, t.block_size, micro, info.world_size)
+    step_s = tokens_per_step / tps if tps else 0.0
+    eval_interval, save_interval = cfg.eval.eval_interval, cfg.checkpoint.save_interval
+    if eval_interval is None:
+        eval_interval = auto_interval(
+            total_steps, 20, 1000, math.ceil(EVAL_EVERY_S / step_s) if step_s else 1
+        )
+        why["eval_interval"] = "auto: ~20 per run, at least a minute apart (estimated)"
+    if save_interval is None:
+        save_interval = auto_interval(
+            total_steps, 10, 2000, math.ceil(SAVE_EVERY_S / step_s) if step_s else 1
+        )
+        why["save_interval"] = (
+            "auto: ~10 per run, at least 10 minutes apart (estimated); 0: at the end (and on Ctrl-C/SIGTERM)"
+        )
+    tasks_interval = cfg.eval.eval_tasks_interval
+    if tasks_interval is None:
+        tasks_interval = eval_interval
+        if cfg.eval.eval_tasks:
+            why["eval_tasks_interval"] = "auto: the eval interval"
+    return BatchPlan(
+        micro_batch=micro,
+        grad_accum=accum,
+        world_size=info.world_size,
+        dp_size=info.dp_size if info.dp_size != info.world_size else 0,
+        block_size=t.block_size,
+        tokens_per_step=tokens_per_step,
+        total_steps=total_steps,
+        train_tokens=train_tokens,
+        epochs=total_steps * tokens_per_step / max(1, train_tokens),
+        stop_rule=rule,
+        warmup_steps=min(warmup, total_steps),
+        eval_interval=eval_interval,
+        save_interval=save_interval,
+        why=why,
+        tp=info.tp,
+        tasks_interval=tasks_interval,
+        eval_block=data.dataset.longest_window("val", t.block_size) if data.manifest is not None else None,
+    )
+
+
+def _fit_epochs(
+    micro: int, accum: int, tokens: float, row_tokens: int, why: dict[str, str]
+) -> tuple[int, int]:
+    """An automatic batch cut so that the epochs asked for (``tokens`` of training) hold at least
+    MIN_USEFUL_STEPS steps: a global batch larger than a small corpus would take it twice or more in one step
+    (one epoch planned as 2, even 4), with too few steps for the schedule. Returns (micro-batch, accumulation)."""
+    from gptoughts.training.plan import MIN_USEFUL_STEPS
+
+    rows = max(1, int(tokens // (MIN_USEFUL_STEPS * row_tokens)))  # rows each rank reads per step
+    if micro * accum <= rows:
+        return micro, accum
+    micro = min(micro, rows)
+    accum = max(1, rows // micro)
+    why["grad_accum"] = (
+        f"{accum}, with micro-batch {micro}: the automatic batch cut so that {tokens:,.0f} tokens of training "
+        f"(the epochs asked for) are at least {MIN_USEFUL_STEPS} steps"
+    )
+    return micro, accum
+
+
+def _largest_fitting(
+    cfg: Config, env: Environment, model: Model, candidates: list[int], default: int = 8
+) -> tuple[int, float | None, float | None]:
+    """(micro-batch, its estimated peak GiB, the device's GiB): the largest of ``candidates`` whose estimate fits
+    90% of the device's memory (the smallest when none does: the memory check then refuses the run); ``default``
+    where there is no estimate or no memory figure."""
+    from gptoughts.training.plan import device_memory_gib, estimate_peak
+
+    mem = device_memory_gib(env)
+    best, peak = candidates[0], None
+    for b in candidates:
+        e = estimate_peak(cfg, env, model, b, cfg.train.block_size, env.dist.world_size, env.dist.tp)
+        if e is None or not mem:
+            return default, None, mem
+        if b > candidates[0] and e.total_gib > 0.9 * mem:
+            break
+        best, peak = b, e.total_gib
+    return best, peak, mem
+
+
+def _cpu_micro_batch(cfg: Config, env: Environment, model: Model) -> tuple[int, str]:
+    """``batch_size = auto`` off CUDA, and why: no trial steps (the memory search needs a GPU's allocator), so the
+    largest of 1, 2, 4, 8 rows (8: the CPU default) whose estimated peak fits 90% of the memory available."""
+    micro, peak, mem = _largest_fitting(cfg, env, model, [1, 2, 4, 8])
+    if peak is None or not mem:
+        return micro, f"auto on a {env.device.type.upper()}: {micro}, the default (no memory estimate here)"
+    return micro, (
+        f"auto on a {env.device.type.upper()}: the largest of 1, 2, 4, 8 rows whose estimated peak "
+        f"(~{plan_gib(peak)}) fits 90% of the {plan_gib(mem)} available"
+    )
+
+
+def data_packing(cfg: Config, model: Model) -> bool:
+    """SFT packing, unless the model is a generic transformers model (no per-document attention masks)."""
+    return bool(cfg.data.packing and not (model.pretrained is not None and model.pretrained.generic))
+
+
+def layout_refusal(cfg: Config, env: Environment, model: Model, lead: str) -> str:
+    """The refusal of a run that does not fit, led by ``lead``: the memory each way out would need (estimates), or
+    the ways out alone where the run has no estimate."""
+    from gptoughts.training.plan import GPU_FIXES, layout_search
+
+    search = layout_search(cfg, env, model)
+    return search.refusal(lead) if search is not None else f"{lead}: {GPU_FIXES}"

@@ -1,0 +1,213 @@
+"""The data step of the assembly: sources -> tokenizer -> token shards (or SFT examples), and the corpus's facts
+the plan reads (its size, estimated before anything is tokenized)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gptoughts.config import Config
+from gptoughts.data.sources import STDLIB_ALIAS, stdlib_path
+from gptoughts.errors import ConfigError, UserError
+from gptoughts.parallel import dist as pdist
+from gptoughts.training.environment import Environment
+
+
+@dataclass
+class Data:
+    sources: list[str]
+    """Resolved paths (``@stdlib`` expanded)."""
+    format: str
+    """text (token shards) or sft (examples with a target mask)."""
+    tokenizer: Any
+    manifest: Any = None
+    """The prepared shards' Manifest (text runs, once prepared)."""
+    sft: Any = None
+    """SFTData (sft runs)."""
+    init_from: Path | None = None
+    estimated: bool = False
+    """Dry run with no cached shards: token counts are estimated from the corpus size, nothing was tokenized."""
+    corpus: dict[str, Any] = field(default_factory=dict)
+    """What the plan reports: files, bytes on disk, bytes read, tokens, what a cap cut."""
+
+    @property
+    def dataset(self) -> Any:
+        from gptoughts.data.loader import TokenDataset
+
+        return TokenDataset(self.manifest.dir) if self.manifest is not None else None
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.tokenizer.vocab_size) if self.tokenizer is not None else int(self.corpus["vocab"])
+
+
+def resolve_sources(sources: list[str]) -> list[str]:
+    if not sources:
+        raise ConfigError(
+            "no training data: pass --data PATH (a file, folder, .jsonl, .parquet or saved HF dataset; "
+            "--data @stdlib trains on the Python standard library)"
+        )
+    return [str(stdlib_path()) if s == STDLIB_ALIAS else s for s in sources]
+
+
+def init_from_dir(cfg: Config, *, weights: bool = True) -> Path | None:
+    """``model.init_from`` as a checked HF model folder (None when training from scratch); a hub id is its
+    snapshot in the Hugging Face cache, downloaded when online (``weights=False``: config and tokenizer only)."""
+    if cfg.model.init_from is None:
+        return None
+    from gptoughts.models.hf import locate, read_config
+
+    p = locate(cfg.model.init_from, weights=weights)
+    if (p / "config.toml").exists() or (p / "meta.json").exists() or (p / "checkpoints").is_dir():
+        raise UserError(
+            f"{p} is a gptoughts run; export it first (gptoughts export {p} --format hf OUT) and "
+            "fine-tune OUT"
+        )
+    read_config(p)  # a clear error now rather than deep inside the model loading
+    return p
+
+
+def prepare_data(cfg: Config, env: Environment, *, dry_run: bool = False) -> Data:
+    """Tokenizer and token shards (rank 0 prepares, the others read the cache), or the SFT examples."""
+    from gptoughts.data.sft import SFTData, resolve_format
+
+    sources = resolve_sources(cfg.data.sources)
+    init_from = init_from_dir(cfg, weights=not dry_run)  # a dry run reads no weights
+    tok_spec: Any = str(init_from) if init_from is not None else cfg.data.tokenizer  # fine-tuning: its own
+    data_format = resolve_format(cfg.data.format, sources)
+    if data_format == "sft":  # every rank tokenizes the (small) SFT set itself: deterministic, no cache
+        tokenizer = _sft_tokenizer(tok_spec, sources)
+        sft = SFTData(
+            sources,
+            tokenizer,
+            block_size=cfg.train.block_size,
+            truncation=cfg.data.truncation,
+            val_fraction=cfg.data.val_fraction,
+            seed=cfg.train.seed,
+        )
+        return Data(
+            sources=sources,
+            format="sft",
+            tokenizer=tokenizer,
+            sft=sft,
+            init_from=init_from,
+            corpus={"examples": sft.stats["examples"], "summary": sft.summary()},
+        )
+    from gptoughts.data.prepare import cached_prepare, lookup_cached
+
+    kwargs = dict(
+        text_field=cfg.data.text_field,
+        extensions=cfg.data.extensions or None,
+        val_fraction=cfg.data.val_fraction,
+        max_bytes=cfg.data.max_bytes,
+        seed=cfg.train.seed,
+        cache_root=cfg.data.cache_dir,
+    )
+    corpus = corpus_size(sources, cfg.data.extensions or None)
+    if dry_run:
+        manifest = lookup_cached(sources, tok_spec, **kwargs)
+        if manifest is None:  # estimate, tokenize nothing
+            from gptoughts.data.tokenizer import parse_spec, tokenizer_before_training
+
+            kind = parse_spec(tok_spec)[0]
+            tokenizer, vocab = tokenizer_before_training(tok_spec)
+            read = (
+                corpus["bytes"]
+                if cfg.data.max_bytes is None
+                else sum(min(b, cfg.data.max_bytes) for b in corpus["per_source"])
+            )
+            corpus.update(
+                bytes_read=read,
+                vocab=vocab,
+                tokens=int(read / _bytes_per_token(kind, vocab)),
+                cut=read < corpus["bytes"],
+            )
+            return Data(
+                sources=sources,
+                format="text",
+                tokenizer=tokenizer,
+                init_from=init_from,
+                estimated=True,
+                corpus=corpus,
+            )
+    else:
+        manifest = None
+        if env.dist.is_main:
+            manifest = cached_prepare(
+                sources, tok_spec, progress=cfg.run.progress, workers=cfg.data.workers, **kwargs
+            )
+        pdist.barrier(env.dist)
+        if not env.dist.is_main:
+            manifest = cached_prepare(sources, tok_spec, progress=False, **kwargs)
+    corpus.update(
+        bytes_read=sum(s.bytes for s in manifest.sources),
+        tokens=manifest.train_tokens,
+        val_tokens=manifest.val_tokens,
+        docs=manifest.totals["docs"],
+        vocab=manifest.vocab_size,
+        cut=any(s.truncated for s in manifest.sources),
+    )
+    return Data(
+        sources=sources,
+        format="text",
+        tokenizer=manifest.tokenizer(),
+        manifest=manifest,
+        init_from=init_from,
+        corpus=corpus,
+    )
+
+
+# Bytes of text per token of a byte-level BPE trained on the corpus, measured on the Python standard library
+# (30 MB of code): bpe:8192 3.2, bpe:32768 3.9 (what a dry run assumes before the corpus is tokenized).
+def _bytes_per_token(kind: str, vocab: int | None) -> float:
+    if kind == "bytes":
+        return 1.0
+    if vocab is None or vocab >= 32768:
+        return 3.9
+    return 3.2 if vocab >= 8192 else 2.5
+
+
+def corpus_size(sources: list[str], extensions: list[str] | None) -> dict[str, Any]:
+    """Files and bytes on disk of the sources (a walk of file sizes: no reading)."""
+
+    from gptoughts.data.sources import normalize_extensions, walk_files
+
+    exts = normalize_extensions(extensions)
+    files, per_source = 0, []
+    for s in sources:
+        p = Path(s).expanduser()
+        if p.is_dir():
+            sizes = (
+                [f.stat().st_size for f in walk_files(p, exts)]
+                if not (p / "dataset_info.json").exists() and not (p / "dataset_dict.json").exists()
+                else [f.stat().st_size for f in p.rglob("*.arrow")]
+            )
+            files += len(sizes)
+            per_source.append(sum(sizes))
+        elif p.is_file():
+            files += 1
+            per_source.append(os.path.getsize(p))
+        else:
+            per_source.append(0)
+    return {"files": files, "bytes": sum(per_source), "per_source": per_source}
+
+
+def _sft_tokenizer(spec: str, sources: list[str]) -> Any:
+    """The tokenizer of an SFT run: a folder's or ``bytes`` as is; ``bpe:N`` trained on the conversations."""
+    from gptoughts.data.sft import read_conversations
+    from gptoughts.data.tokenizer import build_tokenizer
+
+    return build_tokenizer(spec, texts=lambda: (m["content"] for c in read_conversations(sources) for m in c))
+
+
+def synthetic_data(vocab_size: int, init_from: Path | None = None, tokenizer: Any = None) -> Data:
+    """Stand-in data for timing runs (random tokens): the vocabulary the model is built for, no corpus."""
+    return Data(
+        sources=[],
+        format="text",
+        tokenizer=tokenizer,
+        init_from=init_from,
+        corpus={"vocab": vocab_size, "tokens": 1 << 40, "files": 0, "bytes": 0, "bytes_read": 0},
+    )
