@@ -7,8 +7,9 @@ import math
 from dataclasses import asdict
 from typing import Any
 
-from gptoughts.config import Config
+from gptoughts.config import Config, TrainConfig
 from gptoughts.errors import ConfigError, UserError
+from gptoughts.parallel import dist as pdist
 from gptoughts.training.corpus import Data
 from gptoughts.training.environment import Environment
 from gptoughts.training.modeling import Model
@@ -48,151 +49,25 @@ def plan_batches(
 ) -> BatchPlan:
     """Micro-batch (auto: the largest that fits), accumulation, tokens per step, steps, epochs, warmup and the
     evaluation/checkpoint intervals, each with the rule that decided it."""
-    from gptoughts.data.sft import epoch_rows
-    from gptoughts.perf.autobatch import NothingFits, accumulation_for
     from gptoughts.training.optim import default_warmup
-    from gptoughts.training.setup import auto_micro_batch
 
     t, info = cfg.train, env.dist
     why: dict[str, str] = {}
-    micro, accum = t.batch_size, t.grad_accum
-    if data.sft is not None:
-        packing = data_packing(cfg, model)
-        if packing and info.pp > 1:
-            raise ConfigError(
-                "parallel.pp passes only the hidden state between stages, not the packed rows' document "
-                "ids: add --data.packing false"
-            )
-        train_tokens = epoch_rows(data.sft, t.seed, packing) * t.block_size
-    else:
-        train_tokens = int(data.corpus["tokens"])
+    train_tokens = _train_tokens(cfg, data, model, info)
     # The epochs asked for (one when no stopping rule is given); None under a step or token budget.
     epochs = None if t.max_steps is not None or t.max_tokens is not None else (t.epochs or 1.0)
+    micro, accum = t.batch_size, t.grad_accum
     if not isinstance(micro, int):
-        if info.pp > 1:
-            raise ConfigError(
-                "train.batch_size = auto probes memory with whole-model trial steps, not a pipeline stage's; "
-                "with --parallel.pp pass --batch_size N"
-            )
-        if info.sharded and info.enabled:  # one offloading process probes like any single-GPU run
-            raise ConfigError(
-                "train.batch_size = auto probes memory with trial steps, which a sharded (FSDP or tensor-"
-                "parallel) run cannot do safely (a rank out of memory would leave the others waiting in a "
-                "collective); pass --batch_size N (`gptoughts estimate --num_gpus N --strategy fsdp`)"
-            )
-        if env.device.type != "cuda":
-            micro, why["batch_size"] = _cpu_micro_batch(cfg, env, model)
-        elif dry_run:
-            micro = _largest_fitting(cfg, env, model, [2**k for k in range(9)])[0]
-            why["batch_size"] = "auto: estimated from memory (found with real steps when the run starts)"
-        else:
-            parts = {
-                "family": model.family.name,
-                "args": asdict(model.args)
-                if hasattr(model.args, "__dataclass_fields__")
-                else repr(model.args),
-                "block": t.block_size,
-                "gpu": env.hw.name,
-                "precision": env.precision,
-                "resolved": model.built.resolved,
-                "world": info.world_size,
-            }
-            try:
-                micro, cached = auto_micro_batch(
-                    model.built,
-                    model.objective,
-                    vocab_size=model.args.vocab_size,
-                    block_size=t.block_size,
-                    precision=env.precision,
-                    perf=cfg.perf,
-                    t=t,
-                    device=env.device,
-                    dist=info,
-                    parts=parts,
-                )
-            except NothingFits:  # the estimate said it would: say what each way out needs
-                lead = f"not even one row of {t.block_size:,} tokens fits in real training steps"
-                raise UserError(layout_refusal(cfg, env, model, lead)) from None
-            why["batch_size"] = "auto: largest that fits" + (" (cached)" if cached else "")
-        if t.global_batch_tokens and cfg.is_given("train.grad_accum"):
-            if cfg.is_given("train.global_batch_tokens"):
-                raise ConfigError(
-                    "--grad_accum and --global_batch_tokens both set the accumulation of an automatic batch; "
-                    "give one of them"
-                )
-            why["grad_accum"] = (
-                f"{accum} (--grad_accum): the global batch follows the automatic micro-batch, not the size's "
-                f"train.global_batch_tokens = {t.global_batch_tokens:,}"
-            )
-        elif t.global_batch_tokens:
-            # A micro-batch larger than the global batch would overshoot the target: cap it there. Then the
-            # fewest accumulation steps with a micro-batch that fits, and the smallest micro-batch that reaches
-            # the target with them (115 x 3 x 2048 would overshoot 0.5M by 35%; 86 x 3 is within 1%).
-            micro = max(1, min(micro, t.global_batch_tokens // (t.block_size * info.dp_size)))
-            accum = accumulation_for(t.global_batch_tokens, micro, t.block_size, info.dp_size)
-            micro = min(micro, -(-t.global_batch_tokens // (accum * t.block_size * info.dp_size)))
-            why["grad_accum"] = f"to reach train.global_batch_tokens = {t.global_batch_tokens:,}"
+        micro, accum = _auto_batch(cfg, env, model, dry_run, why)
         if epochs is not None:
             micro, accum = _fit_epochs(micro, accum, epochs * train_tokens, t.block_size * info.dp_size, why)
-    tokens_per_step = micro * t.block_size * accum * info.dp_size
-    saved_dp = resumed_run.get("dp_size", resumed_run.get("world_size")) if resumed_run else None
-    if saved_dp and saved_dp != info.dp_size:
-        old = resumed_run.get("tokens_per_step")
-        if old and old != tokens_per_step:
-            # Another number of ranks (an FSDP run resumed on one GPU): keep the global batch, so that the
-            # schedule, the data position and the loss scale mean what they meant.
-            k = old / (micro * t.block_size * info.dp_size)
-            if k != int(k):
-                raise ConfigError(
-                    f"resuming on {info.dp_size} process(es) a run saved on {saved_dp} "
-                    f"changes the global batch from {old:,} to {tokens_per_step:,} tokens and no "
-                    f"--grad_accum keeps it; pass --batch_size and --grad_accum with "
-                    f"batch x grad_accum x {info.dp_size} x {t.block_size} = {old:,}"
-                )
-            accum = int(k)
-            tokens_per_step = old
-            why["grad_accum"] = (
-                f"{accum}: keeps the resumed run's global batch of {old:,} tokens on "
-                f"{info.dp_size} process(es) (it was saved on {saved_dp})"
-            )
-    if t.max_steps is not None:
-        total_steps, rule = t.max_steps, f"--max_steps {t.max_steps}"
-    elif t.max_tokens is not None:
-        total_steps, rule = math.ceil(t.max_tokens / tokens_per_step), f"--max_tokens {t.max_tokens:,}"
-    else:
-        assert epochs is not None
-        # The nearest whole number of steps: the plan's epochs are then the asked ones to within half a step.
-        total_steps = math.floor(epochs * train_tokens / tokens_per_step + 0.5)
-        rule = (
-            f"--epochs {epochs:g}"
-            if t.epochs is not None
-            else "one epoch (no --max_steps, --epochs or --max_tokens)"
-        )
-    total_steps = max(1, total_steps)
+    accum, tokens_per_step = _resumed_global_batch(resumed_run, micro, accum, t.block_size, info, why)
+    total_steps, rule = _total_steps(t, epochs, train_tokens, tokens_per_step)
     warmup = t.warmup_steps if t.warmup_steps is not None else default_warmup(total_steps)
     why["warmup_steps"] = "asked" if t.warmup_steps is not None else "auto: 2% of the run, at most 2000"
-    from gptoughts.training.plan import estimate_speed
-
-    tps, _ = estimate_speed(env, model, t.block_size, micro, info.world_size)
-    step_s = tokens_per_step / tps if tps else 0.0
-    eval_interval, save_interval = cfg.eval.eval_interval, cfg.checkpoint.save_interval
-    if eval_interval is None:
-        eval_interval = auto_interval(
-            total_steps, 20, 1000, math.ceil(EVAL_EVERY_S / step_s) if step_s else 1
-        )
-        why["eval_interval"] = "auto: ~20 per run, at least a minute apart (estimated)"
-    if save_interval is None:
-        save_interval = auto_interval(
-            total_steps, 10, 2000, math.ceil(SAVE_EVERY_S / step_s) if step_s else 1
-        )
-        why["save_interval"] = (
-            "auto: ~10 per run, at least 10 minutes apart (estimated); 0: at the end (and on Ctrl-C/SIGTERM)"
-        )
-    tasks_interval = cfg.eval.eval_tasks_interval
-    if tasks_interval is None:
-        tasks_interval = eval_interval
-        if cfg.eval.eval_tasks:
-            why["eval_tasks_interval"] = "auto: the eval interval"
+    eval_interval, save_interval, tasks_interval = _intervals(
+        cfg, env, model, micro, tokens_per_step, total_steps, why
+    )
     return BatchPlan(
         micro_batch=micro,
         grad_accum=accum,
@@ -212,6 +87,195 @@ def plan_batches(
         tasks_interval=tasks_interval,
         eval_block=data.dataset.longest_window("val", t.block_size) if data.manifest is not None else None,
     )
+
+
+def _train_tokens(cfg: Config, data: Data, model: Model, info: pdist.DistInfo) -> int:
+    """Tokens of one epoch: the corpus's, or the SFT examples' rows (packed or not) times the block."""
+    if data.sft is None:
+        return int(data.corpus["tokens"])
+    from gptoughts.data.sft import epoch_rows
+
+    packing = data_packing(cfg, model)
+    if packing and info.pp > 1:
+        raise ConfigError(
+            "parallel.pp passes only the hidden state between stages, not the packed rows' document "
+            "ids: add --data.packing false"
+        )
+    return epoch_rows(data.sft, cfg.train.seed, packing) * cfg.train.block_size
+
+
+def _auto_batch(
+    cfg: Config, env: Environment, model: Model, dry_run: bool, why: dict[str, str]
+) -> tuple[int, int]:
+    """``batch_size = auto``: the micro-batch that fits, then the accumulation of the global batch."""
+    info = env.dist
+    if info.pp > 1:
+        raise ConfigError(
+            "train.batch_size = auto probes memory with whole-model trial steps, not a pipeline stage's; "
+            "with --parallel.pp pass --batch_size N"
+        )
+    if info.sharded and info.enabled:  # one offloading process probes like any single-GPU run
+        raise ConfigError(
+            "train.batch_size = auto probes memory with trial steps, which a sharded (FSDP or tensor-"
+            "parallel) run cannot do safely (a rank out of memory would leave the others waiting in a "
+            "collective); pass --batch_size N (`gptoughts estimate --num_gpus N --strategy fsdp`)"
+        )
+    if env.device.type != "cuda":
+        micro, why["batch_size"] = _cpu_micro_batch(cfg, env, model)
+    elif dry_run:
+        micro = _largest_fitting(cfg, env, model, [2**k for k in range(9)])[0]
+        why["batch_size"] = "auto: estimated from memory (found with real steps when the run starts)"
+    else:
+        micro, why["batch_size"] = _probed_micro_batch(cfg, env, model)
+    return _auto_accumulation(cfg, micro, info.dp_size, why)
+
+
+def _probed_micro_batch(cfg: Config, env: Environment, model: Model) -> tuple[int, str]:
+    """The largest micro-batch that fits in real training steps on this GPU (cached per model and GPU), and why."""
+    from gptoughts.perf.autobatch import NothingFits
+    from gptoughts.training.setup import auto_micro_batch
+
+    t = cfg.train
+    parts = {
+        "family": model.family.name,
+        "args": asdict(model.args) if hasattr(model.args, "__dataclass_fields__") else repr(model.args),
+        "block": t.block_size,
+        "gpu": env.hw.name,
+        "precision": env.precision,
+        "resolved": model.built.resolved,
+        "world": env.dist.world_size,
+    }
+    try:
+        micro, cached = auto_micro_batch(
+            model.built,
+            model.objective,
+            vocab_size=model.args.vocab_size,
+            block_size=t.block_size,
+            precision=env.precision,
+            perf=cfg.perf,
+            t=t,
+            device=env.device,
+            dist=env.dist,
+            parts=parts,
+        )
+    except NothingFits:  # the estimate said it would: say what each way out needs
+        lead = f"not even one row of {t.block_size:,} tokens fits in real training steps"
+        raise UserError(layout_refusal(cfg, env, model, lead)) from None
+    return micro, "auto: largest that fits" + (" (cached)" if cached else "")
+
+
+def _auto_accumulation(cfg: Config, micro: int, dp_size: int, why: dict[str, str]) -> tuple[int, int]:
+    """(micro-batch, accumulation) of an automatic batch: the user's --grad_accum, else what reaches the size's
+    global batch."""
+    from gptoughts.perf.autobatch import accumulation_for
+
+    t = cfg.train
+    accum = t.grad_accum
+    if t.global_batch_tokens and cfg.is_given("train.grad_accum"):
+        if cfg.is_given("train.global_batch_tokens"):
+            raise ConfigError(
+                "--grad_accum and --global_batch_tokens both set the accumulation of an automatic batch; "
+                "give one of them"
+            )
+        why["grad_accum"] = (
+            f"{accum} (--grad_accum): the global batch follows the automatic micro-batch, not the size's "
+            f"train.global_batch_tokens = {t.global_batch_tokens:,}"
+        )
+    elif t.global_batch_tokens:
+        # A micro-batch larger than the global batch would overshoot the target: cap it there. Then the
+        # fewest accumulation steps with a micro-batch that fits, and the smallest micro-batch that reaches
+        # the target with them (115 x 3 x 2048 would overshoot 0.5M by 35%; 86 x 3 is within 1%).
+        micro = max(1, min(micro, t.global_batch_tokens // (t.block_size * dp_size)))
+        accum = accumulation_for(t.global_batch_tokens, micro, t.block_size, dp_size)
+        micro = min(micro, -(-t.global_batch_tokens // (accum * t.block_size * dp_size)))
+        why["grad_accum"] = f"to reach train.global_batch_tokens = {t.global_batch_tokens:,}"
+    return micro, accum
+
+
+def _resumed_global_batch(
+    resumed_run: dict[str, Any] | None,
+    micro: int,
+    accum: int,
+    block: int,
+    info: pdist.DistInfo,
+    why: dict[str, str],
+) -> tuple[int, int]:
+    """(accumulation, tokens per step): a run resumed on another number of ranks (an FSDP run resumed on one
+    GPU) keeps its global batch, so that the schedule, the data position and the loss scale mean what they
+    meant."""
+    tokens_per_step = micro * block * accum * info.dp_size
+    saved_dp = resumed_run.get("dp_size", resumed_run.get("world_size")) if resumed_run else None
+    old = resumed_run.get("tokens_per_step") if resumed_run else None
+    if not saved_dp or saved_dp == info.dp_size or not old or old == tokens_per_step:
+        return accum, tokens_per_step
+    k = old / (micro * block * info.dp_size)
+    if k != int(k):
+        raise ConfigError(
+            f"resuming on {info.dp_size} process(es) a run saved on {saved_dp} "
+            f"changes the global batch from {old:,} to {tokens_per_step:,} tokens and no "
+            f"--grad_accum keeps it; pass --batch_size and --grad_accum with "
+            f"batch x grad_accum x {info.dp_size} x {block} = {old:,}"
+        )
+    why["grad_accum"] = (
+        f"{int(k)}: keeps the resumed run's global batch of {old:,} tokens on "
+        f"{info.dp_size} process(es) (it was saved on {saved_dp})"
+    )
+    return int(k), old
+
+
+def _total_steps(
+    t: TrainConfig, epochs: float | None, train_tokens: int, tokens_per_step: int
+) -> tuple[int, str]:
+    """The run's optimizer steps, and the stopping rule that decided them."""
+    if t.max_steps is not None:
+        total_steps, rule = t.max_steps, f"--max_steps {t.max_steps}"
+    elif t.max_tokens is not None:
+        total_steps, rule = math.ceil(t.max_tokens / tokens_per_step), f"--max_tokens {t.max_tokens:,}"
+    else:
+        assert epochs is not None
+        # The nearest whole number of steps: the plan's epochs are then the asked ones to within half a step.
+        total_steps = math.floor(epochs * train_tokens / tokens_per_step + 0.5)
+        rule = (
+            f"--epochs {epochs:g}"
+            if t.epochs is not None
+            else "one epoch (no --max_steps, --epochs or --max_tokens)"
+        )
+    return max(1, total_steps), rule
+
+
+def _intervals(
+    cfg: Config,
+    env: Environment,
+    model: Model,
+    micro: int,
+    tokens_per_step: int,
+    total_steps: int,
+    why: dict[str, str],
+) -> tuple[int, int, int]:
+    """(eval, save, task-scoring) intervals in steps: the asked ones, else spaced by the plan's time estimate."""
+    from gptoughts.training.plan import estimate_speed
+
+    tps, _ = estimate_speed(env, model, cfg.train.block_size, micro, env.dist.world_size)
+    step_s = tokens_per_step / tps if tps else 0.0
+    eval_interval, save_interval = cfg.eval.eval_interval, cfg.checkpoint.save_interval
+    if eval_interval is None:
+        eval_interval = auto_interval(
+            total_steps, 20, 1000, math.ceil(EVAL_EVERY_S / step_s) if step_s else 1
+        )
+        why["eval_interval"] = "auto: ~20 per run, at least a minute apart (estimated)"
+    if save_interval is None:
+        save_interval = auto_interval(
+            total_steps, 10, 2000, math.ceil(SAVE_EVERY_S / step_s) if step_s else 1
+        )
+        why["save_interval"] = (
+            "auto: ~10 per run, at least 10 minutes apart (estimated); 0: at the end (and on Ctrl-C/SIGTERM)"
+        )
+    tasks_interval = cfg.eval.eval_tasks_interval
+    if tasks_interval is None:
+        tasks_interval = eval_interval
+        if cfg.eval.eval_tasks:
+            why["eval_tasks_interval"] = "auto: the eval interval"
+    return eval_interval, save_interval, tasks_interval
 
 
 def _fit_epochs(
