@@ -70,33 +70,16 @@ def init_from_dir(cfg: Config, *, weights: bool = True) -> Path | None:
 
 
 def prepare_data(cfg: Config, env: Environment, *, dry_run: bool = False) -> Data:
-    """Tokenizer and token shards (rank 0 prepares, the others read the cache), or the SFT examples."""
-    from gptoughts.data.sft import SFTData, resolve_format
+    """Tokenizer and token shards (rank 0 prepares, the others read the cache), or the SFT examples. A dry run
+    tokenizes nothing: the shards when cached, else the corpus's size and an estimate of its tokens."""
+    from gptoughts.data.prepare import lookup_cached
+    from gptoughts.data.sft import resolve_format
 
     sources = resolve_sources(cfg.data.sources)
     init_from = init_from_dir(cfg, weights=not dry_run)  # a dry run reads no weights
     tok_spec: Any = str(init_from) if init_from is not None else cfg.data.tokenizer  # fine-tuning: its own
-    data_format = resolve_format(cfg.data.format, sources)
-    if data_format == "sft":  # every rank tokenizes the (small) SFT set itself: deterministic, no cache
-        tokenizer = _sft_tokenizer(tok_spec, sources)
-        sft = SFTData(
-            sources,
-            tokenizer,
-            block_size=cfg.train.block_size,
-            truncation=cfg.data.truncation,
-            val_fraction=cfg.data.val_fraction,
-            seed=cfg.train.seed,
-        )
-        return Data(
-            sources=sources,
-            format="sft",
-            tokenizer=tokenizer,
-            sft=sft,
-            init_from=init_from,
-            corpus={"examples": sft.stats["examples"], "summary": sft.summary()},
-        )
-    from gptoughts.data.prepare import cached_prepare, lookup_cached
-
+    if resolve_format(cfg.data.format, sources) == "sft":
+        return _sft_data(cfg, sources, tok_spec, init_from)
     kwargs = dict(
         text_field=cfg.data.text_field,
         extensions=cfg.data.extensions or None,
@@ -108,39 +91,10 @@ def prepare_data(cfg: Config, env: Environment, *, dry_run: bool = False) -> Dat
     corpus = corpus_size(sources, cfg.data.extensions or None)
     if dry_run:
         manifest = lookup_cached(sources, tok_spec, **kwargs)
-        if manifest is None:  # estimate, tokenize nothing
-            from gptoughts.data.tokenizer import parse_spec, tokenizer_before_training
-
-            kind = parse_spec(tok_spec)[0]
-            tokenizer, vocab = tokenizer_before_training(tok_spec)
-            read = (
-                corpus["bytes"]
-                if cfg.data.max_bytes is None
-                else sum(min(b, cfg.data.max_bytes) for b in corpus["per_source"])
-            )
-            corpus.update(
-                bytes_read=read,
-                vocab=vocab,
-                tokens=int(read / _bytes_per_token(kind, vocab)),
-                cut=read < corpus["bytes"],
-            )
-            return Data(
-                sources=sources,
-                format="text",
-                tokenizer=tokenizer,
-                init_from=init_from,
-                estimated=True,
-                corpus=corpus,
-            )
+        if manifest is None:
+            return _estimated(cfg, sources, tok_spec, init_from, corpus)
     else:
-        manifest = None
-        if env.dist.is_main:
-            manifest = cached_prepare(
-                sources, tok_spec, progress=cfg.run.progress, workers=cfg.data.workers, **kwargs
-            )
-        pdist.barrier(env.dist)
-        if not env.dist.is_main:
-            manifest = cached_prepare(sources, tok_spec, progress=False, **kwargs)
+        manifest = _prepared(cfg, env, sources, tok_spec, kwargs)
     corpus.update(
         bytes_read=sum(s.bytes for s in manifest.sources),
         tokens=manifest.train_tokens,
@@ -157,6 +111,68 @@ def prepare_data(cfg: Config, env: Environment, *, dry_run: bool = False) -> Dat
         init_from=init_from,
         corpus=corpus,
     )
+
+
+def _sft_data(cfg: Config, sources: list[str], tok_spec: Any, init_from: Path | None) -> Data:
+    """Every rank tokenizes the (small) SFT set itself: deterministic, no cache."""
+    from gptoughts.data.sft import SFTData
+
+    tokenizer = _sft_tokenizer(tok_spec, sources)
+    sft = SFTData(
+        sources,
+        tokenizer,
+        block_size=cfg.train.block_size,
+        truncation=cfg.data.truncation,
+        val_fraction=cfg.data.val_fraction,
+        seed=cfg.train.seed,
+    )
+    corpus = {"examples": sft.stats["examples"], "summary": sft.summary()}
+    return Data(
+        sources=sources, format="sft", tokenizer=tokenizer, sft=sft, init_from=init_from, corpus=corpus
+    )
+
+
+def _estimated(
+    cfg: Config, sources: list[str], tok_spec: Any, init_from: Path | None, corpus: dict[str, Any]
+) -> Data:
+    """A dry run's corpus with no cached shards: its tokens estimated from its bytes, nothing tokenized."""
+    from gptoughts.data.tokenizer import parse_spec, tokenizer_before_training
+
+    kind = parse_spec(tok_spec)[0]
+    tokenizer, vocab = tokenizer_before_training(tok_spec)
+    cap = cfg.data.max_bytes
+    read = corpus["bytes"] if cap is None else sum(min(b, cap) for b in corpus["per_source"])
+    corpus.update(
+        bytes_read=read,
+        vocab=vocab,
+        tokens=int(read / _bytes_per_token(kind, vocab)),
+        cut=read < corpus["bytes"],
+    )
+    return Data(
+        sources=sources,
+        format="text",
+        tokenizer=tokenizer,
+        init_from=init_from,
+        estimated=True,
+        corpus=corpus,
+    )
+
+
+def _prepared(
+    cfg: Config, env: Environment, sources: list[str], tok_spec: Any, kwargs: dict[str, Any]
+) -> Any:
+    """The token shards' manifest: rank 0 prepares them (or finds them cached), then the others read the cache."""
+    from gptoughts.data.prepare import cached_prepare
+
+    manifest = None
+    if env.dist.is_main:
+        manifest = cached_prepare(
+            sources, tok_spec, progress=cfg.run.progress, workers=cfg.data.workers, **kwargs
+        )
+    pdist.barrier(env.dist)
+    if not env.dist.is_main:
+        manifest = cached_prepare(sources, tok_spec, progress=False, **kwargs)
+    return manifest
 
 
 # Bytes of text per token of a byte-level BPE trained on the corpus, measured on the Python standard library

@@ -38,69 +38,23 @@ def build_model(cfg: Config, env: Environment, data: Data, *, meta: bool = False
     """Build on meta, then load (fine-tuning) or initialise, LoRA, then the transforms in their one order.
     ``meta``: stop after building on the meta device (dry run: parameter counts without memory)."""
     from gptoughts.training.resolve import resolve_transforms
-    from gptoughts.training.setup import TrainableWeights, apply_transforms, build_raw_model, make_objective
+    from gptoughts.training.setup import TrainableWeights, apply_transforms, make_objective
 
-    device = torch.device("meta") if meta else env.device
     # Offloaded runs keep the weights in CPU memory: build or load them there (the model may not fit the GPU).
-    home = torch.device("cpu") if env.dist.cpu_offload and not meta else device
-    pretrained = None
-    perf = cfg.perf
+    home = torch.device("meta") if meta else torch.device("cpu") if env.dist.cpu_offload else env.device
     if data.init_from is not None:
-        pretrained, raw, perf = build_finetune_model(cfg, data.init_from, home, env.precision)
-        _check_tp(cfg, env, pretrained.family, pretrained.model.args, generic=pretrained.generic)
-        if pretrained.generic and env.dist.sharded:
-            raise ConfigError(
-                f"parallel.strategy = fsdp covers the native families; {data.init_from} runs on the "
-                "generic transformers path (tied weights, generate): use DDP (the default)"
-            )
-        args = pretrained.model.args
-        family = models.family_of(pretrained.family)
-        if args.vocab_size < data.vocab_size:
-            raise DataError(
-                f"the tokenizer of {data.init_from} has {data.vocab_size} tokens but the model only "
-                f"{args.vocab_size} embeddings; fix the model folder"
-            )
-        if args.max_seq_len < cfg.train.block_size:
-            raise ConfigError(
-                f"--block_size {cfg.train.block_size} exceeds the {args.max_seq_len} positions of "
-                f"{cfg.model.init_from}; pass --block_size {args.max_seq_len} or less (or leave it out)"
-            )
+        pretrained, raw, perf = _pretrained(cfg, env, data, home)
+        family, args = models.family_of(pretrained.family), pretrained.model.args
     else:
-        family = models.get_family(cfg.model.family)
-        overrides = dict(cfg.model.overrides)
-        overrides.setdefault("vocab_size", round_up(data.vocab_size, 64))
-        if family.objective == "diffusion":
-            mask_id = data.tokenizer.mask_id if data.tokenizer is not None else 2
-            if mask_id is None:
-                raise ConfigError(
-                    "LLaDA needs a mask token; use --tokenizer bpe:N or bytes (which reserve <|mask|>)"
-                )
-            overrides.setdefault("mask_token_id", mask_id)
-        args = models.model_args(family.name, cfg.model.size, overrides)
-        if getattr(args, "vocab_size", data.vocab_size) < data.vocab_size:
-            raise ConfigError(
-                f"model.vocab_size = {args.vocab_size} is smaller than the tokenizer's "
-                f"{data.vocab_size}; drop the override or raise it"
-            )
-        if hasattr(args, "max_seq_len") and args.max_seq_len < cfg.train.block_size:
-            args = replace(args, max_seq_len=cfg.train.block_size)
-        _check_tp(cfg, env, family.name, args)
-        if meta:
-            with torch.device("meta"):
-                raw = models.build_model(family.name, args, device="meta")
-        else:
-            raw = build_raw_model(family.name, args, home, cfg.train.seed)
+        pretrained, perf = None, cfg.perf
+        family, args, raw = _from_scratch(cfg, env, data, home)
     if env.dist.pp > 1:  # refused in one line before anything is written
         from gptoughts.parallel import pp
 
+        generic = bool(pretrained is not None and pretrained.generic)
         pp.check_supported(
-            family.name,
-            args,
-            lora=cfg.lora.enabled,
-            generic=bool(pretrained is not None and pretrained.generic),
-            objective=family.objective,
+            family.name, args, lora=cfg.lora.enabled, generic=generic, objective=family.objective
         )
-    weights = TrainableWeights(raw) if cfg.lora.enabled else raw
     spec = resolve_transforms(
         raw,
         perf=perf,
@@ -112,20 +66,71 @@ def build_model(cfg: Config, env: Environment, data: Data, *, meta: bool = False
         lora=cfg.lora,
         auto_batch=cfg.train.batch_size == "auto",
     )
+    weights = TrainableWeights(raw) if cfg.lora.enabled else raw
     out = Model(family=family, args=args, raw=raw, weights=weights, pretrained=pretrained, transforms=spec)
     if meta:
         return out
     out.built = apply_transforms(
-        raw,
-        spec,
-        device=env.device,
-        dist=env.dist,
-        precision=env.precision,
-        parallel=cfg.parallel,
+        raw, spec, device=env.device, dist=env.dist, precision=env.precision, parallel=cfg.parallel,
         family=family.name,
-    )
+    )  # fmt: skip
     out.objective = make_objective(family, out.built, cfg.perf)
     return out
+
+
+def _pretrained(cfg: Config, env: Environment, data: Data, home: torch.device) -> tuple[Any, nn.Module, Any]:
+    """The model fine-tuning starts from, checked against the run: (pretrained, model, perf)."""
+    pretrained, raw, perf = build_finetune_model(cfg, data.init_from, home, env.precision)
+    _check_tp(cfg, env, pretrained.family, pretrained.model.args, generic=pretrained.generic)
+    if pretrained.generic and env.dist.sharded:
+        raise ConfigError(
+            f"parallel.strategy = fsdp covers the native families; {data.init_from} runs on the "
+            "generic transformers path (tied weights, generate): use DDP (the default)"
+        )
+    args = pretrained.model.args
+    if args.vocab_size < data.vocab_size:
+        raise DataError(
+            f"the tokenizer of {data.init_from} has {data.vocab_size} tokens but the model only "
+            f"{args.vocab_size} embeddings; fix the model folder"
+        )
+    if args.max_seq_len < cfg.train.block_size:
+        raise ConfigError(
+            f"--block_size {cfg.train.block_size} exceeds the {args.max_seq_len} positions of "
+            f"{cfg.model.init_from}; pass --block_size {args.max_seq_len} or less (or leave it out)"
+        )
+    return pretrained, raw, perf
+
+
+def _from_scratch(
+    cfg: Config, env: Environment, data: Data, home: torch.device
+) -> tuple[Any, Any, nn.Module]:
+    """(family, args, model) of a new model of ``model.family``/``model.size`` for this vocabulary, initialised
+    from ``train.seed`` on ``home`` (not allocated on the meta device)."""
+    from gptoughts.training.setup import build_raw_model
+
+    family = models.get_family(cfg.model.family)
+    overrides = dict(cfg.model.overrides)
+    overrides.setdefault("vocab_size", round_up(data.vocab_size, 64))
+    if family.objective == "diffusion":
+        mask_id = data.tokenizer.mask_id if data.tokenizer is not None else 2
+        if mask_id is None:
+            raise ConfigError(
+                "LLaDA needs a mask token; use --tokenizer bpe:N or bytes (which reserve <|mask|>)"
+            )
+        overrides.setdefault("mask_token_id", mask_id)
+    args = models.model_args(family.name, cfg.model.size, overrides)
+    if getattr(args, "vocab_size", data.vocab_size) < data.vocab_size:
+        raise ConfigError(
+            f"model.vocab_size = {args.vocab_size} is smaller than the tokenizer's "
+            f"{data.vocab_size}; drop the override or raise it"
+        )
+    if hasattr(args, "max_seq_len") and args.max_seq_len < cfg.train.block_size:
+        args = replace(args, max_seq_len=cfg.train.block_size)
+    _check_tp(cfg, env, family.name, args)
+    if home.type == "meta":
+        with torch.device("meta"):
+            return family, args, models.build_model(family.name, args, device="meta")
+    return family, args, build_raw_model(family.name, args, home, cfg.train.seed)
 
 
 def _check_tp(cfg: Config, env: Environment, family: str, args: object, *, generic: bool = False) -> None:
