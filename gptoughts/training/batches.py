@@ -253,7 +253,7 @@ def _intervals(
     why: dict[str, str],
 ) -> tuple[int, int, int]:
     """(eval, save, task-scoring) intervals in steps: the asked ones, else spaced by the plan's time estimate."""
-    from gptoughts.training.plan import estimate_speed
+    from gptoughts.training.estimates import estimate_speed
 
     tps, _ = estimate_speed(env, model, cfg.train.block_size, micro, env.dist.world_size)
     step_s = tokens_per_step / tps if tps else 0.0
@@ -304,7 +304,7 @@ def _largest_fitting(
     """(micro-batch, its estimated peak GiB, the device's GiB): the largest of ``candidates`` whose estimate fits
     90% of the device's memory (the smallest when none does: the memory check then refuses the run); ``default``
     where there is no estimate or no memory figure."""
-    from gptoughts.training.plan import device_memory_gib, estimate_peak
+    from gptoughts.training.estimates import device_memory_gib, estimate_peak
 
     mem = device_memory_gib(env)
     best, peak = candidates[0], None
@@ -338,7 +338,7 @@ def data_packing(cfg: Config, model: Model) -> bool:
 def layout_refusal(cfg: Config, env: Environment, model: Model, lead: str) -> str:
     """The refusal of a run that does not fit, led by ``lead``: the memory each way out would need (estimates), or
     the ways out alone where the run has no estimate."""
-    from gptoughts.training.plan import GPU_FIXES, layout_search
+    from gptoughts.training.estimates import GPU_FIXES, layout_search
 
     search = layout_search(cfg, env, model)
     return search.refusal(lead) if search is not None else f"{lead}: {GPU_FIXES}"

@@ -320,7 +320,7 @@ def choose_memory_layout(
     applied to the config, with why in ``cfg.resolved`` (the plan prints it); offload also starts the process group
     of one it needs. A run that nothing fits is refused here, before anything heavy, unless
     ``--ignore_memory_estimate`` (or a dry run: its plan warns)."""
-    from gptoughts.training.plan import layout_search
+    from gptoughts.training.estimates import layout_search
 
     search = layout_search(cfg, env, model)
     if search is None:
@@ -458,7 +458,7 @@ def _given_threads(
 def _whole_model_for_long_runs(env: Environment, model: Model, batch: BatchPlan) -> None:
     """``compile_mode = auto``: a run estimated shorter than ``WHOLE_MODEL_MIN_RUN_S`` trains on the per-block
     graphs (the whole model's compile would cost more than its faster steps gain)."""
-    from gptoughts.training.plan import estimate_speed
+    from gptoughts.training.estimates import estimate_speed
     from gptoughts.training.resolve import WHOLE_MODEL_MIN_RUN_S
 
     tps, _ = estimate_speed(env, model, batch.block_size, batch.micro_batch, env.dist.world_size)

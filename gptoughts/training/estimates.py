@@ -1,0 +1,186 @@
+"""What a run will need, estimated before anything heavy is built: its peak memory on the device (and the host's,
+under offload), the memory layout search over the settings left to their defaults, and its speed."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, replace
+from typing import Any
+
+from gptoughts.perf.layout import KEYS, Layout, LayoutSearch, Need, gib_figure
+
+
+def estimate_peak(
+    cfg: Any, env: Any, model: Any, micro_batch: int, block_size: int, world_size: int, tp: int = 1
+) -> Any:
+    """``perf/estimate.py``'s estimate of one training step at ``micro_batch`` (native families trained in full;
+    None for LoRA, generic transformers models and pipelines, which it does not model)."""
+    if (
+        cfg.lora.enabled
+        or not hasattr(model.args, "__dataclass_fields__")
+        or model.pretrained is not None
+        and model.pretrained.generic
+        or env.dist.pp
+        > 1  # the estimate knows no pipeline stages (it printed 227 GiB for 100 measured at 8b)
+    ):
+        return None
+    from gptoughts.perf import checkpointing
+    from gptoughts.perf.estimate import estimate
+
+    try:
+        return estimate(
+            model.family.name,
+            "debug",
+            asdict(model.args),
+            batch_size=micro_batch,
+            block_size=block_size,
+            activation_checkpointing=checkpointing.resolve(cfg.perf.activation_checkpointing, cfg.lora)[0],
+            loss="chunked" if env.device.type == "cuda" else "plain",
+            gpu=env.hw.name if env.device.type == "cuda" else "H100",  # the bytes do not depend on the name
+            residual_dtype="bf16"
+            if env.precision == "bf16" and cfg.perf.residual_dtype != "fp32"
+            else "fp32",
+            num_gpus=world_size,
+            strategy="fsdp" if env.dist.strategy == "fsdp" else "ddp",
+            optimizer=cfg.train.optimizer,
+            optimizer_states=cfg.train.optimizer_states,
+            cpu_offload=env.dist.cpu_offload,
+            reshard_after_forward=env.dist.reshard_after_forward,
+            tp=tp,
+        )
+    except Exception:  # noqa: BLE001 - an estimate must never stop a run
+        return None
+
+
+def device_memory_gib(env: Any) -> float | None:
+    """What a run's process may fill: the GPU's memory (or its ``perf.gpu_memory_gib`` cap); on a CPU its share of
+    the memory available now (``MemAvailable`` within the cgroup's limit, split between the processes torchrun
+    started on this machine); None when unknown."""
+    if env.device.type == "cpu":
+        return host_memory_gib(env)
+    return (env.hw.memory_bytes or 0) / 2**30 or None
+
+
+def host_memory_gib(env: Any) -> float | None:
+    """This process's share of the host memory available now (``MemAvailable`` within the cgroup's limit, split
+    between the processes torchrun started on this machine); None when unknown."""
+    import os
+
+    from gptoughts.training.checkpoint import staging
+
+    free = staging.host_memory_available()
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if env.dist.enabled else 1
+    return free / max(1, local) / 2**30 if free else None
+
+
+def layout_search(cfg: Any, env: Any, model: Any) -> LayoutSearch | None:
+    """What the memory layout is chosen from (``perf/layout.py``) for this run on this GPU: its settings now, those
+    the user set, the GPU's memory (or ``perf.gpu_memory_gib``) and the host's, and :func:`estimate_peak` of each
+    layout at the micro-batch given (auto: its smallest, 1). None off CUDA (the cap is a GPU's; a CPU run is bounded
+    by the host's available memory, :func:`memory_refusal`) or without a memory figure."""
+    import importlib.util
+
+    from gptoughts.perf import checkpointing
+
+    gpu = device_memory_gib(env)
+    if env.device.type != "cuda" or not gpu:
+        return None
+    t = cfg.train
+    micro = t.batch_size if isinstance(t.batch_size, int) else 1
+    start = Layout(
+        checkpointing.resolve(cfg.perf.activation_checkpointing, cfg.lora)[0],
+        t.optimizer_states,
+        env.dist.cpu_offload,
+    )
+    # background checkpoints keep a host copy of the states (checkpoint_staging_gib): host memory too
+    staged = cfg.checkpoint.checkpoints and cfg.checkpoint.async_save
+
+    def measure(layout: Layout) -> Need | None:
+        dist = replace(env.dist, strategy="fsdp", cpu_offload=True) if layout.cpu_offload else env.dist
+        e = estimate_peak(
+            layout.apply(cfg, start),
+            replace(env, dist=dist),
+            model,
+            micro,
+            t.block_size,
+            dist.world_size,
+            dist.tp,
+        )
+        if e is None:
+            return None
+        staging = e.checkpoint_staging_gib if staged else 0.0
+        return Need(e.total_gib, e.host_gib + staging, staging)
+
+    capped = cfg.perf.gpu_memory_gib is not None
+    return LayoutSearch(
+        start=start,
+        measure=measure,
+        gpu_gib=gpu,
+        host_gib=host_memory_gib(env),
+        what=f"{model.family.name}/{cfg.model.size}"
+        if cfg.model.init_from is None
+        else str(cfg.model.init_from),
+        where=f"the {gib_figure(gpu)} of --gpu_memory_gib" if capped else f"this GPU's {gib_figure(gpu)}",
+        shape=f"micro-batch {micro} x {t.block_size:,} tokens",
+        fixed=_fixed_layout(cfg, env),
+        eight_bit=importlib.util.find_spec("torchao") is not None
+        and t.optimizer == "adamw"
+        and not env.dist.sharded
+        and env.dist.pp == 1,
+    )
+
+
+def _fixed_layout(cfg: Any, env: Any) -> dict[str, str]:
+    """The layout's fields the chooser leaves as they are, and why: those the user set (an ``auto`` is not a
+    setting), and offload where the launch rules it out."""
+    out = {}
+    for name, key in KEYS.items():
+        section, field_name = key.split(".")
+        value = getattr(getattr(cfg, section), field_name)
+        if cfg.is_given(key) and value != "auto":
+            out[name] = f"you set {key} = {str(value).lower() if isinstance(value, bool) else value}"
+    d, strategy = env.dist, cfg.parallel.strategy
+    if "cpu_offload" in out or d.cpu_offload:
+        return out
+    if d.tp > 1 or d.pp > 1:
+        out["cpu_offload"] = "offload is FSDP's alone, not with --parallel.tp or --parallel.pp"
+    elif strategy in ("ddp", "none"):
+        out["cpu_offload"] = f"not under parallel.strategy = {strategy}"
+    elif d.enabled:  # the process group started without the CPU backend offload's collectives need
+        out["cpu_offload"] = "with several processes, pass --parallel.cpu_offload true when launching"
+    return out
+
+
+# The ways out of a GPU's memory (the layout chooser tries the first three itself: perf/layout.py).
+GPU_FIXES = (
+    "use --activation_checkpointing selective|full, --train.optimizer_states bf16, --parallel.cpu_offload true, a "
+    "lower --batch_size or --block_size, or several GPUs (FSDP)"
+)
+
+
+def estimate_speed(
+    env: Any, model: Any, block_size: int, micro_batch: int, world_size: int
+) -> tuple[float | None, str]:
+    """Tokens/s: on a GPU from its peak and the MFU ``bench`` measured for the size class; on a CPU from a short
+    matmul timed at the threads torch has now (the plan comes before the thread count is measured)."""
+    flops = model.raw.flops_per_token(block_size)
+    if env.device.type == "cuda":
+        peak = env.hw.peak_bf16_flops
+        if not peak:
+            return None, "unknown GPU peak"
+        mfu = 0.55 if getattr(model.args, "d_model", 0) >= 2048 else 0.45
+        return peak * mfu / flops * world_size, f"estimated at MFU {mfu:.2f} of {env.hw.name}'s peak"
+    flops_s = _cpu_matmul_flops()
+    return flops_s * 0.5 / flops, "from this CPU's measured matmul speed, at 50% of it"
+
+
+def _cpu_matmul_flops() -> float:
+    import time
+
+    import torch
+
+    a, b = torch.randn(512, 512), torch.randn(512, 512)
+    a @ b
+    t = time.perf_counter()
+    for _ in range(8):
+        a @ b
+    return 8 * 2 * 512**3 / max(time.perf_counter() - t, 1e-6)
