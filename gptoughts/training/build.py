@@ -360,43 +360,13 @@ def _plan(
     thread count and why, when known before the plan."""
     if model.transforms is not None and model.transforms.whole_model_auto:
         _whole_model_for_long_runs(env, model, batch)
-    if model.built is not None:
-        values, why = model.built.resolved, model.built.why
-    elif model.transforms is not None:  # a dry run: what the build would apply
-        values, why = model.transforms.resolved(), model.transforms.why
-    else:
-        values, why = {}, {}
-    built = {k: f"{v} ({why[k]})" if k in why else str(v) for k, v in values.items()}
-    # (the config's own last: the memory layout's reasons replace the "asked" of the values it set)
-    resolved = {**env.resolved, **built, **batch.why, **cfg.resolved}
-    if env.dist.pp > 1:
-        from gptoughts.parallel import pp
+    from gptoughts.training.resolve import resolve_run
 
-        par = cfg.parallel
-        pp_micro = pp.microbatches(
-            batch.micro_batch * batch.grad_accum, env.dist.pp, par.pp_schedule, par.pp_microbatches
-        )
-        split = pp.split_layers(
-            model.args.n_layers, pp.stages_of(env.dist.pp, par.pp_schedule), par.pp_layers
-        )
-        resolved["pipeline"] = pp.describe(split, env.dist.pp, par.pp_schedule, pp_micro)
-        if model.built is not None:
-            model.built.pipeline.n_micro = pp_micro
-    if model.raw is not None:
-        from gptoughts.training.optim import describe_states
-        from gptoughts.training.resolve import optimizer_rule
-
-        name, why = optimizer_rule(model.raw, cfg.train)
-        t = cfg.train
-        lr = f"peak lr {t.learning_rate:.1e}" + (
-            f" (Muon {t.muon_learning_rate:.1e})" if name == "muon" and t.muon_learning_rate else ""
-        )
-        if "learning_rate" in cfg.resolved:
-            lr += f" ({cfg.resolved['learning_rate']})"
-        states = describe_states(t.optimizer_states) + (" for the AdamW groups" if name == "muon" else "")
-        resolved["optimizer"] = f"{name} ({states}), {lr}, {t.schedule} schedule ({why})"
-    if threads is not None:
-        resolved["threads"] = threads
+    applied = model.built.resolved if model.built is not None else None
+    spec = resolve_run(cfg, env.resolved, model.transforms, applied, batch, env.dist, model.raw, threads)
+    if spec.pipeline_micro is not None and model.built is not None:
+        model.built.pipeline.n_micro = spec.pipeline_micro
+    resolved = dict(spec.resolved)
     plan = make_plan(
         cfg,
         env=env,

@@ -1,9 +1,11 @@
-"""Decide first: every ``auto`` of how the model is transformed, resolved with its reason before anything is built.
+"""Decide first: every ``auto`` of a run, resolved with its reason before anything is built.
 
 :func:`resolve_transforms` turns the config, the hardware, the process group and a few facts of the model (read
-from its meta-device build: width, parameter count, frozen weights) into one frozen :class:`Transforms`; the plan
-prints it, ``run.json`` records it, and ``training/setup.py`` applies it step by step without deciding anything.
-Each ``*_rule`` returns ``(value, why)``: "asked", or the ``auto`` rule that applied.
+from its meta-device build: width, parameter count, frozen weights) into one frozen :class:`Transforms`, which
+``training/setup.py`` applies step by step without deciding anything; :func:`resolve_run` adds the batch plan,
+the pipeline's micro-batches and the optimizer into one frozen :class:`RunSpec`, whose ``resolved`` entries the
+plan prints and ``run.json`` records. Each ``*_rule`` returns ``(value, why)``: "asked", or the ``auto`` rule
+that applied.
 """
 
 from __future__ import annotations
@@ -13,11 +15,12 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import nn
 
-from gptoughts.config import LoraConfig, PerfConfig, TrainConfig
+from gptoughts.config import Config, LoraConfig, PerfConfig, TrainConfig
 from gptoughts.errors import HardwareError, UserError
 from gptoughts.parallel import dist as pdist
 from gptoughts.perf import checkpointing
 from gptoughts.perf.hardware import HardwareProfile
+from gptoughts.training.plan import BatchPlan
 
 
 def compile_rule(perf: PerfConfig, hw: HardwareProfile) -> tuple[bool, str]:
@@ -326,3 +329,67 @@ def resolve_transforms(
         perf=perf,
         why=why,
     )
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """What the run decided before it starts: the typed values the builders read, and ``resolved``: each setting
+    as "value (why)", which the plan prints and ``run.json`` records."""
+
+    transforms: Transforms | None
+    batch: BatchPlan
+    pipeline_micro: int | None
+    """Micro-batches of one pipeline step (None without pipeline parallelism)."""
+    optimizer: str | None
+    resolved: dict[str, str]
+
+
+def resolve_run(
+    cfg: Config,
+    env_resolved: dict[str, str],
+    transforms: Transforms | None,
+    applied: dict[str, object] | None,
+    batch: BatchPlan,
+    dist: pdist.DistInfo,
+    raw: nn.Module | None,
+    threads: str | None = None,
+) -> RunSpec:
+    """The run's :class:`RunSpec`. ``applied``: what the build applied (``Built.resolved``: the spec's values and
+    what applying them counted), None in a dry run (the spec's own values); ``threads``: the CPU thread count and
+    why, when known before the plan."""
+    values = applied if applied is not None else transforms.resolved() if transforms is not None else {}
+    why = transforms.why if transforms is not None else {}
+    built = {k: f"{v} ({why[k]})" if k in why else str(v) for k, v in values.items()}
+    # (the config's own last: the memory layout's reasons replace the "asked" of the values it set)
+    resolved = {**env_resolved, **built, **batch.why, **cfg.resolved}
+    micro = None
+    if dist.pp > 1 and raw is not None:
+        from gptoughts.parallel import pp
+
+        par = cfg.parallel
+        micro = pp.microbatches(
+            batch.micro_batch * batch.grad_accum, dist.pp, par.pp_schedule, par.pp_microbatches
+        )
+        split = pp.split_layers(raw.args.n_layers, pp.stages_of(dist.pp, par.pp_schedule), par.pp_layers)
+        resolved["pipeline"] = pp.describe(split, dist.pp, par.pp_schedule, micro)
+    optimizer = None
+    if raw is not None:
+        optimizer, resolved["optimizer"] = optimizer_line(cfg, raw)
+    if threads is not None:
+        resolved["threads"] = threads
+    return RunSpec(transforms, batch, micro, optimizer, resolved)
+
+
+def optimizer_line(cfg: Config, raw: nn.Module) -> tuple[str, str]:
+    """The optimizer and its plan line: states, peak learning rate, schedule, and why."""
+    from gptoughts.training.optim import describe_states
+
+    name, why = optimizer_rule(raw, cfg.train)
+    t = cfg.train
+    lr = f"peak lr {t.learning_rate:.1e}" + (
+        f" (Muon {t.muon_learning_rate:.1e})" if name == "muon" and t.muon_learning_rate else ""
+    )
+    if "learning_rate" in cfg.resolved:
+        lr += f" ({cfg.resolved['learning_rate']})"
+    states = describe_states(t.optimizer_states) + (" for the AdamW groups" if name == "muon" else "")
+    return name, f"{name} ({states}), {lr}, {t.schedule} schedule ({why})"
