@@ -151,7 +151,7 @@ def test_corrupt_newest_checkpoint_falls_back(tmp_path, text_corpus, cache_dir):
 
 def _bare_trainer(model, optimizer, batches, *, batch: int, accum: int, steps: int, **kw) -> Trainer:
     """A Trainer over in-memory batches: CPU, fp32, no run directory, metrics or evaluation."""
-    from gptoughts.config import RunConfig, TrainConfig
+    from gptoughts.config import TrainConfig
     from gptoughts.parallel.dist import DistInfo
     from gptoughts.training.metrics import MetricsLogger
     from gptoughts.training.objectives import build_objective
@@ -164,10 +164,7 @@ def _bare_trainer(model, optimizer, batches, *, batch: int, accum: int, steps: i
         optimizer=optimizer,
         schedule=Schedule("constant", lr, steps, 0),
         loader=iter(batches),
-        eval_batches=None,
         cfg=TrainConfig(batch_size=batch, grad_accum=accum, **kw.pop("train", {})),
-        run=RunConfig(),
-        run_dir=Path("."),
         dist=DistInfo(),
         device=torch.device("cpu"),
         precision="fp32",
@@ -230,7 +227,7 @@ def test_keep_grads_accumulates_in_place_with_the_same_updates():
 def test_nonfinite_step_is_skipped(tmp_path):
     """A NaN loss leaves the weights untouched and is counted, instead of poisoning the model."""
     from gptoughts import models
-    from gptoughts.config import RunConfig, TrainConfig
+    from gptoughts.config import TrainConfig
     from gptoughts.parallel.dist import DistInfo
     from gptoughts.training.metrics import MetricsLogger
     from gptoughts.training.optim import Schedule
@@ -249,10 +246,7 @@ def test_nonfinite_step_is_skipped(tmp_path):
         optimizer=torch.optim.AdamW(model.parameters()),
         schedule=Schedule("constant", 1e-3, 1, 0),
         loader=iter([(x[:, :-1], x[:, 1:])]),
-        eval_batches=None,
         cfg=TrainConfig(batch_size=2),
-        run=RunConfig(),
-        run_dir=tmp_path,
         dist=DistInfo(),
         device=torch.device("cpu"),
         precision="fp32",
@@ -269,7 +263,7 @@ def test_nonfinite_step_is_skipped(tmp_path):
 def test_oom_backoff_halves_micro_batch(tmp_path):
     """An OOM in a step splits each micro-batch in two and retries the same data (same global batch)."""
     from gptoughts import models
-    from gptoughts.config import RunConfig, TrainConfig
+    from gptoughts.config import TrainConfig
     from gptoughts.parallel.dist import DistInfo
     from gptoughts.training.metrics import MetricsLogger
     from gptoughts.training.objectives import build_objective
@@ -292,10 +286,7 @@ def test_oom_backoff_halves_micro_batch(tmp_path):
         optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
         schedule=Schedule("constant", 0.1, 1, 0),
         loader=iter([(x[:, :-1], x[:, 1:])]),
-        eval_batches=None,
         cfg=TrainConfig(batch_size=8),
-        run=RunConfig(),
-        run_dir=tmp_path,
         dist=DistInfo(),
         device=torch.device("cpu"),
         precision="fp32",
