@@ -29,6 +29,7 @@ from torch import nn
 from gptoughts.config import TrainConfig, check_train_ranges
 from gptoughts.parallel import dist as pdist
 from gptoughts.perf.autobatch import free_memory
+from gptoughts.perf.startup import Startup
 from gptoughts.perf.timing import GpuMonitor, StepTimer, advice, format_profile, summarize_profile
 from gptoughts.training.checkpointer import Checkpointer
 from gptoughts.training.evaluation import Evaluator
@@ -158,7 +159,7 @@ class Trainer:
         self._after_transforms = after_optimizer_step
         self.timer, self.gpu_monitor = StepTimer(device, enabled=timing), GpuMonitor(device)
         self.split = 1
-        self.startup: Any = None  # perf.startup.Startup, given to fit: the first step completes it
+        self.startup: Startup | None = None  # given to fit: the first step completes it
         self.stop_requested, self.stop_signal, self.stop_reason = False, None, "max steps"
         self._interrupts = self._logs = 0
         self._phase: str | None = None  # the curriculum phase of the last window
@@ -325,10 +326,9 @@ class Trainer:
         return new, self._read(new)
 
     # ---------------------------------------------------------------------------------------------- fit
-    def fit(self, startup: Any = None) -> TrainState:
+    def fit(self, startup: Startup | None = None) -> TrainState:
         """Train to ``total_steps``, or to an early stop or a stop asked for (``stop_reason`` says which).
-        ``startup``: a :class:`~gptoughts.perf.startup.Startup` that the first step completes (one device sync)
-        and prints."""
+        ``startup``: the start-up's clock, which the first step completes (one device sync) and prints."""
         if self.recovery is None:
             raise ValueError("Trainer.fit needs a Recovery (the policy for non-finite steps)")
         self.startup = startup
