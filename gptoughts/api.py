@@ -201,11 +201,10 @@ def run_training(cfg: Config, *, dry_run: bool = False) -> tuple[nn.Module, Any,
                 )
             if main and asm.model.pretrained is not None and asm.model.pretrained.notice:
                 console.print(asm.model.pretrained.notice, highlight=False)
-            asm.trainer.startup = startup
             # where this session starts (a resumed run's step and tokens): the summary tells its figures apart
             start, t0 = (asm.trainer.state.step, asm.trainer.state.tokens_seen), time.perf_counter()
             with _disk_full_is_a_user_error(asm.run_dir), _out_of_memory_is_a_user_error(env.device):
-                st = asm.trainer.fit()
+                st = asm.trainer.fit(startup)
             wall = time.perf_counter() - t0
             history = _history(asm, st, history)
             history.sample = _final_sample(asm)
@@ -247,17 +246,18 @@ def _final_sample(asm: Any) -> str | None:
     the final step when it sampled there (the same seeded text), else generated now. A failure is one warning line:
     a sample never turns a finished run into an error."""
     trainer, prompts, d = asm.trainer, asm.cfg.eval.sample_prompts, asm.env.dist
+    ev = trainer.evaluator
     # No sampler: a pipeline's stages do not generate (run plan), or sampling failed during the run (warned then).
-    if not prompts or trainer.sample_fn is None:
+    if not prompts or ev.sampler is None:
         return None
-    if trainer.last_samples is not None and trainer.last_samples[0] == trainer.state.step:
-        return trainer.last_samples[1][0]
+    if ev.last_samples is not None and ev.last_samples[0] == trainer.state.step:
+        return ev.last_samples[1][0]
     if not (d.is_main or d.sharded):  # under FSDP or TP every rank takes part in generation
         return None
     asm.model.raw.eval()
     try:
         with trainer.autocast():
-            return trainer.sample_fn(prompts[0])
+            return ev.sampler(prompts[0])
     except Exception as e:  # noqa: BLE001 - said in one line; the run is complete
         trainer.log_line(
             f"warning: the end-of-run sample failed ({first_line(e)}); the run and its checkpoints are complete "
@@ -309,8 +309,8 @@ def _summary(asm: Any, history: History, wall: float, start: tuple[int, int]) ->
     flops = asm.model.raw.flops_per_token(asm.batch.block_size)
     finite = [(v, s) for v, s in zip(history.val_loss, history.eval_steps) if math.isfinite(v)]
     best = min(finite) if finite else None
-    plots = asm.trainer.plots.close() if asm.trainer.plots is not None else []
-    asm.trainer.plots = None
+    plots = asm.plots.close() if asm.plots is not None else []
+    asm.plots = None
     summary = {
         "steps": history.steps,
         "tokens": history.tokens,
@@ -330,8 +330,8 @@ def _summary(asm: Any, history: History, wall: float, start: tuple[int, int]) ->
         "plots": [str(p) for p in plots],
         "sample": history.sample,
     }
-    if asm.trainer.task_scores:  # the last scores of eval.eval_tasks
-        summary["tasks"] = asm.trainer.task_scores
+    if asm.trainer.evaluator.task_scores:  # the last scores of eval.eval_tasks
+        summary["tasks"] = asm.trainer.evaluator.task_scores
     write_text_atomic(asm.run_dir / "summary.json", json.dumps(summary, indent=2))
     return summary
 

@@ -18,7 +18,7 @@ from gptoughts.errors import ConfigError
 from gptoughts.tools.task_scorer import read_scorer
 from gptoughts.training.checkpoint import restore
 from gptoughts.training.checkpoint import store as ckpt
-from gptoughts.training.trainer import combine_task_scores
+from gptoughts.training.evaluation import combine_task_scores
 
 EXAMPLES = [
     {"context": "def f(x):\n    return", "choices": [" x", " banana"], "answer": 0},

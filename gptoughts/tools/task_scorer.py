@@ -3,7 +3,7 @@
 
 The files are read and checked by :func:`read_scorer` before the run builds or writes anything; the trainer
 receives the :class:`TaskScorer` (it never imports this layer) and decides when to call it, in which mode, on
-which slice of the examples, and how the slices of several ranks add up (``training/trainer.py``).
+which slice of the examples, and how the slices of several ranks add up (``training/evaluation.py``).
 """
 
 from __future__ import annotations

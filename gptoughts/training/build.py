@@ -73,6 +73,8 @@ class Assembly:
     trainer: Any = None
     loader: Any = None
     metrics: Any = None
+    plots: Any = None
+    """plots.PlotWriter (rank 0): redraws RUN/plots/ after evaluations; its close draws the final ones."""
     sampler: Any = None
     resolved: dict[str, Any] = field(default_factory=dict)
     lock: Any = None
@@ -80,9 +82,9 @@ class Assembly:
     """CPU runs: torch's thread count (run.json keeps it: a resume keeps it, and with it the same losses)."""
 
     def close(self) -> None:
-        if self.trainer is not None and self.trainer.plots is not None:
-            self.trainer.plots.close()  # (after a failure too: the plots of a run that diverged are worth a look)
-            self.trainer.plots = None
+        if self.plots is not None:
+            self.plots.close()  # (after a failure too: the plots of a run that diverged are worth a look)
+            self.plots = None
         for part in (self.metrics, self.loader):
             if part is not None:
                 part.close()
@@ -213,85 +215,55 @@ def _assemble(
     )
     if dry_run:
         return asm
-    # 7. optimizer, schedule, loaders, sampler: still nothing written
-    from gptoughts.sampling import Sampler
-    from gptoughts.training.optim import Schedule
+    return make_trainer(asm, tasks)  # 7-8
 
+
+def make_trainer(asm: Assembly, tasks: Any = None) -> Assembly:
+    """Steps 7 and 8: the optimizer, schedule, loaders and sampler, the resumed state (checked to fit this run before
+    anything is written), the run directory, then the metrics and plots, and the Trainer with its components.
+    ``tasks``: the files of ``eval.eval_tasks`` (see :func:`build`)."""
+    from gptoughts.config import check_train_ranges
+    from gptoughts.training.checkpointer import Checkpointer, grad_scaler
+    from gptoughts.training.metrics import MetricsLogger, console
+    from gptoughts.training.plots import PlotWriter
+    from gptoughts.training.state import TrainState
+
+    cfg, env, model, batch, run_dir = asm.cfg, asm.env, asm.model, asm.batch, asm.run_dir
     t = replace(cfg.train, batch_size=batch.micro_batch, grad_accum=batch.grad_accum)
     evaluation = replace(
         cfg.eval, eval_interval=batch.eval_interval, eval_tasks_interval=batch.tasks_interval
     )
     checkpointing = replace(cfg.checkpoint, save_interval=batch.save_interval)
-    schedule = Schedule(
-        t.schedule, t.learning_rate, batch.total_steps, batch.warmup_steps, t.min_lr_ratio, t.decay_fraction
-    )
+    check_train_ranges(t, evaluation, checkpointing, cfg.recovery)  # with the plan's values
+    # 7. optimizer, schedule, loaders, sampler: still nothing written
     optimizer = train_optimizer(cfg, env, model, t)
-    loader, eval_fn = make_loaders(cfg, env, data, model, t, batch.eval_block)
-    asm.loader = loader
-    asm.sampler = Sampler(
-        model.raw,
-        data.tokenizer,
-        diffusion=model.family.objective == "diffusion",
-        chat=data.format == "sft",
-        max_new_tokens=cfg.eval.sample_max_new_tokens,
-        temperature=cfg.eval.sample_temperature,
-        top_k=cfg.eval.sample_top_k,
-    )
-    state = None
-    if resume_from is not None:  # read and checked before anything of the run directory is rewritten
-        asm.resume_from, state = load_resume_checkpoint(cfg, env, model, run_dir, resume_from)
-    from gptoughts.training.metrics import MetricsLogger
-    from gptoughts.training.plots import PlotWriter
-    from gptoughts.training.trainer import Trainer
-
+    asm.loader, eval_fn = make_loaders(cfg, env, asm.data, model, t, batch.eval_block)
+    asm.sampler = _sampler(cfg, asm.data, model)
+    resumed = None
+    if asm.resume_from is not None:  # read and checked before anything of the run directory is rewritten
+        asm.resume_from, resumed = load_resume_checkpoint(cfg, env, model, run_dir, asm.resume_from)
     # Masked-diffusion objectives draw their noise from torch's global RNG (checkpoints save and restore it);
     # seeding it here, after any autobatch probe, makes a run reproducible from train.seed. Data-parallel ranks
     # differ so that they draw different masks; the ranks of a tensor-parallel group read the same rows and must
     # draw the same ones.
     torch.manual_seed(t.seed + env.dist.dp_rank)
-    asm.trainer = Trainer(
+    bound = _bind_tasks(tasks, asm, t)
+    scaler = grad_scaler(env.device, env.precision)
+    state = TrainState()
+    checkpointer = Checkpointer(
+        run_dir / "checkpoints",
+        checkpointing,
         model=model.built.model,
-        objective=model.objective,
+        weights=model.weights,
         optimizer=optimizer,
-        schedule=schedule,
-        loader=loader,
-        eval_batches=eval_fn,
-        cfg=t,
-        run=cfg.run,
-        run_dir=run_dir,
+        loader=asm.loader,
+        scaler=scaler,
+        pipeline=model.built.pipeline,
         dist=env.dist,
         device=env.device,
-        precision=env.precision,
-        metrics=MetricsLogger(run_dir, enabled=False),
-        total_steps=batch.total_steps,
-        tokens_per_step=batch.tokens_per_step,
-        sample_fn=asm.sampler if model.built.pipeline is None else None,
-        save_weights=lambda: model.weights,
-        pipeline=model.built.pipeline,
-        forward_context=model.built.forward_context,
-        after_optimizer_step=model.built.after_optimizer_step,
-        keep_grads=model.built.keep_grads,
-        # The collapse check: ln(vocab) is the loss of a uniform prediction.
-        vocab_size=getattr(model.args, "vocab_size", None),
-        static_token_count=data.sft is None,
-        mfu_per_token_s=_mfu_per_token_s(env, model, t.block_size),
-        evaluation=evaluation,
-        checkpointing=checkpointing,
-        recovery=cfg.recovery,
-        # Task sequences are scored in batches of at most the training micro-batch (its [rows, block] activations
-        # fit; the full-vocabulary logits of 8 rows are the eval command's batch).
-        tasks=None
-        if tasks is None
-        else tasks.bind(
-            data.tokenizer,
-            max_len=t.block_size,
-            batch_size=min(8, batch.micro_batch),
-            diffusion=model.family.objective == "diffusion",
-            family=model.family.name,
-        ),
     )
-    if state is not None:  # the optimizer, loader and RNG state must fit this run before anything is written
-        asm.trainer.load_state_dict(state)
+    if resumed is not None:  # the state must fit this run (optimizer, loader, RNG) before anything is written
+        checkpointer.load_state_dict(resumed, state)
     # 8. the run directory: written only now that everything has been checked
     if env.dist.is_main:
         write_run_files(asm)
@@ -303,13 +275,117 @@ def _assemble(
         wandb=cfg.run.wandb,
         wandb_project=cfg.run.wandb_project,
         config=cfg.to_dict(),
-        resume_step=int(state["trainer"]["step"]) if state is not None else None,
+        resume_step=int(state.step) if resumed is not None else None,
     )
-    asm.trainer.metrics = asm.metrics
-    asm.trainer.plots = PlotWriter(run_dir) if env.dist.is_main else None
-    if state is not None and env.dist.is_main:
-        console.print(f"resumed from {asm.resume_from} at step {int(state['trainer']['step'])}")
+    asm.plots = PlotWriter(run_dir) if env.dist.is_main else None
+    asm.trainer = _trainer(asm, t, evaluation, state, optimizer, eval_fn, checkpointer, scaler, bound)
+    if resumed is not None and env.dist.is_main:
+        console.print(f"resumed from {asm.resume_from} at step {int(state.step)}")
     return asm
+
+
+def _sampler(cfg: Config, data: Data, model: Model) -> Any:
+    from gptoughts.sampling import Sampler
+
+    return Sampler(
+        model.raw,
+        data.tokenizer,
+        diffusion=model.family.objective == "diffusion",
+        chat=data.format == "sft",
+        max_new_tokens=cfg.eval.sample_max_new_tokens,
+        temperature=cfg.eval.sample_temperature,
+        top_k=cfg.eval.sample_top_k,
+    )
+
+
+def _bind_tasks(tasks: Any, asm: Assembly, t: TrainConfig) -> Any:
+    """The task scorer of the run, or None. Task sequences are scored in batches of at most the training micro-batch
+    (its [rows, block] activations fit; the full-vocabulary logits of 8 rows are the eval command's batch)."""
+    if tasks is None:
+        return None
+    return tasks.bind(
+        asm.data.tokenizer,
+        max_len=t.block_size,
+        batch_size=min(8, asm.batch.micro_batch),
+        diffusion=asm.model.family.objective == "diffusion",
+        family=asm.model.family.name,
+    )
+
+
+def _trainer(
+    asm: Assembly,
+    t: TrainConfig,
+    evaluation: Any,
+    state: Any,
+    optimizer: Any,
+    eval_fn: Any,
+    checkpointer: Any,
+    scaler: Any,
+    tasks: Any,
+) -> Any:
+    """The Trainer of the run and its recovery and evaluator, on ``state``."""
+    from gptoughts.training.evaluation import Evaluator
+    from gptoughts.training.optim import Schedule
+    from gptoughts.training.recovery import Recovery
+    from gptoughts.training.trainer import Trainer
+
+    cfg, env, model, batch, built = asm.cfg, asm.env, asm.model, asm.batch, asm.model.built
+    common = {"metrics": asm.metrics, "dist": env.dist, "device": env.device, "precision": env.precision}
+    recovery = Recovery(
+        state,
+        cfg.recovery,
+        checkpointer=checkpointer,
+        grad_accum=t.grad_accum,
+        # The collapse check: ln(vocab) is the loss of a uniform prediction.
+        vocab_size=getattr(model.args, "vocab_size", None),
+        **common,
+    )
+    evaluator = Evaluator(
+        state,
+        evaluation,
+        model=built.model,
+        objective=model.objective,
+        batches=eval_fn,
+        run_dir=asm.run_dir,
+        forward_context=built.forward_context,
+        pipeline=built.pipeline,
+        sampler=asm.sampler if built.pipeline is None else None,
+        tasks=tasks,
+        plots=asm.plots,
+        **common,
+    )
+    return Trainer(
+        model=built.model,
+        objective=model.objective,
+        optimizer=optimizer,
+        schedule=Schedule(
+            t.schedule,
+            t.learning_rate,
+            batch.total_steps,
+            batch.warmup_steps,
+            t.min_lr_ratio,
+            t.decay_fraction,
+        ),
+        loader=asm.loader,
+        cfg=t,
+        total_steps=batch.total_steps,
+        tokens_per_step=batch.tokens_per_step,
+        state=state,
+        checkpointer=checkpointer,
+        recovery=recovery,
+        evaluator=evaluator,
+        scaler=scaler,
+        weights=model.weights,
+        pipeline=built.pipeline,
+        forward_context=built.forward_context,
+        after_optimizer_step=built.after_optimizer_step,
+        keep_grads=built.keep_grads,
+        static_token_count=asm.data.sft is None,
+        mfu_per_token_s=_mfu_per_token_s(env, model, t.block_size),
+        progress=cfg.run.progress,
+        profile_dir=asm.run_dir / "profile",
+        **common,
+    )
 
 
 def choose_memory_layout(
@@ -705,7 +781,9 @@ def timing_trainer(
     cfg: Config, env: Environment, model: Model, loader: Any, batch: BatchPlan, *, timing: bool = True
 ) -> Any:
     """The trainer of a timing run: the real train_step (precision, fused AdamW, clipping, accumulation), no run
-    directory, no metrics, no checkpoints (what ``bench``, ``tune`` and bench/finetune_vs_peft.py time)."""
+    directory, metrics, checkpoints, recovery or evaluation (what ``bench``, ``tune`` and bench/finetune_vs_peft.py
+    time)."""
+    from gptoughts.training.checkpointer import grad_scaler
     from gptoughts.training.metrics import MetricsLogger
     from gptoughts.training.optim import Schedule
     from gptoughts.training.trainer import Trainer
@@ -718,13 +796,11 @@ def timing_trainer(
         optimizer=optimizer,
         schedule=Schedule("constant", t.learning_rate, 1 << 40, 0),
         loader=loader,
-        eval_batches=None,
         cfg=t,
-        run=cfg.run,
-        run_dir=Path("."),
         dist=env.dist,
         device=env.device,
         precision=env.precision,
+        scaler=grad_scaler(env.device, env.precision),
         metrics=MetricsLogger(Path("."), enabled=False),
         total_steps=1 << 40,
         tokens_per_step=batch.tokens_per_step,
@@ -732,7 +808,4 @@ def timing_trainer(
         after_optimizer_step=model.built.after_optimizer_step,
         keep_grads=model.built.keep_grads,
         timing=timing,
-        evaluation=replace(cfg.eval, eval_interval=0),
-        checkpointing=replace(cfg.checkpoint, save_interval=0, checkpoints=False),
-        recovery=cfg.recovery,
     )

@@ -17,14 +17,16 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from gptoughts.config import CheckpointConfig, PerfConfig, RunConfig, TrainConfig
+from gptoughts.config import PerfConfig, RecoveryConfig, TrainConfig
 from gptoughts.models import build_model, model_args
 from gptoughts.parallel.dist import DistInfo, wrap_fsdp
 from gptoughts.training.checkpoint import sharded
 from gptoughts.training.metrics import MetricsLogger
 from gptoughts.training.objectives import build_objective
 from gptoughts.training.optim import Schedule
+from gptoughts.training.recovery import Recovery
 from gptoughts.training.setup import Built, auto_micro_batch, make_optimizer
+from gptoughts.training.state import TrainState
 from gptoughts.training.trainer import Trainer
 
 BLOCK, ROWS, STEPS = 16, 4, 2
@@ -96,23 +98,27 @@ def _trainer(
     optimizer = make_optimizer(model, t, PerfConfig(), torch.device("cpu"))
     data = torch.stack(rows)
     batches = [(data[i : i + batch, :-1], data[i : i + batch, 1:]) for i in range(0, len(rows), batch)]
+    state, metrics = TrainState(), MetricsLogger(tmp, enabled=False)
+    where = {
+        "dist": DistInfo(strategy="fsdp", cpu_offload=True),
+        "device": torch.device("cpu"),
+        "precision": "fp32",
+    }
     return Trainer(
         model=model,
         objective=build_objective("causal"),
         optimizer=optimizer,
         schedule=Schedule("constant", t.learning_rate, STEPS, 0),
         loader=iter(batches),
-        eval_batches=None,
         cfg=t,
-        run=RunConfig(progress=False, tensorboard=False),
-        run_dir=tmp,
-        dist=DistInfo(strategy="fsdp", cpu_offload=True),
-        device=torch.device("cpu"),
-        precision="fp32",
-        metrics=MetricsLogger(tmp, enabled=False),
+        metrics=metrics,
         total_steps=STEPS,
         tokens_per_step=ROWS * 2 * BLOCK,
-        checkpointing=CheckpointConfig(checkpoints=False),
+        progress=False,
+        profile_dir=tmp / "profile",
+        state=state,
+        recovery=Recovery(state, RecoveryConfig(), metrics=metrics, grad_accum=accum, **where),
+        **where,
     )
 
 

@@ -409,12 +409,13 @@ def die():
     os.kill(os.getpid(), signal.SIGKILL)
 
 if where == "after_rollback_line":
-    line = Trainer.log_line
-    def log_line(self, text):
-        line(self, text)
+    from gptoughts.training import recovery
+    line = recovery.log_line
+    def log_line(text, dist):
+        line(text, dist)
         if "rolled back to" in text:
             die()
-    Trainer.log_line = log_line
+    recovery.log_line = log_line
 elif where == "mid_replace":  # between the two renames of the checkpoint the rollback re-saves
     def replace(final, tmp, root):
         final.rename(root / f".old-{{final.name}}-{{time.monotonic_ns()}}")

@@ -173,7 +173,7 @@ def test_ignore_memory_estimate_tries_anyway(tmp_path, text_corpus, cache_dir, c
 def test_out_of_memory_in_training_is_one_line(tmp_path, text_corpus, cache_dir, capsys, monkeypatch):
     from gptoughts.training.trainer import Trainer
 
-    def fit(self):
+    def fit(self, startup=None):
         raise RuntimeError(
             "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you "
             "tried to allocate 68719476736 bytes. Error code 12 (Cannot allocate memory)"

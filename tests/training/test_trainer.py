@@ -153,7 +153,7 @@ def test_corrupt_newest_checkpoint_falls_back(tmp_path, text_corpus, cache_dir):
 
 def _bare_trainer(model, optimizer, batches, *, batch: int, accum: int, steps: int, **kw) -> Trainer:
     """A Trainer over in-memory batches: CPU, fp32, no run directory, metrics or evaluation."""
-    from gptoughts.config import RunConfig, TrainConfig
+    from gptoughts.config import TrainConfig
     from gptoughts.parallel.dist import DistInfo
     from gptoughts.training.metrics import MetricsLogger
     from gptoughts.training.objectives import build_objective
@@ -166,10 +166,7 @@ def _bare_trainer(model, optimizer, batches, *, batch: int, accum: int, steps: i
         optimizer=optimizer,
         schedule=Schedule("constant", lr, steps, 0),
         loader=iter(batches),
-        eval_batches=None,
         cfg=TrainConfig(batch_size=batch, grad_accum=accum, **kw.pop("train", {})),
-        run=RunConfig(),
-        run_dir=Path("."),
         dist=DistInfo(),
         device=torch.device("cpu"),
         precision="fp32",
@@ -232,7 +229,7 @@ def test_keep_grads_accumulates_in_place_with_the_same_updates():
 def test_nonfinite_step_is_skipped(tmp_path):
     """A NaN loss leaves the weights untouched and is counted, instead of poisoning the model."""
     from gptoughts import models
-    from gptoughts.config import RunConfig, TrainConfig
+    from gptoughts.config import TrainConfig
     from gptoughts.parallel.dist import DistInfo
     from gptoughts.training.metrics import MetricsLogger
     from gptoughts.training.optim import Schedule
@@ -251,10 +248,7 @@ def test_nonfinite_step_is_skipped(tmp_path):
         optimizer=torch.optim.AdamW(model.parameters()),
         schedule=Schedule("constant", 1e-3, 1, 0),
         loader=iter([(x[:, :-1], x[:, 1:])]),
-        eval_batches=None,
         cfg=TrainConfig(batch_size=2),
-        run=RunConfig(),
-        run_dir=tmp_path,
         dist=DistInfo(),
         device=torch.device("cpu"),
         precision="fp32",
@@ -271,7 +265,7 @@ def test_nonfinite_step_is_skipped(tmp_path):
 def test_oom_backoff_halves_micro_batch(tmp_path):
     """An OOM in a step splits each micro-batch in two and retries the same data (same global batch)."""
     from gptoughts import models
-    from gptoughts.config import RunConfig, TrainConfig
+    from gptoughts.config import TrainConfig
     from gptoughts.parallel.dist import DistInfo
     from gptoughts.training.metrics import MetricsLogger
     from gptoughts.training.objectives import build_objective
@@ -294,10 +288,7 @@ def test_oom_backoff_halves_micro_batch(tmp_path):
         optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
         schedule=Schedule("constant", 0.1, 1, 0),
         loader=iter([(x[:, :-1], x[:, 1:])]),
-        eval_batches=None,
         cfg=TrainConfig(batch_size=8),
-        run=RunConfig(),
-        run_dir=tmp_path,
         dist=DistInfo(),
         device=torch.device("cpu"),
         precision="fp32",
