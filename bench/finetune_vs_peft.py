@@ -202,7 +202,7 @@ def run_ours(
     from gptoughts.config import load_config
     from gptoughts.models.hf import load_tokenizer
     from gptoughts.training.batches import plan_batches
-    from gptoughts.training.build import timing_trainer
+    from gptoughts.training.components import timing_trainer
     from gptoughts.training.corpus import synthetic_data
     from gptoughts.training.environment import setup_environment
     from gptoughts.training.modeling import build_model

@@ -104,7 +104,7 @@ def _bench_ours(
 ) -> tuple[dict[str, Any], _Ours]:
     """Our step, built by train's own assembly and timed; the result's fields, and what a peer is compared at."""
     from gptoughts.training.batches import plan_batches
-    from gptoughts.training.build import timing_trainer
+    from gptoughts.training.components import timing_trainer
     from gptoughts.training.corpus import synthetic_data
     from gptoughts.training.environment import setup_environment, use_our_compile_cache
     from gptoughts.training.modeling import build_model
