@@ -195,6 +195,18 @@ def _run_config_file(data: dict[str, Any], overrides: dict[str, Any]) -> Path | 
     return f if f.is_file() else None
 
 
+def _given_at_start(run_file: Path, data: dict[str, Any]) -> set[str]:
+    """The settings the resumed run's user gave (run.json ``given``). A run recorded before run.json kept them
+    counts every value of its config.toml as given."""
+    try:
+        given = json.loads((run_file.parent / "run.json").read_text(encoding="utf-8")).get("given")
+    except (OSError, ValueError, AttributeError):
+        given = None
+    if not isinstance(given, list):
+        return dotted_keys(data)
+    return {str(k) for k in given}
+
+
 def _read_run_config(run_file: Path) -> dict[str, Any]:
     """The tables of a run's ``config.toml``. A run writes every section: one without ``[model]`` or ``[data]``
     (an emptied file) is refused by name, rather than resumed as the defaults with no data."""
@@ -246,7 +258,7 @@ def load_config(preset: str | Path | None = None, overrides: dict[str, Any] | No
         data.setdefault("run", {})["out"] = str(run_file.parent)
         # How a run is launched is not part of it: a run saved under FSDP on 2 GPUs resumes on one.
         data.pop("parallel", None)
-        given = dotted_keys(data)  # (a resumed run's config.toml holds every value its first start decided)
+        given = _given_at_start(run_file, data)
     else:
         data, given = _under_size_defaults(data, overrides)
     if given_stops:

@@ -399,6 +399,8 @@ def write_run_files(asm: Assembly) -> None:
         "trainable_params": sum(p.numel() for p in raw.parameters() if p.requires_grad),
         "tokens_per_step": asm.batch.tokens_per_step,
         "threads": asm.threads,
+        # what the user gave (a resume counts only these as theirs: config.toml holds every decided value too)
+        "given": sorted(cfg.given) if cfg.given is not None else None,
         "plan": asm.plan.to_dict(),
         "resolved": asm.resolved,
         "torch": torch.__version__,
