@@ -355,13 +355,14 @@ def wrap(model: nn.Module, device: torch.device, info: DistInfo, precision: str)
     """The data-parallel wrapper ``info.strategy`` asks for (the model itself when running alone, or when a
     tensor-parallel run has one data-parallel rank and did not ask for FSDP)."""
     if info.strategy == "fsdp":
-        return wrap_fsdp(
-            model,
-            precision,
-            info.mesh["dp"] if info.mesh is not None else None,
-            info.cpu_offload,
-            info.reshard_after_forward,
-        )
+        mesh = info.mesh["dp"] if info.mesh is not None else None
+        if mesh is None and device.type == "cpu" and not info.cpu_offload:
+            # FSDP2's default mesh is on the machine's accelerator when it has one: a CPU run on a host with
+            # fewer GPUs than ranks would bind rank N to GPU N ("invalid device ordinal", seen on a 1-GPU host)
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = init_device_mesh("cpu", (info.world_size,))
+        return wrap_fsdp(model, precision, mesh, info.cpu_offload, info.reshard_after_forward)
     if info.pp > 1:
         # DDP's reducer cannot follow a pipeline schedule's backward passes (several per step, in its own order:
         # the bucket rebuild after the first step fails an internal assertion, torch 2.13): the pipeline
