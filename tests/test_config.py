@@ -216,7 +216,7 @@ def test_fsdp_keeps_blocks_gathered_when_the_estimate_fits() -> None:
     import torch
 
     from gptoughts.parallel.dist import DistInfo
-    from gptoughts.training.environment import _fsdp_reshard
+    from gptoughts.training.resolve import reshard_rule
 
     info = DistInfo(world_size=2, strategy="fsdp")
     cuda = torch.device("cuda")
@@ -227,15 +227,15 @@ def test_fsdp_keeps_blocks_gathered_when_the_estimate_fits() -> None:
     def cfg(size: str, **over) -> Config:
         return load_config(None, {"model.size": size, "train.batch_size": 1, **over})
 
-    keep, why = _fsdp_reshard(cfg("1b"), info, hw(141), cuda)
+    keep, why = reshard_rule(cfg("1b"), info, hw(141), cuda)
     assert keep is False and why.startswith("auto: blocks kept")
-    keep, why = _fsdp_reshard(cfg("8b"), info, hw(40), cuda)
+    keep, why = reshard_rule(cfg("8b"), info, hw(40), cuda)
     assert keep is True and "resharded" in why
-    assert _fsdp_reshard(cfg("1b", **{"parallel.reshard_after_forward": True}), info, hw(141), cuda) == (
+    assert reshard_rule(cfg("1b", **{"parallel.reshard_after_forward": True}), info, hw(141), cuda) == (
         True,
         "asked",
     )
-    assert _fsdp_reshard(cfg("1b"), info, hw(141), torch.device("cpu"))[0] is True
+    assert reshard_rule(cfg("1b"), info, hw(141), torch.device("cpu"))[0] is True
 
 
 def test_ddp_buckets_grow_with_the_model() -> None:

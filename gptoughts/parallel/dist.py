@@ -42,7 +42,7 @@ class DistInfo:
     one-process run, then in a process group of one."""
     reshard_after_forward: bool = True
     """FSDP2 frees each block's gathered weights after its forward (``parallel.reshard_after_forward``, resolved
-    by the run's assembly: ``train.build._fsdp_reshard``)."""
+    by the run's assembly: ``training.resolve.reshard_rule``)."""
     ddp_bucket_mb: int = 0
     """DDP's gradient bucket size in MB (``parallel.ddp_bucket_mb``; 0: :func:`ddp_bucket_mb` decides)."""
 
