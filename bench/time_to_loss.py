@@ -220,23 +220,22 @@ def load_variant_config(v: Variant, common: list[str]) -> Any:
     return load_config(preset, overrides)
 
 
-class _NoDist:
-    """prepare_data's view of a single process (no process group, no CUDA touched in this parent)."""
-
-    def __init__(self) -> None:
-        from gptoughts.parallel.dist import DistInfo
-
-        self.dist = DistInfo()
-
-
 def prepare_shards(cfg: Any) -> tuple[Any, Any]:
-    """Tokenize once, into the cache every run reads; returns (Data, model args)."""
+    """Tokenize once, into the cache every run reads; returns (Data, model args). The parent process is one CPU
+    process (no process group, no CUDA touched): the timed runs are its children."""
+    import torch
+
+    from gptoughts.parallel.dist import DistInfo
+    from gptoughts.perf import hardware
     from gptoughts.training.corpus import prepare_data
+    from gptoughts.training.environment import Environment
     from gptoughts.training.modeling import build_model
 
-    env = _NoDist()
-    data = prepare_data(cfg, env)  # type: ignore[arg-type]
-    model = build_model(cfg, env, data, meta=True)  # type: ignore[arg-type]
+    env = Environment(
+        device=torch.device("cpu"), dist=DistInfo(), hw=hardware.detect("cpu"), precision="fp32"
+    )
+    data = prepare_data(cfg, env)
+    model = build_model(cfg, env, data, meta=True)
     return data, model.args
 
 
