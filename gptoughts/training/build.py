@@ -323,8 +323,6 @@ def _use_blocks(model: Model, why: str) -> None:
     model.transforms = model.transforms.with_blocks(why)
     if model.built is not None:
         model.built.spec = model.transforms
-        model.built.resolved["compile"] = "blocks"
-        model.built.why["compile"] = model.transforms.why["compile"]
 
 
 def apply_planned_compile(env: Environment, model: Model) -> None:

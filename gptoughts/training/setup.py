@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -38,10 +38,10 @@ class Built:
     """What was applied (and, under whole-model compile, what :func:`apply_whole_model_compile` applies)."""
     forward_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
     """Entered around every forward/backward (SDPA backend selection)."""
-    resolved: dict[str, object] = field(default_factory=dict)
-    """What each ``auto`` became, for the run record and bench output."""
-    why: dict[str, str] = field(default_factory=dict)
-    """The rule that decided each entry of ``resolved`` ("asked", or the ``auto`` rule that applied)."""
+    fp8_linears: int | None = None
+    """How many linears the fp8 conversion swapped (None: no fp8)."""
+    parallel: str | None = None
+    """The process layout, as the plan prints it (None: one process)."""
     after_optimizer_step: Callable[[], None] | None = None
     """Run by the trainer after each optimizer step (fp8 all-gather: the next step's weight scales)."""
     pipeline: Any = None
@@ -53,6 +53,23 @@ class Built:
     has been overwritten by a subsequent run" under gradient accumulation). A trainable parameter that gets no
     gradient in a step then has a zero one, and AdamW decays it (every parameter of our families gets a gradient
     in every step; checked at debug size)."""
+
+    @property
+    def resolved(self) -> dict[str, object]:
+        """What each ``auto`` became (the spec's values, with what applying it counted), in the plan's order."""
+        out: dict[str, object] = {}
+        for key, value in (self.spec.resolved() if self.spec is not None else {}).items():
+            if key == "fp8" and self.fp8_linears is not None:
+                out["fp8_linears"] = self.fp8_linears
+            if key == "loss" and self.parallel is not None:
+                out["parallel"] = self.parallel
+            out[key] = value
+        return out
+
+    @property
+    def why(self) -> dict[str, str]:
+        """The rule that decided each entry of ``resolved`` ("asked", or the ``auto`` rule that applied)."""
+        return dict(self.spec.why) if self.spec is not None else {}
 
 
 def build_raw_model(family: str, args: object, device: torch.device, seed: int) -> nn.Module:
@@ -150,7 +167,8 @@ def apply_transforms(
 ) -> Built:
     """The transforms ``spec`` decided, in their one order (the module docstring); the whole model's compile
     comes later, once the batch is planned (:func:`apply_whole_model_compile`)."""
-    hooked = set_residual_dtype(raw, spec.residual_dtype) if spec.embeddings_hooked else 0
+    if spec.embeddings_hooked:
+        set_residual_dtype(raw, spec.residual_dtype)
     fp8_linears = apply_fp8(raw, spec, device)
     par = parallel or ParallelConfig()
     parts, stage_ids, n_stages = split_pipeline(raw, dist, par)
@@ -167,34 +185,17 @@ def apply_transforms(
     pipeline = None
     if dist.pp > 1:
         pipeline = make_pipeline(raw, parts, stage_ids, n_stages, spec, dist, device, precision, par)
-    resolved = _resolved(spec, hooked, fp8_linears, dist)
     return Built(
         model=pipeline.view if pipeline is not None else parts[0],
         raw=raw,
         spec=spec,
         forward_context=_forward_context(spec.perf, attention_kernels(spec.resolved(), device)),
-        resolved=resolved,
-        why=dict(spec.why),
+        fp8_linears=fp8_linears,
+        parallel=describe_parallel(dist) if dist.enabled or dist.sharded else None,
         after_optimizer_step=_fp8_scales(parts) if spec.fp8_all_gather else None,
         pipeline=pipeline,
         keep_grads=spec.compiled and spec.cuda_graphs,
     )
-
-
-def _resolved(
-    spec: Transforms, hooked: int, fp8_linears: int | None, dist: pdist.DistInfo
-) -> dict[str, object]:
-    """The spec's values, with what applying it counted (fp8 linears) and the process layout, in the plan's order."""
-    out: dict[str, object] = {}
-    for key, value in spec.resolved().items():
-        if key == "residual_dtype" and not hooked:
-            continue
-        if key == "fp8" and fp8_linears is not None:
-            out["fp8_linears"] = fp8_linears
-        if key == "loss" and (dist.enabled or dist.sharded):
-            out["parallel"] = describe_parallel(dist)
-        out[key] = value
-    return out
 
 
 def describe_parallel(dist: pdist.DistInfo) -> str:
