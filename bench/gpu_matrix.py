@@ -101,6 +101,32 @@ MATRIX = {
         {"perf.residual_dtype": "bf16"},
     ],
 }
+# The seeds' families against Llama (issue 31): the MoE and INL steps with kernel tables, and Muon's step cost
+# beside AdamW's at the 47M shape, 125m and 1b.
+_S47M = {
+    "model.d_model": 512,
+    "model.n_layers": 12,
+    "model.n_heads": 8,
+    "model.n_kv_heads": 8,
+    "model.ffn_dim": 1408,
+    "model.vocab_size": 8192,
+    "train.block_size": 512,
+    "train.batch_size": 32,
+}
+MATRIX["moe-inl"] = [
+    {"model.family": "deepseek", "model.size": "small"},
+    {"model.family": "inl", "model.size": "3b", "train.batch_size": 2},
+]
+MATRIX["muon"] = [
+    {**_S47M, "model.size": "125m"},
+    {**_S47M, "model.size": "125m", "train.optimizer": "muon"},
+    {"model.size": "125m"},
+    {"model.size": "125m", "train.optimizer": "muon"},
+    {"model.size": "1b", "train.block_size": 2048, "train.batch_size": 8},
+    {"model.size": "1b", "train.block_size": 2048, "train.batch_size": 8, "train.optimizer": "muon"},
+]
+SHAPES["moe-inl"] = ("1b", 2048, 8)
+SHAPES["muon"] = SHAPES["125m"]
 SHAPES["families"] = ("1b", 2048, 8)
 SHAPES["3b-confirm"] = SHAPES["3b-residual"] = SHAPES["3b-fp8-levers"] = SHAPES["3b-fp8-kernels"] = SHAPES[
     "3b"
