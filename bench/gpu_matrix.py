@@ -109,7 +109,7 @@ _S47M = {
     "model.n_heads": 8,
     "model.n_kv_heads": 8,
     "model.ffn_dim": 1408,
-    "model.vocab_size": 8192,
+    "data.tokenizer": "bpe:8192",
     "train.block_size": 512,
     "train.batch_size": 32,
 }
