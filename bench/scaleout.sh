@@ -12,10 +12,19 @@
 #        per GPU, a save every 10 of 30 steps) and 8b (seq 8192, batch 1 x accumulation 16 per GPU, a save every
 #        6 of 12 steps), FSDP2 x2. A watcher records when each checkpoint is complete and deletes it (two 8b
 #        checkpoints, 78 GiB each, do not fit a 128 GiB disk). About 8 minutes on 2 H200s.
-# Usage: bash bench/scaleout.sh OUT_DIR "pp tp dcp dcp-blocked"     writes OUT_DIR/scaleout.txt (runs in /tmp/scaleout)
+#   par: 8b at seq 8192 on GPUS GPUs, 4 x GPUS rows of 8192 tokens a step: FSDP2, tensor parallel over all GPUS,
+#        a GPUS-stage pipeline, and tensor parallel 2 x FSDP2 GPUS/2 (EXTRA: more flags for all four, e.g. --fp8 true);
+#   dcp-move: 1b FSDP2 on GPUS GPUs saving a sharded async checkpoint every 10 steps (blocked time per save), then
+#        its step-10 checkpoint resumed on GPUS/2 GPUs and on 1 GPU: the next 10 steps' losses side by side;
+#   agents: 1b DDP as two torchrun agents of GPUS/2 processes each on this host (c10d rendezvous, as two nodes
+#        would run), beside one agent of GPUS processes: same losses, tokens/s.
+# Usage: [GPUS=4] bash bench/scaleout.sh OUT_DIR "pp tp dcp dcp-blocked par dcp-move agents"
+#   writes OUT_DIR/scaleout.txt (runs in /tmp/scaleout); GPUS (default 2) is the GPU count of the modes that take it
 set -uo pipefail
 out=$1
 what=${2:-"pp tp dcp"}
+gpus=${GPUS:-2}
+read -r -a extra <<< "${EXTRA:-}"
 runs=/tmp/scaleout
 mkdir -p "$out" "$runs"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -89,17 +98,25 @@ blocked_run() {  # NAME LABEL ARGS...: a 2-GPU FSDP run whose checkpoints are ti
   rm -rf "$runs/$name" "$runs/$name.done"*
   watch_ckpt "$runs/$name/checkpoints" "$runs/$name.done" &
   local watcher=$!
-  tr 2 "$name" "$@" --parallel.strategy fsdp
+  tr "$gpus" "$name" "$@" --parallel.strategy fsdp
   touch "$runs/$name.done.stop"
   wait "$watcher"
   blocked_summary "$runs/$name" "$runs/$name.done" "$label" | tee -a "$out/scaleout.txt"
 }
+# ONE and PREC replace the 1b shape and the precision of the dcp-move and agents modes (a CPU check of the script:
+# ONE="--size debug --block_size 64 --batch_size 8" PREC="--device cpu --precision fp32 --compile false")
+read -r -a one_shape <<< "${ONE:---size 1b --block_size 2048 --batch_size 8}"
+read -r -a prec <<< "${PREC:---precision bf16 --compile true}"
 common=(--data @stdlib --tokenizer bytes --no_progress --eval_interval 0 --train.sample_prompts= --warmup_steps 2
-        --log_interval 2 --precision bf16 --compile true)
+        --log_interval 2)
 python3 -m gptoughts prepare --data @stdlib --tokenizer bytes --out /tmp/warm > /dev/null 2>&1
-big=(--size 8b --block_size 8192 --max_steps 10 --train.checkpoints false "${common[@]}")
+big=(--size 8b --block_size 8192 --max_steps 10 --train.checkpoints false "${common[@]}" --precision bf16 --compile true)
 tr() { local n=$1 name=$2; shift 2
   torchrun --standalone --nproc_per_node="$n" -m gptoughts train "$@" --out "$runs/$name" > "$out/$name.log" 2>&1
+}
+losses() {  # RUN FROM: the losses logged after step FROM
+  python3 -c "import json, sys; print([(r['step'], round(r['loss'], 4)) for r in map(json.loads, \
+open(sys.argv[1] + '/metrics.jsonl')) if 'loss' in r and r['step'] > int(sys.argv[2])])" "$1" "$2"
 }
 for w in $what; do
   case $w in
@@ -112,7 +129,7 @@ for w in $what; do
       tr 2 8b-tp2 "${big[@]}" --batch_size 2 --grad_accum 4 --parallel.tp 2
       summary "$runs/8b-tp2" "8b tp2 (b2 x accum 4, both ranks the same rows)" 2 | tee -a "$out/scaleout.txt" ;;
     dcp)
-      one=(--size 1b --block_size 2048 --batch_size 8 "${common[@]}" --save_interval 5)
+      one=(--size 1b --block_size 2048 --batch_size 8 "${common[@]}" --precision bf16 --compile true --save_interval 5)
       tr 2 1b-dcp "${one[@]}" --max_steps 20 --parallel.strategy fsdp
       summary "$runs/1b-dcp" "1b fsdp x2, async DCP save every 5 steps" 2 | tee -a "$out/scaleout.txt"
       du -sh "$runs/1b-dcp/checkpoints/step_000010" | tee -a "$out/scaleout.txt"
@@ -131,11 +148,60 @@ for r in map(json.loads, open(sys.argv[1] + '/metrics.jsonl')) if 'loss' in r an
       python3 -c "import json, sys; print('1 GPU resume loss at steps 12-20:', [(r['step'], round(r['loss'], 4)) \
 for r in map(json.loads, open(sys.argv[1] + '/metrics.jsonl')) if 'loss' in r and r['step'] > 10])" \
         "$runs/1b-dcp-one" | tee -a "$out/scaleout.txt" ;;
+    par)
+      half=$((gpus / 2)); rows=$((4 * gpus)); tag=${EXTRA:+-x}
+      tr "$gpus" "8b-fsdp$gpus$tag" "${big[@]}" "${extra[@]}" --batch_size 1 --grad_accum 4 --parallel.strategy fsdp
+      summary "$runs/8b-fsdp$gpus$tag" "8b fsdp x$gpus ${EXTRA:-} (b1 x accum 4 per GPU)" "$gpus" | tee -a "$out/scaleout.txt"
+      tr "$gpus" "8b-tp$gpus$tag" "${big[@]}" "${extra[@]}" --batch_size 4 --grad_accum $((rows / 4)) --parallel.tp "$gpus"
+      summary "$runs/8b-tp$gpus$tag" "8b tp$gpus ${EXTRA:-} ($rows rows a step)" "$gpus" | tee -a "$out/scaleout.txt"
+      tr "$gpus" "8b-pp$gpus$tag" "${big[@]}" "${extra[@]}" --batch_size "$rows" --grad_accum 1 --parallel.pp "$gpus" \
+        --parallel.pp_microbatches "$rows"
+      summary "$runs/8b-pp$gpus$tag" "8b pp$gpus 1f1b ${EXTRA:-} ($rows rows in $rows micro-batches)" "$gpus" | tee -a "$out/scaleout.txt"
+      tr "$gpus" "8b-tp2dp$half$tag" "${big[@]}" "${extra[@]}" --batch_size 2 --grad_accum $((rows / 2 / half)) \
+        --parallel.tp 2 --parallel.strategy fsdp
+      summary "$runs/8b-tp2dp$half$tag" "8b tp2 x fsdp$half ${EXTRA:-} ($rows rows a step)" "$gpus" | tee -a "$out/scaleout.txt"
+      rm -rf "$runs"/8b-* ;;
+    dcp-move)
+      half=$((gpus / 2))
+      one=("${one_shape[@]}" "${common[@]}" "${prec[@]}" --save_interval 10)
+      tr "$gpus" 1b-move "${one[@]}" --max_steps 20 --parallel.strategy fsdp
+      summary "$runs/1b-move" "1b fsdp x$gpus, async DCP save every 10 steps" "$gpus" | tee -a "$out/scaleout.txt"
+      echo "  on $gpus GPUs, steps 11-20: $(losses "$runs/1b-move" 10)" | tee -a "$out/scaleout.txt"
+      for n in $half 1; do
+        rm -rf "$runs/1b-move$n" && cp -r "$runs/1b-move" "$runs/1b-move$n"
+        rm -rf "$runs/1b-move$n/checkpoints/step_000020"
+        python3 -c "import json, sys; f = sys.argv[1]; rows = [l for l in open(f) if json.loads(l).get('step', 0) <= 10]; \
+open(f, 'w').writelines(rows)" "$runs/1b-move$n/metrics.jsonl"
+        # the same rows a step: batch 8 x accumulation gpus/n on n GPUs
+        launch=(python3 -m gptoughts); [[ $n -gt 1 ]] && launch=(torchrun --standalone --nproc_per_node="$n" -m gptoughts)
+        "${launch[@]}" train --resume auto --out "$runs/1b-move$n" --batch_size 8 --grad_accum $((gpus / n)) \
+          --log_interval 2 --no_progress > "$out/1b-move$n.log" 2>&1
+        grep -E "^error" "$out/1b-move$n.log" | head -3 | tee -a "$out/scaleout.txt"
+        echo "  resumed on $n GPU(s), steps 11-20: $(losses "$runs/1b-move$n" 10)" | tee -a "$out/scaleout.txt"
+      done
+      rm -rf "$runs"/1b-move* ;;
+    agents)
+      half=$((gpus / 2)); port=29611
+      one=("${one_shape[@]}" --max_steps 20 --train.checkpoints false "${common[@]}" "${prec[@]}"
+           --parallel.strategy ddp)
+      tr "$gpus" 1b-agent1 "${one[@]}"
+      summary "$runs/1b-agent1" "1b ddp, one agent of $gpus" "$gpus" | tee -a "$out/scaleout.txt"
+      first=$(seq -s, 0 $((half - 1))); second=$(seq -s, "$half" $((gpus - 1)))
+      for i in 0 1; do
+        devs=$first; [[ $i == 1 ]] && devs=$second
+        CUDA_VISIBLE_DEVICES=$devs torchrun --nnodes=2 --nproc_per_node="$half" --rdzv-backend=c10d \
+          --rdzv-endpoint=127.0.0.1:$port --rdzv-id=agents --rdzv-conf=is_host=$((i == 0)) \
+          -m gptoughts train "${one[@]}" --out "$runs/1b-agents2" > "$out/1b-agents2-$i.log" 2>&1 &
+      done
+      wait
+      summary "$runs/1b-agents2" "1b ddp, two agents of $half (c10d)" "$gpus" | tee -a "$out/scaleout.txt"
+      echo "  one agent:  $(losses "$runs/1b-agent1" 0)" | tee -a "$out/scaleout.txt"
+      echo "  two agents: $(losses "$runs/1b-agents2" 0)" | tee -a "$out/scaleout.txt" ;;
     dcp-blocked)
       blocked_run 1b-blocked "1b fsdp x2, async DCP save every 10 steps" --size 1b --block_size 2048 \
-        --batch_size 8 --grad_accum 8 --max_steps 30 --save_interval 10 "${common[@]}"
+        --batch_size 8 --grad_accum 8 --max_steps 30 --save_interval 10 "${common[@]}" --precision bf16 --compile true
       blocked_run 8b-blocked "8b fsdp x2, async DCP save every 6 steps" --size 8b --block_size 8192 \
-        --batch_size 1 --grad_accum 16 --max_steps 12 --save_interval 6 "${common[@]}" ;;
+        --batch_size 1 --grad_accum 16 --max_steps 12 --save_interval 6 "${common[@]}" --precision bf16 --compile true ;;
   esac
 done
 grep -h -E "^error" "$out"/*.log | head -5
