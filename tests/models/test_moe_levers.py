@@ -260,6 +260,28 @@ def test_dropless_grouped_gemm_path_never_syncs_with_the_host(switches):
         assert not [o for o in ops if o.split(".")[:2] in [s.split(".") for s in SYNC_OPS]], sorted(ops)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize(("combine", "permute"), [("bmm", "index_put"), *VARIANTS])
+def test_dropless_path_never_syncs_on_cuda(combine, permute):
+    layer = MoE(
+        _moe_args(moe_combine=combine, moe_permute=permute, n_expert_groups=4, n_limited_groups=2)
+    ).cuda()
+    layer.reset_parameters(0.2, 0.1)
+    if torch.bfloat16 not in layer.experts._gmm_dtypes:
+        pytest.skip("no bf16 grouped GEMM on this GPU")
+    x = torch.randn(2, 64, 32, device="cuda", requires_grad=True)
+    layer(x)  # first call: lazy CUDA initialisations may sync
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out, counts, _ = layer(x)
+        out.float().square().sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert int(counts.sum()) == 2 * 64 * 4
+
+
 def test_switch_values_are_checked():
     with pytest.raises(ConfigError, match="moe_combine"):
         _moe_args(moe_combine="gemv")
