@@ -9,6 +9,7 @@ concern per module:
   heads) and ``MLACache``, its latent KV cache read in the absorbed form;
 * ``moe``: DeepSeekMoE: the sigmoid/softmax router with bias-steered (optionally group-limited) top-k, the routed
   experts run as grouped GEMMs, the shared experts, the sequence-wise balance loss;
+* ``dispatch``: the padded expert-sorted row layout and the token moves to it and back (one-pass gathers);
 * ``model``: the blocks, multi-token prediction (MTP) and ``DeepSeek`` (a ``models.base.DecoderLM``) with its
   training hooks: expert-load accounting, the auxiliary-loss-free bias update, ``extra_loss``;
 * ``hf``: ``DeepseekV3ForCausalLM`` config and weights, both ways (the name mapping table is there).

@@ -78,6 +78,23 @@ class DeepSeekArgs:
     """Use the token embedding matrix as the LM head."""
     init_std: float = 0.02
     """Std of the normal init; residual-branch outputs (``wo``, ``w2``) get ``init_std / sqrt(2 n_layers)``."""
+    moe_combine: str = "bmm"
+    """Speed switch (same model, other kernels): how each token's K expert outputs are summed with their gates.
+    ``bmm`` (a batched GEMV ``[1, K] x [K, d]`` per token), ``sum`` (gate-weighted sum in fp32, one fused
+    gather-reduction under compile) or ``hidden`` (the gate scales the expert's SwiGLU hidden row before ``w2``,
+    where the rows are ``moe_inter_dim`` wide instead of ``d_model``; the sum over K is then unweighted)."""
+    moe_permute: str = "index_put"
+    """Speed switch: how tokens move to the expert-sorted rows and back. ``index_put`` (the K copies of each
+    token materialised, scattered, gathered back by indexing) or ``gather`` (one gather each way, backward the
+    inverse gather-sum, only indices saved; needs ``moe_combine`` = ``sum`` or ``hidden``)."""
+    moe_router: str = "mask"
+    """Speed switch of group-limited routing (``n_expert_groups > 1``): the final top-k runs over the biased
+    scores with the other groups masked to -inf (``mask``, an ``[N, E]`` copy) or over the kept groups' scores
+    gathered (``gather``, ``[N, n_limited_groups * E / n_expert_groups]``); the same experts and gates."""
+    moe_shared: str = "after"
+    """Speed switch: when the shared experts run. ``after`` the routed ones, ``before`` them (the compiled
+    block's scheduler sees them first), or ``stream``: on a side CUDA stream, overlapping the router and the
+    dispatch (eager CUDA only; a compiled block runs them as ``before``)."""
     hf_rope_interleave: bool = True
     """Checkpoint layout only (HF ``rope_interleave``): whether HF weights store the rope dims as interleaved pairs.
     ``from_hf``/``to_hf`` permute accordingly; the model itself always computes in the rotate_half layout."""
@@ -92,6 +109,7 @@ class DeepSeekArgs:
             if getattr(self, name) < 0:
                 raise ConfigError(f"model.{name} must be >= 0, got {getattr(self, name)}")
         self._check_groups()
+        self._check_moe_switches()
         check_rope_scaling(self.rope_scaling)
 
     def _check_sizes(self) -> None:
@@ -145,6 +163,24 @@ class DeepSeekArgs:
             )
         if g > 1 and tg * (self.n_routed_experts // g) < self.n_activated_experts:
             raise ConfigError("n_limited_groups groups hold fewer experts than n_activated_experts")
+
+    def _check_moe_switches(self) -> None:
+        choices = {
+            "moe_combine": ("bmm", "sum", "hidden"),
+            "moe_permute": ("index_put", "gather"),
+            "moe_router": ("mask", "gather"),
+            "moe_shared": ("after", "before", "stream"),
+        }
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ConfigError(
+                    f"model.{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}"
+                )
+        if self.moe_permute == "gather" and self.moe_combine == "bmm":
+            raise ConfigError(
+                "model.moe_permute = gather sums the K expert outputs in its own pass: "
+                "set model.moe_combine = sum or hidden"
+            )
 
     @property
     def qk_head_dim(self) -> int:

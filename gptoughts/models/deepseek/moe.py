@@ -11,6 +11,9 @@ top-k is chosen on ``score + expert_bias`` (optionally restricted to the best ``
 values, and gets no gradient; the model moves it after each optimizer step from the expert loads that
 ``MoE.forward`` returns (``DeepSeek.after_optimizer_step``). An optional sequence-wise balance loss (V3 eq.
 17-20, ``seq_aux_loss_coef``) is computed here in training mode (``MoE._seq_balance_loss``).
+
+Speed switches (``DeepSeekArgs.moe_combine``, ``moe_permute``, ``moe_router``, ``moe_shared``; the defaults are the
+reference path) change the kernels, never the model: tests/models/test_moe_levers.py holds them to the reference.
 """
 
 from __future__ import annotations
@@ -22,6 +25,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from gptoughts.models.deepseek.args import DeepSeekArgs
+from gptoughts.models.deepseek.dispatch import (
+    Layout,
+    PermuteRows,
+    UnpermuteRows,
+    plan,
+    row_sources,
+    row_values,
+)
 from gptoughts.models.layers import SwiGLU
 
 __all__ = ["EXPERT_ROW_ALIGN", "GroupedExperts", "MoE", "grouped_mm_supported"]
@@ -97,9 +108,16 @@ class GroupedExperts(nn.Module):
     are plain parameters, not ``nn.Linear``: the fp8 converter leaves them alone (they stay bf16).
     """
 
-    def __init__(self, dim: int, hidden_dim: int, n_experts: int) -> None:
+    def __init__(
+        self, dim: int, hidden_dim: int, n_experts: int, *, combine: str = "bmm", permute: str = "index_put"
+    ) -> None:
         super().__init__()
+        if combine not in ("bmm", "sum", "hidden") or permute not in ("index_put", "gather"):
+            raise ValueError(f"unknown combine {combine!r} or permute {permute!r}")
+        if permute == "gather" and combine == "bmm":
+            raise ValueError("permute='gather' sums the K outputs itself: use combine='sum' or 'hidden'")
         self.n_experts = n_experts
+        self.combine, self.permute = combine, permute  # DeepSeekArgs.moe_combine / moe_permute
         self.w1 = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))
         self.w3 = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden_dim))
@@ -128,39 +146,45 @@ class GroupedExperts(nn.Module):
         """``x [N, d]``, chosen experts ``idx [N, K]`` and their ``gates [N, K]`` -> (``sum_k gate * expert(x)``
         ``[N, d]``, tokens per expert ``[E]`` int64). No host sync on the grouped-GEMM path."""
         n, k = idx.shape
-        e = self.n_experts
-        dev = x.device
-        flat = idx.reshape(-1)  # assignment a = token * K + slot
-        order = torch.argsort(flat, stable=True)  # assignments grouped by expert
-        sorted_e = flat[order]
-        # First assignment of each expert in sorted order. searchsorted rather than bincount: bincount on CUDA
-        # reads the max value to size its output (a host sync), and scatter_add counts are not deterministic.
-        bounds = torch.searchsorted(sorted_e, torch.arange(e + 1, device=dev, dtype=sorted_e.dtype))
-        counts = bounds[1:] - bounds[:-1]
-        # Padded layout: expert g's rows start at a multiple of EXPERT_ROW_ALIGN. The total row count is a
-        # static upper bound (shapes never depend on routing, so compiled graphs are reused); the slack rows go
-        # to the last group as zero rows, so every row of every GEMM is defined.
-        align = EXPERT_ROW_ALIGN
-        rows = n * k + e * (align - 1)
-        padded = (counts + align - 1) // align * align
-        ends = torch.cumsum(padded, 0)
-        starts = ends - padded
-        ends[-1] = rows
-        rank = torch.arange(n * k, device=dev) - bounds[sorted_e]
-        dest_sorted = starts[sorted_e] + rank
-        dest = torch.empty_like(dest_sorted).scatter_(0, order, dest_sorted)  # row of assignment a
+        layout = plan(idx, self.n_experts, EXPERT_ROW_ALIGN)
+        row_gate = row_values(layout, gates.reshape(-1)) if self.combine == "hidden" else None
+        if self.permute == "gather":
+            return self._gather_path(x, layout, gates, row_gate), layout.counts
         # Scatter each token's K copies to their rows. dest is injective, so both this and the gather below
         # have backward passes without colliding indices: no atomics, deterministic gradients on CUDA.
         copies = x.unsqueeze(1).expand(n, k, x.size(-1)).reshape(n * k, -1)
-        xp = x.new_zeros(rows, x.size(-1)).index_put((dest,), copies)
-        yp = self._run(xp, ends.to(torch.int32))
-        y = yp[dest].view(n, k, -1)
-        # Gate-weighted sum of the K outputs as one bmm: accumulates in fp32 inside the kernel under bf16 and
-        # never materialises the [N, K, d] products.
-        out = torch.bmm(gates.unsqueeze(1).to(y.dtype), y).squeeze(1)
-        return out, counts
+        xp = x.new_zeros(layout.rows, x.size(-1)).index_put((layout.dest,), copies)
+        yp = self._run(xp, layout.ends, row_gate)
+        y = yp[layout.dest].view(n, k, -1)
+        if self.combine == "bmm":
+            # One bmm: accumulates in fp32 inside the kernel under bf16, never materialises [N, K, d] products.
+            out = torch.bmm(gates.unsqueeze(1).to(y.dtype), y).squeeze(1)
+        elif self.combine == "sum":
+            out = (y.float() * gates.unsqueeze(-1)).sum(1).to(y.dtype)
+        else:  # hidden: the gates already scaled the rows
+            out = y.sum(1, dtype=torch.float32).to(y.dtype)
+        return out, layout.counts
 
-    def _run(self, xp: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    def _gather_path(
+        self, x: torch.Tensor, layout: Layout, gates: torch.Tensor, row_gate: torch.Tensor | None
+    ) -> torch.Tensor:
+        k = gates.size(1)
+        src = row_sources(layout, k)
+        # Cast before the permutation: N rows converted instead of N*K (+ padding).
+        xp = PermuteRows.apply(x.to(_compute_dtype(x)), src, layout.dest)
+        yp = self._run(xp, layout.ends, row_gate)
+        if row_gate is None:  # sum: the gates weight the sum over K, their gradient computed there
+            return UnpermuteRows.apply(
+                yp, layout.dest, src, row_values(layout, gates.detach().reshape(-1)), gates, k
+            )
+        valid = row_values(layout, torch.ones_like(layout.dest, dtype=torch.float32))
+        return UnpermuteRows.apply(yp, layout.dest, src, valid, None, k)
+
+    def _run(
+        self, xp: torch.Tensor, offs: torch.Tensor, row_gate: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The experts on the padded rows ``xp`` (groups ending at ``offs``); ``row_gate [rows]``, when given,
+        scales each row's hidden activation before ``w2`` (``combine = hidden``)."""
         dtype = _compute_dtype(xp)
         if xp.device.type != self._gmm_device:  # moved after init: probe the new device (eager only)
             self._probe(xp.device)
@@ -168,8 +192,12 @@ class GroupedExperts(nn.Module):
         use_gmm = self.impl == "grouped_mm" or (self.impl == "auto" and dtype in ok)
         if use_gmm:
             xp = xp.to(dtype)
+            # A transposed view, not a copy: the cast keeps the weights' layout and the grouped GEMM reads
+            # the column-major operand as it is.
             w1, w3, w2 = (w.to(dtype).transpose(-2, -1) for w in (self.w1, self.w3, self.w2))
             h = F.silu(torch._grouped_mm(xp, w1, offs=offs)) * torch._grouped_mm(xp, w3, offs=offs)
+            if row_gate is not None:
+                h = h * row_gate.unsqueeze(-1).to(h.dtype)
             return torch._grouped_mm(h, w2, offs=offs)
         # Fallback: one GEMM per *expert* (never per token). Reading the group ends costs one host sync per
         # MoE layer and a graph break under compile; free on CPU, where this path is normally taken.
@@ -184,7 +212,10 @@ class GroupedExperts(nn.Module):
         outs, start = [], 0
         for g, end in enumerate(ends):
             xe = xp[start:end]
-            outs.append(F.linear(F.silu(F.linear(xe, self.w1[g])) * F.linear(xe, self.w3[g]), self.w2[g]))
+            h = F.silu(F.linear(xe, self.w1[g])) * F.linear(xe, self.w3[g])
+            if row_gate is not None:
+                h = h * row_gate[start:end].unsqueeze(-1).to(h.dtype)
+            outs.append(F.linear(h, self.w2[g]))
             start = end
         return torch.cat(outs)
 
@@ -206,7 +237,15 @@ class MoE(nn.Module):
         # Persistent (checkpointed, exported as e_score_correction_bias) and fp32: updates of ~1e-3 would be lost
         # in bf16 next to values of order 0.1-1.
         self.register_buffer("expert_bias", torch.zeros(args.n_routed_experts, dtype=torch.float32))
-        self.experts = GroupedExperts(args.d_model, args.moe_inter_dim, args.n_routed_experts)
+        self.experts = GroupedExperts(
+            args.d_model,
+            args.moe_inter_dim,
+            args.n_routed_experts,
+            combine=args.moe_combine,
+            permute=args.moe_permute,
+        )
+        self.router, self.shared_mode = args.moe_router, args.moe_shared
+        self._side_stream: torch.cuda.Stream | None = None  # moe_shared = stream, created on first use
         self.shared_experts = (
             SwiGLU(args.d_model, args.n_shared_experts * args.moe_inter_dim)
             if args.n_shared_experts
@@ -230,29 +269,67 @@ class MoE(nn.Module):
         scores = logits.sigmoid() if self.score_func == "sigmoid" else logits.softmax(dim=-1)
         choice = scores + self.expert_bias  # the bias steers selection only; gates use the raw scores
         if self.n_groups > 1:
-            n = choice.size(0)
-            grouped = choice.view(n, self.n_groups, -1)
-            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [N, G]
-            keep = torch.zeros_like(group_scores, dtype=torch.bool)
-            keep.scatter_(1, group_scores.topk(self.topk_groups, dim=-1).indices, True)
-            choice = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(n, -1)
-        idx = choice.topk(self.top_k, dim=-1).indices
+            idx = self._group_limited_topk(choice)
+        else:
+            idx = choice.topk(self.top_k, dim=-1).indices
         gates = scores.gather(1, idx)
         if self.norm_topk_prob:
             gates = gates / (gates.sum(dim=-1, keepdim=True) + 1e-20)
         return gates * self.route_scale, idx, scores
 
+    def _group_limited_topk(self, choice: torch.Tensor) -> torch.Tensor:
+        """Top-k experts of the biased scores ``choice [N, E]`` within each token's best ``topk_groups`` groups
+        (a group's score: the sum of its two best)."""
+        n = choice.size(0)
+        grouped = choice.view(n, self.n_groups, -1)
+        group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [N, G]
+        kept = group_scores.topk(self.topk_groups, dim=-1).indices
+        if self.router == "gather":
+            # Kept groups in ascending order: the candidates are the masked row without its -inf entries, in the
+            # same order, so top-k picks the same experts (ties included) from a row G/topk_groups shorter.
+            kept = kept.sort(dim=-1).values
+            per = grouped.size(-1)
+            cand = grouped.gather(1, kept.unsqueeze(-1).expand(-1, -1, per)).view(n, -1)
+            local = cand.topk(self.top_k, dim=-1).indices
+            return kept.gather(1, local // per) * per + local % per
+        keep = torch.zeros_like(group_scores, dtype=torch.bool)
+        keep.scatter_(1, kept, True)
+        return (
+            grouped.masked_fill(~keep.unsqueeze(-1), float("-inf"))
+            .view(n, -1)
+            .topk(self.top_k, dim=-1)
+            .indices
+        )
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """``x [B, T, d]`` -> (output ``[B, T, d]``, tokens per expert ``[E]``, sequence balance loss or None)."""
         bsz, seqlen, dim = x.shape
+        shared, side = (None, None) if self.shared_mode == "after" else self._shared_first(x)
         flat = x.reshape(-1, dim)
         gates, idx, scores = self.route(flat)
         routed, counts = self.experts(flat, idx, gates)
         out = routed.view(bsz, seqlen, dim).to(x.dtype)
         if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
+            if side is not None:  # the side stream's shared output must be complete before the sum reads it
+                torch.cuda.current_stream(x.device).wait_stream(side)
+            out = out + (self.shared_experts(x) if shared is None else shared)
         aux = self._seq_balance_loss(scores, idx, bsz, seqlen) if (self.seq_aux and self.training) else None
         return out, counts, aux
+
+    def _shared_first(self, x: torch.Tensor) -> tuple[torch.Tensor | None, torch.Stream | None]:
+        """The shared experts' output computed before the routed path, on a side CUDA stream for ``stream``
+        (eager CUDA: the router and the dispatch's small kernels leave the GPU room). Autograd runs their
+        backward on the same side stream. Under compile, where streams are not scheduled, in order."""
+        if self.shared_experts is None:
+            return None, None
+        if self.shared_mode == "stream" and x.is_cuda and not torch.compiler.is_compiling():
+            if self._side_stream is None or self._side_stream.device != x.device:
+                self._side_stream = torch.cuda.Stream(x.device)
+            side = self._side_stream
+            side.wait_stream(torch.cuda.current_stream(x.device))  # x is ready
+            with torch.cuda.stream(side):
+                return self.shared_experts(x), side
+        return self.shared_experts(x), None
 
     def _seq_balance_loss(
         self, scores: torch.Tensor, idx: torch.Tensor, bsz: int, seqlen: int
