@@ -125,6 +125,18 @@ MATRIX["muon"] = [
     {"model.size": "1b", "train.block_size": 2048, "train.batch_size": 8},
     {"model.size": "1b", "train.block_size": 2048, "train.batch_size": 8, "train.optimizer": "muon"},
 ]
+_DS = {"model.family": "deepseek", "model.size": "small"}
+MATRIX["moe-levers"] = [
+    _DS,
+    {**_DS, "model.moe_combine": "sum"},
+    {**_DS, "model.moe_combine": "hidden"},
+    {**_DS, "model.moe_permute": "gather", "model.moe_combine": "hidden"},
+    {**_DS, "model.moe_permute": "gather", "model.moe_combine": "sum"},
+    {**_DS, "model.moe_shared": "before"},
+    {**_DS, "model.moe_combine": "hidden", "model.moe_permute": "gather", "model.moe_shared": "before"},
+    _DS,
+]
+SHAPES["moe-levers"] = ("1b", 2048, 8)
 SHAPES["moe-inl"] = ("1b", 2048, 8)
 SHAPES["muon"] = SHAPES["125m"]
 SHAPES["families"] = ("1b", 2048, 8)
