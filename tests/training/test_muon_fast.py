@@ -31,12 +31,16 @@ def _step(model: nn.Module, opt: torch.optim.Optimizer, seed: int, found_inf: fl
     opt.step()
 
 
-def _assert_same_step(ours: list[torch.Tensor], ref: list[torch.Tensor], start: list[torch.Tensor]) -> None:
-    """Equal to bf16 rounding of the iteration: a bug (wrong matrix, scale, momentum) moves a matrix by ~step."""
+def _assert_same_step(
+    ours: list[torch.Tensor], ref: list[torch.Tensor], start: list[torch.Tensor], tol: float = 0.02
+) -> None:
+    """Each matrix moved as the reference did, to ``tol`` of its step (relative Frobenius norm). The bf16
+    iteration itself is ~4% off the fp32 one (measured on gradient-like matrices), so 2-3% is rounding of
+    bf16 values taken in another order; a bug (wrong matrix, scale, momentum) is off by ~100%."""
     for a, b, s in zip(ours, ref, start):
-        step = (b - s).abs().max().item()
+        step = (b - s).norm().item()
         assert step > 1e-4
-        assert (a - b).abs().max().item() < 0.02 * step
+        assert (a - b).norm().item() <= tol * step
 
 
 @pytest.fixture
@@ -48,18 +52,23 @@ def fresh_dynamo():
     newton_schulz.compiled.cache_clear()
 
 
-def test_compiled_step_equals_eager_and_skips_on_the_device(fresh_dynamo):
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_compiled_step_equals_eager_and_skips_on_the_device(fresh_dynamo, backend):
     """The whole bucket step captured as one graph (fullgraph: no break; aot_eager: functionalized in-place
-    updates of weights and buffers) gives the eager step, clipping and a skipped step included."""
+    updates of weights and buffers; inductor: the fused kernels, here its CPU code) gives the eager step,
+    clipping and a skipped step included."""
     m_eager, m_comp = _llama_pair()
     eager = build_muon(m_eager, **HYPER)
     comp = build_muon(m_comp, **HYPER)
-    comp.compile, comp.compile_backend = "always", "aot_eager"
+    comp.compile, comp.compile_backend = "always", backend
     start = [p.detach().clone() for p in m_eager.parameters()]
     for seed in range(3):
         _step(m_eager, eager, seed)
         _step(m_comp, comp, seed)
-    _assert_same_step(list(m_comp.parameters()), list(m_eager.parameters()), start)
+    # aot_eager runs the eager kernels: the same bits. Inductor computes each fused chain of bf16 element-wise
+    # ops in fp32 and rounds once (eager rounds after each op): measured 1.6% of the step on this model.
+    tol = 1e-6 if backend == "aot_eager" else 0.03
+    _assert_same_step(list(m_comp.parameters()), list(m_eager.parameters()), start, tol)
     for p_c, p_e in zip(m_comp.parameters(), m_eager.parameters()):
         buf_c, buf_e = comp.state[p_c].get("momentum_buffer"), eager.state[p_e].get("momentum_buffer")
         if buf_e is not None:
@@ -123,7 +132,7 @@ def test_eager_checkpoint_resumes_on_the_compiled_path(fresh_dynamo, tmp_path):
     for seed in (1, 2):
         _step(m_a, a, seed)
         _step(m_b, b, seed)
-    _assert_same_step(list(m_b.parameters()), list(m_a.parameters()), start)
+    _assert_same_step(list(m_b.parameters()), list(m_a.parameters()), start, tol=1e-6)
 
 
 @pytest.mark.slow
