@@ -305,6 +305,14 @@ class PerfConfig:
     """Allow TF32 matmuls for any fp32 work left on Ampere+ GPUs."""
     fused_adamw: bool | str = "auto"
     """Use the fused CUDA AdamW (auto: on CUDA)."""
+    muon_compile: bool = False
+    """train.optimizer = muon: each group of same-shape matrices steps as one compiled graph on CUDA (momentum,
+    bf16 cast, norm, Newton-Schulz and the update; the stack and casts fused into the matmuls' neighbours), eager
+    on CPU. Same update as the eager step up to fp32/bf16 rounding; the first step compiles (seconds)."""
+    muon_distribute: bool = False
+    """train.optimizer = muon under FSDP2/TP (sharded matrices): each rank orthogonalizes 1/N of each group of
+    same-shape matrices (one all-to-all in, one out) instead of every rank gathering and orthogonalizing all
+    of them. Same update up to bf16 rounding (the matrices are iterated as a batch)."""
     expandable_segments: bool = True
     """CUDA allocator with expandable segments: less fragmentation when batch shapes vary (eval vs train)."""
     threads: int | None = None

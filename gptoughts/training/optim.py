@@ -17,6 +17,18 @@ from torch import nn
 
 from gptoughts.errors import UserError
 from gptoughts.models import hidden_matrices
+from gptoughts.training.newton_schulz import (
+    apply_update,
+    bucket_step,
+    can_distribute,
+    compiled,
+    distributed_orthogonalize,
+    gather_orthogonalize,
+    local,
+    lr_adjustment,
+    momentum,
+    orthogonalize,
+)
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -64,8 +76,12 @@ def build_muon(
     muon_lr: float | None = None,
     muon_weight_decay: float | None = None,
     momentum: float = 0.95,
+    compile: bool = False,
+    distribute: bool = False,
 ) -> Muon:
-    """Muon for the hidden matrices, AdamW (the same groups as :func:`build_adamw`) for everything else."""
+    """Muon for the hidden matrices, AdamW (the same groups as :func:`build_adamw`) for everything else.
+    ``compile``: each bucket's step one compiled graph on CUDA (perf.muon_compile); ``distribute``: sharded
+    buckets' Newton-Schulz spread over the ranks (perf.muon_distribute)."""
     hidden = hidden_matrices(model)
     groups = [
         {**g, "params": [p for p in g["params"] if id(p) not in hidden], "muon": False}
@@ -80,7 +96,10 @@ def build_muon(
     groups = [g for g in [muon_group, *groups] if g["params"]]
     for g in groups:
         g["lr"] = lr * g.get("lr_ratio", 1.0)
-    return Muon(groups, lr=lr, betas=betas, eps=eps, momentum=momentum, fused=fused)
+    muon = Muon(groups, lr=lr, betas=betas, eps=eps, momentum=momentum, fused=fused)
+    muon.compile = "cuda" if compile else "off"
+    muon.distribute = distribute
+    return muon
 
 
 class Muon(torch.optim.Optimizer):
@@ -94,7 +113,8 @@ class Muon(torch.optim.Optimizer):
     against ``torch.optim.Muon``. We do not call that class because it refuses what we need: parameters of
     more than two dimensions (MoE experts are stacked ``[E, out, in]``: each expert is orthogonalized alone,
     as a batch), sharded parameters (under FSDP2 the update of a DTensor is computed on the whole matrix,
-    gathered once per parameter, and each rank keeps its own shard), and skipping a non-finite step on the
+    gathered once per parameter, and each rank keeps its own shard; or each rank orthogonalizes its share of a
+    bucket of same-shape matrices: newton_schulz.py), and skipping a non-finite step on the
     device: like the fused AdamW, ``step`` reads ``self.grad_scale`` (gradient clipping folded in) and
     ``self.found_inf`` (a device flag; 1 leaves parameters and state untouched) without a host sync.
     The AdamW groups go through ``torch.optim.adamw.adamw`` (fused on CUDA).
@@ -124,6 +144,12 @@ class Muon(torch.optim.Optimizer):
         # "bf16": the AdamW groups keep their moments in bf16 (:class:`AdamWBf16States`' step); an attribute, not a
         # group option, so that loading a checkpoint's groups does not change it. Muon's momentum stays fp32.
         self.adamw_states = "fp32"
+        # How the Muon groups step (attributes too, set by build_muon): "off" (eager), "cuda" (each bucket one
+        # compiled graph on CUDA, eager elsewhere: perf.muon_compile) or "always" (tests); and whether sharded
+        # buckets spread their Newton-Schulz over the ranks (perf.muon_distribute).
+        self.compile = "off"
+        self.compile_backend = "inductor"
+        self.distribute = False
 
     @torch.no_grad()
     def step(self, closure=None):  # noqa: ANN001, ANN201 - torch.optim.Optimizer's signature
@@ -181,103 +207,68 @@ class Muon(torch.optim.Optimizer):
         )  # fmt: skip
 
     def _muon_group(self, group: dict, params: list[torch.Tensor]) -> None:
-        lr, wd, mu = group["lr"], group["weight_decay"], group["momentum"]
-        keep = None if self.found_inf is None else 1.0 - self.found_inf  # 0 on a non-finite step
+        lr, wd = group["lr"], group["weight_decay"]
         for p in params:
             if "momentum_buffer" not in self.state[p]:
                 self.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        # Element-wise work as foreach passes on each rank's shard (the whole tensor when not sharded); in-place
-        # on a DTensor's local tensor updates the DTensor.
-        grads = [_local(p.grad) for p in params]
-        bufs = [_local(self.state[p]["momentum_buffer"]) for p in params]
-        weights = [_local(p) for p in params]
-        if self.grad_scale is not None:
-            grads = torch._foreach_div(grads, self.grad_scale)
-        if keep is None:
-            torch._foreach_lerp_(bufs, grads, 1 - mu)
-        else:
-            # A skipped step's "gradient" is the buffer itself: the lerp leaves the buffer as it was.
-            grads = [torch.where(keep > 0, g, b) for g, b in zip(grads, bufs)]
-            torch._foreach_lerp_(bufs, grads, 1 - mu)
-        updates = torch._foreach_lerp(grads, bufs, mu) if group["nesterov"] else bufs
-        torch._foreach_mul_(weights, 1 - lr * wd if keep is None else 1 - lr * wd * keep)
-        # Newton-Schulz, batched: the matrices of one shape (every layer's wq, say) go through it together, a
-        # handful of large batched matmuls instead of five small ones per matrix (measured on an H100, 125m
-        # b32 s1024: Muon's step cost 46 ms more than AdamW's one matrix at a time, 9 ms batched).
-        buckets: dict[tuple, list[int]] = {}
+        common = dict(
+            mu=group["momentum"], nesterov=group["nesterov"], grad_scale=self.grad_scale,
+            keep=None if self.found_inf is None else 1.0 - self.found_inf,  # 0 on a non-finite step
+            coefficients=group["ns_coefficients"], steps=group["ns_steps"],
+        )  # fmt: skip
+        # Buckets of same-shape matrices go through Newton-Schulz together (measured on an H100, 125m b32 s1024:
+        # Muon's step cost 46 ms more than AdamW's one matrix at a time, 9 ms batched). Sharded matrices are
+        # gathered one by one, unless their work is spread over the ranks (perf.muon_distribute).
+        buckets: dict[tuple, list[torch.Tensor]] = {}
         for i, p in enumerate(params):
-            key = ("sharded", i) if hasattr(p, "device_mesh") else (tuple(p.shape), p.dtype, p.device)
-            buckets.setdefault(key, []).append(i)
-        coefficients, steps = group["ns_coefficients"], group["ns_steps"]
-        for idx in buckets.values():
-            p = params[idx[0]]
-            scale = lr * _lr_adjustment(group["adjust_lr"], p.shape)
-            if len(idx) == 1:
-                ortho = [_orthogonalize(updates[idx[0]], p, coefficients, steps)]
+            sharded = hasattr(p, "device_mesh")
+            key = (tuple(p.shape), p.dtype, p.device)
+            if sharded:
+                key = (*key, p.device_mesh, tuple(p.placements)) if self._distributes(p) else ("sharded", i)
+            buckets.setdefault(key, []).append(p)
+        for bucket in buckets.values():
+            scale = lr * lr_adjustment(group["adjust_lr"], bucket[0].shape)
+            # Element-wise work on each rank's shard (the whole tensor when not sharded); in-place on a DTensor's
+            # local tensor updates the DTensor.
+            weights = [local(p) for p in bucket]
+            grads = [local(p.grad) for p in bucket]
+            bufs = [local(self.state[p]["momentum_buffer"]) for p in bucket]
+            compile_it = self.compile == "always" or (self.compile == "cuda" and weights[0].is_cuda)
+            if hasattr(bucket[0], "device_mesh"):
+                self._sharded_bucket(bucket, weights, grads, bufs, lr * wd, scale, compile_it, common)
+            elif compile_it:
+                # The learning rate as device tensors: a new rate each step is no new graph, and no host sync.
+                on = weights[0].device
+                lr_wd, scale = torch.full((), lr * wd, device=on), torch.full((), scale, device=on)
+                compiled(bucket_step, self.compile_backend)(
+                    weights, grads, bufs, lr_wd=lr_wd, scale=scale, **common
+                )
             else:
-                ortho = _orthogonalize(
-                    torch.stack([updates[i] for i in idx]), None, coefficients, steps
-                ).unbind(0)
-            targets = [weights[i] for i in idx]
-            if keep is None:
-                torch._foreach_add_(targets, list(ortho), alpha=-scale)
-            else:
-                torch._foreach_add_(targets, torch._foreach_mul(list(ortho), -scale * keep))
+                bucket_step(weights, grads, bufs, lr_wd=lr * wd, scale=scale, **common)
 
+    def _distributes(self, p: torch.Tensor) -> bool:
+        return self.distribute and can_distribute(p)
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-def _lr_adjustment(kind: str, shape: torch.Size) -> float:
-    """``torch.optim.Muon``'s learning-rate adjustment, for one matrix (the last two dimensions)."""
-    rows, cols = shape[-2], shape[-1]
-    if kind == "match_rms_adamw":
-        return 0.2 * math.sqrt(max(rows, cols))
-    if kind == "original":
-        return math.sqrt(max(1.0, rows / cols))
-    return 1.0
-
-
-def _orthogonalize(
-    local: torch.Tensor, param: torch.Tensor | None, coefficients: tuple[float, float, float], steps: int
-) -> torch.Tensor:
-    """The Newton-Schulz iteration of ``torch.optim.Muon`` over the last two dimensions (leading dimensions
-    are a batch of matrices: MoE experts). When ``param`` is sharded (a DTensor), ``local`` is this rank's
-    shard of the update: it is gathered, orthogonalized whole (Newton-Schulz needs the whole matrix; every
-    rank does the same work) and cut back to this rank's shard."""
-    if param is not None and hasattr(param, "device_mesh"):
-        from torch.distributed.tensor import DTensor, distribute_tensor
-
-        mesh, placements = param.device_mesh, param.placements
-        home = local.device
-        # Offloaded shards (FSDP2 CPUOffloadPolicy) live on the CPU: gather and orthogonalize them on the mesh's
-        # accelerator (NCCL, tensor cores) rather than through gloo and CPU matmuls.
-        work = local.to(mesh.device_type) if home.type != mesh.device_type else local
-        full = DTensor.from_local(
-            work, mesh, placements, shape=param.shape, stride=param.stride()
-        ).full_tensor()
-        full = _orthogonalize(full, full, coefficients, steps)
-        return distribute_tensor(full, mesh, placements, src_data_rank=None).to_local().to(home)
-    a, b, c = coefficients
-    x = local.bfloat16()
-    tall = x.size(-2) > x.size(-1)
-    if tall:
-        x = x.mT
-    if x.ndim == 2:  # torch.optim.Muon's exact sequence (addmm rounds once)
-        x = x / x.norm().clamp(min=1e-7)
-        for _ in range(steps):
-            gram = x @ x.T
-            x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
-    else:
-        shape = x.shape
-        x = x.reshape(-1, *shape[-2:])
-        x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=1e-7)
-        for _ in range(steps):
-            gram = x @ x.mT
-            x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
-        x = x.reshape(shape)
-    return x.mT if tall else x
+    def _sharded_bucket(
+        self,
+        bucket: list[torch.Tensor],
+        weights: list[torch.Tensor],
+        grads: list[torch.Tensor],
+        bufs: list[torch.Tensor],
+        lr_wd: float,
+        scale: float,
+        compile_it: bool,
+        common: dict,
+    ) -> None:
+        coefficients, steps, keep = common["coefficients"], common["steps"], common["keep"]
+        names = ("mu", "nesterov", "grad_scale", "keep")
+        updates = momentum(grads, bufs, **{k: common[k] for k in names})
+        ns = compiled(orthogonalize, self.compile_backend) if compile_it else orthogonalize
+        if self._distributes(bucket[0]):
+            ortho = distributed_orthogonalize(updates, bucket[0], coefficients, steps, ns)
+        else:
+            ortho = [gather_orthogonalize(u, p, coefficients, steps, ns) for u, p in zip(updates, bucket)]
+        apply_update(weights, ortho, lr_wd=lr_wd, scale=scale, keep=keep)
 
 
 def build_adamw(
@@ -464,7 +455,7 @@ def adamw_bf16_states(
     lrs: dict[torch.device, torch.Tensor] = {}
     for p in params:
         s = state[p]
-        weight = _local(p)
+        weight = local(p)
         if not s:
             # The step count on the device (as the fused AdamW keeps it): a skipped step leaves it unchanged
             # without a host sync, and the bias corrections are computed in the kernel.
@@ -475,7 +466,7 @@ def adamw_bf16_states(
             lrs[weight.device] = torch.full((), group["lr"], dtype=torch.float32, device=weight.device)
         fn = _compiled_bf16_step() if weight.is_cuda else _adamw_bf16_step
         fn(
-            weight, _local(p.grad), _local(s["exp_avg"]), _local(s["exp_avg_sq"]), s["step"],
+            weight, local(p.grad), local(s["exp_avg"]), local(s["exp_avg_sq"]), s["step"],
             lrs[weight.device], beta1, beta2, group["weight_decay"], group["eps"], grad_scale, found_inf,
         )  # fmt: skip
 

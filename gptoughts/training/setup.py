@@ -375,6 +375,8 @@ def make_optimizer(
             muon_lr=t.muon_learning_rate,
             muon_weight_decay=t.muon_weight_decay,
             momentum=t.muon_momentum,
+            compile=perf.muon_compile,
+            distribute=perf.muon_distribute,
             **common,
         )
     else:
