@@ -45,7 +45,7 @@ def update_backward(
     gv: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """Gradients through :func:`update` given those of its outputs (``gv = None`` is 0): ``(du, dx, dv, dμ, dκ)``,
-    ``du`` in ``u``'s dtype, ``dx``/``dv`` in the state dtype, ``dμ``/``dκ`` summed over tokens in fp32."""
+    ``du`` in ``u``'s dtype, ``dx``/``dv`` in the state dtype, ``dμ``/``dκ`` summed over tokens in fp32 (or wider)."""
     a_logit, b_pre, g_logit, v_cand = u.to(x.dtype).chunk(4, dim=-1)
     err = x - mu
     s_a = torch.sigmoid(a_logit)
@@ -66,9 +66,9 @@ def update_backward(
     d_err = -g_vnew * beta - d_alpha_damp * kappa * torch.sign(err)
     du = torch.cat([d_a, d_b, d_gate, d_vcand], dim=-1).to(u.dtype)
     dv = None if v is None else g_vnew * alpha
-    flat = (-1, x.size(-1))
-    d_mu = -d_err.reshape(flat).sum(0, dtype=torch.float32)
-    d_kappa = -(d_alpha_damp * err.abs()).reshape(flat).sum(0, dtype=torch.float32)
+    flat, acc = (-1, x.size(-1)), torch.promote_types(x.dtype, torch.float32)
+    d_mu = -d_err.reshape(flat).sum(0, dtype=acc)
+    d_kappa = -(d_alpha_damp * err.abs()).reshape(flat).sum(0, dtype=acc)
     return du, gx + d_err, dv, d_mu, d_kappa
 
 
