@@ -21,11 +21,30 @@ import torch.nn.functional as F
 __all__ = ["integrate", "update", "update_backward"]
 
 
+# Inside a compiled block, dynamo traces the Function's backward into one graph with the forward, and the
+# partitioner then computes in the forward whatever of the backward does not depend on the incoming gradient, and
+# saves it: the recomputed u_i = W_out gelu(c_i) + b_out (4d wide; matmuls are never recomputed), the bf16 copy of
+# [x_i, v_i], x_i - μ and exp(-κ|x_i - μ|) (measured with the aot_eager_decomp_partition backend). Passing the
+# saved values through an op that the compiler cannot see through and that takes the gradient as an input keeps
+# the backward's work in the backward and the saved set to this Function's.
+
+
+@torch.library.custom_op("gptoughts::inl_fresh_copies", mutates_args=())
+def _fresh_copies(ts: list[torch.Tensor], after: torch.Tensor) -> list[torch.Tensor]:
+    """Copies of ``ts``, ordered after ``after`` (clones the compiler would remove as no-ops)."""
+    return [t.clone() for t in ts]
+
+
+@_fresh_copies.register_fake
+def _(ts: list[torch.Tensor], after: torch.Tensor) -> list[torch.Tensor]:
+    return [torch.empty_like(t) for t in ts]
+
+
 def update(
     u: torch.Tensor, x: torch.Tensor, v: torch.Tensor | None, mu: torch.Tensor, kappa: torch.Tensor, dt: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One iteration's state update from the controller's output ``u = [α̃, β̃, g̃, v_cand]``; ``v = None`` is 0."""
-    a_logit, b_pre, g_logit, v_cand = u.to(x.dtype).chunk(4, dim=-1)
+    a_logit, b_pre, g_logit, v_cand = u.to(torch.promote_types(x.dtype, mu.dtype)).chunk(4, dim=-1)
     err = x - mu
     alpha = torch.sigmoid(a_logit) * torch.exp(-kappa * err.abs())
     v_new = (1 - alpha) * v_cand - F.softplus(b_pre) * err
@@ -46,7 +65,7 @@ def update_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """Gradients through :func:`update` given those of its outputs (``gv = None`` is 0): ``(du, dx, dv, dμ, dκ)``,
     ``du`` in ``u``'s dtype, ``dx``/``dv`` in the state dtype, ``dμ``/``dκ`` summed over tokens in fp32 (or wider)."""
-    a_logit, b_pre, g_logit, v_cand = u.to(x.dtype).chunk(4, dim=-1)
+    a_logit, b_pre, g_logit, v_cand = u.to(gx.dtype).chunk(4, dim=-1)
     err = x - mu
     s_a = torch.sigmoid(a_logit)
     alpha = s_a * torch.exp(-kappa * err.abs())
@@ -66,7 +85,7 @@ def update_backward(
     d_err = -g_vnew * beta - d_alpha_damp * kappa * torch.sign(err)
     du = torch.cat([d_a, d_b, d_gate, d_vcand], dim=-1).to(u.dtype)
     dv = None if v is None else g_vnew * alpha
-    flat, acc = (-1, x.size(-1)), torch.promote_types(x.dtype, torch.float32)
+    flat, acc = (-1, x.size(-1)), torch.promote_types(gx.dtype, torch.float32)
     d_mu = -d_err.reshape(flat).sum(0, dtype=acc)
     d_kappa = -(d_alpha_damp * err.abs()).reshape(flat).sum(0, dtype=acc)
     return du, gx + d_err, dv, d_mu, d_kappa
@@ -87,8 +106,7 @@ class _IntegratorLoop(torch.autograd.Function):
     @staticmethod
     def forward(ctx, c_h, h, w_xv, w_out, b_out, mu, kappa, dt: float, n_iterations: int):
         d = h.size(-1)
-        state = torch.promote_types(h.dtype, mu.dtype)
-        x, v = h.to(state), None
+        x, v = h, None  # the first update promotes x to the state dtype
         xs, vs, cs = [], [], []
         for _ in range(n_iterations):
             w = w_xv if v is not None else w_xv[:, :d]
@@ -106,7 +124,7 @@ class _IntegratorLoop(torch.autograd.Function):
     def backward(ctx, gx):
         k = ctx.n_iterations
         h, w_xv, w_out, b_out, mu, kappa, *rest = ctx.saved_tensors
-        xs = [h.to(gx.dtype), *rest[: k - 1]]
+        xs = [h, *rest[: k - 1]]
         vs = [None, *rest[k - 1 : 2 * (k - 1)]]
         cs = rest[2 * (k - 1) :]
         d, f32 = h.size(-1), torch.float32
@@ -118,7 +136,10 @@ class _IntegratorLoop(torch.autograd.Function):
         dc_h = torch.zeros(cs[0].shape, dtype=f32, device=h.device)
         gv = None
         for i in reversed(range(k)):
-            x, v, c = xs[i], vs[i], cs[i]
+            if i:
+                x, v, c = _fresh_copies([xs[i], vs[i], cs[i]], gx)
+            else:
+                (x, c), v = _fresh_copies([xs[i], cs[i]], gx), None
             g = F.gelu(c)  # recomputed: c is [N, H], g and u are not kept
             u = F.linear(g, w_out, b_out)
             du, gx, gv, dmu_i, dk_i = update_backward(u, x, v, mu, kappa, ctx.dt, gx, gv)
