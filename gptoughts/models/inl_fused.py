@@ -9,8 +9,10 @@ gradients in fp32.
 
 The element-wise parts are plain torch functions (:func:`update` and :func:`update_backward`): inside a compiled
 block, dynamo traces the Function's forward and backward and inductor fuses each of them into a few kernels.
-Matmuls run in the dtype of ``c_h`` (the autocast dtype under autocast, else the weights'), the update in the
-promotion of ``h`` and ``μ``: the same dtypes as the reference module, so both compute the same function.
+Matmuls run in the dtype of ``c_h`` (the autocast dtype under autocast, else the weights'), as the reference's;
+the update in the promotion of ``h`` and ``μ`` (fp32 under autocast, where the reference rounds sigmoid and
+softplus of its bf16 logits to bf16): equal in fp32, within bf16's error under autocast (tests/models/
+test_inl_fused.py). The backward's copies of the saved state (see below) cost one read and write of them.
 """
 
 from __future__ import annotations

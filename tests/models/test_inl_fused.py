@@ -189,3 +189,17 @@ def test_switch_keeps_the_checkpoint_and_is_checked():
     assert ref.state_dict().keys() == fused.state_dict().keys()
     with pytest.raises(ConfigError, match="integrator_impl"):
         models.model_args("inl", "debug", {"integrator_impl": "triton"})
+
+
+def test_memory_estimate_counts_the_fused_integrators_saved_tensors():
+    from gptoughts.perf.estimate import _activation_bytes
+
+    per_token = {}
+    for impl in ("reference", "fused"):
+        args = models.model_args("inl", "3b", {"integrator_impl": impl})
+        per_token[impl] = _activation_bytes("inl", args, "none", 4)[0] / args.n_layers
+    d, k, hid = args.d_model, args.n_iterations, args.controller_hidden
+    # The reference's K (22d + 4H) becomes (K - 1) 8d + 2KH (h, 2d, is in both).
+    assert (
+        per_token["reference"] - per_token["fused"] == k * (22 * d + 4 * hid) - (k - 1) * 8 * d - 2 * k * hid
+    )
