@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +36,7 @@ from torch import nn
 
 from gptoughts.errors import ConfigError
 from gptoughts.models.base import DecoderLM
+from gptoughts.models.inl_fused import integrate
 from gptoughts.models.layers import Attention, KVCache, RMSNorm, RotaryEmbedding
 
 DEFAULT_K = 4
@@ -72,6 +73,11 @@ class INLArgs:
     """Time step of the integrator's state update ``x <- x + dt * gate * v``."""
     controller_hidden: int = 64
     """Hidden width of each block's controller MLP ``[h, x, v] (3d) -> H -> 4d``."""
+    integrator_impl: Literal["reference", "fused"] = "reference"
+    """How the integrator's K iterations run; both compute the same function with the same parameters (a
+    checkpoint moves between them). ``reference``: the module's loop under autograd (~10 saved ``[B, T, d]``
+    tensors per iteration). ``fused``: one autograd Function (``models/inl_fused.py``) that saves per iteration
+    only x, v and the controller's H-wide pre-activation and recomputes the rest in a hand-written backward."""
     rope_theta: float = 10000.0
     """RoPE base frequency."""
     norm_eps: float = 1e-5
@@ -89,6 +95,10 @@ class INLArgs:
             )
         if self.dt <= 0:
             raise ConfigError(f"model.dt must be positive, got {self.dt}")
+        if self.integrator_impl not in ("reference", "fused"):
+            raise ConfigError(
+                f"model.integrator_impl must be reference or fused, got {self.integrator_impl!r}"
+            )
         if self.ffn_dim is not None and self.ffn_dim <= 0:
             raise ConfigError(f"model.ffn_dim must be positive, got {self.ffn_dim}")
         if self.d_model % self.n_heads:
@@ -132,11 +142,12 @@ class Integrator(nn.Module):
     converter from wrapping matmuls whose reduction dim is 64 (memory bound: fp8 would only add casts).
     """
 
-    def __init__(self, dim: int, n_iterations: int, dt: float, hidden: int) -> None:
+    def __init__(self, dim: int, n_iterations: int, dt: float, hidden: int, impl: str = "reference") -> None:
         super().__init__()
         self.dim = dim
         self.n_iterations = n_iterations
         self.dt = dt
+        self.impl = impl  # "reference" or "fused" (INLArgs.integrator_impl)
         self.w_in = nn.Parameter(torch.empty(hidden, 3 * dim))  # columns: [h | x | v]
         self.b_in = nn.Parameter(torch.empty(hidden))
         self.w_out = nn.Parameter(torch.empty(4 * dim, hidden))  # rows: [α̃ | β̃ | g̃ | v_cand]
@@ -177,6 +188,9 @@ class Integrator(nn.Module):
         """``x_K`` after K iterations from ``x_0 = h``, ``v_0 = 0``."""
         d = self.dim
         kappa = F.softplus(self.kappa_raw)  # once, not K times
+        if self.impl == "fused" and self.n_iterations > 0:
+            args = (self.w_in, self.b_in, self.w_out, self.b_out, self.mu, kappa)
+            return integrate(h, *args, self.dt, self.n_iterations)
         # h does not change during the loop: its share of the controller's input layer is computed once.
         c_h = F.linear(h, self.w_in[:, :d], self.b_in)
         w_xv = self.w_in[:, d:]
@@ -191,7 +205,10 @@ class Integrator(nn.Module):
         return x
 
     def extra_repr(self) -> str:
-        return f"dim={self.dim}, hidden={self.w_in.size(0)}, n_iterations={self.n_iterations}, dt={self.dt}"
+        return (
+            f"dim={self.dim}, hidden={self.w_in.size(0)}, n_iterations={self.n_iterations}, dt={self.dt}, "
+            f"impl={self.impl}"
+        )
 
 
 class GeluMLP(nn.Module):
@@ -223,7 +240,7 @@ class INLBlock(nn.Module):
         )
         # K = 0: no integrator parameters at all (unused parameters would trip DDP and waste optimizer state).
         self.integrator = (
-            Integrator(args.d_model, args.n_iterations, args.dt, args.controller_hidden)
+            Integrator(args.d_model, args.n_iterations, args.dt, args.controller_hidden, args.integrator_impl)
             if args.n_iterations > 0
             else None
         )

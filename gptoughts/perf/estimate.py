@@ -150,6 +150,8 @@ def _inl_layer_bytes(args: Any, mode: str, r: int) -> float:
     residual, batch 2 × 2048: 67.2 GiB, bench/BENCHMARKS.md families table) the estimate gives 68.4 GiB (+1.8%).
     selective: the block input, fc1's output and the controller's matmul outputs the policy keeps,
     r d + 2f + K (8d + 4H); full: r d. Not measured for selective/full.
+    ``integrator_impl = "fused"`` (none): h, x_i and v_i in fp32 for i = 1..K-1, and c_i: 2d + (K-1) 8d + 2KH
+    (what its autograd Function saves, counted on CPU in tests/models/test_inl_fused.py; not yet measured on a GPU).
     """
     d, f, hid, k = args.d_model, args.ffn, args.controller_hidden, args.n_iterations
     d_kv = args.kv_heads * args.hd
@@ -157,6 +159,8 @@ def _inl_layer_bytes(args: Any, mode: str, r: int) -> float:
         r = 4
     if mode == "none":
         integrator = (2 * d + k * (22 * d + 4 * hid)) if k > 0 else 0
+        if k > 0 and getattr(args, "integrator_impl", "reference") == "fused":
+            integrator = 2 * d + (k - 1) * 8 * d + 2 * k * hid
         return (8 + 2 * r) * d + 4 * d_kv + 4 * f + integrator
     if mode == "selective":
         return r * d + 2 * f + k * (8 * d + 4 * hid)

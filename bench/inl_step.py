@@ -1,0 +1,123 @@
+"""One INL block, forward + backward, with each integrator implementation (``model.integrator_impl``).
+
+At the inl-3b shape by default (d 2048, 16 heads, K 4, H 64; batch 2 x 2048; bf16 autocast; the block compiled
+as training compiles it), for each implementation and activation-checkpointing mode: median milliseconds of a
+forward + backward (CUDA events), the peak memory above the block's weights, and the largest difference of the
+block's output and gradients from the reference. One JSON line per variant, on stdout and appended to ``--out``.
+
+    python3 bench/inl_step.py --out r.jsonl [--ac none,selective] [--no-compile]
+    python3 bench/inl_step.py --device cpu --size debug --batch 2 --seq 64 --iters 2   # smoke run on CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from gptoughts import models  # noqa: E402
+from gptoughts.models.inl import INLBlock  # noqa: E402
+from gptoughts.perf.checkpointing import apply_activation_checkpointing  # noqa: E402
+
+
+class _Stack(torch.nn.Module):
+    """One block in a ``layers`` list, as apply_activation_checkpointing expects."""
+
+    def __init__(self, block: INLBlock, rope: torch.nn.Module) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList([block])
+        self.rope = rope
+
+
+def _variant(a: argparse.Namespace, impl: str, ac: str, x: torch.Tensor, dy: torch.Tensor) -> dict:
+    dev = x.device
+    args = models.model_args("inl", a.size, {"integrator_impl": impl, "n_layers": 1, "max_seq_len": a.seq})
+    model = models.build_model("inl", args, device=dev)
+    torch.manual_seed(0)
+    model.init_weights()
+    with torch.no_grad():  # the controller's output layer starts at zero: give the dynamics something to do
+        model.layers[0].integrator.w_out.normal_(0, 0.02)
+    stack = _Stack(model.layers[0], model.rope)
+    apply_activation_checkpointing(stack, ac)
+    block = stack.layers[0]
+    if a.compile:
+        block.compile()
+    cos, sin = model.rope(a.seq, 0, None)
+    xin = x.detach().requires_grad_()
+
+    def step() -> None:
+        xin.grad = None
+        for p in block.parameters():
+            p.grad = None
+        with torch.autocast(dev.type, dtype=torch.bfloat16):
+            y = block(xin, cos, sin)
+        y.backward(dy)
+
+    for _ in range(3):
+        step()
+    times = []
+    for _ in range(a.iters):
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step()
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    peak = None
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        step()
+        peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+    grads = [xin.grad] + [p.grad for p in block.parameters()]
+    return {"impl": impl, "ac": ac, "ms": statistics.median(times), "peak_gib": peak, "grads": grads}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--size", default="3b")
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--ac", default="none,selective", help="activation-checkpointing modes, comma-separated")
+    p.add_argument("--no-compile", dest="compile", action="store_false")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--out", type=Path)
+    a = p.parse_args()
+    dev = torch.device(a.device)
+    d = models.model_args("inl", a.size).d_model
+    g = torch.Generator(device=dev).manual_seed(1)
+    x = torch.randn(a.batch, a.seq, d, device=dev, generator=g)
+    dy = torch.randn(a.batch, a.seq, d, device=dev, generator=g)
+    for ac in a.ac.split(","):
+        ref = None
+        for impl in ("reference", "fused"):
+            r = _variant(a, impl, ac, x, dy)
+            grads = r.pop("grads")
+            ref = ref or grads
+            diff = max(
+                ((g1.float() - g0.float()).abs().max() / g0.float().abs().max()).item()
+                for g0, g1 in zip(ref, grads)
+            )
+            row = {"bench": "inl_step", "size": a.size, "batch": a.batch, "seq": a.seq, "compile": a.compile,
+                   "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
+                   **r, "max_rel_grad_diff": diff}  # fmt: skip
+            line = json.dumps(row)
+            print(line, flush=True)
+            if a.out:
+                with a.out.open("a") as f:
+                    f.write(line + "\n")
+
+
+if __name__ == "__main__":
+    main()
