@@ -24,6 +24,7 @@ from gptoughts.tools.bench_torchtitan import (
     align_ours_with_torchtitan,
     bench_torchtitan,
     import_torchtitan,
+    import_torchtitan_deepseek,
     parse_torchtitan_compare,
 )
 from gptoughts.tools.measure import (
@@ -88,6 +89,8 @@ def run_bench(
         # line at once, not after our run.
         import_torchtitan()
         cfg, ours_notes = align_ours_with_torchtitan(cfg)
+        if models.get_family(cfg.model.family).name == "deepseek":
+            import_torchtitan_deepseek()  # its modules beyond Llama's (MTP, the MoE hook)
     result, ours = _bench_ours(cfg, steps=steps, warmup=warmup, data_dir=data_dir, kernel_steps=kernel_steps)
     if ours_notes:
         result["ours_for_compare"] = ours_notes  # what our measured step left out to be the peer's model

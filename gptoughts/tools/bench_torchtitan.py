@@ -196,9 +196,10 @@ def check_torchtitan_shape(family: str, args: Any) -> None:
 
 
 def align_ours_with_torchtitan(cfg: Config) -> tuple[Config, list[str]]:
-    """Before our run: ``cfg`` with what the compare turns off on our side (DeepSeek's sequence-wise balance loss,
-    which torchtitan has none of) and a note per change; then a refusal of any option the peer has no equivalent
-    for, checked before anything is built or timed. A model loaded from ``init_from`` is checked after our run."""
+    """Before our run: ``cfg`` with what the compare turns off on our side
+    (DeepSeek's sequence-wise balance loss, which torchtitan has none of) and a note per change; a refusal of any
+    option the peer has no equivalent for, before anything is built or timed. A model loaded from ``init_from`` is
+    checked after our run."""
     family = models.get_family(cfg.model.family).name
     if cfg.model.init_from is not None:
         return cfg, []

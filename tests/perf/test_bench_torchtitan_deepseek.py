@@ -4,6 +4,8 @@ DeepSeek-V3 built at our shape, its load-balancing hook at work, and a tiny comp
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from test_perf import BENCH
@@ -11,7 +13,7 @@ from test_perf import BENCH
 from gptoughts import cli, models
 from gptoughts.config import load_config
 from gptoughts.errors import ConfigError, UserError
-from gptoughts.tools import bench, bench_torchtitan
+from gptoughts.tools import bench, bench_torchtitan, bench_torchtitan_deepseek
 from gptoughts.training import modeling
 
 DS_BENCH = {**BENCH, "model.family": "deepseek"}
@@ -45,6 +47,22 @@ def test_mtp_is_refused_in_one_line_before_our_run(monkeypatch, capsys):
     assert len(lines) == 1, err
     assert "torchtitan's DeepSeek-V3 has no equivalent of model.mtp_depth = 1" in lines[0]
     assert "--model.mtp_depth 0" in lines[0] and "Traceback" not in out + err
+
+
+def test_its_deepseek_not_loading_is_one_line_before_our_run(monkeypatch, capsys):
+    # torchtitan imports (its Llama 3) but its DeepSeek-V3 modules do not, e.g. a torch API they expect
+    monkeypatch.setattr(bench, "import_torchtitan", lambda: None)
+    monkeypatch.setattr(bench_torchtitan_deepseek, "_DS", None)
+    monkeypatch.setitem(sys.modules, "torchtitan.models.deepseek_v3", None)
+
+    def never(*a, **k):
+        raise AssertionError("our model was built before the peer's failure was reported")
+
+    monkeypatch.setattr(modeling, "build_model", never)
+    args = [f"--{k}={v}" for k, v in DS_BENCH.items()]
+    assert cli.main(["bench", *args, "--steps", "1", "--warmup", "0", "--compare", "torchtitan:sdpa"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: torchtitan's DeepSeek-V3 does not load:"), lines
 
 
 def test_direct_call_with_the_balance_loss_on_is_refused():
