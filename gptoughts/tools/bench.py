@@ -24,9 +24,9 @@ from gptoughts.tools.bench_torchtitan import (
     align_ours_with_torchtitan,
     bench_torchtitan,
     import_torchtitan,
-    import_torchtitan_deepseek,
     parse_torchtitan_compare,
 )
+from gptoughts.tools.bench_torchtitan_deepseek import import_torchtitan_deepseek
 from gptoughts.tools.measure import (
     SyntheticBatches,
     peak_memory,
