@@ -94,8 +94,9 @@ def cmd_bench(argv: Sequence[str]) -> int:
             "Times training steps (synthetic tokens, or prepared --shards) and prints tokens/s, MFU, peak memory\n"
             "and the step breakdown; --compare hf runs transformers' LlamaForCausalLM (eager and compiled) on the\n"
             "same shape in the same process and prints the ratios; --compare torchtitan runs torchtitan's own\n"
-            "Llama 3 model and parallelize functions (pip install torchtitan==0.3.0). --kernels N profiles N more steps and\n"
-            "reports GPU time by kernel category (matmul, attention, element-wise, optimizer, ...)."
+            "Llama 3 (or, with --model deepseek, DeepSeek-V3) model and parallelize functions (pip install\n"
+            "torchtitan==0.3.0). --kernels N profiles N more steps and reports GPU time by kernel category\n"
+            "(matmul, attention, element-wise, optimizer, ...)."
         )
         return 0
     rest, opts = pop_options(argv, {"json"}, {"steps", "warmup", "compare", "shards", "kernels"})

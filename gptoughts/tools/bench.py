@@ -20,7 +20,13 @@ from torch import nn
 from gptoughts import models
 from gptoughts.config import Config
 from gptoughts.errors import UserError
-from gptoughts.tools.bench_torchtitan import bench_torchtitan, import_torchtitan, parse_torchtitan_compare
+from gptoughts.tools.bench_torchtitan import (
+    align_ours_with_torchtitan,
+    bench_torchtitan,
+    import_torchtitan,
+    parse_torchtitan_compare,
+)
+from gptoughts.tools.bench_torchtitan_deepseek import import_torchtitan_deepseek
 from gptoughts.tools.measure import (
     SyntheticBatches,
     peak_memory,
@@ -76,11 +82,18 @@ def run_bench(
     :func:`parse_torchtitan_compare`), run after ours on the same shape, batch and precision."""
     tt_modes: tuple[str, ...] = ()
     tt_graphs = True
+    ours_notes: list[str] = []
     if compare is not None and compare != "hf":
         tt_modes, tt_graphs = parse_torchtitan_compare(compare)
-        # Before anything is built or timed: a missing peer is said in one line at once, not after our run.
+        # Before anything is built or timed: a missing peer, or an option it has no equivalent for, is said in one
+        # line at once, not after our run.
         import_torchtitan()
+        cfg, ours_notes = align_ours_with_torchtitan(cfg)
+        if models.get_family(cfg.model.family).name == "deepseek":
+            import_torchtitan_deepseek()  # its modules beyond Llama's (MTP, the MoE hook)
     result, ours = _bench_ours(cfg, steps=steps, warmup=warmup, data_dir=data_dir, kernel_steps=kernel_steps)
+    if ours_notes:
+        result["ours_for_compare"] = ours_notes  # what our measured step left out to be the peer's model
     if compare == "hf":
         result["hf"] = {}
         for mode in hf_modes:
@@ -93,7 +106,7 @@ def run_bench(
         result["torchtitan"] = {}
         for mode in tt_modes:
             result["torchtitan"][mode] = _bench_torchtitan_mode(
-                cfg, ours, result["resolved"], mode, tt_graphs, steps, warmup
+                cfg, ours, result, mode, tt_graphs, steps, warmup
             )
             reset_memory(ours.device)
     return result
@@ -195,19 +208,23 @@ def _loader(data_dir: str | None, vocab: int, t: Any, device: torch.device) -> A
 
 
 def _bench_torchtitan_mode(
-    cfg: Config, ours: _Ours, resolved: dict[str, Any], mode: str, cuda_graphs: bool, steps: int, warmup: int
+    cfg: Config, ours: _Ours, result: dict[str, Any], mode: str, cuda_graphs: bool, steps: int, warmup: int
 ) -> dict[str, Any]:
-    """torchtitan at our shape with ``mode``'s attention and our run's checkpointing and fp8; a failure of the peer
-    (a torch API it expects, a kernel) is the result's ``error``, not the loss of our measurement."""
+    """torchtitan's model of our family at our shape with ``mode``'s attention and our run's checkpointing and fp8;
+    a failure of the peer (a torch API it expects, a kernel) is the result's ``error``, not the loss of our
+    measurement."""
+    resolved = result["resolved"]
     try:
         r = bench_torchtitan(
             *ours.shape,
+            family=result["family"],
             attention=mode,
             compiled=ours.compiled,
             cuda_graphs=cuda_graphs,
             activation_checkpointing=str(resolved.get("activation_checkpointing", "none")),
             fp8=resolved.get("fp8") or None,
             fp8_bf16_end_layers=cfg.perf.fp8_bf16_end_layers,
+            ours_notes=result.get("ours_for_compare"),
             steps=steps,
             warmup=warmup,
             seed=ours.seed,
@@ -311,6 +328,8 @@ def format_result(r: dict[str, Any]) -> str:
         f"  tokens/s {f(r['tokens_per_s'], ',.0f')}   step {f(r['step_ms'], '.1f')} ms   MFU {f(r['mfu'], '.3f')}   "
         f"peak memory {f(r['peak_memory_gib'], '.2f')} GiB   ({r['data']} data)",
     ]
+    for note in r.get("ours_for_compare") or []:
+        lines.append(f"  ours, for the compare: {note}")
     b = r.get("breakdown") or {}
     if b:
         parts = [
@@ -331,11 +350,9 @@ def format_result(r: dict[str, Any]) -> str:
         if "error" in h:
             lines.append(f"  torchtitan {mode}: failed: {h['error']}")
             continue
-        params = (
-            ""
-            if h["params"] == r["params"]
-            else f"  ({h['params'] / 1e6:.1f}M params, ours {r['params'] / 1e6:.1f}M)"
-        )
+        # both counts exact, side by side: the reader sees that the peer ran the same model
+        same = "= ours" if h["params"] == r["params"] else f"!= ours {r['params']:,}"
+        params = f"  ({h['params']:,} params {same})"
         lines.append(
             f"  torchtitan {mode}: tokens/s {f(h['tokens_per_s'], ',.0f')}  MFU {f(h['mfu'], '.3f')}  "
             f"peak {f(h['peak_memory_gib'], '.2f')} GiB  -> ours is {h['speedup']:.2f}x{params}"

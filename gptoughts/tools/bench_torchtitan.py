@@ -1,5 +1,6 @@
-"""``gptoughts bench --compare torchtitan``: the same shape through torchtitan's Llama 3, its ``parallelize_llama``
-and its training step, as its ``Trainer`` assembles them on one GPU, timed with the clock that times ours.
+"""``gptoughts bench --compare torchtitan``: the same shape through torchtitan's Llama 3 and its ``parallelize_llama``
+(or, for ``--model deepseek``, its DeepSeek-V3 and ``parallelize_deepseekv3``: ``bench_torchtitan_deepseek.py``) and
+its training step, as its ``Trainer`` assembles them on one GPU, timed with the clock that times ours.
 
 torchtitan is a peer we measure against, never a dependency: it is imported here only, on ``--compare
 torchtitan``. The version is pinned because what follows calls its (young, fast-moving) internals by name; where it
@@ -11,12 +12,21 @@ from __future__ import annotations
 import contextlib
 import tempfile
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
 from types import SimpleNamespace
 from typing import Any
 
 import torch
 
+from gptoughts import models
+from gptoughts.config import Config
 from gptoughts.errors import ConfigError, UserError
+from gptoughts.tools.bench_torchtitan_deepseek import (
+    align_ours,
+    check_torchtitan_deepseek_shape,
+    import_torchtitan_deepseek,
+    torchtitan_deepseek_config,
+)
 from gptoughts.tools.measure import SyntheticBatches, peak_memory, reset_memory, time_steps
 
 TORCHTITAN_VERSION = "0.3.0"
@@ -176,6 +186,35 @@ def import_torchtitan() -> SimpleNamespace:
     return _TT
 
 
+def check_torchtitan_shape(family: str, args: Any) -> None:
+    """A ConfigError (one line) when torchtitan's model of ``family`` has no equivalent of one of ``args``'s
+    options: Llama 3 for the Llama-like families, DeepSeek-V3 for ``deepseek``."""
+    if family == "deepseek":
+        check_torchtitan_deepseek_shape(args)
+    else:
+        _check_torchtitan_shape(args)
+
+
+def align_ours_with_torchtitan(cfg: Config) -> tuple[Config, list[str]]:
+    """Before our run: ``cfg`` with what the compare turns off on our side
+    (DeepSeek's sequence-wise balance loss, which torchtitan has none of) and a note per change; a refusal of any
+    option the peer has no equivalent for, before anything is built or timed. A model loaded from ``init_from`` is
+    checked after our run."""
+    family = models.get_family(cfg.model.family).name
+    if cfg.model.init_from is not None:
+        return cfg, []
+    overrides = dict(cfg.model.overrides)
+    notes: list[str] = []
+    if family == "deepseek":
+        overrides, notes = align_ours(
+            overrides, models.model_args(cfg.model.family, cfg.model.size, overrides)
+        )
+    check_torchtitan_shape(family, models.model_args(cfg.model.family, cfg.model.size, overrides))
+    if not notes:
+        return cfg, []
+    return replace(cfg, model=replace(cfg.model, overrides=overrides)), notes
+
+
 def _check_torchtitan_shape(args: Any) -> None:
     """torchtitan's Llama 3 has no knob for these; the compare would not be the same model."""
     unsupported = {
@@ -241,18 +280,26 @@ def torchtitan_llama_config(
         layers=layers,
     )
     tt.set_llama3_sharding_config(cfg, enable_sp=tt.ParallelismConfig().enable_sequence_parallel)
-    if fp8:
-        from torchtitan.components.quantization import Float8LinearConverter
+    return _fp8_converted(cfg, args.n_layers, fp8, fp8_bf16_end_layers, compiled, skip=["lm_head"])
 
-        n = args.n_layers
-        keep = [f"layers.{i}." for i in range(n) if i < fp8_bf16_end_layers or i >= n - fp8_bf16_end_layers]
-        # torchtitan 0.3.0 declares the rowwise recipes only; torchao's tensorwise (ours by default) goes through
-        # the same converter (the recipe name is handed to torchao's Float8LinearConfig.from_recipe_name)
-        conv = Float8LinearConverter.Config(
-            recipe_name=fp8, filter_fqns=["lm_head", *keep], model_compile_enabled=compiled
-        )
-        cfg = conv.build().convert(cfg)
-    return cfg
+
+def _fp8_converted(
+    cfg: Any, n_layers: int, fp8: str | None, bf16_end_layers: int, compiled: bool, *, skip: list[str]
+) -> Any:
+    """``cfg`` through its ``Float8LinearConverter`` (as its float8 configs do), leaving out the ``skip`` modules
+    and the ``bf16_end_layers`` first and last blocks; ``cfg`` itself without ``fp8``."""
+    if not fp8:
+        return cfg
+    from torchtitan.components.quantization import Float8LinearConverter
+
+    n, e = n_layers, bf16_end_layers
+    keep = [f"layers.{i}." for i in range(n) if i < e or i >= n - e]
+    # torchtitan 0.3.0 declares the rowwise recipes only; torchao's tensorwise (ours by default) goes through
+    # the same converter (the recipe name is handed to torchao's Float8LinearConfig.from_recipe_name)
+    conv = Float8LinearConverter.Config(
+        recipe_name=fp8, filter_fqns=[*skip, *keep], model_compile_enabled=compiled
+    )
+    return conv.build().convert(cfg)
 
 
 @contextlib.contextmanager
@@ -281,6 +328,54 @@ def _one_process_group(tt: SimpleNamespace, device: torch.device) -> Iterator[An
             dist.destroy_process_group()
 
 
+@dataclass
+class _Peer:
+    """torchtitan's model of one family at our shape: its config, the parallelize function its trainer calls, the
+    hook its trainer registers on the optimizer (None: none), and their names for the label."""
+
+    config: Any
+    parallelize: Callable[..., Any]
+    model_name: str
+    register_hooks: Callable[[Any, Any, Any], None] | None = None
+    hook_name: str = ""
+
+
+def _peer(
+    tt: SimpleNamespace,
+    family: str,
+    args: Any,
+    block_size: int,
+    *,
+    attention: str,
+    fp8: str | None,
+    fp8_bf16_end_layers: int,
+    compiled: bool,
+) -> _Peer:
+    """DeepSeek-V3 with ``parallelize_deepseekv3`` and its MoE load-balancing hook for ``deepseek``; Llama 3 with
+    ``parallelize_llama`` for the others (refused there when not Llama-shaped)."""
+    if family != "deepseek":
+        cfg = torchtitan_llama_config(
+            tt, args, block_size, attention=attention, fp8=fp8,
+            fp8_bf16_end_layers=fp8_bf16_end_layers, compiled=compiled,
+        )  # fmt: skip
+        return _Peer(cfg, tt.parallelize_llama, "Llama3Model")
+    if attention not in TORCHTITAN_MODES:
+        raise ConfigError(f"torchtitan attention {attention!r}: one of {', '.join(TORCHTITAN_MODES)}")
+    ds = import_torchtitan_deepseek()
+    cfg = torchtitan_deepseek_config(tt, args, block_size, attention=attention)
+    # like ours: the router gate (and the grouped experts, not Linear modules) stay out of fp8
+    cfg = _fp8_converted(
+        cfg, args.n_layers, fp8, fp8_bf16_end_layers, compiled, skip=["lm_head", "router.gate"]
+    )
+    hook = None
+    if args.bias_update_rate > 0:
+
+        def hook(opt: Any, model: Any, pdims: Any) -> None:
+            ds.register_moe_load_balancing_hook(opt, [model], pdims)
+
+    return _Peer(cfg, ds.parallelize, "DeepSeekV3Model", hook, "MoE load-balancing hook")
+
+
 def bench_torchtitan(
     args: Any,
     batch_size: int,
@@ -289,34 +384,32 @@ def bench_torchtitan(
     device: torch.device,
     precision: str,
     *,
+    family: str = "llama",
     attention: str = "flex",
     compiled: bool = True,
     cuda_graphs: bool = True,
     activation_checkpointing: str = "none",
     fp8: str | None = None,
     fp8_bf16_end_layers: int = 0,
+    ours_notes: list[str] | None = None,
     steps: int = 20,
     warmup: int = 5,
     seed: int = 0,
 ) -> dict[str, Any]:
-    """The same shape through torchtitan's Llama 3 and its training step, as its ``Trainer`` assembles them on one
-    GPU: built on meta, ``parallelize_llama`` (activation checkpointing, per-block compile, FSDP2 of degree 1 with
-    its mixed-precision policy), ``to_empty`` + ``init_weights``, its chunked cross-entropy (compiled with the model),
-    its forward+backward body (CUDA-graphed unless ``cuda_graphs`` is off, its default on), its grad-norm clip,
-    fused AdamW. Timed by :func:`time_steps`, like ours."""
+    """The same shape through torchtitan's model of ``family`` (see :func:`_peer`) and its training step, as its
+    ``Trainer`` assembles them on one GPU: built on meta, its parallelize (activation checkpointing, per-block
+    compile, FSDP2 of degree 1 with its mixed-precision policy), ``to_empty`` + ``init_weights``, its chunked
+    cross-entropy (compiled with the model), its forward+backward body (CUDA-graphed unless ``cuda_graphs`` is off,
+    its default on), its optimizer hooks, its grad-norm clip, fused AdamW. Timed by :func:`time_steps`, like ours.
+    ``ours_notes``: what the compare changed on our side, repeated in the label."""
     tt = import_torchtitan()
     _check_runnable(attention, device, block_size)
     mp = {"bf16": "bfloat16", "fp16": "float16"}.get(precision, "float32")
     torch.manual_seed(seed)
-    cfg = torchtitan_llama_config(
-        tt,
-        args,
-        block_size,
-        attention=attention,
-        fp8=fp8,
-        fp8_bf16_end_layers=fp8_bf16_end_layers,
-        compiled=compiled,
-    )
+    peer = _peer(
+        tt, family, args, block_size, attention=attention, fp8=fp8,
+        fp8_bf16_end_layers=fp8_bf16_end_layers, compiled=compiled,
+    )  # fmt: skip
     cuda_graphs = cuda_graphs and device.type == "cuda"
     ac = {"none": None, "full": tt.FullAC.Config(), "selective": tt.SelectiveAC.Config()}[
         activation_checkpointing
@@ -324,7 +417,7 @@ def bench_torchtitan(
     reset_memory(device)
     with _one_process_group(tt, device) as pdims, tempfile.TemporaryDirectory() as dump:
         model, loss_fn, n_params = _parallelized_model(
-            tt, cfg, pdims, device, mp=mp, compiled=compiled, ac=ac, dump=dump, vocab=args.vocab_size
+            tt, peer, pdims, device, mp=mp, compiled=compiled, ac=ac, dump=dump, vocab=args.vocab_size
         )
         notes = list(tt.notes) + _old_fsdp_workarounds(model)
         step = _training_step(
@@ -339,6 +432,7 @@ def bench_torchtitan(
             device=device,
             flex=attention == "flex",
             cuda_graphs=cuda_graphs,
+            register_hooks=peer.register_hooks,
         )
         try:
             step_s = time_steps(step, device, warmup, steps)
@@ -346,9 +440,10 @@ def bench_torchtitan(
         finally:
             if cuda_graphs:
                 tt.cudagraph_teardown()  # its graphs hold this model: free them before the next run
+    notes += [f"ours: {n}" for n in ours_notes or []]
     return {
         "mode": attention,
-        "label": _label(tt, attention, mp, compiled, ac, fp8, cuda_graphs, notes),
+        "label": _label(tt, peer, attention, mp, compiled, ac, fp8, cuda_graphs, notes),
         "params": n_params,
         "step_ms": step_s * 1e3,
         "tokens_per_s": batch_size * block_size * grad_accum / step_s,
@@ -369,7 +464,7 @@ def _check_runnable(attention: str, device: torch.device, block_size: int) -> No
 
 def _parallelized_model(
     tt: SimpleNamespace,
-    cfg: Any,
+    peer: _Peer,
     pdims: Any,
     device: torch.device,
     *,
@@ -379,13 +474,13 @@ def _parallelized_model(
     dump: str,
     vocab: int,
 ) -> tuple[Any, Any, int]:
-    """Its model built on meta, through ``parallelize_llama``, materialised and initialised on ``device``, and its
+    """Its model built on meta, through its parallelize, materialised and initialised on ``device``, and its
     chunked loss holding the LM head (as its trainer wires them); also the parameter count."""
     compile_config = tt.CompileConfig(enable=compiled)  # components: model (per block) and loss, its default
     with torch.device("meta"):
-        model = cfg.build()
+        model = peer.config.build()
     n_params = sum(p.numel() for p in model.parameters())
-    model = tt.parallelize_llama(
+    model = peer.parallelize(
         model,
         parallel_dims=pdims,
         training=tt.TrainingConfig(mixed_precision_param=mp, mixed_precision_reduce="float32"),
@@ -439,11 +534,15 @@ def _training_step(
     device: torch.device,
     flex: bool,
     cuda_graphs: bool,
+    register_hooks: Callable[[Any, Any, Any], None] | None = None,
 ) -> Callable[[], None]:
     """One optimizer step as its trainer takes it: ``grad_accum`` forward+backward bodies (CUDA-graphed when
-    ``cuda_graphs``), its grad-norm clip, fused AdamW."""
+    ``cuda_graphs``), its grad-norm clip, fused AdamW with the hooks ``register_hooks(opt, model, pdims)`` puts
+    on it (its trainer's ``post_optimizer_build_fn``)."""
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=device.type == "cuda")
+    if register_hooks is not None:
+        register_hooks(opt, model, pdims)
     # its data loader gives each token its position in its document: one document per synthetic row
     positions = torch.arange(block_size, device=device).expand(batch_size, block_size).contiguous()
     # the step's token count stays on the device (no sync), as in its trainer
@@ -479,6 +578,7 @@ def _training_step(
 
 def _label(
     tt: SimpleNamespace,
+    peer: _Peer,
     attention: str,
     mp: str,
     compiled: bool,
@@ -490,8 +590,8 @@ def _label(
     """What was run on torchtitan's side, in one line for the result."""
     parts = [
         f"torchtitan {tt.tt_version}",
-        f"Llama3Model, {attention} attention",
-        f"parallelize_llama: FSDP2 x1 {mp}",
+        f"{peer.model_name}, {attention} attention",
+        f"{peer.parallelize.__name__}: FSDP2 x1 {mp}",
         "compile per block + loss"
         if compiled
         else "no compile" + (" (its flex_attention is compiled always)" if attention == "flex" else ""),
@@ -500,5 +600,7 @@ def _label(
         parts.append(f"{type(ac).__qualname__.split('.')[0]}")
     if fp8:
         parts.append(f"Float8LinearConverter {fp8}")
+    if peer.register_hooks is not None:
+        parts.append(peer.hook_name)
     parts.append("CUDA-graphed fwd+bwd" if cuda_graphs else "no CUDA graphs")
     return "; ".join(parts + notes)
