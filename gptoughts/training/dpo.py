@@ -140,10 +140,15 @@ class DPO:
     def __call__(
         self, model: nn.Module, batch: tuple[torch.Tensor, ...]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        x, ref, y = batch[0], batch[1], batch[2]
+        if len(batch) == 2:  # a text batch of the assembly's probes (CPU threads): see _probe_pairs
+            x, ref, y = _probe_pairs(batch[0], batch[1])
+        else:
+            x, ref, y = batch[0], batch[1], batch[2]
         if self.reference == "adapters_off":
             ref = self._reference(model, x, y)
         losses, margin = dpo_loss(self.logratio(model, x, y), ref, self.beta, self.label_smoothing)
+        if len(batch) == 2:
+            return losses.sum(), torch.full((), float(x.shape[0]), device=x.device)
         # Summed on the device, read at the next log or evaluation (no sync here).
         sums = torch.stack([margin.sum(), (margin > 0).float().sum(), torch.ones_like(margin).sum()])
         key = model.training
@@ -154,6 +159,15 @@ class DPO:
         """(margin sum, pairs preferred, pairs) since the last call, of training or of evaluation forwards."""
         out, self._sums[training] = self._sums[training], None
         return out
+
+
+def _probe_pairs(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A ``(x, y)`` text batch (the CPU thread-count probe times one step of the real objective on random rows)
+    as pairs of consecutive rows, with a zero reference; its pairs count in no metric."""
+    if x.shape[0] % 2:
+        x, y = torch.cat([x, x]), torch.cat([y, y])
+    b, t = x.shape[0] // 2, x.shape[1]
+    return x.view(b, 2, t), torch.zeros(b, device=x.device), y.view(b, 2, t)
 
 
 def build_dpo(d: DpoConfig, *, lora: bool) -> DPO:
