@@ -159,10 +159,11 @@ class PrefData:
         rows: list[tuple[np.ndarray, np.ndarray]] = []  # (x, y) of chosen then rejected, per kept pair
         for i in range(len(pairs)):
             kept = [self._row(*encoded[2 * i + k], truncation) for k in (0, 1)]
+            too_long = any(len(encoded[2 * i + k][0]) > block_size + 1 for k in (0, 1))
             if any(r is None for r in kept):
-                stats["dropped_too_long" if truncation == "drop" else "dropped_no_target"] += 1
+                stats["dropped_too_long" if truncation == "drop" and too_long else "dropped_no_target"] += 1
                 continue
-            stats["truncated"] += any(len(encoded[2 * i + k][0]) > block_size + 1 for k in (0, 1))
+            stats["truncated"] += too_long
             rows += kept  # type: ignore[arg-type]
         if not rows:
             raise DataError(
