@@ -76,7 +76,8 @@ _plan = plan_of
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory) -> Path:
-    """A folder laid out as the README assumes: corpus.txt, data/, notes.txt, chat.jsonl, path/to/hf_model."""
+    """A folder laid out as the README assumes: corpus.txt, data/, notes.txt, chat.jsonl, prefs.jsonl,
+    path/to/hf_model."""
     import sysconfig
 
     from hf_helpers import save_hf_model
@@ -107,6 +108,10 @@ def workdir(tmp_path_factory) -> Path:
                 json.dumps({"prompt": f"What is {i} plus {i}?", "response": f"{i} plus {i} is {2 * i}."})
                 + "\n"
             )
+    with open(d / "prefs.jsonl", "w", encoding="utf-8") as f:
+        for i in range(40):
+            pair = {"prompt": f"What is {i} plus {i}?", "chosen": f"{2 * i}.", "rejected": f"{2 * i + 1}."}
+            f.write(json.dumps(pair) + "\n")
     save_hf_model(d / "path" / "to" / "hf_model", "llama")
     return d
 
@@ -145,7 +150,7 @@ def _substitute(argv: list[str], size: str | None) -> list[str]:
 def test_readme_lists_the_commands_this_test_runs():
     cmds = bash_commands()
     assert "gptoughts train" in cmds and any("--resume auto" in c for c in cmds)
-    assert sum(c.startswith("torchrun") for c in cmds) == 5 and sum("finetune" in c for c in cmds) == 2
+    assert sum(c.startswith("torchrun") for c in cmds) == 5 and sum("finetune" in c for c in cmds) == 3
     assert {c.split()[1] for c in table_commands()} >= {
         "prepare",
         "sample",

@@ -120,6 +120,8 @@ data (--data, repeatable):
   .jsonl of {"prompt": ..., "response": ...} or {"messages": [{"role": ..., "content": ...}, ...]}: loss on the
   responses only, the tokenizer's chat template when it has one; examples packed per row (--packing false: one
   per row); longer than a row: --truncation right (cut) or drop. Anything else: continued pretraining.
+  With --objective dpo: .jsonl of {"prompt": ..., "chosen": ..., "rejected": ...} (or "messages" with "chosen"
+  and "rejected" assistant messages): DPO on the completions (--dpo.beta, --dpo.label_smoothing).
 
 options (besides every `gptoughts train` option and any --section.key VALUE):
   --model HF_DIR|ORG/NAME model.init_from (--model_name)  --trust_remote_code  run the folder's own code
@@ -140,9 +142,11 @@ def cmd_finetune(argv: Sequence[str]) -> int:
         print(FINETUNE_USAGE.replace("{presets}", ", ".join(list_presets())))
         lines = options_help(("lora",), {**bare_keys(("lora",)), **FINETUNE_ALIASES}, FINETUNE_FLAGS)
         print("\n".join(["LoRA options:", *lines[1:]]))
+        lines = options_help(("dpo",), {}, {})
+        print("\n".join(["preference tuning (--objective dpo) options:", *lines[1:]]))
         return 0
     preset, overrides, switches = parse_overrides(
-        argv, FINETUNE_ALIASES, FINETUNE_FLAGS, sections=(*TRAIN_SECTIONS, "lora")
+        argv, FINETUNE_ALIASES, FINETUNE_FLAGS, sections=(*TRAIN_SECTIONS, "lora", "dpo")
     )
     if overrides.get("lora.quantize") == "4bit":
         overrides.setdefault("lora.enabled", True)

@@ -99,6 +99,21 @@ def _eval_parser() -> argparse.ArgumentParser:
     )
     _add_task_options(p)
     p.add_argument(
+        "--prefs",
+        action="append",
+        default=None,
+        help="preference pairs (.jsonl of prompt/chosen/rejected, repeatable): preference accuracy and reward margin",
+    )
+    p.add_argument(
+        "--ref",
+        default=None,
+        help="--prefs: the reference model (run or HF folder); default: a LoRA run's base, a full run's starting "
+        "model, none for a model folder",
+    )
+    p.add_argument(
+        "--beta", type=float, default=None, help="--prefs: DPO's beta (default: the run's dpo.beta)"
+    )
+    p.add_argument(
         "--batch_size",
         type=int,
         default=8,
@@ -164,10 +179,17 @@ def _add_task_options(p: argparse.ArgumentParser) -> None:
 
 
 def _check_eval_args(a: argparse.Namespace) -> None:
-    if not a.data and not a.tasks:
+    if not a.data and not a.tasks and not a.prefs:
         raise UserError(
-            "gptoughts eval needs --data PATH (loss, perplexity) or --tasks FILE.jsonl (accuracy, exact match)"
+            "gptoughts eval needs --data PATH (loss, perplexity), --tasks FILE.jsonl (accuracy, exact match) or "
+            "--prefs PAIRS.jsonl (preference accuracy)"
         )
+    if a.prefs:
+        from gptoughts.data.prefs import read_pairs
+
+        read_pairs(a.prefs)  # every line checked before a model loads
+    if a.beta is not None and not a.beta > 0:
+        raise UserError(f"--beta must be > 0, got {a.beta}")
     for flag, value in (
         ("--batch_size", a.batch_size),
         ("--max_new_tokens", a.max_new_tokens),
@@ -224,6 +246,8 @@ def _evaluate_run(run: str, a: argparse.Namespace, tasks: list[Any], bench: Any)
         res = evaluate(
             loaded, a.data, batch_size=a.batch_size, block_size=a.block_size, max_batches=a.max_batches
         )
+    if a.prefs:
+        res["prefs"] = _preferences(loaded, a)
     if tasks or bench:
         res["tasks"] = evaluate_tasks(
             loaded,
@@ -237,6 +261,23 @@ def _evaluate_run(run: str, a: argparse.Namespace, tasks: list[Any], bench: Any)
         if (Path(run) / "run.json").is_file():
             _save_task_scores(Path(run), res["tasks"])
     return res  # (the model is dropped here: one in memory at a time)
+
+
+def _preferences(loaded: Any, a: argparse.Namespace) -> dict[str, Any]:
+    from gptoughts.api import load
+    from gptoughts.tools.preferences import default_reference, evaluate_preferences
+
+    ref_path = a.ref or default_reference(loaded)
+    reference = load(ref_path, device=a.device, trust_remote_code=a.trust_remote_code) if ref_path else None
+    return evaluate_preferences(
+        loaded,
+        a.prefs,
+        batch_size=a.batch_size,
+        block_size=a.block_size,
+        beta=a.beta,
+        reference=reference,
+        reference_name=ref_path,
+    )
 
 
 def _print_eval(results: dict[str, dict[str, Any]], a: argparse.Namespace, scored_tasks: bool) -> None:
@@ -259,6 +300,12 @@ def _print_eval(results: dict[str, dict[str, Any]], a: argparse.Namespace, score
         print(
             f"loss {res['loss']:.4f}  perplexity {res['perplexity']:.2f}  ({int(res['tokens']):,} tokens scored: "
             f"{res['scored']} of {', '.join(a.data)})"
+        )
+    if a.prefs:
+        p = res["prefs"]
+        print(
+            f"preference accuracy {p['preference_accuracy']:.4f}  reward margin {p['reward_margin']:.4f}  "
+            f"({p['pairs']:,} pairs of {', '.join(a.prefs)}; beta {p['beta']:g}; reference: {p['reference']})"
         )
     if scored_tasks:
         print(format_table(res["tasks"]))

@@ -1,7 +1,7 @@
 """The typed configuration tree: one dataclass per section of a run, each field documented where it is declared.
 
 A run is described by one :class:`Config`: sections ``model``, ``data``, ``train``, ``eval``, ``checkpoint``,
-``recovery``, ``perf``, ``parallel``, ``run`` and ``lora``. The docstring under a field is its ``--help`` text
+``recovery``, ``perf``, ``parallel``, ``run``, ``lora`` and ``dpo``. The docstring under a field is its ``--help`` text
 (:func:`describe_fields`). The ``[model]`` table is special: besides ``family``, ``size`` and ``init_from`` it
 accepts any field of the chosen family's architecture dataclass (e.g. ``n_layers``), validated by
 :func:`gptoughts.models.model_args`.
@@ -136,6 +136,10 @@ class TrainConfig:
     seed: int = 1337
     log_interval: int = 10
     """Read losses from the device and log every N steps (the only host-device sync of the loop)."""
+    objective: Literal["auto", "dpo"] = "auto"
+    """What the run optimizes: auto (the family's own: next-token loss on text or on SFT responses, masked
+    diffusion for LLaDA) or dpo (preference tuning of a pretrained model, ``gptoughts finetune --objective dpo``:
+    JSONL pairs {"prompt", "chosen", "rejected"}; see ``[dpo]``)."""
     profile: str | None = None
     """``START:END``: record a torch.profiler trace of steps START..END into ``RUN/profile/`` (Perfetto or
     TensorBoard open it)."""
@@ -411,6 +415,26 @@ class LoraConfig:
 
 
 @dataclass
+class DpoConfig:
+    """``[dpo]``: preference tuning (``train.objective = dpo``)."""
+
+    beta: float = 0.1
+    """Strength of the pull toward the reference model: the implicit reward is beta x the change of the
+    log-ratio chosen/rejected from the reference's (> 0)."""
+    label_smoothing: float = 0.0
+    """Probability that a pair's preference is flipped (conservative DPO); 0 is the original DPO loss (in [0, 0.5))."""
+    reference: Literal["auto", "precomputed", "adapters_off"] = "auto"
+    """Where the reference log-probabilities come from: precomputed (one pass of the starting model over every
+    pair before training, kept with the examples: no second model in memory), adapters_off (LoRA only: the same
+    model with its adapters disabled, one extra no-grad forward per step) or auto (adapters_off with LoRA,
+    precomputed otherwise). With LoRA both give the same values (the adapters start at zero); precomputed saves
+    the extra forward."""
+    logp_chunk: int = 0
+    """Rows per chunk when summing the completions' log-probabilities: >0 computes the fp32 logits one chunk at
+    a time under activation checkpointing (less peak memory, the LM head recomputed); 0: all rows at once."""
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -422,6 +446,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     run: RunConfig = field(default_factory=RunConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    dpo: DpoConfig = field(default_factory=DpoConfig)
     resolved: dict[str, str] = field(default_factory=dict)
     """Settings the run did not give that were decided from outside the config files (a fine-tuning run's block
     from its model's positions; the memory layout, ``perf/layout.py``), each with why, for the run plan; not a
@@ -462,6 +487,7 @@ SECTIONS: dict[str, type] = {
     "parallel": ParallelConfig,
     "run": RunConfig,
     "lora": LoraConfig,
+    "dpo": DpoConfig,
 }
 # Keys that moved out of [train] (it held 42 fields) into sections of their own: the old dotted spellings and
 # old TOML files keep working.

@@ -38,6 +38,7 @@ def validate(cfg: Config) -> None:
     _check_perf(cfg.perf)
     _check_profile(cfg.train.profile)
     _validate_eval_tasks(cfg)
+    _validate_dpo(cfg)
     for p in cfg.data.phases:
         if p.weights and len(p.weights) != len(p.sources):
             raise ConfigError(
@@ -255,3 +256,28 @@ def _validate_finetune(cfg: Config) -> None:
         raise ConfigError("lora.quantize needs LoRA: add --lora (QLoRA trains adapters over a 4-bit base)")
     if cfg.model.init_from is None and lo.enabled:
         raise ConfigError("LoRA adapts a pretrained model: pass --model HF_DIR (model.init_from) with --lora")
+
+
+def _validate_dpo(cfg: Config) -> None:
+    """``[dpo]`` ranges, and what preference tuning needs (a pretrained model, explicit batches, no pipeline)."""
+    d = cfg.dpo
+    if not d.beta > 0:
+        raise ConfigError(f"dpo.beta must be > 0, got {d.beta}")
+    if not 0.0 <= d.label_smoothing < 0.5:
+        raise ConfigError(f"dpo.label_smoothing must be in [0, 0.5), got {d.label_smoothing}")
+    if d.logp_chunk < 0:
+        raise ConfigError(f"dpo.logp_chunk must be >= 0 (0: no chunks), got {d.logp_chunk}")
+    if cfg.train.objective != "dpo":
+        return
+    if cfg.model.init_from is None:
+        raise ConfigError(
+            "--objective dpo tunes a pretrained model: use gptoughts finetune --model HF_DIR --objective dpo"
+        )
+    if d.reference == "adapters_off" and not cfg.lora.enabled:
+        raise ConfigError("dpo.reference = adapters_off needs --lora; full fine-tuning uses precomputed")
+    if cfg.parallel.pp > 1:
+        raise ConfigError("--objective dpo does not run under pipeline parallelism yet; drop --parallel.pp")
+    if cfg.train.batch_size == "auto":
+        raise ConfigError(
+            "--objective dpo needs --batch_size N (pairs per micro-batch); auto probes text batches"
+        )

@@ -61,7 +61,11 @@ def plan_batches(
         micro, accum = _auto_batch(cfg, env, model, dry_run, why)
         if epochs is not None:
             micro, accum = _fit_epochs(micro, accum, epochs * train_tokens, t.block_size * info.dp_size, why)
-    accum, tokens_per_step = _resumed_global_batch(resumed_run, micro, accum, t.block_size, info, why)
+    # A preference pair is two rows (chosen, rejected): a step's tokens count both.
+    row_tokens = t.block_size * (2 if data.prefs is not None else 1)
+    if data.prefs is not None:
+        why.setdefault("batch_size", "pairs, each 2 rows: chosen and rejected")
+    accum, tokens_per_step = _resumed_global_batch(resumed_run, micro, accum, row_tokens, info, why)
     total_steps, rule = _total_steps(t, epochs, train_tokens, tokens_per_step)
     warmup = t.warmup_steps if t.warmup_steps is not None else default_warmup(total_steps)
     why["warmup_steps"] = "asked" if t.warmup_steps is not None else "auto: 2% of the run, at most 2000"
@@ -90,7 +94,10 @@ def plan_batches(
 
 
 def _train_tokens(cfg: Config, data: Data, model: Model, info: pdist.DistInfo) -> int:
-    """Tokens of one epoch: the corpus's, or the SFT examples' rows (packed or not) times the block."""
+    """Tokens of one epoch: the corpus's, the SFT examples' rows (packed or not) or the pairs' two rows, times
+    the block."""
+    if data.prefs is not None:
+        return len(data.prefs.train_idx) * 2 * cfg.train.block_size
     if data.sft is None:
         return int(data.corpus["tokens"])
     from gptoughts.data.sft import epoch_rows

@@ -80,6 +80,7 @@ def make_trainer(asm: Assembly, tasks: Any = None) -> Assembly:
     # 7. optimizer, schedule, loaders, sampler: still nothing written
     optimizer = train_optimizer(cfg, env, model, t)
     asm.loader, eval_fn = make_loaders(cfg, env, asm.data, model, t, batch.eval_block)
+    _reference_logratios(asm, t)  # before a resume loads its weights: the reference is the starting model
     asm.sampler = _sampler(cfg, asm.data, model)
     resumed = None
     if asm.resume_from is not None:  # read and checked before anything of the run directory is rewritten
@@ -133,11 +134,37 @@ def _sampler(cfg: Config, data: Data, model: Model) -> Any:
         model.raw,
         data.tokenizer,
         diffusion=model.family.objective == "diffusion",
-        chat=data.format == "sft",
+        chat=data.format in ("sft", "prefs"),
         max_new_tokens=cfg.eval.sample_max_new_tokens,
         temperature=cfg.eval.sample_temperature,
         top_k=cfg.eval.sample_top_k,
     )
+
+
+def _reference_logratios(asm: Assembly, t: TrainConfig) -> None:
+    """Preference tuning with a precomputed reference: one pass of the starting model over every pair."""
+    objective, prefs = asm.model.objective, asm.data.prefs
+    if prefs is None or getattr(objective, "reference", None) != "precomputed":
+        return
+    from gptoughts.training.dpo import precompute_reference
+    from gptoughts.training.metrics import console
+    from gptoughts.training.state import autocast
+
+    env, built = asm.env, asm.model.built
+    t0 = time.perf_counter()
+    precompute_reference(
+        objective,
+        pdist.unwrap(built.model) if env.dist.enabled and not env.dist.sharded else built.model,
+        prefs,
+        batch_size=t.batch_size,
+        device=env.device,
+        autocast=lambda: autocast(env.device, env.precision, built.forward_context),
+    )
+    if env.dist.is_main:
+        console.print(
+            f"reference log-probabilities of {len(prefs):,} pairs computed in {time.perf_counter() - t0:.1f} s",
+            highlight=False,
+        )
 
 
 def _bind_tasks(tasks: Any, asm: Assembly, t: TrainConfig) -> Any:
@@ -282,6 +309,8 @@ def make_loaders(
     from gptoughts.data.sft import SFTLoader
 
     info, device = env.dist, env.device
+    if data.prefs is not None:
+        return _pref_loaders(cfg, env, data.prefs, t)
     if data.sft is not None:
         sft, packing = data.sft, data_packing(cfg, model)
         if not packing and cfg.data.packing and info.is_main:
@@ -338,6 +367,18 @@ def make_loaders(
         else None
     )
     return loader, eval_fn
+
+
+def _pref_loaders(cfg: Config, env: Environment, prefs: Any, t: TrainConfig) -> tuple[Any, Any]:
+    from gptoughts.data.prefs import PrefLoader
+
+    info, device = env.dist, env.device
+    loader = PrefLoader(
+        prefs, batch_size=t.batch_size, seed=t.seed, rank=info.dp_rank, world_size=info.dp_size, device=device
+    )
+    if not len(prefs.val_idx):
+        return loader, None
+    return loader, lambda: prefs.batches(prefs.val_idx, t.batch_size, device, cfg.eval.eval_batches)
 
 
 def phases(cfg: Config) -> list | None:

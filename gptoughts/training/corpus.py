@@ -20,12 +20,14 @@ class Data:
     sources: list[str]
     """Resolved paths (``@stdlib`` expanded)."""
     format: str
-    """text (token shards) or sft (examples with a target mask)."""
+    """text (token shards), sft (examples with a target mask) or prefs (preference pairs)."""
     tokenizer: Any
     manifest: Any = None
     """The prepared shards' Manifest (text runs, once prepared)."""
     sft: Any = None
     """SFTData (sft runs)."""
+    prefs: Any = None
+    """PrefData (preference tuning, ``train.objective = dpo``)."""
     init_from: Path | None = None
     estimated: bool = False
     """Dry run with no cached shards: token counts are estimated from the corpus size, nothing was tokenized."""
@@ -78,6 +80,9 @@ def prepare_data(cfg: Config, env: Environment, *, dry_run: bool = False) -> Dat
     sources = resolve_sources(cfg.data.sources)
     init_from = init_from_dir(cfg, weights=not dry_run)  # a dry run reads no weights
     tok_spec: Any = str(init_from) if init_from is not None else cfg.data.tokenizer  # fine-tuning: its own
+    if cfg.train.objective == "dpo":
+        return _pref_data(cfg, sources, tok_spec, init_from)
+    _refuse_pairs_without_dpo(sources)
     if resolve_format(cfg.data.format, sources) == "sft":
         return _sft_data(cfg, sources, tok_spec, init_from)
     kwargs = dict(
@@ -130,6 +135,35 @@ def _sft_data(cfg: Config, sources: list[str], tok_spec: Any, init_from: Path | 
     return Data(
         sources=sources, format="sft", tokenizer=tokenizer, sft=sft, init_from=init_from, corpus=corpus
     )
+
+
+def _pref_data(cfg: Config, sources: list[str], tok_spec: Any, init_from: Path | None) -> Data:
+    """Every line of the preference files read and checked (before any model loads), then tokenized."""
+    from gptoughts.data.prefs import PrefData
+    from gptoughts.data.tokenizer import build_tokenizer
+
+    tokenizer = build_tokenizer(tok_spec)
+    pairs = PrefData(
+        sources,
+        tokenizer,
+        block_size=cfg.train.block_size,
+        truncation=cfg.data.truncation,
+        val_fraction=cfg.data.val_fraction,
+        seed=cfg.train.seed,
+    )
+    corpus = {"examples": pairs.stats["pairs"], "summary": pairs.summary()}
+    return Data(
+        sources=sources, format="prefs", tokenizer=tokenizer, prefs=pairs, init_from=init_from, corpus=corpus
+    )
+
+
+def _refuse_pairs_without_dpo(sources: list[str]) -> None:
+    from gptoughts.data.prefs import looks_like_prefs
+
+    if looks_like_prefs(sources):
+        raise ConfigError(
+            f"{sources[0]} holds preference pairs (chosen/rejected); train on them with --objective dpo"
+        )
 
 
 def _estimated(

@@ -16,6 +16,7 @@ from torch import nn
 from gptoughts.config import EvalConfig
 from gptoughts.errors import UserError, first_line
 from gptoughts.parallel import dist as pdist
+from gptoughts.training.dpo import pair_metrics
 from gptoughts.training.metrics import MetricsLogger
 from gptoughts.training.state import Batch, TrainState, autocast, log_line, rng_state, set_rng_state
 
@@ -68,6 +69,8 @@ class Evaluator:
         self.tasks_every = cfg.eval_interval if cfg.eval_tasks_interval is None else cfg.eval_tasks_interval
         self.task_scores: dict[str, dict[str, float]] = {}
         """The last scores of ``tasks`` (``{task: {"examples": n, metric: value}}``), for the run's summary."""
+        self.last_pair_metrics: dict[str, float] = {}
+        """Preference tuning: the last evaluation's ``val_dpo/accuracy`` and ``val_dpo/reward_margin``."""
         self.last_samples: tuple[int, list[str]] | None = None
         """(step, one text per ``sample_prompts``) of the last samples generated, for the run's summary."""
 
@@ -120,6 +123,7 @@ class Evaluator:
             # (discarded) forward so that all ranks run the same number.
             loss_of(batch)
         self.model.train()
+        self.last_pair_metrics = pair_metrics(self.objective, False, self.dist, "val_dpo/")
         pdist.all_reduce_loss(total, self.dist)
         pdist.all_reduce_loss(count, self.dist)
         loss = (total / count.clamp_min(1)).item()
@@ -142,9 +146,16 @@ class Evaluator:
             st.evals_without_improvement += 1
         st.history.append({"step": st.step, "val_loss": val_loss, "val_ppl": ppl})
         if self.dist.is_main:
-            self.metrics.log(st.step, {"val_loss": val_loss, "val_ppl": ppl})
+            pairs = self.last_pair_metrics
+            self.metrics.log(st.step, {"val_loss": val_loss, "val_ppl": ppl, **pairs})
             log_line(
-                f"step {st.step}: val loss {val_loss:.4f}, perplexity {ppl:.2f}"
+                f"step {st.step}: val loss {val_loss:.4f}, "
+                + (
+                    f"preference accuracy {pairs['val_dpo/accuracy']:.3f}, reward margin "
+                    f"{pairs['val_dpo/reward_margin']:.3f}"
+                    if pairs
+                    else f"perplexity {ppl:.2f}"
+                )
                 + (" (best)" if improved else ""),
                 self.dist,
             )

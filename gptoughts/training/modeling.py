@@ -74,7 +74,12 @@ def build_model(cfg: Config, env: Environment, data: Data, *, meta: bool = False
         raw, spec, device=env.device, dist=env.dist, precision=env.precision, parallel=cfg.parallel,
         family=family.name,
     )  # fmt: skip
-    out.objective = make_objective(family, out.built, cfg.perf)
+    if cfg.train.objective == "dpo":
+        from gptoughts.training.dpo import build_dpo
+
+        out.objective = build_dpo(cfg.dpo, lora=cfg.lora.enabled)
+    else:
+        out.objective = make_objective(family, out.built, cfg.perf)
     return out
 
 

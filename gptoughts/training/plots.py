@@ -356,6 +356,25 @@ def _panel_tasks(ax: Any, s: Series) -> None:
     ax.legend(fontsize=8)
 
 
+def _preference_keys(s: Series) -> list[str]:
+    """Preference tuning's series (``dpo/*`` of training windows, ``val_dpo/*`` of evaluations), sorted."""
+    return sorted(k for k in s if k.startswith(("dpo/", "val_dpo/")) and s.has(k))
+
+
+def _panel_preference(ax: Any, s: Series) -> None:
+    """Preference accuracy on [0, 1] (left axis) and reward margins (right axis), train and held out."""
+    keys = _preference_keys(s)
+    if not keys:
+        return _no_data(ax, "preference")
+    twin = ax.twinx()
+    for i, key in enumerate(keys):
+        _line(twin if key.endswith("reward_margin") else ax, s, key, label=key, color=f"C{i % 10}")
+    ax.set_ylim(-0.02, 1.02)
+    _style(ax, "preference", "accuracy")
+    twin.set_ylabel("reward margin")
+    _legend(ax, twin, loc="lower right")
+
+
 def _panel_step_time(ax: Any, s: Series) -> None:
     pct = [k for k in ("time/data_pct", "gpu/util_pct") if s.has(k)]
     if not (s.has("time/step_ms") or pct):
@@ -404,7 +423,8 @@ def write_run_plots(run_dir: Path | str) -> list[Path]:
     ``loss.png`` (train and val loss, log y when the values span more than 10x, non-finite losses marked),
     ``lr.png``, ``throughput.png`` (tokens/s; MFU on a second axis when logged), ``grad_norm.png``,
     ``memory.png`` (every ``gpu/mem*`` and ``memory/*`` metric; not written without them), ``tasks.png`` (every
-    ``tasks/NAME/METRIC`` of periodic task evaluation, one line each; not written without them) and ``overview.png``
+    ``tasks/NAME/METRIC`` of periodic task evaluation, one line each; not written without them), ``preference.png``
+    (DPO's accuracy and reward margin, train and held out; not written without them) and ``overview.png``
     (those five panels and the step time with data-wait and GPU-utilisation percentages, 2x3). A single-metric
     file is written only when its metric appears in the file. No metrics file, no rows, or no matplotlib: [].
     """
@@ -436,6 +456,7 @@ def write_run_plots(run_dir: Path | str) -> list[Path]:
         ),
         ("memory", bool(_memory_keys(series)), lambda ax: _panel_memory(ax, series)),
         ("tasks", bool(_task_keys(series)), lambda ax: _panel_tasks(ax, series)),
+        ("preference", bool(_preference_keys(series)), lambda ax: _panel_preference(ax, series)),
     ]
     for name, present, draw in single:
         if not present:

@@ -32,6 +32,7 @@ from gptoughts.perf.autobatch import free_memory
 from gptoughts.perf.startup import Startup
 from gptoughts.perf.timing import GpuMonitor, StepTimer, advice, format_profile, summarize_profile
 from gptoughts.training.checkpointer import Checkpointer
+from gptoughts.training.dpo import pair_metrics
 from gptoughts.training.evaluation import Evaluator
 from gptoughts.training.metrics import MetricsLogger, ProgressBar, console, format_eta
 from gptoughts.training.optim import Schedule, clip_and_step, set_lr, zero_grads
@@ -557,6 +558,7 @@ class Trainer:
             row["memory/peak_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         if self._model_metrics is not None:
             row.update(self._model_metrics())
+        row.update(pair_metrics(self.objective, True, self.dist, "dpo/"))  # preference tuning only
         breakdown = self.timer.summary()
         gpu = self.gpu_monitor.read()
         row.update(breakdown)

@@ -1,0 +1,213 @@
+"""Direct preference optimisation (Rafailov et al., 2023) as an objective of the one trainer.
+
+A batch of ``B`` pairs is ``(x [B, 2, T], ref_logratio [B], y [B, 2, T])`` (``data/prefs.py``); chosen and
+rejected run in one forward pass of ``2B`` rows. Each row's log-probability is summed over its completion tokens;
+the pair's loss is the sigmoid DPO loss with label smoothing ``e`` (cDPO):
+``-(1 - e) log σ(β m) - e log σ(-β m)``, ``m = (log π(c) - log π(r)) - (log π_ref(c) - log π_ref(r))``.
+The objective returns ``(sum of pair losses, B)``: the trainer's division by its static count (``batch[1].numel()``,
+the pairs) makes the logged loss the mean over the step's pairs.
+
+The reference: ``precomputed`` (full fine-tuning): one pass of the frozen starting model over all pairs before
+training fills ``ref_logratio`` (:func:`precompute_reference`), so no second model is kept in memory;
+``adapters_off`` (LoRA): the same model with its adapters disabled, in a no-grad forward each step (no second copy
+of the weights). Reward margin ``β m`` and preference accuracy (share of pairs with ``m > 0``) accumulate on the
+device and are read at log intervals (:func:`pair_metrics`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from gptoughts.config import DpoConfig
+from gptoughts.models.layers import softcap as apply_softcap
+from gptoughts.parallel import dist as pdist
+from gptoughts.perf.ce import IGNORE_INDEX
+from gptoughts.training.objectives import _inner
+
+
+def dpo_loss(
+    policy_logratio: torch.Tensor, ref_logratio: torch.Tensor, beta: float, label_smoothing: float = 0.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-pair losses and reward margins ``β m`` (no gradient) of the sigmoid DPO loss."""
+    margin = beta * (policy_logratio.float() - ref_logratio.float())
+    losses = -(1.0 - label_smoothing) * F.logsigmoid(margin) - label_smoothing * F.logsigmoid(-margin)
+    return losses, margin.detach()
+
+
+def _rows_logps(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    logits = apply_softcap(F.linear(h, w).float(), softcap)
+    ce = F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=IGNORE_INDEX, reduction="none")
+    return -ce.view(y.shape).sum(-1)  # ignored targets count 0
+
+
+def completion_logps(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    y: torch.Tensor,
+    *,
+    softcap: float | None = None,
+    chunk_rows: int = 0,
+) -> torch.Tensor:
+    """Per row, the summed log-probability of its targets (``y != IGNORE_INDEX``) under ``hidden @ weight.T``.
+
+    ``chunk_rows > 0``: the rows are walked in chunks, each under activation checkpointing, so that only one
+    chunk's fp32 logits exist at a time, in the forward and in the backward (the head matmul is recomputed)."""
+    n = hidden.shape[0]
+    if chunk_rows <= 0 or chunk_rows >= n or not torch.is_grad_enabled():
+        return _rows_logps(hidden, weight, y, softcap)
+    parts = [
+        checkpoint(
+            _rows_logps,
+            hidden[i : i + chunk_rows],
+            weight,
+            y[i : i + chunk_rows],
+            softcap,
+            use_reentrant=False,
+        )
+        for i in range(0, n, chunk_rows)
+    ]
+    return torch.cat(parts)
+
+
+def _tuner_layers(model: nn.Module) -> list[nn.Module]:
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    return [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+
+
+@contextlib.contextmanager
+def adapters_disabled(layers: list[nn.Module]) -> Iterator[None]:
+    """The LoRA layers run their frozen base only. The flag is set directly: PEFT's ``enable_adapters`` would
+    also flip the adapters' ``requires_grad`` back and forth inside the step."""
+    for m in layers:
+        m._disable_adapters = True
+    try:
+        yield
+    finally:
+        for m in layers:
+            m._disable_adapters = False
+
+
+class DPO:
+    """The DPO objective (module docstring). ``reference``: precomputed or adapters_off; ``logp_chunk``: rows per
+    chunk of the completion log-probabilities (0: all at once)."""
+
+    name = "dpo"
+
+    def __init__(
+        self,
+        *,
+        beta: float = 0.1,
+        label_smoothing: float = 0.0,
+        reference: str = "precomputed",
+        logp_chunk: int = 0,
+    ) -> None:
+        if reference not in ("precomputed", "adapters_off"):
+            raise ValueError(f"reference must be precomputed or adapters_off, got {reference!r}")
+        self.beta, self.label_smoothing = beta, label_smoothing
+        self.reference, self.logp_chunk = reference, logp_chunk
+        self._sums: dict[bool, torch.Tensor | None] = {True: None, False: None}  # by model.training
+        self._layers: tuple[int, list[nn.Module]] | None = None
+
+    def logratio(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """``log π(chosen) - log π(rejected)`` per pair, both rows of every pair in one forward pass."""
+        b, _, t = x.shape
+        hidden = model(x.reshape(2 * b, t), return_hidden=True)
+        inner = _inner(model)
+        logps = completion_logps(
+            hidden,
+            inner.output_weight,
+            y.reshape(2 * b, t),
+            softcap=getattr(inner, "logit_softcap", None),
+            chunk_rows=self.logp_chunk,
+        ).view(b, 2)
+        return logps[:, 0] - logps[:, 1]
+
+    def _reference(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if self._layers is None or self._layers[0] != id(model):
+            self._layers = (id(model), _tuner_layers(model))
+        with torch.no_grad(), adapters_disabled(self._layers[1]):
+            return self.logratio(model, x, y)
+
+    def __call__(
+        self, model: nn.Module, batch: tuple[torch.Tensor, ...]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if len(batch) == 2:  # a text batch of the assembly's probes (CPU threads): see _probe_pairs
+            x, ref, y = _probe_pairs(batch[0], batch[1])
+        else:
+            x, ref, y = batch[0], batch[1], batch[2]
+        if self.reference == "adapters_off":
+            ref = self._reference(model, x, y)
+        losses, margin = dpo_loss(self.logratio(model, x, y), ref, self.beta, self.label_smoothing)
+        if len(batch) == 2:
+            return losses.sum(), torch.full((), float(x.shape[0]), device=x.device)
+        # Summed on the device, read at the next log or evaluation (no sync here).
+        sums = torch.stack([margin.sum(), (margin > 0).float().sum(), torch.ones_like(margin).sum()])
+        key = model.training
+        self._sums[key] = sums if self._sums[key] is None else self._sums[key] + sums
+        return losses.sum(), torch.full((), float(x.shape[0]), device=x.device)
+
+    def pop_pair_sums(self, training: bool) -> torch.Tensor | None:
+        """(margin sum, pairs preferred, pairs) since the last call, of training or of evaluation forwards."""
+        out, self._sums[training] = self._sums[training], None
+        return out
+
+
+def _probe_pairs(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A ``(x, y)`` text batch (the CPU thread-count probe times one step of the real objective on random rows)
+    as pairs of consecutive rows, with a zero reference; its pairs count in no metric."""
+    if x.shape[0] % 2:
+        x, y = torch.cat([x, x]), torch.cat([y, y])
+    b, t = x.shape[0] // 2, x.shape[1]
+    return x.view(b, 2, t), torch.zeros(b, device=x.device), y.view(b, 2, t)
+
+
+def build_dpo(d: DpoConfig, *, lora: bool) -> DPO:
+    """The objective of ``[dpo]``: ``reference = auto`` is adapters_off with LoRA, precomputed otherwise."""
+    reference = d.reference if d.reference != "auto" else "adapters_off" if lora else "precomputed"
+    return DPO(beta=d.beta, label_smoothing=d.label_smoothing, reference=reference, logp_chunk=d.logp_chunk)
+
+
+def pair_metrics(objective: Any, training: bool, dist: pdist.DistInfo, prefix: str) -> dict[str, float]:
+    """``PREFIX reward_margin`` and ``PREFIX accuracy`` over every rank's pairs since the last read ({} for
+    objectives without pairs). Every data-parallel rank must call it (an all-reduce)."""
+    pop = getattr(objective, "pop_pair_sums", None)
+    sums = pop(training) if pop is not None else None
+    if sums is None:
+        return {}
+    margin, right, pairs = pdist.all_reduce_dp(sums.detach().clone(), dist).tolist()
+    n = max(pairs, 1.0)
+    return {f"{prefix}reward_margin": margin / n, f"{prefix}accuracy": right / n}
+
+
+@torch.no_grad()
+def precompute_reference(
+    objective: DPO,
+    model: nn.Module,
+    data: Any,
+    *,
+    batch_size: int,
+    device: torch.device,
+    autocast: Callable[[], contextlib.AbstractContextManager],
+) -> None:
+    """Fill ``data.ref_logratio`` with the log-ratios of ``model`` as it is now (the starting weights), in eval
+    mode, over every pair of both splits. Every rank computes all of them (the same forwards on every rank, as
+    sharded models need)."""
+    was_training = model.training
+    model.eval()
+    out = []
+    try:
+        for x, _, y in data.batches(np.arange(len(data)), batch_size, device):
+            with autocast():
+                out.append(objective.logratio(model, x, y).double().cpu())
+    finally:
+        model.train(was_training)
+    data.ref_logratio[:] = torch.cat(out).numpy()
