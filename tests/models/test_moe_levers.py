@@ -195,8 +195,9 @@ def test_shared_experts_on_a_side_stream_match_on_cuda():
 def test_model_with_every_switch_on_trains_like_the_reference():
     ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(3))
     on = dict(moe_combine="hidden", moe_permute="gather", moe_router="gather", moe_shared="before")
+    reference = dict(moe_combine="bmm", moe_permute="index_put", moe_router="mask", moe_shared="after")
     losses, grads = [], []
-    for kw in ({}, on):
+    for kw in (reference, on):
         torch.manual_seed(0)
         model = DeepSeek(_moe_args(n_expert_groups=4, n_limited_groups=2, **kw))
         model.init_weights()
@@ -244,7 +245,7 @@ SYNC_OPS = (
 )
 
 
-@pytest.mark.parametrize("switches", [{}, dict(moe_combine="hidden", moe_permute="gather", moe_router="gather",
+@pytest.mark.parametrize("switches", [dict(moe_combine="bmm", moe_permute="index_put"), dict(moe_combine="hidden", moe_permute="gather", moe_router="gather",
                                                 moe_shared="before"), dict(moe_combine="sum", moe_permute="gather")])  # fmt: skip
 def test_dropless_grouped_gemm_path_never_syncs_with_the_host(switches):
     if not HAS_GMM or torch.bfloat16 not in GroupedExperts(16, 32, n_experts=8)._gmm_compiled_dtypes:
@@ -286,7 +287,7 @@ def test_switch_values_are_checked():
     with pytest.raises(ConfigError, match="moe_combine"):
         _moe_args(moe_combine="gemv")
     with pytest.raises(ConfigError, match="moe_combine = sum or hidden"):
-        _moe_args(moe_permute="gather")
+        _moe_args(moe_permute="gather", moe_combine="bmm")
     with pytest.raises(ConfigError, match="moe_shared"):
         _moe_args(moe_shared="overlap")
     assert moe.MoE(_moe_args(moe_permute="gather", moe_combine="sum")).experts.permute == "gather"

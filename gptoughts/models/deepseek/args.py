@@ -78,12 +78,13 @@ class DeepSeekArgs:
     """Use the token embedding matrix as the LM head."""
     init_std: float = 0.02
     """Std of the normal init; residual-branch outputs (``wo``, ``w2``) get ``init_std / sqrt(2 n_layers)``."""
-    moe_combine: str = "bmm"
+    moe_combine: str = "hidden"
     """Speed switch (same model, other kernels): how each token's K expert outputs are summed with their gates.
     ``bmm`` (a batched GEMV ``[1, K] x [K, d]`` per token), ``sum`` (gate-weighted sum in fp32, one fused
     gather-reduction under compile) or ``hidden`` (the gate scales the expert's SwiGLU hidden row before ``w2``,
-    where the rows are ``moe_inter_dim`` wide instead of ``d_model``; the sum over K is then unweighted)."""
-    moe_permute: str = "index_put"
+    where the rows are ``moe_inter_dim`` wide instead of ``d_model``; the sum over K is then unweighted). The default
+    with ``moe_permute = gather``: the fastest pair on an H100 (bench/BENCHMARKS.md, "MoE step")."""
+    moe_permute: str = "gather"
     """Speed switch: how tokens move to the expert-sorted rows and back. ``index_put`` (the K copies of each
     token materialised, scattered, gathered back by indexing) or ``gather`` (one gather each way, backward the
     inverse gather-sum, only indices saved; needs ``moe_combine`` = ``sum`` or ``hidden``)."""

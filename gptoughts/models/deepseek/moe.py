@@ -12,8 +12,9 @@ values, and gets no gradient; the model moves it after each optimizer step from 
 ``MoE.forward`` returns (``DeepSeek.after_optimizer_step``). An optional sequence-wise balance loss (V3 eq.
 17-20, ``seq_aux_loss_coef``) is computed here in training mode (``MoE._seq_balance_loss``).
 
-Speed switches (``DeepSeekArgs.moe_combine``, ``moe_permute``, ``moe_router``, ``moe_shared``; the defaults are the
-reference path) change the kernels, never the model: tests/models/test_moe_levers.py holds them to the reference.
+Speed switches (``DeepSeekArgs.moe_combine``, ``moe_permute``, ``moe_router``, ``moe_shared``; the model's defaults
+are the pair measured fastest, ``GroupedExperts``'s own defaults the reference path) change the kernels, never the
+model: tests/models/test_moe_levers.py holds them to the reference.
 """
 
 from __future__ import annotations
