@@ -137,6 +137,39 @@ MATRIX["moe-levers"] = [
     _DS,
 ]
 SHAPES["moe-levers"] = ("1b", 2048, 8)
+_INL = {"model.family": "inl", "model.size": "3b", "train.batch_size": 2}
+MATRIX["inl-levers"] = [
+    _INL,
+    {**_INL, "model.integrator_impl": "fused"},
+    {**_INL, "model.integrator_impl": "fused", "perf.activation_checkpointing": "none"},
+    {
+        **_INL,
+        "model.integrator_impl": "fused",
+        "perf.activation_checkpointing": "none",
+        "train.batch_size": 4,
+    },
+    {**_INL, "model.integrator_impl": "reference", "perf.activation_checkpointing": "none"},
+]
+SHAPES["inl-levers"] = ("1b", 2048, 8)
+MATRIX["muon-compile"] = [
+    {**_S47M, "model.size": "125m"},
+    {**_S47M, "model.size": "125m", "train.optimizer": "muon"},
+    {**_S47M, "model.size": "125m", "train.optimizer": "muon", "perf.muon_compile": True},
+    {"model.size": "125m"},
+    {"model.size": "125m", "train.optimizer": "muon"},
+    {"model.size": "125m", "train.optimizer": "muon", "perf.muon_compile": True},
+    {"model.size": "1b", "train.block_size": 2048, "train.batch_size": 8},
+    {"model.size": "1b", "train.block_size": 2048, "train.batch_size": 8, "train.optimizer": "muon"},
+    {
+        "model.size": "1b",
+        "train.block_size": 2048,
+        "train.batch_size": 8,
+        "train.optimizer": "muon",
+        "perf.muon_compile": True,
+    },
+]
+SHAPES["muon-compile"] = SHAPES["125m"]
+
 SHAPES["moe-inl"] = ("1b", 2048, 8)
 SHAPES["muon"] = SHAPES["125m"]
 SHAPES["families"] = ("1b", 2048, 8)
