@@ -23,6 +23,7 @@ from gptoughts import models
 from gptoughts.config import LoraConfig, ParallelConfig, PerfConfig, TrainConfig
 from gptoughts.errors import ConfigError, HardwareError
 from gptoughts.models import layers
+from gptoughts.models.deepseek.moe import probe_experts
 from gptoughts.parallel import dist as pdist
 from gptoughts.perf import checkpointing
 from gptoughts.training.resolve import Transforms, input_embeddings, optimizer_rule
@@ -167,6 +168,9 @@ def apply_transforms(
 ) -> Built:
     """The transforms ``spec`` decided, in their one order (the module docstring); the whole model's compile
     comes later, once the batch is planned (:func:`apply_whole_model_compile`)."""
+    # The experts learn where their inputs will be before any (checkpointed) forward: under CPU offload it is not
+    # where their weights are.
+    probe_experts(raw, device)
     if spec.embeddings_hooked:
         set_residual_dtype(raw, spec.residual_dtype)
     fp8_linears = apply_fp8(raw, spec, device)

@@ -15,7 +15,9 @@ values, and gets no gradient; the model moves it after each optimizer step from 
 
 from __future__ import annotations
 
+import contextlib
 import warnings
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -24,7 +26,7 @@ from torch import nn
 from gptoughts.models.deepseek.args import DeepSeekArgs
 from gptoughts.models.layers import SwiGLU
 
-__all__ = ["EXPERT_ROW_ALIGN", "GroupedExperts", "MoE", "grouped_mm_supported"]
+__all__ = ["EXPERT_ROW_ALIGN", "GroupedExperts", "MoE", "grouped_mm_supported", "probe_experts"]
 
 # Rows of each expert's token group are padded to a multiple of this (zero rows) before the grouped GEMM: the
 # CUDA grouped-GEMM kernels need 16-byte aligned group starts in the weight-gradient GEMM (whose reduction
@@ -49,8 +51,27 @@ def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> tuple[bool
     if key not in _GMM_SUPPORT:
         # Never traced. Disabled here, not with a decorator: that would import torch._dynamo (a second or more)
         # with this module, in every command that imports the models, whether or not it builds one.
-        _GMM_SUPPORT[key] = torch.compiler.disable(_probe_grouped_mm)(device, dtype)
+        with _invisible_to_saved_tensor_hooks():
+            _GMM_SUPPORT[key] = torch.compiler.disable(_probe_grouped_mm)(device, dtype)
     return _GMM_SUPPORT[key]
+
+
+@contextlib.contextmanager
+def _invisible_to_saved_tensor_hooks() -> Iterator[None]:
+    """The probe's own forward and backward must not reach saved-tensor hooks active around it: activation
+    checkpointing's would count the probe's tensors in a block's original forward and not in its recomputation
+    (where the cached answer is read), and fail the backward ("a different number of tensors was saved"). Only
+    the innermost pair of hooks applies, so identity hooks pushed here hide the outer ones."""
+    try:
+        hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+        hooks.__enter__()
+    except RuntimeError:  # hooks disabled in this region: none is active either
+        yield
+        return
+    try:
+        yield
+    finally:
+        hooks.__exit__(None, None, None)
 
 
 def _probe_grouped_mm(device: torch.device, dtype: torch.dtype) -> tuple[bool, bool]:
@@ -105,10 +126,13 @@ class GroupedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden_dim))
         # "auto" (grouped GEMM where grouped_mm_supported, else "loop"), "grouped_mm" or "loop" (tests, debugging).
         self.impl = "auto"
-        self._probe(self.w1.device)
+        self.probe(self.w1.device)
 
-    def _probe(self, device: torch.device) -> None:
-        # Decided outside forward, so the compiled block only reads Python sets (guards, not graph breaks).
+    def probe(self, device: torch.device) -> None:
+        """Decide the grouped-GEMM support for inputs on ``device``. Called at init for the weights' device and by
+        the run's assembly for the compute device (they differ under CPU offload: weights on the CPU, inputs on
+        the GPU), so that forward only reads the answer: the compiled block reads Python sets (guards, not graph
+        breaks), and no probe runs inside a checkpointed forward."""
         support = {
             dt: grouped_mm_supported(device, dt) for dt in (torch.float32, torch.bfloat16, torch.float16)
         }
@@ -120,7 +144,7 @@ class GroupedExperts(nn.Module):
         nn.init.normal_(self.w1, mean=0.0, std=std)
         nn.init.normal_(self.w3, mean=0.0, std=std)
         nn.init.normal_(self.w2, mean=0.0, std=out_std)
-        self._probe(self.w1.device)
+        self.probe(self.w1.device)
 
     def forward(
         self, x: torch.Tensor, idx: torch.Tensor, gates: torch.Tensor
@@ -162,8 +186,8 @@ class GroupedExperts(nn.Module):
 
     def _run(self, xp: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         dtype = _compute_dtype(xp)
-        if xp.device.type != self._gmm_device:  # moved after init: probe the new device (eager only)
-            self._probe(xp.device)
+        if xp.device.type != self._gmm_device:  # moved after init and not told: probe it (eager only)
+            self.probe(xp.device)
         ok = self._gmm_compiled_dtypes if torch.compiler.is_compiling() else self._gmm_dtypes
         use_gmm = self.impl == "grouped_mm" or (self.impl == "auto" and dtype in ok)
         if use_gmm:
@@ -187,6 +211,15 @@ class GroupedExperts(nn.Module):
             outs.append(F.linear(F.silu(F.linear(xe, self.w1[g])) * F.linear(xe, self.w3[g]), self.w2[g]))
             start = end
         return torch.cat(outs)
+
+
+def probe_experts(model: nn.Module, device: torch.device) -> int:
+    """Tell every :class:`GroupedExperts` of ``model`` the device its inputs will be on (see
+    ``GroupedExperts.probe``); returns how many there are."""
+    experts = [m for m in model.modules() if isinstance(m, GroupedExperts)]
+    for m in experts:
+        m.probe(device)
+    return len(experts)
 
 
 class MoE(nn.Module):
