@@ -151,8 +151,18 @@ class GroupedExperts(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``x [N, d]``, chosen experts ``idx [N, K]`` and their ``gates [N, K]`` -> (``sum_k gate * expert(x)``
         ``[N, d]``, tokens per expert ``[E]`` int64). No host sync on the grouped-GEMM path."""
+        return self.compute(x, idx, gates, self.n_experts)
+
+    def expert_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(w1, w3, w2)`` as the GEMMs read them (a parallel wrapper may hand out its local experts)."""
+        return self.w1, self.w3, self.w2
+
+    def compute(
+        self, x: torch.Tensor, idx: torch.Tensor, gates: torch.Tensor, n_experts: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`forward` over the ``n_experts`` experts of :meth:`expert_weights` (ids ``0..n_experts-1``)."""
         n, k = idx.shape
-        e = self.n_experts
+        e = n_experts
         dev = x.device
         flat = idx.reshape(-1)  # assignment a = token * K + slot
         order = torch.argsort(flat, stable=True)  # assignments grouped by expert
@@ -175,10 +185,10 @@ class GroupedExperts(nn.Module):
         dest = torch.empty_like(dest_sorted).scatter_(0, order, dest_sorted)  # row of assignment a
         # Scatter each token's K copies to their rows. dest is injective, so both this and the gather below
         # have backward passes without colliding indices: no atomics, deterministic gradients on CUDA.
-        copies = x.unsqueeze(1).expand(n, k, x.size(-1)).reshape(n * k, -1)
+        copies = x.unsqueeze(1).expand(n, k, x.size(-1)).reshape(n * k, x.size(-1))
         xp = x.new_zeros(rows, x.size(-1)).index_put((dest,), copies)
         yp = self._run(xp, ends.to(torch.int32))
-        y = yp[dest].view(n, k, -1)
+        y = yp[dest].view(n, k, x.size(-1))
         # Gate-weighted sum of the K outputs as one bmm: accumulates in fp32 inside the kernel under bf16 and
         # never materialises the [N, K, d] products.
         out = torch.bmm(gates.unsqueeze(1).to(y.dtype), y).squeeze(1)
@@ -190,9 +200,10 @@ class GroupedExperts(nn.Module):
             self.probe(xp.device)
         ok = self._gmm_compiled_dtypes if torch.compiler.is_compiling() else self._gmm_dtypes
         use_gmm = self.impl == "grouped_mm" or (self.impl == "auto" and dtype in ok)
+        weights = self.expert_weights()
         if use_gmm:
             xp = xp.to(dtype)
-            w1, w3, w2 = (w.to(dtype).transpose(-2, -1) for w in (self.w1, self.w3, self.w2))
+            w1, w3, w2 = (w.to(dtype).transpose(-2, -1) for w in weights)
             h = F.silu(torch._grouped_mm(xp, w1, offs=offs)) * torch._grouped_mm(xp, w3, offs=offs)
             return torch._grouped_mm(h, w2, offs=offs)
         # Fallback: one GEMM per *expert* (never per token). Reading the group ends costs one host sync per
@@ -206,9 +217,10 @@ class GroupedExperts(nn.Module):
             )
         ends = offs.tolist()
         outs, start = [], 0
+        w1, w3, w2 = weights
         for g, end in enumerate(ends):
             xe = xp[start:end]
-            outs.append(F.linear(F.silu(F.linear(xe, self.w1[g])) * F.linear(xe, self.w3[g]), self.w2[g]))
+            outs.append(F.linear(F.silu(F.linear(xe, w1[g])) * F.linear(xe, w3[g]), w2[g]))
             start = end
         return torch.cat(outs)
 
