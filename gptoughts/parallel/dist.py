@@ -480,11 +480,15 @@ def _saved_order(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict
     live, order = list(optimizer.param_groups), []
     for saved in state.get("param_groups", []):
         run: list[torch.Tensor] = []
+        split = -1  # live groups taken for this saved group, minus one
         while live and len(run) < len(saved["params"]):
             run += live.pop(0)["params"]
+            split += 1
         if len(run) != len(saved["params"]) or any(id(p) not in names for p in run):
             return None
-        order += [names[id(p)] for p in sorted(run, key=lambda p: position[id(p)])]
+        if split:  # a group kept whole keeps its own order (Muon's need not be the model's)
+            run = sorted(run, key=lambda p: position[id(p)])
+        order += [names[id(p)] for p in run]
     return order if not live else None
 
 
