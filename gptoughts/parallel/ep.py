@@ -109,6 +109,13 @@ class ExpertParallelExperts(GroupedExperts):
     def forward(
         self, x: torch.Tensor, idx: torch.Tensor, gates: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        # Eager even inside a compiled block: the split sizes are new Python ints each step, which a graph would
+        # specialise on (a recompilation per step until dynamo gives up); the GEMMs inside run eagerly too.
+        return torch.compiler.disable(self._dispatch)(x, idx, gates)
+
+    def _dispatch(
+        self, x: torch.Tensor, idx: torch.Tensor, gates: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         from torch.distributed._functional_collectives import all_to_all_single_autograd
 
         n, k = idx.shape
@@ -125,7 +132,10 @@ class ExpertParallelExperts(GroupedExperts):
         sizes = torch.cat([counts.view(ep, local_e).sum(1), received.view(ep, local_e).sum(1)]).tolist()
         send, recv = sizes[:ep], sizes[ep:]
         xs = all_to_all_single_autograd(x[order // k], recv, send, self.ep_group)
-        local_ids = torch.repeat_interleave(torch.arange(local_e, device=x.device).repeat(ep), received)
+        # output_size: known on the host already, so no second sync to size the result
+        local_ids = torch.repeat_interleave(
+            torch.arange(local_e, device=x.device).repeat(ep), received, output_size=sum(recv)
+        )
         ys = self._local(xs, local_ids, recv)
         y_sorted = all_to_all_single_autograd(ys, send, recv, self.ep_group)
         y = torch.empty_like(y_sorted).index_copy(0, order, y_sorted).view(n, k, x.size(-1))
