@@ -340,6 +340,12 @@ class ParallelConfig:
     pp: int = 1
     """Pipeline-parallel degree: the blocks are split into ``pp`` stages by layers, one per rank of a
     pipeline group, micro-batches flow through them (torch.distributed.pipelining)."""
+    ep: int = 1
+    """Expert-parallel degree (MoE families): the routed experts of every MoE layer are split over ``ep`` ranks of
+    the data-parallel group (each holds ``n_routed_experts / ep``), tokens travel to the rank of their expert and
+    back by all-to-all (one host sync per MoE layer for the split sizes); FSDP2 shards everything else over all
+    ranks, and each expert over the ranks holding the same experts. The world size and the expert count must be
+    multiples of ``ep``; not with ``tp``, ``pp`` or ``cpu_offload``."""
     pp_schedule: Literal["1f1b", "interleaved"] = "1f1b"
     """Pipeline schedule: 1f1b (one stage per rank) or interleaved (interleaved 1F1B: two stages per rank,
     a smaller bubble)."""

@@ -199,7 +199,7 @@ def check_train_ranges(
 
 def check_parallel(p: ParallelConfig) -> None:
     """The ranges of ``[parallel]`` (the world size is checked against them when the process group starts)."""
-    for name in ("tp", "pp"):
+    for name in ("tp", "pp", "ep"):
         if getattr(p, name) < 1:
             raise ConfigError(f"parallel.{name} must be >= 1, got {getattr(p, name)}")
     if isinstance(p.reshard_after_forward, str) and p.reshard_after_forward != "auto":
@@ -224,6 +224,24 @@ def check_parallel(p: ParallelConfig) -> None:
     if p.strategy == "none" and (p.tp > 1 or p.pp > 1):
         raise ConfigError(
             "parallel.strategy = none runs one process; tensor/pipeline parallelism needs torchrun"
+        )
+    _check_ep(p)
+
+
+def _check_ep(p: ParallelConfig) -> None:
+    """Expert parallelism runs under FSDP2, over the data-parallel ranks only."""
+    if p.ep == 1:
+        return
+    where = f"--parallel.ep {p.ep}"
+    if p.tp > 1 or p.pp > 1:
+        raise ConfigError(
+            f"{where} does not combine with --parallel.tp / --parallel.pp yet; use FSDP beside it"
+        )
+    if p.cpu_offload:
+        raise ConfigError(f"{where} does not combine with --parallel.cpu_offload; drop one of them")
+    if p.strategy in ("ddp", "none"):
+        raise ConfigError(
+            f"{where} runs under FSDP2 (the experts are DTensors); use --parallel.strategy fsdp (or auto)"
         )
 
 

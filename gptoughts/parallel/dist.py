@@ -34,6 +34,12 @@ class DistInfo:
     """Tensor-parallel degree (ranks that split each block's matrices and read the same data)."""
     pp: int = 1
     """Pipeline-parallel degree (stages)."""
+    ep: int = 1
+    """Expert-parallel degree: the routed experts are split over groups of ``ep`` consecutive ranks of the
+    data-parallel dimension (``parallel/ep.py``); every rank still reads its own data."""
+    ep_mesh: Any = None
+    """Under expert parallelism, the DeviceMesh ``(efsdp, ep)`` (dims named so): ``ep`` the ranks that split the
+    experts (all-to-all), ``efsdp`` the ranks holding the same experts (FSDP2 shards them over it)."""
     mesh: Any = None
     """The DeviceMesh ``(pp, dp, tp)`` (dims named so) when tensor or pipeline parallelism is on, else None
     (plain data parallelism over the default group)."""
@@ -103,13 +109,18 @@ def init(
     cpu_offload: bool = False,
     *,
     ddp_bucket_mb: int = 0,
+    ep: int = 1,
 ) -> DistInfo:
     """Join the process group torchrun set up (idempotent); world size 1 when not under torchrun. With
     ``tp``/``pp`` > 1, also the device mesh ``(pp, dp, tp)``. ``cpu_offload``: FSDP2 on any number of
     processes (one process joins a group of one), with a gloo backend beside NCCL for the collectives on
-    CPU tensors (the global gradient norm, Muon's gathers of offloaded shards)."""
+    CPU tensors (the global gradient norm, Muon's gathers of offloaded shards). ``ep`` > 1: FSDP2 and the
+    expert mesh (:attr:`DistInfo.ep_mesh`)."""
     world_env = int(os.environ["WORLD_SIZE"]) if launched_by_torchrun() else 1
     _check_launch(world_env, tp, pp)
+    _check_ep_launch(world_env, ep)
+    if ep > 1:
+        strategy = "fsdp"  # the configuration refused ddp and none with ep > 1
     if cpu_offload:
         strategy, backend = _offload_choices(device, backend, strategy, tp, pp)
     if world_env == 1:
@@ -132,6 +143,8 @@ def init(
         mesh=_mesh(device, pp, dp, tp) if tp > 1 or pp > 1 else None,
         cpu_offload=cpu_offload,
         ddp_bucket_mb=ddp_bucket_mb,
+        ep=ep,
+        ep_mesh=_ep_mesh(device, world, ep) if ep > 1 else None,
     )
 
 
@@ -147,6 +160,26 @@ def _check_launch(world_env: int, tp: int, pp: int) -> None:
             f"parallel.tp x parallel.pp = {tp} x {pp} does not divide the {world_env} process(es) torchrun "
             f"started; use --nproc_per_node a multiple of {tp * pp}"
         )
+
+
+def _check_ep_launch(world_env: int, ep: int) -> None:
+    """Expert parallelism needs torchrun and a process count it divides."""
+    if ep > 1 and (not launched_by_torchrun() or world_env % ep):
+        raise ConfigError(
+            f"--parallel.ep {ep} splits the experts over {ep} processes: launch a multiple of {ep} with "
+            f"`torchrun --nproc_per_node={ep} -m gptoughts train ...` ({world_env} process(es) now)"
+        )
+
+
+def _ep_mesh(device: torch.device, world: int, ep: int) -> Any:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    # ep innermost: the ranks exchanging tokens are neighbours (one host's NVLink before the network)
+    mesh = init_device_mesh(device.type, (world // ep, ep), mesh_dim_names=("efsdp", "ep"))
+    if hasattr(mesh, "_flatten"):
+        # the experts' gradient norm (sharded over both dimensions) then takes one all-reduce, not two in a row
+        mesh["efsdp", "ep"]._flatten("efsdp_ep")
+    return mesh
 
 
 def _offload_choices(device: torch.device, backend: str, strategy: str, tp: int, pp: int) -> tuple[str, str]:
@@ -256,6 +289,7 @@ def wrap_fsdp(
     mesh: Any = None,
     cpu_offload: bool = False,
     reshard_after_forward: bool = True,
+    expert_mesh: Any = None,
 ) -> nn.Module:
     """FSDP2: shard each transformer block (the unit that is gathered just before it runs and freed after),
     then the root (embeddings, final norm, head). Compute in bf16/fp16 when training in it, gradients reduced in
@@ -270,13 +304,22 @@ def wrap_fsdp(
 
     ``cpu_offload``: the shards (fp32 weights, gradients, and so the optimizer state and its step) stay in pinned
     CPU memory; each block is copied to the GPU when it is gathered and its gradient copied back after the
-    reduce-scatter."""
+    reduce-scatter.
+
+    ``expert_mesh``: under expert parallelism, the ``efsdp`` dimension of :attr:`DistInfo.ep_mesh`; each
+    expert-parallel module (DTensors on the ``ep`` dimension) is sharded over it first, so that the blocks'
+    and the root's groups leave its parameters alone."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
     mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     # Pinned host memory makes the copies asynchronous; there is nothing to pin for on a machine without a GPU.
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
+    if expert_mesh is not None:
+        from gptoughts.parallel.ep import expert_modules
+
+        for experts in expert_modules(model):  # the MTP block's too, which the root group would take
+            fully_shard(experts, mesh=expert_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     blocks = list(model.layers)
     for i, block in enumerate(blocks):
         # the last block's parameters are needed again at once by the backward: keep them gathered
@@ -362,7 +405,8 @@ def wrap(model: nn.Module, device: torch.device, info: DistInfo, precision: str)
             from torch.distributed.device_mesh import init_device_mesh
 
             mesh = init_device_mesh("cpu", (info.world_size,))
-        return wrap_fsdp(model, precision, mesh, info.cpu_offload, info.reshard_after_forward)
+        experts = info.ep_mesh["efsdp"] if info.ep_mesh is not None else None
+        return wrap_fsdp(model, precision, mesh, info.cpu_offload, info.reshard_after_forward, experts)
     if info.pp > 1:
         # DDP's reducer cannot follow a pipeline schedule's backward passes (several per step, in its own order:
         # the bucket rebuild after the first step fails an internal assertion, torch 2.13): the pipeline
@@ -411,23 +455,41 @@ def load_optimizer_state(
         return
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
-    if not by_name:  # index i = the i-th parameter of the param groups, in order
-        saved = [len(g["params"]) for g in state.get("param_groups", [])]
-        if saved != [len(g["params"]) for g in optimizer.param_groups]:
-            # Tensor parallelism splits each group by layout (plain tensors / DTensors): positions would land
-            # on other parameters (same-shape norms silently). Refuse rather than guess.
+    if not by_name:  # index i = the i-th parameter of the saved param groups, in order
+        order = _saved_order(model, optimizer, state)
+        if order is None:
             raise UserError(
-                "this checkpoint's optimizer state was written by a one-process or DDP run, whose parameter "
-                "groups differ from this run's (tensor parallelism splits them); resume it on one process or "
-                "under DDP/FSDP, then switch to --parallel.tp from that run's next (sharded) checkpoint"
+                "this checkpoint's optimizer state was written by a one-process or DDP run whose parameter "
+                "groups do not match this run's; resume it on one process or under DDP/FSDP, then switch to "
+                "--parallel.tp / --parallel.ep from that run's next (sharded) checkpoint"
             )
-        names = {id(p): n for n, p in model.named_parameters()}
-        order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
         state = {
             "state": {order[i]: v for i, v in state["state"].items()},
             "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in state["param_groups"]],
         }
     set_optimizer_state_dict(model, optimizer, state, options=_options())
+
+
+def _saved_order(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> list[str] | None:
+    """The parameter names of an index-keyed optimizer state (one process or DDP), in its index order; None when
+    this run's groups cannot come from the saved ones. Tensor and expert parallelism split each saved group by
+    layout (plain tensors, DTensors of each mesh) into consecutive groups, each keeping the model's parameter
+    order: a saved group is the next run of live groups of the same total size, merged back in model order."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    position = {id(p): i for i, (_, p) in enumerate(model.named_parameters())}
+    live, order = list(optimizer.param_groups), []
+    for saved in state.get("param_groups", []):
+        run: list[torch.Tensor] = []
+        split = -1  # live groups taken for this saved group, minus one
+        while live and len(run) < len(saved["params"]):
+            run += live.pop(0)["params"]
+            split += 1
+        if len(run) != len(saved["params"]) or any(id(p) not in names for p in run):
+            return None
+        if split:  # a group kept whole keeps its own order (Muon's need not be the model's)
+            run = sorted(run, key=lambda p: position[id(p)])
+        order += [names[id(p)] for p in run]
+    return order if not live else None
 
 
 def all_reduce_sum(t: torch.Tensor, info: DistInfo) -> torch.Tensor:

@@ -74,6 +74,10 @@ def build(
         from gptoughts.parallel.tp import check_family
 
         check_family(cfg.model.family, env.dist.tp, lora=cfg.lora.enabled)
+    if env.dist.ep > 1 and cfg.model.init_from is None:
+        from gptoughts.parallel import ep
+
+        ep.check_family(cfg.model.family, env.dist.ep, lora=cfg.lora.enabled)
     run_dir = Path(cfg.run.out)
     if cfg.run.wandb and not dry_run:
         from gptoughts.training.metrics import check_wandb

@@ -64,6 +64,7 @@ def setup_environment(cfg: Config) -> Environment:
         par.pp,
         par.cpu_offload,
         ddp_bucket_mb=par.ddp_bucket_mb,
+        ep=par.ep,
     )
     hw = hardware.detect(device)
     from gptoughts.training.resolve import check_attention

@@ -139,10 +139,14 @@ def _from_scratch(
 
 
 def _check_tp(cfg: Config, env: Environment, family: str, args: object, *, generic: bool = False) -> None:
-    """Tensor parallelism's one-line refusals (parallel/tp.py), before any weight is loaded or file written."""
+    """Tensor and expert parallelism's one-line refusals (parallel/tp.py, parallel/ep.py), before any weight is
+    loaded or file written."""
     from gptoughts.parallel.tp import check_tp
 
     check_tp(family, args, env.dist.tp, generic=generic, lora=cfg.lora.enabled)
+    from gptoughts.parallel.ep import check_ep
+
+    check_ep(family, args, env.dist.ep, generic=generic, lora=cfg.lora.enabled)
 
 
 def round_up(n: int, multiple: int) -> int:

@@ -23,7 +23,9 @@ from gptoughts import models
 from gptoughts.config import LoraConfig, ParallelConfig, PerfConfig, TrainConfig
 from gptoughts.errors import ConfigError, HardwareError
 from gptoughts.models import layers
+from gptoughts.models.deepseek.moe import probe_experts
 from gptoughts.parallel import dist as pdist
+from gptoughts.parallel.ep import describe as describe_ep
 from gptoughts.perf import checkpointing
 from gptoughts.training.resolve import Transforms, input_embeddings, optimizer_rule
 
@@ -167,6 +169,9 @@ def apply_transforms(
 ) -> Built:
     """The transforms ``spec`` decided, in their one order (the module docstring); the whole model's compile
     comes later, once the batch is planned (:func:`apply_whole_model_compile`)."""
+    # The experts learn where their inputs will be before any (checkpointed) forward: under CPU offload it is not
+    # where their weights are.
+    probe_experts(raw, device)
     if spec.embeddings_hooked:
         set_residual_dtype(raw, spec.residual_dtype)
     fp8_linears = apply_fp8(raw, spec, device)
@@ -176,6 +181,10 @@ def apply_transforms(
         from gptoughts.parallel.tp import apply_tp
 
         apply_tp(raw, dist.mesh["tp"], family)
+    if dist.ep > 1:  # build_model ran check_ep before (not with tensor or pipeline parallelism)
+        from gptoughts.parallel.ep import apply_ep
+
+        apply_ep(raw, dist.ep_mesh)
     for part in parts:  # inside the compiled region
         checkpointing.apply_activation_checkpointing(part, spec.activation_checkpointing)
     apply_compile(parts, spec, whole_later=whole_model_later(spec, dist))
@@ -191,14 +200,16 @@ def apply_transforms(
         spec=spec,
         forward_context=_forward_context(spec.perf, attention_kernels(spec.resolved(), device)),
         fp8_linears=fp8_linears,
-        parallel=describe_parallel(dist) if dist.enabled or dist.sharded else None,
+        parallel=describe_parallel(dist, getattr(raw.args, "n_routed_experts", 0))
+        if dist.enabled or dist.sharded
+        else None,
         after_optimizer_step=_fp8_scales(parts) if spec.fp8_all_gather else None,
         pipeline=pipeline,
         keep_grads=spec.compiled and spec.cuda_graphs,
     )
 
 
-def describe_parallel(dist: pdist.DistInfo) -> str:
+def describe_parallel(dist: pdist.DistInfo, n_experts: int = 0) -> str:
     dp = (
         f"{dist.strategy} x{dist.dp_size}"
         if dist.strategy == "fsdp" or dist.tp == 1
@@ -208,6 +219,7 @@ def describe_parallel(dist: pdist.DistInfo) -> str:
         dp
         + (f", tp x{dist.tp}" if dist.tp > 1 else "")
         + (f", pipeline x{dist.pp}" if dist.pp > 1 else "")
+        + (f", {describe_ep(dist.ep, n_experts)}" if dist.ep > 1 else "")
         + (" + cpu offload" if dist.cpu_offload else "")
     )
 

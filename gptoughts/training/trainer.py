@@ -156,6 +156,7 @@ class Trainer:
         inner = weights if weights is not None else pdist.unwrap(model)
         self._after_step = getattr(inner, "after_optimizer_step", None)
         self._rank_summed = getattr(inner, "rank_summed_state", None) if dist.enabled else None
+        self._rank_summed_log = getattr(inner, "rank_summed_log_state", None) if dist.enabled else None
         self._model_metrics = getattr(inner, "log_metrics", None)
         self._after_transforms = after_optimizer_step
         self.timer, self.gpu_monitor = StepTimer(device, enabled=timing), GpuMonitor(device)
@@ -557,6 +558,9 @@ class Trainer:
         if self.device.type == "cuda":
             row["memory/peak_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         if self._model_metrics is not None:
+            with torch.no_grad():  # every rank logs the window: the model's statistics of all ranks' data
+                for t in self._rank_summed_log() if self._rank_summed_log is not None else ():
+                    pdist.all_reduce_dp(t, self.dist)
             row.update(self._model_metrics())
         row.update(pair_metrics(self.objective, True, self.dist, "dpo/"))  # preference tuning only
         breakdown = self.timer.summary()

@@ -238,6 +238,11 @@ class DeepSeek(DecoderLM):
         """The step's expert loads, for the trainer to sum across data-parallel ranks (docs/internals.md)."""
         return [] if self.moe_step_load is None else [self.moe_step_load]
 
+    def rank_summed_log_state(self) -> list[torch.Tensor]:
+        """The loads since the last ``log_metrics``, for the trainer to sum across data-parallel ranks just before
+        it calls ``log_metrics`` (so the logged loads are those of all ranks' tokens, expert parallel or not)."""
+        return [] if self.moe_log_load is None else [self.moe_log_load]
+
     @torch.no_grad()
     def after_optimizer_step(self) -> None:
         """Aux-loss-free balancing: ``expert_bias += bias_update_rate * sign(mean_load - load)`` per MoE layer,

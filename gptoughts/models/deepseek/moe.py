@@ -19,7 +19,9 @@ model: tests/models/test_moe_levers.py holds them to the reference.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -36,7 +38,7 @@ from gptoughts.models.deepseek.dispatch import (
 )
 from gptoughts.models.layers import SwiGLU
 
-__all__ = ["EXPERT_ROW_ALIGN", "GroupedExperts", "MoE", "grouped_mm_supported"]
+__all__ = ["EXPERT_ROW_ALIGN", "GroupedExperts", "MoE", "grouped_mm_supported", "probe_experts"]
 
 # Rows of each expert's token group are padded to a multiple of this (zero rows) before the grouped GEMM: the
 # CUDA grouped-GEMM kernels need 16-byte aligned group starts in the weight-gradient GEMM (whose reduction
@@ -61,8 +63,27 @@ def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> tuple[bool
     if key not in _GMM_SUPPORT:
         # Never traced. Disabled here, not with a decorator: that would import torch._dynamo (a second or more)
         # with this module, in every command that imports the models, whether or not it builds one.
-        _GMM_SUPPORT[key] = torch.compiler.disable(_probe_grouped_mm)(device, dtype)
+        with _invisible_to_saved_tensor_hooks():
+            _GMM_SUPPORT[key] = torch.compiler.disable(_probe_grouped_mm)(device, dtype)
     return _GMM_SUPPORT[key]
+
+
+@contextlib.contextmanager
+def _invisible_to_saved_tensor_hooks() -> Iterator[None]:
+    """The probe's own forward and backward must not reach saved-tensor hooks active around it: activation
+    checkpointing's would count the probe's tensors in a block's original forward and not in its recomputation
+    (where the cached answer is read), and fail the backward ("a different number of tensors was saved"). Only
+    the innermost pair of hooks applies, so identity hooks pushed here hide the outer ones."""
+    try:
+        hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+        hooks.__enter__()
+    except RuntimeError:  # hooks disabled in this region: none is active either
+        yield
+        return
+    try:
+        yield
+    finally:
+        hooks.__exit__(None, None, None)
 
 
 def _probe_grouped_mm(device: torch.device, dtype: torch.dtype) -> tuple[bool, bool]:
@@ -124,10 +145,13 @@ class GroupedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden_dim))
         # "auto" (grouped GEMM where grouped_mm_supported, else "loop"), "grouped_mm" or "loop" (tests, debugging).
         self.impl = "auto"
-        self._probe(self.w1.device)
+        self.probe(self.w1.device)
 
-    def _probe(self, device: torch.device) -> None:
-        # Decided outside forward, so the compiled block only reads Python sets (guards, not graph breaks).
+    def probe(self, device: torch.device) -> None:
+        """Decide the grouped-GEMM support for inputs on ``device``. Called at init for the weights' device and by
+        the run's assembly for the compute device (they differ under CPU offload: weights on the CPU, inputs on
+        the GPU), so that forward only reads the answer: the compiled block reads Python sets (guards, not graph
+        breaks), and no probe runs inside a checkpointed forward."""
         support = {
             dt: grouped_mm_supported(device, dt) for dt in (torch.float32, torch.bfloat16, torch.float16)
         }
@@ -139,24 +163,35 @@ class GroupedExperts(nn.Module):
         nn.init.normal_(self.w1, mean=0.0, std=std)
         nn.init.normal_(self.w3, mean=0.0, std=std)
         nn.init.normal_(self.w2, mean=0.0, std=out_std)
-        self._probe(self.w1.device)
+        self.probe(self.w1.device)
 
     def forward(
         self, x: torch.Tensor, idx: torch.Tensor, gates: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``x [N, d]``, chosen experts ``idx [N, K]`` and their ``gates [N, K]`` -> (``sum_k gate * expert(x)``
         ``[N, d]``, tokens per expert ``[E]`` int64). No host sync on the grouped-GEMM path."""
+        return self.compute(x, idx, gates, self.n_experts)
+
+    def expert_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(w1, w3, w2)`` as the GEMMs read them (a parallel wrapper may hand out its local experts)."""
+        return self.w1, self.w3, self.w2
+
+    def compute(
+        self, x: torch.Tensor, idx: torch.Tensor, gates: torch.Tensor, n_experts: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`forward` over the ``n_experts`` experts of :meth:`expert_weights` (ids ``0..n_experts-1``)."""
         n, k = idx.shape
-        layout = plan(idx, self.n_experts, EXPERT_ROW_ALIGN)
+        layout = plan(idx, n_experts, EXPERT_ROW_ALIGN)
         row_gate = row_values(layout, gates.reshape(-1)) if self.combine == "hidden" else None
-        if self.permute == "gather":
+        if self.permute == "gather" and n > 0:  # its padding rows read token 0: none on an idle EP rank
             return self._gather_path(x, layout, gates, row_gate), layout.counts
         # Scatter each token's K copies to their rows. dest is injective, so both this and the gather below
         # have backward passes without colliding indices: no atomics, deterministic gradients on CUDA.
-        copies = x.unsqueeze(1).expand(n, k, x.size(-1)).reshape(n * k, -1)
+        # (Explicit widths, not -1: a rank of an expert-parallel group may receive no rows.)
+        copies = x.unsqueeze(1).expand(n, k, x.size(-1)).reshape(n * k, x.size(-1))
         xp = x.new_zeros(layout.rows, x.size(-1)).index_put((layout.dest,), copies)
         yp = self._run(xp, layout.ends, row_gate)
-        y = yp[layout.dest].view(n, k, -1)
+        y = yp[layout.dest].view(n, k, x.size(-1))
         if self.combine == "bmm":
             # One bmm: accumulates in fp32 inside the kernel under bf16, never materialises [N, K, d] products.
             out = torch.bmm(gates.unsqueeze(1).to(y.dtype), y).squeeze(1)
@@ -187,15 +222,16 @@ class GroupedExperts(nn.Module):
         """The experts on the padded rows ``xp`` (groups ending at ``offs``); ``row_gate [rows]``, when given,
         scales each row's hidden activation before ``w2`` (``combine = hidden``)."""
         dtype = _compute_dtype(xp)
-        if xp.device.type != self._gmm_device:  # moved after init: probe the new device (eager only)
-            self._probe(xp.device)
+        if xp.device.type != self._gmm_device:  # moved after init and not told: probe it (eager only)
+            self.probe(xp.device)
         ok = self._gmm_compiled_dtypes if torch.compiler.is_compiling() else self._gmm_dtypes
         use_gmm = self.impl == "grouped_mm" or (self.impl == "auto" and dtype in ok)
+        weights = self.expert_weights()
         if use_gmm:
             xp = xp.to(dtype)
             # A transposed view, not a copy: the cast keeps the weights' layout and the grouped GEMM reads
             # the column-major operand as it is.
-            w1, w3, w2 = (w.to(dtype).transpose(-2, -1) for w in (self.w1, self.w3, self.w2))
+            w1, w3, w2 = (w.to(dtype).transpose(-2, -1) for w in weights)
             h = F.silu(torch._grouped_mm(xp, w1, offs=offs)) * torch._grouped_mm(xp, w3, offs=offs)
             if row_gate is not None:
                 h = h * row_gate.unsqueeze(-1).to(h.dtype)
@@ -211,14 +247,24 @@ class GroupedExperts(nn.Module):
             )
         ends = offs.tolist()
         outs, start = [], 0
+        w1, w3, w2 = weights
         for g, end in enumerate(ends):
             xe = xp[start:end]
-            h = F.silu(F.linear(xe, self.w1[g])) * F.linear(xe, self.w3[g])
+            h = F.silu(F.linear(xe, w1[g])) * F.linear(xe, w3[g])
             if row_gate is not None:
                 h = h * row_gate[start:end].unsqueeze(-1).to(h.dtype)
-            outs.append(F.linear(h, self.w2[g]))
+            outs.append(F.linear(h, w2[g]))
             start = end
         return torch.cat(outs)
+
+
+def probe_experts(model: nn.Module, device: torch.device) -> int:
+    """Tell every :class:`GroupedExperts` of ``model`` the device its inputs will be on (see
+    ``GroupedExperts.probe``); returns how many there are."""
+    experts = [m for m in model.modules() if isinstance(m, GroupedExperts)]
+    for m in experts:
+        m.probe(device)
+    return len(experts)
 
 
 class MoE(nn.Module):
