@@ -303,3 +303,17 @@ def test_cli_refuses_an_unknown_switch_in_one_line(tmp_path, capsys):
     assert "model.moe_router must be one of mask, gather" in err and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1
     assert not out.exists()
+
+
+@pytest.mark.parametrize("combine,permute", [("hidden", "gather"), ("sum", "gather"), ("bmm", "index_put")])
+def test_a_rank_that_receives_no_rows_gets_empty_outputs_and_gradients(combine, permute):
+    # Under expert parallelism a rank may receive no token for its experts: the layer must still run forward
+    # and backward (the gather path's padding rows would read token 0 of an empty input).
+    experts = GroupedExperts(8, 16, n_experts=4, combine=combine, permute=permute)
+    experts.reset_parameters(0.2, 0.1)
+    experts.impl = "loop"
+    x = torch.zeros(0, 8, requires_grad=True)
+    out, counts = experts(x, torch.zeros(0, 2, dtype=torch.long), torch.zeros(0, 2))
+    assert out.shape == (0, 8) and counts.tolist() == [0, 0, 0, 0]
+    out.sum().backward()
+    assert x.grad.shape == (0, 8) and experts.w1.grad is not None
