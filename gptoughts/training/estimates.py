@@ -26,12 +26,14 @@ def estimate_peak(
     from gptoughts.perf import checkpointing
     from gptoughts.perf.estimate import estimate
 
+    # DPO runs the chosen and the rejected completion of each pair in one forward: two rows a pair
+    rows = micro_batch * (2 if cfg.train.objective == "dpo" else 1)
     try:
         return estimate(
             model.family.name,
             "debug",
             asdict(model.args),
-            batch_size=micro_batch,
+            batch_size=rows,
             block_size=block_size,
             activation_checkpointing=checkpointing.resolve(cfg.perf.activation_checkpointing, cfg.lora)[0],
             loss="chunked" if env.device.type == "cuda" else "plain",
