@@ -179,8 +179,17 @@ def build_dpo(d: DpoConfig, *, lora: bool) -> DPO:
 def pair_metrics(objective: Any, training: bool, dist: pdist.DistInfo, prefix: str) -> dict[str, float]:
     """``PREFIX reward_margin`` and ``PREFIX accuracy`` over every rank's pairs since the last read ({} for
     objectives without pairs). Every data-parallel rank must call it (an all-reduce)."""
+    return pair_row(pop_pairs(objective, training), dist, prefix)
+
+
+def pop_pairs(objective: Any, training: bool) -> torch.Tensor | None:
+    """The objective's pair sums since the last pop (None for objectives without pairs)."""
     pop = getattr(objective, "pop_pair_sums", None)
-    sums = pop(training) if pop is not None else None
+    return pop(training) if pop is not None else None
+
+
+def pair_row(sums: torch.Tensor | None, dist: pdist.DistInfo, prefix: str) -> dict[str, float]:
+    """``sums`` (margin sum, pairs preferred, pairs) over every data-parallel rank as metrics ({} for None)."""
     if sums is None:
         return {}
     margin, right, pairs = pdist.all_reduce_dp(sums.detach().clone(), dist).tolist()

@@ -52,6 +52,8 @@ class StepRecord:
     hold: torch.Tensor | None
     batches: list[Batch] | None
     rng: RngState | None
+    pairs: torch.Tensor | None = None
+    """Preference tuning: the step's (margin sum, pairs preferred, pairs), on the device (dpo.DPO)."""
 
 
 @dataclass

@@ -32,11 +32,11 @@ from gptoughts.perf.autobatch import free_memory
 from gptoughts.perf.startup import Startup
 from gptoughts.perf.timing import GpuMonitor, StepTimer, advice, format_profile, summarize_profile
 from gptoughts.training.checkpointer import Checkpointer
-from gptoughts.training.dpo import pair_metrics
+from gptoughts.training.dpo import pair_row, pop_pairs
 from gptoughts.training.evaluation import Evaluator
 from gptoughts.training.metrics import MetricsLogger, ProgressBar, console, format_eta
 from gptoughts.training.optim import Schedule, clip_and_step, set_lr, zero_grads
-from gptoughts.training.recovery import LOSS, NORM, TOKENS, Recovery, Rollback, StepRecord, Window
+from gptoughts.training.recovery import INF, LOSS, NORM, TOKENS, Recovery, Rollback, StepRecord, Window
 from gptoughts.training.state import (
     Batch,
     TrainState,
@@ -203,6 +203,7 @@ class Trainer:
         else:
             self._last_micro = self._last_rng = None
         while True:
+            pop_pairs(self.objective, True)  # a failed attempt's pairs never count: the retry runs them again
             try:
                 return self._step_on(micro)
             except torch.OutOfMemoryError:
@@ -305,6 +306,7 @@ class Trainer:
             self._last_hold,
             self._last_micro,
             self._last_rng,
+            pop_pairs(self.objective, True),
         )
 
     def _spike_gate_armed(self) -> bool:
@@ -562,7 +564,12 @@ class Trainer:
                 for t in self._rank_summed_log() if self._rank_summed_log is not None else ():
                     pdist.all_reduce_dp(t, self.dist)
             row.update(self._model_metrics())
-        row.update(pair_metrics(self.objective, True, self.dist, "dpo/"))  # preference tuning only
+        # preference tuning only: the pairs of the steps that trained (a re-run replaced its record, a skipped or
+        # dropped step trained nothing)
+        kept = [
+            r.pairs for r, v, d in zip(w.recs, w.vals, w.dropped) if r.pairs is not None and not (d or v[INF])
+        ]
+        row.update(pair_row(sum(kept) if kept else None, self.dist, "dpo/"))
         breakdown = self.timer.summary()
         gpu = self.gpu_monitor.read()
         row.update(breakdown)
