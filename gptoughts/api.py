@@ -332,6 +332,8 @@ def _summary(asm: Any, history: History, wall: float, start: tuple[int, int]) ->
     }
     if asm.trainer.evaluator.task_scores:  # the last scores of eval.eval_tasks
         summary["tasks"] = asm.trainer.evaluator.task_scores
+    if asm.trainer.evaluator.last_pair_metrics:  # DPO: the last held-out accuracy and reward margin
+        summary["preference"] = asm.trainer.evaluator.last_pair_metrics
     write_text_atomic(asm.run_dir / "summary.json", json.dumps(summary, indent=2))
     return summary
 
@@ -350,11 +352,15 @@ def _print_summary(asm: Any, history: History) -> None:
         if s["best_val_loss"] is not None
         else "no evaluation"
     )
-    final = (
-        f" (final {s['final_val_loss']:.4f}, perplexity {s['final_val_ppl']:.2f})"
-        if s["final_val_loss"] is not None
-        else ""
-    )
+    pref = s.get("preference")  # (a DPO loss has no perplexity)
+    final = ""
+    if s["final_val_loss"] is not None:
+        last = (
+            f"preference accuracy {pref['val_dpo/accuracy']:.3f}"
+            if pref
+            else f"perplexity {s['final_val_ppl']:.2f}"
+        )
+        final = f" (final {s['final_val_loss']:.4f}, {last})"
     session = (
         f"{s['session_steps']:,} steps, {s['session_tokens']:,} tokens in {_clock(s['wall_s'])}, {speed}{mfu}"
     )
@@ -363,8 +369,9 @@ def _print_summary(asm: Any, history: History) -> None:
     console.print(f"[bold]done[/bold] ({history.stop_reason}): {session}; {best}{final}", highlight=False)
     plots = f"{run / 'plots'}/ (overview.png)" if s["plots"] else "none (pip install matplotlib)"
     console.print(f"  run: {run}   checkpoints: {run / 'checkpoints'}   plots: {plots}", highlight=False)
+    scored = "--prefs PAIRS.jsonl" if asm.data.prefs is not None else "--data PATH"
     console.print(
-        f'  next: gptoughts sample {run} --prompt "..."  |  gptoughts eval {run} --data PATH  |  '
+        f'  next: gptoughts sample {run} --prompt "..."  |  gptoughts eval {run} {scored}  |  '
         f"gptoughts export {run} --format hf OUT  |  gptoughts train --resume auto --out {run} "
         f"--max_steps N  |  gptoughts plot {run}",
         highlight=False,
@@ -388,7 +395,7 @@ class Loaded:
     checkpoint: Path
     family: str
     chat: bool = False
-    """Prompts go through the chat template by default (SFT runs, HF folders whose tokenizer has a template)."""
+    """Prompts go through the chat template by default (SFT and DPO runs, HF folders whose tokenizer has one)."""
     init_from: str | None = None
     """The HF folder the run started from (export keeps its config's extra keys)."""
     args: Any = None
@@ -422,7 +429,7 @@ def load(path: str | Path, device: str = "auto", *, trust_remote_code: bool = Fa
         config=cfg,
         checkpoint=ck,
         family=family_name,
-        chat=run.get("data_format") == "sft",
+        chat=run.get("data_format") in ("sft", "prefs"),  # DPO renders pairs as SFT turns
         init_from=init_from,
         args=args,
     )

@@ -347,6 +347,30 @@ def finetune_defaults(cfg: Config) -> None:
             if positions
             else "finetune's default"
         )
+    if t.objective == "dpo":
+        _dpo_defaults(cfg)
+
+
+def _dpo_defaults(cfg: Config) -> None:
+    """Preference tuning's plan line (``cfg.resolved["objective"]``), and the spike check off unless asked for:
+    its thresholds (a multiple of the running mean and deviation) fit a mean over a step's thousands of tokens,
+    while DPO's loss is a mean over a few pairs, and one mislabeled or hard pair is a reproducible "spike" that
+    would be dropped."""
+    d = cfg.dpo
+    reference = d.resolved_reference(cfg.lora.enabled)
+    how = {
+        "precomputed": "the starting model's log-probabilities, one pass over every pair before training",
+        "adapters_off": "the base with the adapters disabled, one extra no-grad forward a step",
+    }[reference]
+    cfg.resolved["objective"] = (
+        f"dpo, beta {d.beta:g}, label smoothing {d.label_smoothing:g}; reference: {reference} ({how})"
+    )
+    if not cfg.is_given("recovery.spike_detection"):
+        cfg.recovery.spike_detection = False
+        cfg.resolved["spike_detection"] = (
+            "off: DPO's loss is a mean over a few pairs per step, not over tokens; one hard pair would pass "
+            "for a spike (--recovery.spike_detection true turns it on)"
+        )
 
 
 def _toml_value(v: Any) -> str:

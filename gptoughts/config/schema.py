@@ -439,6 +439,10 @@ class DpoConfig:
     """Rows per chunk when summing the completions' log-probabilities: >0 computes the fp32 logits one chunk at
     a time under activation checkpointing (less peak memory, the LM head recomputed); 0: all rows at once."""
 
+    def resolved_reference(self, lora: bool) -> str:
+        """``reference`` with auto decided: adapters_off with LoRA, precomputed otherwise."""
+        return self.reference if self.reference != "auto" else "adapters_off" if lora else "precomputed"
+
 
 @dataclass
 class Config:

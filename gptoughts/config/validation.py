@@ -12,6 +12,7 @@ from gptoughts.coerce import coerce
 from gptoughts.config.schema import (
     CheckpointConfig,
     Config,
+    DpoConfig,
     EvalConfig,
     ModelConfig,
     ParallelConfig,
@@ -276,6 +277,19 @@ def _validate_finetune(cfg: Config) -> None:
         raise ConfigError("LoRA adapts a pretrained model: pass --model HF_DIR (model.init_from) with --lora")
 
 
+def _refuse_dpo_settings(cfg: Config) -> None:
+    """A ``[dpo]`` value the user set on a run that is not preference tuning would be ignored: refused. (A value
+    equal to its default is not refused: every run's config.toml lists the section, and it must resume.)"""
+    default = DpoConfig()
+    for name in DpoConfig.__dataclass_fields__:
+        key = f"dpo.{name}"
+        if cfg.is_given(key) and getattr(cfg.dpo, name) != getattr(default, name):
+            raise ConfigError(
+                f"{key} applies to preference tuning only: add --objective dpo (gptoughts finetune --model "
+                f"HF_DIR --objective dpo --data PAIRS.jsonl) or drop --{key}"
+            )
+
+
 def _validate_dpo(cfg: Config) -> None:
     """``[dpo]`` ranges, and what preference tuning needs (a pretrained model, explicit batches, no pipeline)."""
     d = cfg.dpo
@@ -286,6 +300,7 @@ def _validate_dpo(cfg: Config) -> None:
     if d.logp_chunk < 0:
         raise ConfigError(f"dpo.logp_chunk must be >= 0 (0: no chunks), got {d.logp_chunk}")
     if cfg.train.objective != "dpo":
+        _refuse_dpo_settings(cfg)
         return
     if cfg.model.init_from is None:
         raise ConfigError(

@@ -151,7 +151,7 @@ def _pref_data(cfg: Config, sources: list[str], tok_spec: Any, init_from: Path |
         val_fraction=cfg.data.val_fraction,
         seed=cfg.train.seed,
     )
-    corpus = {"examples": pairs.stats["pairs"], "summary": pairs.summary()}
+    corpus = {"examples": pairs.stats["pairs"], "val_pairs": pairs.stats["val"], "summary": pairs.summary()}
     return Data(
         sources=sources, format="prefs", tokenizer=tokenizer, prefs=pairs, init_from=init_from, corpus=corpus
     )

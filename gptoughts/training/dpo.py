@@ -172,8 +172,12 @@ def _probe_pairs(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.
 
 def build_dpo(d: DpoConfig, *, lora: bool) -> DPO:
     """The objective of ``[dpo]``: ``reference = auto`` is adapters_off with LoRA, precomputed otherwise."""
-    reference = d.reference if d.reference != "auto" else "adapters_off" if lora else "precomputed"
-    return DPO(beta=d.beta, label_smoothing=d.label_smoothing, reference=reference, logp_chunk=d.logp_chunk)
+    return DPO(
+        beta=d.beta,
+        label_smoothing=d.label_smoothing,
+        reference=d.resolved_reference(lora),
+        logp_chunk=d.logp_chunk,
+    )
 
 
 def pair_metrics(objective: Any, training: bool, dist: pdist.DistInfo, prefix: str) -> dict[str, float]:

@@ -163,6 +163,8 @@ class RunPlan:
         ev = f"eval every {b['eval_interval']:,}" if b["eval_interval"] else "eval at the end"
         if b.get("eval_block") == 0:
             ev = "no evaluation (no held-out data)"
+        if self.corpus.get("val_pairs") == 0:  # (a pair file too small for data.val_fraction to hold one out)
+            ev = "no evaluation (no held-out pairs)"
         sv = f"checkpoint every {b['save_interval']:,}" if b["save_interval"] else "checkpoint at the end"
         return (
             f"  steps: {b['total_steps']:,} ({b['stop_rule']}) = {b['epochs']:.2f} epoch(s) over the data, "
@@ -174,6 +176,9 @@ class RunPlan:
         layout, fp8, compile), in the order a reader checks them."""
         r = self.resolved
         lines = []
+        if "objective" in r:
+            spikes = r.get("spike_detection")
+            lines.append(f"  objective: {r['objective']}" + (f"; spike detection {spikes}" if spikes else ""))
         if "parallel" in r:
             reshard = r.get("reshard_after_forward")
             lines.append(
