@@ -110,3 +110,39 @@ def test_a_deepseek_run_saved_before_the_moe_switches_loads_and_resumes_alike(
     a, b = _losses(ref), _losses(old)
     for step in (3, 4):
         assert abs(a[step] - b[step]) < 1e-5 * a[step], (step, a[step], b[step])
+
+
+def _optimizer_line(capsys, corpus: Path, *flags: str) -> str:
+    argv = [
+        "train",
+        "--dry_run",
+        "--data",
+        str(corpus),
+        "--model",
+        "deepseek",
+        "--size",
+        "debug",
+        *flags,
+        *RUN,
+    ]
+    code, text = run_cli(argv, capsys)
+    assert code == 0 and "Traceback" not in text, text[-2000:]
+    return next(line for line in text.splitlines() if line.strip().startswith("optimizer:"))
+
+
+def test_the_plan_says_how_muons_step_runs(text_corpus, cache_dir, capsys):
+    line = _optimizer_line(capsys, text_corpus, "--optimizer", "muon")
+    assert "Newton-Schulz" not in line  # the default step: nothing to say
+    line = _optimizer_line(
+        capsys,
+        text_corpus,
+        "--optimizer",
+        "muon",
+        "--perf.muon_compile",
+        "true",
+        "--perf.muon_distribute",
+        "true",
+    )
+    # on the CPU the step stays eager, and one process has no sharded matrices to spread
+    assert "Newton-Schulz eager (perf.muon_compile compiles on CUDA only" in line, line
+    assert "whole on every rank (perf.muon_distribute: no sharded matrices)" in line, line
