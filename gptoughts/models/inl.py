@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -52,6 +52,9 @@ _INIT_KAPPA = 1.0
 @dataclass
 class INLArgs:
     """Architecture hyper-parameters of an INL-LLM (build one with ``models.model_args``)."""
+
+    KERNEL_FIELDS: ClassVar[frozenset[str]] = frozenset({"integrator_impl"})
+    """The speed switches: other kernels, the same model and weights (a run resumes with them changed)."""
 
     d_model: int = 2048
     """Width of the residual stream."""

@@ -59,7 +59,23 @@ def _draws_randomness(model: nn.Module) -> bool:
     return active or any(not type(b).__module__.startswith("gptoughts.") for b in blocks)
 
 
+# Ops that selective checkpointing runs without counting them for its replay. FSDP2's hooks open profiler ranges
+# (record_function ops), and where an FSDP2 unit sits inside a checkpointed block (expert parallelism's experts,
+# parallel/ep.py) its hooks run a different number of them in the recomputation than in the forward: counted, they
+# shift the replay's indices and the backward fails ("... invocation index N encountered during backward but not
+# found in storage"; pytorch/torchtitan#3427). They return no tensor to save, so leaving them out changes nothing.
+_PROFILER_OPS = (
+    torch.ops.profiler._record_function_enter.default,
+    torch.ops.profiler._record_function_enter_new.default,
+    torch.ops.profiler._record_function_exit.default,
+    torch.ops.profiler._record_function_exit._RecordFunction,
+)
+
+
 def _selective_context():
+    from torch.utils import checkpoint
+
+    checkpoint.SAC_IGNORED_OPS.update(_PROFILER_OPS)  # a set: adding again is a no-op
     return create_selective_checkpoint_contexts(_policy)
 
 

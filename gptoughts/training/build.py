@@ -241,7 +241,9 @@ def _plan(
     from gptoughts.training.resolve import resolve_run
 
     applied = model.built.resolved if model.built is not None else None
-    spec = resolve_run(cfg, env.resolved, model.transforms, applied, batch, env.dist, model.raw, threads)
+    spec = resolve_run(
+        cfg, env.resolved, model.transforms, applied, batch, env.dist, model.raw, threads, env.device.type
+    )
     if spec.pipeline_micro is not None and model.built is not None:
         model.built.pipeline.n_micro = spec.pipeline_micro
     resolved = dict(spec.resolved)

@@ -399,6 +399,7 @@ def resolve_run(
     dist: pdist.DistInfo,
     raw: nn.Module | None,
     threads: str | None = None,
+    device_type: str | None = None,
 ) -> RunSpec:
     """The run's :class:`RunSpec`. ``applied``: what the build applied (``Built.resolved``: the spec's values and
     what applying them counted), None in a dry run (the spec's own values); ``threads``: the CPU thread count and
@@ -420,14 +421,17 @@ def resolve_run(
         resolved["pipeline"] = pp.describe(split, dist.pp, par.pp_schedule, micro)
     optimizer = None
     if raw is not None:
-        optimizer, resolved["optimizer"] = optimizer_line(cfg, raw)
+        optimizer, resolved["optimizer"] = optimizer_line(cfg, raw, dist, device_type)
     if threads is not None:
         resolved["threads"] = threads
     return RunSpec(transforms, batch, micro, optimizer, resolved)
 
 
-def optimizer_line(cfg: Config, raw: nn.Module) -> tuple[str, str]:
-    """The optimizer and its plan line: states, peak learning rate, schedule, and why."""
+def optimizer_line(
+    cfg: Config, raw: nn.Module, dist: pdist.DistInfo | None = None, device_type: str | None = None
+) -> tuple[str, str]:
+    """The optimizer and its plan line: states, peak learning rate, schedule, and why (and, for Muon, how
+    its Newton-Schulz step runs where a perf switch asked for another way)."""
     from gptoughts.training.optim import describe_states
 
     name, why = optimizer_rule(raw, cfg.train)
@@ -438,4 +442,26 @@ def optimizer_line(cfg: Config, raw: nn.Module) -> tuple[str, str]:
     if "learning_rate" in cfg.resolved:
         lr += f" ({cfg.resolved['learning_rate']})"
     states = describe_states(t.optimizer_states) + (" for the AdamW groups" if name == "muon" else "")
-    return name, f"{name} ({states}), {lr}, {t.schedule} schedule ({why})"
+    line = f"{name} ({states}), {lr}, {t.schedule} schedule ({why})"
+    step = muon_step_words(cfg.perf, dist or pdist.DistInfo(), device_type) if name == "muon" else ""
+    return name, line + (f"; Newton-Schulz {step}" if step else "")
+
+
+def muon_step_words(perf: PerfConfig, dist: pdist.DistInfo, device_type: str | None) -> str:
+    """What ``perf.muon_compile`` / ``muon_distribute`` do in this run (as ``training/optim.py`` decides it), or
+    "" when neither is asked: compiled where the matrices are on CUDA (not offloaded ones); spread only over
+    matrices sharded on 2+ ranks."""
+    words = []
+    if perf.muon_compile:
+        if device_type == "cuda" and not dist.cpu_offload:
+            words.append("compiled per shape group")
+        else:
+            words.append("eager (perf.muon_compile compiles on CUDA only, not offloaded matrices)")
+    if perf.muon_distribute:
+        sharded = dist.world_size > 1 and (dist.strategy == "fsdp" or dist.tp > 1)
+        words.append(
+            f"spread over the {dist.world_size} ranks"
+            if sharded
+            else "whole on every rank (perf.muon_distribute: no sharded matrices)"
+        )
+    return ", ".join(words)

@@ -212,7 +212,8 @@ def check_resumable(run_dir: Path) -> None:
 
 def architecture_changes(old: Config, cfg: Config) -> list[str]:
     """``field old -> new`` for each model field in which ``cfg`` builds another model than ``old`` did (the
-    resolved architecture: naming a run's own value again is no change)."""
+    resolved architecture: naming a run's own value again is no change). A family's speed switches
+    (``KERNEL_FIELDS`` of its args) run other kernels on the same weights: no change either."""
     from gptoughts import models
 
     changes = [
@@ -227,10 +228,11 @@ def architecture_changes(old: Config, cfg: Config) -> list[str]:
         return changes
     before = models.model_args(old.model.family, old.model.size, old.model.overrides)
     after = models.model_args(cfg.model.family, cfg.model.size, cfg.model.overrides)
+    kernels = getattr(before, "KERNEL_FIELDS", frozenset())
     return [
         f"{f.name} {getattr(before, f.name)} -> {getattr(after, f.name)}"
         for f in dataclasses.fields(before)
-        if getattr(before, f.name) != getattr(after, f.name)
+        if f.name not in kernels and getattr(before, f.name) != getattr(after, f.name)
     ]
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from gptoughts.errors import ConfigError
 from gptoughts.models.deepseek.rope import check_rope_scaling, rope_kind, yarn_mscale
@@ -14,6 +14,11 @@ __all__ = ["DEEPSEEK_SIZES", "DeepSeekArgs"]
 @dataclass
 class DeepSeekArgs:
     """Architecture hyper-parameters of a DeepSeek-V3-style model (build one with ``models.model_args``)."""
+
+    KERNEL_FIELDS: ClassVar[frozenset[str]] = frozenset(
+        {"moe_combine", "moe_permute", "moe_router", "moe_shared"}
+    )
+    """The speed switches: other kernels, the same model and weights (a run resumes with them changed)."""
 
     d_model: int = 1024
     """Width of the residual stream (HF ``hidden_size``)."""
