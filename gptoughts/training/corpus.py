@@ -131,7 +131,7 @@ def _sft_data(cfg: Config, sources: list[str], tok_spec: Any, init_from: Path | 
         val_fraction=cfg.data.val_fraction,
         seed=cfg.train.seed,
     )
-    corpus = {"examples": sft.stats["examples"], "summary": sft.summary()}
+    corpus = {"examples": sft.stats["examples"], "val_examples": sft.stats["val"], "summary": sft.summary()}
     return Data(
         sources=sources, format="sft", tokenizer=tokenizer, sft=sft, init_from=init_from, corpus=corpus
     )

@@ -163,8 +163,11 @@ class RunPlan:
         ev = f"eval every {b['eval_interval']:,}" if b["eval_interval"] else "eval at the end"
         if b.get("eval_block") == 0:
             ev = "no evaluation (no held-out data)"
-        if self.corpus.get("val_pairs") == 0:  # (a pair file too small for data.val_fraction to hold one out)
+        # a pair or example file too small (or data.val_fraction 0) holds nothing out
+        if self.corpus.get("val_pairs") == 0:
             ev = "no evaluation (no held-out pairs)"
+        if self.corpus.get("val_examples") == 0:
+            ev = "no evaluation (no held-out examples)"
         sv = f"checkpoint every {b['save_interval']:,}" if b["save_interval"] else "checkpoint at the end"
         return (
             f"  steps: {b['total_steps']:,} ({b['stop_rule']}) = {b['epochs']:.2f} epoch(s) over the data, "

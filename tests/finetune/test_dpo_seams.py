@@ -190,3 +190,27 @@ def test_full_dpo_resumes_exactly(hf_model, tmp_path, ft_fast, ft_cache, monkeyp
     a, b = run_losses(tmp_path / "a"), run_losses(tmp_path / "b")
     assert sorted(a) == sorted(b) == list(range(1, 9))
     assert all(a[s] == b[s] for s in a), (a, b)
+
+
+def test_the_plan_of_an_sft_run_with_nothing_held_out_says_no_evaluation(
+    hf_model, tmp_path, capsys, ft_cache
+):
+    # One example: the split holds none out, so no evaluation runs, and the plan must not promise one.
+    base, data = hf_model("llama"), tmp_path / "one.jsonl"
+    data.write_text(json.dumps({"prompt": "2+2?", "response": "4"}) + "\n")
+    argv = [
+        "finetune",
+        "--model",
+        str(base),
+        "--data",
+        str(data),
+        "--max_steps",
+        "1",
+        "--out",
+        str(tmp_path / "r"),
+    ]
+    code, text = run_cli([*argv, *DPO_CLI], capsys)
+    assert code == 0, text[-2000:]
+    steps = next(ln for ln in text.splitlines() if ln.strip().startswith("steps:"))
+    assert "no evaluation (no held-out examples)" in steps, steps
+    assert "val loss" not in text  # and the run does as its plan says
