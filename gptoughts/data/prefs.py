@@ -28,10 +28,12 @@ from gptoughts.data.sft import (
     IGNORE_INDEX,
     STATE_VERSION,
     Message,
+    SFTData,
     SFTLoader,
     _first_record,
     _jsonl_files,
     encode_conversations,
+    split_indices,
 )
 from gptoughts.errors import ConfigError, DataError
 
@@ -173,9 +175,7 @@ class PrefData:
         self.rows = rows
         n = len(rows) // 2
         self.ref_logratio = np.full(n, np.nan, dtype=np.float64)
-        n_val = 0 if n < 2 or val_fraction <= 0 else min(n - 1, max(1, round(n * val_fraction)))
-        perm = np.random.default_rng([seed, 0x5F7]).permutation(n)
-        self.val_idx, self.train_idx = np.sort(perm[:n_val]), np.sort(perm[n_val:])
+        self.train_idx, self.val_idx = split_indices(n, val_fraction, seed)
         stats.update(train=len(self.train_idx), val=len(self.val_idx))
         stats["target_tokens"] = int(sum((y != IGNORE_INDEX).sum() for _, y in rows))
         self.stats = stats
@@ -193,10 +193,7 @@ class PrefData:
     def __len__(self) -> int:
         return len(self.ref_logratio)
 
-    def indices(self, split: str) -> np.ndarray:
-        if split not in ("train", "val"):
-            raise ConfigError(f"split must be train or val, got {split!r}")
-        return self.train_idx if split == "train" else self.val_idx
+    indices = SFTData.indices  # reads train_idx and val_idx only
 
     def summary(self) -> str:
         s = self.stats

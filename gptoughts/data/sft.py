@@ -250,6 +250,14 @@ def render_prompt(tokenizer: Any, messages: list[Message]) -> list[int]:
 # ------------------------------------------------------------------------------------------------ dataset
 
 
+def split_indices(n: int, val_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(train, held-out) indices of ``n`` examples: a seeded shuffle, ``val_fraction`` of them held out (at least
+    one when the fraction is positive, never all)."""
+    n_val = 0 if n < 2 or val_fraction <= 0 else min(n - 1, max(1, round(n * val_fraction)))
+    perm = np.random.default_rng([seed, 0x5F7]).permutation(n)
+    return np.sort(perm[n_val:]), np.sort(perm[:n_val])
+
+
 class SFTData:
     """Tokenized examples of both splits, truncated to fit a row, with counts of what was cut or skipped."""
 
@@ -296,11 +304,7 @@ class SFTData:
         # Targets with the loss mask applied once: a row's y is then a plain slice.
         self.y_tokens = np.where(np.concatenate(keep_tgt), tokens, IGNORE_INDEX)
         self.pairs = lengths - 1  # (input, target) positions each example fills in a row
-        n = len(lengths)
-        n_val = 0 if n < 2 or val_fraction <= 0 else min(n - 1, max(1, round(n * val_fraction)))
-        perm = np.random.default_rng([seed, 0x5F7]).permutation(n)
-        self.val_idx = np.sort(perm[:n_val])
-        self.train_idx = np.sort(perm[n_val:])
+        self.train_idx, self.val_idx = split_indices(len(lengths), val_fraction, seed)
         stats.update(
             train=len(self.train_idx),
             val=len(self.val_idx),
