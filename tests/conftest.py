@@ -23,6 +23,18 @@ def _one_torch_thread():
 
 
 @pytest.fixture(autouse=True)
+def _own_logger_state():
+    """The CLI gives the ``gptoughts`` logger a handler and stops its propagation, once per process: undone after
+    each test, or a later test's ``caplog`` (which listens at the root) would hear nothing, depending on order."""
+    import logging
+
+    log = logging.getLogger("gptoughts")
+    saved = (list(log.handlers), log.level, log.propagate)
+    yield
+    log.handlers[:], log.level, log.propagate = saved[0], saved[1], saved[2]
+
+
+@pytest.fixture(autouse=True)
 def _own_working_directory(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
     """Each test runs in an empty folder of its own, with its own cache: what a test writes to a relative path
     (`runs/quickstart`, the default cache) never meets the user's checkout or another test's files."""
