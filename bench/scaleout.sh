@@ -13,7 +13,8 @@
 #        6 of 12 steps), FSDP2 x2. A watcher records when each checkpoint is complete and deletes it (two 8b
 #        checkpoints, 78 GiB each, do not fit a 128 GiB disk). About 8 minutes on 2 H200s.
 #   par: 8b at seq 8192 on GPUS GPUs, 4 x GPUS rows of 8192 tokens a step: FSDP2, tensor parallel over all GPUS,
-#        a GPUS-stage pipeline, and tensor parallel 2 x FSDP2 GPUS/2 (EXTRA: more flags for all four, e.g. --fp8 true);
+#        a GPUS-stage pipeline, and tensor parallel 2 x FSDP2 GPUS/2 (EXTRA: more flags for all four, e.g. --fp8 true;
+#        LAYOUTS: a subset of "fsdp tp pp tp2dp");
 #   dcp-move: 1b FSDP2 on GPUS GPUs saving a sharded async checkpoint every 10 steps (blocked time per save), then
 #        its step-10 checkpoint resumed on GPUS/2 GPUs and on 1 GPU: the next 10 steps' losses side by side;
 #   agents: 1b DDP as two torchrun agents of GPUS/2 processes each on this host (c10d rendezvous, as two nodes
@@ -110,9 +111,13 @@ read -r -a prec <<< "${PREC:---precision bf16 --compile true}"
 common=(--data @stdlib --tokenizer bytes --no_progress --eval_interval 0 --train.sample_prompts= --warmup_steps 2
         --log_interval 2)
 python3 -m gptoughts prepare --data @stdlib --tokenizer bytes --out /tmp/warm > /dev/null 2>&1
-big=(--size 8b --block_size 8192 --max_steps 10 --train.checkpoints false "${common[@]}" --precision bf16 --compile true)
-tr() { local n=$1 name=$2; shift 2
-  torchrun --standalone --nproc_per_node="$n" -m gptoughts train "$@" --out "$runs/$name" > "$out/$name.log" 2>&1
+# BIG replaces the 8b shape and precision of the pp, tp and par modes (a CPU check: BIG="--size debug --block_size 64
+# --device cpu --precision fp32 --compile false")
+read -r -a big_shape <<< "${BIG:---size 8b --block_size 8192 --precision bf16 --compile true}"
+big=("${big_shape[@]}" --max_steps 10 --train.checkpoints false "${common[@]}")
+tr() { local n=$1 name=$2; shift 2  # RUN_TIMEOUT (s, default none) stops a run that hangs or crawls
+  timeout "${RUN_TIMEOUT:-0}" torchrun --standalone --nproc_per_node="$n" -m gptoughts train "$@" \
+    --out "$runs/$name" > "$out/$name.log" 2>&1
 }
 losses() {  # RUN FROM: the losses logged after step FROM
   python3 -c "import json, sys; print([(r['step'], round(r['loss'], 4)) for r in map(json.loads, \
@@ -150,17 +155,21 @@ for r in map(json.loads, open(sys.argv[1] + '/metrics.jsonl')) if 'loss' in r an
         "$runs/1b-dcp-one" | tee -a "$out/scaleout.txt" ;;
     par)
       half=$((gpus / 2)); rows=$((4 * gpus)); tag=${EXTRA:+-x}
-      tr "$gpus" "8b-fsdp$gpus$tag" "${big[@]}" "${extra[@]}" --batch_size 1 --grad_accum 4 --parallel.strategy fsdp
-      summary "$runs/8b-fsdp$gpus$tag" "8b fsdp x$gpus ${EXTRA:-} (b1 x accum 4 per GPU)" "$gpus" | tee -a "$out/scaleout.txt"
-      tr "$gpus" "8b-tp$gpus$tag" "${big[@]}" "${extra[@]}" --batch_size 4 --grad_accum $((rows / 4)) --parallel.tp "$gpus"
-      summary "$runs/8b-tp$gpus$tag" "8b tp$gpus ${EXTRA:-} ($rows rows a step)" "$gpus" | tee -a "$out/scaleout.txt"
-      tr "$gpus" "8b-pp$gpus$tag" "${big[@]}" "${extra[@]}" --batch_size "$rows" --grad_accum 1 --parallel.pp "$gpus" \
-        --parallel.pp_microbatches "$rows"
-      summary "$runs/8b-pp$gpus$tag" "8b pp$gpus 1f1b ${EXTRA:-} ($rows rows in $rows micro-batches)" "$gpus" | tee -a "$out/scaleout.txt"
-      tr "$gpus" "8b-tp2dp$half$tag" "${big[@]}" "${extra[@]}" --batch_size 2 --grad_accum $((rows / 2 / half)) \
-        --parallel.tp 2 --parallel.strategy fsdp
-      summary "$runs/8b-tp2dp$half$tag" "8b tp2 x fsdp$half ${EXTRA:-} ($rows rows a step)" "$gpus" | tee -a "$out/scaleout.txt"
-      rm -rf "$runs"/8b-* ;;
+      for lay in ${LAYOUTS:-fsdp tp pp tp2dp}; do
+        case $lay in
+          fsdp) name=8b-fsdp$gpus$tag label="8b fsdp x$gpus ${EXTRA:-} (b1 x accum 4 per GPU)"
+                args=(--batch_size 1 --grad_accum 4 --parallel.strategy fsdp) ;;
+          tp) name=8b-tp$gpus$tag label="8b tp$gpus ${EXTRA:-} ($rows rows a step)"
+              args=(--batch_size 4 --grad_accum $((rows / 4)) --parallel.tp "$gpus") ;;
+          pp) name=8b-pp$gpus$tag label="8b pp$gpus 1f1b ${EXTRA:-} ($rows rows in $rows micro-batches)"
+              args=(--batch_size "$rows" --grad_accum 1 --parallel.pp "$gpus" --parallel.pp_microbatches "$rows") ;;
+          tp2dp) name=8b-tp2dp$half$tag label="8b tp2 x fsdp$half ${EXTRA:-} ($rows rows a step)"
+                 args=(--batch_size 2 --grad_accum $((rows / 2 / half)) --parallel.tp 2 --parallel.strategy fsdp) ;;
+        esac
+        tr "$gpus" "$name" "${big[@]}" "${extra[@]}" "${args[@]}"
+        summary "$runs/$name" "$label" "$gpus" | tee -a "$out/scaleout.txt"
+        rm -rf "${runs:?}/$name"
+      done ;;
     dcp-move)
       half=$((gpus / 2))
       one=("${one_shape[@]}" "${common[@]}" "${prec[@]}" --save_interval 10)
