@@ -5,6 +5,8 @@ Both sides train the same random ``LlamaForCausalLM`` (made and saved by transfo
 settings: bf16 base weights (fp32 on CPU), LoRA r16 alpha 32 dropout 0 on q/k/v/o/gate/up/down, the sigmoid loss
 with beta 0.1, the reference = the base with its adapters disabled (no precomputed log-probabilities), ``--batch``
 pairs per step, no accumulation, the same constant learning rate, grad clip 1.0, no evaluation or logging to disk.
+Activation checkpointing as each ships: ours as `gptoughts finetune` resolves it, TRL's ``gradient_checkpointing``
+default (on; ``--trl_gradient_checkpointing false`` times it off). ``--variants`` times ours with more overrides.
 
 The data: every row (prompt + completion, chosen or rejected) is exactly ``--seq`` tokens, so nothing is truncated
 on either side and both run ``[2 x batch, seq]`` rows. Ours reads the JSONL as ``gptoughts finetune`` does
@@ -20,10 +22,9 @@ Then the reference log-probabilities (adapters disabled) of the first ``--batch`
     python bench/dpo_vs_trl.py --size 1b --seq 1024 --batch 4 --out results.json          # GPU target
     python bench/dpo_vs_trl.py --size tiny --device cpu --steps 2 --warmup 1 --out /tmp/dpo.json  # smoke
 
-TRL's wheels (the GPU machine has transformers, peft, accelerate but no trl or datasets):
-``pip download --no-deps -d .wheels trl==1.16.0 datasets==5.2.0`` plus what ``datasets`` needs that is missing
-there (pyarrow, dill, multiprocess, xxhash, pandas), installed with ``--target .peer``; run with PYTHONPATH=.:.peer.
-A side that runs out of GPU memory is recorded under "failed" and the other side still runs.
+TRL's wheels (the GPU machine has transformers, peft, accelerate, not trl or datasets): trl==1.16.0 datasets==5.2.0
+and what datasets needs (pyarrow, pandas, dill, multiprocess, xxhash), ``pip install --no-deps --target .peer``;
+run with PYTHONPATH=.:.peer. A side out of GPU memory is recorded under "failed"; the other still runs.
 """
 
 from __future__ import annotations
@@ -247,8 +248,6 @@ def run_trl(
     model_dir: Path, examples: list[dict[str, list[int]]], a: argparse.Namespace, device: torch.device
 ) -> dict[str, Any]:
     """TRL's DPOTrainer with a PEFT LoraConfig, timed by a callback around each optimizer step."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
     import peft
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
@@ -479,4 +478,7 @@ def compare(res: dict[str, Any], a: argparse.Namespace) -> None:
 
 
 if __name__ == "__main__":
+    # Before huggingface_hub is imported (it reads them once): no hub look-up, no telemetry ping from TRL.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
     main()
