@@ -117,25 +117,35 @@ class DPO:
         self._sums: dict[bool, torch.Tensor | None] = {True: None, False: None}  # by model.training
         self._layers: tuple[int, list[nn.Module]] | None = None
 
-    def logratio(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """``log π(chosen) - log π(rejected)`` per pair, both rows of every pair in one forward pass."""
+    def pair_logps(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Summed completion log-probabilities ``[B, 2]`` (chosen, rejected), both rows of every pair in one
+        forward pass."""
         b, _, t = x.shape
         hidden = model(x.reshape(2 * b, t), return_hidden=True)
         inner = _inner(model)
-        logps = completion_logps(
+        return completion_logps(
             hidden,
             inner.output_weight,
             y.reshape(2 * b, t),
             softcap=getattr(inner, "logit_softcap", None),
             chunk_rows=self.logp_chunk,
         ).view(b, 2)
+
+    def logratio(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """``log π(chosen) - log π(rejected)`` per pair."""
+        logps = self.pair_logps(model, x, y)
         return logps[:, 0] - logps[:, 1]
 
-    def _reference(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def reference_logps(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """:meth:`pair_logps` of the LoRA reference: the same model with its adapters disabled, without gradient."""
         if self._layers is None or self._layers[0] != id(model):
             self._layers = (id(model), _tuner_layers(model))
         with torch.no_grad(), adapters_disabled(self._layers[1]):
-            return self.logratio(model, x, y)
+            return self.pair_logps(model, x, y)
+
+    def _reference(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        logps = self.reference_logps(model, x, y)
+        return logps[:, 0] - logps[:, 1]
 
     def __call__(
         self, model: nn.Module, batch: tuple[torch.Tensor, ...]
