@@ -16,6 +16,8 @@ Scope: the dense blocks of the llama family; master weights, optimizer, norms' w
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -178,22 +180,33 @@ def convert_to_fused_fp8(model: nn.Module, bf16_end_layers: int = 0, fast_accum_
     def keep(m: nn.Module, fqn: str) -> bool:
         return fp8_module_filter(m, fqn, n_layers, bf16_end_layers)
 
+    return sum(
+        swap_linears(block, lambda m, name, i=i: keep(m, f"layers.{i}.{name}"), fast_accum_bwd)
+        for i, block in enumerate(model.layers)
+    )
+
+
+def swap_linears(
+    root: nn.Module, keep: Callable[[nn.Module, str], bool] | None = None, fast_accum_bwd: bool = False
+) -> int:
+    """In ``root`` (a block, or a lone sub-block in bench/fp8_fused.py): each ``SwiGLU`` whose three linears
+    ``keep`` accepts becomes a :class:`FusedFp8SwiGLU`, each other accepted ``nn.Linear`` a :class:`FusedFp8Linear`
+    (``keep(module, name)``, names relative to ``root``; None: all). How many linears now run in fp8."""
+    keep = keep or (lambda m, name: True)
     count = 0
-    for i, block in enumerate(model.layers):
-        prefix = f"layers.{i}"
-        ff = block.feed_forward
-        if type(ff) is SwiGLU and all(keep(lin, f"{prefix}.feed_forward.{n}") for n, lin in _mlp(ff)):
+    for name, ff in list(root.named_modules()):
+        pre = f"{name}." if name else ""
+        if type(ff) is SwiGLU and all(keep(lin, f"{pre}{n}") for n, lin in _mlp(ff)):
             ff.__class__ = FusedFp8SwiGLU  # a subclass: only forward changes
             ff.fast_accum_bwd = fast_accum_bwd
             count += 3
-        fused_mlp = isinstance(block.feed_forward, FusedFp8SwiGLU)
-        for name, module in list(block.named_modules()):
-            if fused_mlp and name.startswith("feed_forward."):
-                continue  # already fp8 inside FusedFp8SwiGLU
-            if type(module) is nn.Linear and keep(module, f"{prefix}.{name}"):
-                module.__class__ = FusedFp8Linear  # a subclass: parameters, hooks, state dict stay
-                module.fast_accum_bwd = fast_accum_bwd
-                count += 1
+    fused = [f"{n}." if n else "" for n, m in root.named_modules() if isinstance(m, FusedFp8SwiGLU)]
+    for name, module in list(root.named_modules()):
+        inside_fused = any(name.startswith(prefix) for prefix in fused)  # already fp8 in FusedFp8SwiGLU
+        if type(module) is nn.Linear and not inside_fused and keep(module, name):
+            module.__class__ = FusedFp8Linear  # a subclass: parameters, hooks, state dict stay
+            module.fast_accum_bwd = fast_accum_bwd
+            count += 1
     return count
 
 
