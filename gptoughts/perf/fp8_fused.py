@@ -67,8 +67,15 @@ def _mm(
     ``[N, 1]``. ``_scaled_mm`` wants its second operand column-major: ``b_t.t()`` is exactly that (no copy).
     ``fast``: the tensor cores' fast, less precise accumulation."""
     if scaled_mm:
+        # Layouts the CUDA kernel insists on: `a` row-major, the second operand column-major. A quantized W.T
+        # (backward) comes out in W.T's strides, and dy can arrive strided: a copy then (no-op otherwise).
         return torch._scaled_mm(
-            a, b_t.t(), scale_a=sa, scale_b=sb.t(), out_dtype=torch.bfloat16, use_fast_accum=fast
+            a.contiguous(),
+            b_t.contiguous().t(),
+            scale_a=sa,
+            scale_b=sb.t(),
+            out_dtype=torch.bfloat16,
+            use_fast_accum=fast,
         )
     return (dequantize(a, sa) @ dequantize(b_t, sb).t()).to(torch.bfloat16)
 

@@ -92,6 +92,26 @@ def test_scaled_mm_operands_match_the_fp32_reference():
         assert torch.allclose(got.float(), want.float(), rtol=1e-2, atol=1e-2)
 
 
+def test_scaled_mm_gets_the_layouts_the_cuda_kernel_demands(monkeypatch):
+    """cuBLAS/CUTLASS refuse a row-major second operand or misshapen scales; the CPU kernel accepts anything, so the
+    calls (forward, and the backward's transposed weight and strided dy) are checked here."""
+    calls = []
+
+    def checked(a, b, *, scale_a, scale_b, out_dtype, use_fast_accum):
+        calls.append(use_fast_accum)
+        assert a.is_contiguous() and b.t().is_contiguous(), (a.stride(), b.stride())
+        assert scale_a.shape == (a.shape[0], 1) and scale_b.shape == (1, b.shape[1])
+        assert scale_a.dtype == scale_b.dtype == torch.float32 and out_dtype == torch.bfloat16
+        return (a.float() * scale_a) @ (b.float() * scale_b)
+
+    monkeypatch.setattr(torch, "_scaled_mm", checked)
+    x = torch.randn(32, 64, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(48, 64, requires_grad=True)
+    y = fp8_linear(*quantize_rowwise(x), x, w, scaled_mm=True, fast_accum_bwd=False)
+    y.backward(torch.randn(48, 32, dtype=torch.bfloat16).t())  # a strided output gradient
+    assert calls == [True, False]  # fast accumulation in the forward only, unless asked
+
+
 def test_fp8_linear_is_close_to_the_fp32_linear():
     torch.manual_seed(0)
     x = (torch.randn(4, 16, 128) * 2).to(torch.bfloat16).requires_grad_()
