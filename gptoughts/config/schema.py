@@ -265,8 +265,11 @@ class PerfConfig:
     on GPUs with bf16: +6% tokens/s at 125m, +1% at 1b, less memory; fp32 elsewhere). Only acts under bf16."""
     fp8: bool | str = False
     """FP8 matmuls through torchao float8 (Ada/Hopper+): true, false or auto (on for Hopper+ at d_model >= 2048)."""
-    fp8_recipe: Literal["tensorwise", "rowwise"] = "tensorwise"
-    """tensorwise (one scale per tensor, fastest) or rowwise (one scale per row, more robust)."""
+    fp8_recipe: Literal["tensorwise", "rowwise", "fused_rowwise"] = "tensorwise"
+    """tensorwise (one scale per tensor, fastest of torchao's) or rowwise (one scale per row, more robust), both
+    torchao's; or fused_rowwise (no torchao; llama family, no tensor parallelism): each activation quantized per row
+    inside the kernel that makes it (RMSNorm, SwiGLU) under torch.compile, forward and input-gradient matmuls
+    through ``torch._scaled_mm``, weight gradients in bf16 (``gptoughts/perf/fp8_fused.py``)."""
     fp8_bf16_end_layers: int = 0
     """With fp8: keep the first and the last this-many transformer blocks in bf16 (closer loss, less speed)."""
     fp8_fast_accum: bool = False

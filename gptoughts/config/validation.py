@@ -37,6 +37,7 @@ def validate(cfg: Config) -> None:
         )
     check_parallel(cfg.parallel)
     _check_perf(cfg.perf)
+    _check_fused_fp8(cfg)
     _check_profile(cfg.train.profile)
     _validate_eval_tasks(cfg)
     _validate_dpo(cfg)
@@ -104,6 +105,23 @@ def _check_perf(perf: PerfConfig) -> None:
         raise ConfigError(
             f"perf.residual_dtype = bf16 needs bf16 mixed precision, but perf.precision is "
             f"{perf.precision}; use --precision bf16 or perf.residual_dtype = fp32"
+        )
+
+
+def _check_fused_fp8(cfg: Config) -> None:
+    """What ``perf.fp8_recipe = fused_rowwise`` covers: the llama family's blocks, unsharded weights."""
+    if cfg.perf.fp8_recipe != "fused_rowwise" or cfg.perf.fp8 is False:
+        return
+    use = "use perf.fp8_recipe = tensorwise or rowwise"
+    if cfg.model.family != "llama":
+        raise ConfigError(
+            f"perf.fp8_recipe = fused_rowwise supports the llama family only, not {cfg.model.family}; {use}"
+        )
+    if cfg.parallel.tp > 1:
+        raise ConfigError(f"perf.fp8_recipe = fused_rowwise does not combine with --parallel.tp yet; {use}")
+    if cfg.perf.fp8_all_gather:
+        raise ConfigError(
+            "perf.fp8_all_gather needs perf.fp8_recipe = tensorwise (one scale per weight tensor)"
         )
 
 

@@ -160,7 +160,8 @@ def fp8_rule(perf: PerfConfig, hw: HardwareProfile, model: nn.Module) -> tuple[b
         if d_model < 2048:
             return False, f"auto: off at d_model {d_model} < 2048 (the casts cost more than the matmuls gain)"
         try:
-            import torchao  # noqa: F401
+            if perf.fp8_recipe != "fused_rowwise":  # the fused recipe is our own code: no torchao
+                import torchao  # noqa: F401
         except ImportError:
             return False, "auto: off, torchao is not installed (pip install 'gptoughts[fp8]')"
         return True, "auto: Hopper+, d_model >= 2048, torchao present"
