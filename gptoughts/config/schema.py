@@ -370,6 +370,12 @@ class ParallelConfig:
     fewer, for the whole model's bf16 weights on every GPU (ZeRO-2's memory). auto: false when the memory
     estimate with every block kept stays under 80% of the GPU, else true. Measured on 2 x H200 (bench/
     BENCHMARKS.md): false gives 1b 97.1% per-GPU scaling (95.4% with true), 8b 1.026x tokens/s."""
+    grad_sync_every_microbatch: bool | str = "auto"
+    """FSDP2 with gradient accumulation: reduce-scatter the gradients after every micro-batch (true), or only after
+    the step's last (false: fewer collectives, but between micro-batches each GPU holds the whole model's unsharded
+    fp32 gradient: 26 GiB at 7B). auto: false when that gradient is at most 10% of the GPU's memory (1b on an
+    H100: 4.6 of 79 GiB), true otherwise and under CPU offload; on one host the reduce-scatters overlap the
+    backward."""
     ddp_bucket_mb: int = 0
     """DDP: size in MB of the gradient buckets all-reduced while the backward runs. 0 (auto): a twentieth of the
     model's gradients, between 25 MB (torch's default) and 250 MB: 1b with 200 MB buckets scaled 95.1% per GPU on

@@ -221,10 +221,10 @@ def check_parallel(p: ParallelConfig) -> None:
     for name in ("tp", "pp", "ep"):
         if getattr(p, name) < 1:
             raise ConfigError(f"parallel.{name} must be >= 1, got {getattr(p, name)}")
-    if isinstance(p.reshard_after_forward, str) and p.reshard_after_forward != "auto":
-        raise ConfigError(
-            f"parallel.reshard_after_forward must be true, false or auto; got {p.reshard_after_forward!r}"
-        )
+    for name in ("reshard_after_forward", "grad_sync_every_microbatch"):
+        value = getattr(p, name)
+        if isinstance(value, str) and value != "auto":
+            raise ConfigError(f"parallel.{name} must be true, false or auto; got {value!r}")
     if p.ddp_bucket_mb < 0:
         raise ConfigError(f"parallel.ddp_bucket_mb must be >= 0 (MB; 0: auto), got {p.ddp_bucket_mb}")
     if p.pp_microbatches < 0:

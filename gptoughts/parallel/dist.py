@@ -49,6 +49,9 @@ class DistInfo:
     reshard_after_forward: bool = True
     """FSDP2 frees each block's gathered weights after its forward (``parallel.reshard_after_forward``, resolved
     by the run's assembly: ``training.resolve.reshard_rule``)."""
+    sync_every_microbatch: bool = False
+    """FSDP2 reduce-scatters the gradients after every micro-batch of an accumulated step, not only the last
+    (``parallel.grad_sync_every_microbatch``, resolved by ``training.resolve.grad_sync_rule``)."""
     ddp_bucket_mb: int = 0
     """DDP's gradient bucket size in MB (``parallel.ddp_bucket_mb``; 0: :func:`ddp_bucket_mb` decides)."""
 

@@ -262,6 +262,7 @@ def estimate(
     cpu_offload: bool = False,
     reshard_after_forward: bool = True,
     tp: int = 1,
+    accum_unsharded_grads: bool = False,
 ) -> Estimate:
     """Peak memory of one training step, speed and cost for ``family`` at ``size`` (module docstring: each line;
     the activations per family: ``_activation_bytes``; tensor parallelism, FSDP, offload: ``_place``)."""
@@ -290,7 +291,9 @@ def estimate(
         act=act,
         logits=logits,
     )
-    strategy = _place(b, model, n, tp, num_gpus, strategy, cpu_offload, reshard_after_forward)
+    strategy = _place(
+        b, model, n, tp, num_gpus, strategy, cpu_offload, reshard_after_forward, accum_unsharded_grads
+    )
     speed = _speed_and_cost(
         gpu, args.d_model, model.flops_per_token(block_size), mfu, num_gpus, tokens, price
     )
@@ -378,6 +381,7 @@ def _place(
     strategy: str,
     cpu_offload: bool,
     reshard_after_forward: bool,
+    accum_unsharded_grads: bool = False,
 ) -> str:
     """Spread ``b`` over the GPUs (tensor parallel, FSDP, offload to the host) and set its peak ``total``; returns
     the strategy the figures assume (offload is FSDP's).
@@ -393,6 +397,9 @@ def _place(
 
     ``reshard_after_forward`` False (FSDP2 keeps every block gathered from its forward to its backward): the
     working set holds every block's bf16 weights instead of two.
+
+    ``accum_unsharded_grads`` (FSDP2 accumulating without a reduce-scatter per micro-batch): every GPU also holds
+    its whole fp32 gradient between the micro-batches.
     """
     n_blocks = sum(p.numel() for p in model.layers.parameters())
     # FSDP's working set (offloaded or not): the largest block (DeepSeek's MoE blocks outweigh its dense ones)
@@ -420,7 +427,13 @@ def _place(
         b.total = b.copies + b.grads + b.logits + b.act
         return "fsdp"
     if strategy == "fsdp" and dp > 1:
-        b.weights, b.grads, b.optim, b.copies = b.weights / dp, b.grads / dp, b.optim / dp, gathered
+        kept_whole = b.grads if accum_unsharded_grads else 0.0
+        b.weights, b.grads, b.optim, b.copies = (
+            b.weights / dp,
+            b.grads / dp + kept_whole,
+            b.optim / dp,
+            gathered,
+        )
         b.staging = b.weights + b.optim
         # Sharded gradients are small and fill up while activations are freed: counted in full (conservative).
         b.total = b.weights + b.optim + b.grads + b.copies + b.logits + b.act
@@ -431,6 +444,19 @@ def _place(
     # selective 50.3 (51.1), 3b full 45.7 (45.0).
     b.total = b.weights + b.optim + max(b.grads, b.copies + b.logits + b.act)
     return strategy
+
+
+def unsharded_grad_bytes(family: str, size: str, overrides: dict | None, tp: int = 1, pp: int = 1) -> float:
+    """The fp32 gradient of the parameters one rank holds whole (the blocks split by ``tp`` and ``pp``; the
+    embeddings and head counted whole, a slight overestimate under a pipeline)."""
+    args = models.model_args(family, size, dict(overrides or {}))
+    import torch
+
+    with torch.device("meta"):
+        model = models.build_model(family, args)
+    n = model.num_params()
+    n_blocks = sum(p.numel() for p in model.layers.parameters())
+    return 4.0 * (n - n_blocks + n_blocks / (tp * pp))
 
 
 def _speed_and_cost(

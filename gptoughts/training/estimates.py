@@ -48,9 +48,17 @@ def estimate_peak(
             cpu_offload=env.dist.cpu_offload,
             reshard_after_forward=env.dist.reshard_after_forward,
             tp=tp,
+            accum_unsharded_grads=_accumulates_unsharded(cfg, env),
         )
     except Exception:  # noqa: BLE001 - an estimate must never stop a run
         return None
+
+
+def _accumulates_unsharded(cfg: Any, env: Any) -> bool:
+    """FSDP2 keeps the unsharded gradient between micro-batches: accumulation without a sync per micro-batch (a
+    sharded run's batch is given, never auto: ``grad_accum`` is the step's)."""
+    accum = cfg.train.grad_accum
+    return env.dist.strategy == "fsdp" and not env.dist.sync_every_microbatch and accum > 1
 
 
 def device_memory_gib(env: Any) -> float | None:

@@ -183,9 +183,11 @@ class RunPlan:
             spikes = r.get("spike_detection")
             lines.append(f"  objective: {r['objective']}" + (f"; spike detection {spikes}" if spikes else ""))
         if "parallel" in r:
-            reshard = r.get("reshard_after_forward")
+            reshard, sync = r.get("reshard_after_forward"), r.get("grad_sync")
             lines.append(
-                f"  parallel: {r['parallel']}" + (f"; reshard_after_forward {reshard}" if reshard else "")
+                f"  parallel: {r['parallel']}"
+                + (f"; reshard_after_forward {reshard}" if reshard else "")
+                + (f"; gradients reduced {sync}" if sync and self.batch["grad_accum"] > 1 else "")
             )
         if self.tasks:
             lines.append(self._tasks_line())

@@ -57,6 +57,7 @@ def reshard_rule(
             optimizer_states=t.optimizer_states,
             tp=info.tp,
             reshard_after_forward=False,
+            accum_unsharded_grads=t.grad_accum > 1 and not info.sync_every_microbatch,
             residual_dtype="bf16" if precision == "bf16" and cfg.perf.residual_dtype != "fp32" else "fp32",
         )
     except Exception:  # noqa: BLE001 - an estimate must never stop a run
@@ -67,6 +68,32 @@ def reshard_rule(
             f"auto: blocks kept gathered until backward (~{e.total_gib:.0f} GiB of {mem:.0f} estimated)",
         )
     return True, f"auto: blocks resharded after forward (kept, ~{e.total_gib:.0f} GiB > 80% of {mem:.0f})"
+
+
+def grad_sync_rule(cfg: Config, info: pdist.DistInfo, hw: HardwareProfile) -> tuple[bool, str]:
+    """``parallel.grad_sync_every_microbatch`` resolved, and why (schema: the rule). Between the micro-batches of
+    a step FSDP2 otherwise keeps each parameter's unsharded gradient in fp32 (its reduce dtype): the whole
+    model's, less what tensor and pipeline parallelism take off this rank."""
+    asked = cfg.parallel.grad_sync_every_microbatch
+    if asked is True or asked is False:
+        return asked, "asked"
+    if info.cpu_offload:
+        return True, "auto: under CPU offload the gradients leave the GPU after each micro-batch"
+    mem = (hw.memory_bytes or 0) / 2**30
+    if not mem or cfg.model.init_from:
+        return False, "auto: no size to check the unsharded gradient against"
+    from gptoughts.perf.estimate import unsharded_grad_bytes
+
+    try:
+        gib = (
+            unsharded_grad_bytes(cfg.model.family, cfg.model.size, cfg.model.overrides, info.tp, info.pp)
+            / 2**30
+        )
+    except Exception:  # noqa: BLE001 - an estimate must never stop a run
+        return False, "auto: no size to check the unsharded gradient against"
+    if gib <= 0.1 * mem:
+        return False, f"auto: the unsharded fp32 gradient, ~{gib:.1f} GiB, is within 10% of {mem:.0f} GiB"
+    return True, f"auto: the unsharded fp32 gradient, ~{gib:.0f} GiB, would pass 10% of {mem:.0f} GiB"
 
 
 def compile_rule(perf: PerfConfig, hw: HardwareProfile) -> tuple[bool, str]:

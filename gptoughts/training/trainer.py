@@ -178,9 +178,10 @@ class Trainer:
     # ------------------------------------------------------------------------------------------- one step
     def _no_sync(self, last: bool) -> contextlib.AbstractContextManager:
         # DDP all-reduces (FSDP reduce-scatters) gradients during backward; skip it on all but the last
-        # micro-batch of the step.
+        # micro-batch of the step, unless FSDP2 is to reduce every micro-batch (an unsharded whole-model
+        # gradient would not fit: DistInfo.sync_every_microbatch).
         if hasattr(self.model, "set_requires_gradient_sync"):  # FSDP2
-            self.model.set_requires_gradient_sync(last)
+            self.model.set_requires_gradient_sync(last or self.dist.sync_every_microbatch)
         elif not last and hasattr(self.model, "no_sync"):
             return self.model.no_sync()
         return contextlib.nullcontext()
