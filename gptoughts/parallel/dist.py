@@ -274,13 +274,13 @@ def wrap_ddp(model: nn.Module, device: torch.device, info: DistInfo) -> nn.Modul
         return model
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    # gradient_as_bucket_view avoids a copy of every gradient into the all-reduce buckets; static_graph lets
-    # DDP skip the unused-parameter search each step (our graphs never change shape).
+    # gradient_as_bucket_view avoids a copy of every gradient into the all-reduce buckets. No static_graph: with
+    # no_sync (gradient accumulation) its first backward fails an internal assertion, and past that it stops
+    # all-reducing (pytorch/pytorch#143580, #187732); without find_unused_parameters it saves no search anyway.
     return DDP(
         model,
         device_ids=[device.index] if device.type == "cuda" else None,
         gradient_as_bucket_view=True,
-        static_graph=True,
         process_group=info.dp_group,
         bucket_cap_mb=ddp_bucket_mb(model, info.ddp_bucket_mb),
     )
