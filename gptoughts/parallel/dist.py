@@ -337,6 +337,18 @@ def wrap_fsdp(
     return model
 
 
+def reshard(model: nn.Module) -> None:
+    """Put FSDP2's shards back on every module after forward-only passes made before training. A forward leaves
+    the root's and the last block's gathered parameters registered (kept for a backward), and whatever collects
+    ``model.parameters()`` then holds tensors FSDP2 frees later (the checkpoints' finite check read freed memory:
+    a segfault). Other models: nothing to do."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 def discard_failed_step(model: nn.Module) -> None:
     """Make an FSDP2 model whose forward or backward raised (out of memory) ready for a new step; other models
     need nothing. For one process: the out-of-memory retry and the batch-size probe.

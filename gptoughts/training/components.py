@@ -160,6 +160,7 @@ def _reference_logratios(asm: Assembly, t: TrainConfig) -> None:
         device=env.device,
         autocast=lambda: autocast(env.device, env.precision, built.forward_context),
     )
+    pdist.reshard(built.model)  # before the trainer collects the parameters
     if env.dist.is_main:
         console.print(
             f"reference log-probabilities of {len(prefs):,} pairs computed in {time.perf_counter() - t0:.1f} s",
