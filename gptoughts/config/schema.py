@@ -446,8 +446,9 @@ class DpoConfig:
     (2 rows x 1024 tokens x 128k vocab is 1 GiB of fp32 logits). fused and chunked also walk the reference and
     evaluation passes in chunks."""
     logp_chunk: int = 0
-    """Rows per chunk of the LM head for head fused or chunked (fused takes whole pairs: rounded down to an even
-    number, at least 2); 0: one pair (2 rows). More rows: larger matmuls, more memory."""
+    """Rows per chunk of the LM head for head fused or chunked (fused with a trained head, full fine-tuning, takes
+    whole pairs: rounded down to an even number, at least 2); 0: one pair (2 rows). More rows: larger matmuls,
+    more memory (one row of 1024 tokens at a 128k vocab is 0.5 GiB of fp32 logits)."""
 
     def resolved_reference(self, lora: bool) -> str:
         """``reference`` with auto decided: adapters_off with LoRA, precomputed otherwise."""

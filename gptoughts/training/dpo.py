@@ -53,7 +53,7 @@ def adapters_disabled(layers: list[nn.Module]) -> Iterator[None]:
 class DPO:
     """The DPO objective (module docstring). ``reference``: precomputed or adapters_off; ``head``: how the LM head
     and the loss run (``dpo_head.py``: fused, chunked or plain); ``logp_chunk``: rows per chunk of the head
-    (0: one pair; fused rounds down to whole pairs, at least one); ``compiled``: the fused chunk under
+    (0: one pair; fused with a trained head rounds down to whole pairs); ``compiled``: the chunks under
     torch.compile."""
 
     name = "dpo"
@@ -74,8 +74,7 @@ class DPO:
             raise ValueError(f"head must be fused, chunked or plain, got {head!r}")
         self.beta, self.label_smoothing = beta, label_smoothing
         self.reference, self.head, self.compiled = reference, head, compiled
-        rows = logp_chunk if logp_chunk > 0 else 2
-        self.chunk_rows = 0 if head == "plain" else 2 * max(1, rows // 2) if head == "fused" else rows
+        self.chunk_rows = 0 if head == "plain" else logp_chunk if logp_chunk > 0 else 2
         self._sums: dict[bool, torch.Tensor | None] = {True: None, False: None}  # by model.training
         self._layers: tuple[int, list[nn.Module]] | None = None
 
@@ -153,7 +152,7 @@ class DPO:
             beta=self.beta,
             label_smoothing=self.label_smoothing,
             softcap=cap,
-            chunk_pairs=self.chunk_rows // 2,
+            chunk_rows=self.chunk_rows,
             compiled=self.compiled,
         )
 

@@ -5,8 +5,9 @@
 ``fused`` (:func:`fused_pair_loss`): a pair's loss depends only on its two rows (and its constant reference
 log-ratio), so a chunk of whole pairs gives the chunk's logits, log-probabilities, pair losses and
 d loss / d log-prob (a scalar per row) at once, hence d loss / d logits, and right there the gradients w.r.t. the
-chunk's hidden states (stored) and the head weight (accumulated; none for a frozen head). The backward only
-scales them: no head recompute, one chunk of logits alive, the FLOPs of plain. It reuses the pieces of
+chunk's hidden states (stored) and the head weight (accumulated). A frozen head (LoRA) needs no weight gradient,
+so its chunks need not hold whole pairs: each stores d logp / d h, and the backward scales each row by its
+d loss / d logp. No head recompute, one chunk of logits alive, the FLOPs of plain; the pieces are those of
 ``perf/ce.py``'s chunked cross-entropy (the same technique for pretraining).
 
 Without gradients (the reference pass, evaluations), ``chunked`` and ``fused`` walk the rows in chunks too
@@ -118,42 +119,59 @@ def completion_logps(
     return torch.cat(parts)
 
 
-def _pair_chunk(
+def pair_terms(
+    logp: torch.Tensor, ref: torch.Tensor, beta: float, label_smoothing: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """From the rows' log-probabilities ``[2k]`` (chosen, rejected, ...) and the reference log-ratios ``[k]``: the
+    summed pair loss, the margins ``β m`` and d loss / d logp per row ``[2k]``."""
+    pairs = logp.view(-1, 2)
+    losses, margin = dpo_loss(pairs[:, 0] - pairs[:, 1], ref, beta, label_smoothing)
+    # d loss / d m of -(1 - e) log σ(m) - e log σ(-m), m in units of β: the chosen row's log-prob enters with +β,
+    # the rejected's with -β.
+    dm = -(1.0 - label_smoothing) * torch.sigmoid(-margin) + label_smoothing * torch.sigmoid(margin)
+    return losses.sum(), margin, torch.stack([beta * dm, -beta * dm], dim=1).reshape(-1)
+
+
+def _chunk_grads(
     h: torch.Tensor,
     w: torch.Tensor,
     y: torch.Tensor,
-    ref: torch.Tensor,
-    beta: float,
-    label_smoothing: float,
-    softcap: float | None,
+    ref: torch.Tensor | None,
+    hyper: tuple[float, float, float | None],
     need_w: bool,
     logit_grad: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Summed pair loss, margins ``β m``, d loss / d ``h`` and d loss / d ``w`` (see ``perf.ce.head_input_grads``)
-    of the ``k`` pairs of one chunk: ``h`` ``[2k * T, d]``, ``y`` ``[2k, T]`` (chosen, rejected, ...), ``ref``
-    ``[k]``."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+    """One chunk of rows (``h`` ``[rows * T, d]``, ``y`` ``[rows, T]``): the rows' log-probabilities, and either
+    (``ref`` given: whole pairs) the pairs' summed loss, margins, d loss / d ``h`` and d loss / d ``w`` (see
+    ``perf.ce.head_input_grads``), or (``ref`` None: a frozen head) d logp / d ``h`` per token, for the caller
+    to scale by each row's d loss / d logp once every row's log-probability is known."""
+    beta, smoothing, softcap = hyper
     logits, lse, safe_t, valid, logp = _chunk_logps(h, w, y, softcap)
-    pairs = logp.view(-1, 2)
-    losses, margin = dpo_loss(pairs[:, 0] - pairs[:, 1], ref, beta, label_smoothing)
-    # d loss / d m for -(1 - e) log σ(m) - e log σ(-m); the chosen row's log-prob enters m with +β, the
-    # rejected's with -β. d logp / d logits = one-hot - softmax, the negative of cross-entropy's gradient.
-    dm = -(1.0 - label_smoothing) * torch.sigmoid(-margin) + label_smoothing * torch.sigmoid(margin)
-    d_logp = torch.stack([beta * dm, -beta * dm], dim=1).reshape(-1)
-    scale = torch.where(valid, -d_logp.repeat_interleave(y.shape[1]), 0.0)
+    loss = margin = None
+    if ref is None:
+        row_grad = torch.full_like(logp, -1.0)  # d logp / d logits = one-hot - softmax: -(CE's gradient)
+    else:
+        loss, margin, d_logp = pair_terms(logp, ref, beta, smoothing)
+        row_grad = -d_logp
+    scale = torch.where(valid, row_grad.repeat_interleave(y.shape[1]), 0.0)
     g = ce_logit_grad(logits, lse, safe_t, scale, fused=torch.compiler.is_compiling())
     grad_h, grad_w = head_input_grads(g, logits, h, w, softcap=softcap, need_w=need_w, logit_grad=logit_grad)
-    return losses.sum(), margin, grad_h, grad_w
+    return logp, grad_h, grad_w, loss, margin
 
 
-def _pair_chunk_fn(compiled: bool) -> Callable:
+def _chunk_fn(compiled: bool) -> Callable:
     if not compiled:
-        return _pair_chunk
-    if "pair" not in _compiled:  # need_w, logit_grad: Python bools, a graph per value
-        _compiled["pair"] = torch.compile(_pair_chunk, dynamic=False)
-    return _compiled["pair"]
+        return _chunk_grads
+    if "grads" not in _compiled:  # need_w, logit_grad, ref None or not: a graph per case
+        _compiled["grads"] = torch.compile(_chunk_grads, dynamic=False)
+    return _compiled["grads"]
 
 
 class _FusedPairHead(torch.autograd.Function):
+    """The walk over the chunks (:func:`fused_pair_loss`). A trainable head is walked in whole pairs, whose loss
+    gradient is known inside the chunk, so the chunk's weight gradient is accumulated right away. A frozen head
+    is walked in any rows: each stores d logp / d h, scaled in the backward by its row's d loss / d logp."""
+
     @staticmethod
     def forward(
         ctx,
@@ -166,7 +184,6 @@ class _FusedPairHead(torch.autograd.Function):
         compute_dtype: torch.dtype,
         compiled: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        beta, smoothing, softcap = hyper
         n, t = y.shape
         h_all = hidden.to(compute_dtype).reshape(n * t, -1)
         w = weight.to(compute_dtype)
@@ -174,34 +191,40 @@ class _FusedPairHead(torch.autograd.Function):
         grad_h = torch.empty_like(h_all)
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         in_gemm = grad_w is not None and wgrad_in_gemm(grad_w, h_all)
-        fn = _pair_chunk_fn(compiled)
-        loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        margins = []
-        for start in range(0, n, chunk_rows):
-            end = min(start + chunk_rows, n)
+        fn = _chunk_fn(compiled)
+        rows = 2 * max(1, chunk_rows // 2) if need_w else chunk_rows
+        out: list[tuple] = []
+        for start in range(0, n, rows):
+            end = min(start + rows, n)
             h_c = h_all[start * t : end * t]
-            args = (y[start:end], ref[start // 2 : end // 2], beta, smoothing, softcap, need_w, in_gemm)
-            l_c, m_c, gh, gw = fn(h_c, w, *args)
-            loss += l_c
-            margins.append(m_c)
+            ref_c = ref[start // 2 : end // 2] if need_w else None
+            logp, gh, gw, loss, margin = fn(h_c, w, y[start:end], ref_c, hyper, need_w, in_gemm)
             grad_h[start * t : end * t] = gh
             if in_gemm:
                 accumulate_weight_grad(grad_w, gw, h_c)
             elif grad_w is not None:
                 grad_w += gw
-        margin = torch.cat(margins)
+            out.append((logp, loss, margin))
+        if need_w:
+            loss = torch.stack([o[1] for o in out]).sum()
+            margin, row_scale = torch.cat([o[2] for o in out]), None
+        else:
+            loss, margin, row_scale = pair_terms(torch.cat([o[0] for o in out]), ref, *hyper[:2])
         ctx.mark_non_differentiable(margin)
-        ctx.save_for_backward(grad_h, grad_w)
+        ctx.save_for_backward(grad_h, grad_w, row_scale)
         ctx.meta = (hidden.shape, hidden.dtype, weight.dtype)
         return loss, margin
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor, _grad_margin: torch.Tensor | None):
-        grad_h, grad_w = ctx.saved_tensors
+        grad_h, grad_w, row_scale = ctx.saved_tensors
         shape, h_dtype, w_dtype = ctx.meta
-        gh = (grad_h * grad_loss).to(h_dtype).view(shape)
+        if row_scale is None:
+            gh = grad_h * grad_loss
+        else:  # each row's d loss / d logp times the upstream scalar, in fp32 as the pair chunks scale
+            gh = grad_h.view(shape[0], -1).float() * (row_scale * grad_loss).unsqueeze(1)
         gw = (grad_w * grad_loss).to(w_dtype) if grad_w is not None else None
-        return gh, gw, None, None, None, None, None, None
+        return gh.to(h_dtype).view(shape), gw, None, None, None, None, None, None
 
 
 def fused_pair_loss(
@@ -213,12 +236,13 @@ def fused_pair_loss(
     beta: float,
     label_smoothing: float = 0.0,
     softcap: float | None = None,
-    chunk_pairs: int = 1,
+    chunk_rows: int = 2,
     compiled: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The summed sigmoid DPO loss of the pairs of ``hidden`` ``[2B, T, d]`` (rows chosen, rejected, chosen, ...)
-    under the head ``weight``, and the margins ``β m`` ``[B]`` (no gradient), ``chunk_pairs`` pairs' logits at a
-    time (module docstring). The same values and gradients as :func:`completion_logps` then :func:`dpo_loss`."""
+    under the head ``weight``, and the margins ``β m`` ``[B]`` (no gradient), ``chunk_rows`` rows' logits at a
+    time (rounded down to whole pairs, at least one, when the head is trained; module docstring). The same values
+    and gradients as :func:`completion_logps` then :func:`dpo_loss`."""
     if hidden.shape[0] % 2:
         raise ValueError(f"fused_pair_loss takes whole pairs (an even number of rows), got {hidden.shape[0]}")
     if torch.is_autocast_enabled(hidden.device.type):
@@ -228,4 +252,6 @@ def fused_pair_loss(
     hyper = (beta, label_smoothing, softcap)
     ref = ref_logratio.detach().float()
     with torch.autocast(hidden.device.type, enabled=False):
-        return _FusedPairHead.apply(hidden, weight, y, ref, hyper, 2 * chunk_pairs, compute_dtype, compiled)
+        return _FusedPairHead.apply(
+            hidden, weight, y, ref, hyper, max(1, chunk_rows), compute_dtype, compiled
+        )

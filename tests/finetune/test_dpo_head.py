@@ -84,7 +84,8 @@ def test_fused_head_gives_plains_loss_metrics_and_gradients(softcap, smoothing, 
     reference = "adapters_off" if lora else "precomputed"
     batch = pairs()
     want = step(model, DPO(beta=0.5, label_smoothing=smoothing, reference=reference, head="plain"), batch)
-    for chunk in (0, 4):  # one pair per chunk; two (5 pairs: the last chunk has one)
+    # one pair a chunk; 3 rows: a trained head walks one pair, a frozen one 3 rows (across pairs), then 1
+    for chunk in (0, 3):
         dpo = DPO(beta=0.5, label_smoothing=smoothing, reference=reference, head="fused", logp_chunk=chunk)
         loss, sums, grads = step(model, dpo, batch)
         torch.testing.assert_close(loss, want[0])
@@ -97,24 +98,27 @@ def test_fused_head_gives_plains_loss_metrics_and_gradients(softcap, smoothing, 
 
 
 @pytest.mark.parametrize("softcap", [None, 1.5])
-def test_fused_pair_loss_gradients_of_the_hidden_states_and_the_head(softcap):
+@pytest.mark.parametrize("frozen", [False, True])
+def test_fused_pair_loss_gradients_of_the_hidden_states_and_the_head(softcap, frozen):
+    """An upstream gradient other than 1 scales every gradient; a frozen head is walked 3 rows at a time (chunks
+    across pairs), a trained one a pair at a time."""
     g = torch.Generator().manual_seed(0)
     h = torch.randn(6, T, D, generator=g, requires_grad=True)
-    w = torch.randn(V, D, generator=g, requires_grad=True)
+    w = torch.randn(V, D, generator=g, requires_grad=not frozen)
+    inputs = (h,) if frozen else (h, w)
     _, ref, y = pairs(3)
     y = y.view(6, T)
     logps = completion_logps(h, w, y, softcap=softcap).view(3, 2)
     losses, margin = dpo_loss(logps[:, 0] - logps[:, 1], ref, 0.3, 0.1)
-    gh, gw = torch.autograd.grad(losses.sum() * 2.5, (h, w))
+    want = torch.autograd.grad(losses.sum() * 2.5, inputs)
     loss, fmargin = fused_pair_loss(
-        h, w, y, ref, beta=0.3, label_smoothing=0.1, softcap=softcap, chunk_pairs=2
+        h, w, y, ref, beta=0.3, label_smoothing=0.1, softcap=softcap, chunk_rows=3
     )
-    fh, fw = torch.autograd.grad(loss * 2.5, (h, w))  # the upstream gradient scales both
+    got = torch.autograd.grad(loss * 2.5, inputs)
     torch.testing.assert_close(loss, losses.sum())
     torch.testing.assert_close(fmargin, margin)
     assert not fmargin.requires_grad
-    torch.testing.assert_close(fh, gh)
-    torch.testing.assert_close(fw, gw)
+    torch.testing.assert_close(got, want)
 
 
 def test_fused_pair_loss_refuses_half_a_pair():
@@ -141,17 +145,17 @@ def largest_logits(seen: list[tuple[tuple[int, ...], torch.dtype]]) -> int:
     return max(torch.Size(s).numel() for s, _ in seen if s and s[-1] == V and s != (D, V))
 
 
-@pytest.mark.parametrize("head", ["fused", "chunked"])
-def test_no_tensor_of_a_dpo_step_holds_more_than_one_chunk_of_logits(head):
+@pytest.mark.parametrize("head, rows", [("fused", 1), ("fused", 2), ("chunked", 2)])
+def test_no_tensor_of_a_dpo_step_holds_more_than_one_chunk_of_logits(head, rows):
     """The adapters-off reference pass, the policy forward and the backward: the largest ``[..., vocab]`` tensor is
-    one chunk (2 rows) of logits. The plain head, for contrast, holds every row's."""
+    one chunk of logits. The plain head, for contrast, holds every row's."""
     model, batch = toy(tied=True, lora=True), pairs(4)
     with OutputShapes() as rec:
         step(model, DPO(reference="adapters_off", head="plain"), batch)
     assert largest_logits(rec.seen) == 8 * T * V
     with OutputShapes() as rec:
-        step(model, DPO(reference="adapters_off", head=head, logp_chunk=2), batch)
-    assert largest_logits(rec.seen) == 2 * T * V
+        step(model, DPO(reference="adapters_off", head=head, logp_chunk=rows), batch)
+    assert largest_logits(rec.seen) == rows * T * V
     if head == "fused":  # LoRA with a tied head: the frozen head's [V, d] fp32 gradient buffer is never made
         assert not [s for s, dt in rec.seen if s == (V, D) and dt == torch.float32]
 
@@ -197,17 +201,20 @@ def test_a_dpo_run_trains_the_same_with_the_fused_and_the_plain_head(
 
 
 @pytest.mark.slow
-def test_compiled_chunks_give_the_eager_values():
-    """perf.compile on: the fused chunk and the no-gradient chunk run under torch.compile, with the same results."""
+@pytest.mark.parametrize("frozen", [False, True])
+def test_compiled_chunks_give_the_eager_values(frozen):
+    """perf.compile on: the fused chunks and the no-gradient chunks run under torch.compile, with the same
+    results."""
     g = torch.Generator().manual_seed(0)
     h = torch.randn(6, T, D, generator=g, requires_grad=True)
-    w = torch.randn(V, D, generator=g, requires_grad=True)
+    w = torch.randn(V, D, generator=g, requires_grad=not frozen)
+    inputs = (h,) if frozen else (h, w)
     _, ref, y = pairs(3)
     y = y.view(6, T)
     out = {}
     for compiled in (False, True):
-        loss, margin = fused_pair_loss(h, w, y, ref, beta=0.3, softcap=1.5, chunk_pairs=2, compiled=compiled)
-        grads = torch.autograd.grad(loss, (h, w))
+        loss, margin = fused_pair_loss(h, w, y, ref, beta=0.3, softcap=1.5, chunk_rows=3, compiled=compiled)
+        grads = torch.autograd.grad(loss, inputs)
         with torch.no_grad():
             logps = completion_logps(h, w, y, softcap=1.5, chunk_rows=4, compiled=compiled)
         out[compiled] = (loss, margin, *grads, logps)
