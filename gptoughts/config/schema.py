@@ -449,6 +449,10 @@ class DpoConfig:
     """Rows per chunk of the LM head for head fused or chunked (fused with a trained head, full fine-tuning, takes
     whole pairs: rounded down to an even number, at least 2); 0: one pair (2 rows). More rows: larger matmuls,
     more memory (one row of 1024 tokens at a 128k vocab is 0.5 GiB of fp32 logits)."""
+    logp_chunk_tokens: int = 0
+    """Tokens per chunk, across row boundaries, where rows need not stay together: the fused head when the head
+    is frozen (LoRA) and the no-gradient passes (the reference, evaluations) of fused and chunked; 0: logp_chunk
+    rows' tokens. Below a row's length it cuts the LM head's memory further (smaller matmuls)."""
 
     def resolved_reference(self, lora: bool) -> str:
         """``reference`` with auto decided: adapters_off with LoRA, precomputed otherwise."""

@@ -53,8 +53,9 @@ def adapters_disabled(layers: list[nn.Module]) -> Iterator[None]:
 class DPO:
     """The DPO objective (module docstring). ``reference``: precomputed or adapters_off; ``head``: how the LM head
     and the loss run (``dpo_head.py``: fused, chunked or plain); ``logp_chunk``: rows per chunk of the head
-    (0: one pair; fused with a trained head rounds down to whole pairs); ``compiled``: the chunks under
-    torch.compile."""
+    (0: one pair; fused with a trained head rounds down to whole pairs); ``logp_chunk_tokens``: tokens per chunk
+    of a frozen fused head and of the no-gradient passes (0: ``logp_chunk`` rows' worth); ``compiled``: the
+    chunks under torch.compile."""
 
     name = "dpo"
 
@@ -66,6 +67,7 @@ class DPO:
         reference: str = "precomputed",
         head: str = "plain",
         logp_chunk: int = 0,
+        logp_chunk_tokens: int = 0,
         compiled: bool = False,
     ) -> None:
         if reference not in ("precomputed", "adapters_off"):
@@ -75,6 +77,7 @@ class DPO:
         self.beta, self.label_smoothing = beta, label_smoothing
         self.reference, self.head, self.compiled = reference, head, compiled
         self.chunk_rows = 0 if head == "plain" else logp_chunk if logp_chunk > 0 else 2
+        self.chunk_tokens = 0 if head == "plain" else logp_chunk_tokens
         self._sums: dict[bool, torch.Tensor | None] = {True: None, False: None}  # by model.training
         self._layers: tuple[int, list[nn.Module]] | None = None
 
@@ -95,6 +98,7 @@ class DPO:
             y.reshape(2 * b, t),
             softcap=cap,
             chunk_rows=self.chunk_rows,
+            chunk_tokens=self.chunk_tokens,
             compiled=self.compiled,
         )
         return logps.view(b, 2)
@@ -153,6 +157,7 @@ class DPO:
             label_smoothing=self.label_smoothing,
             softcap=cap,
             chunk_rows=self.chunk_rows,
+            chunk_tokens=self.chunk_tokens,
             compiled=self.compiled,
         )
 
@@ -180,6 +185,7 @@ def build_dpo(d: DpoConfig, *, lora: bool, compiled: bool = False) -> DPO:
         reference=d.resolved_reference(lora),
         head=d.head,
         logp_chunk=d.logp_chunk,
+        logp_chunk_tokens=d.logp_chunk_tokens,
         compiled=compiled,
     )
 

@@ -86,25 +86,24 @@ def completion_logps(
     *,
     softcap: float | None = None,
     chunk_rows: int = 0,
+    chunk_tokens: int = 0,
     compiled: bool = False,
 ) -> torch.Tensor:
     """Per row, the summed log-probability of its targets (``y != IGNORE_INDEX``) under ``hidden @ weight.T``.
 
-    ``chunk_rows > 0``: the rows are walked in chunks so that only one chunk's fp32 logits exist at a time: with
-    gradients each chunk runs under activation checkpointing (its head matmul is recomputed in the backward);
-    without, each chunk's logits are dropped as soon as its log-probabilities are summed (``compiled``: that
-    chunk under torch.compile, which fuses the fp32 cast, the log-sum-exp and the gather into few passes over
-    the matmul's output)."""
-    n = hidden.shape[0]
-    if chunk_rows <= 0 or chunk_rows >= n:
+    ``chunk_rows > 0``: only one chunk's fp32 logits exist at a time. With gradients, chunks of ``chunk_rows``
+    rows run under activation checkpointing (the head matmul is recomputed in the backward). Without, the tokens
+    are walked ``chunk_tokens`` at a time (0: ``chunk_rows`` rows' worth), across row boundaries, each chunk's
+    logits dropped once its log-probabilities are taken (``compiled``: the chunk under torch.compile, which fuses
+    the fp32 cast, the log-sum-exp and the gather into few passes over the matmul's output)."""
+    n, t = y.shape
+    if chunk_rows <= 0 or (chunk_rows >= n and not chunk_tokens):
         return _rows_logps(hidden, weight, y, softcap)
     if not torch.is_grad_enabled():
-        fn, starts = _logps_fn(compiled), range(0, n, chunk_rows)
-        parts = [
-            fn(hidden[i : i + chunk_rows].flatten(0, 1), weight, y[i : i + chunk_rows], softcap)
-            for i in starts
-        ]
-        return torch.cat(parts)
+        fn, size = _logps_fn(compiled), chunk_tokens or chunk_rows * t
+        h, per_token = hidden.reshape(n * t, -1), y.reshape(-1, 1)  # rows of one token: a log-prob per token
+        parts = [fn(h[i : i + size], weight, per_token[i : i + size], softcap) for i in range(0, n * t, size)]
+        return torch.cat(parts).view(n, t).sum(-1)
     parts = [
         checkpoint(
             _rows_logps,
@@ -167,10 +166,62 @@ def _chunk_fn(compiled: bool) -> Callable:
     return _compiled["grads"]
 
 
+def _walk_pairs(
+    fn: Callable,
+    h_all: torch.Tensor,
+    w: torch.Tensor,
+    y: torch.Tensor,
+    ref: torch.Tensor,
+    hyper: tuple,
+    rows: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A trained head, ``rows`` rows (whole pairs) a chunk: loss, margins, d loss / d h, d loss / d w (fp32)."""
+    t = y.shape[1]
+    grad_h = torch.empty_like(h_all)
+    grad_w = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+    in_gemm = wgrad_in_gemm(grad_w, h_all)
+    losses, margins = [], []
+    for start in range(0, y.shape[0], rows):
+        end = min(start + rows, y.shape[0])
+        h_c = h_all[start * t : end * t]
+        _, gh, gw, loss, margin = fn(h_c, w, y[start:end], ref[start // 2 : end // 2], hyper, True, in_gemm)
+        grad_h[start * t : end * t] = gh
+        if in_gemm:
+            accumulate_weight_grad(grad_w, gw, h_c)
+        else:
+            grad_w += gw
+        losses.append(loss)
+        margins.append(margin)
+    return torch.stack(losses).sum(), torch.cat(margins), grad_h, grad_w
+
+
+def _walk_tokens(
+    fn: Callable,
+    h_all: torch.Tensor,
+    w: torch.Tensor,
+    y: torch.Tensor,
+    ref: torch.Tensor,
+    hyper: tuple,
+    size: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A frozen head, ``size`` tokens a chunk across rows: loss, margins, d logp / d h per token and each row's
+    d loss / d logp (the backward's scale)."""
+    grad_h = torch.empty_like(h_all)
+    per_token = y.reshape(-1, 1)  # rows of one token: a log-prob per token
+    logps = []
+    for start in range(0, per_token.shape[0], size):
+        end = min(start + size, per_token.shape[0])
+        logp, gh, _, _, _ = fn(h_all[start:end], w, per_token[start:end], None, hyper, False, False)
+        grad_h[start:end] = gh
+        logps.append(logp)
+    loss, margin, row_scale = pair_terms(torch.cat(logps).view(y.shape).sum(-1), ref, *hyper[:2])
+    return loss, margin, grad_h, row_scale
+
+
 class _FusedPairHead(torch.autograd.Function):
-    """The walk over the chunks (:func:`fused_pair_loss`). A trainable head is walked in whole pairs, whose loss
+    """The walk over the chunks (:func:`fused_pair_loss`). A trained head is walked in whole pairs, whose loss
     gradient is known inside the chunk, so the chunk's weight gradient is accumulated right away. A frozen head
-    is walked in any rows: each stores d logp / d h, scaled in the backward by its row's d loss / d logp."""
+    is walked in any tokens: each chunk stores d logp / d h, scaled in the backward by its row's d loss / d logp."""
 
     @staticmethod
     def forward(
@@ -180,36 +231,22 @@ class _FusedPairHead(torch.autograd.Function):
         y: torch.Tensor,
         ref: torch.Tensor,
         hyper: tuple[float, float, float | None],
-        chunk_rows: int,
+        chunk: tuple[int, int],
         compute_dtype: torch.dtype,
         compiled: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         n, t = y.shape
         h_all = hidden.to(compute_dtype).reshape(n * t, -1)
         w = weight.to(compute_dtype)
-        need_w = bool(ctx.needs_input_grad[1])
-        grad_h = torch.empty_like(h_all)
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
-        in_gemm = grad_w is not None and wgrad_in_gemm(grad_w, h_all)
         fn = _chunk_fn(compiled)
-        rows = 2 * max(1, chunk_rows // 2) if need_w else chunk_rows
-        out: list[tuple] = []
-        for start in range(0, n, rows):
-            end = min(start + rows, n)
-            h_c = h_all[start * t : end * t]
-            ref_c = ref[start // 2 : end // 2] if need_w else None
-            logp, gh, gw, loss, margin = fn(h_c, w, y[start:end], ref_c, hyper, need_w, in_gemm)
-            grad_h[start * t : end * t] = gh
-            if in_gemm:
-                accumulate_weight_grad(grad_w, gw, h_c)
-            elif grad_w is not None:
-                grad_w += gw
-            out.append((logp, loss, margin))
-        if need_w:
-            loss = torch.stack([o[1] for o in out]).sum()
-            margin, row_scale = torch.cat([o[2] for o in out]), None
+        chunk_rows, chunk_tokens = chunk
+        grad_w = row_scale = None
+        if ctx.needs_input_grad[1]:
+            rows = 2 * max(1, chunk_rows // 2)
+            loss, margin, grad_h, grad_w = _walk_pairs(fn, h_all, w, y, ref, hyper, rows)
         else:
-            loss, margin, row_scale = pair_terms(torch.cat([o[0] for o in out]), ref, *hyper[:2])
+            size = chunk_tokens or chunk_rows * t
+            loss, margin, grad_h, row_scale = _walk_tokens(fn, h_all, w, y, ref, hyper, size)
         ctx.mark_non_differentiable(margin)
         ctx.save_for_backward(grad_h, grad_w, row_scale)
         ctx.meta = (hidden.shape, hidden.dtype, weight.dtype)
@@ -237,12 +274,14 @@ def fused_pair_loss(
     label_smoothing: float = 0.0,
     softcap: float | None = None,
     chunk_rows: int = 2,
+    chunk_tokens: int = 0,
     compiled: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The summed sigmoid DPO loss of the pairs of ``hidden`` ``[2B, T, d]`` (rows chosen, rejected, chosen, ...)
-    under the head ``weight``, and the margins ``β m`` ``[B]`` (no gradient), ``chunk_rows`` rows' logits at a
-    time (rounded down to whole pairs, at least one, when the head is trained; module docstring). The same values
-    and gradients as :func:`completion_logps` then :func:`dpo_loss`."""
+    under the head ``weight``, and the margins ``β m`` ``[B]`` (no gradient), one chunk of logits at a time
+    (module docstring): a trained head ``chunk_rows`` rows (rounded down to whole pairs, at least one), a frozen
+    one ``chunk_tokens`` tokens (0: ``chunk_rows`` rows' worth). The same values and gradients as
+    :func:`completion_logps` then :func:`dpo_loss`."""
     if hidden.shape[0] % 2:
         raise ValueError(f"fused_pair_loss takes whole pairs (an even number of rows), got {hidden.shape[0]}")
     if torch.is_autocast_enabled(hidden.device.type):
@@ -253,5 +292,5 @@ def fused_pair_loss(
     ref = ref_logratio.detach().float()
     with torch.autocast(hidden.device.type, enabled=False):
         return _FusedPairHead.apply(
-            hidden, weight, y, ref, hyper, max(1, chunk_rows), compute_dtype, compiled
+            hidden, weight, y, ref, hyper, (max(1, chunk_rows), chunk_tokens), compute_dtype, compiled
         )

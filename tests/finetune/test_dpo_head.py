@@ -84,9 +84,17 @@ def test_fused_head_gives_plains_loss_metrics_and_gradients(softcap, smoothing, 
     reference = "adapters_off" if lora else "precomputed"
     batch = pairs()
     want = step(model, DPO(beta=0.5, label_smoothing=smoothing, reference=reference, head="plain"), batch)
-    # one pair a chunk; 3 rows: a trained head walks one pair, a frozen one 3 rows (across pairs), then 1
-    for chunk in (0, 3):
-        dpo = DPO(beta=0.5, label_smoothing=smoothing, reference=reference, head="fused", logp_chunk=chunk)
+    # one pair a chunk; 3 rows: a trained head walks one pair, a frozen one 3 rows (across pairs), then 1;
+    # 5 tokens (rows of 7): a frozen head's chunks cross rows
+    for chunk, tokens in ((0, 0), (3, 0), (0, 5)):
+        dpo = DPO(
+            beta=0.5,
+            label_smoothing=smoothing,
+            reference=reference,
+            head="fused",
+            logp_chunk=chunk,
+            logp_chunk_tokens=tokens,
+        )
         loss, sums, grads = step(model, dpo, batch)
         torch.testing.assert_close(loss, want[0])
         torch.testing.assert_close(sums, want[1])  # margin sum, pairs preferred, pairs
@@ -98,10 +106,10 @@ def test_fused_head_gives_plains_loss_metrics_and_gradients(softcap, smoothing, 
 
 
 @pytest.mark.parametrize("softcap", [None, 1.5])
-@pytest.mark.parametrize("frozen", [False, True])
-def test_fused_pair_loss_gradients_of_the_hidden_states_and_the_head(softcap, frozen):
-    """An upstream gradient other than 1 scales every gradient; a frozen head is walked 3 rows at a time (chunks
-    across pairs), a trained one a pair at a time."""
+@pytest.mark.parametrize("frozen, tokens", [(False, 0), (True, 0), (True, 5)])
+def test_fused_pair_loss_gradients_of_the_hidden_states_and_the_head(softcap, frozen, tokens):
+    """An upstream gradient other than 1 scales every gradient; a frozen head is walked 3 rows (chunks across
+    pairs) or 5 tokens (across rows) at a time, a trained one a pair at a time."""
     g = torch.Generator().manual_seed(0)
     h = torch.randn(6, T, D, generator=g, requires_grad=True)
     w = torch.randn(V, D, generator=g, requires_grad=not frozen)
@@ -112,7 +120,7 @@ def test_fused_pair_loss_gradients_of_the_hidden_states_and_the_head(softcap, fr
     losses, margin = dpo_loss(logps[:, 0] - logps[:, 1], ref, 0.3, 0.1)
     want = torch.autograd.grad(losses.sum() * 2.5, inputs)
     loss, fmargin = fused_pair_loss(
-        h, w, y, ref, beta=0.3, label_smoothing=0.1, softcap=softcap, chunk_rows=3
+        h, w, y, ref, beta=0.3, label_smoothing=0.1, softcap=softcap, chunk_rows=3, chunk_tokens=tokens
     )
     got = torch.autograd.grad(loss * 2.5, inputs)
     torch.testing.assert_close(loss, losses.sum())
@@ -145,17 +153,20 @@ def largest_logits(seen: list[tuple[tuple[int, ...], torch.dtype]]) -> int:
     return max(torch.Size(s).numel() for s, _ in seen if s and s[-1] == V and s != (D, V))
 
 
-@pytest.mark.parametrize("head, rows", [("fused", 1), ("fused", 2), ("chunked", 2)])
-def test_no_tensor_of_a_dpo_step_holds_more_than_one_chunk_of_logits(head, rows):
+@pytest.mark.parametrize(
+    "head, rows, tokens", [("fused", 1, 0), ("fused", 2, 0), ("fused", 2, 4), ("chunked", 2, 0)]
+)
+def test_no_tensor_of_a_dpo_step_holds_more_than_one_chunk_of_logits(head, rows, tokens):
     """The adapters-off reference pass, the policy forward and the backward: the largest ``[..., vocab]`` tensor is
-    one chunk of logits. The plain head, for contrast, holds every row's."""
+    one chunk of logits (``rows`` rows, or ``tokens`` tokens). The plain head, for contrast, holds every row's."""
     model, batch = toy(tied=True, lora=True), pairs(4)
     with OutputShapes() as rec:
         step(model, DPO(reference="adapters_off", head="plain"), batch)
     assert largest_logits(rec.seen) == 8 * T * V
     with OutputShapes() as rec:
-        step(model, DPO(reference="adapters_off", head=head, logp_chunk=rows), batch)
-    assert largest_logits(rec.seen) == rows * T * V
+        dpo = DPO(reference="adapters_off", head=head, logp_chunk=rows, logp_chunk_tokens=tokens)
+        step(model, dpo, batch)
+    assert largest_logits(rec.seen) == (tokens or rows * T) * V
     if head == "fused":  # LoRA with a tied head: the frozen head's [V, d] fp32 gradient buffer is never made
         assert not [s for s, dt in rec.seen if s == (V, D) and dt == torch.float32]
 
@@ -173,13 +184,20 @@ def test_eval_forwards_walk_chunks_and_give_plains_metrics():
     assert out["fused"][2] == 2 * T * V < out["plain"][2]
 
 
-def test_head_setting_is_checked(hf_model):
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"dpo.head": "liger"}, "dpo.head must be one of fused, chunked, plain"),
+        ({"dpo.logp_chunk_tokens": -1}, "dpo.logp_chunk_tokens must be >= 0"),
+    ],
+)
+def test_head_settings_are_checked(overrides, message, hf_model):
     from gptoughts.config import load_config
     from gptoughts.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="dpo.head must be one of fused, chunked, plain"):
-        load_config("finetune", {"model.init_from": str(hf_model("llama")), "train.objective": "dpo",
-                                 "dpo.head": "liger"})  # fmt: skip
+    base = {"model.init_from": str(hf_model("llama")), "train.objective": "dpo"}
+    with pytest.raises(ConfigError, match=message):
+        load_config("finetune", {**base, **overrides})
 
 
 @pytest.mark.parametrize("lora", [True, False])
