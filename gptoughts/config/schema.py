@@ -444,9 +444,21 @@ class DpoConfig:
     model with its adapters disabled, one extra no-grad forward per step) or auto (adapters_off with LoRA,
     precomputed otherwise). With LoRA both give the same values (the adapters start at zero); precomputed saves
     the extra forward."""
+    head: Literal["fused", "chunked", "plain"] = "fused"
+    """How the LM head and the loss run (gptoughts/training/dpo_head.py). fused: a chunk of whole pairs at a
+    time, the chunk's loss and its gradients w.r.t. the hidden states and the head computed in the forward (the
+    same values as plain, one chunk of fp32 logits alive, no head recompute); chunked: rows a chunk at a time
+    under activation checkpointing (the head recomputed in the backward); plain: the logits of every row at once
+    (2 rows x 1024 tokens x 128k vocab is 1 GiB of fp32 logits). fused and chunked also walk the reference and
+    evaluation passes in chunks."""
     logp_chunk: int = 0
-    """Rows per chunk when summing the completions' log-probabilities: >0 computes the fp32 logits one chunk at
-    a time under activation checkpointing (less peak memory, the LM head recomputed); 0: all rows at once."""
+    """Rows per chunk of the LM head for head fused or chunked (fused with a trained head, full fine-tuning, takes
+    whole pairs: rounded down to an even number, at least 2); 0: one pair (2 rows). More rows: larger matmuls,
+    more memory (one row of 1024 tokens at a 128k vocab is 0.5 GiB of fp32 logits)."""
+    logp_chunk_tokens: int = 0
+    """Tokens per chunk, across row boundaries, where rows need not stay together: the fused head when the head
+    is frozen (LoRA) and the no-gradient passes (the reference, evaluations) of fused and chunked; 0: logp_chunk
+    rows' tokens. Below a row's length it cuts the LM head's memory further (smaller matmuls)."""
 
     def resolved_reference(self, lora: bool) -> str:
         """``reference`` with auto decided: adapters_off with LoRA, precomputed otherwise."""

@@ -316,7 +316,11 @@ def _validate_dpo(cfg: Config) -> None:
     if not 0.0 <= d.label_smoothing < 0.5:
         raise ConfigError(f"dpo.label_smoothing must be in [0, 0.5), got {d.label_smoothing}")
     if d.logp_chunk < 0:
-        raise ConfigError(f"dpo.logp_chunk must be >= 0 (0: no chunks), got {d.logp_chunk}")
+        raise ConfigError(f"dpo.logp_chunk must be >= 0 (0: one pair), got {d.logp_chunk}")
+    if d.logp_chunk_tokens < 0:
+        raise ConfigError(
+            f"dpo.logp_chunk_tokens must be >= 0 (0: logp_chunk rows' tokens), got {d.logp_chunk_tokens}"
+        )
     if cfg.train.objective != "dpo":
         _refuse_dpo_settings(cfg)
         return

@@ -62,6 +62,23 @@ def _chunk_grads(
     target_logit = logits.gather(1, safe_t.unsqueeze(1)).squeeze(1)
     loss = ((lse - target_logit) * scale).sum()
     g = ce_logit_grad(logits, lse, safe_t, scale, fused=torch.compiler.is_compiling())
+    grad_h, grad_w = head_input_grads(g, logits, h, w, softcap=softcap, need_w=need_w, logit_grad=logit_grad)
+    return loss, grad_h, grad_w
+
+
+def head_input_grads(
+    g: torch.Tensor,
+    logits: torch.Tensor,
+    h: torch.Tensor,
+    w: torch.Tensor,
+    *,
+    softcap: float | None,
+    need_w: bool,
+    logit_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """From ``g`` = d loss / d (capped) ``logits`` (fp32, ``[rows, vocab]``): d loss / d ``h`` and d loss / d ``w``
+    (fp32; None when ``need_w`` is false), or with ``logit_grad`` d loss / d logits in ``h``'s dtype as the second
+    value. ``logits`` (the capped ones when ``softcap``) are overwritten."""
     if softcap is not None:
         # Chain rule through the cap: d z / d logits = 1 - (z / cap)². The capped logits are dead past this
         # point, so they become the factor in place (eager: no extra [rows, vocab] buffer).
@@ -69,11 +86,11 @@ def _chunk_grads(
     g = g.to(h.dtype)
     grad_h = g @ w
     if logit_grad:
-        return loss, grad_h, g
+        return grad_h, g
     # A frozen head (LoRA with tied embeddings) needs no weight gradient: skipping it saves a third of the
     # head's matmuls and the [V, d] fp32 accumulator.
     grad_w = (g.t() @ h).float() if need_w else None
-    return loss, grad_h, grad_w
+    return grad_h, grad_w
 
 
 def ce_logit_grad(

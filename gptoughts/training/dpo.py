@@ -11,7 +11,8 @@ The reference: ``precomputed`` (full fine-tuning): one pass of the frozen starti
 training fills ``ref_logratio`` (:func:`precompute_reference`), so no second model is kept in memory;
 ``adapters_off`` (LoRA): the same model with its adapters disabled, in a no-grad forward each step (no second copy
 of the weights). Reward margin ``β m`` and preference accuracy (share of pairs with ``m > 0``) accumulate on the
-device and are read at log intervals (:func:`pair_metrics`).
+device and are read at log intervals (:func:`pair_metrics`). The LM head and the loss run as ``dpo.head`` says
+(``dpo_head.py``; fused by default: no full logits, no head recompute).
 """
 
 from __future__ import annotations
@@ -22,59 +23,12 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from gptoughts.config import DpoConfig
-from gptoughts.models.layers import softcap as apply_softcap
 from gptoughts.parallel import dist as pdist
-from gptoughts.perf.ce import IGNORE_INDEX
+from gptoughts.training.dpo_head import completion_logps, dpo_loss, fused_pair_loss
 from gptoughts.training.objectives import _inner
-
-
-def dpo_loss(
-    policy_logratio: torch.Tensor, ref_logratio: torch.Tensor, beta: float, label_smoothing: float = 0.0
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-pair losses and reward margins ``β m`` (no gradient) of the sigmoid DPO loss."""
-    margin = beta * (policy_logratio.float() - ref_logratio.float())
-    losses = -(1.0 - label_smoothing) * F.logsigmoid(margin) - label_smoothing * F.logsigmoid(-margin)
-    return losses, margin.detach()
-
-
-def _rows_logps(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor, softcap: float | None) -> torch.Tensor:
-    logits = apply_softcap(F.linear(h, w).float(), softcap)
-    ce = F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=IGNORE_INDEX, reduction="none")
-    return -ce.view(y.shape).sum(-1)  # ignored targets count 0
-
-
-def completion_logps(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    y: torch.Tensor,
-    *,
-    softcap: float | None = None,
-    chunk_rows: int = 0,
-) -> torch.Tensor:
-    """Per row, the summed log-probability of its targets (``y != IGNORE_INDEX``) under ``hidden @ weight.T``.
-
-    ``chunk_rows > 0``: the rows are walked in chunks, each under activation checkpointing, so that only one
-    chunk's fp32 logits exist at a time, in the forward and in the backward (the head matmul is recomputed)."""
-    n = hidden.shape[0]
-    if chunk_rows <= 0 or chunk_rows >= n or not torch.is_grad_enabled():
-        return _rows_logps(hidden, weight, y, softcap)
-    parts = [
-        checkpoint(
-            _rows_logps,
-            hidden[i : i + chunk_rows],
-            weight,
-            y[i : i + chunk_rows],
-            softcap,
-            use_reentrant=False,
-        )
-        for i in range(0, n, chunk_rows)
-    ]
-    return torch.cat(parts)
 
 
 def _tuner_layers(model: nn.Module) -> list[nn.Module]:
@@ -97,8 +51,11 @@ def adapters_disabled(layers: list[nn.Module]) -> Iterator[None]:
 
 
 class DPO:
-    """The DPO objective (module docstring). ``reference``: precomputed or adapters_off; ``logp_chunk``: rows per
-    chunk of the completion log-probabilities (0: all at once)."""
+    """The DPO objective (module docstring). ``reference``: precomputed or adapters_off; ``head``: how the LM head
+    and the loss run (``dpo_head.py``: fused, chunked or plain); ``logp_chunk``: rows per chunk of the head
+    (0: one pair; fused with a trained head rounds down to whole pairs); ``logp_chunk_tokens``: tokens per chunk
+    of a frozen fused head and of the no-gradient passes (0: ``logp_chunk`` rows' worth); ``compiled``: the
+    chunks under torch.compile."""
 
     name = "dpo"
 
@@ -108,28 +65,43 @@ class DPO:
         beta: float = 0.1,
         label_smoothing: float = 0.0,
         reference: str = "precomputed",
+        head: str = "plain",
         logp_chunk: int = 0,
+        logp_chunk_tokens: int = 0,
+        compiled: bool = False,
     ) -> None:
         if reference not in ("precomputed", "adapters_off"):
             raise ValueError(f"reference must be precomputed or adapters_off, got {reference!r}")
+        if head not in ("fused", "chunked", "plain"):
+            raise ValueError(f"head must be fused, chunked or plain, got {head!r}")
         self.beta, self.label_smoothing = beta, label_smoothing
-        self.reference, self.logp_chunk = reference, logp_chunk
+        self.reference, self.head, self.compiled = reference, head, compiled
+        self.chunk_rows = 0 if head == "plain" else logp_chunk if logp_chunk > 0 else 2
+        self.chunk_tokens = 0 if head == "plain" else logp_chunk_tokens
         self._sums: dict[bool, torch.Tensor | None] = {True: None, False: None}  # by model.training
         self._layers: tuple[int, list[nn.Module]] | None = None
+
+    def _hidden(self, model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float | None]:
+        b, _, t = x.shape
+        hidden = model(x.reshape(2 * b, t), return_hidden=True)
+        inner = _inner(model)
+        return hidden, inner.output_weight, getattr(inner, "logit_softcap", None)
 
     def pair_logps(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Summed completion log-probabilities ``[B, 2]`` (chosen, rejected), both rows of every pair in one
         forward pass."""
         b, _, t = x.shape
-        hidden = model(x.reshape(2 * b, t), return_hidden=True)
-        inner = _inner(model)
-        return completion_logps(
+        hidden, weight, cap = self._hidden(model, x)
+        logps = completion_logps(
             hidden,
-            inner.output_weight,
+            weight,
             y.reshape(2 * b, t),
-            softcap=getattr(inner, "logit_softcap", None),
-            chunk_rows=self.logp_chunk,
-        ).view(b, 2)
+            softcap=cap,
+            chunk_rows=self.chunk_rows,
+            chunk_tokens=self.chunk_tokens,
+            compiled=self.compiled,
+        )
+        return logps.view(b, 2)
 
     def logratio(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``log π(chosen) - log π(rejected)`` per pair."""
@@ -156,14 +128,38 @@ class DPO:
             x, ref, y = batch[0], batch[1], batch[2]
         if self.reference == "adapters_off":
             ref = self._reference(model, x, y)
-        losses, margin = dpo_loss(self.logratio(model, x, y), ref, self.beta, self.label_smoothing)
+        loss, margin = self.loss(model, x, y, ref)
         if len(batch) == 2:
-            return losses.sum(), torch.full((), float(x.shape[0]), device=x.device)
+            return loss, torch.full((), float(x.shape[0]), device=x.device)
         # Summed on the device, read at the next log or evaluation (no sync here).
         sums = torch.stack([margin.sum(), (margin > 0).float().sum(), torch.ones_like(margin).sum()])
         key = model.training
         self._sums[key] = sums if self._sums[key] is None else self._sums[key] + sums
-        return losses.sum(), torch.full((), float(x.shape[0]), device=x.device)
+        return loss, torch.full((), float(x.shape[0]), device=x.device)
+
+    def loss(
+        self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, ref: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The summed pair losses of the policy ``model`` against the reference log-ratios ``ref`` ``[B]``, and the
+        margins ``β m`` ``[B]``. The fused head computes both with the head's gradients in one walk over the
+        pairs; without gradients (evaluations) every head computes the log-probabilities, then the loss."""
+        if self.head != "fused" or not torch.is_grad_enabled():
+            losses, margin = dpo_loss(self.logratio(model, x, y), ref, self.beta, self.label_smoothing)
+            return losses.sum(), margin
+        b, _, t = x.shape
+        hidden, weight, cap = self._hidden(model, x)
+        return fused_pair_loss(
+            hidden,
+            weight,
+            y.reshape(2 * b, t),
+            ref,
+            beta=self.beta,
+            label_smoothing=self.label_smoothing,
+            softcap=cap,
+            chunk_rows=self.chunk_rows,
+            chunk_tokens=self.chunk_tokens,
+            compiled=self.compiled,
+        )
 
     def pop_pair_sums(self, training: bool) -> torch.Tensor | None:
         """(margin sum, pairs preferred, pairs) since the last call, of training or of evaluation forwards."""
@@ -180,13 +176,17 @@ def _probe_pairs(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.
     return x.view(b, 2, t), torch.zeros(b, device=x.device), y.view(b, 2, t)
 
 
-def build_dpo(d: DpoConfig, *, lora: bool) -> DPO:
-    """The objective of ``[dpo]``: ``reference = auto`` is adapters_off with LoRA, precomputed otherwise."""
+def build_dpo(d: DpoConfig, *, lora: bool, compiled: bool = False) -> DPO:
+    """The objective of ``[dpo]``: ``reference = auto`` is adapters_off with LoRA, precomputed otherwise;
+    ``compiled``: the run compiles (the fused head's chunk is compiled too)."""
     return DPO(
         beta=d.beta,
         label_smoothing=d.label_smoothing,
         reference=d.resolved_reference(lora),
+        head=d.head,
         logp_chunk=d.logp_chunk,
+        logp_chunk_tokens=d.logp_chunk_tokens,
+        compiled=compiled,
     )
 
 

@@ -77,7 +77,9 @@ def build_model(cfg: Config, env: Environment, data: Data, *, meta: bool = False
     if cfg.train.objective == "dpo":
         from gptoughts.training.dpo import build_dpo
 
-        out.objective = build_dpo(cfg.dpo, lora=cfg.lora.enabled)
+        out.objective = build_dpo(
+            cfg.dpo, lora=cfg.lora.enabled, compiled=bool(out.built.resolved["compile"])
+        )
     else:
         out.objective = make_objective(family, out.built, cfg.perf)
     return out
