@@ -21,7 +21,7 @@ Then the reference log-probabilities (adapters disabled) of the first ``--batch`
 
     python bench/dpo_vs_trl.py --size 1b --seq 1024 --batch 4 --out results.json          # GPU target
     python bench/dpo_vs_trl.py --size tiny --device cpu --steps 2 --warmup 1 --out /tmp/dpo.json  # smoke
-    python bench/dpo_vs_trl.py --size 1b --seq 1024 --batch 4 --variants '[{"dpo.head": "plain"}]'  # the heads
+    python bench/dpo_vs_trl.py --size 1b --seq 1024 --batch 4 --variants '[{"dpo.head": "fused"}, {"dpo.head": "chunked"}]'  # the heads
 
 TRL's wheels (the GPU machine has transformers, peft, accelerate, not trl or datasets): trl==1.16.0 datasets==5.2.0
 and what datasets needs (pyarrow, pandas, dill, multiprocess, xxhash), ``pip install --no-deps --target .peer``;
@@ -382,7 +382,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--variants",
         default=None,
-        help='ours: JSON list of extra config overrides, each timed as "ours+<i>", e.g. \'[{"dpo.head": "plain"}]\'',
+        help='ours: JSON list of extra config overrides, each timed as "ours+<i>", e.g. \'[{"dpo.head": "fused"}]\'',
     )
     p.add_argument("--model_dir", default=None, help="reuse/keep the saved random model here")
     p.add_argument("--order", default="trl,ours", help="which side runs first")
