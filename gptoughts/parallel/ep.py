@@ -4,13 +4,16 @@
 ``DistInfo.ep_mesh``); rank ``i`` of a group holds experts ``[i E/N, (i+1) E/N)`` of every MoE layer, as DTensors
 ``Shard(0)`` on that dimension (checkpoints and the optimizer see whole experts). Each rank routes its own tokens
 as before, then :class:`ExpertParallelExperts` sends each token copy to the rank of its expert and the outputs
-back with ``all_to_all_single`` (autograd through torch's functional collectives), the gate-weighted sum staying
-on the token's rank. The router, the shared experts and everything else are data-parallel under FSDP2 as without
-EP; the experts are sharded by FSDP2 over the ``efsdp`` dimension (the ranks holding the same experts).
+back with ``all_to_all_single`` (autograd through torch's functional collectives). The copies move and are summed
+back as ``moe_permute`` / ``moe_combine`` say, with the one-process experts' own functions: the same math and the
+same saved tensors (under ``hidden`` the gates travel with the copies, else they weight the sum on the token's
+rank). The router, the shared experts and everything else are data-parallel under FSDP2 as without EP; the
+experts are sharded by FSDP2 over the ``efsdp`` dimension (the ranks holding the same experts).
 
-The split sizes of the all-to-all are read on the host: one sync per MoE layer and forward (and again when
-activation checkpointing recomputes the block). Applied by ``training/setup.py`` where tensor parallelism would
-be; the model code is unchanged (a class swap, as FSDP2's). Layout and measurements: ``docs/parallel.md``.
+The split sizes of the all-to-all are read on the host (they vary with the routing): one sync per MoE layer and
+forward (and again when activation checkpointing recomputes the block); ``_dispatch`` says why. Applied by
+``training/setup.py`` where tensor parallelism would be; the model code is unchanged (a class swap, as FSDP2's).
+Layout and measurements: ``docs/parallel.md``.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gptoughts.errors import ConfigError
+from gptoughts.models.deepseek.dispatch import plan, row_values
 from gptoughts.models.deepseek.moe import GroupedExperts
 
 # Families whose blocks hold routed experts (family name -> how its args name the expert count).
@@ -75,7 +79,7 @@ def apply_ep(model: nn.Module, mesh: Any) -> int:
 
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    # Our output (a bmm's squeezed view) is never modified in place (MoE adds the shared experts out of place).
+    # Our output (under moe_combine = bmm, a bmm's squeezed view) is never modified in place (MoE adds the shared experts out of place).
     warnings.filterwarnings(
         "ignore", message=r"FSDP2-wrapped module \(FSDPExpertParallelExperts\) returned a view"
     )
@@ -118,43 +122,58 @@ class ExpertParallelExperts(GroupedExperts):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         from torch.distributed._functional_collectives import all_to_all_single_autograd
 
-        n, k = idx.shape
+        k = idx.size(1)
         e, ep = self.n_experts, self.ep_size
         local_e = e // ep
-        flat = idx.reshape(-1)  # assignment a = token * K + slot
-        order = torch.argsort(flat, stable=True)  # by expert, so by the rank holding it
-        bounds = torch.searchsorted(flat[order], torch.arange(e + 1, device=x.device, dtype=flat.dtype))
-        counts = bounds[1:] - bounds[:-1]
+        # The token copies sorted by expert, so by the rank holding it: the one-process layout without padding,
+        # moved there and back as moe_permute says (models/deepseek/dispatch.py).
+        layout = plan(idx, e, 1)
+        counts = layout.counts
         # received[r * local_e + j]: copies rank r sends to this rank's expert j
         received = torch.empty_like(counts)
         dist.all_to_all_single(received, counts, group=self.ep_group)
-        # The one host sync: all_to_all_single takes its split sizes as Python ints.
+        # The one host sync per MoE layer: all_to_all_single takes its split sizes as Python ints (the copies a
+        # rank sends and receives vary with the routing; the output must be allocated and each peer's send and
+        # receive posted with its size). Avoiding it takes either a fixed capacity per rank pair (padding up to
+        # ep times the rows, or dropping tokens, which changes the model) or a device-initiated all-to-all-v
+        # that reads the sizes on the GPU (NVSHMEM kernels: DeepEP, torch's symmetric-memory all_to_all_vdev),
+        # which NCCL's and gloo's all_to_all_single are not.
         sizes = torch.cat([counts.view(ep, local_e).sum(1), received.view(ep, local_e).sum(1)]).tolist()
         send, recv = sizes[:ep], sizes[ep:]
-        xs = all_to_all_single_autograd(x[order // k], recv, send, self.ep_group)
+        xs, src = self.to_rows(x, layout, k)
+        xr = all_to_all_single_autograd(xs, recv, send, self.ep_group)
+        # hidden: each copy's gate travels with it and scales its hidden row on the expert's rank, as in one
+        # process; sum / bmm: the gates weight the sum over K here on the token's rank.
+        gr = None
+        if self.combine == "hidden":
+            gr = all_to_all_single_autograd(row_values(layout, gates.reshape(-1)), recv, send, self.ep_group)
         # output_size: known on the host already, so no second sync to size the result
         local_ids = torch.repeat_interleave(
             torch.arange(local_e, device=x.device).repeat(ep), received, output_size=sum(recv)
         )
-        ys = self._local(xs, local_ids, recv)
-        y_sorted = all_to_all_single_autograd(ys, send, recv, self.ep_group)
-        y = torch.empty_like(y_sorted).index_copy(0, order, y_sorted).view(n, k, x.size(-1))
-        out = torch.bmm(gates.unsqueeze(1).to(y.dtype), y).squeeze(1)
-        return out, counts
+        yr = self._local(xr, local_ids, recv, gr)
+        ys = all_to_all_single_autograd(yr, send, recv, self.ep_group)
+        return self.from_rows(ys, layout, k, gates, src), counts
 
-    def _local(self, xs: torch.Tensor, local_ids: torch.Tensor, recv: list[int]) -> torch.Tensor:
-        """This rank's experts on the received rows, in the order they came (``compute`` sorts and restores it; a
-        gate of 1 returns each expert's output unchanged)."""
+    def _local(
+        self, xs: torch.Tensor, local_ids: torch.Tensor, recv: list[int], gates: torch.Tensor | None
+    ) -> torch.Tensor:
+        """This rank's experts on the received rows, in the order they came (``compute`` sorts and restores it),
+        each row's hidden activation scaled by its gate when ``gates [rows]`` is given (``moe_combine = hidden``)."""
         if torch.is_grad_enabled():
-            return self._local_one(xs, local_ids)
+            return self._local_one(xs, local_ids, gates)
         # Without gradients (evaluation, sampling): one GEMM per source rank. A row's result can depend on the
         # other rows of its GEMM (kernel tiling); ranks that decode the same prompt must get the same bits, or
         # their samples (and so their numbers of collectives) part ways.
-        parts = [self._local_one(x, ids) for x, ids in zip(xs.split(recv), local_ids.split(recv))]
+        g_parts = [None] * len(recv) if gates is None else gates.split(recv)
+        parts = [
+            self._local_one(x, ids, g) for x, ids, g in zip(xs.split(recv), local_ids.split(recv), g_parts)
+        ]
         return torch.cat(parts) if parts else xs
 
-    def _local_one(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        return self.compute(x, ids.unsqueeze(1), x.new_ones(x.size(0), 1), self.n_experts // self.ep_size)[0]
+    def _local_one(self, x: torch.Tensor, ids: torch.Tensor, gates: torch.Tensor | None) -> torch.Tensor:
+        g = None if gates is None else gates.unsqueeze(1)
+        return self.compute(x, ids.unsqueeze(1), g, self.n_experts // self.ep_size)[0]
 
 
 class _ScaleGrad(torch.autograd.Function):

@@ -13,6 +13,9 @@ Two ways to move the tokens (``DeepSeekArgs.moe_permute``):
   gather(-sum), with only index tensors saved (plus the expert outputs when the gates need a gradient).
   Padding rows gather token 0 instead of zeros: their outputs are never read and their output gradients are
   zero, so they add nothing to any gradient (and cost the same GEMM rows as zeros would).
+
+``permute_tokens`` and ``combine_rows`` are the two moves, used by the one-process experts and, with a layout
+of ``align = 1`` (no padding), by the expert-parallel dispatch around its all-to-alls (``parallel/ep.py``).
 """
 
 from __future__ import annotations
@@ -22,7 +25,17 @@ from typing import Any
 
 import torch
 
-__all__ = ["Layout", "PermuteRows", "UnpermuteRows", "plan", "row_sources", "row_values"]
+__all__ = [
+    "Layout",
+    "PermuteRows",
+    "UnpermuteRows",
+    "combine_rows",
+    "gather_sources",
+    "permute_tokens",
+    "plan",
+    "row_sources",
+    "row_values",
+]
 
 
 @dataclass
@@ -124,3 +137,52 @@ class UnpermuteRows(torch.autograd.Function):
             y = yp.index_select(0, dest).view(ctx.n, -1, yp.size(-1))
             ggates = (y.float() * grad.float().unsqueeze(1)).sum(-1)
         return gyp, None, None, None, ggates, None
+
+
+def gather_sources(layout: Layout, k: int, permute: str) -> torch.Tensor | None:
+    """``row_sources`` when the tokens move by ``gather``, else None (``index_put``, or no token: the gather
+    path's padding rows read token 0)."""
+    if permute == "gather" and layout.dest.numel() > 0:
+        return row_sources(layout, k)
+    return None
+
+
+def permute_tokens(x: torch.Tensor, layout: Layout, k: int, src: torch.Tensor | None) -> torch.Tensor:
+    """``x [N, d]`` -> ``[rows, d]``, row ``dest[t*K + j]`` holding ``x[t]``: by :class:`PermuteRows` with the
+    rows' sources ``src`` (:func:`gather_sources`), or by scattering the K copies into zeros when ``src`` is None."""
+    if src is not None:
+        return PermuteRows.apply(x, src, layout.dest)
+    # dest is injective, so this scatter and the indexing in combine_rows have backward passes without
+    # colliding indices: no atomics, deterministic gradients on CUDA. (Explicit widths, not -1: a rank of an
+    # expert-parallel group may receive no rows.)
+    n, d = x.size(0), x.size(-1)
+    copies = x.unsqueeze(1).expand(n, k, d).reshape(n * k, d)
+    return x.new_zeros(layout.rows, d).index_put((layout.dest,), copies)
+
+
+def combine_rows(
+    yp: torch.Tensor,
+    layout: Layout,
+    k: int,
+    gates: torch.Tensor | None,
+    src: torch.Tensor | None,
+    *,
+    bmm: bool = False,
+) -> torch.Tensor:
+    """The way back of :func:`permute_tokens`: ``out[t] = sum_j w[t, j] * yp[dest[t*K + j]]`` ``[N, d]`` in
+    ``yp``'s dtype, ``w`` the ``gates [N, K]`` or 1 when None (the gates already scaled the rows). ``src`` as
+    given to :func:`permute_tokens`; ``bmm`` (index_put only): the weighted sum as one batched GEMV."""
+    if src is not None:
+        if gates is None:
+            row_w = row_values(layout, torch.ones_like(layout.dest, dtype=torch.float32))
+        else:
+            row_w = row_values(layout, gates.detach().reshape(-1))
+        return UnpermuteRows.apply(yp, layout.dest, src, row_w, gates, k)
+    n = layout.dest.numel() // k
+    y = yp[layout.dest].view(n, k, yp.size(-1))
+    if gates is None:
+        return y.sum(1, dtype=torch.float32).to(y.dtype)
+    if bmm:
+        # One bmm: accumulates in fp32 inside the kernel under bf16, never materialises [N, K, d] products.
+        return torch.bmm(gates.unsqueeze(1).to(y.dtype), y).squeeze(1)
+    return (y.float() * gates.unsqueeze(-1)).sum(1).to(y.dtype)

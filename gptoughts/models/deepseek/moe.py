@@ -30,10 +30,10 @@ from torch import nn
 from gptoughts.models.deepseek.args import DeepSeekArgs
 from gptoughts.models.deepseek.dispatch import (
     Layout,
-    PermuteRows,
-    UnpermuteRows,
+    combine_rows,
+    gather_sources,
+    permute_tokens,
     plan,
-    row_sources,
     row_values,
 )
 from gptoughts.models.layers import SwiGLU
@@ -177,44 +177,38 @@ class GroupedExperts(nn.Module):
         return self.w1, self.w3, self.w2
 
     def compute(
-        self, x: torch.Tensor, idx: torch.Tensor, gates: torch.Tensor, n_experts: int
+        self, x: torch.Tensor, idx: torch.Tensor, gates: torch.Tensor | None, n_experts: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`forward` over the ``n_experts`` experts of :meth:`expert_weights` (ids ``0..n_experts-1``)."""
-        n, k = idx.shape
+        """:meth:`forward` over the ``n_experts`` experts of :meth:`expert_weights` (ids ``0..n_experts-1``).
+        ``gates`` None: every gate is 1 (the expert-parallel dispatch, which weights the sum on the token's rank)."""
+        k = idx.size(1)
         layout = plan(idx, n_experts, EXPERT_ROW_ALIGN)
-        row_gate = row_values(layout, gates.reshape(-1)) if self.combine == "hidden" else None
-        if self.permute == "gather" and n > 0:  # its padding rows read token 0: none on an idle EP rank
-            return self._gather_path(x, layout, gates, row_gate), layout.counts
-        # Scatter each token's K copies to their rows. dest is injective, so both this and the gather below
-        # have backward passes without colliding indices: no atomics, deterministic gradients on CUDA.
-        # (Explicit widths, not -1: a rank of an expert-parallel group may receive no rows.)
-        copies = x.unsqueeze(1).expand(n, k, x.size(-1)).reshape(n * k, x.size(-1))
-        xp = x.new_zeros(layout.rows, x.size(-1)).index_put((layout.dest,), copies)
+        hidden = self.combine == "hidden" and gates is not None
+        row_gate = row_values(layout, gates.reshape(-1)) if hidden else None
+        xp, src = self.to_rows(x, layout, k)
         yp = self._run(xp, layout.ends, row_gate)
-        y = yp[layout.dest].view(n, k, x.size(-1))
-        if self.combine == "bmm":
-            # One bmm: accumulates in fp32 inside the kernel under bf16, never materialises [N, K, d] products.
-            out = torch.bmm(gates.unsqueeze(1).to(y.dtype), y).squeeze(1)
-        elif self.combine == "sum":
-            out = (y.float() * gates.unsqueeze(-1)).sum(1).to(y.dtype)
-        else:  # hidden: the gates already scaled the rows
-            out = y.sum(1, dtype=torch.float32).to(y.dtype)
+        out = self.from_rows(yp, layout, k, gates, src)
         return out, layout.counts
 
-    def _gather_path(
-        self, x: torch.Tensor, layout: Layout, gates: torch.Tensor, row_gate: torch.Tensor | None
+    def to_rows(self, x: torch.Tensor, layout: Layout, k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The K copies of each token of ``x [N, d]`` on ``layout``'s rows, moved as ``permute`` says; with the
+        rows' sources (None under ``index_put``), which :meth:`from_rows` takes back."""
+        src = gather_sources(layout, k, self.permute)
+        # Under gather, cast before the permutation: N rows converted instead of N*K (+ padding).
+        return permute_tokens(x if src is None else x.to(_compute_dtype(x)), layout, k, src), src
+
+    def from_rows(
+        self,
+        yp: torch.Tensor,
+        layout: Layout,
+        k: int,
+        gates: torch.Tensor | None,
+        src: torch.Tensor | None,
     ) -> torch.Tensor:
-        k = gates.size(1)
-        src = row_sources(layout, k)
-        # Cast before the permutation: N rows converted instead of N*K (+ padding).
-        xp = PermuteRows.apply(x.to(_compute_dtype(x)), src, layout.dest)
-        yp = self._run(xp, layout.ends, row_gate)
-        if row_gate is None:  # sum: the gates weight the sum over K, their gradient computed there
-            return UnpermuteRows.apply(
-                yp, layout.dest, src, row_values(layout, gates.detach().reshape(-1)), gates, k
-            )
-        valid = row_values(layout, torch.ones_like(layout.dest, dtype=torch.float32))
-        return UnpermuteRows.apply(yp, layout.dest, src, valid, None, k)
+        """Each token's K expert outputs ``yp`` summed back into ``[N, d]``: weighted by ``gates`` under ``sum`` /
+        ``bmm`` (their gradient computed there); under ``hidden`` the gates already scaled the rows."""
+        weights = None if self.combine == "hidden" else gates
+        return combine_rows(yp, layout, k, weights, src, bmm=self.combine == "bmm")
 
     def _run(
         self, xp: torch.Tensor, offs: torch.Tensor, row_gate: torch.Tensor | None = None
