@@ -96,6 +96,14 @@ def grad_sync_rule(cfg: Config, info: pdist.DistInfo, hw: HardwareProfile) -> tu
     return True, f"auto: the unsharded fp32 gradient, ~{gib:.0f} GiB, would pass 10% of {mem:.0f} GiB"
 
 
+def resolve_grad_sync(cfg: Config, info: pdist.DistInfo, hw: HardwareProfile) -> tuple[pdist.DistInfo, str]:
+    """``info`` with :func:`grad_sync_rule` applied, and the plan's words for it (an FSDP2 run's: the environment's,
+    and the one the memory layout search moves to CPU offload)."""
+    sync, reason = grad_sync_rule(cfg, info, hw)
+    words = ("every micro-batch" if sync else "after the last micro-batch") + f" ({reason})"
+    return replace(info, sync_every_microbatch=sync), words
+
+
 def compile_rule(perf: PerfConfig, hw: HardwareProfile) -> tuple[bool, str]:
     if perf.compile == "auto":
         on = bool(hw.recommended.get("compile")) and hw.arch not in ("cpu", "mps")
