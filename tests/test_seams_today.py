@@ -121,3 +121,69 @@ def test_fsdp_settings_asked_of_a_run_without_fsdp_are_named_in_the_plan(dist, w
     if warned:
         assert "parallel.grad_sync_every_microbatch" in lines[0] and "drop it" in lines[0]
     assert unused_fsdp_switches(load_config(None, {}), dist) == []  # auto says nothing
+
+
+def test_under_a_pipeline_the_plan_says_the_schedule_reduces_after_the_last_micro_batch():
+    """torch's pipeline stages hold FSDP2's gradient sync off until their last micro-batch whatever the trainer
+    asks: the rule said 'every micro-batch' for a large model under pp (it divided the gradient by pp), a plan line
+    that described no run."""
+    from gptoughts.training.resolve import grad_sync_rule
+
+    pp2 = DistInfo(world_size=8, strategy="fsdp", pp=2)
+    big = load_config(None, {"model.size": "8b", "parallel.strategy": "fsdp"})
+    sync, why = grad_sync_rule(big, pp2, _hw(79.2))
+    assert not sync and "pipeline" in why
+    asked = load_config(None, {"model.size": "1b", "parallel.grad_sync_every_microbatch": True})
+    sync, why = grad_sync_rule(asked, pp2, _hw(79.2))
+    assert not sync and "asked true" in why
+    assert grad_sync_rule(big, replace(pp2, pp=1), _hw(79.2))[0]  # without the pipeline: every micro-batch
+
+
+def test_a_frozen_fp8_weight_costs_no_weight_gradient_matmul():
+    """LoRA freezes the fp8 base linears: their backward computed the weight gradient anyway (a third of the
+    linear's FLOPs, then discarded). The input gradient is the same either way."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from gptoughts.perf.fp8_fused import fp8_linear, quantize_rowwise
+
+    torch.manual_seed(0)
+    x = torch.randn(32, 64)
+    flops, dx = {}, {}
+    for frozen in (False, True):
+        torch.manual_seed(0)
+        w = torch.randn(48, 64).requires_grad_(not frozen)
+        xx = x.clone().requires_grad_()
+        y = fp8_linear(*quantize_rowwise(xx), xx, w, scaled_mm=False)
+        with FlopCounterMode(display=False) as count:
+            y.float().square().sum().backward()
+        flops[frozen], dx[frozen] = count.get_total_flops(), xx.grad
+        assert (w.grad is None) == frozen
+    assert flops[True] == flops[False] // 2  # the input gradient's matmul only
+    assert torch.equal(dx[True], dx[False])
+
+
+@pytest.mark.parametrize("mode", ["selective", "full"])
+def test_fused_fp8_blocks_recompute_exactly_under_activation_checkpointing(mode):
+    """Selective checkpointing saves ``_scaled_mm`` and ``mm`` outputs and replays the rest of the fp8 autograd
+    function's forward: loss and gradients equal the run without checkpointing, bit for bit."""
+    import copy
+
+    import torch.nn.functional as F
+
+    from gptoughts.perf.checkpointing import apply_activation_checkpointing
+
+    base = _llama()
+    convert_to_fused_fp8(base)
+    x = torch.randint(0, 512, (2, 33), generator=torch.Generator().manual_seed(1))
+    runs = []
+    for ac in ("none", mode):
+        model = copy.deepcopy(base)
+        apply_activation_checkpointing(model, ac)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(x[:, :-1])
+        loss = F.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten())
+        loss.backward()
+        runs.append((loss.detach(), [p.grad for p in model.parameters()]))
+    (loss_a, grads_a), (loss_b, grads_b) = runs
+    assert torch.equal(loss_a, loss_b)
+    assert all(torch.equal(a, b) for a, b in zip(grads_a, grads_b))

@@ -107,7 +107,9 @@ class _Fp8Linear(torch.autograd.Function):
         # dx = dy @ W: W quantized per input column (rows of W.T), so its scales broadcast along dx's columns.
         wt_fp8, wt_scale = quantize_rowwise(weight.t())
         dx = _mm(dy_fp8, dy_scale, wt_fp8, wt_scale, ctx.scaled_mm, ctx.fast).to(x_hp.dtype)
-        dw = (dy.to(torch.bfloat16).t() @ x_hp.to(torch.bfloat16)).to(weight.dtype)
+        dw = None
+        if ctx.needs_input_grad[3]:  # a frozen weight (LoRA's base) would discard it: a third of the matmuls
+            dw = (dy.to(torch.bfloat16).t() @ x_hp.to(torch.bfloat16)).to(weight.dtype)
         return None, None, dx, dw, None, None
 
 

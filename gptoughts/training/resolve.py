@@ -75,6 +75,11 @@ def grad_sync_rule(cfg: Config, info: pdist.DistInfo, hw: HardwareProfile) -> tu
     a step FSDP2 otherwise keeps each parameter's unsharded gradient in fp32 (its reduce dtype): the whole
     model's, less what tensor and pipeline parallelism take off this rank."""
     asked = cfg.parallel.grad_sync_every_microbatch
+    if info.pp > 1:
+        # torch's pipeline stages turn FSDP2's gradient sync off for every micro-batch but the last themselves
+        # (PipelineStage.backward_maybe_with_nosync): no setting of ours reaches in between.
+        unheld = "; asked true, which the schedule does not allow" if asked is True else ""
+        return False, f"pipeline: its schedule reduces after the last micro-batch{unheld}"
     if asked is True or asked is False:
         return asked, "asked"
     if info.cpu_offload:
