@@ -107,7 +107,9 @@ class _Fp8Linear(torch.autograd.Function):
         # dx = dy @ W: W quantized per input column (rows of W.T), so its scales broadcast along dx's columns.
         wt_fp8, wt_scale = quantize_rowwise(weight.t())
         dx = _mm(dy_fp8, dy_scale, wt_fp8, wt_scale, ctx.scaled_mm, ctx.fast).to(x_hp.dtype)
-        dw = (dy.to(torch.bfloat16).t() @ x_hp.to(torch.bfloat16)).to(weight.dtype)
+        dw = None
+        if ctx.needs_input_grad[3]:  # a frozen weight (LoRA's base) would discard it: a third of the matmuls
+            dw = (dy.to(torch.bfloat16).t() @ x_hp.to(torch.bfloat16)).to(weight.dtype)
         return None, None, dx, dw, None, None
 
 
@@ -154,12 +156,17 @@ class FusedFp8Linear(nn.Linear):
 
 class FusedFp8SwiGLU(SwiGLU):
     """SwiGLU (same ``w1``/``w2``/``w3`` parameters) with its input quantized once for gate and up, and the
-    down projection fed by :func:`swiglu_fp8`'s own fp8 output."""
+    down projection fed by :func:`swiglu_fp8`'s own fp8 output. Its linears are :class:`FusedFp8Linear` too, which
+    serve on their own where adapters wrap them."""
 
     scaled_mm: bool | None = None
     fast_accum_bwd: bool = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not all(type(lin) is FusedFp8Linear for lin in (self.w1, self.w2, self.w3)):
+            # LoRA (applied after fp8) wrapped the linears: reading their weights here would skip the adapters.
+            # Each wrapped FusedFp8Linear quantizes its own input instead (the same values, no shared cast).
+            return super().forward(x)
         x_hp = x.to(_out_dtype(x))
         q, s = quantize_rowwise(x_hp)
         opts = (self.scaled_mm, self.fast_accum_bwd)
@@ -206,11 +213,12 @@ def swap_linears(
         if type(ff) is SwiGLU and all(keep(lin, f"{pre}{n}") for n, lin in _mlp(ff)):
             ff.__class__ = FusedFp8SwiGLU  # a subclass: only forward changes
             ff.fast_accum_bwd = fast_accum_bwd
+            for _, lin in _mlp(ff):  # counted with their SwiGLU (see FusedFp8SwiGLU)
+                lin.__class__ = FusedFp8Linear
+                lin.fast_accum_bwd = fast_accum_bwd
             count += 3
-    fused = [f"{n}." if n else "" for n, m in root.named_modules() if isinstance(m, FusedFp8SwiGLU)]
     for name, module in list(root.named_modules()):
-        inside_fused = any(name.startswith(prefix) for prefix in fused)  # already fp8 in FusedFp8SwiGLU
-        if type(module) is nn.Linear and not inside_fused and keep(module, name):
+        if type(module) is nn.Linear and keep(module, name):
             module.__class__ = FusedFp8Linear  # a subclass: parameters, hooks, state dict stay
             module.fast_accum_bwd = fast_accum_bwd
             count += 1

@@ -44,6 +44,7 @@ from gptoughts.training.environment import (
 )
 from gptoughts.training.modeling import Model, build_model
 from gptoughts.training.plan import BatchPlan, RunPlan, make_plan, memory_refusal
+from gptoughts.training.resolve import resolve_grad_sync
 
 # ------------------------------------------------------------------------------------------ 1. environment
 
@@ -219,6 +220,10 @@ def choose_memory_layout(
                 env.device, par.backend, par.strategy, 1, 1, True, ddp_bucket_mb=par.ddp_bucket_mb
             )
         )
+        # Resolved again for the offloaded run (auto: every micro-batch, or FSDP2 would keep the whole unsharded
+        # gradient on the GPU between micro-batches, which the estimate that chose offload does not count).
+        dist, sync = resolve_grad_sync(cfg, dist, env.hw)
+        cfg = replace(cfg, resolved={**cfg.resolved, "grad_sync": sync})
         env = replace(env, dist=dist)
     return cfg, env
 

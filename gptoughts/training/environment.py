@@ -11,7 +11,7 @@ from gptoughts.config import Config, TrainConfig
 from gptoughts.errors import UserError
 from gptoughts.parallel import dist as pdist
 from gptoughts.perf import hardware
-from gptoughts.training.resolve import grad_sync_rule, reshard_rule
+from gptoughts.training.resolve import reshard_rule, resolve_grad_sync
 
 
 @dataclass
@@ -81,9 +81,7 @@ def setup_environment(cfg: Config) -> Environment:
         hw = replace(hw, memory_bytes=cap)
         why["gpu_memory"] = f"capped at {cap / 2**30:.1f} GiB (perf.gpu_memory_gib)"
     if info.strategy == "fsdp":
-        sync, reason = grad_sync_rule(cfg, info, hw)
-        why["grad_sync"] = ("every micro-batch" if sync else "after the last micro-batch") + f" ({reason})"
-        info = replace(info, sync_every_microbatch=sync)
+        info, why["grad_sync"] = resolve_grad_sync(cfg, info, hw)
     if info.strategy == "fsdp" and not info.cpu_offload:
         reshard, reason = reshard_rule(cfg, info, hw, device, precision)
         why["reshard_after_forward"] = f"{str(reshard).lower()} ({reason})"

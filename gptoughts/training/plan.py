@@ -310,9 +310,11 @@ def make_plan(
     memory, device_memory, host, staging = _memory(cfg, env, model, batch)
     tps, basis = _speed(cfg, env, model, batch)
     hours = batch.total_steps * batch.tokens_per_step / tps / 3600 if tps else None
-    warnings = _warnings(
-        cfg, data, model, batch, params, memory, device_memory, on_cpu=env.device.type == "cpu"
-    ) + _unused_fp8_switches(cfg, resolved)
+    warnings = (
+        _warnings(cfg, data, model, batch, params, memory, device_memory, on_cpu=env.device.type == "cpu")
+        + _unused_fp8_switches(cfg, resolved)
+        + unused_fsdp_switches(cfg, env.dist)
+    )
     return RunPlan(
         model=what,
         layout=layout,
@@ -500,6 +502,23 @@ def _unused_fp8_switches(cfg: Any, resolved: dict[str, Any]) -> list[str]:
     return [
         f"{' and '.join(asked)} {verb} on fp8 matmuls, but this run's matmuls are not fp8 ({why}): add --fp8 or "
         f"drop {obj}"
+    ]
+
+
+def unused_fsdp_switches(cfg: Any, dist: Any) -> list[str]:
+    """A warning for the FSDP2 settings asked (true or false, not auto) of a run that FSDP2 does not wrap: one
+    process without offload, or DDP. They would do nothing."""
+    if dist.strategy == "fsdp":
+        return []
+    names = ("grad_sync_every_microbatch", "reshard_after_forward")
+    asked = [f"parallel.{n}" for n in names if isinstance(getattr(cfg.parallel, n), bool)]
+    if not asked:
+        return []
+    run = f"{dist.strategy} x{dist.world_size}" if dist.strategy != "none" else "one process"
+    verb, obj = ("acts", "it") if len(asked) == 1 else ("act", "them")
+    return [
+        f"{' and '.join(asked)} {verb} on FSDP2 (--parallel.strategy fsdp on several processes, or "
+        f"--parallel.cpu_offload), but this run is {run}: drop {obj}"
     ]
 
 

@@ -75,6 +75,11 @@ def grad_sync_rule(cfg: Config, info: pdist.DistInfo, hw: HardwareProfile) -> tu
     a step FSDP2 otherwise keeps each parameter's unsharded gradient in fp32 (its reduce dtype): the whole
     model's, less what tensor and pipeline parallelism take off this rank."""
     asked = cfg.parallel.grad_sync_every_microbatch
+    if info.pp > 1:
+        # torch's pipeline stages turn FSDP2's gradient sync off for every micro-batch but the last themselves
+        # (PipelineStage.backward_maybe_with_nosync): no setting of ours reaches in between.
+        unheld = "; asked true, which the schedule does not allow" if asked is True else ""
+        return False, f"pipeline: its schedule reduces after the last micro-batch{unheld}"
     if asked is True or asked is False:
         return asked, "asked"
     if info.cpu_offload:
@@ -94,6 +99,14 @@ def grad_sync_rule(cfg: Config, info: pdist.DistInfo, hw: HardwareProfile) -> tu
     if gib <= 0.1 * mem:
         return False, f"auto: the unsharded fp32 gradient, ~{gib:.1f} GiB, is within 10% of {mem:.0f} GiB"
     return True, f"auto: the unsharded fp32 gradient, ~{gib:.0f} GiB, would pass 10% of {mem:.0f} GiB"
+
+
+def resolve_grad_sync(cfg: Config, info: pdist.DistInfo, hw: HardwareProfile) -> tuple[pdist.DistInfo, str]:
+    """``info`` with :func:`grad_sync_rule` applied, and the plan's words for it (an FSDP2 run's: the environment's,
+    and the one the memory layout search moves to CPU offload)."""
+    sync, reason = grad_sync_rule(cfg, info, hw)
+    words = ("every micro-batch" if sync else "after the last micro-batch") + f" ({reason})"
+    return replace(info, sync_every_microbatch=sync), words
 
 
 def compile_rule(perf: PerfConfig, hw: HardwareProfile) -> tuple[bool, str]:
