@@ -446,17 +446,24 @@ def _place(
     return strategy
 
 
-def unsharded_grad_bytes(family: str, size: str, overrides: dict | None, tp: int = 1, pp: int = 1) -> float:
-    """The fp32 gradient of the parameters one rank holds whole (the blocks split by ``tp`` and ``pp``; the
-    embeddings and head counted whole, a slight overestimate under a pipeline)."""
+def unsharded_grad_bytes(
+    family: str, size: str, overrides: dict | None, tp: int = 1, pp: int = 1, ep: int = 1
+) -> float:
+    """The fp32 gradient of the parameters one rank holds whole (the blocks split by ``tp`` and ``pp``, the routed
+    experts by ``ep``; the embeddings and head counted whole, a slight overestimate under a pipeline)."""
     args = models.model_args(family, size, dict(overrides or {}))
     import torch
+
+    from gptoughts.models.deepseek.moe import GroupedExperts
 
     with torch.device("meta"):
         model = models.build_model(family, args)
     n = model.num_params()
     n_blocks = sum(p.numel() for p in model.layers.parameters())
-    return 4.0 * (n - n_blocks + n_blocks / (tp * pp))
+    experts = sum(
+        p.numel() for m in model.layers.modules() if isinstance(m, GroupedExperts) for p in m.parameters()
+    )
+    return 4.0 * (n - n_blocks + (n_blocks - experts + experts / ep) / (tp * pp))
 
 
 def _speed_and_cost(

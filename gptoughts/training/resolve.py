@@ -91,7 +91,9 @@ def grad_sync_rule(cfg: Config, info: pdist.DistInfo, hw: HardwareProfile) -> tu
 
     try:
         gib = (
-            unsharded_grad_bytes(cfg.model.family, cfg.model.size, cfg.model.overrides, info.tp, info.pp)
+            unsharded_grad_bytes(
+                cfg.model.family, cfg.model.size, cfg.model.overrides, info.tp, info.pp, info.ep
+            )
             / 2**30
         )
     except Exception:  # noqa: BLE001 - an estimate must never stop a run

@@ -151,3 +151,18 @@ def test_ddp_with_gradient_accumulation_trains_like_one_process(tmp_path, text_c
     assert a.keys() == b.keys() == {1, 2, 3}
     for s in (1, 2, 3):
         assert a[s] == pytest.approx(b[s], rel=1e-4), (s, a[s], b[s])
+
+
+def test_expert_parallelism_splits_the_experts_unsharded_gradient():
+    """Under --parallel.ep N a rank gathers only its N-th of the routed experts: their gradient counts 1/N."""
+    whole, ep4 = (unsharded_grad_bytes("deepseek", "small", {}, ep=e) for e in (1, 4))
+    import torch
+
+    from gptoughts.models import build_model, model_args
+    from gptoughts.models.deepseek.moe import GroupedExperts
+
+    with torch.device("meta"):
+        model = build_model("deepseek", model_args("deepseek", "small", {}))
+    experts = sum(p.numel() for m in model.modules() if isinstance(m, GroupedExperts) for p in m.parameters())
+    assert whole - ep4 == pytest.approx(4 * experts * 3 / 4, rel=1e-9)
+    assert unsharded_grad_bytes("llama", "1b", {}, ep=4) == unsharded_grad_bytes("llama", "1b", {})
