@@ -116,9 +116,11 @@ def _weights_at(step_dir: Path) -> dict[str, torch.Tensor]:
     return consolidated_weights(step_dir) if is_dcp(step_dir) else read_model_file(step_dir)
 
 
+# Two real ranks for the reference pair only: test_ep.py trains the defaults (hidden, gather) on two ranks, and
+# every pair's all-to-all maths is checked above against one process on a real ep mesh (the second tier's time).
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize(("combine", "permute"), SETTINGS)
+@pytest.mark.parametrize(("combine", "permute"), [("bmm", "index_put")])
 def test_ep2_trains_like_one_process_for_each_setting(tmp_path, text_corpus, cache_dir, combine, permute):
     """Two ranks (experts split, tokens all-to-all) and one process, same setting: the same losses over 5 steps
     and the same weights after them."""
