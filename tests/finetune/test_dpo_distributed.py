@@ -26,24 +26,29 @@ def _margins(run: Path) -> dict[int, float]:
     [
         ("lora-ddp", ["--lora", "--parallel.strategy", "ddp"]),
         ("full-fsdp", ["--parallel.strategy", "fsdp"]),
+        ("lora-ddp-fused", ["--lora", "--parallel.strategy", "ddp", "--dpo.head", "fused"]),
+        ("full-fsdp-fused", ["--parallel.strategy", "fsdp", "--dpo.head", "fused"]),
+        ("full-fsdp-chunked", ["--parallel.strategy", "fsdp", "--dpo.head", "chunked"]),
     ],
 )
 def test_dpo_on_two_processes_trains_like_one(mode, extra, hf_model, tmp_path, ft_cache):
-    """2 ranks x 2 pairs x accumulation 2 train like 1 process x 4 pairs x accumulation 2: the same losses and
-    reward margins (LoRA under DDP: the adapters-off reference each step; full under FSDP2: the reference
-    precomputed once)."""
+    """2 ranks x 2 pairs x accumulation 2 train like 1 process x 4 pairs x accumulation 2 with the plain head: the
+    same losses and reward margins (LoRA under DDP: the adapters-off reference each step; full under FSDP2: the
+    reference precomputed once). The fused and chunked heads on two ranks too: under FSDP2 the fused head's weight
+    gradient, computed in the forward, reaches the root's sharded head like the plain head's."""
     base, data = hf_model("llama"), prefs_file(tmp_path / "p.jsonl", n=64)
     argv = [
         "finetune", "--model", str(base), "--data", str(data), "--objective", "dpo", "--block_size", "48",
         "--grad_accum", "2", "--max_steps", "3", "--perf.device", "cpu", "--precision", "fp32", "--compile",
         "false", "--run.progress", "false", "--log_interval", "1", "--eval_interval", "0", "--save_interval", "0",
         "--warmup_steps", "0", "--data.val_fraction", "0", "--sample_prompts=", "--learning_rate", "1e-3",
+        "--dpo.logp_chunk", "2",
     ]  # fmt: skip
     lora = extra[:1] if extra[0] == "--lora" else []
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     runs = {}
     for name, launch, batch, more in (
-        ("one", [], "4", lora),
+        ("one", [], "4", [*lora, "--dpo.head", "plain"]),
         ("two", ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"], "2", extra),
     ):
         out = tmp_path / name
