@@ -608,15 +608,20 @@ def format_table(results: dict[str, dict[str, Any]]) -> str:
 
 
 def format_comparison(runs: dict[str, dict[str, Any]]) -> str:
-    """Several models' results (``{run: {"loss", "perplexity", "tasks": {...}}}``, each part optional) as one
-    table: a row per task and metric, a column per run, so each metric reads across the runs. Corpus loss and
-    perplexity (``--data``) come first, under the task name ``data``."""
+    """Several models' results (``{run: {"loss", "perplexity", "prefs": {...}, "tasks": {...}}}``, each part
+    optional) as one table: a row per task and metric, a column per run, so each metric reads across the runs.
+    Corpus loss and perplexity (``--data``) come first, under the task name ``data``, then the preference pairs'
+    accuracy and reward margin (``--prefs``) under ``prefs``."""
     labels = list(runs)
     rows: list[tuple[str, str, str, list[str]]] = []
     first = next(iter(runs.values()))
     for metric, fmt in (("loss", ".4f"), ("perplexity", ".2f")):
         if metric in first:
             rows.append(("data", metric, "", [format(runs[r][metric], fmt) for r in labels]))
+    if "prefs" in first:
+        for metric in ("preference_accuracy", "reward_margin"):
+            cells = [format(runs[r]["prefs"][metric], ".4f") for r in labels]
+            rows.append(("prefs", metric, str(first["prefs"]["pairs"]), cells))
     tasks = first.get("tasks", {})
     for name in tasks:
         for metric in _metrics({name: tasks[name]}):

@@ -13,7 +13,7 @@ from cli_helpers import QUIET_CPU, refused, run_cli, snapshot
 from hf_helpers import losses as run_losses
 from test_dpo import _opts, _rows, prefs_file
 
-from gptoughts import api
+from gptoughts import api, cli
 from gptoughts.config import load_config
 from gptoughts.data.sft import DEFAULT_CHAT_TEMPLATE
 from gptoughts.errors import ConfigError
@@ -214,3 +214,21 @@ def test_the_plan_of_an_sft_run_with_nothing_held_out_says_no_evaluation(
     steps = next(ln for ln in text.splitlines() if ln.strip().startswith("steps:"))
     assert "no evaluation (no held-out examples)" in steps, steps
     assert "val loss" not in text  # and the run does as its plan says
+
+
+def test_eval_of_several_models_shows_their_preferences_in_the_table(hf_model, tmp_path, capsys, ft_cache):
+    """``gptoughts eval A B --prefs held.jsonl``: the comparison table has the preference accuracy and reward
+    margin of each model (it had only the loss and the tasks' rows), the same numbers as ``--json``."""
+    a, b = hf_model("llama", name="a"), hf_model("qwen2", name="b")
+    held = prefs_file(tmp_path / "held.jsonl", n=12, seed=1)
+    capsys.readouterr()
+    assert cli.main(["eval", str(a), str(b), "--prefs", str(held), "--device", "cpu", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res[str(a)]["prefs"] != res[str(b)]["prefs"]  # two different models
+    code, out = run_cli(["eval", str(a), str(b), "--prefs", str(held), "--device", "cpu"], capsys)
+    assert code == 0, out
+    for metric in ("preference_accuracy", "reward_margin"):
+        line = next(x for x in out.splitlines() if x.startswith("prefs") and metric in x)
+        cells = line.split()[-2:]
+        assert cells == [format(res[str(m)]["prefs"][metric], ".4f") for m in (a, b)], (line, res)
+        assert line.split()[2] == "12"  # the pairs scored
