@@ -266,11 +266,7 @@ def estimate(
 ) -> Estimate:
     """Peak memory of one training step, speed and cost for ``family`` at ``size`` (module docstring: each line;
     the activations per family: ``_activation_bytes``; tensor parallelism, FSDP, offload: ``_place``)."""
-    args = models.model_args(family, size, dict(overrides or {}))
-    import torch
-
-    with torch.device("meta"):
-        model = models.build_model(family, args)
+    args, model = _meta_model(family, size, overrides)
     n = model.num_params()
     tokens_step = batch_size * block_size
     if residual_dtype not in ("fp32", "bf16"):
@@ -446,18 +442,23 @@ def _place(
     return strategy
 
 
+def _meta_model(family: str, size: str, overrides: dict | None) -> tuple[Any, Any]:
+    """``(args, model)`` of ``family`` at ``size``, built on the meta device (shapes only, no memory)."""
+    import torch
+
+    args = models.model_args(family, size, dict(overrides or {}))
+    with torch.device("meta"):
+        return args, models.build_model(family, args)
+
+
 def unsharded_grad_bytes(
     family: str, size: str, overrides: dict | None, tp: int = 1, pp: int = 1, ep: int = 1
 ) -> float:
     """The fp32 gradient of the parameters one rank holds whole (the blocks split by ``tp`` and ``pp``, the routed
     experts by ``ep``; the embeddings and head counted whole, a slight overestimate under a pipeline)."""
-    args = models.model_args(family, size, dict(overrides or {}))
-    import torch
-
     from gptoughts.models.deepseek.moe import GroupedExperts
 
-    with torch.device("meta"):
-        model = models.build_model(family, args)
+    model = _meta_model(family, size, overrides)[1]
     n = model.num_params()
     n_blocks = sum(p.numel() for p in model.layers.parameters())
     experts = sum(
