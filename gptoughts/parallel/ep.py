@@ -79,7 +79,8 @@ def apply_ep(model: nn.Module, mesh: Any) -> int:
 
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    # Our output (under moe_combine = bmm, a bmm's squeezed view) is never modified in place (MoE adds the shared experts out of place).
+    # Our output (under moe_combine = bmm, a bmm's squeezed view) is never modified in place (MoE adds the shared
+    # experts out of place).
     warnings.filterwarnings(
         "ignore", message=r"FSDP2-wrapped module \(FSDPExpertParallelExperts\) returned a view"
     )
@@ -132,12 +133,9 @@ class ExpertParallelExperts(GroupedExperts):
         # received[r * local_e + j]: copies rank r sends to this rank's expert j
         received = torch.empty_like(counts)
         dist.all_to_all_single(received, counts, group=self.ep_group)
-        # The one host sync per MoE layer: all_to_all_single takes its split sizes as Python ints (the copies a
-        # rank sends and receives vary with the routing; the output must be allocated and each peer's send and
-        # receive posted with its size). Avoiding it takes either a fixed capacity per rank pair (padding up to
-        # ep times the rows, or dropping tokens, which changes the model) or a device-initiated all-to-all-v
-        # that reads the sizes on the GPU (NVSHMEM kernels: DeepEP, torch's symmetric-memory all_to_all_vdev),
-        # which NCCL's and gloo's all_to_all_single are not.
+        # The one host sync per MoE layer: all_to_all_single takes its split sizes, which vary with the routing,
+        # as Python ints (to allocate the output and post each peer's transfer). What could avoid it:
+        # docs/parallel.md, "Expert parallelism".
         sizes = torch.cat([counts.view(ep, local_e).sum(1), received.view(ep, local_e).sum(1)]).tolist()
         send, recv = sizes[:ep], sizes[ep:]
         xs, src = self.to_rows(x, layout, k)
