@@ -10,13 +10,15 @@
 #        host buffers: pageable at the first save, pinned and reused after), with saves far enough apart that none
 #        waits for the previous write (the summary says whether one did): 1b (seq 2048, batch 8 x accumulation 8
 #        per GPU, a save every 10 of 30 steps) and 8b (seq 8192, batch 1 x accumulation 16 per GPU, a save every
-#        6 of 12 steps), FSDP2 x2. A watcher records when each checkpoint is complete and deletes it (two 8b
+#        6 of 12 steps), FSDP2 x GPUS. A watcher records when each checkpoint is complete and deletes it (two 8b
 #        checkpoints, 78 GiB each, do not fit a 128 GiB disk). About 8 minutes on 2 H200s.
 #   par: 8b at seq 8192 on GPUS GPUs, 4 x GPUS rows of 8192 tokens a step: FSDP2, tensor parallel over all GPUS,
 #        a GPUS-stage pipeline, and tensor parallel 2 x FSDP2 GPUS/2 (EXTRA: more flags for all four, e.g. --fp8 true;
 #        LAYOUTS: a subset of "fsdp tp pp tp2dp");
+#   dcp-blocked-8b: dcp-blocked's 8b run alone on GPUS GPUs, accumulation 4, a save every 3 of 6 steps;
 #   dcp-move: 1b FSDP2 on GPUS GPUs saving a sharded async checkpoint every 10 steps (blocked time per save), then
-#        its step-10 checkpoint resumed on GPUS/2 GPUs and on 1 GPU: the next 10 steps' losses side by side;
+#        its step-10 checkpoint resumed on GPUS/2 GPUs and on 1 GPU (MOVE_TO: other counts, e.g. "2"): the next 10
+#        steps' losses side by side;
 #   agents: 1b DDP as two torchrun agents of GPUS/2 processes each on this host (c10d rendezvous, as two nodes
 #        would run), beside one agent of GPUS processes: same losses, tokens/s.
 # Usage: [GPUS=4] bash bench/scaleout.sh OUT_DIR "pp tp dcp dcp-blocked par dcp-move agents"
@@ -176,7 +178,7 @@ for r in map(json.loads, open(sys.argv[1] + '/metrics.jsonl')) if 'loss' in r an
       tr "$gpus" 1b-move "${one[@]}" --max_steps 20 --parallel.strategy fsdp
       summary "$runs/1b-move" "1b fsdp x$gpus, async DCP save every 10 steps" "$gpus" | tee -a "$out/scaleout.txt"
       echo "  on $gpus GPUs, steps 11-20: $(losses "$runs/1b-move" 10)" | tee -a "$out/scaleout.txt"
-      for n in $half 1; do
+      for n in ${MOVE_TO:-$half 1}; do
         rm -rf "$runs/1b-move$n" && cp -r "$runs/1b-move" "$runs/1b-move$n"
         rm -rf "$runs/1b-move$n/checkpoints/step_000020"
         python3 -c "import json, sys; f = sys.argv[1]; rows = [l for l in open(f) if json.loads(l).get('step', 0) <= 10]; \
@@ -207,10 +209,13 @@ open(f, 'w').writelines(rows)" "$runs/1b-move$n/metrics.jsonl"
       echo "  one agent:  $(losses "$runs/1b-agent1" 0)" | tee -a "$out/scaleout.txt"
       echo "  two agents: $(losses "$runs/1b-agents2" 0)" | tee -a "$out/scaleout.txt" ;;
     dcp-blocked)
-      blocked_run 1b-blocked "1b fsdp x2, async DCP save every 10 steps" --size 1b --block_size 2048 \
+      blocked_run 1b-blocked "1b fsdp x$gpus, async DCP save every 10 steps" --size 1b --block_size 2048 \
         --batch_size 8 --grad_accum 8 --max_steps 30 --save_interval 10 "${common[@]}" --precision bf16 --compile true
-      blocked_run 8b-blocked "8b fsdp x2, async DCP save every 6 steps" --size 8b --block_size 8192 \
+      blocked_run 8b-blocked "8b fsdp x$gpus, async DCP save every 6 steps" --size 8b --block_size 8192 \
         --batch_size 1 --grad_accum 16 --max_steps 12 --save_interval 6 "${common[@]}" --precision bf16 --compile true ;;
+    dcp-blocked-8b)  # the 8b run alone, shorter: saves 3 steps apart (a step of 4 micro-batches)
+      blocked_run 8b-blocked "8b fsdp x$gpus, async DCP save every 3 steps" --size 8b --block_size 8192 \
+        --batch_size 1 --grad_accum 4 --max_steps 6 --save_interval 3 "${common[@]}" --precision bf16 --compile true ;;
   esac
 done
 grep -h -E "^error" "$out"/*.log | head -5

@@ -8,7 +8,8 @@
 #   1b-levers: the 1b runs of the first mode (1 GPU, DDP, FSDP2) beside FSDP2 with
 #   --parallel.reshard_after_forward false and DDP with --parallel.ddp_bucket_mb 200 (issue 16's 97% target);
 #   8b-levers: the 8b FSDP2 bf16 run beside the same with --parallel.reshard_after_forward false.
-#   deepseek16b takes EXTRA (more flags: --parallel.ep 4, --parallel.cpu_offload true) and STEPS (default 12).
+#   deepseek16b takes EXTRA (more flags: --parallel.ep 4, --parallel.cpu_offload true), STEPS (default 12) and
+#   RUN_TIMEOUT (seconds a run may take; default none).
 # Usage: bash bench/scaling.sh OUT_DIR [1b|8b|both|8b-fp8|deepseek16b|1b-levers|8b-levers] [GPU COUNTS, e.g. "2 4"]
 #   (default: both, every GPU)
 #   writes OUT_DIR/scaling.txt and the runs' metrics
@@ -99,7 +100,7 @@ if [[ $what == deepseek16b ]]; then
   ds=(--model deepseek --size 16b --block_size 4096 --batch_size 1 --max_steps "${STEPS:-12}" --optimizer muon
       --activation_checkpointing full "${common[@]}" "${extra[@]}")
   for n in $counts; do
-    torchrun --standalone --nproc_per_node="$n" -m gptoughts train "${ds[@]}" --parallel.strategy fsdp \
+    timeout "${RUN_TIMEOUT:-0}" torchrun --standalone --nproc_per_node="$n" -m gptoughts train "${ds[@]}" --parallel.strategy fsdp \
       --out "$out/ds16-fsdp$n" > "$out/ds16-fsdp$n.log" 2>&1
     steady "$out/ds16-fsdp$n" "deepseek 16b seq 4096 fsdp muon x$n ${EXTRA:-}" "$n" | tee -a "$out/scaling.txt"
     python3 -c "import json,sys; r=[json.loads(l) for l in open(sys.argv[1]) if 'moe/load_cv' in l][-1]; \
