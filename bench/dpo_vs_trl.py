@@ -187,6 +187,8 @@ def run_ours(
         np.array_equal(p[0], q[0]) and np.array_equal(p[1], q[1]) for p, q in zip(data.prefs.rows, prefs.rows)
     ):
         raise SystemExit("our run read other tokens than the ones given to TRL")
+    if a.peak_sites and device.type == "cuda":
+        torch.cuda.memory._record_memory_history(max_entries=1_000_000)
     model = build_model(cfg, env, data)
     _reset(device)  # after the model load, as on TRL's side
     loader = PrefLoader(data.prefs, batch_size=a.batch, seed=cfg.train.seed, device=env.device)
@@ -198,6 +200,13 @@ def run_ours(
 
     step_s, loss = time_steps(step, device, a.warmup, a.steps)
     peak = _peak_gib(device)
+    sites = None
+    if a.peak_sites and device.type == "cuda":
+        from oom_snapshot import at_peak
+
+        sites = at_peak(torch.cuda.memory._snapshot(), top=a.peak_sites)
+        torch.cuda.memory._record_memory_history(enabled=None)
+        print(f"ours {extra or {}}: {sites}", flush=True)
     x, _, y = data.prefs.batch(np.arange(a.batch), env.device)
     with trainer.autocast():
         ref = model.objective.reference_logps(trainer.model, x, y).float().cpu()
@@ -211,6 +220,7 @@ def run_ours(
         "resolved": {k: str(v) for k, v in model.built.resolved.items()},
         "dpo_head": {k: getattr(model.objective, k) for k in ("head", "chunk_rows", "chunk_tokens")},
         "overrides": extra or {},
+        **({"peak_sites": sites} if sites else {}),
     }
 
 
@@ -386,6 +396,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--model_dir", default=None, help="reuse/keep the saved random model here")
     p.add_argument("--order", default="trl,ours", help="which side runs first")
+    p.add_argument(
+        "--peak_sites",
+        type=int,
+        default=0,
+        help="CUDA: record our runs' allocations and print this many sites "
+        "live at the peak (slower steps: not for timing)",
+    )
     p.add_argument("--out", default=None, help="write the results as JSON here")
     a = p.parse_args(argv)
     if a.steps < 1 or a.warmup < 0 or a.batch < 1:

@@ -2,11 +2,16 @@
 allocation history on; at the first out-of-memory, the live allocations are grouped by the innermost frame of our
 code (or torch's) that made them and the largest groups are written to OUT/oom.txt.
 
+Without an out-of-memory, OUT/oom.txt has the live allocations at the end and at the trace's peak. Under torchrun,
+each rank writes OUT/rankN/oom.txt.
+
 Usage: python3 bench/oom_snapshot.py OUT train --size 3b --parallel.cpu_offload true --gpu_memory_gib 16 ...
+       torchrun --nproc_per_node 4 bench/oom_snapshot.py OUT train ...
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -39,8 +44,35 @@ def summarize(snapshot: dict, top: int = 25) -> str:
     return "\n".join(lines)
 
 
+def at_peak(snapshot: dict, top: int = 25) -> str:
+    """The live allocations at the highest point of the recorded trace (replayed event by event: allocations made
+    before recording started are not in it), grouped by the site that made them, largest first."""
+    live: dict[int, tuple[int, str]] = {}
+    total = best = 0
+    best_live: dict[int, tuple[int, str]] = {}
+    for trace in snapshot.get("device_traces", []):
+        for ev in trace:
+            if ev["action"] == "alloc":
+                live[ev["addr"]] = (ev["size"], _where(ev.get("frames", [])))
+                total += ev["size"]
+                if total > best:
+                    best, best_live = total, dict(live)
+            elif ev["action"] == "free_completed" and ev["addr"] in live:
+                total -= live.pop(ev["addr"])[0]
+    by_site: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    for size, site in best_live.values():
+        by_site[site][0] += size
+        by_site[site][1] += 1
+    lines = [f"peak of the trace {best / 2**30:.2f} GiB in {len(by_site)} sites"]
+    for site, (size, n) in sorted(by_site.items(), key=lambda kv: -kv[1][0])[:top]:
+        lines.append(f"{size / 2**30:8.3f} GiB {n:6d} blocks  {site}")
+    return "\n".join(lines)
+
+
 def main() -> int:
     out = Path(sys.argv[1])
+    if "RANK" in os.environ:  # under torchrun: one folder per rank
+        out = out / f"rank{os.environ['RANK']}"
     out.mkdir(parents=True, exist_ok=True)
     torch.cuda.memory._record_memory_history(max_entries=200_000)
     written = []
@@ -61,7 +93,10 @@ def main() -> int:
     print(f"exit {rc}; GPU peak allocated {peak:.2f} GiB")
     if not written:
         (out / "oom.txt").write_text(
-            f"no out-of-memory; peak {peak:.2f} GiB\n" + summarize(torch.cuda.memory._snapshot())
+            f"no out-of-memory; peak {peak:.2f} GiB\nlive at the end: "
+            + summarize(snap := torch.cuda.memory._snapshot())
+            + "\n"
+            + at_peak(snap)
         )
     return rc
 

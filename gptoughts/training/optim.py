@@ -150,6 +150,9 @@ class Muon(torch.optim.Optimizer):
         self.compile = "off"
         self.compile_backend = "inductor"
         self.distribute = False
+        # The most whole fp32 matrices one rank stacks for a Newton-Schulz batch (:meth:`_chunks`); 1 GiB keeps
+        # every bucket of a dense Llama up to 8b in at most a few batches of large matmuls.
+        self.chunk_bytes = 1 << 30
 
     @torch.no_grad()
     def step(self, closure=None):  # noqa: ANN001, ANN201 - torch.optim.Optimizer's signature
@@ -226,7 +229,7 @@ class Muon(torch.optim.Optimizer):
             if sharded:
                 key = (*key, p.device_mesh, tuple(p.placements)) if self._distributes(p) else ("sharded", i)
             buckets.setdefault(key, []).append(p)
-        for bucket in buckets.values():
+        for bucket in (c for b in buckets.values() for c in self._chunks(b)):
             scale = lr * lr_adjustment(group["adjust_lr"], bucket[0].shape)
             # Element-wise work on each rank's shard (the whole tensor when not sharded); in-place on a DTensor's
             # local tensor updates the DTensor.
@@ -248,6 +251,18 @@ class Muon(torch.optim.Optimizer):
 
     def _distributes(self, p: torch.Tensor) -> bool:
         return self.distribute and can_distribute(p)
+
+    def _chunks(self, bucket: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+        """``bucket`` cut so that no rank stacks more than ``self.chunk_bytes`` of whole fp32 matrices at once:
+        Newton-Schulz's working set is a few times its stacked input, and a bucket of MoE experts (every layer's
+        ``[E, d, f]``) stacked whole is several GiB beside the weights, gradients and momentum. Each matrix is
+        orthogonalized alone, so the cut changes no result; under ``distribute`` a chunk keeps a multiple of the
+        rank count, each rank still taking its share."""
+        p = bucket[0]
+        ranks = p.device_mesh.size() if hasattr(p, "device_mesh") and self._distributes(p) else 1
+        whole = 4 * p.numel() if ranks > 1 else 4 * local(p).numel()
+        size = ranks * max(1, self.chunk_bytes // max(1, whole))
+        return [bucket[i : i + size] for i in range(0, len(bucket), size)]
 
     def _sharded_bucket(
         self,
