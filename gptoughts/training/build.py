@@ -245,7 +245,8 @@ def _plan(
         _whole_model_for_long_runs(env, model, batch)
     from gptoughts.training.resolve import resolve_run
 
-    applied = model.built.resolved if model.built is not None else None
+    # A dry run builds nothing: what the build would apply, with the layout read where the build reads it.
+    applied = model.built.resolved if model.built is not None else _unbuilt_settings(env, model)
     spec = resolve_run(
         cfg, env.resolved, model.transforms, applied, batch, env.dist, model.raw, threads, env.device.type
     )
@@ -264,6 +265,15 @@ def _plan(
         tasks=tasks,
     )
     return resolved, plan
+
+
+def _unbuilt_settings(env: Environment, model: Model) -> dict[str, object] | None:
+    """A dry run's :attr:`setup.Built.resolved`, from the meta model and the process group it would run in."""
+    from gptoughts.training.setup import parallel_layout, settings
+
+    if model.transforms is None:
+        return None
+    return settings(model.transforms, parallel_layout(env.dist, model.raw))
 
 
 def _check_corpus(cfg: Config, data: Data) -> None:

@@ -59,19 +59,36 @@ class Built:
     @property
     def resolved(self) -> dict[str, object]:
         """What each ``auto`` became (the spec's values, with what applying it counted), in the plan's order."""
-        out: dict[str, object] = {}
-        for key, value in (self.spec.resolved() if self.spec is not None else {}).items():
-            if key == "fp8" and self.fp8_linears is not None:
-                out["fp8_linears"] = self.fp8_linears
-            if key == "loss" and self.parallel is not None:
-                out["parallel"] = self.parallel
-            out[key] = value
-        return out
+        return settings(self.spec, self.parallel, self.fp8_linears)
 
     @property
     def why(self) -> dict[str, str]:
         """The rule that decided each entry of ``resolved`` ("asked", or the ``auto`` rule that applied)."""
         return dict(self.spec.why) if self.spec is not None else {}
+
+
+def settings(
+    spec: Transforms | None, parallel: str | None, fp8_linears: int | None = None
+) -> dict[str, object]:
+    """The spec's values with the process layout (:func:`parallel_layout`) and what applying the spec counted,
+    in the plan's order: what a built model reports, and what a dry run reports of the model it does not build."""
+    out: dict[str, object] = {}
+    for key, value in (spec.resolved() if spec is not None else {}).items():
+        if key == "fp8" and fp8_linears is not None:
+            out["fp8_linears"] = fp8_linears
+        if key == "loss" and parallel is not None:
+            out["parallel"] = parallel
+        out[key] = value
+    return out
+
+
+def parallel_layout(dist: pdist.DistInfo, raw: nn.Module) -> str | None:
+    """The process layout as the plan prints it (None: one process, nothing sharded). Read from what is decided
+    before the model is built (the process group's shape, the model's expert count: the meta model's equals the
+    real one's), so a dry run prints the line its run will."""
+    if not (dist.enabled or dist.sharded):
+        return None
+    return describe_parallel(dist, getattr(raw.args, "n_routed_experts", 0))
 
 
 def build_raw_model(family: str, args: object, device: torch.device, seed: int) -> nn.Module:
@@ -200,9 +217,7 @@ def apply_transforms(
         spec=spec,
         forward_context=_forward_context(spec.perf, attention_kernels(spec.resolved(), device)),
         fp8_linears=fp8_linears,
-        parallel=describe_parallel(dist, getattr(raw.args, "n_routed_experts", 0))
-        if dist.enabled or dist.sharded
-        else None,
+        parallel=parallel_layout(dist, raw),
         after_optimizer_step=_fp8_scales(parts) if spec.fp8_all_gather else None,
         pipeline=pipeline,
         keep_grads=spec.compiled and spec.cuda_graphs,
