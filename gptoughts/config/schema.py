@@ -444,14 +444,14 @@ class DpoConfig:
     model with its adapters disabled, one extra no-grad forward per step) or auto (adapters_off with LoRA,
     precomputed otherwise). With LoRA both give the same values (the adapters start at zero); precomputed saves
     the extra forward."""
-    head: Literal["fused", "chunked", "plain"] = "plain"
+    head: Literal["fused", "chunked", "plain"] = "fused"
     """How the LM head and the loss run (gptoughts/training/dpo_head.py). fused: a chunk of whole pairs at a
     time, the chunk's loss and its gradients w.r.t. the hidden states and the head computed in the forward (the
     same values as plain, one chunk of fp32 logits alive, no head recompute); chunked: rows a chunk at a time
     under activation checkpointing (the head recomputed in the backward); plain: the logits of every row at once
     (2 rows x 1024 tokens x 128k vocab is 1 GiB of fp32 logits). fused and chunked also walk the reference and
-    evaluation passes in chunks. The default stays plain until fused is measured on a GPU (it is tested equal on
-    CPU, compiled chunks included)."""
+    evaluation passes in chunks. fused is the default: on an H100 (LoRA, 1b) it ran 1.14x plain's tokens/s in half
+    its memory (bench/BENCHMARKS.md)."""
     logp_chunk: int = 0
     """Rows per chunk of the LM head for head fused or chunked (fused with a trained head, full fine-tuning, takes
     whole pairs: rounded down to an even number, at least 2); 0: one pair (2 rows). More rows: larger matmuls,

@@ -65,7 +65,7 @@ class DPO:
         beta: float = 0.1,
         label_smoothing: float = 0.0,
         reference: str = "precomputed",
-        head: str = "plain",
+        head: str = "fused",
         logp_chunk: int = 0,
         logp_chunk_tokens: int = 0,
         compiled: bool = False,
