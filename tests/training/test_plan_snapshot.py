@@ -68,7 +68,7 @@ CASES: dict[str, tuple[dict, float | None, dict]] = {
     "llama-8b-pp2": (
         {"model.family": "llama", "model.size": "8b", "parallel.pp": 2, "train.batch_size": 4},
         80,
-        {"world_size": 2, "strategy": "none", "pp": 2},
+        {"world_size": 2, "strategy": "ddp", "pp": 2},
     ),
     "inl-3b-offload-16g": (
         {"model.family": "inl", "model.size": "3b", "parallel.cpu_offload": True, "perf.gpu_memory_gib": 16},
