@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 from torch import nn
 
@@ -65,3 +66,41 @@ def test_distributed_chunks_keep_a_multiple_of_the_ranks(monkeypatch):
     assert [len(c) for c in opt._chunks(bucket)] == [4, 4, 4, 4, 3]
     opt.chunk_bytes = 1 << 30
     assert [len(c) for c in opt._chunks(bucket)] == [19]
+
+
+def _warm_at_build(rank: int, world: int, init: str, out: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from gptoughts.models import build_model, model_args
+    from gptoughts.training.optim import build_muon
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        model = build_model("llama", model_args("llama", "debug"))
+        for layer in model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        calls: list[int] = []
+        plain = dist.all_to_all_single
+        dist.all_to_all_single = lambda *a, **k: calls.append(1) or plain(*a, **k)
+        kw = dict(lr=1e-3, weight_decay=0.0, betas=(0.9, 0.95), eps=1e-8, fused=False)
+        build_muon(model, **kw, distribute=True)
+        at_build = len(calls)
+        build_muon(model, **kw, distribute=False)
+        if rank == 0:
+            torch.save({"distribute": at_build, "not": len(calls) - at_build}, out)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_distributing_muon_sets_up_the_all_to_all_when_built(tmp_path):
+    """Under FSDP2 with perf.muon_distribute, building the optimizer runs one all-to-all on the (1-D) mesh, so that
+    NCCL allocates its peer buffers before training fills the GPU; without distribute, none."""
+    import torch.multiprocessing as mp
+
+    out = tmp_path / "calls.pt"
+    mp.spawn(_warm_at_build, args=(2, f"file://{tmp_path / 'rdzv'}", str(out)), nprocs=2, join=True)
+    assert torch.load(out, weights_only=True) == {"distribute": 1, "not": 0}
