@@ -3,11 +3,12 @@
 Part one, the linears of one Llama block at the 3b and 1b shapes (4 x 2048 rows): RMSNorm -> q/k/v -> o (o fed
 with q, standing in for attention's output) + residual, then RMSNorm -> gate/up -> SwiGLU -> down + residual: all
 of a block that fp8 changes, SDPA and RoPE left out. Forward + backward, torch.compile'd, CUDA-event timed (median
-of ``--iters``) for bf16 (autocast, fp32 weights as in training), torchao tensorwise and rowwise, and fused_rowwise,
+of ``--iters``) for bf16 (autocast, fp32 weights as in training), torchao tensorwise and rowwise, and fused_rowwise
+(its weight gradients in bf16, and in fp8: ``perf.fp8_wgrad``),
 with each variant's output error against bf16.
 
 Part two (``--step "ARGS"``): whole training steps of ``gptoughts bench ARGS`` run in this process for bf16,
-``--fp8 true`` (torchao tensorwise) and ``--fp8 true --perf.fp8_recipe fused_rowwise``.
+``--fp8 true`` (torchao tensorwise) and ``--fp8 true --perf.fp8_recipe fused_rowwise`` (``--perf.fp8_wgrad`` bf16 and fp8).
 
     python3 bench/fp8_fused.py --out r.jsonl --step "--size 3b --block_size 2048 --batch_size 4"
     python3 bench/fp8_fused.py --device cpu --dry      # tiny shapes, eager, no timing claims: a smoke test
@@ -42,7 +43,7 @@ SHAPES = {
     "1b": dict(d=2048, ffn=8192, heads=32, kv=8, rows=4 * 2048),
     "dry": dict(d=64, ffn=128, heads=4, kv=2, rows=32),
 }
-VARIANTS = ("bf16", "torchao_tensorwise", "torchao_rowwise", "fused_rowwise")
+VARIANTS = ("bf16", "torchao_tensorwise", "torchao_rowwise", "fused_rowwise", "fused_rowwise_wgrad_fp8")
 
 
 class BlockLinears(nn.Module):
@@ -69,8 +70,8 @@ def make(shape: dict, variant: str, device: torch.device) -> nn.Module:
     for p in m.parameters():
         if p.dim() == 2:
             nn.init.normal_(p, std=0.02)
-    if variant == "fused_rowwise":
-        swap_linears(m)
+    if variant.startswith("fused_rowwise"):
+        swap_linears(m, wgrad_fp8=variant.endswith("wgrad_fp8"))
     elif variant.startswith("torchao_"):
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
@@ -155,7 +156,9 @@ def step_rows(step_args: str, steps: int) -> list[dict]:
 
     preset, overrides, _ = parse_overrides(shlex.split(step_args))
     variants = {"bf16": {"perf.fp8": "false"}, "fp8_tensorwise": {"perf.fp8": "true"},
-                "fp8_fused_rowwise": {"perf.fp8": "true", "perf.fp8_recipe": "fused_rowwise"}}  # fmt: skip
+                "fp8_fused_rowwise": {"perf.fp8": "true", "perf.fp8_recipe": "fused_rowwise"},
+                "fp8_fused_rowwise_wgrad_fp8": {"perf.fp8": "true", "perf.fp8_recipe": "fused_rowwise",
+                                                "perf.fp8_wgrad": "fp8"}}  # fmt: skip
     out = []
     for name, extra in variants.items():
         torch._dynamo.reset()

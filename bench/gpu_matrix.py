@@ -91,7 +91,11 @@ MATRIX = {
     # Where the 3b fp8 step goes against bf16 (run with --kernels 2: the top kernels name torchao's casts).
     "3b-fp8-kernels": [{}, {"perf.fp8": True}],
     # fp8 with the casts fused into their producers beside torchao's (issue 33; bf16's table: 3b-fp8-kernels).
-    "3b-fp8-fused-kernels": [{"perf.fp8": True}, {"perf.fp8": True, "perf.fp8_recipe": "fused_rowwise"}],
+    "3b-fp8-fused-kernels": [
+        {"perf.fp8": True},
+        {"perf.fp8": True, "perf.fp8_recipe": "fused_rowwise"},
+        {"perf.fp8": True, "perf.fp8_recipe": "fused_rowwise", "perf.fp8_wgrad": "fp8"},
+    ],
     # The 1b target shape with today's defaults beside transformers (run with --kernels 2).
     "1b-now": [{"compare": "hf"}],
     # Final side-by-side of the 1b target after every change of 2026-11-22 (defaults: bf16 residual on CUDA).

@@ -277,6 +277,10 @@ class PerfConfig:
     lower-precision mode, as the forward's already do (torchao's default keeps them precise). 3b on an H100:
     1.23-1.24x bf16 instead of 1.19-1.21x (tensorwise; rowwise not measured); 300-step losses of 3 runs no
     worse than bf16's, but nothing longer was checked, hence off by default (bench/BENCHMARKS.md)."""
+    fp8_wgrad: Literal["bf16", "fp8"] = "bf16"
+    """With ``fp8_recipe = fused_rowwise``: the weight gradients in bf16 (accurate; a third of the matmuls stay
+    bf16) or in fp8 too (dy and the input quantized per channel over the tokens). At 3b on an H100 the bf16 weight
+    gradients took 62 of fused_rowwise's 137 ms of matmuls a step (bench/BENCHMARKS.md); fp8 is not yet measured."""
     gpu_memory_gib: float | None = None
     """Use at most this much of the GPU's memory (``torch.cuda.set_per_process_memory_fraction``); the plan, the
     estimate and ``--batch_size auto`` see a GPU of this size. To rehearse a run meant for a smaller GPU, or to

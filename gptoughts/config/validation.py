@@ -110,6 +110,11 @@ def _check_perf(perf: PerfConfig) -> None:
 
 def _check_fused_fp8(cfg: Config) -> None:
     """What ``perf.fp8_recipe = fused_rowwise`` covers: the llama family's blocks, unsharded weights."""
+    if cfg.perf.fp8_wgrad == "fp8" and cfg.perf.fp8_recipe != "fused_rowwise":
+        raise ConfigError(
+            f"perf.fp8_wgrad = fp8 is a setting of perf.fp8_recipe = fused_rowwise (the {cfg.perf.fp8_recipe} "
+            "recipe sets its own weight gradients); add --perf.fp8_recipe fused_rowwise or drop perf.fp8_wgrad"
+        )
     if cfg.perf.fp8_recipe != "fused_rowwise" or cfg.perf.fp8 is False:
         return
     use = "use perf.fp8_recipe = tensorwise or rowwise"

@@ -8,8 +8,10 @@ whole-tensor amax instead, which no row kernel can produce: separate reduction, 
 
 :class:`_Fp8Linear` runs the linear with ``torch._scaled_mm``: forward and input gradient in fp8 (weights
 quantized per output row and per input column), weight gradient in bf16 from the bf16 input (torchao's
-``rowwise_with_gw_hp``: an accurate weight gradient, and no transposed fp8 copy of the activation). Off CUDA (CPU
-tests) or at row counts the fp8 kernels refuse, the same quantized operands are multiplied in fp32 instead.
+``rowwise_with_gw_hp``: an accurate weight gradient, and no transposed fp8 copy of the activation), or in fp8 too
+(``perf.fp8_wgrad = fp8``: dy and the input quantized per channel over the tokens, two transposed casts that
+compile fuses into one pass each). Off CUDA (CPU tests) or at row counts the fp8 kernels refuse, the same quantized
+operands are multiplied in fp32 instead.
 
 Scope: the dense blocks of the llama family; master weights, optimizer, norms' weights and the LM head as they were.
 """
@@ -93,10 +95,10 @@ class _Fp8Linear(torch.autograd.Function):
     activation in bf16, kept for the weight gradient (it is also where the input gradient goes)."""
 
     @staticmethod
-    def forward(ctx, x_fp8, x_scale, x_hp, weight, scaled_mm, fast_accum_bwd):  # type: ignore[override]
+    def forward(ctx, x_fp8, x_scale, x_hp, weight, scaled_mm, fast_accum_bwd, wgrad_fp8):  # type: ignore[override]
         w_fp8, w_scale = quantize_rowwise(weight)  # per output row: scale [N, 1]
         ctx.save_for_backward(x_hp, weight)
-        ctx.scaled_mm, ctx.fast = scaled_mm, fast_accum_bwd
+        ctx.scaled_mm, ctx.fast, ctx.wgrad_fp8 = scaled_mm, fast_accum_bwd, wgrad_fp8
         # Fast accumulation in the forward, as torchao's recipes do; the backward's is perf.fp8_fast_accum.
         return _mm(x_fp8, x_scale, w_fp8, w_scale, scaled_mm, True)
 
@@ -108,9 +110,16 @@ class _Fp8Linear(torch.autograd.Function):
         wt_fp8, wt_scale = quantize_rowwise(weight.t())
         dx = _mm(dy_fp8, dy_scale, wt_fp8, wt_scale, ctx.scaled_mm, ctx.fast).to(x_hp.dtype)
         dw = None
-        if ctx.needs_input_grad[3]:  # a frozen weight (LoRA's base) would discard it: a third of the matmuls
+        if ctx.needs_input_grad[3] and ctx.wgrad_fp8:
+            # dW = dy^T x, the tokens reduced: each operand's rows are channels, scaled over the tokens.
+            dyt_fp8, dyt_scale = quantize_rowwise(dy.t())
+            xt_fp8, xt_scale = quantize_rowwise(x_hp.t())
+            dw = _mm(dyt_fp8, dyt_scale, xt_fp8, xt_scale, ctx.scaled_mm, ctx.fast).to(weight.dtype)
+        elif ctx.needs_input_grad[
+            3
+        ]:  # a frozen weight (LoRA's base) would discard it: a third of the matmuls
             dw = (dy.to(torch.bfloat16).t() @ x_hp.to(torch.bfloat16)).to(weight.dtype)
-        return None, None, dx, dw, None, None
+        return None, None, dx, dw, None, None, None
 
 
 def fp8_linear(
@@ -121,17 +130,21 @@ def fp8_linear(
     bias: torch.Tensor | None = None,
     scaled_mm: bool | None = None,
     fast_accum_bwd: bool = False,
+    wgrad_fp8: bool = False,
 ) -> torch.Tensor:
     """``F.linear(x_hp, weight, bias)`` computed from the quantized ``x_fp8``/``x_scale`` (leading dims kept); the
     output is in the autocast dtype when autocast is on, else in ``x_hp``'s. ``scaled_mm``: None picks
     ``torch._scaled_mm`` on CUDA, True/False force it (tests) or the fp32 reference; ``fast_accum_bwd``: the input
-    gradient's matmul accumulates in the fast mode too (``perf.fp8_fast_accum``)."""
+    gradient's matmul accumulates in the fast mode too (``perf.fp8_fast_accum``); ``wgrad_fp8``: the weight gradient
+    in fp8 too (``perf.fp8_wgrad``)."""
     lead, k = x_hp.shape[:-1], x_hp.shape[-1]
     dtype = _out_dtype(x_hp)
     with torch.autocast(x_hp.device.type, enabled=False):
         x2 = x_hp.reshape(-1, k)
         use = _use_scaled_mm(x2, scaled_mm)
-        y = _Fp8Linear.apply(x_fp8.reshape(-1, k), x_scale.reshape(-1, 1), x2, weight, use, fast_accum_bwd)
+        y = _Fp8Linear.apply(
+            x_fp8.reshape(-1, k), x_scale.reshape(-1, 1), x2, weight, use, fast_accum_bwd, wgrad_fp8
+        )
     y = y.to(dtype).reshape(*lead, weight.shape[0])
     return y if bias is None else y + bias.to(dtype)
 
@@ -147,11 +160,13 @@ class FusedFp8Linear(nn.Linear):
 
     scaled_mm: bool | None = None  # None: torch._scaled_mm on CUDA (see fp8_linear)
     fast_accum_bwd: bool = False
+    wgrad_fp8: bool = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x_hp = x.to(_out_dtype(x))
         q, s = quantize_rowwise(x_hp)
-        return fp8_linear(q, s, x_hp, self.weight, self.bias, self.scaled_mm, self.fast_accum_bwd)
+        opts = (self.scaled_mm, self.fast_accum_bwd, self.wgrad_fp8)
+        return fp8_linear(q, s, x_hp, self.weight, self.bias, *opts)
 
 
 class FusedFp8SwiGLU(SwiGLU):
@@ -161,6 +176,7 @@ class FusedFp8SwiGLU(SwiGLU):
 
     scaled_mm: bool | None = None
     fast_accum_bwd: bool = False
+    wgrad_fp8: bool = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not all(type(lin) is FusedFp8Linear for lin in (self.w1, self.w2, self.w3)):
@@ -169,18 +185,21 @@ class FusedFp8SwiGLU(SwiGLU):
             return super().forward(x)
         x_hp = x.to(_out_dtype(x))
         q, s = quantize_rowwise(x_hp)
-        opts = (self.scaled_mm, self.fast_accum_bwd)
+        opts = (self.scaled_mm, self.fast_accum_bwd, self.wgrad_fp8)
         a = fp8_linear(q, s, x_hp, self.w1.weight, self.w1.bias, *opts)
         b = fp8_linear(q, s, x_hp, self.w3.weight, self.w3.bias, *opts)
         h, h_fp8, h_scale = swiglu_fp8(a, b)
         return fp8_linear(h_fp8, h_scale, h, self.w2.weight, self.w2.bias, *opts)
 
 
-def convert_to_fused_fp8(model: nn.Module, bf16_end_layers: int = 0, fast_accum_bwd: bool = False) -> int:
+def convert_to_fused_fp8(
+    model: nn.Module, bf16_end_layers: int = 0, fast_accum_bwd: bool = False, wgrad_fp8: bool = False
+) -> int:
     """Swap the linears of a llama-family model's blocks for their fused-fp8 forms, in place (parameters, their
     names and the state dict unchanged); returns how many linears run in fp8. Same exclusions as torchao's path
     (:func:`gptoughts.perf.fp8.fp8_module_filter`: LM head, embeddings, dims not multiples of 16, end layers).
-    ``fast_accum_bwd``: the input gradients' fp8 matmuls accumulate in the fast mode too."""
+    ``fast_accum_bwd``: the input gradients' fp8 matmuls accumulate in the fast mode too; ``wgrad_fp8``: the weight
+    gradients run in fp8 too."""
     from gptoughts.models.llama import Llama, TransformerBlock
     from gptoughts.perf.fp8 import fp8_module_filter
 
@@ -195,13 +214,16 @@ def convert_to_fused_fp8(model: nn.Module, bf16_end_layers: int = 0, fast_accum_
         return fp8_module_filter(m, fqn, n_layers, bf16_end_layers)
 
     return sum(
-        swap_linears(block, lambda m, name, i=i: keep(m, f"layers.{i}.{name}"), fast_accum_bwd)
+        swap_linears(block, lambda m, name, i=i: keep(m, f"layers.{i}.{name}"), fast_accum_bwd, wgrad_fp8)
         for i, block in enumerate(model.layers)
     )
 
 
 def swap_linears(
-    root: nn.Module, keep: Callable[[nn.Module, str], bool] | None = None, fast_accum_bwd: bool = False
+    root: nn.Module,
+    keep: Callable[[nn.Module, str], bool] | None = None,
+    fast_accum_bwd: bool = False,
+    wgrad_fp8: bool = False,
 ) -> int:
     """In ``root`` (a block, or a lone sub-block in bench/fp8_fused.py): each ``SwiGLU`` whose three linears
     ``keep`` accepts becomes a :class:`FusedFp8SwiGLU`, each other accepted ``nn.Linear`` a :class:`FusedFp8Linear`
@@ -212,15 +234,15 @@ def swap_linears(
         pre = f"{name}." if name else ""
         if type(ff) is SwiGLU and all(keep(lin, f"{pre}{n}") for n, lin in _mlp(ff)):
             ff.__class__ = FusedFp8SwiGLU  # a subclass: only forward changes
-            ff.fast_accum_bwd = fast_accum_bwd
+            ff.fast_accum_bwd, ff.wgrad_fp8 = fast_accum_bwd, wgrad_fp8
             for _, lin in _mlp(ff):  # counted with their SwiGLU (see FusedFp8SwiGLU)
                 lin.__class__ = FusedFp8Linear
-                lin.fast_accum_bwd = fast_accum_bwd
+                lin.fast_accum_bwd, lin.wgrad_fp8 = fast_accum_bwd, wgrad_fp8
             count += 3
     for name, module in list(root.named_modules()):
         if type(module) is nn.Linear and keep(module, name):
             module.__class__ = FusedFp8Linear  # a subclass: parameters, hooks, state dict stay
-            module.fast_accum_bwd = fast_accum_bwd
+            module.fast_accum_bwd, module.wgrad_fp8 = fast_accum_bwd, wgrad_fp8
             count += 1
     return count
 

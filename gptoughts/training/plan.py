@@ -221,6 +221,7 @@ class RunPlan:
             f"  fp8: {self.resolved['fp8']}"
             + (f", {n} linear layers" if n else "")
             + ("; fast accumulation in the backward matmuls too" if fast else "")
+            + ("; weight gradients in fp8 too" if "fp8_wgrad" in self.resolved else "")
         )
 
     def _memory_figure(self) -> str:
@@ -493,6 +494,7 @@ def _warnings(
 def _unused_fp8_switches(cfg: Any, resolved: dict[str, Any]) -> list[str]:
     """A warning for the fp8 refinements asked in a run whose matmuls are not fp8 (they would do nothing)."""
     asked = [f"perf.{n}" for n in ("fp8_fast_accum", "fp8_bf16_end_layers") if getattr(cfg.perf, n)]
+    asked += ["perf.fp8_wgrad"] if cfg.perf.fp8_wgrad == "fp8" else []
     fp8 = str(resolved.get("fp8", ""))
     if not asked or not fp8.startswith("False"):
         return []

@@ -336,6 +336,8 @@ class Transforms:
             out["fp8"] = self.perf.fp8_recipe
             if self.perf.fp8_fast_accum:
                 out["fp8_fast_accum"] = True
+            if self.perf.fp8_wgrad == "fp8":
+                out["fp8_wgrad"] = "fp8"
             if self.perf.fp8_all_gather:
                 out["fp8_all_gather"] = self.fp8_all_gather
         else:

@@ -250,7 +250,7 @@ def apply_fp8(raw: nn.Module, spec: Transforms, device: torch.device) -> int | N
     if p.fp8_recipe == "fused_rowwise":
         from gptoughts.perf.fp8_fused import convert_to_fused_fp8
 
-        return convert_to_fused_fp8(raw, p.fp8_bf16_end_layers, p.fp8_fast_accum)
+        return convert_to_fused_fp8(raw, p.fp8_bf16_end_layers, p.fp8_fast_accum, p.fp8_wgrad == "fp8")
     return convert_to_fp8(raw, p.fp8_recipe, p.fp8_bf16_end_layers, spec.fp8_all_gather, p.fp8_fast_accum)
 
 
