@@ -185,6 +185,19 @@ def distributed_orthogonalize(
     return list(back.to_local().to(home).unbind(0))
 
 
+def warm_all_to_all(mesh: object) -> None:
+    """One tiny all-to-all on each of ``mesh``'s dimensions, now. NCCL sets up its peer-to-peer buffers at a
+    group's first all-to-all with cudaMalloc, outside PyTorch's allocator; at the first optimizer step that
+    allocator's cache holds the GPU and the setup fails ("unhandled cuda error": DeepSeek-16b under FSDP2 x 4 with
+    perf.muon_distribute, whose Newton-Schulz redistribution is the run's first all-to-all)."""
+    import torch.distributed as dist
+
+    for dim in range(mesh.ndim):
+        group = mesh.get_group(dim)
+        x = torch.zeros(dist.get_world_size(group), device=mesh.device_type)
+        dist.all_to_all_single(torch.empty_like(x), x, group=group)
+
+
 @functools.cache
 def compiled(fn: Callable[..., object], backend: str = "inductor") -> Callable[..., object]:
     """``fn`` (:func:`bucket_step` or :func:`orthogonalize`) compiled whole with static shapes: one graph per

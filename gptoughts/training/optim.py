@@ -28,6 +28,7 @@ from gptoughts.training.newton_schulz import (
     lr_adjustment,
     momentum,
     orthogonalize,
+    warm_all_to_all,
 )
 
 
@@ -105,19 +106,6 @@ def build_muon(
     for mesh in meshes.values():
         warm_all_to_all(mesh)
     return muon
-
-
-def warm_all_to_all(mesh: object) -> None:
-    """One tiny all-to-all on each of ``mesh``'s dimensions, now. NCCL sets up its peer-to-peer buffers at a
-    group's first all-to-all with cudaMalloc, outside PyTorch's allocator; at the first optimizer step that
-    allocator's cache holds the GPU and the setup fails ("unhandled cuda error": DeepSeek-16b under FSDP2 x 4 with
-    perf.muon_distribute, whose Newton-Schulz redistribution is the run's first all-to-all)."""
-    import torch.distributed as dist
-
-    for dim in range(mesh.ndim):
-        group = mesh.get_group(dim)
-        x = torch.zeros(dist.get_world_size(group), device=mesh.device_type)
-        dist.all_to_all_single(torch.empty_like(x), x, group=group)
 
 
 class Muon(torch.optim.Optimizer):
