@@ -47,11 +47,8 @@ def _own_working_directory(tmp_path_factory: pytest.TempPathFactory, monkeypatch
     return cwd
 
 
-@pytest.fixture
-def text_corpus(tmp_path: Path) -> Path:
-    """~60 KB of real Python source from the standard library, as a folder of .py files."""
+def _write_text_corpus(out: Path) -> Path:
     src = Path(sysconfig.get_paths()["stdlib"])
-    out = tmp_path / "corpus"
     out.mkdir()
     total = 0
     for name in (
@@ -73,6 +70,19 @@ def text_corpus(tmp_path: Path) -> Path:
             total += len(data)
     assert total > 20_000
     return out
+
+
+@pytest.fixture
+def text_corpus(tmp_path: Path) -> Path:
+    """~60 KB of real Python source from the standard library, as a folder of .py files."""
+    return _write_text_corpus(tmp_path / "corpus")
+
+
+@pytest.fixture(scope="session")
+def shared_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same corpus, for a module- or session-scoped fixture: the runs (one launch) that several tests assert
+    on. Read only."""
+    return _write_text_corpus(tmp_path_factory.mktemp("shared") / "corpus")
 
 
 @pytest.fixture

@@ -18,7 +18,10 @@ from gptoughts.errors import ConfigError
 from gptoughts.perf.estimate import estimate
 from gptoughts.training.checkpoint import sharded
 
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+def _env() -> dict[str, str]:
+    """The test's environment (its GPTOUGHTS_CACHE included: read at each call, not at import), one thread."""
+    return {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 def _args(corpus: Path, fast: dict) -> list[str]:
@@ -54,7 +57,7 @@ def _close(a: dict[int, float], b: dict[int, float]) -> None:
 
 def _train(out: Path, *args: str, launcher: list[str] | None = None) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", *(launcher or []), "gptoughts", "train", "--out", str(out), *args]
-    r = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     return r
 
@@ -104,7 +107,7 @@ def test_two_nodes_through_c10d_rendezvous_train_like_one_process(tmp_path, text
     nodes = [
         subprocess.Popen(
             [sys.executable, "-m", *launcher, f"--rdzv-conf=is_host={int(i == 0)}", *train],
-            env=ENV,
+            env=_env(),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
