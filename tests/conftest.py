@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sysconfig
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -32,6 +33,32 @@ def _own_logger_state():
     saved = (list(log.handlers), log.level, log.propagate)
     yield
     log.handlers[:], log.level, log.propagate = saved[0], saved[1], saved[2]
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _no_plots_drawn() -> Iterator[Callable]:
+    """A run draws RUN/plots/ (matplotlib, five PNGs) after its evaluations and at its end: ~0.7 s, about half of
+    a debug run, and no assertion reads them outside the tests marked ``plots`` (test_plots.py, and each test
+    that opens a run's PNG files). Elsewhere, module fixtures included, the drawing is skipped as if matplotlib
+    were missing: the runs, their metrics and summaries are the same (a plot never stops a run). Measured: the
+    fast tier's in-process runs take half the time. Yields the real drawing function."""
+    from gptoughts.training import plots
+
+    draw = plots.write_run_plots
+    plots.write_run_plots = lambda run_dir, *args, **kwargs: []
+    yield draw
+    plots.write_run_plots = draw
+
+
+@pytest.fixture(autouse=True)
+def _plots_drawn_where_checked(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, _no_plots_drawn: Callable
+) -> None:
+    """The tests marked ``plots`` draw them (the function :func:`_no_plots_drawn` set aside)."""
+    if request.node.get_closest_marker("plots") is not None:
+        from gptoughts.training import plots
+
+        monkeypatch.setattr(plots, "write_run_plots", _no_plots_drawn)
 
 
 @pytest.fixture(autouse=True)

@@ -22,6 +22,8 @@ from cli_helpers import QUIET_CPU, ok, plan_of
 from gptoughts import models
 from gptoughts.cli import options as cli_options
 
+pytestmark = pytest.mark.plots  # these tests read the plots the runs draw
+
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text(encoding="utf-8")
 sys.path.insert(0, str(ROOT / "tests" / "finetune"))

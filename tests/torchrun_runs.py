@@ -25,12 +25,19 @@ MARK = "=== torchrun_runs: command "
 
 
 def launch(
-    runs: list[list[str]], *, nproc: int = 2, tmp: Path, env: dict[str, str] | None = None, timeout: int = 600
+    runs: list[list[str]],
+    *,
+    nproc: int = 2,
+    tmp: Path,
+    env: dict[str, str] | None = None,
+    plots: bool = False,
+    timeout: int = 600,
 ) -> list[str]:
     """Run each ``gptoughts ARGV`` of ``runs`` in turn in one ``torchrun --nproc_per_node=nproc`` launch; the
-    rank-0 stdout of each (the launch fails the test on any non-zero exit, with its stderr)."""
+    rank-0 stdout of each (the launch fails the test on any non-zero exit, with its stderr). ``plots``: draw
+    each run's plots/ (skipped otherwise, as tests/conftest.py does in the test process)."""
     spec = tmp / "torchrun_runs.json"
-    spec.write_text(json.dumps(runs), encoding="utf-8")
+    spec.write_text(json.dumps({"runs": runs, "plots": plots}), encoding="utf-8")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            __file__, str(spec)]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
@@ -41,17 +48,21 @@ def launch(
     return [p.split("\n", 1)[1] for p in parts]
 
 
-def here(argv: list[str], env: dict[str, str] | None = None) -> str:
+def here(argv: list[str], env: dict[str, str] | None = None, *, plots: bool = False) -> str:
     """``gptoughts ARGV`` in this process, which must exit 0: its stdout. Usable from a module-scoped fixture: it
     runs in an empty folder of its own, with ``env`` set for the call, and leaves the logger, the environment and
-    the working directory as it found them."""
+    the working directory as it found them. ``plots``: draw the run's plots/ (skipped otherwise, as in a launch)."""
     from gptoughts import cli
+    from gptoughts.training import plots as plotting
 
     log = logging.getLogger("gptoughts")
     saved_log = (list(log.handlers), log.level, log.propagate)
     saved_env = dict(os.environ)
     cwd = os.getcwd()
     out, err = io.StringIO(), io.StringIO()
+    draw = plotting.write_run_plots
+    if not plots:
+        plotting.write_run_plots = lambda run_dir, *args, **kwargs: []
     try:
         with tempfile.TemporaryDirectory() as empty:
             os.chdir(empty)
@@ -59,6 +70,7 @@ def here(argv: list[str], env: dict[str, str] | None = None) -> str:
             with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
                 code = cli.main(list(argv))
     finally:
+        plotting.write_run_plots = draw
         os.chdir(cwd)
         os.environ.clear()
         os.environ.update(saved_env)
@@ -69,11 +81,16 @@ def here(argv: list[str], env: dict[str, str] | None = None) -> str:
     return out.getvalue()
 
 
-def _worker(spec: str) -> int:
+def _worker(path: str) -> int:
     from gptoughts import cli
     from gptoughts.parallel import dist as pdist
 
-    runs = json.loads(Path(spec).read_text(encoding="utf-8"))
+    spec = json.loads(Path(path).read_text(encoding="utf-8"))
+    runs = spec["runs"]
+    if not spec["plots"]:
+        from gptoughts.training import plots
+
+        plots.write_run_plots = lambda run_dir, *args, **kwargs: []
     rank0 = os.environ.get("RANK", "0") == "0"
     shutdown = pdist.shutdown
     pdist.shutdown = lambda: None  # the group stays joined for the next command; left once, at the end

@@ -14,7 +14,7 @@ BMM = ["--model.moe_combine", "bmm", "--model.moe_permute", "index_put"]  # test
 
 @pytest.fixture(scope="session")
 def ep_runs(shared_corpus, tmp_path_factory) -> tuple[Path, dict[str, str]]:
-    """(folder, rank-0 stdout by run name). ``one``: one process, batch 4, 7 steps (checkpoints at 3 and 6).
+    """(folder, rank-0 stdout by run name). ``one``: one process, batch 4, 7 steps (checkpoints at 3, 6 and 7).
     Two ranks, batch 2 each, ``--parallel.ep 2``: ``ep`` (5 steps); ``one_then_ep`` (``one``'s step 3 resumed,
     to 5); ``selective`` and ``full`` (activation checkpointing, 3 steps). ``one_bmm`` / ``ep_bmm``: the bmm
     combine with index_put permutation, 5 steps on one process and on two ranks."""
