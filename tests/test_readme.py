@@ -22,8 +22,6 @@ from cli_helpers import QUIET_CPU, ok, plan_of
 from gptoughts import models
 from gptoughts.cli import options as cli_options
 
-pytestmark = pytest.mark.plots  # these tests read the plots the runs draw
-
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text(encoding="utf-8")
 sys.path.insert(0, str(ROOT / "tests" / "finetune"))
@@ -192,6 +190,7 @@ def test_size_table_matches_the_registry():
 
 
 @pytest.mark.slow
+@pytest.mark.plots  # reads a run's plots, or runs `gptoughts plot`
 def test_training_commands_build_what_they_ask(in_workdir, capsys):
     """Each `gptoughts train` line: its plan at the size written (dry run: parameters = the README table, the
     corpus read whole), then a real run at the debug size into the directory the command would write."""
@@ -313,6 +312,7 @@ def test_python_snippet(in_workdir, capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.plots  # reads a run's plots, or runs `gptoughts plot`
 def test_finetune_and_table_commands(in_workdir, capsys):
     """The fine-tuning block, then every command of the "Other commands" table on the runs made above."""
     for line in bash_commands():
