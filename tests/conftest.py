@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sysconfig
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -34,6 +35,32 @@ def _own_logger_state():
     log.handlers[:], log.level, log.propagate = saved[0], saved[1], saved[2]
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _no_plots_drawn() -> Iterator[Callable]:
+    """A run draws RUN/plots/ (matplotlib, five PNGs) after its evaluations and at its end: ~0.7 s, about half of
+    a debug run, and no assertion reads them outside the tests marked ``plots`` (test_plots.py, and each test
+    that opens a run's PNG files). Elsewhere, module fixtures included, the drawing is skipped as if matplotlib
+    were missing: the runs, their metrics and summaries are the same (a plot never stops a run). Measured: the
+    fast tier's in-process runs take half the time. Yields the real drawing function."""
+    from gptoughts.training import plots
+
+    draw = plots.write_run_plots
+    plots.write_run_plots = lambda run_dir, *args, **kwargs: []
+    yield draw
+    plots.write_run_plots = draw
+
+
+@pytest.fixture(autouse=True)
+def _plots_drawn_where_checked(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, _no_plots_drawn: Callable
+) -> None:
+    """The tests marked ``plots`` draw them (the function :func:`_no_plots_drawn` set aside)."""
+    if request.node.get_closest_marker("plots") is not None:
+        from gptoughts.training import plots
+
+        monkeypatch.setattr(plots, "write_run_plots", _no_plots_drawn)
+
+
 @pytest.fixture(autouse=True)
 def _own_working_directory(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
     """Each test runs in an empty folder of its own, with its own cache: what a test writes to a relative path
@@ -47,11 +74,8 @@ def _own_working_directory(tmp_path_factory: pytest.TempPathFactory, monkeypatch
     return cwd
 
 
-@pytest.fixture
-def text_corpus(tmp_path: Path) -> Path:
-    """~60 KB of real Python source from the standard library, as a folder of .py files."""
+def _write_text_corpus(out: Path) -> Path:
     src = Path(sysconfig.get_paths()["stdlib"])
-    out = tmp_path / "corpus"
     out.mkdir()
     total = 0
     for name in (
@@ -73,6 +97,19 @@ def text_corpus(tmp_path: Path) -> Path:
             total += len(data)
     assert total > 20_000
     return out
+
+
+@pytest.fixture
+def text_corpus(tmp_path: Path) -> Path:
+    """~60 KB of real Python source from the standard library, as a folder of .py files."""
+    return _write_text_corpus(tmp_path / "corpus")
+
+
+@pytest.fixture(scope="session")
+def shared_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same corpus, for a module- or session-scoped fixture: the runs (one launch) that several tests assert
+    on. Read only."""
+    return _write_text_corpus(tmp_path_factory.mktemp("shared") / "corpus")
 
 
 @pytest.fixture

@@ -44,6 +44,7 @@ def _run(corpus: Path, out: Path, fast: dict, **kw) -> None:
     api.run_training(load_config("default", o))
 
 
+@pytest.mark.plots
 @pytest.mark.slow
 def test_tasks_are_scored_at_their_steps_logged_plotted_and_leave_training_alone(
     tmp_path, text_corpus, cache_dir, fast, monkeypatch, capsys

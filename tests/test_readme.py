@@ -190,6 +190,7 @@ def test_size_table_matches_the_registry():
 
 
 @pytest.mark.slow
+@pytest.mark.plots  # reads a run's plots, or runs `gptoughts plot`
 def test_training_commands_build_what_they_ask(in_workdir, capsys):
     """Each `gptoughts train` line: its plan at the size written (dry run: parameters = the README table, the
     corpus read whole), then a real run at the debug size into the directory the command would write."""
@@ -311,6 +312,7 @@ def test_python_snippet(in_workdir, capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.plots  # reads a run's plots, or runs `gptoughts plot`
 def test_finetune_and_table_commands(in_workdir, capsys):
     """The fine-tuning block, then every command of the "Other commands" table on the runs made above."""
     for line in bash_commands():

@@ -105,6 +105,7 @@ def test_a_12mb_corpus_is_read_whole(tmp_path, cache_dir, capsys):
     assert plan["corpus"]["cut"] is False and plan["corpus"]["bytes_read"] == plan["corpus"]["bytes"] == total
 
 
+@pytest.mark.plots
 @pytest.mark.slow
 def test_plan_counts_equal_what_the_run_reports(text_corpus, cache_dir, tmp_path, capsys):
     out = tmp_path / "run"

@@ -158,6 +158,7 @@ def test_pairs_without_objective_dpo_are_refused(hf_model, tmp_path, capsys, ft_
 # ------------------------------------------------------------------------------------------------ training
 
 
+@pytest.mark.plots
 def test_full_dpo_learns_the_held_out_preference_and_exports(hf_model, tmp_path, ft_fast, ft_cache, capsys):
     base, data = hf_model("llama"), prefs_file(tmp_path / "p.jsonl")
     run = tmp_path / "run"

@@ -4,14 +4,20 @@ the data-parallel ranks, and the reference log-ratios precomputed before trainin
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from hf_helpers import losses
+from hf_helpers import losses, save_hf_model
 from test_dpo import prefs_file
+from torchrun_runs import here, launch
+
+MODES = {
+    "lora-ddp": ["--lora", "--parallel.strategy", "ddp"],
+    "full-fsdp": ["--parallel.strategy", "fsdp"],
+    # the fused head where sharding meets it (its weight gradient, made in the forward, reaches the root's
+    # sharded head); the heads' maths on one process: test_dpo_head.py (the second tier's time)
+    "full-fsdp-fused": ["--parallel.strategy", "fsdp", "--dpo.head", "fused"],
+}
 
 
 def _margins(run: Path) -> dict[int, float]:
@@ -19,23 +25,14 @@ def _margins(run: Path) -> dict[int, float]:
     return {r["step"]: r["dpo/reward_margin"] for r in rows if "dpo/reward_margin" in r}
 
 
-@pytest.mark.slow
-@pytest.mark.distributed
-@pytest.mark.parametrize(
-    "mode, extra",
-    [
-        ("lora-ddp", ["--lora", "--parallel.strategy", "ddp"]),
-        ("full-fsdp", ["--parallel.strategy", "fsdp"]),
-        # the fused head where sharding meets it (its weight gradient, made in the forward, reaches the root's
-        # sharded head); the heads' maths on one process: test_dpo_head.py (the second tier's time)
-        ("full-fsdp-fused", ["--parallel.strategy", "fsdp", "--dpo.head", "fused"]),
-    ],
-)
-def test_dpo_on_two_processes_trains_like_one(mode, extra, hf_model, tmp_path, ft_cache):
-    """2 ranks x 2 pairs x accumulation 2 train like 1 process x 4 pairs x accumulation 2 with the plain head: the
-    same losses and reward margins (LoRA under DDP: the adapters-off reference each step; full under FSDP2: the
-    reference precomputed once; the fused head under FSDP2 too)."""
-    base, data = hf_model("llama"), prefs_file(tmp_path / "p.jsonl", n=64)
+@pytest.fixture(scope="module")
+def dpo_runs(tmp_path_factory) -> Path:
+    """One process x 4 pairs with the plain head, with LoRA (``one-lora``) and without (``one-full``: the
+    reference of both full modes), in this process; 2 ranks x 2 pairs, each mode of :data:`MODES`, in ONE
+    torchrun launch (tests/torchrun_runs.py)."""
+    tmp = tmp_path_factory.mktemp("dpo2")
+    base, data = save_hf_model(tmp / "hf-llama", "llama"), prefs_file(tmp / "p.jsonl", n=64)
+    env = {"GPTOUGHTS_CACHE": str(tmp / "cache")}
     argv = [
         "finetune", "--model", str(base), "--data", str(data), "--objective", "dpo", "--block_size", "48",
         "--grad_accum", "2", "--max_steps", "3", "--perf.device", "cpu", "--precision", "fp32", "--compile",
@@ -43,21 +40,23 @@ def test_dpo_on_two_processes_trains_like_one(mode, extra, hf_model, tmp_path, f
         "--warmup_steps", "0", "--data.val_fraction", "0", "--sample_prompts=", "--learning_rate", "1e-3",
         "--dpo.logp_chunk", "2",
     ]  # fmt: skip
-    lora = extra[:1] if extra[0] == "--lora" else []
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    runs = {}
-    for name, launch, batch, more in (
-        ("one", [], "4", [*lora, "--dpo.head", "plain"]),
-        ("two", ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"], "2", extra),
-    ):
-        out = tmp_path / name
-        r = subprocess.run(
-            [sys.executable, *launch, "-m", "gptoughts", *argv, "--batch_size", batch, "--out", str(out), *more],
-            env=env, capture_output=True, text=True, timeout=300,
-        )  # fmt: skip
-        assert r.returncode == 0, r.stderr[-3000:]
-        runs[name] = (losses(out), _margins(out))
-    (a, ma), (b, mb) = runs["one"], runs["two"]
+    for name, lora in (("one-lora", ["--lora"]), ("one-full", [])):
+        here([*argv, "--batch_size", "4", "--out", str(tmp / name), *lora, "--dpo.head", "plain"], env=env)
+    launch(
+        [[*argv, "--batch_size", "2", "--out", str(tmp / m), *x] for m, x in MODES.items()], tmp=tmp, env=env
+    )
+    return tmp
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode", list(MODES))
+def test_dpo_on_two_processes_trains_like_one(mode, dpo_runs):
+    """2 ranks x 2 pairs x accumulation 2 train like 1 process x 4 pairs x accumulation 2 with the plain head: the
+    same losses and reward margins (LoRA under DDP: the adapters-off reference each step; full under FSDP2: the
+    reference precomputed once; the fused head under FSDP2 too)."""
+    one = dpo_runs / ("one-lora" if mode == "lora-ddp" else "one-full")
+    (a, ma), (b, mb) = (losses(one), _margins(one)), (losses(dpo_runs / mode), _margins(dpo_runs / mode))
     assert sorted(a) == sorted(b) == [1, 2, 3], (a, b)
     for s in a:
         assert b[s] == pytest.approx(a[s], rel=1e-4), (mode, s, a[s], b[s])

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 from hf_helpers import losses, sft_rows
+from torchrun_runs import here
 
 
 @pytest.mark.distributed
@@ -23,20 +24,17 @@ def test_qwen3_sft_under_tp_matches_one_process(hf_model, tmp_path, ft_cache):
         "--run.progress", "false", "--log_interval", "1", "--eval_interval", "0", "--save_interval", "0",
         "--warmup_steps", "0", "--data.val_fraction", "0", "--sample_prompts", "hi", "--sample_max_new_tokens", "4",
     ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    runs = {}
-    for name, launch in (
-        ("one", []),
-        ("tp", ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]),
-    ):
-        out = tmp_path / name
-        extra = ["--parallel.tp", "2"] if launch else []
-        r = subprocess.run(
-            [sys.executable, *launch, "-m", "gptoughts", *argv, "--out", str(out), *extra],
-            env=env, capture_output=True, text=True, timeout=300,
-        )  # fmt: skip
-        assert r.returncode == 0, r.stderr[-3000:]
-        runs[name] = (losses(out), r.stdout.split("sample ('hi'):")[-1].splitlines()[1])
+    # the one-process reference in this process; TP=2 through torchrun
+    sample = "sample ('hi'):"
+    text = here([*argv, "--out", str(tmp_path / "one")], env={"GPTOUGHTS_CACHE": str(ft_cache)})
+    runs = {"one": (losses(tmp_path / "one"), text.split(sample)[-1].splitlines()[1])}
+    r = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "gptoughts",
+         *argv, "--out", str(tmp_path / "tp"), "--parallel.tp", "2"],
+        env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    runs["tp"] = (losses(tmp_path / "tp"), r.stdout.split(sample)[-1].splitlines()[1])
     (a, sample_a), (b, sample_b) = runs["one"], runs["tp"]
     assert sorted(a) == sorted(b) == [1, 2, 3, 4]
     for s in a:

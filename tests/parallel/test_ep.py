@@ -4,14 +4,10 @@ both train alike; checkpoints move between the two layouts."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from ep_helpers import _close, _rows, _train, argv
+from torchrun_runs import here
 
 from gptoughts.config import ParallelConfig
 from gptoughts.config.validation import check_parallel
@@ -21,50 +17,13 @@ from gptoughts.parallel import dist as pdist
 from gptoughts.parallel.ep import check_ep
 from gptoughts.training.checkpoint import store as ckpt
 
-ARGS = [
-    "--model.size", "debug", "--data.tokenizer", "bytes", "--eval_batches", "2",
-    "--perf.device", "cpu", "--precision", "fp32", "--compile", "false", "--perf.threads", "1",
-    "--run.progress", "false", "--log_interval", "1", "--eval_interval", "3", "--save_interval", "3",
-    "--train.schedule", "constant", "--warmup_steps", "0", "--sample_prompts", "def ",
-    "--sample_max_new_tokens", "4", "--block_size", "32",
-]  # fmt: skip
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
-
-
-def _train(
-    out: Path, corpus: Path, *extra: str, procs: int = 1, family: str = "deepseek"
-) -> subprocess.CompletedProcess:
-    launch = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={procs}"] if procs > 1 else []
-    return subprocess.run(
-        [sys.executable, *launch, "-m", "gptoughts", "train", "default", "--out", str(out),
-         "--data", str(corpus), "--model.family", family, *ARGS, *extra],
-        env=ENV, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-
-
-def _ok(r: subprocess.CompletedProcess) -> None:
-    assert r.returncode == 0, r.stderr[-3000:]
-
-
-def _rows(run: Path) -> dict[int, dict]:
-    """The last logged row of each step (a resumed run appends its own)."""
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r for r in rows if "loss" in r}
-
-
-def _close(a: dict[int, dict], b: dict[int, dict], steps: list[int]) -> None:
-    # fp32 on both sides; the only differences are summation orders (all-reduces, row order in the experts' GEMMs)
-    for s in steps:
-        assert abs(a[s]["loss"] - b[s]["loss"]) < 1e-5 * abs(a[s]["loss"]), (s, a[s]["loss"], b[s]["loss"])
-
 
 @pytest.mark.distributed
-def test_ep2_trains_like_one_process_and_checkpoints_move_both_ways(tmp_path, text_corpus, cache_dir):
-    one, ep, one_then_ep = tmp_path / "one", tmp_path / "ep", tmp_path / "one_then_ep"
-    _ok(_train(one, text_corpus, "--batch_size", "4", "--max_steps", "7"))
-    r = _train(ep, text_corpus, "--batch_size", "2", "--max_steps", "5", "--parallel.ep", "2", procs=2)
-    _ok(r)
-    assert "fsdp x2, expert parallel x2: 4 of 8 experts a rank, tokens all-to-all" in r.stdout
+def test_ep2_trains_like_one_process_and_checkpoints_move_both_ways(ep_runs, shared_corpus):
+    """The runs: tests/parallel/conftest.py (the two-rank ones in one launch)."""
+    tmp, stdout = ep_runs
+    one, ep, one_then_ep = tmp / "one", tmp / "ep", tmp / "one_then_ep"
+    assert "fsdp x2, expert parallel x2: 4 of 8 experts a rank, tokens all-to-all" in stdout["ep"]
     a, b = _rows(one), _rows(ep)
     _close(a, b, [1, 2, 3, 4, 5])
     # the logged loads are all ranks' (summed before logging), and so are the bias updates (else routing, and the
@@ -74,18 +33,16 @@ def test_ep2_trains_like_one_process_and_checkpoints_move_both_ways(tmp_path, te
     assert ckpt.list_steps(ep / "checkpoints") == [3, 5]
 
     # the expert-parallel (sharded) checkpoint resumes in one process ...
-    r = _train(ep, text_corpus, "--batch_size", "4", "--max_steps", "7", "--run.resume", "auto")
-    _ok(r)
+    env = {"GPTOUGHTS_CACHE": str(tmp / "cache")}
+    text = here(
+        argv(ep, shared_corpus, "--batch_size", "4", "--max_steps", "7", "--run.resume", "auto"), env=env
+    )
+    assert "resumed from" in text
     _close(a, _rows(ep), [6, 7])
 
     # ... and a one-process checkpoint resumes under expert parallelism (its index-keyed optimizer state mapped
     # onto the groups that the DTensor experts split off)
-    r = _train(
-        one_then_ep, text_corpus, "--batch_size", "2", "--max_steps", "5", "--parallel.ep", "2",
-        "--run.resume", str(one / "checkpoints" / "step_000003"), procs=2,
-    )  # fmt: skip
-    _ok(r)
-    assert "resumed from" in r.stdout
+    assert "resumed from" in stdout["one_then_ep"]
     _close(a, _rows(one_then_ep), [4, 5])
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from test_ep import _close, _ok, _rows, _train
+from ep_helpers import _close, _rows
 from torch.distributed.device_mesh import init_device_mesh
 
 from gptoughts.models.deepseek import GroupedExperts
@@ -120,19 +120,12 @@ def _weights_at(step_dir: Path) -> dict[str, torch.Tensor]:
 # every pair's all-to-all maths is checked above against one process on a real ep mesh (the second tier's time).
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize(("combine", "permute"), [("bmm", "index_put")])
-def test_ep2_trains_like_one_process_for_each_setting(tmp_path, text_corpus, cache_dir, combine, permute):
-    """Two ranks (experts split, tokens all-to-all) and one process, same setting: the same losses over 5 steps
-    and the same weights after them."""
-    # test_ep's settings save at steps 3 and 5 (the last)
-    setting = ["--model.moe_combine", combine, "--model.moe_permute", permute]
-    one, ep = tmp_path / "one", tmp_path / "ep"
-    _ok(_train(one, text_corpus, "--batch_size", "4", "--max_steps", "5", *setting))
-    _ok(
-        _train(
-            ep, text_corpus, "--batch_size", "2", "--max_steps", "5", "--parallel.ep", "2", *setting, procs=2
-        )
-    )
+def test_ep2_trains_like_one_process_for_each_setting(ep_runs):
+    """Two ranks (experts split, tokens all-to-all) and one process, same setting (bmm combine, index_put
+    permutation; the runs: tests/parallel/conftest.py): the same losses over 5 steps and the same weights after
+    them."""
+    tmp, _ = ep_runs
+    one, ep = tmp / "one_bmm", tmp / "ep_bmm"
     _close(_rows(one), _rows(ep), [1, 2, 3, 4, 5])
     a = _weights_at(ckpt.step_dir(one / "checkpoints", 5))
     b = _weights_at(ckpt.step_dir(ep / "checkpoints", 5))

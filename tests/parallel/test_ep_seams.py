@@ -6,20 +6,15 @@ the checkpointed region, where selective checkpointing replays the forward's ops
 from __future__ import annotations
 
 import pytest
-from test_ep import _close, _ok, _rows, _train
+from ep_helpers import _close, _rows
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_ep2_trains_under_activation_checkpointing_like_one_process(tmp_path, text_corpus, cache_dir):
-    one = tmp_path / "one"
-    _ok(_train(one, text_corpus, "--batch_size", "4", "--max_steps", "3"))
+def test_ep2_trains_under_activation_checkpointing_like_one_process(ep_runs):
+    """Selective and full checkpointing on two ranks (3 steps each, in the launch of tests/parallel/conftest.py)
+    against the one-process run's first 3 steps."""
+    tmp, stdout = ep_runs
     for mode in ("selective", "full"):
-        ep = tmp_path / mode
-        r = _train(
-            ep, text_corpus, "--batch_size", "2", "--max_steps", "3", "--parallel.ep", "2",
-            "--perf.activation_checkpointing", mode, procs=2,
-        )  # fmt: skip
-        _ok(r)
-        assert f"activation checkpointing: {mode} (asked)" in r.stdout
-        _close(_rows(one), _rows(ep), [1, 2, 3])
+        assert f"activation checkpointing: {mode} (asked)" in stdout[mode]
+        _close(_rows(tmp / "one"), _rows(tmp / mode), [1, 2, 3])

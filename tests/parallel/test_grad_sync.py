@@ -5,14 +5,12 @@ the unsharded gradient when they are not (an 8b FSDP x4 run on H100s was planned
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from torchrun_runs import here, launch
 
 from gptoughts.config import load_config
 from gptoughts.errors import ConfigError
@@ -103,27 +101,43 @@ def _losses(run: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
+# The two-rank runs of the tests below: one torchrun launch for the three (tests/torchrun_runs.py), the
+# one-process reference in this process.
+@pytest.fixture(scope="module")
+def accumulated_runs(shared_corpus, tmp_path_factory) -> tuple[Path, list[str]]:
+    tmp = tmp_path_factory.mktemp("grad_sync")
+    env = {"GPTOUGHTS_CACHE": str(tmp / "cache")}
+    args = ["train", "--data", str(shared_corpus), "--size", "debug", "--tokenizer", "bytes", "--block_size", "32",
+            "--grad_accum", "2", "--max_steps", "3", "--log_interval", "1", "--eval_interval", "0",
+            "--train.checkpoints", "false", "--train.sample_prompts=", "--device", "cpu", "--precision", "fp32",
+            "--compile", "false", "--threads", "1", "--no_progress"]  # fmt: skip
+    fsdp = [*args, "--batch_size", "2", "--parallel.strategy", "fsdp"]
+    ddp = [*args, "--warmup_steps", "0", "--batch_size", "2", "--parallel.strategy", "ddp"]
+    outs = launch(
+        [
+            *(
+                [*fsdp, "--out", str(tmp / sync), "--parallel.grad_sync_every_microbatch", sync]
+                for sync in ("true", "false")
+            ),
+            [*ddp, "--out", str(tmp / "ddp")],
+        ],
+        tmp=tmp,
+        env=env,
+    )
+    here([*args, "--warmup_steps", "0", "--batch_size", "4", "--out", str(tmp / "one")], env=env)
+    return tmp, outs
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_fsdp_reducing_every_micro_batch_trains_like_reducing_once(tmp_path, text_corpus, cache_dir):
+def test_fsdp_reducing_every_micro_batch_trains_like_reducing_once(accumulated_runs):
     """2 gloo ranks, accumulation 2: the same losses either way, and the plan says which runs."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    base = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "gptoughts",
-            "train", "--data", str(text_corpus), "--size", "debug", "--tokenizer", "bytes", "--block_size", "32",
-            "--batch_size", "2", "--grad_accum", "2", "--max_steps", "3", "--log_interval", "1", "--eval_interval",
-            "0", "--train.checkpoints", "false", "--train.sample_prompts=", "--device", "cpu", "--precision", "fp32",
-            "--compile", "false", "--threads", "1", "--no_progress", "--parallel.strategy", "fsdp"]  # fmt: skip
+    tmp, outs = accumulated_runs
     out = {}
-    for sync in ("true", "false"):
-        run = tmp_path / sync
-        r = subprocess.run(
-            [*base, "--out", str(run), "--parallel.grad_sync_every_microbatch", sync],
-            env=env, capture_output=True, text=True, timeout=300,
-        )  # fmt: skip
-        assert r.returncode == 0, r.stderr[-3000:]
+    for sync, stdout in zip(("true", "false"), outs):
         word = "every micro-batch" if sync == "true" else "after the last micro-batch"
-        assert f"gradients reduced {word} (asked)" in r.stdout + r.stderr
-        out[sync] = _losses(run)
+        assert f"gradients reduced {word} (asked)" in stdout
+        out[sync] = _losses(tmp / sync)
     assert out["true"].keys() == out["false"].keys() == {1, 2, 3}
     for s in (1, 2, 3):
         assert out["true"][s] == pytest.approx(out["false"][s], rel=1e-5)
@@ -131,23 +145,12 @@ def test_fsdp_reducing_every_micro_batch_trains_like_reducing_once(tmp_path, tex
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_ddp_with_gradient_accumulation_trains_like_one_process(tmp_path, text_corpus, cache_dir):
+def test_ddp_with_gradient_accumulation_trains_like_one_process(accumulated_runs):
     """DDP's no_sync across the micro-batches of a step (static_graph made its first backward fail an internal
     assertion, and would then have stopped the all-reduces): 2 gloo ranks x batch 2 x accumulation 2 train like
     one process x batch 4 x accumulation 2."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    args = ["train", "--data", str(text_corpus), "--size", "debug", "--tokenizer", "bytes", "--block_size", "32",
-            "--grad_accum", "2", "--max_steps", "3", "--log_interval", "1", "--eval_interval", "0",
-            "--train.checkpoints", "false", "--train.sample_prompts=", "--device", "cpu", "--precision", "fp32",
-            "--compile", "false", "--threads", "1", "--no_progress", "--warmup_steps", "0"]  # fmt: skip
-    ddp = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "gptoughts",
-           *args, "--batch_size", "2", "--parallel.strategy", "ddp", "--out", str(tmp_path / "ddp")]  # fmt: skip
-    r = subprocess.run(ddp, env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    one = [sys.executable, "-m", "gptoughts", *args, "--batch_size", "4", "--out", str(tmp_path / "one")]
-    r = subprocess.run(one, env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    a, b = _losses(tmp_path / "ddp"), _losses(tmp_path / "one")
+    tmp, _ = accumulated_runs
+    a, b = _losses(tmp / "ddp"), _losses(tmp / "one")
     assert a.keys() == b.keys() == {1, 2, 3}
     for s in (1, 2, 3):
         assert a[s] == pytest.approx(b[s], rel=1e-4), (s, a[s], b[s])

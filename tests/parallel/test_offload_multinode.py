@@ -12,13 +12,17 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from torchrun_runs import here
 
 from gptoughts.config import load_config
 from gptoughts.errors import ConfigError
 from gptoughts.perf.estimate import estimate
 from gptoughts.training.checkpoint import sharded
 
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+def _env() -> dict[str, str]:
+    """The test's environment (its GPTOUGHTS_CACHE included: read at each call, not at import), one thread."""
+    return {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 def _args(corpus: Path, fast: dict) -> list[str]:
@@ -52,21 +56,15 @@ def _close(a: dict[int, float], b: dict[int, float]) -> None:
         assert abs(a[s] - b[s]) < 1e-4 * abs(a[s]), (s, a[s], b[s])
 
 
-def _train(out: Path, *args: str, launcher: list[str] | None = None) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", *(launcher or []), "gptoughts", "train", "--out", str(out), *args]
-    r = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return r
-
-
 @pytest.mark.distributed
 def test_one_process_offload_trains_like_a_plain_run(tmp_path, text_corpus, cache_dir, fast):
     """``--parallel.cpu_offload`` without torchrun: FSDP2 in a process group of one, the state kept in CPU
     memory; fp32 on the CPU, so its losses and weights equal a plain run's."""
     args = _args(text_corpus, fast) + ["--batch_size", "4"]
     plain, off = tmp_path / "plain", tmp_path / "offload"
-    _train(plain, *args)
-    r = _train(off, *args, "--parallel.cpu_offload", "true")
+    # both in this process (no torchrun: the offloaded run joins a process group of one and leaves it)
+    here(["train", "--out", str(plain), *args])
+    stdout = here(["train", "--out", str(off), *args, "--parallel.cpu_offload", "true"])
     _close(_losses(plain), _losses(off))
     run = json.loads((off / "run.json").read_text())
     assert "cpu offload" in json.dumps(run)
@@ -74,7 +72,7 @@ def test_one_process_offload_trains_like_a_plain_run(tmp_path, text_corpus, cach
     # an offloaded run is sharded (FSDP2): its checkpoint is DCP's, consolidated on one process
     b = sharded.consolidated_weights(off / "checkpoints" / "step_000003")
     assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)
-    assert "CPU memory (offload)" in r.stdout  # the plan says where the state lives
+    assert "CPU memory (offload)" in stdout  # the plan says where the state lives
 
 
 @pytest.mark.distributed
@@ -85,7 +83,7 @@ def test_two_nodes_through_c10d_rendezvous_train_like_one_process(tmp_path, text
     batch 4; the second node's run directory is the same (shared filesystem), written by global rank 0 only."""
     args = _args(text_corpus, fast)
     single, multi = tmp_path / "single", tmp_path / "multi"
-    _train(single, *args, "--batch_size", "4")
+    here(["train", "--out", str(single), *args, "--batch_size", "4"])  # the reference, in this process
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -104,7 +102,7 @@ def test_two_nodes_through_c10d_rendezvous_train_like_one_process(tmp_path, text
     nodes = [
         subprocess.Popen(
             [sys.executable, "-m", *launcher, f"--rdzv-conf=is_host={int(i == 0)}", *train],
-            env=ENV,
+            env=_env(),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,

@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_helpers import FAST
 from safetensors.torch import load_file
+from torchrun_runs import here, launch
 
 from gptoughts import models
 from gptoughts.errors import ConfigError
@@ -153,19 +155,29 @@ def _close(a: dict[int, float], b: dict[int, float], steps: list[int]) -> None:
         assert abs(a[s] - b[s]) < 1e-5 * abs(a[s]), (s, a[s], b[s])
 
 
-_REFERENCE: dict[str, tuple[Path, list[str]]] = {}
+SCHEDULES = ("1f1b", "interleaved")
 
 
-@pytest.fixture
-def one_process(tmp_path_factory, fast):
-    """The reference, run once for the module: one process, 5 steps (checkpoints at 3 and 5)."""
-    if "run" not in _REFERENCE:
-        base = tmp_path_factory.mktemp("pp")
-        _corpus(base / "corpus")
-        args = _args(fast, base / "corpus")
-        _train(base / "single", args, "--max_steps=5")
-        _REFERENCE["run"] = (base, args)
-    return _REFERENCE["run"]
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """The reference, run once for the module in this process: one process, 5 steps (checkpoints at 3 and 5).
+    With it, the two-rank runs in ONE torchrun launch (tests/torchrun_runs.py): ``pp-1f1b`` and
+    ``pp-interleaved`` (5 steps), ``p2`` (the reference's step 3 resumed in the pipeline, to step 5)."""
+    base = tmp_path_factory.mktemp("pp")
+    _corpus(base / "corpus")
+    args = _args(dict(FAST), base / "corpus")
+    env = {"GPTOUGHTS_CACHE": str(base / "cache")}
+    here(["train", "default", "--out", str(base / "single"), *args, "--max_steps=5"], env=env)
+    runs = [
+        ["train", "default", "--out", str(base / f"pp-{schedule}"), *args, "--max_steps=5", "--parallel.pp=2",
+         f"--parallel.pp_schedule={schedule}"]
+        for schedule in SCHEDULES
+    ]  # fmt: skip
+    step3 = str(base / "single" / "checkpoints" / "step_000003")
+    runs.append(["train", "default", "--out", str(base / "p2"), *args, "--max_steps=5", "--parallel.pp=2",
+                 "--resume", step3])  # fmt: skip
+    stdout = dict(zip([*SCHEDULES, "p2"], launch(runs, tmp=base, env=env)))
+    return base, args, stdout
 
 
 def _corpus(out: Path) -> None:
@@ -178,15 +190,13 @@ def _corpus(out: Path) -> None:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
+@pytest.mark.parametrize("schedule", SCHEDULES)
 def test_pp2_trains_like_one_process(schedule, one_process):
     """2 gloo ranks, one stage each (1F1B) or two each (interleaved), 4 micro-batches per step: the same losses,
     validation loss and final weights as one process, within fp32 tolerance. The plan names the split."""
-    base, args = one_process
+    base, args, stdout = one_process
     single, piped = base / "single", base / f"pp-{schedule}"
-    out = _train(
-        piped, args, "--max_steps=5", "--parallel.pp=2", f"--parallel.pp_schedule={schedule}", nproc=2
-    )
+    out = stdout[schedule]
     split = "layers 0-1 | 2-3 + head" if schedule == "1f1b" else "layers 0 | 1 | 2 | 3 + head"
     assert (
         f"pipeline: 2 {'stages' if schedule == '1f1b' else 'ranks x 2 stages'} x {schedule}, 4 micro-batches"
@@ -202,20 +212,16 @@ def test_pp2_trains_like_one_process(schedule, one_process):
     if schedule != "1f1b":
         return
     # A pipeline checkpoint (every stage gathered, optimizer keyed by name) resumes in one process, and a
-    # one-process checkpoint (optimizer keyed by index) resumes in the pipeline; both continue alike.
+    # one-process checkpoint (optimizer keyed by index) resumes in the pipeline (``p2``, in the fixture's
+    # launch); both continue alike.
     state = restore.load_state(piped / "checkpoints" / "step_000003")
     assert all(isinstance(k, str) for k in state["optimizer"]["state"])
-    _train(base / "s2", args, "--max_steps=5", "--resume", str(piped / "checkpoints" / "step_000003"))
-    _close(ref, _losses(base / "s2"), [4, 5])
-    _train(
-        base / "p2",
-        args,
-        "--max_steps=5",
-        "--parallel.pp=2",
-        "--resume",
-        str(single / "checkpoints" / "step_000003"),
-        nproc=2,
+    resume = ["--max_steps=5", "--resume", str(piped / "checkpoints" / "step_000003")]
+    here(
+        ["train", "default", "--out", str(base / "s2"), *args, *resume],
+        env={"GPTOUGHTS_CACHE": str(base / "cache")},
     )
+    _close(ref, _losses(base / "s2"), [4, 5])
     _close(ref, _losses(base / "p2"), [4, 5])
 
 
@@ -225,7 +231,7 @@ def test_pp2_composes_with_data_parallel_ddp(one_process):
     """4 gloo ranks: 2 pipelines of 2 stages, each reading half of the batch; gradients averaged over the
     data-parallel group after the step (DDP's part under a pipeline): the one-process losses and weights.
     (FSDP2 on the dp sub-mesh matches too; checked by hand, left out of the suite for time.)"""
-    base, args = one_process
+    base, args, _ = one_process
     piped = base / "pp-ddp"
     args = [a for a in args if not a.startswith("--batch_size")]
     out = _train(piped, args, "--batch_size=2", "--max_steps=5", "--parallel.pp=2", nproc=4)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torchrun_runs import here, launch
 
 from gptoughts.errors import ConfigError
 from gptoughts.models import model_args
@@ -28,7 +29,11 @@ ARGS = [
     "--train.schedule", "constant", "--warmup_steps", "0", "--sample_prompts", "def ",
     "--sample_max_new_tokens", "4",
 ]  # fmt: skip
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def _env() -> dict[str, str]:
+    """The test's environment (its GPTOUGHTS_CACHE included: read at each call, not at import), one thread."""
+    return {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 def _losses(run: Path) -> dict[int, float]:
@@ -36,14 +41,28 @@ def _losses(run: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
+def _argv(out: Path, corpus: Path, *extra: str, block: int = 32) -> list[str]:
+    return [
+        "train",
+        "default",
+        "--out",
+        str(out),
+        "--data",
+        str(corpus),
+        "--block_size",
+        str(block),
+        *ARGS,
+        *extra,
+    ]
+
+
 def _train(
     out: Path, corpus: Path, *extra: str, procs: int = 1, block: int = 32
 ) -> subprocess.CompletedProcess:
     launch = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={procs}"] if procs > 1 else []
     return subprocess.run(
-        [sys.executable, *launch, "-m", "gptoughts", "train", "default", "--out", str(out),
-         "--data", str(corpus), "--block_size", str(block), *ARGS, *extra],
-        env=ENV, capture_output=True, text=True, timeout=300,
+        [sys.executable, *launch, "-m", "gptoughts", *_argv(out, corpus, *extra, block=block)],
+        env=_env(), capture_output=True, text=True, timeout=300,
     )  # fmt: skip
 
 
@@ -56,19 +75,36 @@ def _close(a: dict[int, float], b: dict[int, float], steps: list[int]) -> None:
         assert abs(a[s] - b[s]) < 1e-4 * abs(a[s]), (s, a[s], b[s])
 
 
+LLAMA = ["--model.family", "llama", "--batch_size", "4"]
+INL = ["--model.family", "inl", "--optimizer", "muon", "--batch_size", "4", "--max_steps", "4"]
+
+
+@pytest.fixture(scope="module")
+def tp_runs(shared_corpus, tmp_path_factory) -> tuple[Path, dict[str, str]]:
+    """The one-process references (in this process) and the two TP=2 runs (one torchrun launch, in turn):
+    ``one``/``tp``: Llama, 7 steps / 5 steps; ``inl_one``/``inl_tp``: INL with Muon on blocks of 31, 4 steps."""
+    tmp = tmp_path_factory.mktemp("tp")
+    env = {"GPTOUGHTS_CACHE": str(tmp / "cache")}
+    c = shared_corpus
+    out = {"one": here(_argv(tmp / "one", c, *LLAMA, "--max_steps", "7"), env=env)}
+    out["inl_one"] = here(_argv(tmp / "inl_one", c, *INL, block=31), env=env)
+    tp = ["--parallel.tp", "2"]
+    runs = {
+        "tp": _argv(tmp / "tp", c, *LLAMA, "--max_steps", "5", *tp),
+        "inl_tp": _argv(tmp / "inl_tp", c, *INL, *tp, block=31),
+    }
+    out.update(zip(runs, launch(list(runs.values()), tmp=tmp, env=env)))
+    return tmp, out
+
+
 @pytest.mark.distributed
-def test_tp_and_fsdp_x_tp_match_one_process_and_checkpoints_move(tmp_path, text_corpus, cache_dir):
+def test_tp_and_fsdp_x_tp_match_one_process_and_checkpoints_move(tp_runs, shared_corpus):
     """Llama: TP=2 (2 ranks, no data-parallel wrapper) and FSDP 2 x TP 2 (4 ranks, 2-D mesh) give the losses of
     one process over 5 steps; the TP run's checkpoint (full weights gathered from the DTensor shards, optimizer
     state by name) resumes on one process and continues like the one-process run."""
-    one, tp, fsdp_tp = tmp_path / "one", tmp_path / "tp", tmp_path / "fsdp_tp"
-    llama = ["--model.family", "llama"]
-    _ok(_train(one, text_corpus, *llama, "--batch_size", "4", "--max_steps", "7"))
-    r = _train(
-        tp, text_corpus, *llama, "--batch_size", "4", "--max_steps", "5", "--parallel.tp", "2", procs=2
-    )
-    _ok(r)
-    assert "x 1 data-parallel rank(s) (tensor parallel x2: 2 processes)" in r.stdout
+    base, stdout = tp_runs
+    one, tp, fsdp_tp = base / "one", base / "tp", base / "fsdp_tp"
+    assert "x 1 data-parallel rank(s) (tensor parallel x2: 2 processes)" in stdout["tp"]
     run = json.loads((tp / "run.json").read_text())
     assert run["world_size"] == 2 and run["dp_size"] == 1
     a, b = _losses(one), _losses(tp)
@@ -78,12 +114,14 @@ def test_tp_and_fsdp_x_tp_match_one_process_and_checkpoints_move(tmp_path, text_
     assert steps[1].startswith("3\n") and steps[1] in (one / "samples.txt").read_text()
     assert ckpt.list_steps(tp / "checkpoints") == [3, 5]
 
-    _ok(_train(tp, text_corpus, "--batch_size", "4", "--max_steps", "7", "--run.resume", "auto"))
+    env = {"GPTOUGHTS_CACHE": str(base / "cache")}
+    here(_argv(tp, shared_corpus, "--batch_size", "4", "--max_steps", "7", "--run.resume", "auto"), env=env)
     _close(a, _losses(tp), [6, 7])
 
     r = _train(
-        fsdp_tp, text_corpus, *llama, "--batch_size", "2", "--max_steps", "5", "--parallel.tp", "2", procs=4
-    )
+        fsdp_tp, shared_corpus, "--model.family", "llama", "--batch_size", "2", "--max_steps", "5",
+        "--parallel.tp", "2", procs=4,
+    )  # fmt: skip
     _ok(r)
     assert "x 2 data-parallel rank(s) (tensor parallel x2: 4 processes) = 128 tokens per step" in r.stdout
     run = json.loads((fsdp_tp / "run.json").read_text())
@@ -92,13 +130,11 @@ def test_tp_and_fsdp_x_tp_match_one_process_and_checkpoints_move(tmp_path, text_
 
 
 @pytest.mark.distributed
-def test_tp_inl_with_muon_matches_one_process(tmp_path, text_corpus, cache_dir):
+def test_tp_inl_with_muon_matches_one_process(tp_runs):
     """INL (its integrator on each rank's positions with replicated weights) under TP=2 with Muon (each
     TP-sharded matrix orthogonalized whole) trains like one process, on blocks of 31 tokens (split 16 + 15)."""
-    common = ["--model.family", "inl", "--optimizer", "muon", "--batch_size", "4", "--max_steps", "4"]
-    _ok(_train(tmp_path / "one", text_corpus, *common, block=31))
-    _ok(_train(tmp_path / "tp", text_corpus, *common, "--parallel.tp", "2", procs=2, block=31))
-    _close(_losses(tmp_path / "one"), _losses(tmp_path / "tp"), [1, 2, 3, 4])
+    base, _ = tp_runs
+    _close(_losses(base / "inl_one"), _losses(base / "inl_tp"), [1, 2, 3, 4])
 
 
 @pytest.mark.distributed

@@ -333,9 +333,8 @@ def test_bf16_states_under_fsdp_checkpoint_and_resume(tmp_path, text_corpus, cac
     sharded checkpoint as bf16, and a resume from it continues exactly as the uninterrupted run (the stochastic
     rounding draws from each rank's RNG, which the checkpoint restores); a one-process run resumes from it too."""
     import json
-    import os
-    import subprocess
-    import sys
+
+    from torchrun_runs import here, launch
 
     from gptoughts.training.checkpoint import store as ckpt
 
@@ -343,25 +342,28 @@ def test_bf16_states_under_fsdp_checkpoint_and_resume(tmp_path, text_corpus, cac
     args = ["--data", str(text_corpus), "--log_interval", "1", "--eval_interval", "0", "--save_interval", "3"]
     args += [f"--{k}={v}" for k, v in fast.items() if k not in skip]
     args += ["--optimizer_states", "bf16", "--sample_interval", "0"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
 
-    def train(out: Path, launcher: list[str], batch: str, *extra: str) -> dict[int, float]:
-        cmd = [*launcher, "-m", "gptoughts", "train", "default", "--out", str(out), "--batch_size", batch]
-        r = subprocess.run([*cmd, *args, *extra], env=env, capture_output=True, text=True, timeout=300)
-        assert r.returncode == 0, r.stderr[-3000:]
+    def losses(out: Path) -> dict[int, float]:
         rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    fsdp = ["--parallel.strategy", "fsdp"]
-    full = train(tmp_path / "a", torchrun, "2", *fsdp, "--max_steps", "5")
+    def argv(out: Path, batch: str, *extra: str) -> list[str]:
+        return ["train", "default", "--out", str(out), "--batch_size", batch, *args, *extra]
+
+    # the uninterrupted run and the resume from its step 3, in turn in one torchrun launch
+    fsdp = ["--parallel.strategy", "fsdp", "--max_steps", "5"]
     step3 = tmp_path / "a" / "checkpoints" / "step_000003"
+    launch(
+        [argv(tmp_path / "a", "2", *fsdp), argv(tmp_path / "b", "2", *fsdp, "--resume", str(step3))],
+        tmp=tmp_path,
+    )
+    full, resumed = losses(tmp_path / "a"), losses(tmp_path / "b")
     index = ckpt.read_dcp_metadata(step3)
     moments = [md for k, md in index.state_dict_metadata.items() if k.endswith(".exp_avg_sq")]
     assert moments and all(md.properties.dtype == torch.bfloat16 for md in moments)
-    resumed = train(tmp_path / "b", torchrun, "2", *fsdp, "--max_steps", "5", "--resume", str(step3))
     assert [resumed[s] for s in (4, 5)] == [full[s] for s in (4, 5)]
-    one = train(tmp_path / "c", [sys.executable], "4", "--max_steps", "5", "--resume", str(step3))
+    here(argv(tmp_path / "c", "4", "--max_steps", "5", "--resume", str(step3)))  # one process: this one
+    one = losses(tmp_path / "c")
     assert one[5] == pytest.approx(full[5], rel=1e-2)
 
 

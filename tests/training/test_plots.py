@@ -16,6 +16,8 @@ import pytest
 from gptoughts.errors import UserError
 from gptoughts.training.plots import compare_runs, read_series, write_run_plots
 
+pytestmark = pytest.mark.plots  # these tests read the plots the runs draw
+
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 SINGLE_PNGS = {"loss.png", "lr.png", "throughput.png", "grad_norm.png"}
 

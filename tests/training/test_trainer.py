@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from cli_helpers import FAST as FAST_SETTINGS
 from safetensors.torch import load_file
+from torchrun_runs import here, launch
 
 from gptoughts import api
 from gptoughts.config import list_presets, load_config
@@ -390,65 +389,48 @@ def test_every_preset_runs_one_step_at_debug_size(preset, tmp_path, text_corpus,
     assert hist.steps == 1 and hist.val_loss
 
 
+def _flags(*skip: str) -> list[str]:
+    return [f"--{k}={v}" for k, v in FAST_SETTINGS.items() if k not in skip]
+
+
+# DDP: 2 gloo ranks x batch 2 against 1 process x batch 4, llama, 3 steps
+DDP = ["--max_steps", "3", "--log_interval", "1", "--eval_interval", "3", "--save_interval", "3",
+       *_flags("train.batch_size", "train.sample_prompts")]  # fmt: skip
+# FSDP2: DeepSeek (MoE, MLA), bias updates on, constant schedule
+FSDP = ["--log_interval", "1", "--eval_interval", "3", "--save_interval", "3", "--train.schedule", "constant",
+        *_flags("train.batch_size", "train.sample_prompts", "train.warmup_steps", "model.family"),
+        "--warmup_steps", "0", "--model.family", "deepseek", "--model.bias_update_rate", "0.01"]  # fmt: skip
+OPTIMIZERS = ("adamw", "muon")
+
+
+def _run(out: Path, corpus: Path, *args: str) -> list[str]:
+    return ["train", "default", "--out", str(out), "--data", str(corpus), *args]
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(shared_corpus, tmp_path_factory) -> Path:
+    """The one-process runs (in this process) and every two-rank run of the tests below, in ONE torchrun launch
+    (tests/torchrun_runs.py): ``single``/``ddp`` (DDP test); per optimizer, ``single-OPT`` (5 steps),
+    ``fsdp-OPT`` (3 steps) and ``f2-OPT`` (``single-OPT``'s step 3 resumed under FSDP2, to step 5)."""
+    tmp, c = tmp_path_factory.mktemp("two_ranks"), shared_corpus
+    env = {"GPTOUGHTS_CACHE": str(tmp / "cache")}
+    here(_run(tmp / "single", c, "--batch_size", "4", *DDP), env=env)
+    runs = [_run(tmp / "ddp", c, "--batch_size", "2", *DDP)]
+    for opt in OPTIMIZERS:
+        one = [*FSDP, "--optimizer", opt, "--batch_size", "4", "--max_steps", "5"]
+        here(_run(tmp / f"single-{opt}", c, *one), env=env)
+        fsdp = [*FSDP, "--optimizer", opt, "--batch_size", "2", "--parallel.strategy", "fsdp"]
+        runs.append(_run(tmp / f"fsdp-{opt}", c, *fsdp, "--max_steps", "3"))
+        step3 = str(tmp / f"single-{opt}" / "checkpoints" / "step_000003")
+        runs.append(_run(tmp / f"f2-{opt}", c, *fsdp, "--max_steps", "5", "--resume", step3))
+    launch(runs, tmp=tmp, env=env)
+    return tmp
+
+
 @pytest.mark.distributed
-def test_ddp_two_processes_match_single_process(tmp_path, text_corpus, cache_dir):
+def test_ddp_two_processes_match_single_process(two_rank_runs):
     """2 gloo ranks x batch 2 see the same global rows as 1 process x batch 4: same losses."""
-    args = [
-        "--data",
-        str(text_corpus),
-        "--max_steps",
-        "3",
-        "--log_interval",
-        "1",
-        "--eval_interval",
-        "3",
-        "--save_interval",
-        "3",
-    ] + [f"--{k}={v}" for k, v in FAST.items() if k not in ("train.batch_size", "train.sample_prompts")]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    single = tmp_path / "single"
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "gptoughts",
-            "train",
-            "default",
-            "--out",
-            str(single),
-            "--batch_size",
-            "4",
-            *args,
-        ],
-        check=True,
-        env=env,
-        capture_output=True,
-        timeout=300,
-    )
-    ddp = tmp_path / "ddp"
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=2",
-            "-m",
-            "gptoughts",
-            "train",
-            "default",
-            "--out",
-            str(ddp),
-            "--batch_size",
-            "2",
-            *args,
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
+    single, ddp = two_rank_runs / "single", two_rank_runs / "ddp"
     a, b = _losses(single), _losses(ddp)
     assert sorted(a) == sorted(b) == [1, 2, 3]
     for s in a:
@@ -459,92 +441,21 @@ def test_ddp_two_processes_match_single_process(tmp_path, text_corpus, cache_dir
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
-def test_fsdp_matches_one_process_and_checkpoints_move_between_them(
-    optimizer, tmp_path, text_corpus, cache_dir
-):
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_fsdp_matches_one_process_and_checkpoints_move_between_them(optimizer, two_rank_runs, shared_corpus):
     """2 gloo ranks under FSDP2 x batch 2 train like 1 process x batch 4; a checkpoint written by either
     resumes in the other (FSDP's sharded DCP checkpoint; the one process's single file, optimizer state keyed
     by index) and continues alike.
     DeepSeek (MoE): its expert-balancing biases only match the one-process run if the ranks' expert loads are
     summed before each bias update. Muon: each rank orthogonalizes the whole (gathered) matrix of its shards,
     MoE experts and MLA factors included."""
-    args = [
-        "--data",
-        str(text_corpus),
-        "--log_interval",
-        "1",
-        "--eval_interval",
-        "3",
-        "--save_interval",
-        "3",
-        "--train.schedule",
-        "constant",
-    ] + [
-        f"--{k}={v}"
-        for k, v in FAST.items()
-        if k not in ("train.batch_size", "train.sample_prompts", "train.warmup_steps", "model.family")
-    ]
-    args += ["--warmup_steps", "0", "--model.family", "deepseek", "--model.bias_update_rate", "0.01"]
-    args += ["--optimizer", optimizer]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-
-    def one(out: Path, *extra: str) -> None:
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "gptoughts",
-                "train",
-                "default",
-                "--out",
-                str(out),
-                "--batch_size",
-                "4",
-                *args,
-                *extra,
-            ],
-            check=True,
-            env=env,
-            capture_output=True,
-            timeout=300,
-        )
-
-    def fsdp(out: Path, *extra: str) -> None:
-        r = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--standalone",
-                "--nproc_per_node=2",
-                "-m",
-                "gptoughts",
-                "train",
-                "default",
-                "--out",
-                str(out),
-                "--batch_size",
-                "2",
-                "--parallel.strategy",
-                "fsdp",
-                *args,
-                *extra,
-            ],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert r.returncode == 0, r.stderr[-3000:]
 
     def close(a: dict[int, float], b: dict[int, float], steps: list[int]) -> None:
         for s in steps:
             assert abs(a[s] - b[s]) < 1e-4 * abs(a[s]), (s, a[s], b[s])
 
-    single, sharded = tmp_path / "single", tmp_path / "fsdp"
-    one(single, "--max_steps", "5")
-    fsdp(sharded, "--max_steps", "3")
+    tmp = two_rank_runs
+    single, sharded = tmp / f"single-{optimizer}", tmp / f"fsdp-{optimizer}"
     ref = _losses(single)
     close(ref, _losses(sharded), [1, 2, 3])
     assert json.loads((sharded / "run.json").read_text())["world_size"] == 2
@@ -560,10 +471,12 @@ def test_fsdp_matches_one_process_and_checkpoints_move_between_them(
     index = ckpt.read_dcp_metadata(sharded / "checkpoints" / "step_000003")
     assert any(k.startswith("optimizer.state.layers.0.") for k in index.state_dict_metadata)  # keyed by name
     # FSDP checkpoint (sharded, by name) -> one process; one-process checkpoint (single file, by index) -> FSDP
-    one(tmp_path / "s2", "--max_steps", "5", "--resume", str(sharded / "checkpoints" / "step_000003"))
-    close(ref, _losses(tmp_path / "s2"), [4, 5])
-    fsdp(tmp_path / "f2", "--max_steps", "5", "--resume", str(single / "checkpoints" / "step_000003"))
-    close(ref, _losses(tmp_path / "f2"), [4, 5])
+    s2 = tmp / f"s2-{optimizer}"
+    one = [*FSDP, "--optimizer", optimizer, "--batch_size", "4", "--max_steps", "5"]
+    step3 = str(sharded / "checkpoints" / "step_000003")
+    here(_run(s2, shared_corpus, *one, "--resume", step3), env={"GPTOUGHTS_CACHE": str(tmp / "cache")})
+    close(ref, _losses(s2), [4, 5])
+    close(ref, _losses(tmp / f"f2-{optimizer}"), [4, 5])  # trained in the fixture's launch
 
 
 @pytest.mark.slow
