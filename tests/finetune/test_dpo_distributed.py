@@ -12,11 +12,11 @@ from test_dpo import prefs_file
 from torchrun_runs import here, launch
 
 MODES = {
-    "lora-ddp": ["--lora", "--parallel.strategy", "ddp"],
-    "full-fsdp": ["--parallel.strategy", "fsdp"],
+    "lora-ddp": ["--lora", "--parallel.strategy", "ddp"],  # the fused head, the default
+    "full-fsdp-plain": ["--parallel.strategy", "fsdp", "--dpo.head", "plain"],
     # the fused head where sharding meets it (its weight gradient, made in the forward, reaches the root's
     # sharded head); the heads' maths on one process: test_dpo_head.py (the second tier's time)
-    "full-fsdp-fused": ["--parallel.strategy", "fsdp", "--dpo.head", "fused"],
+    "full-fsdp-fused": ["--parallel.strategy", "fsdp"],
 }
 
 
@@ -52,9 +52,9 @@ def dpo_runs(tmp_path_factory) -> Path:
 @pytest.mark.distributed
 @pytest.mark.parametrize("mode", list(MODES))
 def test_dpo_on_two_processes_trains_like_one(mode, dpo_runs):
-    """2 ranks x 2 pairs x accumulation 2 train like 1 process x 4 pairs x accumulation 2 with the plain head: the
-    same losses and reward margins (LoRA under DDP: the adapters-off reference each step; full under FSDP2: the
-    reference precomputed once; the fused head under FSDP2 too)."""
+    """2 ranks x 2 pairs x accumulation 2 (the fused head, the default; under FSDP2 the plain head too) train like
+    1 process x 4 pairs x accumulation 2 with the plain head: the same losses and reward margins (LoRA under DDP:
+    the adapters-off reference each step; full under FSDP2: the reference precomputed once)."""
     one = dpo_runs / ("one-lora" if mode == "lora-ddp" else "one-full")
     (a, ma), (b, mb) = (losses(one), _margins(one)), (losses(dpo_runs / mode), _margins(dpo_runs / mode))
     assert sorted(a) == sorted(b) == [1, 2, 3], (a, b)
