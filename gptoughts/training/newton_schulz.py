@@ -194,8 +194,10 @@ def warm_all_to_all(mesh: object) -> None:
 
     for dim in range(mesh.ndim):
         group = mesh.get_group(dim)
-        x = torch.zeros(dist.get_world_size(group), device=mesh.device_type)
-        dist.all_to_all_single(torch.empty_like(x), x, group=group)
+        # a group of one (EP over every rank: its efsdp dimension) exchanges nothing
+        if (n := dist.get_world_size(group)) > 1:
+            x = torch.zeros(n, device=mesh.device_type)
+            dist.all_to_all_single(torch.empty_like(x), x, group=group)
 
 
 @functools.cache

@@ -88,8 +88,14 @@ def _warm_at_build(rank: int, world: int, init: str, out: str) -> None:
         build_muon(model, **kw, distribute=True)
         at_build = len(calls)
         build_muon(model, **kw, distribute=False)
+        not_distributed = len(calls) - at_build
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from gptoughts.training.newton_schulz import warm_all_to_all
+
+        warm_all_to_all(init_device_mesh("cpu", (1, world)))  # EP over every rank: (efsdp 1, ep 2)
         if rank == 0:
-            torch.save({"distribute": at_build, "not": len(calls) - at_build}, out)
+            torch.save({"distribute": at_build, "not": not_distributed, "2-D": len(calls) - at_build}, out)
     finally:
         dist.destroy_process_group()
 
@@ -98,9 +104,10 @@ def _warm_at_build(rank: int, world: int, init: str, out: str) -> None:
 @pytest.mark.distributed
 def test_a_distributing_muon_sets_up_the_all_to_all_when_built(tmp_path):
     """Under FSDP2 with perf.muon_distribute, building the optimizer runs one all-to-all on the (1-D) mesh, so that
-    NCCL allocates its peer buffers before training fills the GPU; without distribute, none."""
+    NCCL allocates its peer buffers before training fills the GPU; without distribute, none; on a 2-D mesh, one per
+    dimension of more than one rank."""
     import torch.multiprocessing as mp
 
     out = tmp_path / "calls.pt"
     mp.spawn(_warm_at_build, args=(2, f"file://{tmp_path / 'rdzv'}", str(out)), nprocs=2, join=True)
-    assert torch.load(out, weights_only=True) == {"distribute": 1, "not": 0}
+    assert torch.load(out, weights_only=True) == {"distribute": 1, "not": 0, "2-D": 1}
