@@ -57,6 +57,7 @@ def test_the_layout_is_decided_from_the_process_group_and_the_model():
         ({"world_size": 2, "strategy": "fsdp"}, "  parallel: fsdp x2; reshard_after_forward true ("),
         ({"world_size": 2, "strategy": "ddp"}, "  parallel: ddp x2"),
     ],
+    ids=["fsdp", "ddp"],
 )
 def test_a_dry_run_of_two_processes_prints_the_parallel_line(
     group, expected, tmp_path, cache_dir, monkeypatch
@@ -100,6 +101,7 @@ def test_a_dry_run_with_cpu_offload_prints_the_line_the_run_prints(tmp_path, cac
         ("fsdp", "  parallel: fsdp x2; reshard_after_forward true (auto: "),
         ("ddp", "  parallel: ddp x2"),
     ],
+    ids=["fsdp", "ddp"],
 )
 def test_under_torchrun_the_dry_run_and_the_run_print_the_same_parallel_line(
     strategy, expected, tmp_path, text_corpus, cache_dir
