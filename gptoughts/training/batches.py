@@ -151,6 +151,7 @@ def _probed_micro_batch(cfg: Config, env: Environment, model: Model) -> tuple[in
         "precision": env.precision,
         "resolved": model.built.resolved,
         "world": env.dist.world_size,
+        "accumulates": _accumulates(cfg),
     }
     try:
         micro, cached = auto_micro_batch(
@@ -164,11 +165,22 @@ def _probed_micro_batch(cfg: Config, env: Environment, model: Model) -> tuple[in
             device=env.device,
             dist=env.dist,
             parts=parts,
+            accumulates=parts["accumulates"],
         )
     except NothingFits:  # the estimate said it would: say what each way out needs
         lead = f"not even one row of {t.block_size:,} tokens fits in real training steps"
         raise UserError(layout_refusal(cfg, env, model, lead)) from None
     return micro, "auto: largest that fits" + (" (cached)" if cached else "")
+
+
+def _accumulates(cfg: Config) -> bool:
+    """Whether an automatic batch's run will accumulate gradients, known before its micro-batch: the user's
+    --grad_accum, else a global batch to reach (more than one micro-batch, unless the micro-batch alone reaches
+    it: then the probe was cautious by one gradient's memory)."""
+    t = cfg.train
+    if cfg.is_given("train.grad_accum"):
+        return t.grad_accum > 1
+    return bool(t.global_batch_tokens)
 
 
 def _auto_accumulation(cfg: Config, micro: int, dp_size: int, why: dict[str, str]) -> tuple[int, int]:

@@ -428,10 +428,12 @@ def auto_micro_batch(
     dist: pdist.DistInfo,
     parts: dict[str, object],
     cache_path: str | None = None,
+    accumulates: bool = False,
 ) -> tuple[int, bool]:
     """The largest micro-batch that fits (see perf/autobatch.py), agreed on by all ranks (their minimum). The
     assembly asks on a GPU only (CPU runs are sized from memory estimates); on a CPU only a failed allocation
-    counts, as the tests use it."""
+    counts, as the tests use it. ``accumulates``: the run will accumulate gradients, so every micro-batch after the
+    first runs beside the whole gradient; the probe's second step does too."""
     from gptoughts.perf.autobatch import BatchCache, find_batch_size
     from gptoughts.training.optim import set_lr, zero_grads
 
@@ -450,7 +452,8 @@ def auto_micro_batch(
         try:
             # As the run will: gradients kept between steps under CUDA graphs (their memory counts in the peak).
             zero_grads(probe, params, keep=built.keep_grads)
-            for _ in range(2):  # the second step runs with the optimizer state allocated
+            # The second step runs with the optimizer state allocated and, under accumulation, the gradients.
+            for _ in range(2):
                 with contextlib.ExitStack() as stack:
                     if dtype is not None:
                         stack.enter_context(torch.autocast(device.type, dtype=dtype))
@@ -458,7 +461,7 @@ def auto_micro_batch(
                     loss, _ = objective(model, (x[:, :-1], x[:, 1:]))
                 loss.backward()
                 probe.step()
-                zero_grads(probe, params, keep=built.keep_grads)
+                zero_grads(probe, params, keep=built.keep_grads or accumulates)
         except BaseException:
             pdist.discard_failed_step(model)  # an offloaded (FSDP2) model out of memory is left mid-step
             raise
