@@ -6,16 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
+from test_fp8_fused import _llama, _losses, cos
 
 from gptoughts.config import load_config
 from gptoughts.errors import ConfigError
-from gptoughts.models import build_model, model_args
 from gptoughts.perf.fp8_fused import convert_to_fused_fp8, fp8_linear, quantize_rowwise
-
-
-def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
-    return F.cosine_similarity(a.flatten().float(), b.flatten().float(), dim=0).item()
 
 
 def _grads(wgrad_fp8: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -33,7 +28,7 @@ def test_the_fp8_weight_gradient_is_close_to_fp32_and_differs_from_bf16():
     w8, x8, ref = _grads(True)
     w16, x16, _ = _grads(False)
     assert w8.dtype == torch.float32 and w8.shape == ref.shape
-    assert _cos(w8, ref) > 0.99 and _cos(w16, ref) > 0.999
+    assert cos(w8, ref) > 0.99 and cos(w16, ref) > 0.999
     assert not torch.equal(w8, w16)  # the fp8 path ran (bf16 operands give another rounding)
     assert torch.equal(x8, x16)  # the input gradient is the same either way
 
@@ -57,25 +52,11 @@ def test_the_weight_gradient_gets_the_layouts_the_cuda_kernel_demands(monkeypatc
 
 
 def test_a_model_with_fp8_weight_gradients_trains_like_bf16():
-    def losses(fp8: bool, wgrad_fp8: bool) -> list[float]:
-        torch.manual_seed(0)
-        model = build_model("llama", model_args("llama", "debug", {"n_layers": 2}))
-        if fp8:
-            convert_to_fused_fp8(model, wgrad_fp8=wgrad_fp8)
-        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-        batch = torch.randint(0, 512, (4, 33), generator=torch.Generator().manual_seed(1))
-        out = []
-        for _ in range(12):
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                logits = model(batch[:, :-1])
-            loss = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            out.append(loss.item())
-        return out
-
-    ref, bf16_wgrad, fp8_wgrad = losses(False, False), losses(True, False), losses(True, True)
+    ref = _losses(_llama(), 12)
+    bf16_wgrad, fp8_wgrad = _llama(), _llama()
+    convert_to_fused_fp8(bf16_wgrad)
+    convert_to_fused_fp8(fp8_wgrad, wgrad_fp8=True)
+    bf16_wgrad, fp8_wgrad = _losses(bf16_wgrad, 12), _losses(fp8_wgrad, 12)
     assert fp8_wgrad != bf16_wgrad  # the weight gradients did run in fp8
     assert fp8_wgrad[-1] < fp8_wgrad[0] - 2.0
     for a, b in zip(fp8_wgrad, ref):
