@@ -48,6 +48,22 @@ def launch(
     return [p.split("\n", 1)[1] for p in parts]
 
 
+def process(argv: list[str], *, procs: int = 1, timeout: int = 300) -> subprocess.CompletedProcess:
+    """``gptoughts ARGV`` as a process of its own (under torchrun with ``procs`` > 1): for the tests of the
+    process itself (an exit code, a refusal's one line). The test's environment, read now (its GPTOUGHTS_CACHE
+    included), one thread."""
+    launcher = (
+        ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={procs}"] if procs > 1 else []
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, *launcher, "-m", "gptoughts", *argv]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def ok(r: subprocess.CompletedProcess) -> None:
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
 def here(argv: list[str], env: dict[str, str] | None = None, *, plots: bool = False) -> str:
     """``gptoughts ARGV`` in this process, which must exit 0: its stdout. Usable from a module-scoped fixture: it
     runs in an empty folder of its own, with ``env`` set for the call, and leaves the logger, the environment and

@@ -4,10 +4,10 @@ its runs' metrics, and the tolerance two layouts of one run keep. Imported by na
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
+
+from torchrun_runs import process
 
 ARGS = [
     "--model.size", "debug", "--data.tokenizer", "bytes", "--eval_batches", "2",
@@ -16,11 +16,6 @@ ARGS = [
     "--train.schedule", "constant", "--warmup_steps", "0", "--sample_prompts", "def ",
     "--sample_max_new_tokens", "4", "--block_size", "32",
 ]  # fmt: skip
-
-
-def _env() -> dict[str, str]:
-    """The test's environment (its GPTOUGHTS_CACHE included: read at each call, not at import), one thread."""
-    return {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 def argv(out: Path, corpus: Path, *extra: str, family: str = "deepseek") -> list[str]:
@@ -42,15 +37,7 @@ def argv(out: Path, corpus: Path, *extra: str, family: str = "deepseek") -> list
 def _train(
     out: Path, corpus: Path, *extra: str, procs: int = 1, family: str = "deepseek"
 ) -> subprocess.CompletedProcess:
-    launch = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={procs}"] if procs > 1 else []
-    return subprocess.run(
-        [sys.executable, *launch, "-m", "gptoughts", *argv(out, corpus, *extra, family=family)],
-        env=_env(), capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-
-
-def _ok(r: subprocess.CompletedProcess) -> None:
-    assert r.returncode == 0, r.stderr[-3000:]
+    return process(argv(out, corpus, *extra, family=family), procs=procs)
 
 
 def _rows(run: Path) -> dict[int, dict]:

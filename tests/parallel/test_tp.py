@@ -8,14 +8,12 @@ FSDP 2 x TP 2 with batch 2 per data-parallel rank both train like one process wi
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from torchrun_runs import here, launch
+from torchrun_runs import here, launch, ok, process
 
 from gptoughts.errors import ConfigError
 from gptoughts.models import model_args
@@ -29,11 +27,6 @@ ARGS = [
     "--train.schedule", "constant", "--warmup_steps", "0", "--sample_prompts", "def ",
     "--sample_max_new_tokens", "4",
 ]  # fmt: skip
-
-
-def _env() -> dict[str, str]:
-    """The test's environment (its GPTOUGHTS_CACHE included: read at each call, not at import), one thread."""
-    return {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 def _losses(run: Path) -> dict[int, float]:
@@ -59,15 +52,7 @@ def _argv(out: Path, corpus: Path, *extra: str, block: int = 32) -> list[str]:
 def _train(
     out: Path, corpus: Path, *extra: str, procs: int = 1, block: int = 32
 ) -> subprocess.CompletedProcess:
-    launch = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={procs}"] if procs > 1 else []
-    return subprocess.run(
-        [sys.executable, *launch, "-m", "gptoughts", *_argv(out, corpus, *extra, block=block)],
-        env=_env(), capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-
-
-def _ok(r: subprocess.CompletedProcess) -> None:
-    assert r.returncode == 0, r.stderr[-3000:]
+    return process(_argv(out, corpus, *extra, block=block), procs=procs)
 
 
 def _close(a: dict[int, float], b: dict[int, float], steps: list[int]) -> None:
@@ -122,7 +107,7 @@ def test_tp_and_fsdp_x_tp_match_one_process_and_checkpoints_move(tp_runs, shared
         fsdp_tp, shared_corpus, "--model.family", "llama", "--batch_size", "2", "--max_steps", "5",
         "--parallel.tp", "2", procs=4,
     )  # fmt: skip
-    _ok(r)
+    ok(r)
     assert "x 2 data-parallel rank(s) (tensor parallel x2: 4 processes) = 128 tokens per step" in r.stdout
     run = json.loads((fsdp_tp / "run.json").read_text())
     assert run["dp_size"] == 2 and "fsdp x2, tp x2" in run["resolved"]["parallel"]
