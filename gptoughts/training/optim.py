@@ -100,9 +100,7 @@ def build_muon(
     muon = Muon(groups, lr=lr, betas=betas, eps=eps, momentum=momentum, fused=fused)
     muon.compile = "cuda" if compile else "off"
     muon.distribute = distribute
-    meshes = {
-        id(p.device_mesh): p.device_mesh for p in muon_group["params"] if distribute and can_distribute(p)
-    }
+    meshes = {id(p.device_mesh): p.device_mesh for p in muon_group["params"] if muon._distributes(p)}
     for mesh in meshes.values():
         warm_all_to_all(mesh)
     return muon
@@ -156,8 +154,8 @@ class Muon(torch.optim.Optimizer):
         self.compile = "off"
         self.compile_backend = "inductor"
         self.distribute = False
-        # The most whole fp32 matrices one rank stacks for a Newton-Schulz batch (:meth:`_chunks`); 1 GiB keeps
-        # every bucket of a dense Llama up to 8b in at most a few batches of large matmuls.
+        # The most whole fp32 matrices one rank stacks for a Newton-Schulz batch (:meth:`_chunks`): 1 GiB keeps
+        # each bucket of a 1b Llama one batch, and cuts an 8b's MLP bucket into batches of 4 large matrices.
         self.chunk_bytes = 1 << 30
 
     @torch.no_grad()
@@ -265,7 +263,7 @@ class Muon(torch.optim.Optimizer):
         orthogonalized alone, so the cut changes no result; under ``distribute`` a chunk keeps a multiple of the
         rank count, each rank still taking its share."""
         p = bucket[0]
-        ranks = p.device_mesh.size() if hasattr(p, "device_mesh") and self._distributes(p) else 1
+        ranks = p.device_mesh.size() if self._distributes(p) else 1
         whole = 4 * p.numel() if ranks > 1 else 4 * local(p).numel()
         size = ranks * max(1, self.chunk_bytes // max(1, whole))
         return [bucket[i : i + size] for i in range(0, len(bucket), size)]
