@@ -362,8 +362,14 @@ def _dpo_defaults(cfg: Config) -> None:
         "precomputed": "the starting model's log-probabilities, one pass over every pair before training",
         "adapters_off": "the base with the adapters disabled, one extra no-grad forward a step",
     }[reference]
+    head = {
+        "fused": "a chunk of pairs at a time, its gradients in the same pass",
+        "chunked": "rows a chunk at a time, recomputed in the backward",
+        "plain": "every row's logits at once",
+    }[d.head]
     cfg.resolved["objective"] = (
-        f"dpo, beta {d.beta:g}, label smoothing {d.label_smoothing:g}; reference: {reference} ({how})"
+        f"dpo, beta {d.beta:g}, label smoothing {d.label_smoothing:g}; reference: {reference} ({how}); "
+        f"head: {d.head} ({head})"
     )
     if not cfg.is_given("recovery.spike_detection"):
         cfg.recovery.spike_detection = False

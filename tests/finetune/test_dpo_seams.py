@@ -138,14 +138,18 @@ def test_the_plan_says_what_a_dpo_run_does(hf_model, tmp_path, capsys, ft_cache)
     assert code == 0, text[-2000:]
     line = next(ln for ln in text.splitlines() if ln.strip().startswith("objective:"))
     assert "dpo" in line and "beta 0.25" in line and "reference: precomputed" in line, line
+    assert "head: fused (a chunk of pairs at a time" in line, line  # the default
     steps = next(ln for ln in text.splitlines() if ln.strip().startswith("steps:"))
     assert "no evaluation (no held-out pairs)" in steps, steps
     assert "1 pairs (1 train, 0 val)" in text
 
-    code, text = run_cli([*argv, "--out", str(tmp_path / "lora"), "--lora", *DPO_CLI], capsys)
+    code, text = run_cli(
+        [*argv, "--out", str(tmp_path / "lora"), "--lora", *DPO_CLI, "--dpo.head", "plain"], capsys
+    )
     assert code == 0, text[-2000:]
     line = next(ln for ln in text.splitlines() if ln.strip().startswith("objective:"))
     assert "beta 0.1" in line and "reference: adapters_off" in line, line
+    assert "head: plain (every row's logits at once)" in line, line
 
 
 def test_the_end_of_a_dpo_run_reports_preferences_not_perplexity(hf_model, tmp_path, capsys, ft_cache):
