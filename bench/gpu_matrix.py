@@ -178,6 +178,9 @@ SHAPES["muon-compile"] = SHAPES["125m"]
 # The 47M rows alone (run with --kernels 2): where the compiled Muon's step loses time at this shape.
 MATRIX["muon-47m"] = MATRIX["muon-compile"][:3]
 SHAPES["muon-47m"] = SHAPES["125m"]
+# The same rows with the model's steps replayed as CUDA graphs: does the host's launch time hide Muon's?
+MATRIX["muon-47m-graphs"] = [{**r, "perf.cuda_graphs": True} for r in MATRIX["muon-47m"]]
+SHAPES["muon-47m-graphs"] = SHAPES["125m"]
 
 SHAPES["moe-inl"] = ("1b", 2048, 8)
 SHAPES["muon"] = SHAPES["125m"]
