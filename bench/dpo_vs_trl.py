@@ -198,12 +198,20 @@ def run_ours(
     loader = PrefLoader(data.prefs, batch_size=a.batch, seed=cfg.train.seed, device=env.device)
     trainer = timing_trainer(cfg, env, model, loader, plan_batches(cfg, env, data, model), timing=False)
 
-    saved: dict[str, int] = {}
+    saved: dict[int, tuple[int, str]] = {}
 
     def tally(t: torch.Tensor) -> torch.Tensor:  # what the autograd graph keeps: distinct storages, counted once
-        key = t.untyped_storage().data_ptr()
-        saved.setdefault(key, t.untyped_storage().nbytes())
+        saved.setdefault(t.untyped_storage().data_ptr(), (t.untyped_storage().nbytes(), str(tuple(t.shape))))
         return t
+
+    def saved_by_shape() -> dict[str, Any]:
+        by: dict[str, list[float]] = {}
+        for nbytes, shape in saved.values():
+            row = by.setdefault(shape, [0.0, 0])
+            row[0] += nbytes / 2**30
+            row[1] += 1
+        top = sorted(by.items(), key=lambda kv: -kv[1][0])[:10]
+        return {"saved_tensors_gib": sum(n for n, _ in saved.values()) / 2**30, "saved_by_shape": dict(top)}
 
     def step() -> torch.Tensor:
         if not a.saved_tensors:
@@ -240,7 +248,7 @@ def run_ours(
         # CUDA graphs replay without the allocator: their activations show in the reserved pool, not in allocated
         "peak_reserved_gib": None if steady_reserved is None else max(warm_reserved, steady_reserved),
         "steady_peak_reserved_gib": steady_reserved,
-        **({"saved_tensors_gib": sum(saved.values()) / 2**30} if a.saved_tensors else {}),
+        **(saved_by_shape() if a.saved_tensors else {}),
         "trainable_params": sum(p.numel() for p in model.raw.parameters() if p.requires_grad),
         "loss": loss,
         "ref_logps": ref.tolist(),
