@@ -34,10 +34,11 @@ _SAVE_OPS = {
 
 
 # FlashAttention-4's op (perf/attention.py) is registered on first use, hence matched by its name; so are LoRA's
-# matmul with the adapter's add (perf/lora.py) and its dropout bits (perf/dropout.py, 1/16 of a bf16 activation,
-# kept rather than drawn again)
+# matmuls (the merged one, and the one with the adapter's add: perf/lora.py) and its dropout bits
+# (perf/dropout.py, 1/16 of a bf16 activation, kept rather than drawn again)
 _SAVE_OP_NAMES = {
     "gptoughts.fa4_fwd.default",
+    "gptoughts.merged_lora_linear.default",
     "gptoughts.linear_add_lowrank.default",
     "gptoughts.dropout_bits.default",
 }

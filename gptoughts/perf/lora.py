@@ -26,39 +26,50 @@ from torch import nn
 from gptoughts.perf.dropout import apply_bits, dropout_bits, new_seed
 
 
-class _MergedLoraLinear(torch.autograd.Function):
+# An op of its own rather than an autograd.Function: compiled under full activation checkpointing on CUDA, the
+# Function's outputs were saved rather than recomputed (every layer's projections kept: 7.7 GiB at 1b LoRA-DPO,
+# bench/BENCHMARKS.md), while an op node is recomputed like any other in the checkpointed region.
+@torch.library.custom_op("gptoughts::merged_lora_linear", mutates_args=())
+def _merged_lora_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scaling: float,
+) -> torch.Tensor:
     """``y = x (W + s B A)^T + bias`` with a frozen ``W`` (and bias); gradients for ``x``, ``A`` and ``B``.
     Every tensor arrives in the compute dtype; ``A``/``B`` gradients go back through the caller's cast."""
+    return F.linear(x, torch.addmm(weight, b, a, alpha=scaling), bias)
 
-    @staticmethod
-    def forward(
-        ctx: Any,
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        a: torch.Tensor,
-        b: torch.Tensor,
-        scaling: float,
-    ) -> torch.Tensor:
-        ctx.save_for_backward(x, weight, a, b)
-        ctx.scaling = scaling
-        return F.linear(x, torch.addmm(weight, b, a, alpha=scaling), bias)
 
-    @staticmethod
-    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x, weight, a, b = ctx.saved_tensors
-        s = ctx.scaling
-        x2 = x.reshape(-1, x.shape[-1])
-        dy2 = dy.reshape(-1, dy.shape[-1])
-        dx = None
-        if ctx.needs_input_grad[0]:
-            dx = torch.mm(dy2, torch.addmm(weight, b, a, alpha=s)).view(x.shape)
-        da = db = None
-        if ctx.needs_input_grad[3]:
-            da = torch.mm(torch.mm(dy2, b).t(), x2).mul_(s)  # (dy B)^T x: [r, in]
-        if ctx.needs_input_grad[4]:
-            db = torch.mm(dy2.t(), torch.mm(x2, a.t())).mul_(s)  # dy^T (x A^T): [out, r]
-        return dx, None, None, da, db, None
+@_merged_lora_linear.register_fake
+def _(x, weight, bias, a, b, scaling):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+def _merged_setup(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+    x, weight, _, a, b, scaling = inputs
+    ctx.save_for_backward(x, weight, a, b)
+    ctx.scaling = scaling
+
+
+def _merged_backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    x, weight, a, b = ctx.saved_tensors
+    s = ctx.scaling
+    x2 = x.reshape(-1, x.shape[-1])
+    dy2 = dy.reshape(-1, dy.shape[-1])
+    dx = da = db = None
+    if ctx.needs_input_grad[0]:
+        dx = torch.mm(dy2, torch.addmm(weight, b, a, alpha=s)).view(x.shape)
+    if ctx.needs_input_grad[3]:
+        da = torch.mm(torch.mm(dy2, b).t(), x2).mul_(s)  # (dy B)^T x: [r, in]
+    if ctx.needs_input_grad[4]:
+        db = torch.mm(dy2.t(), torch.mm(x2, a.t())).mul_(s)  # dy^T (x A^T): [out, r]
+    return dx, None, None, da, db, None
+
+
+_merged_lora_linear.register_autograd(_merged_backward, setup_context=_merged_setup)
 
 
 @torch.library.custom_op("gptoughts::linear_add_lowrank", mutates_args=())
@@ -178,4 +189,4 @@ class MergedLoraLinear(PeftLoraLinear):
             with torch.autocast(x.device.type, enabled=False):
                 return _LoraLinear.apply(x.to(dt), seed, base.weight.to(dt), bias, a, b, scaling, p)
         with torch.autocast(x.device.type, enabled=False):
-            return _MergedLoraLinear.apply(x.to(dt), base.weight.to(dt), bias, a, b, scaling)
+            return _merged_lora_linear(x.to(dt), base.weight.to(dt), bias, a, b, scaling)

@@ -52,8 +52,8 @@ def test_merged_forward_matches_peft_outputs_and_gradients_in_fp32(monkeypatch):
     from gptoughts.perf import lora
 
     applied = []
-    real = lora._MergedLoraLinear.apply
-    monkeypatch.setattr(lora._MergedLoraLinear, "apply", lambda *a: applied.append(1) or real(*a))
+    real = lora._merged_lora_linear
+    monkeypatch.setattr(lora, "_merged_lora_linear", lambda *a: applied.append(1) or real(*a))
     ref, ours = _pair()
     x = torch.randn(3, 5, 24)
     y_ref, dx_ref, g_ref = _grads(ref, x)
@@ -191,3 +191,58 @@ def test_apply_lora_registers_the_merged_layer_only_when_asked(merged_forward):
 
     m = apply_lora(M(), LoraConfig(enabled=True, merged_forward=merged_forward), device=torch.device("cpu"))
     assert isinstance(m.base_model.model.layers[0].wq, MergedLoraLinear) is merged_forward
+
+
+class _Block(nn.Module):
+    """A SwiGLU MLP over LoRA-adapted linears, as in a transformer block."""
+
+    def __init__(self, d: int, h: int) -> None:
+        super().__init__()
+        self.w1, self.w3, self.w2 = (
+            nn.Linear(d, h, bias=False),
+            nn.Linear(d, h, bias=False),
+            nn.Linear(h, d, bias=False),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.w2(torch.nn.functional.silu(self.w1(x)) * self.w3(x))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+            ],
+        ),
+    ],
+)
+def test_compiled_full_checkpointing_keeps_no_projection_of_the_merged_layer(device):
+    """Full activation checkpointing, compiled, keeps each block's input and no projection output: on CUDA the
+    merged layer as an autograd.Function had every layer's projections saved (LoRA-DPO at 1b: 7.7 GiB)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    torch.manual_seed(0)
+    d, h, tokens, layers = 64, 256, 512, 3
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["w1", "w2", "w3"])
+    cfg._register_custom_module({nn.Linear: MergedLoraLinear})
+    model = peft.get_peft_model(nn.Sequential(*[_Block(d, h) for _ in range(layers)]), cfg).to(
+        device, torch.bfloat16
+    )
+    inner = model.base_model.model
+    for i in range(layers):
+        inner[i] = checkpoint_wrapper(inner[i])
+        inner[i].compile()
+    shapes: list[tuple[int, ...]] = []
+    x = torch.randn(tokens, d, device=device, dtype=torch.bfloat16, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: shapes.append(tuple(t.shape)) or t, lambda t: t):
+        y = inner(x)
+    y.float().sum().backward()
+    assert shapes.count((tokens, d)) >= layers  # the blocks' inputs
+    assert (tokens, h) not in shapes, shapes  # w1 / w3 outputs: recomputed, not kept
+    assert x.grad is not None and all(p.grad is not None for n, p in model.named_parameters() if "lora_" in n)
