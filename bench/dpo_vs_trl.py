@@ -200,7 +200,8 @@ def run_ours(
 
     saved: dict[int, tuple[int, str]] = {}
 
-    def tally(t: torch.Tensor) -> torch.Tensor:  # what the autograd graph keeps: distinct storages, counted once
+    # what the autograd graph keeps: distinct storages, counted once
+    def tally(t: torch.Tensor) -> torch.Tensor:
         saved.setdefault(t.untyped_storage().data_ptr(), (t.untyped_storage().nbytes(), str(tuple(t.shape))))
         return t
 
