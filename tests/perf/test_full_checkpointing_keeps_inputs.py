@@ -1,0 +1,61 @@
+"""Compiled full activation checkpointing keeps each block's input and nothing else of it, in every family whose
+blocks hold an autograd Function of ours (INL's fused integrator, DeepSeek's row permutations). On CUDA the merged
+LoRA layer's Function had its outputs kept instead of recomputed (tests/finetune/test_merged_lora.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gptoughts.models import build_model, model_args
+from gptoughts.perf.checkpointing import apply_activation_checkpointing
+
+_CUDA = pytest.param(
+    "cuda",
+    marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")],
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("device", ["cpu", _CUDA])
+@pytest.mark.parametrize(
+    "family, overrides",
+    [("llama", {}), ("deepseek", {}), ("inl", {"integrator_impl": "fused"}), ("inl", {})],
+    ids=["llama", "deepseek", "inl-fused", "inl"],
+)
+def test_compiled_full_checkpointing_keeps_only_the_blocks_inputs(family, overrides, device):
+    torch.manual_seed(0)
+    model = build_model(family, model_args(family, "debug", overrides), device=device).to(torch.bfloat16)
+    apply_activation_checkpointing(model, "full")
+    for block in model.layers:
+        block.compile()
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    params |= {b.untyped_storage().data_ptr() for b in model.buffers()}
+    kept: dict[int, int] = {}
+    inside = []  # saved while a block runs: what checkpointing keeps of the blocks
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if inside and t.untyped_storage().data_ptr() not in params:
+            kept.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+        return t
+
+    def enter(*_: object) -> None:
+        inside.append(1)
+
+    def leave(*_: object) -> None:
+        inside.pop()
+
+    for block in model.layers:
+        block.register_forward_pre_hook(enter)
+        block.register_forward_hook(leave)
+
+    b, t = 2, 64
+    ids = torch.randint(0, 256, (b, t), device=device)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        hidden = model(ids, return_hidden=True)
+    hidden.float().square().mean().backward()
+    block_input = b * t * hidden.shape[-1] * hidden.element_size()
+    n = len(model.layers)
+    # each block's input, and the RoPE tables all blocks share (under full checkpointing nothing else)
+    assert sum(kept.values()) <= n * block_input * 1.5, (sum(kept.values()) / block_input, n)
+    assert all(any(p.grad is not None for p in block.parameters()) for block in model.layers)  # it trained
