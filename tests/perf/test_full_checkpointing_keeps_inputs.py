@@ -1,6 +1,7 @@
 """Compiled full activation checkpointing keeps each block's input and nothing else of it, in every family whose
 blocks hold an autograd Function of ours (INL's fused integrator, DeepSeek's row permutations). On CUDA the merged
-LoRA layer's Function had its outputs kept instead of recomputed (tests/finetune/test_merged_lora.py)."""
+LoRA layer's Function had its outputs kept instead of recomputed (tests/finetune/test_merged_lora.py); DeepSeek's
+and INL's still are (marked below)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,10 @@ _CUDA = pytest.param(
     "cuda",
     marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")],
 )
+# Seen on an H200: the compiled graph keeps what these Functions save or return (DeepSeek: the permuted rows,
+# 8.9x the blocks' inputs here; INL fused: 24x), as it kept the merged LoRA layer's outputs before that became an op.
+# Strict: the test fails once they are recomputed, so the mark must then go.
+_KEPT_ON_CUDA = {"deepseek": "DeepSeek's row permutations", "inl-fused": "INL's fused integrator"}
 
 
 @pytest.mark.slow
@@ -23,7 +28,12 @@ _CUDA = pytest.param(
     [("llama", {}), ("deepseek", {}), ("inl", {"integrator_impl": "fused"}), ("inl", {})],
     ids=["llama", "deepseek", "inl-fused", "inl"],
 )
-def test_compiled_full_checkpointing_keeps_only_the_blocks_inputs(family, overrides, device):
+def test_compiled_full_checkpointing_keeps_only_the_blocks_inputs(family, overrides, device, request):
+    case = request.node.callspec.id.rsplit("-", 1)[0]
+    if device == "cuda" and case in _KEPT_ON_CUDA:
+        request.applymarker(
+            pytest.mark.xfail(strict=True, reason=f"{_KEPT_ON_CUDA[case]} kept on CUDA, not recomputed")
+        )
     torch.manual_seed(0)
     model = build_model(family, model_args(family, "debug", overrides), device=device).to(torch.bfloat16)
     apply_activation_checkpointing(model, "full")
