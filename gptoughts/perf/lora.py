@@ -26,9 +26,9 @@ from torch import nn
 from gptoughts.perf.dropout import apply_bits, dropout_bits, new_seed
 
 
-# An op of its own rather than an autograd.Function: compiled under full activation checkpointing on CUDA, the
-# Function's outputs were saved rather than recomputed (every layer's projections kept: 7.7 GiB at 1b LoRA-DPO,
-# bench/BENCHMARKS.md), while an op node is recomputed like any other in the checkpointed region.
+# An op of its own rather than an autograd.Function: compiled under full activation checkpointing, torch before
+# pytorch/pytorch#177396 (2.11) saved a Function's outputs rather than recomputing them (every layer's projections:
+# 7.7 GiB at 1b LoRA-DPO, bench/BENCHMARKS.md); an op node is recomputed like any other in the region.
 @torch.library.custom_op("gptoughts::merged_lora_linear", mutates_args=())
 def _merged_lora_linear(
     x: torch.Tensor,

@@ -223,8 +223,9 @@ class _Block(nn.Module):
     ],
 )
 def test_compiled_full_checkpointing_keeps_no_projection_of_the_merged_layer(device):
-    """Full activation checkpointing, compiled, keeps each block's input and no projection output: on CUDA the
-    merged layer as an autograd.Function had every layer's projections saved (LoRA-DPO at 1b: 7.7 GiB)."""
+    """Full activation checkpointing, compiled, keeps each block's input and no projection output: under torch 2.11
+    (pytorch/pytorch#177396) the merged layer as an autograd.Function had every layer's projections saved (LoRA-DPO
+    at 1b: 7.7 GiB)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
     torch.manual_seed(0)
