@@ -80,6 +80,16 @@ def _selective_context():
     return create_selective_checkpoint_contexts(_policy)
 
 
+def compile_recomputes_functions() -> bool:
+    """Whether torch.compile's full activation checkpointing recomputes the ops inside an ``autograd.Function``.
+    Before pytorch/pytorch#177396 (torch 2.11 has the fault) they got no checkpoint tags, and a compiled block kept
+    what the Function saves or returns (tests/perf/test_full_checkpointing_keeps_inputs.py). Detected by the
+    recompute-everything policy the fix added."""
+    import importlib
+
+    return hasattr(importlib.import_module("torch._higher_order_ops.wrap"), "_always_prefer_recompute")
+
+
 def resolve(mode: str, lora: LoraConfig | None) -> tuple[str, str]:
     """What ``perf.activation_checkpointing`` becomes, and why. ``auto``: selective when training LoRA adapters on
     a base that is not quantized (their inputs are saved besides the base's activations: less memory for a

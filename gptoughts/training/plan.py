@@ -315,6 +315,7 @@ def make_plan(
         _warnings(cfg, data, model, batch, params, memory, device_memory, on_cpu=env.device.type == "cpu")
         + _unused_fp8_switches(cfg, resolved)
         + unused_fsdp_switches(cfg, env.dist)
+        + kept_by_compiled_checkpointing(model, batch, resolved)
     )
     return RunPlan(
         model=what,
@@ -504,6 +505,43 @@ def _unused_fp8_switches(cfg: Any, resolved: dict[str, Any]) -> list[str]:
     return [
         f"{' and '.join(asked)} {verb} on fp8 matmuls, but this run's matmuls are not fp8 ({why}): add --fp8 or "
         f"drop {obj}"
+    ]
+
+
+def kept_by_compiled_checkpointing(model: Any, batch: BatchPlan, resolved: dict[str, Any]) -> list[str]:
+    """A warning where compiled full activation checkpointing keeps what the memory estimate counts as recomputed:
+    the tensors of our autograd.Functions in DeepSeek's MoE (the gather permutation) and INL's fused integrator,
+    under a torch without pytorch/pytorch#177396 (``checkpointing.compile_recomputes_functions``)."""
+    if resolved.get("activation_checkpointing") != "full" or not resolved.get("compile"):
+        return []
+    args, family = model.args, model.family.name
+    tokens = batch.micro_batch * batch.block_size
+    if (
+        family == "deepseek"
+        and getattr(args, "moe_permute", "") == "gather"
+        and getattr(args, "n_moe_layers", 0)
+    ):
+        # the permuted rows and the experts' output rows: two [tokens x k, d] bf16 tensors a MoE block
+        kept = 2 * 2 * args.n_activated_experts * args.d_model * tokens * args.n_moe_layers
+        what, fix = (
+            "DeepSeek's permuted rows",
+            "--model.moe_permute index_put recomputes them (a slower MoE step)",
+        )
+    elif family == "inl" and getattr(args, "integrator_impl", "") == "fused":
+        k, d, h = args.n_iterations, args.d_model, args.controller_hidden
+        kept = (2 * d + (k - 1) * 8 * d + 2 * k * h) * tokens * args.n_layers  # what its Function saves
+        what, fix = "the fused integrator's tensors", "--model.integrator_impl reference recomputes them"
+    else:
+        return []
+    from gptoughts.perf.checkpointing import compile_recomputes_functions
+
+    if compile_recomputes_functions():
+        return []
+    import torch
+
+    return [
+        f"torch {torch.__version__} keeps {what} under compiled full activation checkpointing, ~{gib(kept / 2**30)} "
+        f"more than the estimate (pytorch/pytorch#177396): {fix}, or use a newer torch"
     ]
 
 

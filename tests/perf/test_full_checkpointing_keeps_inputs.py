@@ -5,23 +5,19 @@ DeepSeek's and INL's still are there (marked below)."""
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 import torch
 
 from gptoughts.models import build_model, model_args
-from gptoughts.perf.checkpointing import apply_activation_checkpointing
+from gptoughts.perf.checkpointing import apply_activation_checkpointing, compile_recomputes_functions
 
 _CUDA = pytest.param(
     "cuda",
     marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")],
 )
-# Until pytorch/pytorch#177396 (torch 2.11 has the fault; the 2.13 of the CPU machines has the fix) the ops inside an
-# autograd.Function got no checkpoint tags, so the compiled graph kept what these Functions save or return (seen on
-# an H200 with torch 2.11: DeepSeek's permuted rows, 8.9x the blocks' inputs here; INL fused, 24x). Strict: on a
-# torch with the fix they must pass.
-_TAGS_FUNCTIONS = hasattr(importlib.import_module("torch._higher_order_ops.wrap"), "_always_prefer_recompute")
+# Until pytorch/pytorch#177396 (torch 2.11 has the fault) the compiled graph kept what these Functions save or
+# return (seen on an H200 with torch 2.11: DeepSeek's permuted rows, 8.9x the blocks' inputs here; INL fused, 24x).
+# Strict: on a torch with the fix they must pass.
 _FUNCTIONS = {"deepseek": "DeepSeek's row permutations", "inl-fused": "INL's fused integrator"}
 
 
@@ -34,7 +30,7 @@ _FUNCTIONS = {"deepseek": "DeepSeek's row permutations", "inl-fused": "INL's fus
 )
 def test_compiled_full_checkpointing_keeps_only_the_blocks_inputs(family, overrides, device, request):
     case = request.node.callspec.id.rsplit("-", 1)[0]
-    if case in _FUNCTIONS and not _TAGS_FUNCTIONS:
+    if case in _FUNCTIONS and not compile_recomputes_functions():
         reason = f"{_FUNCTIONS[case]} kept, not recomputed: this torch predates pytorch/pytorch#177396"
         request.applymarker(pytest.mark.xfail(strict=True, reason=reason))
     torch.manual_seed(0)
@@ -72,3 +68,34 @@ def test_compiled_full_checkpointing_keeps_only_the_blocks_inputs(family, overri
     # each block's input, and the RoPE tables all blocks share (under full checkpointing nothing else)
     assert sum(kept.values()) <= n * block_input * 1.5, (sum(kept.values()) / block_input, n)
     assert all(any(p.grad is not None for p in block.parameters()) for block in model.layers)  # it trained
+
+
+def test_the_plan_warns_where_this_torch_keeps_a_functions_tensors(monkeypatch):
+    from types import SimpleNamespace
+
+    from gptoughts.perf import checkpointing
+    from gptoughts.training.plan import kept_by_compiled_checkpointing
+
+    def model(family: str, size: str, **overrides: object) -> SimpleNamespace:
+        return SimpleNamespace(args=model_args(family, size, overrides), family=SimpleNamespace(name=family))
+
+    batch = SimpleNamespace(micro_batch=1, block_size=4096)
+    full = {"activation_checkpointing": "full", "compile": "blocks"}
+    monkeypatch.setattr(checkpointing, "compile_recomputes_functions", lambda: False)
+    (line,) = kept_by_compiled_checkpointing(model("deepseek", "16b"), batch, full)
+    # two [4096 x 6, 2048] bf16 tensors in each of the 26 MoE blocks
+    assert "DeepSeek's permuted rows" in line and "~4.9 GiB more than the estimate" in line, line
+    assert "--model.moe_permute index_put" in line
+    (line,) = kept_by_compiled_checkpointing(model("inl", "3b", integrator_impl="fused"), batch, full)
+    assert "--model.integrator_impl reference" in line
+    quiet = [
+        (model("deepseek", "16b", moe_permute="index_put"), full),  # no Function on that path
+        (model("inl", "3b"), full),  # the reference integrator: plain ops
+        (model("llama", "1b"), full),
+        (model("deepseek", "16b"), {**full, "activation_checkpointing": "selective"}),
+        (model("deepseek", "16b"), {**full, "compile": False}),  # eager checkpointing recomputes Functions
+    ]
+    for m, resolved in quiet:
+        assert kept_by_compiled_checkpointing(m, batch, resolved) == [], (m.family.name, resolved)
+    monkeypatch.setattr(checkpointing, "compile_recomputes_functions", lambda: True)
+    assert kept_by_compiled_checkpointing(model("deepseek", "16b"), batch, full) == []
