@@ -521,8 +521,8 @@ def kept_by_compiled_checkpointing(model: Any, batch: BatchPlan, resolved: dict[
         and getattr(args, "moe_permute", "") == "gather"
         and getattr(args, "n_moe_layers", 0)
     ):
-        # the permuted rows and the experts' output rows: two [tokens x k, d] bf16 tensors a MoE block
-        kept = 2 * 2 * args.n_activated_experts * args.d_model * tokens * args.n_moe_layers
+        # one [tokens x k, d] bf16 tensor of rows a MoE block (seen on an H200, torch 2.11)
+        kept = 2 * args.n_activated_experts * args.d_model * tokens * args.n_moe_layers
         what, fix = (
             "DeepSeek's permuted rows",
             "--model.moe_permute index_put recomputes them (a slower MoE step)",

@@ -16,7 +16,8 @@ _CUDA = pytest.param(
     marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")],
 )
 # Until pytorch/pytorch#177396 (torch 2.11 has the fault) the compiled graph kept what these Functions save or
-# return (seen on an H200 with torch 2.11: DeepSeek's permuted rows, 8.9x the blocks' inputs here; INL fused, 24x).
+# return (seen on an H200 with torch 2.11: one [rows, d] tensor of DeepSeek's in each MoE block, 8.9x the blocks' inputs
+# here; INL fused, 12 tensors a block, 24x).
 # Strict: on a torch with the fix they must pass.
 _FUNCTIONS = {"deepseek": "DeepSeek's row permutations", "inl-fused": "INL's fused integrator"}
 
@@ -83,8 +84,8 @@ def test_the_plan_warns_where_this_torch_keeps_a_functions_tensors(monkeypatch):
     full = {"activation_checkpointing": "full", "compile": "blocks"}
     monkeypatch.setattr(checkpointing, "compile_recomputes_functions", lambda: False)
     (line,) = kept_by_compiled_checkpointing(model("deepseek", "16b"), batch, full)
-    # two [4096 x 6, 2048] bf16 tensors in each of the 26 MoE blocks
-    assert "DeepSeek's permuted rows" in line and "~4.9 GiB more than the estimate" in line, line
+    # one [4096 x 6, 2048] bf16 tensor in each of the 26 MoE blocks
+    assert "DeepSeek's permuted rows" in line and "~2.4 GiB more than the estimate" in line, line
     assert "--model.moe_permute index_put" in line
     (line,) = kept_by_compiled_checkpointing(model("inl", "3b", integrator_impl="fused"), batch, full)
     assert "--model.integrator_impl reference" in line
