@@ -512,7 +512,9 @@ def kept_by_compiled_checkpointing(model: Any, batch: BatchPlan, resolved: dict[
     """A warning where compiled full activation checkpointing keeps what the memory estimate counts as recomputed:
     the tensors of our autograd.Functions in DeepSeek's MoE (the gather permutation) and INL's fused integrator,
     under a torch without pytorch/pytorch#177396 (``checkpointing.compile_recomputes_functions``)."""
-    if resolved.get("activation_checkpointing") != "full" or not resolved.get("compile"):
+    # the run's resolved values read "VALUE (why)"
+    ac, compiled = (str(resolved.get(k, "")).split(" ")[0] for k in ("activation_checkpointing", "compile"))
+    if ac != "full" or compiled in ("", "False"):
         return []
     args, family = model.args, model.family.name
     tokens = batch.micro_batch * batch.block_size
@@ -527,7 +529,7 @@ def kept_by_compiled_checkpointing(model: Any, batch: BatchPlan, resolved: dict[
             "DeepSeek's permuted rows",
             "--model.moe_permute index_put recomputes them (a slower MoE step)",
         )
-    elif family == "inl" and getattr(args, "integrator_impl", "") == "fused":
+    elif family == "inl" and getattr(args, "integrator_impl", "") == "fused" and args.n_iterations > 0:
         k, d, h = args.n_iterations, args.d_model, args.controller_hidden
         kept = (2 * d + (k - 1) * 8 * d + 2 * k * h) * tokens * args.n_layers  # what its Function saves
         what, fix = "the fused integrator's tensors", "--model.integrator_impl reference recomputes them"

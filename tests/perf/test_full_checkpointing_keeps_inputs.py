@@ -34,6 +34,10 @@ def test_compiled_full_checkpointing_keeps_only_the_blocks_inputs(family, overri
     if case in _FUNCTIONS and not compile_recomputes_functions():
         reason = f"{_FUNCTIONS[case]} kept, not recomputed: this torch predates pytorch/pytorch#177396"
         request.applymarker(pytest.mark.xfail(strict=True, reason=reason))
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()  # other tests' cache entries would count toward the recompile limit (then: eager)
+    compiled = counters["frames"]["ok"]
     torch.manual_seed(0)
     model = build_model(family, model_args(family, "debug", overrides), device=device).to(torch.bfloat16)
     apply_activation_checkpointing(model, "full")
@@ -64,6 +68,7 @@ def test_compiled_full_checkpointing_keeps_only_the_blocks_inputs(family, overri
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
         hidden = model(ids, return_hidden=True)
     hidden.float().square().mean().backward()
+    assert counters["frames"]["ok"] > compiled  # the blocks ran compiled, not in an eager fallback
     block_input = b * t * hidden.shape[-1] * hidden.element_size()
     n = len(model.layers)
     # each block's input, and the RoPE tables all blocks share (under full checkpointing nothing else)
@@ -81,7 +86,10 @@ def test_the_plan_warns_where_this_torch_keeps_a_functions_tensors(monkeypatch):
         return SimpleNamespace(args=model_args(family, size, overrides), family=SimpleNamespace(name=family))
 
     batch = SimpleNamespace(micro_batch=1, block_size=4096)
-    full = {"activation_checkpointing": "full", "compile": "blocks"}
+    full = {
+        "activation_checkpointing": "full (asked)",
+        "compile": "blocks (asked; blocks: auto)",
+    }  # as resolved
     monkeypatch.setattr(checkpointing, "compile_recomputes_functions", lambda: False)
     (line,) = kept_by_compiled_checkpointing(model("deepseek", "16b"), batch, full)
     # one [4096 x 6, 2048] bf16 tensor in each of the 26 MoE blocks
@@ -92,11 +100,51 @@ def test_the_plan_warns_where_this_torch_keeps_a_functions_tensors(monkeypatch):
     quiet = [
         (model("deepseek", "16b", moe_permute="index_put"), full),  # no Function on that path
         (model("inl", "3b"), full),  # the reference integrator: plain ops
+        (model("inl", "3b", integrator_impl="fused", n_iterations=0), full),  # no integrator, no Function
         (model("llama", "1b"), full),
-        (model("deepseek", "16b"), {**full, "activation_checkpointing": "selective"}),
-        (model("deepseek", "16b"), {**full, "compile": False}),  # eager checkpointing recomputes Functions
+        (model("deepseek", "16b"), {**full, "activation_checkpointing": "selective (asked)"}),
+        (
+            model("deepseek", "16b"),
+            {**full, "compile": "False (asked)"},
+        ),  # eager checkpointing recomputes them
     ]
     for m, resolved in quiet:
         assert kept_by_compiled_checkpointing(m, batch, resolved) == [], (m.family.name, resolved)
     monkeypatch.setattr(checkpointing, "compile_recomputes_functions", lambda: True)
     assert kept_by_compiled_checkpointing(model("deepseek", "16b"), batch, full) == []
+
+
+def test_a_dry_run_prints_that_warning(monkeypatch, tmp_path, cache_dir, capsys):
+    """The warning reaches the plan a user reads: the resolved values it reads are the run's own."""
+    from cli_helpers import FASTRUN, ok
+
+    from gptoughts.perf import checkpointing
+
+    monkeypatch.setattr(checkpointing, "compile_recomputes_functions", lambda: False)
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("def f(x):\n    return x + 1\n" * 400)
+    argv = [
+        "train",
+        "--data",
+        str(corpus),
+        "--model",
+        "deepseek",
+        "--size",
+        "debug",
+        *FASTRUN,
+        "--tokenizer",
+        "bytes",
+    ]
+    argv += [
+        "--activation_checkpointing",
+        "full",
+        "--compile",
+        "true",
+        "--dry_run",
+        "--out",
+        str(tmp_path / "r"),
+    ]
+    text = ok(argv, capsys)
+    assert "keeps DeepSeek's permuted rows under compiled full activation checkpointing" in text, text
+    text = ok([a if a != "true" else "false" for a in argv], capsys)  # --compile false: eager recomputes them
+    assert "permuted rows" not in text
