@@ -42,7 +42,7 @@ from gptoughts.training.environment import (
     setup_environment,
     use_our_compile_cache,
 )
-from gptoughts.training.modeling import Model, build_model
+from gptoughts.training.modeling import Model, apply_planned_compile, build_model
 from gptoughts.training.plan import BatchPlan, RunPlan, make_plan, memory_refusal
 from gptoughts.training.resolve import resolve_grad_sync
 
@@ -344,14 +344,6 @@ def _use_blocks(model: Model, why: str) -> None:
     model.transforms = model.transforms.with_blocks(why)
     if model.built is not None:
         model.built.spec = model.transforms
-
-
-def apply_planned_compile(env: Environment, model: Model) -> None:
-    """The whole model's compile, once the batch is planned (and the CPU thread probe has run its steps)."""
-    from gptoughts.training.setup import apply_whole_model_compile, whole_model_later
-
-    if model.built is not None and whole_model_later(model.built.spec, env.dist):
-        apply_whole_model_compile(model.built)
 
 
 # Tokens of the thread-count probe's forward+backward: enough for the cores to share real matmuls, few enough that

@@ -24,7 +24,7 @@ from gptoughts.training.corpus import Data, resolve_sources
 from gptoughts.training.environment import (
     Environment,
 )
-from gptoughts.training.modeling import Model
+from gptoughts.training.modeling import Model, apply_planned_compile
 from gptoughts.training.plan import BatchPlan, RunPlan
 
 
@@ -487,6 +487,9 @@ def timing_trainer(
     from gptoughts.training.optim import Schedule
     from gptoughts.training.trainer import Trainer
 
+    # The batch is planned: the whole model compiled now, as train does (without it the steps timed would run the
+    # per-block graphs, without CUDA graphs, while the result says "model").
+    apply_planned_compile(env, model)
     t = replace(cfg.train, batch_size=batch.micro_batch, grad_accum=batch.grad_accum)
     optimizer = train_optimizer(cfg, env, model, t)
     return Trainer(

@@ -85,6 +85,20 @@ def build_model(cfg: Config, env: Environment, data: Data, *, meta: bool = False
     return out
 
 
+def apply_planned_compile(env: Environment, model: Model) -> None:
+    """The whole model's compile, once the batch is planned (and the CPU thread probe has run its steps): train's
+    assembly and every timing run (``components.timing_trainer``) call it, so that both run the graph the plan
+    reports."""
+    from gptoughts.training.setup import WholeModel, apply_whole_model_compile, whole_model_later
+
+    if (
+        model.built is not None
+        and whole_model_later(model.built.spec, env.dist)
+        and not isinstance(model.built.model, WholeModel)  # once: a second call would nest the wrapper
+    ):
+        apply_whole_model_compile(model.built)
+
+
 def _pretrained(cfg: Config, env: Environment, data: Data, home: torch.device) -> tuple[Any, nn.Module, Any]:
     """The model fine-tuning starts from, checked against the run: (pretrained, model, perf)."""
     pretrained, raw, perf = build_finetune_model(cfg, data.init_from, home, env.precision)

@@ -220,3 +220,36 @@ def test_activation_checkpointing_auto_is_selective_for_lora_only():
     assert resolve("auto", None)[0] == "none"
     assert resolve("full", LoraConfig(enabled=True)) == ("full", "asked")
     assert load_config("default", {}).perf.activation_checkpointing == "auto"
+
+
+def test_timing_runs_train_the_whole_model_graph_the_plan_reports(recorded):
+    """``bench`` (and every timing run built on ``timing_trainer``) times the graph ``train`` runs: with the compile
+    resolved to ``model``, its steps go through the whole-model graph, not the per-block graphs compiled before the
+    batch was planned (which ran without CUDA graphs while the result said ``model``)."""
+    from gptoughts.tools.bench import run_bench
+
+    cfg = load_config(
+        "default",
+        {
+            "model.size": "debug",
+            "model.n_layers": 3,
+            "train.block_size": 16,
+            "train.batch_size": 2,
+            "perf.device": "cpu",
+            "perf.precision": "fp32",
+            "perf.compile": True,
+            "perf.compile_mode": "model",
+            "run.progress": False,
+        },
+    )
+    one = _built(_raw(3), _perf(compile=True, compile_mode="blocks"))
+    with one.forward_context():
+        one.model(torch.randint(0, 256, (2, 16))).float().sum().backward()
+    block = recorded.pop()  # one block's graph, for scale
+    torch._dynamo.reset()
+    r = run_bench(cfg, steps=1, warmup=1)
+    assert r["resolved"]["compile"] == "model"
+    assert recorded and recorded[-1] > 2 * block, (
+        recorded,
+        block,
+    )  # the steps ran the whole model, blocks inlined
