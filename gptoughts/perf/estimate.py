@@ -240,6 +240,35 @@ def _activation_bytes(family: str, args: Any, mode: str, r: int) -> tuple[float,
     return _layer_activation_bytes(args, mode, r) * L, _layer_activation_bytes(args, "none", r)
 
 
+def _tp_whole_bytes(family: str, args: Any, mode: str) -> tuple[float, float]:
+    """Under tensor parallelism, the bytes per token saved for backward that every rank of the group keeps whole (not
+    divided by ``tp``): ``(of them counted in the mode's formula, added to it)``.
+
+    The column-parallel projections' inputs are all-gathered along the sequence (the attention-norm output feeding
+    q/k/v, the FFN-norm output feeding w1/w3: 2 × 2d in bf16 per block) and saved whole for their weight gradient.
+    Without checkpointing the formula counts them (the norm outputs): they move from divided to whole. Selective
+    checkpointing keeps a collective's output rather than redo it: they come on top of its formula. INL's
+    integrator runs on the gathered sequence (``parallel/tp.py``): its activations are whole in both modes. Full
+    checkpointing keeps only the (sequence-split) block inputs: nothing whole. (8b TP 4 on 4 × H100, 32,768 tokens a
+    micro-batch: 16 GiB that the estimate had divided by 4; bench/BENCHMARKS.md, session 16.)"""
+    if mode == "full" or family not in ("llama", "llada", "inl"):
+        return 0.0, 0.0
+    gathered = 4.0 * args.d_model * args.n_layers
+    integrator = 0.0
+    if family == "inl" and args.n_iterations > 0:
+        k, d, hid = args.n_iterations, args.d_model, args.controller_hidden
+        if mode == "selective":
+            integrator = k * (8 * d + 4 * hid)
+        elif getattr(args, "integrator_impl", "reference") == "fused":
+            integrator = 2 * d + (k - 1) * 8 * d + 2 * k * hid
+        else:
+            integrator = 2 * d + k * (22 * d + 4 * hid)
+        integrator *= args.n_layers
+    if mode == "none":
+        return gathered + integrator, 0.0
+    return integrator, gathered
+
+
 def estimate(
     family: str,
     size: str,
@@ -263,9 +292,11 @@ def estimate(
     reshard_after_forward: bool = True,
     tp: int = 1,
     accum_unsharded_grads: bool = False,
+    grad_accum: int = 1,
 ) -> Estimate:
     """Peak memory of one training step, speed and cost for ``family`` at ``size`` (module docstring: each line;
-    the activations per family: ``_activation_bytes``; tensor parallelism, FSDP, offload: ``_place``)."""
+    the activations per family: ``_activation_bytes``; tensor parallelism, FSDP, offload: ``_place``).
+    ``grad_accum`` > 1: the gradients accumulated so far live beside the next micro-batch's activations."""
     args, model = _meta_model(family, size, overrides)
     n = model.num_params()
     tokens_step = batch_size * block_size
@@ -276,6 +307,8 @@ def estimate(
     act = per_token * tokens_step
     if activation_checkpointing == "full":  # one block's activations are rebuilt during its backward
         act += rebuilt * tokens_step
+    name = models.get_family(family).name
+    counted, added = _tp_whole_bytes(name, args, activation_checkpointing) if tp > 1 else (0.0, 0.0)
     logits = _logits_bytes(args, loss, loss_chunk, tokens_step)
     if strategy not in ("ddp", "fsdp"):
         raise ConfigError(f"strategy must be ddp or fsdp; got {strategy!r}")
@@ -283,13 +316,16 @@ def estimate(
         weights=4 * n,
         grads=4 * n,
         optim=_optimizer_bytes(model, n, optimizer, optimizer_states),
-        copies=2 * _matmul_params(model),
+        copies=2 * _matmul_params(model, full=activation_checkpointing == "full"),
         act=act,
         logits=logits,
+        act_whole=(counted + added) * tokens_step,
+        act_added=added * tokens_step,
     )
     strategy = _place(
-        b, model, n, tp, num_gpus, strategy, cpu_offload, reshard_after_forward, accum_unsharded_grads
-    )
+        b, model, n, tp, num_gpus, strategy, cpu_offload, reshard_after_forward, accum_unsharded_grads,
+        grad_accum,
+    )  # fmt: skip
     speed = _speed_and_cost(
         gpu, args.d_model, model.flops_per_token(block_size), mfu, num_gpus, tokens, price
     )
@@ -329,16 +365,30 @@ class _Bytes:
     host: float = 0.0
     staging: float = 0.0
     total: float = 0.0
+    act_whole: float = 0.0
+    """Of the activations, what every tensor-parallel rank keeps whole (:func:`_tp_whole_bytes`)..."""
+    act_added: float = 0.0
+    """...of which ``act`` does not count yet (added under tensor parallelism)."""
 
 
-def _matmul_params(model: Any) -> int:
+def _matmul_params(model: Any, full: bool = False) -> int:
     """Weights autocast casts to bf16 and keeps for backward: every matrix (and DeepSeek's 3-D expert stacks) except
-    embedding lookups, which read rows without a cast; a tied LM head is a matmul, so it counts."""
+    embedding lookups, which read rows without a cast; a tied LM head is a matmul, so it counts. ``full`` (full
+    activation checkpointing): a block's casts are made inside its checkpointed forward and made again in its
+    recompute, so only one block's live at a time, beside the head's."""
     import torch
 
     lookups = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
     lookups.discard(id(model.output_weight))
-    return sum(p.numel() for p in model.parameters() if p.ndim >= 2 and id(p) not in lookups)
+
+    def count(params: Any) -> int:
+        return sum(p.numel() for p in params if p.ndim >= 2 and id(p) not in lookups)
+
+    if not full:
+        return count(model.parameters())
+    inside = {id(p) for p in model.layers.parameters()}
+    outside = count(p for p in model.parameters() if id(p) not in inside)
+    return outside + max(count(layer.parameters()) for layer in model.layers)
 
 
 def _logits_bytes(args: Any, loss: str, loss_chunk: int, tokens_step: int) -> float:
@@ -378,6 +428,7 @@ def _place(
     cpu_offload: bool,
     reshard_after_forward: bool,
     accum_unsharded_grads: bool = False,
+    grad_accum: int = 1,
 ) -> str:
     """Spread ``b`` over the GPUs (tensor parallel, FSDP, offload to the host) and set its peak ``total``; returns
     the strategy the figures assume (offload is FSDP's).
@@ -387,9 +438,9 @@ def _place(
     unsharded fp32 gradient before it is reduced and moved out, the logits working set and the activations.
 
     ``tp`` (tensor parallelism over ``tp`` of the ``num_gpus``; parallel/tp.py): each rank holds ``1/tp`` of the
-    blocks' parameters (the embeddings and head whole) and about ``1/tp`` of their activations (sequence
-    parallelism splits the residual stream and norms, tensor parallelism the heads and MLP units; the gathered
-    sub-layer inputs are not counted apart: a slight underestimate); FSDP then shards over ``num_gpus / tp``.
+    blocks' parameters (the embeddings and head whole) and ``1/tp`` of their activations (sequence parallelism
+    splits the residual stream and norms, tensor parallelism the heads and MLP units), except what every rank keeps
+    whole (``act_whole``: the gathered sub-layer inputs, INL's integrator); FSDP then shards over ``num_gpus / tp``.
 
     ``reshard_after_forward`` False (FSDP2 keeps every block gathered from its forward to its backward): the
     working set holds every block's bf16 weights instead of two.
@@ -413,7 +464,7 @@ def _place(
             b.optim * kept,
             b.copies * kept,
         )
-        b.act = b.act / tp
+        b.act = (b.act + b.act_added - b.act_whole) / tp + b.act_whole
     dp = max(1, num_gpus // tp)
     b.staging = b.weights + b.optim
     if cpu_offload:
@@ -437,8 +488,13 @@ def _place(
     # Two candidate peaks on top of weights and optimizer state: early in backward (all activations, the bf16
     # weight copies autocast saved, the logits working set) or at the optimizer step (all fp32 gradients, the
     # rest freed). Measured on an H200 (bench/BENCHMARKS.md): 1b 35.6 GiB (this formula 36.1), 3b 61.7 (62.4), 3b
-    # selective 50.3 (51.1), 3b full 45.7 (45.0).
-    b.total = b.weights + b.optim + max(b.grads, b.copies + b.logits + b.act)
+    # selective 50.3 (51.1), 3b full 45.7 (45.0). Under accumulation the gradients of the micro-batches before
+    # are there during the next one's backward: both at once (the user path on an H200: 1b at 43 x 2048 peaked
+    # at 122.0 GiB, 3b at 15 x 2048 at 125.0; the larger of the two said 115.0 and 112.8).
+    if grad_accum > 1:
+        b.total = b.weights + b.optim + b.grads + b.copies + b.logits + b.act
+    else:
+        b.total = b.weights + b.optim + max(b.grads, b.copies + b.logits + b.act)
     return strategy
 
 
@@ -556,6 +612,13 @@ def estimate_config(
     residual = "fp32" if p.residual_dtype == "fp32" else "bf16"
     loss = "plain" if p.loss == "plain" else "chunked"
 
+    def accum_at(batch: int) -> int:
+        if isinstance(t.batch_size, int) or not t.global_batch_tokens:
+            return t.grad_accum
+        return max(
+            1, math.ceil(t.global_batch_tokens / (batch * t.block_size * max(1, num_gpus // cfg.parallel.tp)))
+        )
+
     def at(batch: int) -> Estimate:
         return estimate(
             cfg.model.family,
@@ -577,6 +640,7 @@ def estimate_config(
             optimizer_states=t.optimizer_states,
             cpu_offload=cfg.parallel.cpu_offload,
             tp=cfg.parallel.tp,
+            grad_accum=accum_at(batch),
         )
 
     micro, accum = t.batch_size, t.grad_accum

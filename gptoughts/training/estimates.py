@@ -10,10 +10,18 @@ from gptoughts.perf.layout import KEYS, Layout, LayoutSearch, Need, gib_figure
 
 
 def estimate_peak(
-    cfg: Any, env: Any, model: Any, micro_batch: int, block_size: int, world_size: int, tp: int = 1
+    cfg: Any,
+    env: Any,
+    model: Any,
+    micro_batch: int,
+    block_size: int,
+    world_size: int,
+    tp: int = 1,
+    grad_accum: int | None = None,
 ) -> Any:
     """``perf/estimate.py``'s estimate of one training step at ``micro_batch`` (native families trained in full;
-    None for LoRA, generic transformers models and pipelines, which it does not model)."""
+    None for LoRA, generic transformers models and pipelines, which it does not model). ``grad_accum``: the step's
+    accumulation (None: :func:`accumulation`'s guess from the config, before the batch is planned)."""
     if (
         cfg.lora.enabled
         or not hasattr(model.args, "__dataclass_fields__")
@@ -49,9 +57,23 @@ def estimate_peak(
             reshard_after_forward=env.dist.reshard_after_forward,
             tp=tp,
             accum_unsharded_grads=_accumulates_unsharded(cfg, env),
+            grad_accum=accumulation(cfg, micro_batch, block_size, world_size // tp)
+            if grad_accum is None
+            else grad_accum,
         )
     except Exception:  # noqa: BLE001 - an estimate must never stop a run
         return None
+
+
+def accumulation(cfg: Any, micro_batch: int, block_size: int, data_ranks: int) -> int:
+    """The accumulation a run will have at ``micro_batch`` before its batch is planned: the config's, or with
+    ``batch_size = auto`` what reaching ``train.global_batch_tokens`` takes (as ``plan_batches`` sets it)."""
+    from gptoughts.perf.autobatch import accumulation_for
+
+    t = cfg.train
+    if isinstance(t.batch_size, int) or not t.global_batch_tokens or cfg.is_given("train.grad_accum"):
+        return t.grad_accum
+    return accumulation_for(t.global_batch_tokens, micro_batch, block_size, max(1, data_ranks))
 
 
 def _accumulates_unsharded(cfg: Any, env: Any) -> bool:

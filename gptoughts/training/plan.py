@@ -379,7 +379,9 @@ def _memory(
     """Peak training memory per device (:func:`estimate_peak`), the device's memory (:func:`device_memory_gib`), the
     host memory an offloaded run keeps per process, and the host copy that background checkpoints keep per saving
     process (the trainer's ShardedSaver or FileSaver; pipelines are not estimated)."""
-    e = estimate_peak(cfg, env, model, batch.micro_batch, batch.block_size, batch.world_size, batch.tp)
+    e = estimate_peak(
+        cfg, env, model, batch.micro_batch, batch.block_size, batch.world_size, batch.tp, batch.grad_accum
+    )
     if e is None:
         return None, None, None, None
     ck = cfg.checkpoint

@@ -618,3 +618,31 @@ def test_startup_line_names_a_python_without_bytecode_caches(monkeypatch, cache_
     assert slow.line().startswith("first step done 9.0 s after the command")
     assert fast.bytecode_hint() == ""
     assert "PYTHONDONTWRITEBYTECODE" in slow.bytecode_hint()
+
+
+def test_estimate_under_accumulation_holds_the_gradients_beside_the_activations():
+    """Without accumulation the peak is the larger of the gradients (at the optimizer step) and the backward's
+    working set; with it, the gradients of the micro-batches before live through the next one's backward: both."""
+    one = estimate("llama", "1b", batch_size=8, block_size=2048)
+    acc = estimate("llama", "1b", batch_size=8, block_size=2048, grad_accum=4)
+    base = one.weights_gib + one.optimizer_gib
+    work = one.autocast_copies_gib + one.logits_gib + one.activations_gib
+    assert abs(one.total_gib - (base + max(one.gradients_gib, work))) < 1e-6
+    assert abs(acc.total_gib - (base + one.gradients_gib + work)) < 1e-6
+    assert acc.total_gib > one.total_gib
+
+
+def test_the_plans_estimate_knows_an_automatic_batchs_accumulation():
+    """Before the batch is planned, an automatic batch's accumulation is what reaching the global batch takes (as
+    plan_batches sets it); a given batch keeps the config's."""
+    from gptoughts.training.estimates import accumulation
+
+    auto = load_config(
+        "default",
+        {"train.batch_size": "auto", "train.global_batch_tokens": 1 << 20, "train.block_size": 2048},
+    )
+    assert auto.train.batch_size == "auto"
+    assert accumulation(auto, 16, 2048, 1) == 32 and accumulation(auto, 16, 2048, 4) == 8
+    assert accumulation(auto, 1024, 2048, 1) == 1
+    given = load_config("default", {"train.batch_size": 4, "train.grad_accum": 3})
+    assert accumulation(given, 4, 2048, 1) == 3
