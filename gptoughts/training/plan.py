@@ -477,14 +477,16 @@ def _warnings(
             if memory > REFUSE_ABOVE * device_memory
             else ""
         )
+        # between 95% and 100% the estimate is not over, but within its own error of the limit
+        verb = "exceeds" if memory > device_memory else "is within 5% of"
         if on_cpu:
             out.append(
-                f"the estimated peak ({gib(memory)}) exceeds the {gib(device_memory)} of memory available on "
+                f"the estimated peak ({gib(memory)}) {verb} the {gib(device_memory)} of memory available on "
                 f"this machine: train a smaller size here, or on a GPU{refused}"
             )
         else:
             out.append(
-                f"the estimated peak ({gib(memory)}) exceeds this GPU's {gib(device_memory)}: {GPU_FIXES}{refused}"
+                f"the estimated peak ({gib(memory)}) {verb} this GPU's {gib(device_memory)}: {GPU_FIXES}{refused}"
             )
     if cfg.model.size == "debug" and data.init_from is None and cfg.model.overrides == {}:
         out.append(
