@@ -152,6 +152,13 @@ def _probed_micro_batch(cfg: Config, env: Environment, model: Model) -> tuple[in
         "resolved": model.built.resolved,
         "world": env.dist.world_size,
         "accumulates": _accumulates(cfg),
+        # What else fills the memory the probe measured: another optimizer, its states' storage, a GPU cap, offload,
+        # adapters or the objective's rows change the micro-batch that fits.
+        "memory_bytes": env.hw.memory_bytes,
+        "optimizer": (t.optimizer, t.optimizer_states),
+        "offload": env.dist.cpu_offload,
+        "lora": asdict(cfg.lora) if cfg.lora.enabled else None,
+        "objective": t.objective,
     }
     try:
         micro, cached = auto_micro_batch(

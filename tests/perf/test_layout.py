@@ -330,3 +330,47 @@ def test_offload_chosen_for_a_real_run_starts_its_process_group(cache_dir, monke
         "true (auto:"
     )
     assert not cfg.parallel.cpu_offload  # the caller's config is not changed in place
+
+
+def test_the_probes_cached_micro_batch_is_keyed_by_what_changes_its_memory(cache_dir, monkeypatch):
+    """The micro-batch found in real steps is cached per model and GPU. A run that differs in what fills the memory
+    (optimizer, its states' storage, the GPU cap, offload) must probe again: reusing another
+    layout's micro-batch runs out of memory at the first step, or wastes the GPU."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from gptoughts.training import setup
+
+    keys: list[str] = []
+
+    def record(*a, parts, **k):
+        keys.append(autobatch.cache_key(parts))
+        return 4, False
+
+    monkeypatch.setattr(setup, "auto_micro_batch", record)
+    monkeypatch.setattr(staging, "host_memory_available", lambda: int(HOST_GIB * GIB))
+    args = models.model_args("llama", "125m", _args("llama", "125m")[1])
+    dist = build_mod.pdist.DistInfo()
+
+    def key_of(overrides: dict, gib: int = 80, offload: bool = False) -> str:
+        cfg = load_config(None, {"model.size": "125m", "train.batch_size": "auto", **overrides})
+        env = environment_mod.Environment(
+            device=torch.device("cuda", 0),
+            dist=replace(dist, cpu_offload=offload),
+            hw=_h100(gib),
+            precision="bf16",
+        )
+        model = modeling_mod.Model(family=models.get_family("llama"), args=args, raw=None, weights=None)
+        model.built = SimpleNamespace(resolved={"activation_checkpointing": "none"})
+        batches_mod._auto_batch(cfg, env, model, False, {})
+        return keys[-1]
+
+    base = key_of({})
+    assert key_of({}) == base  # the same run: the cache serves it
+    for other in (
+        key_of({"train.optimizer_states": "bf16"}),
+        key_of({"train.optimizer": "muon"}),
+        key_of({}, gib=40),
+        key_of({}, offload=True),
+    ):
+        assert other != base
