@@ -293,10 +293,12 @@ def estimate(
     tp: int = 1,
     accum_unsharded_grads: bool = False,
     grad_accum: int = 1,
+    keep_grads: bool = False,
 ) -> Estimate:
     """Peak memory of one training step, speed and cost for ``family`` at ``size`` (module docstring: each line;
     the activations per family: ``_activation_bytes``; tensor parallelism, FSDP, offload: ``_place``).
-    ``grad_accum`` > 1: the gradients accumulated so far live beside the next micro-batch's activations."""
+    ``grad_accum`` > 1: the gradients accumulated so far live beside the next micro-batch's activations;
+    ``keep_grads`` (CUDA graphs): the gradients stay allocated between steps, beside the activations too."""
     args, model = _meta_model(family, size, overrides)
     n = model.num_params()
     tokens_step = batch_size * block_size
@@ -324,7 +326,7 @@ def estimate(
     )
     strategy = _place(
         b, model, n, tp, num_gpus, strategy, cpu_offload, reshard_after_forward, accum_unsharded_grads,
-        grad_accum,
+        grad_accum > 1 or keep_grads,
     )  # fmt: skip
     speed = _speed_and_cost(
         gpu, args.d_model, model.flops_per_token(block_size), mfu, num_gpus, tokens, price
@@ -428,7 +430,7 @@ def _place(
     cpu_offload: bool,
     reshard_after_forward: bool,
     accum_unsharded_grads: bool = False,
-    grad_accum: int = 1,
+    grads_beside_activations: bool = False,
 ) -> str:
     """Spread ``b`` over the GPUs (tensor parallel, FSDP, offload to the host) and set its peak ``total``; returns
     the strategy the figures assume (offload is FSDP's).
@@ -489,9 +491,9 @@ def _place(
     # weight copies autocast saved, the logits working set) or at the optimizer step (all fp32 gradients, the
     # rest freed). Measured on an H200 (bench/BENCHMARKS.md): 1b 35.6 GiB (this formula 36.1), 3b 61.7 (62.4), 3b
     # selective 50.3 (51.1), 3b full 45.7 (45.0). Under accumulation the gradients of the micro-batches before
-    # are there during the next one's backward: both at once (the user path on an H200: 1b at 43 x 2048 peaked
+    # are there during the next one's backward (and under CUDA graphs they stay allocated between steps): both at once (the user path on an H200: 1b at 43 x 2048 peaked
     # at 122.0 GiB, 3b at 15 x 2048 at 125.0; the larger of the two said 115.0 and 112.8).
-    if grad_accum > 1:
+    if grads_beside_activations:
         b.total = b.weights + b.optim + b.grads + b.copies + b.logits + b.act
     else:
         b.total = b.weights + b.optim + max(b.grads, b.copies + b.logits + b.act)
@@ -612,12 +614,14 @@ def estimate_config(
     residual = "fp32" if p.residual_dtype == "fp32" else "bf16"
     loss = "plain" if p.loss == "plain" else "chunked"
 
-    def accum_at(batch: int) -> int:
-        if isinstance(t.batch_size, int) or not t.global_batch_tokens:
+    data_ranks = max(1, num_gpus // cfg.parallel.tp)
+
+    def accum_at(
+        batch: int,
+    ) -> int:  # as plan_batches sets it: the user's --grad_accum, else the global batch's
+        if isinstance(t.batch_size, int) or not t.global_batch_tokens or cfg.is_given("train.grad_accum"):
             return t.grad_accum
-        return max(
-            1, math.ceil(t.global_batch_tokens / (batch * t.block_size * max(1, num_gpus // cfg.parallel.tp)))
-        )
+        return max(1, math.ceil(t.global_batch_tokens / (batch * t.block_size * data_ranks)))
 
     def at(batch: int) -> Estimate:
         return estimate(
@@ -652,7 +656,7 @@ def estimate_config(
                 if at(b).total_gib > 0.9 * first.gpu_memory_gib:
                     break
                 micro = b
-        if t.global_batch_tokens:
-            micro = max(1, min(micro, t.global_batch_tokens // (t.block_size * num_gpus)))
-            accum = max(1, math.ceil(t.global_batch_tokens / (micro * t.block_size * num_gpus)))
+        if t.global_batch_tokens and not cfg.is_given("train.grad_accum"):
+            micro = max(1, min(micro, t.global_batch_tokens // (t.block_size * data_ranks)))
+            accum = accum_at(micro)
     return at(micro), micro, accum

@@ -159,6 +159,9 @@ def _probed_micro_batch(cfg: Config, env: Environment, model: Model) -> tuple[in
         "offload": env.dist.cpu_offload,
         "lora": asdict(cfg.lora) if cfg.lora.enabled else None,
         "objective": t.objective,
+        "dpo": asdict(cfg.dpo) if t.objective == "dpo" else None,
+        "loss": (cfg.perf.loss, cfg.perf.loss_chunk),
+        "fused_adamw": cfg.perf.fused_adamw,
     }
     try:
         micro, cached = auto_micro_batch(

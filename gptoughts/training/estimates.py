@@ -36,6 +36,8 @@ def estimate_peak(
 
     # DPO runs the chosen and the rejected completion of each pair in one forward: two rows a pair
     rows = micro_batch * (2 if cfg.train.objective == "dpo" else 1)
+    if grad_accum is None:
+        grad_accum = accumulation(cfg, micro_batch, block_size, world_size // tp)
     try:
         return estimate(
             model.family.name,
@@ -56,10 +58,10 @@ def estimate_peak(
             cpu_offload=env.dist.cpu_offload,
             reshard_after_forward=env.dist.reshard_after_forward,
             tp=tp,
-            accum_unsharded_grads=_accumulates_unsharded(cfg, env),
-            grad_accum=accumulation(cfg, micro_batch, block_size, world_size // tp)
-            if grad_accum is None
-            else grad_accum,
+            accum_unsharded_grads=_accumulates_unsharded(env, grad_accum),
+            grad_accum=grad_accum,
+            # under CUDA graphs the gradients stay allocated between steps (their addresses are the graph's)
+            keep_grads=bool(getattr(getattr(model, "built", None), "keep_grads", False)),
         )
     except Exception:  # noqa: BLE001 - an estimate must never stop a run
         return None
@@ -76,11 +78,10 @@ def accumulation(cfg: Any, micro_batch: int, block_size: int, data_ranks: int) -
     return accumulation_for(t.global_batch_tokens, micro_batch, block_size, max(1, data_ranks))
 
 
-def _accumulates_unsharded(cfg: Any, env: Any) -> bool:
-    """FSDP2 keeps the unsharded gradient between micro-batches: accumulation without a sync per micro-batch (a
-    sharded run's batch is given, never auto: ``grad_accum`` is the step's)."""
-    accum = cfg.train.grad_accum
-    return env.dist.strategy == "fsdp" and not env.dist.sync_every_microbatch and accum > 1
+def _accumulates_unsharded(env: Any, grad_accum: int) -> bool:
+    """FSDP2 keeps the unsharded gradient between micro-batches: accumulation without a sync per micro-batch
+    (``grad_accum``: the step's, as planned, e.g. raised by a resume on fewer ranks)."""
+    return env.dist.strategy == "fsdp" and not env.dist.sync_every_microbatch and grad_accum > 1
 
 
 def device_memory_gib(env: Any) -> float | None:

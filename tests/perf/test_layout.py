@@ -372,5 +372,28 @@ def test_the_probes_cached_micro_batch_is_keyed_by_what_changes_its_memory(cache
         key_of({"train.optimizer": "muon"}),
         key_of({}, gib=40),
         key_of({}, offload=True),
+        key_of({"perf.loss_chunk": 256}),
     ):
         assert other != base
+
+
+def test_the_plans_estimate_uses_the_planned_accumulation_for_fsdps_unsharded_gradient():
+    """An FSDP run's plan passes its planned accumulation (a resume on fewer ranks raises it above the config's):
+    FSDP2 then keeps each rank's whole unsharded gradient between micro-batches, which the estimate must count."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from gptoughts.training.estimates import estimate_peak
+
+    cfg = load_config(None, {"model.size": "125m", "train.batch_size": 4, "train.grad_accum": 1})
+    dist = replace(build_mod.pdist.DistInfo(), world_size=4, strategy="fsdp", sync_every_microbatch=False)
+    env = environment_mod.Environment(
+        device=torch.device("cuda", 0), dist=dist, hw=_h100(80), precision="bf16"
+    )
+    args = models.model_args("llama", "125m", _args("llama", "125m")[1])
+    model = modeling_mod.Model(family=models.get_family("llama"), args=args, raw=None, weights=None)
+    model.built = SimpleNamespace(resolved={}, keep_grads=False)
+    as_configured = estimate_peak(cfg, env, model, 4, cfg.train.block_size, 4)
+    planned = estimate_peak(cfg, env, model, 4, cfg.train.block_size, 4, grad_accum=2)
+    whole = 4 * as_configured.params / 2**30  # one rank's unsharded fp32 gradient
+    assert abs(planned.gradients_gib - (as_configured.gradients_gib + whole)) < 1e-6

@@ -630,6 +630,24 @@ def test_estimate_under_accumulation_holds_the_gradients_beside_the_activations(
     assert abs(one.total_gib - (base + max(one.gradients_gib, work))) < 1e-6
     assert abs(acc.total_gib - (base + one.gradients_gib + work)) < 1e-6
     assert acc.total_gib > one.total_gib
+    # CUDA graphs keep the gradients allocated between steps: the same sum without accumulation
+    kept = estimate("llama", "1b", batch_size=8, block_size=2048, keep_grads=True)
+    assert abs(kept.total_gib - acc.total_gib) < 1e-6
+
+
+def test_gptoughts_estimate_keeps_a_given_accumulation_under_an_automatic_batch():
+    """`gptoughts estimate --grad_accum 1` with the automatic batch: the accumulation train would use (the user's,
+    not the global batch's), and its memory (no gradients beside the activations)."""
+    from gptoughts.perf.estimate import estimate_config
+
+    cfg = load_config(None, {"model.size": "1b", "train.batch_size": "auto", "train.grad_accum": 1})
+    e, micro, accum = estimate_config(cfg)
+    assert accum == 1
+    single = estimate("llama", "1b", {"vocab_size": cfg.model.overrides.get("vocab_size", 32768)},
+                      batch_size=micro, block_size=cfg.train.block_size)  # fmt: skip
+    assert abs(e.total_gib - single.total_gib) < 1e-6
+    auto = load_config(None, {"model.size": "1b", "train.batch_size": "auto"})
+    assert estimate_config(auto)[2] > 1  # the size's global batch: accumulated
 
 
 def test_the_plans_estimate_knows_an_automatic_batchs_accumulation():
