@@ -108,7 +108,9 @@ def build(
                 "config.toml starts again from step 0",
                 highlight=False,
             )
-    elif (run_dir / "config.toml").exists() and not cfg.run.resume and not cfg.run.overwrite:
+    elif cfg.run.resume:  # the plan of the resume itself (its step, its batch); rundir.check only reads
+        resume_from, resumed_run = rundir.check(run_dir, cfg)
+    elif (run_dir / "config.toml").exists() and not cfg.run.overwrite:
         rundir.check(run_dir, cfg)  # the plan of a run that would be refused is a refusal too
     try:
         return _assemble(cfg, env, run_dir, dry_run, resume_from, resumed_run, lock, tasks)

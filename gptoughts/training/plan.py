@@ -91,6 +91,8 @@ class RunPlan:
     Qwen2ForCausalLM)``: what ``--model qwen2`` asked for); empty for the family's own layout."""
     device_type: str = "cuda"
     """cuda, mps or cpu: what the processes are (GPUs or not) and what memory bounds them."""
+    start_step: int = 0
+    """The step a resumed run starts after (0: a new run): ``hours`` is the time of the steps left."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -245,13 +247,17 @@ class RunPlan:
     def time_line(self) -> str:
         if self.tokens_per_s is None:
             return "time: measured once the run starts"
-        return f"time: ~{_duration(self.hours)} at ~{_rate(self.tokens_per_s)} tokens/s ({self.speed_basis})"
+        left = f" for the {self.steps_left:,} steps left" if self.start_step else ""
+        return f"time: ~{_duration(self.hours)}{left} at ~{_rate(self.tokens_per_s)} tokens/s ({self.speed_basis})"
+
+    @property
+    def steps_left(self) -> int:
+        return max(0, self.batch["total_steps"] - self.start_step)
 
     def retime(self, tokens_per_s: float, basis: str) -> None:
         """A better speed figure than the plan's first (measured after the plan was printed)."""
-        b = self.batch
         self.tokens_per_s, self.speed_basis = tokens_per_s, basis
-        self.hours = b["total_steps"] * b["tokens_per_step"] / tokens_per_s / 3600
+        self.hours = self.steps_left * self.batch["tokens_per_step"] / tokens_per_s / 3600
 
     def threads_line(self) -> str:
         """The CPU thread count and why; a count is where the run's losses reproduce bit for bit."""
@@ -310,7 +316,8 @@ def make_plan(
     corpus.pop("per_source", None)
     memory, device_memory, host, staging = _memory(cfg, env, model, batch)
     tps, basis = _speed(cfg, env, model, batch)
-    hours = batch.total_steps * batch.tokens_per_step / tps / 3600 if tps else None
+    start = _resumed_step(resume_from)
+    hours = max(0, batch.total_steps - start) * batch.tokens_per_step / tps / 3600 if tps else None
     warnings = (
         _warnings(cfg, data, model, batch, params, memory, device_memory, on_cpu=env.device.type == "cpu")
         + _unused_fp8_switches(cfg, resolved)
@@ -340,7 +347,21 @@ def make_plan(
         warnings=warnings,
         tasks=_tasks(env, batch, tasks),
         device_type=env.device.type,
+        start_step=start,
     )
+
+
+def _resumed_step(resume_from: Path | None) -> int:
+    """The step of the checkpoint a run resumes from (0 for a new run, or where its step cannot be read: the plan
+    then times the whole run)."""
+    if resume_from is None:
+        return 0
+    from gptoughts.training.checkpoint import store
+
+    try:
+        return store.step_of(Path(resume_from))
+    except Exception:  # noqa: BLE001 - a plan's time figure never stops a run
+        return 0
 
 
 def _variant_layout(family: Any, args: Any) -> str:
