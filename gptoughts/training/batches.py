@@ -353,6 +353,11 @@ def _cpu_micro_batch(cfg: Config, env: Environment, model: Model) -> tuple[int, 
     micro, peak, mem = _largest_fitting(cfg, env, model, [1, 2, 4, 8])
     if peak is None or not mem:
         return micro, f"auto on a {env.device.type.upper()}: {micro}, the default (no memory estimate here)"
+    if peak > 0.9 * mem:  # none fits: the smallest, which the memory check then judges
+        return micro, (
+            f"auto on a {env.device.type.upper()}: {micro}, the smallest of 1, 2, 4, 8 rows; even its estimated peak "
+            f"(~{plan_gib(peak)}) is over 90% of the {plan_gib(mem)} available"
+        )
     return micro, (
         f"auto on a {env.device.type.upper()}: the largest of 1, 2, 4, 8 rows whose estimated peak "
         f"(~{plan_gib(peak)}) fits 90% of the {plan_gib(mem)} available"

@@ -525,7 +525,8 @@ def _unused_fp8_switches(cfg: Any, resolved: dict[str, Any]) -> list[str]:
     if not asked or not fp8.startswith("False"):
         return []
     why = fp8[len("False") :].strip(" ()")
-    why = "--fp8 is off" if why in ("", "asked") else why
+    # not an auto rule's reason: the user's, the framework's or a size's default setting
+    why = "--fp8 is off" if why in ("", "asked", "default") or why.endswith(" default") else why
     verb, obj = ("acts", "it") if len(asked) == 1 else ("act", "them")
     return [
         f"{' and '.join(asked)} {verb} on fp8 matmuls, but this run's matmuls are not fp8 ({why}): add --fp8 or "

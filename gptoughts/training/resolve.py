@@ -469,7 +469,32 @@ def resolve_run(
         optimizer, resolved["optimizer"] = optimizer_line(cfg, raw, dist, device_type)
     if threads is not None:
         resolved["threads"] = threads
-    return RunSpec(transforms, batch, micro, optimizer, resolved)
+    return RunSpec(transforms, batch, micro, optimizer, _defaults_not_asked(cfg, resolved))
+
+
+def _defaults_not_asked(cfg: Config, resolved: dict[str, str]) -> dict[str, str]:
+    """A rule's "asked" means "not auto"; where the user did not set the value, the plan says whose default it is
+    instead: the framework's, or the family and size's training defaults (or fine-tuning's) where they change it."""
+    from dataclasses import fields
+
+    from gptoughts.config.schema import SECTIONS
+
+    whose = (
+        f"the {cfg.model.family}/{cfg.model.size} default"
+        if cfg.model.init_from is None
+        else "the fine-tuning default"
+    )
+    out = dict(resolved)
+    for key, text in resolved.items():
+        if not isinstance(text, str) or not text.endswith(" (asked)"):
+            continue
+        sections = [s for s, kind in SECTIONS.items() if key in {f.name for f in fields(kind)}]
+        if not sections or any(cfg.is_given(f"{s}.{key}") for s in sections):
+            continue
+        s = sections[0]
+        framework = getattr(getattr(cfg, s), key) == getattr(SECTIONS[s](), key)
+        out[key] = f"{text[: -len(' (asked)')]} ({'default' if framework else whose})"
+    return out
 
 
 def optimizer_line(

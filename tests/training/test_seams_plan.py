@@ -361,3 +361,22 @@ def test_bench_and_tune_build_trains_model(tmp_path, text_corpus, cache_dir, cap
     monkeypatch.setattr(bench, "run_bench", spy)
     tune.run_tune(cfg, steps=1, warmup=0, ac=["none"], compile_modes=["off"], fp8=["off"], batches=[2])
     assert seen and set(seen) == {params}
+
+
+def test_the_plan_says_whose_default_a_value_is_and_never_that_a_batch_fits_when_none_does(
+    tmp_path, text_corpus, cache_dir, capsys, monkeypatch
+):
+    """inl/3b's training defaults set selective checkpointing: the plan called it "asked" of a user who asked
+    nothing; and on a CPU where no micro-batch fits it said the chosen one "fits 90%" of the memory."""
+    from gptoughts.training import estimates
+
+    monkeypatch.setattr(estimates, "host_memory_gib", lambda env: 8.0)  # a 3b micro-batch fits nowhere
+    argv = ["train", "--data", str(text_corpus), "--tokenizer", "bytes", "--model", "inl", "--size", "3b",
+            "--device", "cpu", "--out", str(tmp_path / "r"), "--dry_run"]  # fmt: skip
+    text = _ok(argv, capsys)
+    assert "activation checkpointing: selective (the inl/3b default)" in text, text
+    batch = next(ln for ln in text.splitlines() if ln.startswith("  batch:"))
+    assert "the smallest of 1, 2, 4, 8 rows" in batch and "over 90% of the 8.0 GiB" in batch, batch
+    assert "fits" not in batch, batch
+    asked = _ok([*argv, "--activation_checkpointing", "selective"], capsys)
+    assert "activation checkpointing: selective (asked)" in asked, asked
