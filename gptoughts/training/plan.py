@@ -306,8 +306,10 @@ def make_plan(
     raw = model.raw
     params, params_ne = raw.num_params(), raw.num_params(non_embedding=True)
     trainable = sum(p.numel() for p in raw.parameters() if p.requires_grad) if cfg.lora.enabled else params
+    # the size's name, and what the config changed of its shape (the quickstart is a 10M "debug" resized)
+    changed = ", ".join(f"{k} {v}" for k, v in cfg.model.overrides.items())
     what = (
-        f"{model.family.name}/{cfg.model.size}"
+        f"{model.family.name}/{cfg.model.size}" + (f" ({changed})" if changed else "")
         if data.init_from is None
         else f"{model.family.name} from {cfg.model.init_from}" + (" + LoRA" if cfg.lora.enabled else "")
     )

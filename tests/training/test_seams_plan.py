@@ -380,3 +380,12 @@ def test_the_plan_says_whose_default_a_value_is_and_never_that_a_batch_fits_when
     assert "fits" not in batch, batch
     asked = _ok([*argv, "--activation_checkpointing", "selective"], capsys)
     assert "activation checkpointing: selective (asked)" in asked, asked
+
+
+def test_the_plan_names_the_quickstarts_shape_not_only_its_size(tmp_path, text_corpus, cache_dir, capsys):
+    """The quickstart resizes the debug size (10M parameters where the README's debug row says 1.1M): the plan's
+    first line names what it changed."""
+    text = _ok(["train", "quickstart", "--data", str(text_corpus), "--tokenizer", "bytes", *QUIET_CPU[:2],
+                "--out", str(tmp_path / "r"), "--dry_run"], capsys)  # fmt: skip
+    line = next(ln for ln in text.splitlines() if ln.startswith("plan:"))
+    assert line.startswith("plan: llama/debug (d_model 320, n_layers 6, "), line
