@@ -612,11 +612,11 @@ def evaluate(
         count += float(n)
     loss = total / max(count, 1.0)
     available = manifest.train_tokens
-    scored = (
-        "all of it"
-        if max_batches is None and available - count < batch_size * (block + 1)
-        else f"{int(count):,} of its {available:,} tokens"
-        + (" (--max_batches)" if max_batches is not None else "")
+    # Full batches only (static shapes), and each window's first token predicts nothing: never quite all of it.
+    scored = f"{int(count):,} of its {available:,} tokens" + (
+        " (--max_batches)"
+        if max_batches is not None
+        else f" (every window of {block + 1:,} tokens that fills a whole batch of {batch_size})"
     )
     return {
         "loss": loss,

@@ -273,7 +273,7 @@ def test_eval_scores_all_of_the_corpus(text_corpus, cache_dir, tmp_path, capsys)
     res = json.loads(capsys.readouterr().out)
     corpus_bytes = sum(f.stat().st_size for f in text_corpus.iterdir())
     assert (
-        res["scored"] == "all of it" and res["tokens"] > 0.9 * corpus_bytes
+        "fills a whole batch of 4" in res["scored"] and res["tokens"] > 0.9 * corpus_bytes
     )  # bytes tokenizer: ~1 token a byte
     assert (
         cli.main(

@@ -290,7 +290,7 @@ def _print_eval(results: dict[str, dict[str, Any]], a: argparse.Namespace, score
         print(format_comparison(results))
         if a.data:
             for run, res in results.items():
-                print(f"{run}: {int(res['tokens']):,} tokens scored: {res['scored']} of {', '.join(a.data)}")
+                print(f"{run}: scored {res['scored']} of {', '.join(a.data)}")
         return
     (res,) = results.values()
     if a.json:
@@ -298,8 +298,8 @@ def _print_eval(results: dict[str, dict[str, Any]], a: argparse.Namespace, score
         return
     if a.data:
         print(
-            f"loss {res['loss']:.4f}  perplexity {res['perplexity']:.2f}  ({int(res['tokens']):,} tokens scored: "
-            f"{res['scored']} of {', '.join(a.data)})"
+            f"loss {res['loss']:.4f}  perplexity {res['perplexity']:.2f}  (scored {res['scored']} of "
+            f"{', '.join(a.data)})"
         )
     if a.prefs:
         p = res["prefs"]
