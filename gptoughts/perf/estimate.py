@@ -249,8 +249,8 @@ def _tp_whole_bytes(family: str, args: Any, mode: str) -> tuple[float, float]:
     Without checkpointing the formula counts them (the norm outputs): they move from divided to whole. Selective
     checkpointing keeps a collective's output rather than redo it: they come on top of its formula. INL's
     integrator runs on the gathered sequence (``parallel/tp.py``): its activations are whole in both modes. Full
-    checkpointing keeps only the (sequence-split) block inputs: nothing whole. (8b TP 4 on 4 × H100, 32,768 tokens a
-    micro-batch: 16 GiB that the estimate had divided by 4; bench/BENCHMARKS.md, session 16.)"""
+    checkpointing keeps only the (sequence-split) block inputs: nothing whole. The measured peaks these match:
+    docs/performance.md, "Memory and time estimate"."""
     if mode == "full" or family not in ("llama", "llada", "inl"):
         return 0.0, 0.0
     gathered = 4.0 * args.d_model * args.n_layers
@@ -489,10 +489,9 @@ def _place(
         return strategy
     # Two candidate peaks on top of weights and optimizer state: early in backward (all activations, the bf16
     # weight copies autocast saved, the logits working set) or at the optimizer step (all fp32 gradients, the
-    # rest freed). Measured on an H200 (bench/BENCHMARKS.md): 1b 35.6 GiB (this formula 36.1), 3b 61.7 (62.4), 3b
-    # selective 50.3 (51.1), 3b full 45.7 (45.0). Under accumulation the gradients of the micro-batches before
-    # are there during the next one's backward (and under CUDA graphs they stay allocated between steps): both at once (the user path on an H200: 1b at 43 x 2048 peaked
-    # at 122.0 GiB, 3b at 15 x 2048 at 125.0; the larger of the two said 115.0 and 112.8).
+    # rest freed). Under accumulation the gradients of the micro-batches before are there during the next one's
+    # backward, and under CUDA graphs they stay allocated between steps: both at once. The measured peaks these
+    # match: docs/performance.md, "Memory and time estimate".
     if grads_beside_activations:
         b.total = b.weights + b.optim + b.grads + b.copies + b.logits + b.act
     else:
