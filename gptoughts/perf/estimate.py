@@ -154,18 +154,28 @@ def _inl_layer_bytes(args: Any, mode: str, r: int) -> float:
     (what its autograd Function saves). Against the measured inl/3b peak of 48.0 GiB (H100, bf16 residual, batch
     2 × 2048, no checkpointing) the estimate gives 48.3 GiB.
     """
-    d, f, hid, k = args.d_model, args.ffn, args.controller_hidden, args.n_iterations
+    d, f, k = args.d_model, args.ffn, args.n_iterations
     d_kv = args.kv_heads * args.hd
     if k > 0:
         r = 4
     if mode == "none":
-        integrator = (2 * d + k * (22 * d + 4 * hid)) if k > 0 else 0
-        if k > 0 and getattr(args, "integrator_impl", "reference") == "fused":
-            integrator = 2 * d + (k - 1) * 8 * d + 2 * k * hid
-        return (8 + 2 * r) * d + 4 * d_kv + 4 * f + integrator
+        return (8 + 2 * r) * d + 4 * d_kv + 4 * f + _integrator_bytes(args, mode)
     if mode == "selective":
-        return r * d + 2 * f + k * (8 * d + 4 * hid)
+        return r * d + 2 * f + _integrator_bytes(args, mode)
     return r * d
+
+
+def _integrator_bytes(args: Any, mode: str) -> float:
+    """What INL's integrator saves per token and block (``_inl_layer_bytes`` gives the terms): none, reference
+    2d + K (22d + 4H), fused 2d + (K-1) 8d + 2KH; selective K (8d + 4H); full nothing (the block input only)."""
+    d, hid, k = args.d_model, args.controller_hidden, args.n_iterations
+    if k == 0 or mode == "full":
+        return 0.0
+    if mode == "selective":
+        return k * (8 * d + 4 * hid)
+    if getattr(args, "integrator_impl", "reference") == "fused":
+        return 2 * d + (k - 1) * 8 * d + 2 * k * hid
+    return 2 * d + k * (22 * d + 4 * hid)
 
 
 def _deepseek_layer_bytes(args: Any, mode: str, r: int, moe: bool) -> float:
@@ -254,16 +264,7 @@ def _tp_whole_bytes(family: str, args: Any, mode: str) -> tuple[float, float]:
     if mode == "full" or family not in ("llama", "llada", "inl"):
         return 0.0, 0.0
     gathered = 4.0 * args.d_model * args.n_layers
-    integrator = 0.0
-    if family == "inl" and args.n_iterations > 0:
-        k, d, hid = args.n_iterations, args.d_model, args.controller_hidden
-        if mode == "selective":
-            integrator = k * (8 * d + 4 * hid)
-        elif getattr(args, "integrator_impl", "reference") == "fused":
-            integrator = 2 * d + (k - 1) * 8 * d + 2 * k * hid
-        else:
-            integrator = 2 * d + k * (22 * d + 4 * hid)
-        integrator *= args.n_layers
+    integrator = _integrator_bytes(args, mode) * args.n_layers if family == "inl" else 0.0
     if mode == "none":
         return gathered + integrator, 0.0
     return integrator, gathered
@@ -600,7 +601,7 @@ def estimate_config(
     vocabulary its tokenizer spec gives. ``batch_size = auto`` is the largest power of two whose estimate fits
     90% of ``gpu``'s memory, accumulated to ``train.global_batch_tokens`` as train does. Returns
     ``(estimate, micro_batch, grad_accum)``."""
-    import math
+    from gptoughts.perf.autobatch import accumulation_for
 
     t, p = cfg.train, cfg.perf
     overrides = dict(cfg.model.overrides)
@@ -620,7 +621,7 @@ def estimate_config(
     ) -> int:  # as plan_batches sets it: the user's --grad_accum, else the global batch's
         if isinstance(t.batch_size, int) or not t.global_batch_tokens or cfg.is_given("train.grad_accum"):
             return t.grad_accum
-        return max(1, math.ceil(t.global_batch_tokens / (batch * t.block_size * data_ranks)))
+        return accumulation_for(t.global_batch_tokens, batch, t.block_size, data_ranks)
 
     def at(batch: int) -> Estimate:
         return estimate(
