@@ -58,7 +58,10 @@ def plan_batches(
     epochs = None if t.max_steps is not None or t.max_tokens is not None else (t.epochs or 1.0)
     micro, accum = t.batch_size, t.grad_accum
     if not isinstance(micro, int):
-        micro, accum = _auto_batch(cfg, env, model, dry_run, why)
+        # the rows a step may hold so that the epochs asked for are enough steps (_fit_epochs): what the memory
+        # estimates below assume of the accumulation too
+        rows_cap = _rows_for_epochs(epochs * train_tokens, t.block_size * info.dp_size) if epochs else None
+        micro, accum = _auto_batch(cfg, env, model, dry_run, why, rows_cap)
         if epochs is not None:
             micro, accum = _fit_epochs(micro, accum, epochs * train_tokens, t.block_size * info.dp_size, why)
     # A preference pair is two rows (chosen, rejected): a step's tokens count both.
@@ -112,9 +115,15 @@ def _train_tokens(cfg: Config, data: Data, model: Model, info: pdist.DistInfo) -
 
 
 def _auto_batch(
-    cfg: Config, env: Environment, model: Model, dry_run: bool, why: dict[str, str]
+    cfg: Config,
+    env: Environment,
+    model: Model,
+    dry_run: bool,
+    why: dict[str, str],
+    rows_cap: int | None = None,
 ) -> tuple[int, int]:
-    """``batch_size = auto``: the micro-batch that fits, then the accumulation of the global batch."""
+    """``batch_size = auto``: the micro-batch that fits, then the accumulation of the global batch (``rows_cap``: the
+    rows a step may hold for the epochs asked for, :func:`_rows_for_epochs`)."""
     info = env.dist
     if info.pp > 1:
         raise ConfigError(
@@ -128,9 +137,9 @@ def _auto_batch(
             "collective); pass --batch_size N (`gptoughts estimate --num_gpus N --strategy fsdp`)"
         )
     if env.device.type != "cuda":
-        micro, why["batch_size"] = _cpu_micro_batch(cfg, env, model)
+        micro, why["batch_size"] = _cpu_micro_batch(cfg, env, model, rows_cap)
     elif dry_run:
-        micro = _largest_fitting(cfg, env, model, [2**k for k in range(9)])[0]
+        micro = _largest_fitting(cfg, env, model, [2**k for k in range(9)], rows_cap=rows_cap)[0]
         why["batch_size"] = "auto: estimated from memory (found with real steps when the run starts)"
     else:
         micro, why["batch_size"] = _probed_micro_batch(cfg, env, model)
@@ -315,7 +324,7 @@ def _fit_epochs(
     (one epoch planned as 2, even 4), with too few steps for the schedule. Returns (micro-batch, accumulation)."""
     from gptoughts.training.plan import MIN_USEFUL_STEPS
 
-    rows = max(1, int(tokens // (MIN_USEFUL_STEPS * row_tokens)))  # rows each rank reads per step
+    rows = _rows_for_epochs(tokens, row_tokens)
     if micro * accum <= rows:
         return micro, accum
     micro = min(micro, rows)
@@ -327,18 +336,35 @@ def _fit_epochs(
     return micro, accum
 
 
+def _rows_for_epochs(tokens: float, row_tokens: int) -> int:
+    """The rows each rank may read a step so that ``tokens`` of training hold at least MIN_USEFUL_STEPS steps."""
+    from gptoughts.training.plan import MIN_USEFUL_STEPS
+
+    return max(1, int(tokens // (MIN_USEFUL_STEPS * row_tokens)))
+
+
 def _largest_fitting(
-    cfg: Config, env: Environment, model: Model, candidates: list[int], default: int = 8
+    cfg: Config,
+    env: Environment,
+    model: Model,
+    candidates: list[int],
+    default: int = 8,
+    rows_cap: int | None = None,
 ) -> tuple[int, float | None, float | None]:
     """(micro-batch, its estimated peak GiB, the device's GiB): the largest of ``candidates`` whose estimate fits
     90% of the device's memory (the smallest when none does: the memory check then refuses the run); ``default``
-    where there is no estimate or no memory figure."""
-    from gptoughts.training.estimates import device_memory_gib, estimate_peak
+    where there is no estimate or no memory figure. Each is estimated at the accumulation the run would have, cut
+    to ``rows_cap`` rows a step as :func:`_fit_epochs` cuts it (the plan's memory line then agrees)."""
+    from gptoughts.training.estimates import accumulation, device_memory_gib, estimate_peak
 
     mem = device_memory_gib(env)
     best, peak = candidates[0], None
+    t, dist = cfg.train, env.dist
     for b in candidates:
-        e = estimate_peak(cfg, env, model, b, cfg.train.block_size, env.dist.world_size, env.dist.tp)
+        accum = accumulation(cfg, b, t.block_size, dist.world_size // dist.tp)
+        if rows_cap is not None:
+            accum = min(accum, max(1, rows_cap // b))
+        e = estimate_peak(cfg, env, model, b, t.block_size, dist.world_size, dist.tp, accum)
         if e is None or not mem:
             return default, None, mem
         if b > candidates[0] and e.total_gib > 0.9 * mem:
@@ -347,10 +373,12 @@ def _largest_fitting(
     return best, peak, mem
 
 
-def _cpu_micro_batch(cfg: Config, env: Environment, model: Model) -> tuple[int, str]:
+def _cpu_micro_batch(
+    cfg: Config, env: Environment, model: Model, rows_cap: int | None = None
+) -> tuple[int, str]:
     """``batch_size = auto`` off CUDA, and why: no trial steps (the memory search needs a GPU's allocator), so the
     largest of 1, 2, 4, 8 rows (8: the CPU default) whose estimated peak fits 90% of the memory available."""
-    micro, peak, mem = _largest_fitting(cfg, env, model, [1, 2, 4, 8])
+    micro, peak, mem = _largest_fitting(cfg, env, model, [1, 2, 4, 8], rows_cap=rows_cap)
     if peak is None or not mem:
         return micro, f"auto on a {env.device.type.upper()}: {micro}, the default (no memory estimate here)"
     if peak > 0.9 * mem:  # none fits: the smallest, which the memory check then judges

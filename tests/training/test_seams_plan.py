@@ -389,3 +389,22 @@ def test_the_plan_names_the_quickstarts_shape_not_only_its_size(tmp_path, text_c
                 "--out", str(tmp_path / "r"), "--dry_run"], capsys)  # fmt: skip
     line = next(ln for ln in text.splitlines() if ln.startswith("plan:"))
     assert line.startswith("plan: llama/debug (d_model 320, n_layers 6, "), line
+
+
+def test_the_batch_line_and_the_memory_line_agree_when_the_epochs_cut_the_accumulation(
+    tmp_path, text_corpus, cache_dir, capsys, monkeypatch
+):
+    """A small corpus cuts an automatic batch's accumulation to 1 (enough steps for its epoch): the micro-batch was
+    chosen at the global batch's accumulation (gradients beside the activations, ~21.6 GiB at 1b) while the memory
+    line, at the run's accumulation, said ~17.5: one plan, two peaks."""
+    from gptoughts.training import estimates
+
+    monkeypatch.setattr(estimates, "host_memory_gib", lambda env: 20.0)  # room for 2 rows, fewer than the cut
+    text = _ok(["train", "--data", str(text_corpus), "--tokenizer", "bytes", "--size", "1b", "--device", "cpu",
+                "--out", str(tmp_path / "r"), "--dry_run"], capsys)  # fmt: skip
+    batch = next(ln for ln in text.splitlines() if ln.startswith("  batch:"))
+    memory = next(ln for ln in text.splitlines() if ln.startswith("  memory:"))
+    assert "accumulation 1 " in batch, batch
+    chosen = re.search(r"estimated peak \(~([\d.]+ GiB)\)", batch)
+    planned = re.search(r"memory: ~([\d.]+ GiB) peak", memory)
+    assert chosen and planned and chosen.group(1) == planned.group(1), (batch, memory)
