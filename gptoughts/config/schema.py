@@ -324,6 +324,11 @@ class PerfConfig:
     """train.optimizer = muon under FSDP2/TP (sharded matrices): each rank orthogonalizes 1/N of each group of
     same-shape matrices (one all-to-all in, one out) instead of every rank gathering and orthogonalizing all
     of them. Same update up to bf16 rounding (the matrices are iterated as a batch)."""
+    muon_graph: bool | str = "auto"
+    """train.optimizer = muon: the optimizer's whole step (every group of matrices' Newton-Schulz, AdamW's groups)
+    replayed as one CUDA graph, so that its many small kernels cost no launches. auto: on where the model's steps
+    are CUDA graphs (perf.cuda_graphs: the gradients stay where the graph reads them) and every parameter is a whole
+    CUDA tensor (one process or DDP). The graph keeps its working memory (Newton-Schulz's batches) between steps."""
     expandable_segments: bool = True
     """CUDA allocator with expandable segments: less fragmentation when batch shapes vary (eval vs train)."""
     threads: int | None = None

@@ -89,7 +89,7 @@ def _check_batch(t: TrainConfig) -> None:
 
 
 def _check_perf(perf: PerfConfig) -> None:
-    for name in ("compile", "cuda_graphs", "fp8", "fused_adamw"):
+    for name in ("compile", "cuda_graphs", "fp8", "fused_adamw", "muon_graph"):
         value = getattr(perf, name)
         if isinstance(value, str) and value != "auto":
             raise ConfigError(f"perf.{name} must be true, false or auto; got {value!r}")

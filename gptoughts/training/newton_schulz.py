@@ -116,14 +116,25 @@ def bucket_step(
     coefficients: Coefficients,
     steps: int,
 ) -> None:
-    """One Muon step of a bucket of unsharded same-shape matrices: the matrices go through Newton-Schulz
-    together, a handful of batched matmuls instead of five small ones per matrix."""
+    """One Muon step of a bucket of unsharded matrices of one :func:`oriented` shape: the matrices go through
+    Newton-Schulz together, a handful of batched matmuls instead of five small ones per matrix. A tall matrix is
+    iterated transposed, as :func:`orthogonalize` does alone, so it shares a batch with the wide ones of its shape
+    (an MLP's w1, w3 and w2) and gets the same update."""
     updates = momentum(grads, bufs, mu=mu, nesterov=nesterov, grad_scale=grad_scale, keep=keep)
     if len(updates) == 1:
         ortho = [orthogonalize(updates[0], coefficients, steps)]
     else:
-        ortho = list(orthogonalize(torch.stack(updates), coefficients, steps).unbind(0))
+        tall = [u.size(-2) > u.size(-1) for u in updates]
+        wide = torch.stack([u.mT if t else u for u, t in zip(updates, tall)])
+        done = orthogonalize(wide, coefficients, steps).unbind(0)
+        ortho = [o.mT if t else o for o, t in zip(done, tall)]
     apply_update(weights, ortho, lr_wd=lr_wd, scale=scale, keep=keep)
+
+
+def oriented(shape: torch.Size) -> tuple[int, ...]:
+    """``shape`` with its last two dimensions as Newton-Schulz iterates them: the shorter one first."""
+    *lead, rows, cols = shape
+    return (*lead, min(rows, cols), max(rows, cols))
 
 
 def gather_orthogonalize(

@@ -27,6 +27,7 @@ from gptoughts.training.newton_schulz import (
     local,
     lr_adjustment,
     momentum,
+    oriented,
     orthogonalize,
     warm_all_to_all,
 )
@@ -79,10 +80,12 @@ def build_muon(
     momentum: float = 0.95,
     compile: bool = False,
     distribute: bool = False,
+    graph: bool = False,
 ) -> Muon:
     """Muon for the hidden matrices, AdamW (the same groups as :func:`build_adamw`) for everything else.
     ``compile``: each bucket's step one compiled graph on CUDA (perf.muon_compile); ``distribute``: sharded
-    buckets' Newton-Schulz spread over the ranks (perf.muon_distribute)."""
+    buckets' Newton-Schulz spread over the ranks (perf.muon_distribute); ``graph``: the whole step replayed as one
+    CUDA graph where every parameter is a whole CUDA tensor (perf.muon_graph)."""
     hidden = hidden_matrices(model)
     groups = [
         {**g, "params": [p for p in g["params"] if id(p) not in hidden], "muon": False}
@@ -100,10 +103,23 @@ def build_muon(
     muon = Muon(groups, lr=lr, betas=betas, eps=eps, momentum=momentum, fused=fused)
     muon.compile = "cuda" if compile else "off"
     muon.distribute = distribute
+    muon.graph = graph
     meshes = {id(p.device_mesh): p.device_mesh for p in muon_group["params"] if muon._distributes(p)}
     for mesh in meshes.values():
         warm_all_to_all(mesh)
     return muon
+
+
+@dataclass
+class _StepGraph:
+    """A recorded optimizer step and the tensors it reads (:meth:`Muon._graphed_step`)."""
+
+    key: tuple
+    lrs: list[torch.Tensor]
+    grad_scale: torch.Tensor | None
+    found_inf: torch.Tensor | None
+    warm: int = 0
+    graph: torch.cuda.CUDAGraph | None = None
 
 
 class Muon(torch.optim.Optimizer):
@@ -157,6 +173,11 @@ class Muon(torch.optim.Optimizer):
         # The most whole fp32 matrices one rank stacks for a Newton-Schulz batch (:meth:`_chunks`): 1 GiB keeps
         # each bucket of a 1b Llama one batch, and cuts an 8b's MLP bucket into batches of 4 large matrices.
         self.chunk_bytes = 1 << 30
+        # Whether the step replays as one CUDA graph (perf.muon_graph; set by build_muon): _graphed_step.
+        self.graph = False
+        self._graph: _StepGraph | None = None
+        self._graph_ok: bool | None = None
+        self._graph_misses = 0
 
     @torch.no_grad()
     def step(self, closure=None):  # noqa: ANN001, ANN201 - torch.optim.Optimizer's signature
@@ -164,25 +185,90 @@ class Muon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
-            if not params:
-                continue
-            if group["muon"]:
-                self._muon_group(group, params)
-            elif self.adamw_states == "bf16":
-                adamw_bf16_states(self.state, group, params, self.grad_scale, self.found_inf)
-            else:
-                self._adamw_group(group, params)
+        if self.graph and self._graphable():
+            self._graphed_step()
+        else:
+            self._step_groups(None)
         self.grad_scale = self.found_inf = None
         return loss
 
+    def _step_groups(self, lrs: list[torch.Tensor] | None) -> None:
+        """Every group's step; ``lrs``: the groups' learning rates as device tensors (the captured step)."""
+        for i, group in enumerate(self.param_groups):
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            lr = group["lr"] if lrs is None else lrs[i]
+            if group["muon"]:
+                self._muon_group(group, params, lr)
+            elif self.adamw_states == "bf16":
+                adamw_bf16_states(self.state, group, params, self.grad_scale, self.found_inf)
+            else:
+                self._adamw_group(group, params, lr)
+
+    def _graphable(self) -> bool:
+        """Whether the step can be one CUDA graph: every parameter a whole CUDA tensor, AdamW's groups fused
+        with fp32 moments (kernels that read the learning rate, the clipping scale and the skip flag on the
+        device)."""
+        if self._graph_ok is None:
+            self._graph_ok = all(
+                p.is_cuda and not hasattr(p, "device_mesh") for g in self.param_groups for p in g["params"]
+            ) and all(g["muon"] or (g["fused"] and self.adamw_states == "fp32") for g in self.param_groups)
+        return self._graph_ok
+
+    def _graphed_step(self) -> None:
+        """The step replayed as one CUDA graph (perf.muon_graph): Muon's buckets are many small kernels, whose
+        launches cost more than their GPU work at small sizes. The learning rates, clipping scale and skip flag
+        are copied into the graph's own tensors first. A graph is recorded after two steps run on those tensors
+        (the states exist, the compiled buckets are built), and recorded again when a gradient or parameter moves
+        to new memory; gradients freed every step (no ``keep_grads``) turn it off after a few tries."""
+        ptrs = tuple(
+            t.data_ptr() for g in self.param_groups for p in g["params"] for t in (p, p.grad) if t is not None
+        )
+        key = (self.grad_scale is None, self.found_inf is None, ptrs)
+        g = self._graph
+        if g is None or g.key != key:
+            if g is not None:
+                self._graph_misses += 1
+                if self._graph_misses > 3:
+                    self.graph, self._graph = False, None
+                    self._step_groups(None)
+                    return
+            device = self.param_groups[0]["params"][0].device
+            g = self._graph = _StepGraph(
+                key,
+                [torch.zeros((), device=device) for _ in self.param_groups],
+                None if self.grad_scale is None else torch.empty_like(self.grad_scale),
+                None if self.found_inf is None else torch.empty_like(self.found_inf),
+            )
+        for t, group in zip(g.lrs, self.param_groups):
+            t.fill_(group["lr"])
+        if g.grad_scale is not None:
+            g.grad_scale.copy_(self.grad_scale)
+        if g.found_inf is not None:
+            g.found_inf.copy_(self.found_inf)
+        self.grad_scale, self.found_inf = g.grad_scale, g.found_inf
+        if g.warm < 2:
+            self._step_groups(g.lrs)
+            g.warm += 1
+            return
+        if g.graph is None:
+            g.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g.graph):
+                self._step_groups(g.lrs)
+        g.graph.replay()
+
     def load_state_dict(self, state_dict: dict) -> None:
         super().load_state_dict(state_dict)
+        self._graph = None  # the graph read the old state tensors
         if self.adamw_states == "bf16":
             _moments_to_bf16(self, [g for g in self.param_groups if not g["muon"]])
 
-    def _adamw_group(self, group: dict, params: list[torch.Tensor]) -> None:
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        self._graph, self._graph_ok = None, None
+
+    def _adamw_group(self, group: dict, params: list[torch.Tensor], lr: float | torch.Tensor) -> None:
         exp_avgs, exp_avg_sqs, steps = [], [], []
         for p in params:
             state = self.state[p]
@@ -210,11 +296,11 @@ class Muon(torch.optim.Optimizer):
             params, grads, exp_avgs, exp_avg_sqs, [], steps,
             foreach=not fused, fused=fused, grad_scale=self.grad_scale if fused else None,
             found_inf=self.found_inf if fused else None, amsgrad=False, beta1=beta1, beta2=beta2,
-            lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
+            lr=lr, weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
         )  # fmt: skip
 
-    def _muon_group(self, group: dict, params: list[torch.Tensor]) -> None:
-        lr, wd = group["lr"], group["weight_decay"]
+    def _muon_group(self, group: dict, params: list[torch.Tensor], lr: float | torch.Tensor) -> None:
+        wd = group["weight_decay"]
         for p in params:
             if "momentum_buffer" not in self.state[p]:
                 self.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
@@ -226,12 +312,15 @@ class Muon(torch.optim.Optimizer):
         # Buckets of same-shape matrices go through Newton-Schulz together (measured on an H100, 125m b32 s1024:
         # Muon's step cost 46 ms more than AdamW's one matrix at a time, 9 ms batched). Sharded matrices are
         # gathered one by one, unless their work is spread over the ranks (perf.muon_distribute).
+        # Whole matrices bucket by their oriented shape (w1 [f, d] beside w2 [d, f]) and learning-rate adjustment.
         buckets: dict[tuple, list[torch.Tensor]] = {}
         for i, p in enumerate(params):
-            sharded = hasattr(p, "device_mesh")
-            key = (tuple(p.shape), p.dtype, p.device)
-            if sharded:
-                key = (*key, p.device_mesh, tuple(p.placements)) if self._distributes(p) else ("sharded", i)
+            if not hasattr(p, "device_mesh"):
+                key = (oriented(p.shape), lr_adjustment(group["adjust_lr"], p.shape), p.dtype, p.device)
+            elif self._distributes(p):
+                key = (tuple(p.shape), p.dtype, p.device, p.device_mesh, tuple(p.placements))
+            else:
+                key = ("sharded", i)
             buckets.setdefault(key, []).append(p)
         for bucket in (c for b in buckets.values() for c in self._chunks(b)):
             scale = lr * lr_adjustment(group["adjust_lr"], bucket[0].shape)
@@ -246,7 +335,9 @@ class Muon(torch.optim.Optimizer):
             elif compile_it:
                 # The learning rate as device tensors: a new rate each step is no new graph, and no host sync.
                 on = weights[0].device
-                lr_wd, scale = torch.full((), lr * wd, device=on), torch.full((), scale, device=on)
+                lr_wd = lr * wd if isinstance(lr, torch.Tensor) else torch.full((), lr * wd, device=on)
+                if not isinstance(scale, torch.Tensor):
+                    scale = torch.full((), scale, device=on)
                 compiled(bucket_step, self.compile_backend)(
                     weights, grads, bufs, lr_wd=lr_wd, scale=scale, **common
                 )

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from gptoughts.config import Config, LoraConfig, PerfConfig, TrainConfig
-from gptoughts.errors import HardwareError, UserError
+from gptoughts.errors import ConfigError, HardwareError, UserError
 from gptoughts.parallel import dist as pdist
 from gptoughts.perf import checkpointing
 from gptoughts.perf.hardware import HardwareProfile
@@ -387,8 +387,6 @@ def resolve_transforms(
     if compiled and graphs and graphs_why != "asked":
         why["cuda_graphs"] = graphs_why
     if not compiled and (perf.cuda_graphs is True or perf.max_autotune):
-        from gptoughts.errors import ConfigError
-
         raise ConfigError(
             "perf.cuda_graphs and perf.max_autotune are torch.compile modes: add --compile true "
             "(or drop them)"
@@ -466,7 +464,8 @@ def resolve_run(
         resolved["pipeline"] = pp.describe(split, dist.pp, par.pp_schedule, micro)
     optimizer = None
     if raw is not None:
-        optimizer, resolved["optimizer"] = optimizer_line(cfg, raw, dist, device_type)
+        graphs = transforms is not None and transforms.compiled and transforms.cuda_graphs
+        optimizer, resolved["optimizer"] = optimizer_line(cfg, raw, dist, device_type, graphs)
     if threads is not None:
         resolved["threads"] = threads
     return RunSpec(transforms, batch, micro, optimizer, _defaults_not_asked(cfg, resolved))
@@ -498,7 +497,11 @@ def _defaults_not_asked(cfg: Config, resolved: dict[str, str]) -> dict[str, str]
 
 
 def optimizer_line(
-    cfg: Config, raw: nn.Module, dist: pdist.DistInfo | None = None, device_type: str | None = None
+    cfg: Config,
+    raw: nn.Module,
+    dist: pdist.DistInfo | None = None,
+    device_type: str | None = None,
+    model_graphs: bool = False,
 ) -> tuple[str, str]:
     """The optimizer and its plan line: states, peak learning rate, schedule, and why (and, for Muon, how
     its Newton-Schulz step runs where a perf switch asked for another way)."""
@@ -513,14 +516,38 @@ def optimizer_line(
         lr += f" ({cfg.resolved['learning_rate']})"
     states = describe_states(t.optimizer_states) + (" for the AdamW groups" if name == "muon" else "")
     line = f"{name} ({states}), {lr}, {t.schedule} schedule ({why})"
-    step = muon_step_words(cfg.perf, dist or pdist.DistInfo(), device_type) if name == "muon" else ""
+    step = (
+        muon_step_words(cfg.perf, dist or pdist.DistInfo(), device_type, model_graphs)
+        if name == "muon"
+        else ""
+    )
     return name, line + (f"; Newton-Schulz {step}" if step else "")
 
 
-def muon_step_words(perf: PerfConfig, dist: pdist.DistInfo, device_type: str | None) -> str:
-    """What ``perf.muon_compile`` / ``muon_distribute`` do in this run (as ``training/optim.py`` decides it), or
-    "" when neither is asked: compiled where the matrices are on CUDA (not offloaded ones); spread only over
-    matrices sharded on 2+ ranks."""
+def muon_graph_rule(
+    perf: PerfConfig, model_graphs: bool, dist: pdist.DistInfo, device_type: str | None
+) -> bool:
+    """Whether Muon's step replays as one CUDA graph (``perf.muon_graph``): where the model's steps are CUDA graphs
+    (``model_graphs``: their gradients are kept in place, where a recorded step reads them) and every parameter is
+    a whole CUDA tensor. Asked where it cannot run: a ConfigError."""
+    if perf.muon_graph is False:
+        return False
+    whole = device_type == "cuda" and not dist.sharded and not dist.cpu_offload and dist.pp == 1
+    if perf.muon_graph is True and not (model_graphs and whole):
+        raise ConfigError(
+            "perf.muon_graph needs the model's steps as CUDA graphs (--compile true --perf.cuda_graphs true) "
+            "with whole parameters on one GPU per process (no FSDP, tensor or pipeline parallelism, no offload); "
+            "leave it auto"
+        )
+    return model_graphs and whole
+
+
+def muon_step_words(
+    perf: PerfConfig, dist: pdist.DistInfo, device_type: str | None, model_graphs: bool = False
+) -> str:
+    """What ``perf.muon_compile`` / ``muon_distribute`` / ``muon_graph`` do in this run (as ``training/optim.py``
+    decides it), or "" when none applies: compiled where the matrices are on CUDA (not offloaded ones); spread only
+    over matrices sharded on 2+ ranks; one CUDA graph where :func:`muon_graph_rule` says so."""
     words = []
     if perf.muon_compile:
         if device_type == "cuda" and not dist.cpu_offload:
@@ -534,4 +561,6 @@ def muon_step_words(perf: PerfConfig, dist: pdist.DistInfo, device_type: str | N
             if sharded
             else "whole on every rank (perf.muon_distribute: no sharded matrices)"
         )
+    if muon_graph_rule(perf, model_graphs, dist, device_type):
+        words.append("the whole optimizer step replayed as one CUDA graph")
     return ", ".join(words)

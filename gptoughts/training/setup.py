@@ -387,11 +387,12 @@ def make_objective(family: models.Family, built: Built, perf: PerfConfig) -> Cal
 
 
 def make_optimizer(
-    model: nn.Module, t: TrainConfig, perf: PerfConfig, device: torch.device
+    model: nn.Module, t: TrainConfig, perf: PerfConfig, device: torch.device, *, graph: bool = False
 ) -> torch.optim.Optimizer:
     """``train.optimizer``: AdamW, or Muon for the hidden matrices + AdamW for the rest. A model with LoRA
     adapters keeps AdamW (:func:`optimizer_rule` says so in the plan). AdamW's moments are stored as
-    ``train.optimizer_states`` says (:func:`~gptoughts.training.optim.with_states`)."""
+    ``train.optimizer_states`` says (:func:`~gptoughts.training.optim.with_states`); ``graph``: Muon's step
+    replayed as one CUDA graph (:func:`~gptoughts.training.resolve.muon_graph_rule`)."""
     from gptoughts.training.optim import build_adamw, build_muon, with_states
 
     # On a GPU run, fused whatever the parameters' device: offloaded ones (FSDP2 CPUOffloadPolicy) step on the CPU
@@ -408,6 +409,7 @@ def make_optimizer(
             momentum=t.muon_momentum,
             compile=perf.muon_compile,
             distribute=perf.muon_distribute,
+            graph=graph,
             **common,
         )
     else:

@@ -88,3 +88,35 @@ def test_whole_model_and_graphs_with_auto_batch(tmp_path, text_corpus, cache_dir
             assert resolved["compile"].startswith("model (") and resolved["cuda_graphs"] == "True"
     assert len(runs["auto"]) == len(runs["blocks"]) == 6
     assert runs["auto"] == pytest.approx(runs["blocks"], rel=1e-3), runs
+
+
+def test_muon_step_as_a_graph_in_a_training_run(tmp_path, text_corpus, cache_dir):
+    """Muon under the model's CUDA graphs: its step replayed as one graph (perf.muon_graph auto) gives the losses
+    of the step launched kernel by kernel, and the plan says so."""
+    runs, lines = {}, {}
+    for graph in ("auto", False):
+        out = tmp_path / f"muon-graph-{graph}"
+        cfg = load_config(
+            "default",
+            {
+                **FAST,
+                "data.sources": [str(text_corpus)],
+                "run.out": str(out),
+                "perf.device": "cuda",
+                "perf.compile": True,
+                "perf.cuda_graphs": True,
+                "perf.muon_graph": graph,
+                "train.optimizer": "muon",
+                "train.grad_accum": 2,
+                "train.max_steps": 6,
+                "train.log_interval": 1,
+                "train.eval_interval": 3,
+                "train.sample_interval": 0,
+                "checkpoint.checkpoints": False,
+            },
+        )
+        api.run_training(cfg)
+        runs[graph] = _losses(out)
+        lines[graph] = json.loads((out / "run.json").read_text())["resolved"]["optimizer"]
+    assert len(runs["auto"]) == 6 and runs["auto"] == pytest.approx(runs[False], rel=1e-5), runs
+    assert "one CUDA graph" in lines["auto"] and "CUDA graph" not in lines[False]

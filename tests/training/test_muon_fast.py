@@ -83,7 +83,7 @@ def test_compiled_step_equals_eager_and_skips_on_the_device(fresh_dynamo, backen
 
 
 def test_a_new_learning_rate_compiles_no_new_graph(fresh_dynamo):
-    """One graph per bucket of same-shape matrices, compiled once: the schedule's learning rate reaches the
+    """One graph per bucket of matrices of one shape as iterated, compiled once: the schedule's learning rate reaches the
     graph as a tensor (a Python float would be a constant of the graph, a recompile every step)."""
     from torch._dynamo.testing import CompileCounter
 
@@ -92,7 +92,7 @@ def test_a_new_learning_rate_compiles_no_new_graph(fresh_dynamo):
     counter = CompileCounter()
     opt.compile, opt.compile_backend = "always", counter
     muon = next(g for g in opt.param_groups if g["muon"])
-    shapes = {tuple(p.shape) for p in muon["params"]}
+    shapes = {newton_schulz.oriented(p.shape) for p in muon["params"]}  # w1 [f, d] batched with w2 [d, f]
     for seed, lr in enumerate((1e-2, 5e-3, 2e-3)):
         set_lr(opt, lr)
         _step(model, opt, seed)
@@ -215,3 +215,25 @@ def test_distributed_newton_schulz_equals_one_process(tmp_path):
             p.grad = grad
         opt.step()
     _assert_same_step(got["params"], [p.detach() for p in params], _weights())
+
+
+def test_muon_graph_follows_the_models_cuda_graphs_and_refuses_where_it_cannot_run():
+    """perf.muon_graph auto: on where the model's steps are CUDA graphs with whole parameters on CUDA; asked
+    elsewhere, a one-line ConfigError; the plan's optimizer line says what runs."""
+    from gptoughts.errors import ConfigError
+    from gptoughts.parallel.dist import DistInfo
+    from gptoughts.training.resolve import muon_graph_rule, muon_step_words
+
+    one, fsdp = DistInfo(), DistInfo(world_size=2, strategy="fsdp")
+    auto, asked, off = PerfConfig(), PerfConfig(muon_graph=True), PerfConfig(muon_graph=False)
+    assert muon_graph_rule(auto, True, one, "cuda")
+    assert not muon_graph_rule(auto, False, one, "cuda")
+    assert not muon_graph_rule(auto, True, fsdp, "cuda")
+    assert not muon_graph_rule(auto, True, one, "cpu")
+    assert not muon_graph_rule(off, True, one, "cuda")
+    assert muon_graph_rule(asked, True, one, "cuda")
+    for graphs, dist in ((False, one), (True, fsdp)):
+        with pytest.raises(ConfigError, match="perf.muon_graph needs the model's steps as CUDA graphs"):
+            muon_graph_rule(asked, graphs, dist, "cuda")
+    assert "one CUDA graph" in muon_step_words(auto, one, "cuda", True)
+    assert "CUDA graph" not in muon_step_words(auto, one, "cuda", False)
