@@ -182,6 +182,26 @@ SHAPES["muon-47m"] = SHAPES["125m"]
 MATRIX["muon-47m-graphs"] = [{**r, "perf.cuda_graphs": True} for r in MATRIX["muon-47m"]]
 SHAPES["muon-47m-graphs"] = SHAPES["125m"]
 
+# Muon's whole step replayed as one CUDA graph (perf.muon_graph) against the step launched kernel by kernel, under
+# the model's CUDA graphs, at 47M and at 125m (bench's 32 x 1024).
+_GRAPHS = {"perf.cuda_graphs": True, "perf.muon_compile": True}
+MATRIX["muon-graph"] = [
+    {**_S47M, "model.size": "125m", "perf.cuda_graphs": True},
+    {**_S47M, "model.size": "125m", "train.optimizer": "muon", **_GRAPHS, "perf.muon_graph": False},
+    {**_S47M, "model.size": "125m", "train.optimizer": "muon", **_GRAPHS, "perf.muon_graph": True},
+    {
+        **_S47M,
+        "model.size": "125m",
+        "train.optimizer": "muon",
+        "perf.cuda_graphs": True,
+        "perf.muon_graph": True,
+    },
+    {"model.size": "125m", "perf.cuda_graphs": True},
+    {"model.size": "125m", "train.optimizer": "muon", **_GRAPHS, "perf.muon_graph": False},
+    {"model.size": "125m", "train.optimizer": "muon", **_GRAPHS, "perf.muon_graph": True},
+]
+SHAPES["muon-graph"] = SHAPES["125m"]
+
 SHAPES["moe-inl"] = ("1b", 2048, 8)
 SHAPES["muon"] = SHAPES["125m"]
 SHAPES["families"] = ("1b", 2048, 8)
