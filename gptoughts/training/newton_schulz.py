@@ -215,7 +215,10 @@ def warm_all_to_all(mesh: object) -> None:
 def compiled(fn: Callable[..., object], backend: str = "inductor") -> Callable[..., object]:
     """``fn`` (:func:`bucket_step` or :func:`orthogonalize`) compiled whole with static shapes: one graph per
     bucket shape (a handful per model), compiled at its first call."""
-    graph = torch.compile(fn, fullgraph=True, dynamic=False, backend=backend)
+    # Inductor's loop reordering asserts (torch 2.11, CUDA) on a batch that stacks transposed matrices beside
+    # others (bucket_step's tall ones): off for these small graphs.
+    options = {"loop_ordering_after_fusion": False} if backend == "inductor" else None
+    graph = torch.compile(fn, fullgraph=True, dynamic=False, backend=backend, options=options)
     # Lift dynamo's recompile limit, which would fall back to eager after 8 graphs of one function.
     unlimited = getattr(torch._dynamo.utils, "disable_cache_limit", contextlib.nullcontext)
 

@@ -115,7 +115,8 @@ class _StepGraph:
     """A recorded optimizer step and the tensors it reads (:meth:`Muon._graphed_step`)."""
 
     key: tuple
-    lrs: list[torch.Tensor]
+    scalars: dict[tuple, torch.Tensor]
+    """The learning-rate values the step reads (:meth:`Muon._scalars`), filled before each replay."""
     grad_scale: torch.Tensor | None
     found_inf: torch.Tensor | None
     warm: int = 0
@@ -192,15 +193,15 @@ class Muon(torch.optim.Optimizer):
         self.grad_scale = self.found_inf = None
         return loss
 
-    def _step_groups(self, lrs: list[torch.Tensor] | None) -> None:
-        """Every group's step; ``lrs``: the groups' learning rates as device tensors (the captured step)."""
+    def _step_groups(self, scalars: dict[tuple, torch.Tensor] | None) -> None:
+        """Every group's step; ``scalars``: :meth:`_scalars` as device tensors (the recorded step)."""
         for i, group in enumerate(self.param_groups):
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
                 continue
-            lr = group["lr"] if lrs is None else lrs[i]
+            lr = group["lr"] if scalars is None else scalars[("lr", i)]
             if group["muon"]:
-                self._muon_group(group, params, lr)
+                self._muon_group(group, params, i, scalars)
             elif self.adamw_states == "bf16":
                 adamw_bf16_states(self.state, group, params, self.grad_scale, self.found_inf)
             else:
@@ -237,26 +238,40 @@ class Muon(torch.optim.Optimizer):
             device = self.param_groups[0]["params"][0].device
             g = self._graph = _StepGraph(
                 key,
-                [torch.zeros((), device=device) for _ in self.param_groups],
+                {k: torch.zeros((), device=device) for k in self._scalars()},
                 None if self.grad_scale is None else torch.empty_like(self.grad_scale),
                 None if self.found_inf is None else torch.empty_like(self.found_inf),
             )
-        for t, group in zip(g.lrs, self.param_groups):
-            t.fill_(group["lr"])
+        for k, value in self._scalars().items():
+            g.scalars[k].fill_(value)
         if g.grad_scale is not None:
             g.grad_scale.copy_(self.grad_scale)
         if g.found_inf is not None:
             g.found_inf.copy_(self.found_inf)
         self.grad_scale, self.found_inf = g.grad_scale, g.found_inf
         if g.warm < 2:
-            self._step_groups(g.lrs)
+            self._step_groups(g.scalars)
             g.warm += 1
             return
         if g.graph is None:
             g.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g.graph):
-                self._step_groups(g.lrs)
+                self._step_groups(g.scalars)
         g.graph.replay()
+
+    def _scalars(self) -> dict[tuple, float]:
+        """The learning-rate values of this step, computed as the step launched kernel by kernel computes them
+        (the same float32 values): each group's rate; for a Muon group also rate x weight decay, and rate x each
+        of its matrices' adjustments (:func:`lr_adjustment`)."""
+        out: dict[tuple, float] = {}
+        for i, group in enumerate(self.param_groups):
+            lr = out[("lr", i)] = group["lr"]
+            if group["muon"]:
+                out[("lr_wd", i)] = lr * group["weight_decay"]
+                for shape in {p.shape for p in group["params"]}:
+                    adjust = lr_adjustment(group["adjust_lr"], shape)
+                    out[("scale", i, adjust)] = lr * adjust
+        return out
 
     def load_state_dict(self, state_dict: dict) -> None:
         super().load_state_dict(state_dict)
@@ -299,8 +314,10 @@ class Muon(torch.optim.Optimizer):
             lr=lr, weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
         )  # fmt: skip
 
-    def _muon_group(self, group: dict, params: list[torch.Tensor], lr: float | torch.Tensor) -> None:
-        wd = group["weight_decay"]
+    def _muon_group(
+        self, group: dict, params: list[torch.Tensor], index: int, scalars: dict[tuple, torch.Tensor] | None
+    ) -> None:
+        lr, wd = group["lr"], group["weight_decay"]
         for p in params:
             if "momentum_buffer" not in self.state[p]:
                 self.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
@@ -323,7 +340,12 @@ class Muon(torch.optim.Optimizer):
                 key = ("sharded", i)
             buckets.setdefault(key, []).append(p)
         for bucket in (c for b in buckets.values() for c in self._chunks(b)):
-            scale = lr * lr_adjustment(group["adjust_lr"], bucket[0].shape)
+            adjust = lr_adjustment(group["adjust_lr"], bucket[0].shape)
+            lr_wd, scale = (
+                (lr * wd, lr * adjust)
+                if scalars is None
+                else (scalars[("lr_wd", index)], scalars[("scale", index, adjust)])
+            )
             # Element-wise work on each rank's shard (the whole tensor when not sharded); in-place on a DTensor's
             # local tensor updates the DTensor.
             weights = [local(p) for p in bucket]
@@ -331,18 +353,17 @@ class Muon(torch.optim.Optimizer):
             bufs = [local(self.state[p]["momentum_buffer"]) for p in bucket]
             compile_it = self.compile == "always" or (self.compile == "cuda" and weights[0].is_cuda)
             if hasattr(bucket[0], "device_mesh"):
-                self._sharded_bucket(bucket, weights, grads, bufs, lr * wd, scale, compile_it, common)
+                self._sharded_bucket(bucket, weights, grads, bufs, lr_wd, scale, compile_it, common)
             elif compile_it:
                 # The learning rate as device tensors: a new rate each step is no new graph, and no host sync.
-                on = weights[0].device
-                lr_wd = lr * wd if isinstance(lr, torch.Tensor) else torch.full((), lr * wd, device=on)
-                if not isinstance(scale, torch.Tensor):
-                    scale = torch.full((), scale, device=on)
+                if scalars is None:
+                    on = weights[0].device
+                    lr_wd, scale = torch.full((), lr_wd, device=on), torch.full((), scale, device=on)
                 compiled(bucket_step, self.compile_backend)(
                     weights, grads, bufs, lr_wd=lr_wd, scale=scale, **common
                 )
             else:
-                bucket_step(weights, grads, bufs, lr_wd=lr * wd, scale=scale, **common)
+                bucket_step(weights, grads, bufs, lr_wd=lr_wd, scale=scale, **common)
 
     def _distributes(self, p: torch.Tensor) -> bool:
         return self.distribute and can_distribute(p)
