@@ -201,6 +201,8 @@ MATRIX["muon-graph"] = [
     {"model.size": "125m", "train.optimizer": "muon", **_GRAPHS, "perf.muon_graph": True},
 ]
 SHAPES["muon-graph"] = SHAPES["125m"]
+MATRIX["muon-graph-47m"] = MATRIX["muon-graph"][:3]  # with --kernels 2: where the recorded step's time goes
+SHAPES["muon-graph-47m"] = SHAPES["125m"]
 
 SHAPES["moe-inl"] = ("1b", 2048, 8)
 SHAPES["muon"] = SHAPES["125m"]
