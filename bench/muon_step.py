@@ -4,7 +4,8 @@ trainer takes it (grad_scale and found_inf set on the device, fused AdamW). One 
 milliseconds per step (median of ``--reps`` timed with CUDA events after warm-up), the first step's seconds
 (compilation), Newton-Schulz TFLOP per step and the TFLOP/s it reached.
 
-Variants: adamw; muon (eager buckets: today's default); muon_compile (perf.muon_compile).
+Variants: adamw; muon (eager buckets: today's default); muon_compile (perf.muon_compile); muon_graph
+(perf.muon_compile with the whole step recorded as one CUDA graph: perf.muon_graph).
 
 Usage (GPU machine, repo root):  python3 bench/muon_step.py [--shapes 47m,125m,1b] [--out muon_step.jsonl]
 On a CPU (smoke test):           python3 bench/muon_step.py --shapes debug --device cpu --reps 2
@@ -28,7 +29,7 @@ SHAPES = {
     "125m": ("125m", {}),
     "1b": ("1b", {}),
 }
-VARIANTS = ("adamw", "muon", "muon_compile")
+VARIANTS = ("adamw", "muon", "muon_compile", "muon_graph")
 HYPER = dict(lr=3e-4, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, fused=True)
 
 
@@ -46,7 +47,7 @@ def ns_flop(model: torch.nn.Module, steps: int = 5) -> float:
 def make(variant: str, model: torch.nn.Module) -> torch.optim.Optimizer:
     if variant == "adamw":
         return build_adamw(model, **HYPER)
-    return build_muon(model, compile=variant == "muon_compile", **HYPER)
+    return build_muon(model, compile=variant != "muon", graph=variant == "muon_graph", **HYPER)
 
 
 def time_steps(opt: torch.optim.Optimizer, dev: torch.device, reps: int) -> tuple[float, list[float]]:

@@ -33,11 +33,14 @@ def estimate_peak(
         return None
     from gptoughts.perf import checkpointing
     from gptoughts.perf.estimate import estimate
+    from gptoughts.training.resolve import muon_graph_rule
 
     # DPO runs the chosen and the rejected completion of each pair in one forward: two rows a pair
     rows = micro_batch * (2 if cfg.train.objective == "dpo" else 1)
     if grad_accum is None:
         grad_accum = accumulation(cfg, micro_batch, block_size, world_size // tp)
+    # under CUDA graphs the gradients stay allocated between steps (their addresses are the graph's)
+    keep_grads = bool(getattr(getattr(model, "built", None), "keep_grads", False))
     try:
         return estimate(
             model.family.name,
@@ -60,8 +63,8 @@ def estimate_peak(
             tp=tp,
             accum_unsharded_grads=_accumulates_unsharded(env, grad_accum),
             grad_accum=grad_accum,
-            # under CUDA graphs the gradients stay allocated between steps (their addresses are the graph's)
-            keep_grads=bool(getattr(getattr(model, "built", None), "keep_grads", False)),
+            keep_grads=keep_grads,
+            muon_graph=muon_graph_rule(cfg.perf, keep_grads, env.dist, env.device.type),
         )
     except Exception:  # noqa: BLE001 - an estimate must never stop a run
         return None

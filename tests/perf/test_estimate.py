@@ -139,3 +139,18 @@ def test_async_checkpoint_staging_is_one_host_copy_of_each_ranks_weights_and_opt
         "llama", "125m", batch_size=1, block_size=256, num_gpus=2, strategy="fsdp", cpu_offload=True
     )
     assert off.checkpoint_staging_gib == pytest.approx(fsdp.checkpoint_staging_gib)
+
+
+def test_muons_recorded_step_keeps_its_largest_batchs_working_memory():
+    """perf.muon_graph: the recorded step's private memory stays between steps, ~15 bytes per parameter of its
+    largest batch of matrices (the MLP's w1, w2, w3 of every layer: one batch); nothing for AdamW."""
+    from gptoughts.perf.estimate import estimate
+
+    shape = dict(d_model=512, n_layers=12, n_heads=8, n_kv_heads=8, ffn_dim=1408, vocab_size=8192)
+    common = dict(batch_size=32, block_size=512, keep_grads=True)
+    plain = estimate("llama", "125m", shape, optimizer="muon", **common)
+    graphed = estimate("llama", "125m", shape, optimizer="muon", muon_graph=True, **common)
+    mlp = 12 * 3 * 512 * 1408
+    assert (graphed.total_gib - plain.total_gib) * 2**30 == pytest.approx(15 * mlp)
+    adamw = [estimate("llama", "125m", shape, muon_graph=g, **common).total_gib for g in (False, True)]
+    assert adamw[0] == adamw[1]
