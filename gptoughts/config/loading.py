@@ -250,8 +250,10 @@ def load_config(preset: str | Path | None = None, overrides: dict[str, Any] | No
     """
     overrides = {MOVED.get(k, k): v for k, v in (overrides or {}).items()}
     given_stops = _check_overrides(overrides)
-    data = read_toml(starting_preset(preset, overrides))
+    start = starting_preset(preset, overrides)
+    data = read_toml(start)
     run_file = _run_config_file(data, overrides)
+    shipped: set[str] = set()
     if run_file is not None:
         # (a preset named beside --resume is where the run started: its config.toml already holds it all)
         data = _read_run_config(run_file)
@@ -261,6 +263,8 @@ def load_config(preset: str | Path | None = None, overrides: dict[str, Any] | No
         given = _given_at_start(run_file, data)
     else:
         data, given = _under_size_defaults(data, overrides)
+        if not _preset_path(start)[1]:
+            shipped = given - set(overrides)
     if given_stops:
         for key in STOP_KEYS:
             data.get("train", {}).pop(key.split(".")[1], None)
@@ -269,6 +273,7 @@ def load_config(preset: str | Path | None = None, overrides: dict[str, Any] | No
         set_dotted(data, key, value)
     cfg = from_dict(data)
     cfg.given = frozenset(given | set(overrides))
+    cfg.shipped = frozenset(shipped & cfg.given)
     if cfg.run.out is None:
         cfg.run.out = default_out(data, {})
     validate(cfg)

@@ -498,10 +498,15 @@ class Config:
     alone (:meth:`is_given`). None: a Config built in code. Where a value came from, not part of it (not
     compared)."""
 
+    shipped: frozenset[str] = field(default_factory=frozenset, compare=False, repr=False)
+    """Of :attr:`given`, the keys a shipped preset (``gptoughts/presets/``) set and no flag changed: our choices for
+    that preset (the quickstart's 6 MB cap on its demo corpus), which the plan states without warning about them."""
+
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d.pop("resolved")
         d.pop("given")
+        d.pop("shipped")
         overrides = d["model"].pop("overrides")
         d["model"].update(overrides)
         return d

@@ -458,14 +458,16 @@ def _warnings(
             f"{batch.epochs:.1f} epochs over {tokens:,} tokens: beyond ~{MAX_USEFUL_EPOCHS:g} epochs repeated "
             "data adds little and the model memorises it; add data or train fewer steps"
         )
-    if data.init_from is None and tokens < params:
+    # (a shipped preset that picks both its corpus and its model, the quickstart's demo, is sized so on purpose)
+    ours = {"data.sources", "model.size"} <= getattr(cfg, "shipped", frozenset())
+    if data.init_from is None and tokens < params and not ours:
         suggestion = _size_for(model.family, cfg, tokens)
         out.append(
             f"the corpus ({tokens:,} tokens) is smaller than the model ({params:,} parameters): compute-"
             f"optimal training wants ~{TOKENS_PER_PARAM_OPTIMAL} tokens per parameter"
             + (f"; --size {suggestion} suits this corpus better" if suggestion else "; add data")
         )
-    if data.corpus.get("cut"):
+    if data.corpus.get("cut") and "data.max_bytes" not in getattr(cfg, "shipped", frozenset()):
         out.append(
             f"data.max_bytes = {cfg.data.max_bytes:,} cuts the corpus: "
             f"{data.corpus['bytes_read']:,} of {data.corpus['bytes']:,} bytes are read; drop the cap to read it all"
