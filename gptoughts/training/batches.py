@@ -327,6 +327,8 @@ def _fit_epochs(
     rows = _rows_for_epochs(tokens, row_tokens)
     if micro * accum <= rows:
         return micro, accum
+    if rows < micro:  # the batch line's figures are of the micro-batch the memory rule chose: say it was cut
+        why["batch_size"] = f"{why.get('batch_size', 'auto')}; {micro} rows cut to {rows} for the epochs (below)"
     micro = min(micro, rows)
     accum = max(1, rows // micro)
     why["grad_accum"] = (
