@@ -124,3 +124,18 @@ def cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 def fast() -> dict:
     """Fast, quiet CPU training overrides (dotted keys)."""
     return dict(FAST)
+
+
+@pytest.fixture
+def fresh_dynamo() -> Iterator[None]:
+    """torch.compile's caches emptied before and after a test: Muon's compiled step graphs (one per batch shape,
+    cached by ``newton_schulz.compiled``) and dynamo's, so that a test counts or compares its own compilations."""
+    import torch
+
+    from gptoughts.training import newton_schulz
+
+    torch._dynamo.reset()
+    newton_schulz.compiled.cache_clear()
+    yield
+    torch._dynamo.reset()
+    newton_schulz.compiled.cache_clear()

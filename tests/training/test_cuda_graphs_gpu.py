@@ -26,29 +26,35 @@ def _losses(run: Path) -> list[float]:
     return [r["loss"] for r in rows if "loss" in r]
 
 
+def _six_steps(corpus: Path, out: Path, *, graphs: bool, accum: int, mode: str = "auto", **extra: object):
+    """Six compiled steps on CUDA, evaluated at 3 and 6, no checkpoints."""
+    return load_config(
+        "default",
+        {
+            **FAST,
+            "data.sources": [str(corpus)],
+            "run.out": str(out),
+            "perf.device": "cuda",
+            "perf.compile": True,
+            "perf.compile_mode": mode,
+            "perf.cuda_graphs": graphs,
+            "train.grad_accum": accum,
+            "train.max_steps": 6,
+            "train.log_interval": 1,
+            "train.eval_interval": 3,
+            "train.sample_interval": 0,
+            "checkpoint.checkpoints": False,
+            **extra,
+        },
+    )
+
+
 @pytest.mark.parametrize("mode", ["blocks", "model"])
 def test_cuda_graphs_with_accumulation(mode, tmp_path, text_corpus, cache_dir):
     runs = {}
     for graphs in (False, True):
         out = tmp_path / f"graphs-{graphs}"
-        cfg = load_config(
-            "default",
-            {
-                **FAST,
-                "data.sources": [str(text_corpus)],
-                "run.out": str(out),
-                "perf.device": "cuda",
-                "perf.compile": True,
-                "perf.compile_mode": mode,
-                "perf.cuda_graphs": graphs,
-                "train.grad_accum": 3,
-                "train.max_steps": 6,
-                "train.log_interval": 1,
-                "train.eval_interval": 3,
-                "train.sample_interval": 0,
-                "checkpoint.checkpoints": False,
-            },
-        )
+        cfg = _six_steps(text_corpus, out, mode=mode, graphs=graphs, accum=3)
         api.run_training(cfg)
         runs[graphs] = _losses(out)
     plain, graphed = runs[False], runs[True]
@@ -96,24 +102,8 @@ def test_muon_step_as_a_graph_in_a_training_run(tmp_path, text_corpus, cache_dir
     runs, lines = {}, {}
     for graph in ("auto", False):
         out = tmp_path / f"muon-graph-{graph}"
-        cfg = load_config(
-            "default",
-            {
-                **FAST,
-                "data.sources": [str(text_corpus)],
-                "run.out": str(out),
-                "perf.device": "cuda",
-                "perf.compile": True,
-                "perf.cuda_graphs": True,
-                "perf.muon_graph": graph,
-                "train.optimizer": "muon",
-                "train.grad_accum": 2,
-                "train.max_steps": 6,
-                "train.log_interval": 1,
-                "train.eval_interval": 3,
-                "train.sample_interval": 0,
-                "checkpoint.checkpoints": False,
-            },
+        cfg = _six_steps(
+            text_corpus, out, graphs=True, accum=2, **{"perf.muon_graph": graph, "train.optimizer": "muon"}
         )
         api.run_training(cfg)
         runs[graph] = _losses(out)

@@ -193,44 +193,15 @@ def test_sharded_parameters_step_like_whole_ones(tmp_path):
         torch.testing.assert_close(a, b.detach(), rtol=0, atol=0)
 
 
-def test_matrices_of_one_shape_are_orthogonalized_together_like_alone():
-    """Same-shape matrices go through Newton-Schulz as one batch (speed); each gets torch.optim.Muon's step
-    for it alone, to bf16 rounding of the iteration (batched matmuls may round differently)."""
-    ours = [nn.Parameter(torch.randn(12, 20, generator=torch.Generator().manual_seed(i))) for i in range(3)]
-    ref = [nn.Parameter(p.detach().clone()) for p in ours]
-    start = [p.detach().clone() for p in ours]
-    o = Muon([{"params": ours, "muon": True, "weight_decay": 0.1}], lr=0.02)
-    r = torch.optim.Muon(ref, lr=0.02, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
-    g = torch.Generator().manual_seed(9)
-    for _ in range(3):
-        for a, b in zip(ours, ref):
-            a.grad = torch.randn(a.shape, generator=g)
-            b.grad = a.grad.clone()
-        o.step()
-        r.step()
-    for a, b, s in zip(ours, ref, start):
-        step = (b - s).abs().max().item()
-        assert step > 1e-3
-        assert (a - b).abs().max().item() < 0.02 * step  # a bug (wrong matrix, scale) moves it by ~step
-
-
-def test_tall_and_wide_matrices_of_one_shape_share_a_batch(monkeypatch):
-    """An MLP's w1/w3 [f, d] and w2 [d, f] go through Newton-Schulz as one batch (the tall ones transposed, as
-    each would be alone): one batch per shape as iterated, and each matrix gets torch.optim.Muon's step for it
-    alone, to bf16 rounding."""
-    from gptoughts.training import newton_schulz
-
-    shapes = [(20, 12), (12, 20), (20, 12)]
+def _step_beside_torch_muon(shapes: list[tuple[int, int]]) -> None:
+    """Three steps of our Muon and torch.optim.Muon on the same gradients: each matrix moves as torch's, to bf16
+    rounding of the iteration (batched matmuls may round differently; a bug, wrong matrix or scale, moves it by
+    about its whole step)."""
     ours = [
         nn.Parameter(torch.randn(s, generator=torch.Generator().manual_seed(i))) for i, s in enumerate(shapes)
     ]
     ref = [nn.Parameter(p.detach().clone()) for p in ours]
     start = [p.detach().clone() for p in ours]
-    batches: list[tuple[int, ...]] = []
-    plain = newton_schulz.orthogonalize
-    monkeypatch.setattr(
-        newton_schulz, "orthogonalize", lambda x, *a: batches.append(tuple(x.shape)) or plain(x, *a)
-    )
     o = Muon([{"params": ours, "muon": True, "weight_decay": 0.1}], lr=0.02)
     r = torch.optim.Muon(ref, lr=0.02, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
     g = torch.Generator().manual_seed(9)
@@ -240,11 +211,31 @@ def test_tall_and_wide_matrices_of_one_shape_share_a_batch(monkeypatch):
             b.grad = a.grad.clone()
         o.step()
         r.step()
-    assert batches == [(3, 12, 20)] * 3
     for a, b, s in zip(ours, ref, start):
         step = (b - s).abs().max().item()
         assert step > 1e-3
         assert (a - b).abs().max().item() < 0.02 * step
+
+
+def test_matrices_of_one_shape_are_orthogonalized_together_like_alone():
+    """Same-shape matrices go through Newton-Schulz as one batch (speed); each gets torch.optim.Muon's step
+    for it alone."""
+    _step_beside_torch_muon([(12, 20)] * 3)
+
+
+def test_tall_and_wide_matrices_of_one_shape_share_a_batch(monkeypatch):
+    """An MLP's w1/w3 [f, d] and w2 [d, f] go through Newton-Schulz as one batch (the tall ones transposed, as
+    each would be alone): one batch per shape as iterated, and each matrix gets torch.optim.Muon's step for it
+    alone."""
+    from gptoughts.training import newton_schulz
+
+    batches: list[tuple[int, ...]] = []
+    plain = newton_schulz.orthogonalize
+    monkeypatch.setattr(
+        newton_schulz, "orthogonalize", lambda x, *a: batches.append(tuple(x.shape)) or plain(x, *a)
+    )
+    _step_beside_torch_muon([(20, 12), (12, 20), (20, 12)])
+    assert batches == [(3, 12, 20)] * 3
 
 
 def test_a_shape_whose_learning_rate_depends_on_orientation_keeps_two_batches(monkeypatch):

@@ -43,15 +43,6 @@ def _assert_same_step(
         assert (a - b).norm().item() <= tol * step
 
 
-@pytest.fixture
-def fresh_dynamo():
-    torch._dynamo.reset()
-    newton_schulz.compiled.cache_clear()
-    yield
-    torch._dynamo.reset()
-    newton_schulz.compiled.cache_clear()
-
-
 @pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
 def test_compiled_step_equals_eager_and_skips_on_the_device(fresh_dynamo, backend):
     """The whole bucket step captured as one graph (fullgraph: no break; aot_eager: functionalized in-place

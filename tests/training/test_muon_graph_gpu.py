@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from gptoughts.models import build_model, model_args
-from gptoughts.training import newton_schulz
 from gptoughts.training.optim import build_muon, set_lr
 
 pytestmark = [
@@ -46,15 +45,6 @@ def _same(a: torch.nn.Module, b: torch.nn.Module, oa, ob) -> None:
         assert torch.equal(pa, pb)
         for k, v in oa.state[pa].items():
             assert torch.equal(v, ob.state[pb][k]), k
-
-
-@pytest.fixture
-def fresh_dynamo():
-    torch._dynamo.reset()
-    newton_schulz.compiled.cache_clear()
-    yield
-    torch._dynamo.reset()
-    newton_schulz.compiled.cache_clear()
 
 
 @pytest.mark.parametrize("compiled", [False, True])
