@@ -328,7 +328,9 @@ def _fit_epochs(
     if micro * accum <= rows:
         return micro, accum
     if rows < micro:  # the batch line's figures are of the micro-batch the memory rule chose: say it was cut
-        why["batch_size"] = f"{why.get('batch_size', 'auto')}; {micro} rows cut to {rows} for the epochs (below)"
+        why["batch_size"] = (
+            f"{why.get('batch_size', 'auto')}; {micro} rows cut to {rows} for the epochs (below)"
+        )
     micro = min(micro, rows)
     accum = max(1, rows // micro)
     why["grad_accum"] = (

@@ -466,7 +466,7 @@ def train_optimizer(cfg: Config, env: Environment, model: Model, t: TrainConfig)
     """The run's optimizer; under pipeline parallelism also the order in which a one-process run's optimizer holds
     the parameters (its checkpoints key them by index): an optimizer over the whole model, built but never stepped
     (no state is allocated; unfused: the parameters a rank does not hold are on the meta device)."""
-    from gptoughts.training.resolve import muon_graph_rule
+    from gptoughts.training.optim import muon_graph_rule
     from gptoughts.training.setup import make_optimizer
 
     graph = muon_graph_rule(cfg.perf, model.built.keep_grads, env.dist, env.device.type)

@@ -33,7 +33,7 @@ def estimate_peak(
         return None
     from gptoughts.perf import checkpointing
     from gptoughts.perf.estimate import estimate
-    from gptoughts.training.resolve import muon_graph_rule
+    from gptoughts.training.optim import muon_graph_rule
 
     # DPO runs the chosen and the rejected completion of each pair in one forward: two rows a pair
     rows = micro_batch * (2 if cfg.train.objective == "dpo" else 1)

@@ -11,11 +11,12 @@ import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
-from gptoughts.errors import UserError
+from gptoughts.errors import ConfigError, UserError
 from gptoughts.models import hidden_matrices
 from gptoughts.training.newton_schulz import (
     apply_update,
@@ -65,6 +66,22 @@ def by_layout(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     for t in tensors:
         parts.setdefault(_layout(t), []).append(t)
     return list(parts.values()) or [[]]
+
+
+def muon_graph_rule(perf: Any, model_graphs: bool, dist: Any, device_type: str | None) -> bool:
+    """Whether Muon's step replays as one CUDA graph (``perf.muon_graph``): where the model's steps are CUDA graphs
+    (``model_graphs``: their gradients are kept in place, where a recorded step reads them) and every parameter is
+    a whole CUDA tensor. Asked where it cannot run: a ConfigError."""
+    if perf.muon_graph is False:
+        return False
+    whole = device_type == "cuda" and not dist.sharded and not dist.cpu_offload and dist.pp == 1
+    if perf.muon_graph is True and not (model_graphs and whole):
+        raise ConfigError(
+            "perf.muon_graph needs the model's steps as CUDA graphs (--compile true --perf.cuda_graphs true) "
+            "with whole parameters on one GPU per process (no FSDP, tensor or pipeline parallelism, no offload); "
+            "leave it auto"
+        )
+    return model_graphs and whole
 
 
 def build_muon(

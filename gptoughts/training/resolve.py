@@ -524,24 +524,6 @@ def optimizer_line(
     return name, line + (f"; Newton-Schulz {step}" if step else "")
 
 
-def muon_graph_rule(
-    perf: PerfConfig, model_graphs: bool, dist: pdist.DistInfo, device_type: str | None
-) -> bool:
-    """Whether Muon's step replays as one CUDA graph (``perf.muon_graph``): where the model's steps are CUDA graphs
-    (``model_graphs``: their gradients are kept in place, where a recorded step reads them) and every parameter is
-    a whole CUDA tensor. Asked where it cannot run: a ConfigError."""
-    if perf.muon_graph is False:
-        return False
-    whole = device_type == "cuda" and not dist.sharded and not dist.cpu_offload and dist.pp == 1
-    if perf.muon_graph is True and not (model_graphs and whole):
-        raise ConfigError(
-            "perf.muon_graph needs the model's steps as CUDA graphs (--compile true --perf.cuda_graphs true) "
-            "with whole parameters on one GPU per process (no FSDP, tensor or pipeline parallelism, no offload); "
-            "leave it auto"
-        )
-    return model_graphs and whole
-
-
 def muon_step_words(
     perf: PerfConfig, dist: pdist.DistInfo, device_type: str | None, model_graphs: bool = False
 ) -> str:
@@ -561,6 +543,8 @@ def muon_step_words(
             if sharded
             else "whole on every rank (perf.muon_distribute: no sharded matrices)"
         )
+    from gptoughts.training.optim import muon_graph_rule
+
     if muon_graph_rule(perf, model_graphs, dist, device_type):
         words.append("the whole optimizer step replayed as one CUDA graph")
     return ", ".join(words)

@@ -213,7 +213,8 @@ def test_muon_graph_follows_the_models_cuda_graphs_and_refuses_where_it_cannot_r
     elsewhere, a one-line ConfigError; the plan's optimizer line says what runs."""
     from gptoughts.errors import ConfigError
     from gptoughts.parallel.dist import DistInfo
-    from gptoughts.training.resolve import muon_graph_rule, muon_step_words
+    from gptoughts.training.optim import muon_graph_rule
+    from gptoughts.training.resolve import muon_step_words
 
     one, fsdp = DistInfo(), DistInfo(world_size=2, strategy="fsdp")
     auto, asked, off = PerfConfig(), PerfConfig(muon_graph=True), PerfConfig(muon_graph=False)
