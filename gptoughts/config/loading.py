@@ -195,16 +195,17 @@ def _run_config_file(data: dict[str, Any], overrides: dict[str, Any]) -> Path | 
     return f if f.is_file() else None
 
 
-def _given_at_start(run_file: Path, data: dict[str, Any]) -> set[str]:
-    """The settings the resumed run's user gave (run.json ``given``). A run recorded before run.json kept them
-    counts every value of its config.toml as given."""
+def _given_at_start(run_file: Path, data: dict[str, Any]) -> tuple[set[str], set[str]]:
+    """The settings the resumed run's user gave, and of those the ones its shipped preset set (run.json ``given``
+    and ``shipped``). A run recorded before run.json kept them counts every value of its config.toml as given."""
     try:
-        given = json.loads((run_file.parent / "run.json").read_text(encoding="utf-8")).get("given")
+        record = json.loads((run_file.parent / "run.json").read_text(encoding="utf-8"))
+        given, shipped = record.get("given"), record.get("shipped")
     except (OSError, ValueError, AttributeError):
-        given = None
+        given = shipped = None
     if not isinstance(given, list):
-        return dotted_keys(data)
-    return {str(k) for k in given}
+        return dotted_keys(data), set()
+    return {str(k) for k in given}, {str(k) for k in shipped} if isinstance(shipped, list) else set()
 
 
 def _read_run_config(run_file: Path) -> dict[str, Any]:
@@ -260,7 +261,8 @@ def load_config(preset: str | Path | None = None, overrides: dict[str, Any] | No
         data.setdefault("run", {})["out"] = str(run_file.parent)
         # How a run is launched is not part of it: a run saved under FSDP on 2 GPUs resumes on one.
         data.pop("parallel", None)
-        given = _given_at_start(run_file, data)
+        given, shipped = _given_at_start(run_file, data)
+        shipped -= set(overrides)
     else:
         data, given = _under_size_defaults(data, overrides)
         if not _preset_path(start)[1]:

@@ -443,6 +443,7 @@ def write_run_files(asm: Assembly) -> None:
         "threads": asm.threads,
         # what the user gave (a resume counts only these as theirs: config.toml holds every decided value too)
         "given": sorted(cfg.given) if cfg.given is not None else None,
+        "shipped": sorted(cfg.shipped),
         "plan": asm.plan.to_dict(),
         "resolved": asm.resolved,
         "torch": torch.__version__,

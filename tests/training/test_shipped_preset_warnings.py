@@ -46,3 +46,23 @@ def test_the_same_cap_as_a_flag_or_in_the_users_file_is_warned_about(tmp_path: P
     assert own.shipped == frozenset()
     found = _warnings(own)
     assert any("cuts the corpus" in w for w in found) and any("smaller than the model" in w for w in found)
+
+
+def test_a_resumed_run_keeps_which_values_its_shipped_preset_set(tmp_path: Path):
+    """run.json records the shipped keys beside the given ones: a resume warns no more than the first start did
+    (a newcomer's resumed quickstart printed the two warnings its first start had not)."""
+    import json
+
+    from gptoughts.config import to_toml
+
+    out = tmp_path / "run"
+    out.mkdir()
+    first = load_config(None, {"run.out": str(out)})
+    (out / "config.toml").write_text(to_toml(first))
+    (out / "run.json").write_text(
+        json.dumps({"given": sorted(first.given), "shipped": sorted(first.shipped)})
+    )
+    resumed = load_config(None, {"run.out": str(out), "run.resume": "auto", "train.max_steps": 300})
+    assert resumed.shipped == first.shipped - {"train.max_steps"}
+    assert "data.max_bytes" in resumed.shipped
+    assert not [w for w in _warnings(resumed) if "max_bytes" in w or "smaller than the model" in w]
