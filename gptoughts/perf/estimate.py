@@ -301,7 +301,7 @@ def estimate(
     the activations per family: ``_activation_bytes``; tensor parallelism, FSDP, offload: ``_place``).
     ``grad_accum`` > 1: the gradients accumulated so far live beside the next micro-batch's activations;
     ``keep_grads`` (CUDA graphs): the gradients stay allocated between steps, beside the activations too;
-    ``muon_graph``: Muon's recorded step keeps its working memory (:func:`_muon_graph_bytes`)."""
+    ``muon_graph``: Muon's recorded step keeps its working memory (:func:`muon_graph_bytes`)."""
     args, model = _meta_model(family, size, overrides)
     n = model.num_params()
     tokens_step = batch_size * block_size
@@ -321,7 +321,7 @@ def estimate(
         weights=4 * n,
         grads=4 * n,
         optim=_optimizer_bytes(model, n, optimizer, optimizer_states)
-        + (_muon_graph_bytes(model) if muon_graph and optimizer == "muon" else 0.0),
+        + (muon_graph_bytes(model) if muon_graph and optimizer == "muon" else 0.0),
         copies=2 * _matmul_params(model, full=activation_checkpointing == "full"),
         act=act,
         logits=logits,
@@ -424,7 +424,7 @@ def _optimizer_bytes(model: Any, n: int, optimizer: str, optimizer_states: str) 
     return optim
 
 
-def _muon_graph_bytes(model: Any) -> float:
+def muon_graph_bytes(model: Any) -> float:
     """Muon's step recorded as a CUDA graph (perf.muon_graph) keeps the private memory of its largest batch of
     matrices between steps: ~15 bytes per parameter of that batch (the fp32 updates, their bf16 stack, the
     iteration's products; measured +0.32 GiB at 47M and +0.82 GiB at 125m on an H200). A batch holds at most

@@ -69,7 +69,7 @@ def plan_batches(
     if data.prefs is not None:
         why.setdefault("batch_size", "pairs, each 2 rows: chosen and rejected")
     accum, tokens_per_step = _resumed_global_batch(resumed_run, micro, accum, row_tokens, info, why)
-    total_steps, rule = _total_steps(t, epochs, train_tokens, tokens_per_step)
+    total_steps, rule = _total_steps(t, epochs, train_tokens, tokens_per_step, cfg.shipped)
     warmup = t.warmup_steps if t.warmup_steps is not None else default_warmup(total_steps)
     why["warmup_steps"] = "asked" if t.warmup_steps is not None else "auto: 2% of the run, at most 2000"
     eval_interval, save_interval, tasks_interval = _intervals(
@@ -171,6 +171,7 @@ def _probed_micro_batch(cfg: Config, env: Environment, model: Model) -> tuple[in
         "dpo": asdict(cfg.dpo) if t.objective == "dpo" else None,
         "loss": (cfg.perf.loss, cfg.perf.loss_chunk),
         "fused_adamw": cfg.perf.fused_adamw,
+        "reserve": _graph_reserve(cfg, env, model),
     }
     try:
         micro, cached = auto_micro_batch(
@@ -185,11 +186,25 @@ def _probed_micro_batch(cfg: Config, env: Environment, model: Model) -> tuple[in
             dist=env.dist,
             parts=parts,
             accumulates=parts["accumulates"],
+            reserve_bytes=parts["reserve"],
         )
     except NothingFits:  # the estimate said it would: say what each way out needs
         lead = f"not even one row of {t.block_size:,} tokens fits in real training steps"
         raise UserError(layout_refusal(cfg, env, model, lead)) from None
     return micro, "auto: largest that fits" + (" (cached)" if cached else "")
+
+
+def _graph_reserve(cfg: Config, env: Environment, model: Model) -> int:
+    """Bytes the run keeps that the probe's steps do not: Muon's recorded step's private memory
+    (perf.muon_graph), held aside while probing."""
+    from gptoughts.perf.estimate import muon_graph_bytes
+    from gptoughts.training.optim import muon_graph_rule
+
+    t = cfg.train
+    graph = t.optimizer == "muon" and muon_graph_rule(
+        cfg.perf, model.built.keep_grads, env.dist, env.device.type, t.optimizer_states
+    )
+    return int(muon_graph_bytes(model.raw)) if graph else 0
 
 
 def _accumulates(cfg: Config) -> bool:
@@ -262,9 +277,14 @@ def _resumed_global_batch(
 
 
 def _total_steps(
-    t: TrainConfig, epochs: float | None, train_tokens: int, tokens_per_step: int
+    t: TrainConfig,
+    epochs: float | None,
+    train_tokens: int,
+    tokens_per_step: int,
+    shipped: frozenset[str] = frozenset(),
 ) -> tuple[int, str]:
-    """The run's optimizer steps, and the stopping rule that decided them."""
+    """The run's optimizer steps, and the stopping rule that decided them (a shipped preset's named as such: the
+    user typed no flag)."""
     if t.max_steps is not None:
         total_steps, rule = t.max_steps, f"--max_steps {t.max_steps}"
     elif t.max_tokens is not None:
@@ -278,6 +298,8 @@ def _total_steps(
             if t.epochs is not None
             else "one epoch (no --max_steps, --epochs or --max_tokens)"
         )
+    if rule.startswith("--") and f"train.{rule[2:].split()[0]}" in shipped:
+        rule = f"the preset's {rule[2:]}"
     return max(1, total_steps), rule
 
 

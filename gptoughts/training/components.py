@@ -470,7 +470,9 @@ def train_optimizer(cfg: Config, env: Environment, model: Model, t: TrainConfig)
     from gptoughts.training.optim import muon_graph_rule
     from gptoughts.training.setup import make_optimizer
 
-    graph = muon_graph_rule(cfg.perf, model.built.keep_grads, env.dist, env.device.type)
+    graph = t.optimizer == "muon" and muon_graph_rule(
+        cfg.perf, model.built.keep_grads, env.dist, env.device.type, t.optimizer_states
+    )
     optimizer = make_optimizer(model.built.model, t, cfg.perf, env.device, graph=graph)
     if model.built.pipeline is not None:
         names = {id(p): n for n, p in model.raw.named_parameters()}

@@ -64,7 +64,8 @@ def estimate_peak(
             accum_unsharded_grads=_accumulates_unsharded(env, grad_accum),
             grad_accum=grad_accum,
             keep_grads=keep_grads,
-            muon_graph=muon_graph_rule(cfg.perf, keep_grads, env.dist, env.device.type),
+            muon_graph=cfg.train.optimizer == "muon"
+            and muon_graph_rule(cfg.perf, keep_grads, env.dist, env.device.type, cfg.train.optimizer_states),
         )
     except Exception:  # noqa: BLE001 - an estimate must never stop a run
         return None

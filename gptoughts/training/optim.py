@@ -68,20 +68,25 @@ def by_layout(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     return list(parts.values()) or [[]]
 
 
-def muon_graph_rule(perf: Any, model_graphs: bool, dist: Any, device_type: str | None) -> bool:
-    """Whether Muon's step replays as one CUDA graph (``perf.muon_graph``): where the model's steps are CUDA graphs
-    (``model_graphs``: their gradients are kept in place, where a recorded step reads them) and every parameter is
-    a whole CUDA tensor. Asked where it cannot run: a ConfigError."""
+def muon_graph_rule(
+    perf: Any, model_graphs: bool, dist: Any, device_type: str | None, states: str = "fp32"
+) -> bool:
+    """Whether Muon's step replays as one CUDA graph (``perf.muon_graph``), as :meth:`Muon._graphable` will find:
+    where the model's steps are CUDA graphs (``model_graphs``: their gradients are kept in place, where a recorded
+    step reads them), every parameter is a whole CUDA tensor, and AdamW's groups step fused with fp32 moments
+    (``states``: train.optimizer_states). Asked where it cannot run: a ConfigError."""
     if perf.muon_graph is False:
         return False
     whole = device_type == "cuda" and not dist.sharded and not dist.cpu_offload and dist.pp == 1
-    if perf.muon_graph is True and not (model_graphs and whole):
+    fused = perf.fused_adamw is True or (perf.fused_adamw == "auto" and device_type == "cuda")
+    runs = model_graphs and whole and fused and states == "fp32"
+    if perf.muon_graph is True and not runs:
         raise ConfigError(
-            "perf.muon_graph needs the model's steps as CUDA graphs (--compile true --perf.cuda_graphs true) "
-            "with whole parameters on one GPU per process (no FSDP, tensor or pipeline parallelism, no offload); "
-            "leave it auto"
+            "perf.muon_graph needs the model's steps as CUDA graphs (--compile true --perf.cuda_graphs true), "
+            "whole parameters on one GPU per process (no FSDP, tensor or pipeline parallelism, no offload) and "
+            "fused AdamW with fp32 moments; leave it auto"
         )
-    return model_graphs and whole
+    return runs
 
 
 def build_muon(
@@ -271,9 +276,15 @@ class Muon(torch.optim.Optimizer):
             g.warm += 1
             return
         if g.graph is None:
-            g.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g.graph):
-                self._step_groups(g.scalars)
+            graph = torch.cuda.CUDAGraph()
+            try:
+                # thread_local: the checkpoint stager and the loader's pinning threads make CUDA calls meanwhile
+                with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                    self._step_groups(g.scalars)
+            except BaseException:
+                self._graph = None  # a capture cut short (out of memory) must never be replayed
+                raise
+            g.graph = graph
         g.graph.replay()
 
     def _scalars(self) -> dict[tuple, float]:
@@ -292,7 +303,7 @@ class Muon(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         super().load_state_dict(state_dict)
-        self._graph = None  # the graph read the old state tensors
+        self._graph, self._graph_ok = None, None  # the graph read the old state tensors; groups may differ
         if self.adamw_states == "bf16":
             _moments_to_bf16(self, [g for g in self.param_groups if not g["muon"]])
 

@@ -171,6 +171,12 @@ class RunPlan:
         if self.corpus.get("val_examples") == 0:
             ev = "no evaluation (no held-out examples)"
         sv = f"checkpoint every {b['save_interval']:,}" if b["save_interval"] else "checkpoint at the end"
+        # an interval past the run's end happens once, at the end
+        total = b["total_steps"]
+        if b["eval_interval"] and b["eval_interval"] >= total and ev.startswith("eval every"):
+            ev = f"eval at the end ({ev}: longer than the run)"
+        if b["save_interval"] and b["save_interval"] >= total:
+            sv = f"checkpoint at the end ({sv}: longer than the run)"
         return (
             f"  steps: {b['total_steps']:,} ({b['stop_rule']}) = {b['epochs']:.2f} epoch(s) over the data, "
             f"{b['total_steps'] * b['tokens_per_step']:,} tokens; warmup {b['warmup_steps']:,}, {ev}, {sv}"
@@ -490,6 +496,12 @@ def _warnings(
                 else "the run is not evaluated"
             )
             + "; raise --data.val_fraction or add data"
+        )
+    warmup = cfg.train.warmup_steps
+    if warmup is not None and warmup >= batch.total_steps > 1:
+        out.append(
+            f"the warmup ({warmup:,} steps) covers the whole {batch.total_steps:,}-step run: the learning rate "
+            "never decays; lower --warmup_steps"
         )
     if batch.total_steps < MIN_USEFUL_STEPS and cfg.train.max_steps is None:
         out.append(

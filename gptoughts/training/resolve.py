@@ -516,20 +516,22 @@ def optimizer_line(
         lr += f" ({cfg.resolved['learning_rate']})"
     states = describe_states(t.optimizer_states) + (" for the AdamW groups" if name == "muon" else "")
     line = f"{name} ({states}), {lr}, {t.schedule} schedule ({why})"
-    step = (
-        muon_step_words(cfg.perf, dist or pdist.DistInfo(), device_type, model_graphs)
-        if name == "muon"
-        else ""
-    )
-    return name, line + (f"; Newton-Schulz {step}" if step else "")
+    if name != "muon":
+        return name, line
+    from gptoughts.training.optim import muon_graph_rule
+
+    dist = dist or pdist.DistInfo()
+    step = muon_step_words(cfg.perf, dist, device_type)
+    line += f"; Newton-Schulz {step}" if step else ""
+    if muon_graph_rule(cfg.perf, model_graphs, dist, device_type, t.optimizer_states):
+        line += "; the optimizer step replayed as one CUDA graph (perf.muon_graph)"
+    return name, line
 
 
-def muon_step_words(
-    perf: PerfConfig, dist: pdist.DistInfo, device_type: str | None, model_graphs: bool = False
-) -> str:
-    """What ``perf.muon_compile`` / ``muon_distribute`` / ``muon_graph`` do in this run (as ``training/optim.py``
-    decides it), or "" when none applies: compiled where the matrices are on CUDA (not offloaded ones); spread only
-    over matrices sharded on 2+ ranks; one CUDA graph where :func:`muon_graph_rule` says so."""
+def muon_step_words(perf: PerfConfig, dist: pdist.DistInfo, device_type: str | None) -> str:
+    """What ``perf.muon_compile`` / ``muon_distribute`` do in this run (as ``training/optim.py`` decides it), or
+    "" when neither is asked: compiled where the matrices are on CUDA (not offloaded ones); spread only over
+    matrices sharded on 2+ ranks."""
     words = []
     if perf.muon_compile:
         if device_type == "cuda" and not dist.cpu_offload:
@@ -543,8 +545,4 @@ def muon_step_words(
             if sharded
             else "whole on every rank (perf.muon_distribute: no sharded matrices)"
         )
-    from gptoughts.training.optim import muon_graph_rule
-
-    if muon_graph_rule(perf, model_graphs, dist, device_type):
-        words.append("the whole optimizer step replayed as one CUDA graph")
     return ", ".join(words)

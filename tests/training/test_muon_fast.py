@@ -209,12 +209,13 @@ def test_distributed_newton_schulz_equals_one_process(tmp_path):
 
 
 def test_muon_graph_follows_the_models_cuda_graphs_and_refuses_where_it_cannot_run():
-    """perf.muon_graph auto: on where the model's steps are CUDA graphs with whole parameters on CUDA; asked
-    elsewhere, a one-line ConfigError; the plan's optimizer line says what runs."""
+    """perf.muon_graph auto: on where the model's steps are CUDA graphs with whole parameters on CUDA and AdamW's
+    groups fused with fp32 moments; asked elsewhere, a one-line ConfigError; the plan's optimizer line says it."""
+    from gptoughts.config import load_config
     from gptoughts.errors import ConfigError
     from gptoughts.parallel.dist import DistInfo
     from gptoughts.training.optim import muon_graph_rule
-    from gptoughts.training.resolve import muon_step_words
+    from gptoughts.training.resolve import optimizer_line
 
     one, fsdp = DistInfo(), DistInfo(world_size=2, strategy="fsdp")
     auto, asked, off = PerfConfig(), PerfConfig(muon_graph=True), PerfConfig(muon_graph=False)
@@ -223,9 +224,53 @@ def test_muon_graph_follows_the_models_cuda_graphs_and_refuses_where_it_cannot_r
     assert not muon_graph_rule(auto, True, fsdp, "cuda")
     assert not muon_graph_rule(auto, True, one, "cpu")
     assert not muon_graph_rule(off, True, one, "cuda")
+    assert not muon_graph_rule(auto, True, one, "cuda", "bf16")  # AdamW's bf16 moments step unfused
+    assert not muon_graph_rule(PerfConfig(fused_adamw=False), True, one, "cuda")
     assert muon_graph_rule(asked, True, one, "cuda")
-    for graphs, dist in ((False, one), (True, fsdp)):
+    for graphs, dist, states in ((False, one, "fp32"), (True, fsdp, "fp32"), (True, one, "bf16")):
         with pytest.raises(ConfigError, match="perf.muon_graph needs the model's steps as CUDA graphs"):
-            muon_graph_rule(asked, graphs, dist, "cuda")
-    assert "one CUDA graph" in muon_step_words(auto, one, "cuda", True)
-    assert "CUDA graph" not in muon_step_words(auto, one, "cuda", False)
+            muon_graph_rule(asked, graphs, dist, "cuda", states)
+    cfg = load_config("default", {"model.size": "debug", "train.optimizer": "muon"})
+    raw = build_model("llama", model_args("llama", "debug"))
+    assert "one CUDA graph" in optimizer_line(cfg, raw, one, "cuda", model_graphs=True)[1]
+    assert "CUDA graph" not in optimizer_line(cfg, raw, one, "cuda", model_graphs=False)[1]
+
+
+def test_a_capture_cut_short_is_never_replayed(monkeypatch):
+    """A recording that raises (out of memory inside the capture) leaves no graph behind: the next step starts
+    over with warm steps instead of replaying a truncated step; the capture ignores other threads' CUDA calls."""
+    import contextlib
+
+    model = build_model("llama", model_args("llama", "debug"))
+    opt = build_muon(model, **HYPER, graph=True)
+    replays, modes = [], []
+
+    class FakeGraph:
+        def replay(self) -> None:
+            replays.append(1)
+
+    @contextlib.contextmanager
+    def failing(graph, capture_error_mode="global"):
+        modes.append(capture_error_mode)
+        yield
+        raise torch.OutOfMemoryError("in the capture")
+
+    monkeypatch.setattr(Muon, "_graphable", lambda self: True)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph", failing)
+    grads = [torch.zeros_like(p) for p in model.parameters()]
+
+    def step(seed: int) -> None:  # the gradients stay where they are, as under the model's CUDA graphs
+        for p, g in zip(model.parameters(), grads):
+            p.grad = g
+            g.copy_(torch.randn(g.shape, generator=torch.Generator().manual_seed(seed)))
+        opt.grad_scale, opt.found_inf = torch.tensor(1.5), torch.tensor(0.0)
+        opt.step()
+
+    step(0)
+    step(1)  # the two warm steps
+    with pytest.raises(torch.OutOfMemoryError):
+        step(2)
+    assert opt._graph is None and modes == ["thread_local"]
+    step(3)  # a warm step again, not a replay
+    assert opt._graph is not None and opt._graph.graph is None and not replays
