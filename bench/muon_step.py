@@ -20,7 +20,8 @@ import time
 
 import torch
 
-from gptoughts.models import build_model, hidden_matrices, model_args
+from gptoughts.models import build_model, model_args
+from gptoughts.perf.estimate import newton_schulz_flops
 from gptoughts.training.optim import build_adamw, build_muon
 
 SHAPES = {
@@ -31,17 +32,6 @@ SHAPES = {
 }
 VARIANTS = ("adamw", "muon", "muon_compile", "muon_graph")
 HYPER = dict(lr=3e-4, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, fused=True)
-
-
-def ns_flop(model: torch.nn.Module, steps: int = 5) -> float:
-    """Newton-Schulz FLOP of one Muon step: per matrix (m <= n), ``steps`` x (X X^T: 2m²n, A·A: 2m³, B·X: 2m²n)."""
-    hidden = hidden_matrices(model)
-    total = 0.0
-    for p in model.parameters():
-        if id(p) in hidden:
-            m, n = sorted(p.shape[-2:])
-            total += p[..., 0, 0].numel() * steps * (4 * m * m * n + 2 * m**3)
-    return total
 
 
 def make(variant: str, model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -95,7 +85,7 @@ def main() -> None:
         model = build_model("llama", model_args("llama", size, overrides), device=dev)
         for p_ in model.parameters():
             p_.grad = torch.randn_like(p_)
-        flop = ns_flop(model)
+        flop = newton_schulz_flops(model)
         for variant in a.variants.split(","):
             opt = make(variant, model)
             first, times = time_steps(opt, dev, a.reps)

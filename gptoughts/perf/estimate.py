@@ -10,6 +10,7 @@ measurements it was checked against: docs/performance.md, "Memory and time estim
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -422,6 +423,18 @@ def _optimizer_bytes(model: Any, n: int, optimizer: str, optimizer_states: str) 
         hidden = models.hidden_matrices(model)
         optim -= (adam - 4) * sum(p.numel() for p in model.parameters() if id(p) in hidden)
     return optim
+
+
+def newton_schulz_flops(model: Any, steps: int = 5) -> float:
+    """FLOP of one Muon step's Newton-Schulz iteration: per hidden matrix (m <= n; an expert stack counts each
+    expert), ``steps`` x (X Xᵀ: 2m²n, A·A: 2m³, B·X: 2m²n)."""
+    hidden = models.hidden_matrices(model)
+    total = 0.0
+    for p in model.parameters():
+        if id(p) in hidden:
+            m, n = sorted(p.shape[-2:])
+            total += math.prod(p.shape[:-2]) * steps * (4 * m * m * n + 2 * m**3)
+    return total
 
 
 def muon_graph_bytes(model: Any) -> float:

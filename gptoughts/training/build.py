@@ -42,6 +42,7 @@ from gptoughts.training.environment import (
     setup_environment,
     use_our_compile_cache,
 )
+from gptoughts.training.estimates import cpu_optimizer_seconds, with_optimizer_step
 from gptoughts.training.modeling import Model, apply_planned_compile, build_model
 from gptoughts.training.plan import BatchPlan, RunPlan, make_plan, memory_refusal
 from gptoughts.training.resolve import resolve_grad_sync
@@ -170,7 +171,14 @@ def _assemble(
         threads = (count, how)
         resolved["threads"] = f"{count} ({how})"
         # The probe's speed at the chosen count is a better guess of the run's than the matmul-based one
-        plan.retime(probe_tokens / step_s, "the thread probe's forward+backward at this count")
+        optimizer_s = cpu_optimizer_seconds(cfg, model)
+        basis = "the thread probe's forward+backward at this count" + (
+            f", and Muon's Newton-Schulz ~{optimizer_s:.1f} s a step at its bf16 matmul speed"
+            if optimizer_s
+            else ""
+        )
+        tps = with_optimizer_step(probe_tokens / step_s, batch.tokens_per_step, optimizer_s)
+        plan.retime(tps, basis)
         if env.dist.is_main:
             console.print(plan.threads_line() + "\n  " + plan.time_line(), highlight=False)
     if not dry_run:

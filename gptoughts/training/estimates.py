@@ -210,12 +210,32 @@ def estimate_speed(
     return flops_s * 0.5 / flops, "from this CPU's measured matmul speed, at 50% of it"
 
 
-def _cpu_matmul_flops() -> float:
+def cpu_optimizer_seconds(cfg: Any, model: Any) -> float:
+    """Seconds one optimizer step adds to a CPU step's forward+backward: Muon's Newton-Schulz matmuls, in bf16 as
+    torch.optim.Muon's (on a CPU without bf16 instructions ~3x slower than fp32: a newcomer's 20-step Muon run was
+    planned at 10 s and took 56), at this CPU's measured bf16 matmul speed; 0 for AdamW (a few % of a step)."""
+    import torch
+
+    from gptoughts.perf.estimate import newton_schulz_flops
+
+    if cfg.train.optimizer != "muon" or cfg.lora.enabled:  # LoRA adapters train with AdamW
+        return 0.0
+    return newton_schulz_flops(model.raw) / _cpu_matmul_flops(torch.bfloat16)
+
+
+def with_optimizer_step(tokens_per_s: float, tokens_per_step: int, optimizer_s: float) -> float:
+    """A forward+backward speed slowed by an optimizer step of ``optimizer_s`` seconds every ``tokens_per_step``."""
+    if not optimizer_s:
+        return tokens_per_s
+    return tokens_per_step / (tokens_per_step / tokens_per_s + optimizer_s)
+
+
+def _cpu_matmul_flops(dtype: Any = None) -> float:
     import time
 
     import torch
 
-    a, b = torch.randn(512, 512), torch.randn(512, 512)
+    a, b = torch.randn(512, 512, dtype=dtype), torch.randn(512, 512, dtype=dtype)
     a @ b
     t = time.perf_counter()
     for _ in range(8):

@@ -18,9 +18,11 @@ import numpy as np
 from gptoughts.perf.layout import REFUSE_ABOVE
 from gptoughts.training.estimates import (
     GPU_FIXES,
+    cpu_optimizer_seconds,
     device_memory_gib,
     estimate_peak,
     estimate_speed,
+    with_optimizer_step,
 )
 
 # Beyond ~4 epochs, repeated data adds little and overfits (Muennighoff et al. 2023, "Scaling data-constrained
@@ -443,7 +445,12 @@ def memory_refusal(plan: RunPlan, on_cpu: bool) -> str | None:
 def _speed(cfg: Any, env: Any, model: Any, batch: BatchPlan) -> tuple[float | None, str]:
     if env.dist.cpu_offload:  # bound by host-device copies and the CPU's optimizer step, not by the matmuls
         return None, ""
-    return estimate_speed(env, model, batch.block_size, batch.micro_batch, batch.world_size)
+    tps, basis = estimate_speed(env, model, batch.block_size, batch.micro_batch, batch.world_size)
+    optimizer_s = cpu_optimizer_seconds(cfg, model) if tps and env.device.type == "cpu" else 0.0
+    if optimizer_s:
+        tps = with_optimizer_step(tps, batch.tokens_per_step, optimizer_s)
+        basis += f"; Muon's Newton-Schulz ~{optimizer_s:.1f} s a step at its bf16 matmul speed"
+    return tps, basis
 
 
 def _warnings(
