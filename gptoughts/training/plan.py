@@ -333,6 +333,7 @@ def make_plan(
         + _unused_fp8_switches(cfg, resolved)
         + unused_fsdp_switches(cfg, env.dist)
         + kept_by_compiled_checkpointing(model, batch, resolved)
+        + _schedule_moved(cfg, batch, run_dir, start)
     )
     return RunPlan(
         model=what,
@@ -359,6 +360,33 @@ def make_plan(
         device_type=env.device.type,
         start_step=start,
     )
+
+
+def _schedule_moved(cfg: Any, batch: BatchPlan, run_dir: Path, start: int) -> list[str]:
+    """A resume that changes the run's length recomputes the schedule for the new one: the learning rate of the
+    next step moves (a finished cosine run extended goes back up). Said, with both rates."""
+    import json
+
+    from gptoughts.training.optim import Schedule
+
+    if not start or cfg.train.schedule == "constant":
+        return []
+    try:
+        before = json.loads((run_dir / "run.json").read_text(encoding="utf-8"))["plan"]["batch"]
+        old_total, old_warmup = int(before["total_steps"]), int(before["warmup_steps"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+    if old_total == batch.total_steps:
+        return []
+    t = cfg.train
+    rates = [
+        Schedule(t.schedule, t.learning_rate, total, warmup, t.min_lr_ratio, t.decay_fraction).lr_at(start)
+        for total, warmup in ((old_total, old_warmup), (batch.total_steps, batch.warmup_steps))
+    ]
+    return [
+        f"the {t.schedule} schedule is recomputed for {batch.total_steps:,} steps (the run was planned for "
+        f"{old_total:,}): the learning rate at step {start + 1:,} moves from {rates[0]:.2e} to {rates[1]:.2e}"
+    ]
 
 
 def _resumed_step(resume_from: Path | None) -> int:
