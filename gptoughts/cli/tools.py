@@ -158,6 +158,13 @@ def cmd_estimate(argv: Sequence[str]) -> int:
             + ("" if isinstance(cfg.train.batch_size, int) else f" (auto: fits 90% of {e.gpu})")
         )
         print(format_estimate(e))
+        if "gpu" not in opts:
+            print("(on an H100: --gpu names another)")
+        if e.fits is False:
+            print(
+                "train chooses activation checkpointing, 8-bit or bf16 optimizer states or CPU offload where it "
+                "must, among what you left unset: `gptoughts train` with these flags and --dry_run prints its plan"
+            )
     return 0
 
 

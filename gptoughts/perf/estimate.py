@@ -11,7 +11,7 @@ measurements it was checked against: docs/performance.md, "Memory and time estim
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from gptoughts import models
@@ -653,8 +653,10 @@ def estimate_config(
             return t.grad_accum
         return accumulation_for(t.global_batch_tokens, batch, t.block_size, data_ranks)
 
+    cap = cfg.perf.gpu_memory_gib  # the memory a run may fill (--gpu_memory_gib), where the user caps it
+
     def at(batch: int) -> Estimate:
-        return estimate(
+        e = estimate(
             cfg.model.family,
             cfg.model.size,
             overrides,
@@ -676,6 +678,9 @@ def estimate_config(
             tp=cfg.parallel.tp,
             grad_accum=accum_at(batch),
         )
+        if cap and (e.gpu_memory_gib is None or cap < e.gpu_memory_gib):
+            e = replace(e, gpu_memory_gib=cap, fits=e.total_gib <= cap * 0.95)
+        return e
 
     micro, accum = t.batch_size, t.grad_accum
     if not isinstance(micro, int):

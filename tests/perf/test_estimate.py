@@ -154,3 +154,19 @@ def test_muons_recorded_step_keeps_its_largest_batchs_working_memory():
     assert (graphed.total_gib - plain.total_gib) * 2**30 == pytest.approx(15 * mlp)
     adamw = [estimate("llama", "125m", shape, muon_graph=g, **common).total_gib for g in (False, True)]
     assert adamw[0] == adamw[1]
+
+
+def test_estimate_holds_the_run_to_its_memory_cap(capsys):
+    """--gpu_memory_gib caps what the estimate's run may fill, as it caps train's (a newcomer's 24 GiB INL plan read
+    "64.56 of 80 on H100 fits"); over the cap it says where train's own layout choice is printed."""
+    argv = ["estimate", "--model", "inl", "--size", "3b", "--batch_size", "1", "--json"]
+    assert cli.main(argv) == 0
+    whole = json.loads(capsys.readouterr().out)
+    assert cli.main([*argv, "--gpu_memory_gib", "24"]) == 0
+    capped = json.loads(capsys.readouterr().out)
+    assert whole["gpu_memory_gib"] == 80 and whole["fits"] is True
+    assert capped["gpu_memory_gib"] == 24 and capped["fits"] is False
+    assert capped["total_gib"] == whole["total_gib"]
+    assert cli.main(argv[:-1] + ["--gpu_memory_gib", "24"]) == 0
+    text = capsys.readouterr().out
+    assert "of 24.0 on H100  DOES NOT FIT" in text and "--dry_run prints its plan" in text
