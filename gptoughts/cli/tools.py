@@ -71,8 +71,10 @@ def cmd_env(argv: Sequence[str]) -> int:
         print(json.dumps(d, default=str))
         return 0
     mem = f"{d['memory_bytes'] / 2**30:.1f} GiB" if d["memory_bytes"] else "unknown"
+    # a CPU's arch is "cpu", its device's name already
+    about = [d["name"]] + ([d["arch"]] if d["arch"] not in (d["name"], d["device"]) else [])
     print(
-        f"device     {d['device']}  ({d['name']}, {d['arch']}, {d['gpu_count']} GPU(s), {d['cpu_count']} CPU cores)"
+        f"device     {d['device']}  ({', '.join(about)}, {d['gpu_count']} GPU(s), {d['cpu_count']} CPU cores)"
     )
     print(f"memory     {mem}")
     precisions = ["fp32"] + [p for p in ("bf16", "fp16", "fp8") if d[p]]

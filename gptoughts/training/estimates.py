@@ -237,7 +237,11 @@ def _cpu_matmul_flops(dtype: Any = None) -> float:
 
     a, b = torch.randn(512, 512, dtype=dtype), torch.randn(512, 512, dtype=dtype)
     a @ b
-    t = time.perf_counter()
-    for _ in range(8):
-        a @ b
-    return 8 * 2 * 512**3 / max(time.perf_counter() - t, 1e-6)
+    # the fastest of three rounds: one round's figure moved 5x between runs on a shared 2-core machine
+    best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        for _ in range(4):
+            a @ b
+        best = min(best, time.perf_counter() - t)
+    return 4 * 2 * 512**3 / max(best, 1e-6)

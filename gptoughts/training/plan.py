@@ -9,6 +9,7 @@ longer than most documents, a cap that cuts the corpus.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -317,7 +318,7 @@ def make_plan(
     # the size's name, and what the config changed of its shape (the quickstart is a 10M "debug" resized)
     changed = ", ".join(f"{k} {v}" for k, v in cfg.model.overrides.items())
     what = (
-        f"{model.family.name}/{cfg.model.size}" + (f" ({changed})" if changed else "")
+        f"{model.family.name}/{cfg.model.size}" + (f" resized ({changed})" if changed else "")
         if data.init_from is None
         else f"{model.family.name} from {cfg.model.init_from}" + (" + LoRA" if cfg.lora.enabled else "")
     )
@@ -383,6 +384,8 @@ def _schedule_moved(cfg: Any, batch: BatchPlan, run_dir: Path, start: int) -> li
         Schedule(t.schedule, t.learning_rate, total, warmup, t.min_lr_ratio, t.decay_fraction).lr_at(start)
         for total, warmup in ((old_total, old_warmup), (batch.total_steps, batch.warmup_steps))
     ]
+    if math.isclose(rates[0], rates[1], rel_tol=0.01):
+        return []
     return [
         f"the {t.schedule} schedule is recomputed for {batch.total_steps:,} steps (the run was planned for "
         f"{old_total:,}): the learning rate at step {start + 1:,} moves from {rates[0]:.2e} to {rates[1]:.2e}"

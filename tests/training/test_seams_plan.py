@@ -388,7 +388,7 @@ def test_the_plan_names_the_quickstarts_shape_not_only_its_size(tmp_path, text_c
     text = _ok(["train", "quickstart", "--data", str(text_corpus), "--tokenizer", "bytes", *QUIET_CPU[:2],
                 "--out", str(tmp_path / "r"), "--dry_run"], capsys)  # fmt: skip
     line = next(ln for ln in text.splitlines() if ln.startswith("plan:"))
-    assert line.startswith("plan: llama/debug (d_model 320, n_layers 6, "), line
+    assert line.startswith("plan: llama/debug resized (d_model 320, n_layers 6, "), line
 
 
 def test_the_batch_line_and_the_memory_line_agree_when_the_epochs_cut_the_accumulation(
