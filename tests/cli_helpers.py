@@ -60,7 +60,7 @@ def ok(argv: list[str], capsys) -> str:
 def plan_of(text: str) -> tuple[str, str, int]:
     """(family, size, parameters) of the run plan a command printed."""
     m = re.search(
-        r"plan: (\w+)/(\w+)(?: \([^)]*\))?, ([\d,]+) parameters", text
+        r"plan: (\w+)/(\w+)(?: resized \([^)]*\))?, ([\d,]+) parameters", text
     )  # (what it changed of the size)
     assert m, text[-1500:]
     return m.group(1), m.group(2), int(m.group(3).replace(",", ""))

@@ -202,7 +202,7 @@ def _graph_reserve(cfg: Config, env: Environment, model: Model) -> int:
 
     t = cfg.train
     graph = t.optimizer == "muon" and muon_graph_rule(
-        cfg.perf, model.built.keep_grads, env.dist, env.device.type, t.optimizer_states
+        cfg.perf, getattr(model.built, "keep_grads", False), env.dist, env.device.type, t.optimizer_states
     )
     return int(muon_graph_bytes(model.raw)) if graph else 0
 
