@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -325,7 +326,9 @@ def test_outputs_of_a_run(tmp_path, text_corpus, cache_dir):
         out,
         **{"train.max_steps": 4, "train.eval_interval": 2, "train.log_interval": 2, "run.tensorboard": True},
     )
+    called = time.perf_counter()
     model, tok, hist = api.run_training(cfg)
+    wall = time.perf_counter() - called
     for name in ("config.toml", "metrics.jsonl", "samples.txt", "run.json", "tokenizer"):
         assert (out / name).exists(), name
     assert list((out / "tensorboard").iterdir())
@@ -338,7 +341,8 @@ def test_outputs_of_a_run(tmp_path, text_corpus, cache_dir):
     assert load_config(str(out / "config.toml")).train.max_steps == 4
     startup = json.loads((out / "summary.json").read_text())["startup"]  # command -> first finished step
     parts = startup["imports_s"] + startup["assembly_s"] + startup["first_step_s"]
-    assert startup["imports_s"] < 1.0  # a Python API call: the clock starts at the call, not the process
+    # a Python API call: the clock starts at the call, not the process (which started before this test did)
+    assert startup["to_first_step_s"] < wall
     assert startup["assembly_s"] > 0 and startup["first_step_s"] > 0
     assert startup["to_first_step_s"] == pytest.approx(parts, abs=0.02)
     loaded = api.load(out)
