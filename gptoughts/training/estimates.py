@@ -214,8 +214,9 @@ def estimate_speed(
 
 def cpu_optimizer_seconds(cfg: Any, model: Any) -> float:
     """Seconds one optimizer step adds to a CPU step's forward+backward: Muon's Newton-Schulz matmuls, in bf16 as
-    torch.optim.Muon's (on a CPU without bf16 instructions ~3x slower than fp32: a newcomer's 20-step Muon run was
-    planned at 10 s and took 56), at this CPU's measured bf16 matmul speed; 0 for AdamW (a few % of a step)."""
+    torch.optim.Muon's (on a CPU without bf16 instructions ~3x slower than fp32: a 20-step quickstart with Muon was
+    planned at 10 s without them and took 56), at this CPU's measured bf16 matmul speed; 0 for AdamW (a few % of a
+    step)."""
     import torch
 
     from gptoughts.perf.estimate import newton_schulz_flops
