@@ -303,3 +303,15 @@ def test_version_and_help_do_not_import_torch_and_the_api_stays_callable():
         "assert callable(gptoughts.train) and train is gptoughts.train and generate.__name__ == 'generate_text'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_command_that_trains_nothing_leaves_no_startup_clock_behind(monkeypatch):
+    """The CLI starts the start-up clock at its command; a command that never trains (here --version) must not
+    leave that origin for a later API call in the same process, whose start-up would then count from it (a test's
+    API run read 1.4 s of "imports" left by an earlier test's CLI call)."""
+    from gptoughts.perf import startup
+
+    monkeypatch.setattr(startup, "_commands", 0)  # the first command of a process counts from its start (0.0)
+    assert cli.main(["--version"]) == 0
+    before = startup.process_age_s()
+    assert startup.startup_clock() >= before

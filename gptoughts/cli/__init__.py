@@ -59,9 +59,16 @@ def _setup_logging() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from gptoughts.perf.startup import mark_command
+    from gptoughts.perf.startup import end_command, mark_command
 
     mark_command()  # `train` reports the time from here (from the process's start) to its first step
+    try:
+        return _command(argv)
+    finally:
+        end_command()
+
+
+def _command(argv: Sequence[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(usage())

@@ -37,6 +37,13 @@ def mark_command() -> None:
     _commands += 1
 
 
+def end_command() -> None:
+    """The CLI calls this when a command returns: a command that trained nothing (``estimate``, a refused run)
+    leaves no origin behind for a later API call in the same process to read as its own."""
+    global _command_origin
+    _command_origin = None
+
+
 def startup_clock() -> float:
     """Process age at which this run's start-up clock starts: the command's (consumed once), else now (a
     Python API call: its imports are the caller's business)."""
