@@ -440,8 +440,8 @@ def newton_schulz_flops(model: Any, steps: int = 5) -> float:
 def muon_graph_bytes(model: Any) -> float:
     """Muon's step recorded as a CUDA graph (perf.muon_graph) keeps the private memory of its largest batch of
     matrices between steps: ~15 bytes per parameter of that batch (the fp32 updates, their bf16 stack, the
-    iteration's products; measured +0.32 GiB at 47M and +0.82 GiB at 125m on an H200). A batch holds at most
-    2^28 parameters (``Muon.chunk_bytes``: 1 GiB of fp32 matrices)."""
+    iteration's products; measured: docs/performance.md). A batch holds at most 2^28 parameters
+    (``Muon.chunk_bytes``: 1 GiB of fp32 matrices)."""
     hidden = models.hidden_matrices(model)
     batches: dict[tuple, int] = {}
     for p in model.parameters():

@@ -206,17 +206,15 @@ def estimate_speed(
             return None, "unknown GPU peak"
         mfu = 0.55 if getattr(model.args, "d_model", 0) >= 2048 else 0.45
         return peak * mfu / flops * world_size, f"estimated at MFU {mfu:.2f} of {env.hw.name}'s peak"
-    # a whole training step reaches ~25% of a 512² matmul's speed: the quickstart on 2 cores trained at 1,013
-    # tokens/s where 50% had planned 2,065 (small matmuls, attention, norms, the optimizer, evaluations)
+    # a whole training step reaches ~25% of a 512² matmul's speed (docs/performance.md, "Memory and time estimate")
     flops_s = _cpu_matmul_flops()
     return flops_s * 0.25 / flops, "from this CPU's measured matmul speed, at 25% of it"
 
 
 def cpu_optimizer_seconds(cfg: Any, model: Any) -> float:
     """Seconds one optimizer step adds to a CPU step's forward+backward: Muon's Newton-Schulz matmuls, in bf16 as
-    torch.optim.Muon's (on a CPU without bf16 instructions ~3x slower than fp32: a 20-step quickstart with Muon was
-    planned at 10 s without them and took 56), at this CPU's measured bf16 matmul speed; 0 for AdamW (a few % of a
-    step)."""
+    torch.optim.Muon's (~3x slower than fp32 on a CPU without bf16 instructions), at this CPU's measured bf16 matmul
+    speed; 0 for AdamW (a few % of a step)."""
     import torch
 
     from gptoughts.perf.estimate import newton_schulz_flops
@@ -240,7 +238,7 @@ def _cpu_matmul_flops(dtype: Any = None) -> float:
 
     a, b = torch.randn(512, 512, dtype=dtype), torch.randn(512, 512, dtype=dtype)
     a @ b
-    # the fastest of three rounds: one round's figure moved 5x between runs on a shared 2-core machine
+    # the fastest of three rounds: one round's figure is at the mercy of a shared machine's other load
     best = float("inf")
     for _ in range(3):
         t = time.perf_counter()
