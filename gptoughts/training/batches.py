@@ -198,12 +198,9 @@ def _graph_reserve(cfg: Config, env: Environment, model: Model) -> int:
     """Bytes the run keeps that the probe's steps do not: Muon's recorded step's private memory
     (perf.muon_graph), held aside while probing."""
     from gptoughts.perf.estimate import muon_graph_bytes
-    from gptoughts.training.optim import muon_graph_rule
+    from gptoughts.training.optim import records_muon_step
 
-    t = cfg.train
-    graph = t.optimizer == "muon" and muon_graph_rule(
-        cfg.perf, getattr(model.built, "keep_grads", False), env.dist, env.device.type, t.optimizer_states
-    )
+    graph = records_muon_step(cfg, env, getattr(model.built, "keep_grads", False))
     return int(muon_graph_bytes(model.raw)) if graph else 0
 
 

@@ -467,12 +467,10 @@ def train_optimizer(cfg: Config, env: Environment, model: Model, t: TrainConfig)
     """The run's optimizer; under pipeline parallelism also the order in which a one-process run's optimizer holds
     the parameters (its checkpoints key them by index): an optimizer over the whole model, built but never stepped
     (no state is allocated; unfused: the parameters a rank does not hold are on the meta device)."""
-    from gptoughts.training.optim import muon_graph_rule
+    from gptoughts.training.optim import records_muon_step
     from gptoughts.training.setup import make_optimizer
 
-    graph = t.optimizer == "muon" and muon_graph_rule(
-        cfg.perf, model.built.keep_grads, env.dist, env.device.type, t.optimizer_states
-    )
+    graph = records_muon_step(cfg, env, model.built.keep_grads)
     optimizer = make_optimizer(model.built.model, t, cfg.perf, env.device, graph=graph)
     if model.built.pipeline is not None:
         names = {id(p): n for n, p in model.raw.named_parameters()}

@@ -33,7 +33,7 @@ def estimate_peak(
         return None
     from gptoughts.perf import checkpointing
     from gptoughts.perf.estimate import estimate
-    from gptoughts.training.optim import muon_graph_rule
+    from gptoughts.training.optim import records_muon_step
 
     # DPO runs the chosen and the rejected completion of each pair in one forward: two rows a pair
     rows = micro_batch * (2 if cfg.train.objective == "dpo" else 1)
@@ -64,8 +64,7 @@ def estimate_peak(
             accum_unsharded_grads=_accumulates_unsharded(env, grad_accum),
             grad_accum=grad_accum,
             keep_grads=keep_grads,
-            muon_graph=cfg.train.optimizer == "muon"
-            and muon_graph_rule(cfg.perf, keep_grads, env.dist, env.device.type, cfg.train.optimizer_states),
+            muon_graph=records_muon_step(cfg, env, keep_grads),
         )
     except Exception:  # noqa: BLE001 - an estimate must never stop a run
         return None

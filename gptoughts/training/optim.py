@@ -89,6 +89,15 @@ def muon_graph_rule(
     return runs
 
 
+def records_muon_step(cfg: Any, env: Any, keep_grads: bool) -> bool:
+    """Whether this run's optimizer is Muon with its step recorded as one CUDA graph (:func:`muon_graph_rule`):
+    what the optimizer, the memory estimate and the batch probe all ask."""
+    t = cfg.train
+    return t.optimizer == "muon" and muon_graph_rule(
+        cfg.perf, keep_grads, env.dist, env.device.type, t.optimizer_states
+    )
+
+
 def build_muon(
     model: nn.Module,
     *,

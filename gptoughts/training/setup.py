@@ -392,7 +392,7 @@ def make_optimizer(
     """``train.optimizer``: AdamW, or Muon for the hidden matrices + AdamW for the rest. A model with LoRA
     adapters keeps AdamW (:func:`optimizer_rule` says so in the plan). AdamW's moments are stored as
     ``train.optimizer_states`` says (:func:`~gptoughts.training.optim.with_states`); ``graph``: Muon's step
-    replayed as one CUDA graph (:func:`~gptoughts.training.resolve.muon_graph_rule`)."""
+    replayed as one CUDA graph (:func:`~gptoughts.training.optim.muon_graph_rule`)."""
     from gptoughts.training.optim import build_adamw, build_muon, with_states
 
     # On a GPU run, fused whatever the parameters' device: offloaded ones (FSDP2 CPUOffloadPolicy) step on the CPU
