@@ -37,9 +37,12 @@ def lr_adjustment(kind: str, shape: torch.Size) -> float:
     return 1.0
 
 
-def orthogonalize(x: torch.Tensor, coefficients: Coefficients, steps: int) -> torch.Tensor:
+def orthogonalize(
+    x: torch.Tensor, coefficients: Coefficients, steps: int, square: bool = False
+) -> torch.Tensor:
     """The Newton-Schulz iteration of ``torch.optim.Muon`` over the last two dimensions, in bf16; leading
-    dimensions are a batch of matrices (a bucket, MoE experts), each normalised and iterated alone."""
+    dimensions are a batch of matrices (a bucket, MoE experts), each normalised and iterated alone.
+    ``square`` (a batch, for the compiled step): each iteration as x <- (aI + bG + cG^2) x."""
     a, b, c = coefficients
     x = x.bfloat16()
     tall = x.size(-2) > x.size(-1)
@@ -54,9 +57,15 @@ def orthogonalize(x: torch.Tensor, coefficients: Coefficients, steps: int) -> to
         shape = x.shape
         x = x.reshape(-1, *shape[-2:])
         x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=1e-7)
+        # The square form: three plain matmuls and one element-wise pass over the small n x n matrices (in fp32,
+        # rounded once), where baddbmm's beta-accumulate made inductor copy each input first (docs/performance.md).
+        eye = torch.eye(x.size(-2), device=x.device) if square else None
         for _ in range(steps):
             gram = x @ x.mT
-            x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+            if eye is not None:
+                x = (c * (gram @ gram).float() + b * gram.float() + a * eye).bfloat16() @ x
+            else:
+                x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
         x = x.reshape(shape)
     return x.mT if tall else x
 
@@ -115,18 +124,19 @@ def bucket_step(
     keep: torch.Tensor | None,
     coefficients: Coefficients,
     steps: int,
+    square: bool = False,
 ) -> None:
     """One Muon step of a bucket of unsharded matrices of one :func:`oriented` shape: the matrices go through
     Newton-Schulz together, a handful of batched matmuls instead of five small ones per matrix. A tall matrix is
     iterated transposed, as :func:`orthogonalize` does alone, so it shares a batch with the wide ones of its shape
-    (an MLP's w1, w3 and w2) and gets the same update."""
+    (an MLP's w1, w3 and w2) and gets the same update. ``square``: :func:`orthogonalize`'s."""
     updates = momentum(grads, bufs, mu=mu, nesterov=nesterov, grad_scale=grad_scale, keep=keep)
     if len(updates) == 1:
-        ortho = [orthogonalize(updates[0], coefficients, steps)]
+        ortho = [orthogonalize(updates[0], coefficients, steps, square)]
     else:
         tall = [u.size(-2) > u.size(-1) for u in updates]
         wide = torch.stack([u.mT if t else u for u, t in zip(updates, tall)])
-        done = orthogonalize(wide, coefficients, steps).unbind(0)
+        done = orthogonalize(wide, coefficients, steps, square).unbind(0)
         ortho = [o.mT if t else o for o, t in zip(done, tall)]
     apply_update(weights, ortho, lr_wd=lr_wd, scale=scale, keep=keep)
 

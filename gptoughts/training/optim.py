@@ -201,6 +201,9 @@ class Muon(torch.optim.Optimizer):
         # buckets spread their Newton-Schulz over the ranks (perf.muon_distribute).
         self.compile = "off"
         self.compile_backend = "inductor"
+        # Whether the compiled buckets iterate Newton-Schulz in its square form (newton_schulz.orthogonalize):
+        # faster on CUDA, within bf16 rounding of the eager step's torch.optim.Muon sequence.
+        self.square = True
         self.distribute = False
         # The most whole fp32 matrices one rank stacks for a Newton-Schulz batch (:meth:`_chunks`): 1 GiB keeps
         # each bucket of a 1b Llama one batch, and cuts an 8b's MLP bucket into batches of 4 large matrices.
@@ -397,7 +400,7 @@ class Muon(torch.optim.Optimizer):
                     on = weights[0].device
                     lr_wd, scale = torch.full((), lr_wd, device=on), torch.full((), scale, device=on)
                 compiled(bucket_step, self.compile_backend)(
-                    weights, grads, bufs, lr_wd=lr_wd, scale=scale, **common
+                    weights, grads, bufs, lr_wd=lr_wd, scale=scale, square=self.square, **common
                 )
             else:
                 bucket_step(weights, grads, bufs, lr_wd=lr_wd, scale=scale, **common)
