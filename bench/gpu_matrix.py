@@ -202,9 +202,10 @@ MATRIX["muon-graph"] = [
 ]
 SHAPES["muon-graph"] = SHAPES["125m"]
 MATRIX["muon-graph-47m"] = MATRIX["muon-graph"][:3]  # with --kernels 2: where the recorded step's time goes
+MATRIX["muon-graph-125m"] = [MATRIX["muon-graph"][i] for i in (4, 6)]  # AdamW and Muon recorded
+SHAPES["muon-graph-47m"] = SHAPES["muon-graph-125m"] = SHAPES["125m"]
 # Issue 31 item 5: the dense families (Llama of LLaDA-medium's shape, LLaDA, GPT-2) against an older checkout.
 MATRIX["families-dense"] = [MATRIX["families"][i] for i in (0, 1, 3)]
-SHAPES["muon-graph-47m"] = SHAPES["125m"]
 
 SHAPES["moe-inl"] = ("1b", 2048, 8)
 SHAPES["muon"] = SHAPES["125m"]

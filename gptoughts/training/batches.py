@@ -187,6 +187,9 @@ def _probed_micro_batch(cfg: Config, env: Environment, model: Model) -> tuple[in
             parts=parts,
             accumulates=parts["accumulates"],
             reserve_bytes=parts["reserve"],
+            # The margin is of what the run may fill: under --gpu_memory_gib a probe at 39.7 of 40 GiB passed
+            # against the whole H200, and the run's first step ran out of memory (INL 4b).
+            capacity=env.hw.memory_bytes or None,
         )
     except NothingFits:  # the estimate said it would: say what each way out needs
         lead = f"not even one row of {t.block_size:,} tokens fits in real training steps"

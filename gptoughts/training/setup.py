@@ -432,12 +432,14 @@ def auto_micro_batch(
     cache_path: str | None = None,
     accumulates: bool = False,
     reserve_bytes: int = 0,
+    capacity: int | None = None,
 ) -> tuple[int, bool]:
     """The largest micro-batch that fits (see perf/autobatch.py), agreed on by all ranks (their minimum). The
     assembly asks on a GPU only (CPU runs are sized from memory estimates); on a CPU only a failed allocation
     counts, as the tests use it. ``accumulates``: the run will accumulate gradients, so every micro-batch after the
     first runs beside the whole gradient; the probe's second step does too. ``reserve_bytes``: memory the run will
-    hold that the probe's steps do not (Muon's recorded step), allocated aside while probing."""
+    hold that the probe's steps do not (Muon's recorded step), allocated aside while probing. ``capacity``: the
+    bytes the run may fill (a --gpu_memory_gib cap; None: the whole GPU), which the probe's margin is taken of."""
     from gptoughts.perf.autobatch import BatchCache, find_batch_size
     from gptoughts.training.optim import set_lr, zero_grads
 
@@ -475,7 +477,11 @@ def auto_micro_batch(
     aside = torch.empty(reserve_bytes, dtype=torch.uint8, device=device) if reserve_bytes else None
     try:  # (before any whole-model compile: the probe's batches run the per-block graphs)
         best, cached = find_batch_size(
-            try_step, device, parts=parts, cache=BatchCache(cache_path) if cache_path else None
+            try_step,
+            device,
+            parts=parts,
+            cache=BatchCache(cache_path) if cache_path else None,
+            capacity=capacity,
         )
     finally:
         probe.state.clear()  # the real optimizer allocates its own state at the first real step

@@ -377,6 +377,49 @@ def test_the_probes_cached_micro_batch_is_keyed_by_what_changes_its_memory(cache
         assert other != base
 
 
+def test_the_probes_margin_is_of_the_capped_memory(cache_dir, monkeypatch):
+    """Under --gpu_memory_gib the probe keeps its margin below the cap, not below the whole GPU: INL 4b capped at
+    40 GiB on an H200 probed micro-batch 6 at 39.7 GiB, and the run's first step ran out of memory."""
+    from types import SimpleNamespace
+
+    from gptoughts.perf.autobatch import find_batch_size
+    from gptoughts.training import setup
+
+    asked: list[int | None] = []
+
+    def record(*a, capacity=None, **k):
+        asked.append(capacity)
+        return 4, False
+
+    monkeypatch.setattr(setup, "auto_micro_batch", record)
+    args = models.model_args("llama", "125m", _args("llama", "125m")[1])
+    for gib in (80, 40):
+        cfg = load_config(None, {"model.size": "125m", "train.batch_size": "auto"})
+        env = environment_mod.Environment(
+            device=torch.device("cuda", 0), dist=build_mod.pdist.DistInfo(), hw=_h100(gib), precision="bf16"
+        )
+        model = modeling_mod.Model(family=models.get_family("llama"), args=args, raw=None, weights=None)
+        model.built = SimpleNamespace(resolved={"activation_checkpointing": "none"})
+        batches_mod._auto_batch(cfg, env, model, False, {})
+    assert asked == [80 * GIB, 40 * GIB]
+    # and the search takes that margin: 36.5 GiB of 40 fails where it would pass against 80
+    peak_gib = {5: 34.0, 6: 36.5}
+
+    def search_with(capacity: int) -> int:
+        seen = {"rows": 0}
+        return find_batch_size(
+            lambda rows: seen.update(rows=rows),
+            torch.device("cpu"),
+            parts={"cap": capacity},
+            cache=autobatch.BatchCache(cache_dir / f"probe-{capacity}.json"),
+            max_batch=6,
+            capacity=capacity,
+            peak=lambda: int(peak_gib.get(seen["rows"], 1.0) * GIB),
+        )[0]
+
+    assert (search_with(80 * GIB), search_with(40 * GIB)) == (6, 5)
+
+
 def test_the_plans_estimate_uses_the_planned_accumulation_for_fsdps_unsharded_gradient():
     """An FSDP run's plan passes its planned accumulation (a resume on fewer ranks raises it above the config's):
     FSDP2 then keeps each rank's whole unsharded gradient between micro-batches, which the estimate must count."""
