@@ -368,6 +368,12 @@ def _print_summary(asm: Any, history: History) -> None:
         session = f"run: {s['steps']:,} steps, {s['tokens']:,} tokens; this session: {session}"
     console.print(f"[bold]done[/bold] ({history.stop_reason}): {session}; {best}{final}", highlight=False)
     plots = f"{run / 'plots'}/ (overview.png)" if s["plots"] else "none (pip install matplotlib)"
+    if not asm.cfg.checkpoint.checkpoints:  # sample, eval, export and resume all read a checkpoint
+        console.print(
+            f"  run: {run}   checkpoints: none (checkpoint.checkpoints false)   plots: {plots}", highlight=False
+        )
+        console.print(f"  next: gptoughts plot {run}", highlight=False)
+        return
     console.print(f"  run: {run}   checkpoints: {run / 'checkpoints'}   plots: {plots}", highlight=False)
     scored = "--prefs PAIRS.jsonl" if asm.data.prefs is not None else "--data PATH"
     console.print(

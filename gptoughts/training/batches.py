@@ -79,7 +79,7 @@ def plan_batches(
         micro_batch=micro,
         grad_accum=accum,
         world_size=info.world_size,
-        dp_size=info.dp_size if info.dp_size != info.world_size else 0,
+        dp_size=info.dp_size,
         block_size=t.block_size,
         tokens_per_step=tokens_per_step,
         total_steps=total_steps,
@@ -93,6 +93,7 @@ def plan_batches(
         tp=info.tp,
         tasks_interval=tasks_interval,
         eval_block=data.dataset.longest_window("val", t.block_size) if data.manifest is not None else None,
+        checkpoints=cfg.checkpoint.checkpoints,
     )
 
 

@@ -52,9 +52,9 @@ class BatchPlan:
     eval_interval: int
     save_interval: int
     why: dict[str, str] = field(default_factory=dict)
-    dp_size: int = 0
-    """Data-parallel ranks (reading different data), when fewer than ``world_size`` (pipeline/tensor
-    parallelism); 0: all of them."""
+    dp_size: int = 1
+    """Data-parallel ranks (reading different data): fewer than ``world_size`` under pipeline/tensor parallelism
+    (0 in the run.json of older runs: all of them)."""
     tp: int = 1
     """Tensor-parallel degree: ``world_size / tp`` data-parallel ranks read different micro-batches."""
     tasks_interval: int = 0
@@ -62,6 +62,8 @@ class BatchPlan:
     eval_block: int | None = None
     """Tokens of an evaluation window: the block, or less when the held-out split is shorter (0: no held-out
     data, no evaluation); None: the block (not known before the corpus is tokenized, or examples)."""
+    checkpoints: bool = True
+    """Whether the run writes checkpoints at all (checkpoint.checkpoints)."""
 
 
 @dataclass
@@ -157,11 +159,10 @@ class RunPlan:
                 f" x {b['world_size'] // b.get('tp', 1)} data-parallel rank(s) (tensor parallel x{b['tp']}: "
                 f"{b['world_size']} {units})"
             )
-        if (b.get("dp_size") or 1) > 1 and b.get("dp_size") != b["world_size"]:
-            return f" x {b['dp_size']} data-parallel"
-        if b["world_size"] > 1 and not b.get("dp_size"):
-            return f" x {b['world_size']} {units}"
-        return ""
+        dp = b.get("dp_size") or b["world_size"]
+        if 1 < dp != b["world_size"]:
+            return f" x {dp} data-parallel"
+        return f" x {b['world_size']} {units}" if b["world_size"] > 1 else ""
 
     def _steps_line(self) -> str:
         b = self.batch
@@ -180,6 +181,8 @@ class RunPlan:
             ev = f"eval at the end ({ev}: longer than the run)"
         if b["save_interval"] and b["save_interval"] >= total:
             sv = f"checkpoint at the end ({sv}: longer than the run)"
+        if not b.get("checkpoints", True):
+            sv = "no checkpoints (checkpoint.checkpoints false)"
         return (
             f"  steps: {b['total_steps']:,} ({b['stop_rule']}) = {b['epochs']:.2f} epoch(s) over the data, "
             f"{b['total_steps'] * b['tokens_per_step']:,} tokens; warmup {b['warmup_steps']:,}, {ev}, {sv}"

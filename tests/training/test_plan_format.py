@@ -58,7 +58,8 @@ def test_settings_that_are_off_add_no_line():
     [
         ({"world_size": 4, "tp": 2}, "cuda", " x 2 data-parallel rank(s) (tensor parallel x2: 4 GPUs) ="),
         ({"world_size": 4, "dp_size": 2}, "cuda", " x 2 data-parallel ="),
-        ({"world_size": 4, "dp_size": 4}, "cuda", "accumulation 1 = 128"),
+        ({"world_size": 4, "dp_size": 4}, "cuda", " x 4 GPUs ="),
+        ({"world_size": 4, "dp_size": 0}, "cuda", " x 4 GPUs ="),  # an older run.json: 0 was "all of them"
         ({"world_size": 4}, "cuda", " x 4 GPUs ="),
         ({"world_size": 4}, "cpu", " x 4 processes ="),
     ],

@@ -74,6 +74,21 @@ def test_resume_auto_where_no_run_is_refuses_and_writes_nothing(
     assert not cache_dir.exists()  # refused before the corpus was read
 
 
+def test_a_run_without_checkpoints_says_so_before_and_after(tmp_path, text_corpus, cache_dir, capsys):
+    """--train.checkpoints false: the plan said "checkpoint at the end" and the summary pointed at a checkpoints
+    folder and at sample/export/resume commands, none of which a run without a checkpoint can serve."""
+    out = tmp_path / "run"
+    text = _train(out, text_corpus, capsys, "--max_steps", "2", "--train.checkpoints", "false")
+    assert not (out / "checkpoints").exists()
+    steps = next(ln for ln in text.splitlines() if ln.startswith("  steps:"))
+    assert "checkpoint at the end" not in steps and "no checkpoints (checkpoint.checkpoints false)" in steps
+    after = [ln for ln in text.splitlines() if ln.startswith(("  run:", "  next:"))]
+    assert len(after) == 2 and "checkpoints: none" in after[0] and str(out / "checkpoints") not in after[0]
+    assert "--resume" not in after[1] and "sample" not in after[1] and f"gptoughts plot {out}" in after[1]
+    run = json.loads((out / "run.json").read_text())  # one process: one data-parallel rank, said once
+    assert run["dp_size"] == run["plan"]["batch"]["dp_size"] == 1
+
+
 @pytest.mark.slow
 def test_resume_auto_of_a_run_without_checkpoint_starts_its_own_config_from_step_0(
     tmp_path, text_corpus, cache_dir, capsys
