@@ -370,7 +370,8 @@ def _print_summary(asm: Any, history: History) -> None:
     plots = f"{run / 'plots'}/ (overview.png)" if s["plots"] else "none (pip install matplotlib)"
     if not asm.cfg.checkpoint.checkpoints:  # sample, eval, export and resume all read a checkpoint
         console.print(
-            f"  run: {run}   checkpoints: none (checkpoint.checkpoints false)   plots: {plots}", highlight=False
+            f"  run: {run}   checkpoints: none (checkpoint.checkpoints false)   plots: {plots}",
+            highlight=False,
         )
         console.print(f"  next: gptoughts plot {run}", highlight=False)
         return
