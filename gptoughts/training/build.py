@@ -162,9 +162,10 @@ def _assemble(
         model = build_model(cfg, env, data)  # 4
         batch = plan_batches(cfg, env, data, model, resumed_run=resumed_run)  # 5
         resolved, plan = _plan(cfg, env, data, model, batch, run_dir, resume_from, tasks, why)  # 6
+    probing = threads is None and not dry_run and _single_cpu_process(env)
     if env.dist.is_main:
-        console.print(plan.format(), highlight=False)
-    if threads is None and not dry_run and _single_cpu_process(env):
+        console.print(plan.format(threads_pending=probing), highlight=False)
+    if probing:
         # After the plan: on a CPU the probe's forward+backward steps are the first thing that takes a while.
         step, probe_tokens = _probe_step(cfg, model, data)
         count, how, step_s = hardware.measure_cpu_threads(step)
@@ -180,7 +181,7 @@ def _assemble(
         tps = with_optimizer_step(probe_tokens / step_s, batch.tokens_per_step, optimizer_s)
         plan.retime(tps, basis)
         if env.dist.is_main:
-            console.print(plan.threads_line() + "\n  " + plan.time_line(), highlight=False)
+            console.print(plan.after_probe(), highlight=False)
     if not dry_run:
         apply_planned_compile(env, model)
     asm = Assembly(

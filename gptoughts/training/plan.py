@@ -102,16 +102,25 @@ class RunPlan:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
-    def format(self) -> str:
-        """The plan as the lines a person reads before the run starts."""
+    def format(self, threads_pending: bool = False) -> str:
+        """The plan as the lines a person reads before the run starts. ``threads_pending``: a CPU run's thread
+        probe comes next, so the thread count, the time it sets and the rest follow it (:meth:`after_probe`)."""
         lines = [self._model_line(), self._corpus_line(), self._batch_line(), self._steps_line()]
         lines += self._setting_lines()
+        if threads_pending:
+            return "\n".join([*lines, f"  {self._memory_figure()}"])
         lines.append(f"  {self._memory_figure()}; {self.time_line()}")
         if "threads" in self.resolved:
             lines.append(self.threads_line())
-        lines.append(f"  out: {self.out}" + (f" (resuming {self.resume})" if self.resume else ""))
-        lines += [f"  [yellow]warning:[/yellow] {w}" for w in self.warnings]
-        return "\n".join(lines)
+        return "\n".join(lines + self._closing_lines())
+
+    def after_probe(self) -> str:
+        """The plan's last lines once the thread probe has chosen the count and retimed the run."""
+        return "\n".join([self.threads_line(), f"  {self.time_line()}", *self._closing_lines()])
+
+    def _closing_lines(self) -> list[str]:
+        out = f"  out: {self.out}" + (f" (resuming {self.resume})" if self.resume else "")
+        return [out, *(f"  [yellow]warning:[/yellow] {w}" for w in self.warnings)]
 
     def _model_line(self) -> str:
         return (

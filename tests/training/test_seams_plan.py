@@ -270,6 +270,15 @@ def test_the_plan_comes_before_a_bounded_thread_probe(tmp_path, text_corpus, cac
     assert seen and all(plan_first for _, plan_first in seen), seen
     # the run's time, estimated again from the probe's speed once it is known
     assert re.search(r"threads: \d .*\n  time: ~.* at ~[\d,.]+ tokens/s \(the thread probe's", out), out
+    # one time, the probe's, and the plan's last lines after it (a first matmul-based time had preceded "out:")
+    whole = "".join(printed) + out  # (the spy took what was printed before the probe)
+    heads = [ln.split(":")[0].strip() for ln in whole.splitlines() if ln.startswith("  ")]
+    assert whole.count("time: ~") == 1 and heads[heads.index("memory") :][:4] == [
+        "memory",
+        "threads",
+        "time",
+        "out",
+    ]
     # an untimed step and at most two rounds of two counts, each on a bounded probe, not the 8 x 128 micro-batch
     assert len(seen) <= 5 and all(rows * cols <= build_mod.PROBE_TOKENS < 8 * 128 for (rows, cols), _ in seen)
 
