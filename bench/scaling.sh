@@ -8,8 +8,8 @@
 #   1b-levers: the 1b runs of the first mode (1 GPU, DDP, FSDP2) beside FSDP2 with
 #   --parallel.reshard_after_forward false and DDP with --parallel.ddp_bucket_mb 200 (issue 16's 97% target);
 #   8b-levers: the 8b FSDP2 bf16 run beside the same with --parallel.reshard_after_forward false.
-#   deepseek16b takes EXTRA (more flags: --parallel.ep 4, --parallel.cpu_offload true), STEPS (default 12) and
-#   RUN_TIMEOUT (seconds a run may take; default none).
+#   deepseek16b takes EXTRA (more flags, overriding the script's own: --parallel.ep 4, --log_interval 1),
+#   STEPS (default 12) and RUN_TIMEOUT (seconds a run may take; default none).
 # Usage: bash bench/scaling.sh OUT_DIR [1b|8b|both|8b-fp8|deepseek16b|1b-levers|8b-levers] [GPU COUNTS, e.g. "2 4"]
 #   (default: both, every GPU)
 #   writes OUT_DIR/scaling.txt and the runs' metrics
@@ -31,6 +31,20 @@ mfu = [r["mfu"] for r in rows if r.get("mfu")]
 print(f"{label}: {tps:,.0f} tokens/s total, {tps / gpus:,.0f} per GPU, MFU {sum(mfu) / max(1, len(mfu)):.3f}, "
       f"peak {mem:.1f} GiB on rank 0 ({len(rows)} windows)")
 EOF
+}
+with_extra() {  # NAME: the array NAME with the flags EXTRA also gives dropped, then EXTRA's (the CLI refuses a repeat)
+  local -n base=$1
+  local -a add names=() kept=()
+  read -r -a add <<< "${EXTRA:-}"
+  for a in "${add[@]}"; do [[ $a == --* ]] && names+=("${a%%=*}"); done
+  local i=0 n=${#base[@]}
+  while (( i < n )); do
+    local f=${base[i]} take=1
+    [[ $f == --* && $f != *=* && $((i + 1)) -lt $n && ${base[i + 1]} != --* ]] && take=2
+    if [[ " ${names[*]} " != *" ${f%%=*} "* ]]; then kept+=("${base[@]:i:take}"); fi
+    i=$((i + take))
+  done
+  base=("${kept[@]}" "${add[@]}")
 }
 common=(--data @stdlib --tokenizer bytes --no_progress --eval_interval 0 --train.checkpoints false
         --train.sample_prompts= --warmup_steps 5 --log_interval 5 --precision bf16 --compile true)
@@ -96,9 +110,9 @@ if [[ $what == 8b-fp8 ]]; then
   done
 fi
 if [[ $what == deepseek16b ]]; then
-  read -r -a extra <<< "${EXTRA:-}"
   ds=(--model deepseek --size 16b --block_size 4096 --batch_size 1 --max_steps "${STEPS:-12}" --optimizer muon
-      --activation_checkpointing full "${common[@]}" "${extra[@]}")
+      --activation_checkpointing full "${common[@]}")
+  with_extra ds  # EXTRA may override any of them (--log_interval 1, --batch_size 2, ...)
   for n in $counts; do
     timeout "${RUN_TIMEOUT:-0}" torchrun --standalone --nproc_per_node="$n" -m gptoughts train "${ds[@]}" --parallel.strategy fsdp \
       --out "$out/ds16-fsdp$n" > "$out/ds16-fsdp$n.log" 2>&1
