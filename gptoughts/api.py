@@ -287,6 +287,9 @@ def _out_of_memory_is_a_user_error(device: torch.device) -> Iterator[None]:
 
 def _history(asm: Any, st: Any, history: History) -> History:
     history.steps, history.tokens, history.stop_reason = st.step, st.tokens_seen, asm.trainer.stop_reason
+    rule = asm.batch.stop_rule
+    if history.stop_reason == "max steps" and "max_steps" not in rule:  # the epochs or tokens asked for
+        history.stop_reason = rule.split(" (")[0]
     history.interrupted = asm.trainer.stop_signal
     for h in st.history:
         history.eval_steps.append(h["step"])

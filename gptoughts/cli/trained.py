@@ -392,5 +392,5 @@ def cmd_plot(argv: Sequence[str]) -> int:
             raise UserError(f"nothing to plot in {a.runs[0]} (no metrics yet, or matplotlib is missing)")
         print("\n".join(str(w) for w in written))
         return 0
-    print(compare_runs(a.runs, a.out or "compare.png"))
+    print(f"wrote {Path(compare_runs(a.runs, a.out or 'compare.png')).resolve()}")
     return 0

@@ -356,6 +356,12 @@ def _fit_epochs(
         )
     micro = min(micro, rows)
     accum = max(1, rows // micro)
+    if tokens < MIN_USEFUL_STEPS * row_tokens:  # even one row a step leaves fewer: say so, not "at least"
+        why["grad_accum"] = (
+            f"1, with micro-batch 1: the automatic batch cut to one row a step, its least ({tokens:,.0f} tokens "
+            f"of training, the epochs asked for, hold {tokens / row_tokens:.1f} rows of {row_tokens:,})"
+        )
+        return micro, accum
     why["grad_accum"] = (
         f"{accum}, with micro-batch {micro}: the automatic batch cut so that {tokens:,.0f} tokens of training "
         f"(the epochs asked for) are at least {MIN_USEFUL_STEPS} steps"

@@ -25,6 +25,7 @@ from gptoughts.training.estimates import (
     estimate_speed,
     with_optimizer_step,
 )
+from gptoughts.training.rundir import is_run
 
 # Beyond ~4 epochs, repeated data adds little and overfits (Muennighoff et al. 2023, "Scaling data-constrained
 # language models").
@@ -98,6 +99,8 @@ class RunPlan:
     """cuda, mps or cpu: what the processes are (GPUs or not) and what memory bounds them."""
     start_step: int = 0
     """The step a resumed run starts after (0: a new run): ``hours`` is the time of the steps left."""
+    replaces: bool = False
+    """``out`` holds a run that this one replaces (--overwrite): the plan says so before it is gone."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -120,6 +123,7 @@ class RunPlan:
 
     def _closing_lines(self) -> list[str]:
         out = f"  out: {self.out}" + (f" (resuming {self.resume})" if self.resume else "")
+        out += " (replacing the run there: --overwrite)" if self.replaces else ""
         return [out, *(f"  [yellow]warning:[/yellow] {w}" for w in self.warnings)]
 
     def _model_line(self) -> str:
@@ -372,6 +376,7 @@ def make_plan(
         tasks=_tasks(env, batch, tasks),
         device_type=env.device.type,
         start_step=start,
+        replaces=cfg.run.overwrite and resume_from is None and is_run(run_dir),
     )
 
 
@@ -554,9 +559,14 @@ def _warnings(
             "never decays; lower --warmup_steps"
         )
     if batch.total_steps < MIN_USEFUL_STEPS and cfg.train.max_steps is None:
+        smaller = (  # a step of one row per rank: only a shorter row makes more steps of the same data
+            "lower --block_size"
+            if batch.micro_batch * batch.grad_accum == 1
+            else "lower --train.global_batch_tokens / --batch_size"
+        )
         out.append(
             f"only {batch.total_steps} optimizer step(s) of {batch.tokens_per_step:,} tokens: too few for the "
-            "schedule; add data, raise --epochs, or lower --train.global_batch_tokens / --batch_size"
+            f"schedule; add data, raise --epochs, or {smaller}"
         )
     if memory is not None and device_memory and memory > 0.95 * device_memory:
         refused = (
@@ -575,11 +585,13 @@ def _warnings(
             out.append(
                 f"the estimated peak ({gib(memory)}) {verb} this GPU's {gib(device_memory)}: {GPU_FIXES}{refused}"
             )
-    if cfg.model.size == "debug" and data.init_from is None and cfg.model.overrides == {}:
-        out.append(
-            "model.size = debug is the test size (about a million parameters): name a size with "
-            "--size (e.g. 125m)"
-        )
+    if (
+        cfg.model.size == "debug"
+        and (not cfg.is_given("model.size") or "model.size" in cfg.shipped)
+        and data.init_from is None
+        and cfg.model.overrides == {}
+    ):  # the size a bare --data run gets, not one the user named
+        out.append("model.size = debug is the test size: name a size with --size (e.g. 125m)")
     return out
 
 

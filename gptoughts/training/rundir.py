@@ -208,6 +208,12 @@ def check_resumable(run_dir: Path) -> None:
             f"{run_dir}/config.toml is missing, and a resume starts from it: restore it from a copy, or "
             "start over with --overwrite"
         )
+    if (run_dir / "summary.json").is_file() and not ckpt.list_steps(run_dir / "checkpoints"):
+        # A run stopped before its first save restarts from step 0; one that ended without any would be replaced.
+        raise UserError(
+            f"--resume auto: {run_dir} ended without writing a checkpoint (checkpoint.checkpoints false), so "
+            "there is nothing to resume; train it again with --overwrite, or into another --out"
+        )
 
 
 def architecture_changes(old: Config, cfg: Config) -> list[str]:

@@ -417,3 +417,24 @@ def test_the_batch_line_and_the_memory_line_agree_when_the_epochs_cut_the_accumu
     chosen = re.search(r"estimated peak \(~([\d.]+ GiB)\)", batch)
     planned = re.search(r"memory: ~([\d.]+ GiB) peak", memory)
     assert chosen and planned and chosen.group(1) == planned.group(1), (batch, memory)
+
+
+def test_the_test_sizes_warning_is_for_the_size_a_user_did_not_name(tmp_path, text_corpus, capsys):
+    """A bare --data run gets the debug size and is told to name one; --size debug named it, and was told the same."""
+    base = ["train", "--data", str(text_corpus), "--out", str(tmp_path / "r"), "--dry_run", "--device", "cpu"]
+    assert "debug is the test size" in _ok(base, capsys)
+    assert "debug is the test size" not in _ok([*base, "--size", "debug"], capsys)
+
+
+def test_a_corpus_under_one_row_a_step_is_told_to_shorten_the_row(tmp_path, capsys):
+    """An automatic batch cut to one row a step still leaves 2 steps of a 4,000-token corpus at block 1024: the plan
+    promised "at least 20 steps" and suggested a smaller batch, which one row cannot be."""
+    corpus = tmp_path / "tiny.txt"
+    corpus.write_text("".join(f"line {i} of a tiny corpus, a few words each.\n" for i in range(90)))
+    argv = ["train", "--data", str(corpus), "--out", str(tmp_path / "r"), "--dry_run", *QUIET_CPU,
+            "--size", "125m", "--batch_size", "auto", "--block_size", "1024"]  # fmt: skip
+    text = _ok(argv, capsys)
+    batch = next(ln for ln in text.splitlines() if ln.startswith("  batch:"))
+    assert batch.startswith("  batch: 1 x 1024 tokens x accumulation 1") and "at least 20 steps" not in batch
+    warning = next(ln for ln in text.splitlines() if "optimizer step(s)" in ln)
+    assert "lower --block_size" in warning and "--batch_size" not in warning

@@ -89,6 +89,23 @@ def test_a_run_without_checkpoints_says_so_before_and_after(tmp_path, text_corpu
     assert run["dp_size"] == run["plan"]["batch"]["dp_size"] == 1
 
 
+def test_resume_auto_of_a_run_that_ended_without_checkpoints_is_refused(
+    tmp_path, text_corpus, cache_dir, capsys
+):
+    """A finished run trained with checkpoints off has nothing to resume: restarting it from step 0 replaced its
+    metrics and summary, with a message saying it had stopped before its first save."""
+    out = tmp_path / "run"
+    _train(out, text_corpus, capsys, "--max_steps", "2", "--train.checkpoints", "false")
+    before = snapshot(out)
+    refused(
+        ["train", "--resume", "auto", "--out", str(out), "--max_steps", "4"],
+        capsys,
+        "ended without writing a checkpoint (checkpoint.checkpoints false)",
+        "--overwrite",
+    )
+    assert snapshot(out) == before
+
+
 @pytest.mark.slow
 def test_resume_auto_of_a_run_without_checkpoint_starts_its_own_config_from_step_0(
     tmp_path, text_corpus, cache_dir, capsys
@@ -96,6 +113,7 @@ def test_resume_auto_of_a_run_without_checkpoint_starts_its_own_config_from_step
     out = tmp_path / "run"
     _train(out, text_corpus, capsys, "--max_steps", "2", "--lr", "0.0007", "--train.checkpoints", "false")
     assert not ckpt.list_steps(out / "checkpoints")
+    (out / "summary.json").unlink()  # as a run killed before its first save leaves it: no summary
     code, text = run_cli(
         ["train", "--resume", "auto", "--out", str(out), "--train.checkpoints", "true"], capsys
     )
@@ -357,3 +375,26 @@ def test_a_resumed_runs_summary_labels_run_and_session_and_tensorboard_keeps_eve
     done = next(ln for ln in text.splitlines() if ln.startswith("done"))
     assert f"run: 7 steps, {7 * per_step:,} tokens" in done, done
     assert f"this session: 3 steps, {3 * per_step:,} tokens in" in done, done
+
+
+def test_the_summary_names_the_stopping_rule_the_run_had(tmp_path, text_corpus, cache_dir, capsys):
+    """--epochs 2 ended "done (max steps)", in the summary line and summary.json."""
+    out = tmp_path / "run"
+    text = _train(out, text_corpus, capsys, "--epochs", "2", "--data.max_bytes", "3000")
+    assert "done (--epochs 2)" in text, text[-800:]
+    assert json.loads((out / "summary.json").read_text())["stop_reason"] == "--epochs 2"
+
+
+def test_overwrite_says_it_replaces_a_run_and_a_plot_of_runs_says_where_it_went(
+    tmp_path, text_corpus, cache_dir, capsys, monkeypatch
+):
+    """--overwrite deleted a run with nothing said; `gptoughts plot A B` printed a bare 'compare.png'."""
+    out = tmp_path / "run"
+    first = _train(out, text_corpus, capsys, "--max_steps", "2")
+    assert "replacing" not in first
+    second = _train(out, text_corpus, capsys, "--max_steps", "2", "--overwrite")
+    outs = [ln for ln in second.splitlines() if ln.startswith("  out:")]
+    assert outs == [f"  out: {out} (replacing the run there: --overwrite)"], outs
+    monkeypatch.chdir(tmp_path)
+    code, text = run_cli(["plot", str(out), str(out)], capsys)
+    assert code == 0 and f"wrote {tmp_path / 'compare.png'}" in text and (tmp_path / "compare.png").is_file()
