@@ -571,8 +571,8 @@ def evaluate(
     max_batches: int | None = None,
 ) -> dict[str, Any]:
     """Loss and perplexity of a loaded model on all of ``data`` (tokenized with the model's own tokenizer, in
-    non-overlapping windows of ``block_size``; only a last part shorter than a full batch is left out), or on
-    ``max_batches`` batches spread evenly over it."""
+    non-overlapping windows of ``block_size``, the last batch holding what is left), or on ``max_batches``
+    batches spread evenly over it."""
     from gptoughts.data.loader import TokenDataset, eval_batches
     from gptoughts.data.prepare import cached_prepare
     from gptoughts.training.corpus import resolve_sources
@@ -606,7 +606,13 @@ def evaluate(
     mc_gen = torch.Generator(device=dev).manual_seed(0) if diffusion else None
     total, count = 0.0, 0.0
     for batch in eval_batches(
-        dataset, split="train", batch_size=batch_size, block_size=block, max_batches=max_batches, device=dev
+        dataset,
+        split="train",
+        batch_size=batch_size,
+        block_size=block,
+        max_batches=max_batches,
+        device=dev,
+        whole=True,
     ):
         if diffusion:
             # Masked diffusion has no exact likelihood: a Monte-Carlo estimate of its NLL bound per token (see
@@ -622,11 +628,11 @@ def evaluate(
         count += float(n)
     loss = total / max(count, 1.0)
     available = manifest.train_tokens
-    # Full batches only (static shapes), and each window's first token predicts nothing: never quite all of it.
+    # Each window's first token predicts nothing, and a tail shorter than a window is not scored.
     scored = f"{int(count):,} of its {available:,} tokens" + (
         " (--max_batches)"
         if max_batches is not None
-        else f" (every window of {block + 1:,} tokens that fills a whole batch of {batch_size})"
+        else f" (in windows of {block:,} tokens; a tail shorter than one is left out)"
     )
     return {
         "loss": loss,

@@ -273,9 +273,8 @@ def test_eval_scores_all_of_the_corpus(text_corpus, cache_dir, tmp_path, capsys)
     assert cli.main(["eval", str(out), "--data", str(text_corpus), "--json", "--batch_size", "4"]) == 0
     res = json.loads(capsys.readouterr().out)
     corpus_bytes = sum(f.stat().st_size for f in text_corpus.iterdir())
-    assert (
-        "fills a whole batch of 4" in res["scored"] and res["tokens"] > 0.9 * corpus_bytes
-    )  # bytes tokenizer: ~1 token a byte
+    # bytes tokenizer: ~1 token a byte, all scored but each window's first and each file's short tail
+    assert "in windows of" in res["scored"] and res["tokens"] > 0.9 * corpus_bytes
     assert (
         cli.main(
             [

@@ -571,12 +571,14 @@ def eval_batches(
     source: str | int | None = None,
     rank: int = 0,
     world_size: int = 1,
+    whole: bool = False,
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """The same fixed batches on every call: windows evenly spread over the split (all sources, or one).
 
     Full batches only (static shapes for compiled models), unless the split holds fewer windows than
     ``batch_size`` (then one smaller batch). With ``world_size > 1`` the batches are dealt round-robin and
-    their number is rounded down to a multiple of ``world_size`` so every rank runs the same count.
+    their number is rounded down to a multiple of ``world_size`` so every rank runs the same count. ``whole``
+    (one process, no ``max_batches``): every window, the last batch holding what is left (`gptoughts eval`).
     """
     ds = dataset if isinstance(dataset, TokenDataset) else TokenDataset(dataset)
     ids = [s.index for s in ds.sources] if source is None else [ds.source_index(source)]
@@ -586,23 +588,26 @@ def eval_batches(
     if total == 0:
         n_tok = sum(ds.num_tokens(split, i) for i in ids)
         raise _too_small(n_tok, split, block_size)
-    if total < batch_size:
+    if whole and max_batches is None and world_size == 1:
+        n_batches, rows_per = -(-total // batch_size), batch_size
+    elif total < batch_size:
         n_batches, rows_per = 1, total
     else:
         n_batches = total // batch_size if max_batches is None else min(max_batches, total // batch_size)
         if world_size > 1 and n_batches >= world_size:
             n_batches -= n_batches % world_size
         rows_per = batch_size
-    n = n_batches * rows_per
+    n = min(n_batches * rows_per, total)
     picks = (np.arange(n, dtype=np.int64) * total) // n  # evenly spread, distinct since total >= n
     starts = np.cumsum([0] + [c for _, _, c in per_shard])
     dev = torch.device(device)
     pin = dev.type == "cuda"
     for b in range(rank, n_batches, world_size):
-        buf = torch.empty((2, rows_per, block_size), dtype=torch.int64, pin_memory=pin)
+        rows = picks[b * rows_per : (b + 1) * rows_per].tolist()
+        buf = torch.empty((2, len(rows), block_size), dtype=torch.int64, pin_memory=pin)
         view = buf.numpy()
         where: list[Path] = []
-        for i, g in enumerate(picks[b * rows_per : (b + 1) * rows_per].tolist()):
+        for i, g in enumerate(rows):
             k = int(np.searchsorted(starts, g, side="right") - 1)
             w, shard, _ = per_shard[k]
             off = (g - int(starts[k])) * block_size

@@ -182,6 +182,19 @@ def test_eval_batches_are_fixed_and_spread(bytes_dataset: Path) -> None:
     assert len(ranks[0]) == len(ranks[1]) == 1  # 3 batches rounded down to a multiple of world_size
 
 
+def test_whole_eval_batches_hold_every_window_once(bytes_dataset: Path) -> None:
+    """`gptoughts eval` scores all of a corpus: every window once, the last batch holding what is left (full
+    batches only had dropped up to a batch of windows, 14% of a small file)."""
+    ds = TokenDataset(bytes_dataset)
+    full = list(eval_batches(ds, split="train", batch_size=3, block_size=8, max_batches=None))
+    whole = list(eval_batches(ds, split="train", batch_size=3, block_size=8, max_batches=None, whole=True))
+    rows = [tuple(r) for x, _ in whole for r in x.tolist()]
+    windows = sum(len(s) - 1 for s in ds.shards("train", 0)) // 8
+    assert len(rows) == len(set(rows)) == windows and windows % 3  # a remainder the full batches left out
+    assert [len(x) for x, _ in whole] == [3] * (windows // 3) + [windows % 3]
+    assert sum(len(x) for x, _ in full) == 3 * (windows // 3)
+
+
 def test_close_and_thread_errors(bytes_dataset: Path) -> None:
     loader = BatchLoader(bytes_dataset, batch_size=2, block_size=8, prefetch=2)
     next(loader)
