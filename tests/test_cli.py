@@ -315,3 +315,28 @@ def test_a_command_that_trains_nothing_leaves_no_startup_clock_behind(monkeypatc
     assert cli.main(["--version"]) == 0
     before = startup.process_age_s()
     assert startup.startup_clock() >= before
+
+
+def test_log_lines_to_a_file_or_pipe_are_one_line_each(tmp_path, text_corpus, cache_dir):
+    """Piped or redirected, rich wrapped each log record at 80 columns and padded it with spaces."""
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gptoughts",
+            "prepare",
+            "--data",
+            str(text_corpus),
+            "--out",
+            str(tmp_path / "s"),
+            "--tokenizer",
+            "bytes",
+        ],  # fmt: skip
+        capture_output=True,
+        text=True,
+        env={**os.environ, "GPTOUGHTS_CACHE": str(cache_dir), "PYTHONPATH": str(Path(__file__).parents[1])},
+        check=True,
+    )
+    info = [ln for ln in done.stderr.splitlines() if ln.startswith("INFO ")]
+    assert info and all(ln == ln.rstrip() for ln in done.stderr.splitlines()), done.stderr
+    assert any("tokens" in ln and str(tmp_path / "s") in ln for ln in info), done.stderr

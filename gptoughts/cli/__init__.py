@@ -49,11 +49,21 @@ def _setup_logging() -> None:
     from rich.console import Console
     from rich.logging import RichHandler
 
+    class ToStderr(logging.StreamHandler):
+        """One plain line per record, to whatever sys.stderr is when it is written (as rich's console does)."""
+
+        stream = property(lambda self: sys.stderr, lambda self, value: None)
+
     log = logging.getLogger("gptoughts")
     if not log.handlers:  # to stderr: stdout stays clean for --json output and generated text
-        log.addHandler(
-            RichHandler(console=Console(stderr=True), show_path=False, show_time=False, markup=False)
-        )
+        if sys.stderr.isatty():
+            handler: logging.Handler = RichHandler(
+                console=Console(stderr=True), show_path=False, show_time=False, markup=False
+            )
+        else:  # a log file or a pipe: rich would wrap each record at 80 columns and pad it with spaces
+            handler = ToStderr()
+            handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
+        log.addHandler(handler)
         log.setLevel(logging.INFO)
         log.propagate = False
 
