@@ -9,6 +9,7 @@ longer than most documents, a cap that cuts the corpus.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -25,7 +26,7 @@ from gptoughts.training.estimates import (
     estimate_speed,
     with_optimizer_step,
 )
-from gptoughts.training.rundir import is_run
+from gptoughts.training.rundir import is_run, read_run_json
 
 # Beyond ~4 epochs, repeated data adds little and overfits (Muennighoff et al. 2023, "Scaling data-constrained
 # language models").
@@ -344,6 +345,8 @@ def make_plan(
     memory, device_memory, host, staging = _memory(cfg, env, model, batch)
     tps, basis = _speed(cfg, env, model, batch)
     start = _resumed_step(resume_from)
+    if start and (own := _own_speed(run_dir, env, batch)):
+        tps, basis = own, "this run's own speed before the resume"
     hours = max(0, batch.total_steps - start) * batch.tokens_per_step / tps / 3600 if tps else None
     warnings = (
         _warnings(cfg, data, model, batch, params, memory, device_memory, on_cpu=env.device.type == "cpu")
@@ -488,6 +491,34 @@ def memory_refusal(plan: RunPlan, on_cpu: bool) -> str | None:
         f"the estimated peak memory, ~{gib(mem)} at micro-batch {b['micro_batch']} x {b['block_size']:,} tokens, "
         f"exceeds {where}: {fixes}; --ignore_memory_estimate tries anyway"
     )
+
+
+def _own_speed(run_dir: Path, env: Any, batch: BatchPlan) -> float | None:
+    """The median tokens/s of a resumed run's last logged windows, where it ran as this resume will (processes,
+    device type, rows and block): a better figure than any estimate. None: not comparable, or nothing logged."""
+    record = read_run_json(run_dir) or {}
+    then = record.get("plan", {}).get("batch", {})
+    same = (
+        record.get("world_size") == env.dist.world_size
+        and str(record.get("device", "")).split(":")[0] == env.device.type
+        and (then.get("micro_batch"), then.get("block_size")) == (batch.micro_batch, batch.block_size)
+    )
+    metrics = run_dir / "metrics.jsonl"
+    if not same or not metrics.is_file():
+        return None
+    with open(metrics, "rb") as f:  # the last windows only: a long run's file holds many thousand lines
+        start = max(0, f.seek(0, 2) - (1 << 16))
+        f.seek(start)
+        tail = f.read().decode("utf-8", "replace").splitlines()[1 if start else 0 :]  # (a cut first line)
+    speeds = []
+    for line in tail:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict) and isinstance(row.get("tokens_per_s"), (int, float)):
+            speeds.append(float(row["tokens_per_s"]))
+    return float(np.median(speeds[-10:])) if speeds else None
 
 
 def _speed(cfg: Any, env: Any, model: Any, batch: BatchPlan) -> tuple[float | None, str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import json
+import statistics
 from pathlib import Path
 
 import pytest
@@ -398,3 +399,16 @@ def test_overwrite_says_it_replaces_a_run_and_a_plot_of_runs_says_where_it_went(
     monkeypatch.chdir(tmp_path)
     code, text = run_cli(["plot", str(out), str(out)], capsys)
     assert code == 0 and f"wrote {tmp_path / 'compare.png'}" in text and (tmp_path / "compare.png").is_file()
+
+
+def test_a_resume_is_timed_at_the_runs_own_speed(run, capsys):
+    """A resumed run's plan timed the steps left from the matmul estimate (a quarter of the CPU's matmul speed), not
+    from the speed the run had measured: 1,278 tokens/s planned where it had trained at ~2,000."""
+    logged = [r["tokens_per_s"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+              if "tokens_per_s" in r]  # fmt: skip
+    code, text = run_cli(["train", "--resume", "auto", "--out", str(run), "--max_steps", "6"], capsys)
+    assert code == 0, text[-2000:]
+    line = next(ln for ln in text.splitlines() if "time: ~" in ln)
+    assert "(this run's own speed before the resume)" in line, line
+    planned = float(line.split(" at ~")[1].split(" tokens/s")[0].replace(",", ""))
+    assert planned == pytest.approx(statistics.median(logged[-10:]), abs=0.51)  # (printed to the token)
