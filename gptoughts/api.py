@@ -287,9 +287,9 @@ def _out_of_memory_is_a_user_error(device: torch.device) -> Iterator[None]:
 
 def _history(asm: Any, st: Any, history: History) -> History:
     history.steps, history.tokens, history.stop_reason = st.step, st.tokens_seen, asm.trainer.stop_reason
-    rule = asm.batch.stop_rule
-    if history.stop_reason == "max steps" and "max_steps" not in rule:  # the epochs or tokens asked for
-        history.stop_reason = rule.split(" (")[0]
+    rule = asm.batch.stop_rule  # "--max_steps N", "the preset's max_steps N", "--epochs E", "one epoch (...)"
+    if history.stop_reason == "max steps" and not rule.startswith(("--max_steps", "the preset's max_steps")):
+        history.stop_reason = rule.split(" (")[0]  # the epochs or tokens asked for
     history.interrupted = asm.trainer.stop_signal
     for h in st.history:
         history.eval_steps.append(h["step"])
@@ -329,7 +329,7 @@ def _summary(asm: Any, history: History, wall: float, start: tuple[int, int]) ->
         "final_val_ppl": history.final_val_ppl if math.isfinite(history.final_val_ppl) else None,
         "stop_reason": history.stop_reason,
         "startup": asm.trainer.startup.to_dict() if asm.trainer.startup.first_step_s else None,
-        "checkpoints": str(asm.run_dir / "checkpoints"),
+        "checkpoints": str(asm.run_dir / "checkpoints") if asm.cfg.checkpoint.checkpoints else None,
         "plots": [str(p) for p in plots],
         "sample": history.sample,
     }
@@ -371,14 +371,11 @@ def _print_summary(asm: Any, history: History) -> None:
         session = f"run: {s['steps']:,} steps, {s['tokens']:,} tokens; this session: {session}"
     console.print(f"[bold]done[/bold] ({history.stop_reason}): {session}; {best}{final}", highlight=False)
     plots = f"{run / 'plots'}/ (overview.png)" if s["plots"] else "none (pip install matplotlib)"
-    if not asm.cfg.checkpoint.checkpoints:  # sample, eval, export and resume all read a checkpoint
-        console.print(
-            f"  run: {run}   checkpoints: none (checkpoint.checkpoints false)   plots: {plots}",
-            highlight=False,
-        )
+    saved = s["checkpoints"] or "none (checkpoint.checkpoints false)"
+    console.print(f"  run: {run}   checkpoints: {saved}   plots: {plots}", highlight=False)
+    if not s["checkpoints"]:  # sample, eval, export and resume all read a checkpoint
         console.print(f"  next: gptoughts plot {run}", highlight=False)
         return
-    console.print(f"  run: {run}   checkpoints: {run / 'checkpoints'}   plots: {plots}", highlight=False)
     scored = "--prefs PAIRS.jsonl" if asm.data.prefs is not None else "--data PATH"
     console.print(
         f'  next: gptoughts sample {run} --prompt "..."  |  gptoughts eval {run} {scored}  |  '

@@ -149,7 +149,9 @@ def test_a_run_killed_before_its_first_checkpoint_restarts_without_duplicate_row
         capsys,
     )  # a run that never checkpointed
     assert code == 0 and not ckpt.list_steps(out / "checkpoints")
-    (out / "summary.json").unlink()  # killed, it would not have written its summary (one that ended is refused)
+    (
+        out / "summary.json"
+    ).unlink()  # killed, it would not have written its summary (one that ended is refused)
     code, text = _run(["train", "--resume", "auto", "--out", str(out), "--train.checkpoints", "true"], capsys)
     assert code == 0, text[-1500:]
     steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]

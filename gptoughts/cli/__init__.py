@@ -56,7 +56,7 @@ def _setup_logging() -> None:
 
     log = logging.getLogger("gptoughts")
     if not log.handlers:  # to stderr: stdout stays clean for --json output and generated text
-        if sys.stderr.isatty():
+        if sys.stderr is not None and sys.stderr.isatty():
             handler: logging.Handler = RichHandler(
                 console=Console(stderr=True), show_path=False, show_time=False, markup=False
             )

@@ -173,6 +173,7 @@ def _probed_micro_batch(cfg: Config, env: Environment, model: Model) -> tuple[in
         "loss": (cfg.perf.loss, cfg.perf.loss_chunk),
         "fused_adamw": cfg.perf.fused_adamw,
         "reserve": _graph_reserve(cfg, env, model),
+        "margin": "of the memory the run may fill",  # (not of the whole GPU under a cap, as cached before)
     }
     try:
         micro, cached = auto_micro_batch(
@@ -188,8 +189,8 @@ def _probed_micro_batch(cfg: Config, env: Environment, model: Model) -> tuple[in
             parts=parts,
             accumulates=parts["accumulates"],
             reserve_bytes=parts["reserve"],
-            # The margin is of what the run may fill: under --gpu_memory_gib a probe at 39.7 of 40 GiB passed
-            # against the whole H200, and the run's first step ran out of memory (INL 4b).
+            # The margin is of what the run may fill: under --gpu_memory_gib 40 on an H200 the margin was of the
+            # whole GPU, the probe chose 6 rows (planned at 39.7 GiB) and the first step ran out of memory (INL 4b).
             capacity=env.hw.memory_bytes or None,
         )
     except NothingFits:  # the estimate said it would: say what each way out needs
@@ -359,7 +360,7 @@ def _fit_epochs(
     if tokens < MIN_USEFUL_STEPS * row_tokens:  # even one row a step leaves fewer: say so, not "at least"
         why["grad_accum"] = (
             f"1, with micro-batch 1: the automatic batch cut to one row a step, its least ({tokens:,.0f} tokens "
-            f"of training, the epochs asked for, hold {tokens / row_tokens:.1f} rows of {row_tokens:,})"
+            f"of training, the epochs asked for, hold {tokens / row_tokens:.1f} steps of one row per rank)"
         )
         return micro, accum
     why["grad_accum"] = (

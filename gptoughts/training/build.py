@@ -142,6 +142,8 @@ def _assemble(
     threads = _given_threads(cfg, env, resumed_run)  # None: measured after the plan is printed
     why = _threads_why(env, threads, dry_run)
     resolved, plan = _plan(cfg, env, data, model, batch, run_dir, resume_from, tasks, why)
+    if dry_run and plan.replaces:
+        plan.replaces = "--overwrite would replace the run there"
     if not dry_run and not cfg.perf.ignore_memory_estimate:
         # rank 0's verdict for all: each rank reads a CPU's available memory at a slightly different moment
         refusal = pdist.broadcast_object(memory_refusal(plan, on_cpu=env.device.type == "cpu"), env.dist)

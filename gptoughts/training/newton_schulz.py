@@ -57,8 +57,9 @@ def orthogonalize(
         shape = x.shape
         x = x.reshape(-1, *shape[-2:])
         x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=1e-7)
-        # The square form: three plain matmuls and one element-wise pass over the small n x n matrices (in fp32,
-        # rounded once), where baddbmm's beta-accumulate made inductor copy each input first (docs/performance.md).
+        # The square form: three plain matmuls and one element-wise pass over the small n x n matrices (G and G^2,
+        # bf16 matmul outputs, summed with aI in fp32 and rounded once), where baddbmm's beta-accumulate made
+        # inductor copy each input first (docs/performance.md).
         eye = torch.eye(x.size(-2), device=x.device) if square else None
         for _ in range(steps):
             gram = x @ x.mT

@@ -100,8 +100,8 @@ class RunPlan:
     """cuda, mps or cpu: what the processes are (GPUs or not) and what memory bounds them."""
     start_step: int = 0
     """The step a resumed run starts after (0: a new run): ``hours`` is the time of the steps left."""
-    replaces: bool = False
-    """``out`` holds a run that this one replaces (--overwrite): the plan says so before it is gone."""
+    replaces: str = ""
+    """What --overwrite does to a run ``out`` holds, said before it is gone ("": nothing there to replace)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -124,7 +124,7 @@ class RunPlan:
 
     def _closing_lines(self) -> list[str]:
         out = f"  out: {self.out}" + (f" (resuming {self.resume})" if self.resume else "")
-        out += " (replacing the run there: --overwrite)" if self.replaces else ""
+        out += f" ({self.replaces})" if self.replaces else ""
         return [out, *(f"  [yellow]warning:[/yellow] {w}" for w in self.warnings)]
 
     def _model_line(self) -> str:
@@ -168,15 +168,13 @@ class RunPlan:
         """The batch line's factor of processes: tensor-parallel groups, data-parallel ranks, or all of them."""
         b = self.batch
         units = "GPUs" if self.device_type == "cuda" else "processes"
+        # (dp_size 0: a run.json from before it was always written, when it meant "all of them")
+        dp = b.get("dp_size") or b["world_size"] // b.get("tp", 1)
         if b.get("tp", 1) > 1:
-            return (
-                f" x {b['world_size'] // b.get('tp', 1)} data-parallel rank(s) (tensor parallel x{b['tp']}: "
-                f"{b['world_size']} {units})"
-            )
-        dp = b.get("dp_size") or b["world_size"]
-        if 1 < dp != b["world_size"]:
-            return f" x {dp} data-parallel"
-        return f" x {b['world_size']} {units}" if b["world_size"] > 1 else ""
+            return f" x {dp} data-parallel rank(s) (tensor parallel x{b['tp']}: {b['world_size']} {units})"
+        if dp == b["world_size"]:
+            return f" x {dp} {units}" if dp > 1 else ""
+        return f" x {dp} data-parallel" if dp > 1 else ""  # (pipeline stages share each row)
 
     def _steps_line(self) -> str:
         b = self.batch
@@ -345,7 +343,7 @@ def make_plan(
     memory, device_memory, host, staging = _memory(cfg, env, model, batch)
     tps, basis = _speed(cfg, env, model, batch)
     start = _resumed_step(resume_from)
-    if start and (own := _own_speed(run_dir, env, batch)):
+    if start and (own := _own_speed(run_dir, env, batch, resolved)):
         tps, basis = own, "this run's own speed before the resume"
     hours = max(0, batch.total_steps - start) * batch.tokens_per_step / tps / 3600 if tps else None
     warnings = (
@@ -379,23 +377,23 @@ def make_plan(
         tasks=_tasks(env, batch, tasks),
         device_type=env.device.type,
         start_step=start,
-        replaces=cfg.run.overwrite and resume_from is None and is_run(run_dir),
+        replaces="replacing the run there: --overwrite"
+        if cfg.run.overwrite and resume_from is None and is_run(run_dir)
+        else "",
     )
 
 
 def _schedule_moved(cfg: Any, batch: BatchPlan, run_dir: Path, start: int) -> list[str]:
     """A resume that changes the run's length recomputes the schedule for the new one: the learning rate of the
     next step moves (a finished cosine run extended goes back up). Said, with both rates."""
-    import json
-
     from gptoughts.training.optim import Schedule
 
     if not start or cfg.train.schedule == "constant":
         return []
     try:
-        before = json.loads((run_dir / "run.json").read_text(encoding="utf-8"))["plan"]["batch"]
+        before = (read_run_json(run_dir) or {})["plan"]["batch"]
         old_total, old_warmup = int(before["total_steps"]), int(before["warmup_steps"])
-    except (OSError, ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError):
         return []
     if old_total == batch.total_steps:
         return []
@@ -493,15 +491,27 @@ def memory_refusal(plan: RunPlan, on_cpu: bool) -> str | None:
     )
 
 
-def _own_speed(run_dir: Path, env: Any, batch: BatchPlan) -> float | None:
+# What a run's speed depends on beyond its shape: a resumed run timed at its own speed must match on each.
+_SPEED_SETTINGS = ("compile", "cuda_graphs", "fp8", "activation_checkpointing", "parallel", "cpu_offload")
+
+
+def _own_speed(run_dir: Path, env: Any, batch: BatchPlan, resolved: dict[str, Any]) -> float | None:
     """The median tokens/s of a resumed run's last logged windows, where it ran as this resume will (processes,
-    device type, rows and block): a better figure than any estimate. None: not comparable, or nothing logged."""
+    device, precision, rows, block and the settings above): a better figure than any estimate. None: not
+    comparable, or too few windows logged (a session's first window holds its compilation)."""
     record = read_run_json(run_dir) or {}
     then = record.get("plan", {}).get("batch", {})
+
+    def settings(r: dict[str, Any]) -> list[str]:
+        return [str(r.get(k, "")).split(" (")[0] for k in _SPEED_SETTINGS]
+
     same = (
-        record.get("world_size") == env.dist.world_size
+        (record.get("world_size"), record.get("dp_size")) == (env.dist.world_size, env.dist.dp_size)
         and str(record.get("device", "")).split(":")[0] == env.device.type
+        and record.get("hardware", {}).get("name") == env.hw.name
+        and record.get("precision") == env.precision
         and (then.get("micro_batch"), then.get("block_size")) == (batch.micro_batch, batch.block_size)
+        and settings(record.get("resolved", {})) == settings(resolved)
     )
     metrics = run_dir / "metrics.jsonl"
     if not same or not metrics.is_file():
@@ -518,7 +528,7 @@ def _own_speed(run_dir: Path, env: Any, batch: BatchPlan) -> float | None:
             continue
         if isinstance(row, dict) and isinstance(row.get("tokens_per_s"), (int, float)):
             speeds.append(float(row["tokens_per_s"]))
-    return float(np.median(speeds[-10:])) if speeds else None
+    return float(np.median(speeds[-10:])) if len(speeds) >= 5 else None
 
 
 def _speed(cfg: Any, env: Any, model: Any, batch: BatchPlan) -> tuple[float | None, str]:

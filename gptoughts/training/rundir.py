@@ -208,7 +208,8 @@ def check_resumable(run_dir: Path) -> None:
             f"{run_dir}/config.toml is missing, and a resume starts from it: restore it from a copy, or "
             "start over with --overwrite"
         )
-    if (run_dir / "summary.json").is_file() and not ckpt.list_steps(run_dir / "checkpoints"):
+    ended = (run_dir / "summary.json").is_file() and not ckpt.list_steps(run_dir / "checkpoints")
+    if ended and not _old_config(run_dir).checkpoint.checkpoints:
         # A run stopped before its first save restarts from step 0; one that ended without any would be replaced.
         raise UserError(
             f"--resume auto: {run_dir} ended without writing a checkpoint (checkpoint.checkpoints false), so "

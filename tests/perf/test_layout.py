@@ -111,7 +111,8 @@ def test_the_chosen_layout_fits_each_cap_or_the_refusal_names_offload(family, si
 
 def test_the_guides_hardware_gets_a_layout_in_the_fixed_order():
     """inl/3b on 24 GiB: its states alone (~34 GiB) exceed the card, checkpointing and bf16 states are not
-    enough, CPU offload is; inl/4b on 40 GiB: full checkpointing with bf16 states fits, no offload; llama/3b on
+    enough, CPU offload is; inl/4b on 40 GiB without accumulation: full checkpointing with bf16 states fits, no
+    offload (under accumulation the kept gradients need offload, or 8-bit states: the plan snapshot); llama/3b on
     40 GiB: bf16 states alone, without the checkpointing that would not be needed."""
     three = _search("inl", "3b", 24).choose()
     assert three.refusal is None and three.layout.cpu_offload, three
@@ -379,7 +380,7 @@ def test_the_probes_cached_micro_batch_is_keyed_by_what_changes_its_memory(cache
 
 def test_the_probes_margin_is_of_the_capped_memory(cache_dir, monkeypatch):
     """Under --gpu_memory_gib the probe keeps its margin below the cap, not below the whole GPU: INL 4b capped at
-    40 GiB on an H200 probed micro-batch 6 at 39.7 GiB, and the run's first step ran out of memory."""
+    40 GiB on an H200 chose micro-batch 6 (planned at 39.7 GiB), and the run's first step ran out of memory."""
     from types import SimpleNamespace
 
     from gptoughts.perf.autobatch import find_batch_size

@@ -74,6 +74,23 @@ def test_compiled_step_equals_eager_and_skips_on_the_device(fresh_dynamo, backen
         assert all(torch.equal(v, state[id(p)][k]) for k, v in s.items())
 
 
+def test_the_compiled_buckets_square_form_takes_the_eager_step(fresh_dynamo):
+    """The compiled step as it runs (the square form; aot_eager: the eager kernels, so only the form differs), the
+    MLP's tall and wide matrices in one batch, clipping included: within bf16 rounding of the eager step, and not
+    its bits (the form is in use)."""
+    m_eager, m_comp = _llama_pair()
+    eager = build_muon(m_eager, **HYPER)
+    comp = build_muon(m_comp, **HYPER)
+    comp.compile, comp.compile_backend = "always", "aot_eager"
+    assert comp.square
+    start = [p.detach().clone() for p in m_eager.parameters()]
+    for seed in range(3):
+        _step(m_eager, eager, seed)
+        _step(m_comp, comp, seed)
+    _assert_same_step(list(m_comp.parameters()), list(m_eager.parameters()), start, 0.03)
+    assert not all(torch.equal(a, b) for a, b in zip(m_comp.parameters(), m_eager.parameters()))
+
+
 def test_the_square_form_is_as_close_to_the_exact_iteration_as_the_reference():
     """The compiled buckets' square form (x <- (aI + bG + cG^2) x, the n x n matrix formed in fp32 and rounded
     once) is another rounding of the same bf16 iteration: as close to it in fp64 as torch.optim.Muon's addmm

@@ -60,6 +60,7 @@ def test_settings_that_are_off_add_no_line():
         ({"world_size": 4, "dp_size": 2}, "cuda", " x 2 data-parallel ="),
         ({"world_size": 4, "dp_size": 4}, "cuda", " x 4 GPUs ="),
         ({"world_size": 4, "dp_size": 0}, "cuda", " x 4 GPUs ="),  # an older run.json: 0 was "all of them"
+        ({"world_size": 2, "dp_size": 1}, "cuda", "accumulation 1 = 128"),  # two pipeline stages share a row
         ({"world_size": 4}, "cuda", " x 4 GPUs ="),
         ({"world_size": 4}, "cpu", " x 4 processes ="),
     ],

@@ -379,11 +379,13 @@ def test_a_resumed_runs_summary_labels_run_and_session_and_tensorboard_keeps_eve
 
 
 def test_the_summary_names_the_stopping_rule_the_run_had(tmp_path, text_corpus, cache_dir, capsys):
-    """--epochs 2 ended "done (max steps)", in the summary line and summary.json."""
+    """--epochs 2 and a run without a rule (one epoch) ended "done (max steps)", in the summary and summary.json."""
     out = tmp_path / "run"
     text = _train(out, text_corpus, capsys, "--epochs", "2", "--data.max_bytes", "3000")
     assert "done (--epochs 2)" in text, text[-800:]
     assert json.loads((out / "summary.json").read_text())["stop_reason"] == "--epochs 2"
+    text = _train(tmp_path / "bare", text_corpus, capsys, "--data.max_bytes", "3000")  # no rule: one epoch
+    assert "done (one epoch)" in text, text[-800:]
 
 
 def test_overwrite_says_it_replaces_a_run_and_a_plot_of_runs_says_where_it_went(
@@ -401,14 +403,23 @@ def test_overwrite_says_it_replaces_a_run_and_a_plot_of_runs_says_where_it_went(
     assert code == 0 and f"wrote {tmp_path / 'compare.png'}" in text and (tmp_path / "compare.png").is_file()
 
 
-def test_a_resume_is_timed_at_the_runs_own_speed(run, capsys):
+def test_a_resume_is_timed_at_the_runs_own_speed(tmp_path, text_corpus, cache_dir, capsys):
     """A resumed run's plan timed the steps left from the matmul estimate (a quarter of the CPU's matmul speed), not
-    from the speed the run had measured: 1,278 tokens/s planned where it had trained at ~2,000."""
-    logged = [r["tokens_per_s"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+    from the speed the run had measured: 1,278 tokens/s planned where it had trained at ~2,000. Where the resume
+    runs otherwise (another micro-batch here), the run's speed says nothing of it, and the estimate stays."""
+    out = tmp_path / "run"
+    _train(out, text_corpus, capsys, "--max_steps", "8", "--log_interval", "1")
+    logged = [r["tokens_per_s"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
               if "tokens_per_s" in r]  # fmt: skip
-    code, text = run_cli(["train", "--resume", "auto", "--out", str(run), "--max_steps", "6"], capsys)
+    code, text = run_cli(["train", "--resume", "auto", "--out", str(out), "--max_steps", "10"], capsys)
     assert code == 0, text[-2000:]
     line = next(ln for ln in text.splitlines() if "time: ~" in ln)
     assert "(this run's own speed before the resume)" in line, line
     planned = float(line.split(" at ~")[1].split(" tokens/s")[0].replace(",", ""))
     assert planned == pytest.approx(statistics.median(logged[-10:]), abs=0.51)  # (printed to the token)
+    code, text = run_cli(
+        ["train", "--resume", "auto", "--out", str(out), "--max_steps", "12", "--batch_size", "1"], capsys
+    )
+    assert code == 0, text[-2000:]
+    line = next(ln for ln in text.splitlines() if "time: ~" in ln)
+    assert "own speed" not in line, line
