@@ -189,8 +189,8 @@ def _probed_micro_batch(cfg: Config, env: Environment, model: Model) -> tuple[in
             parts=parts,
             accumulates=parts["accumulates"],
             reserve_bytes=parts["reserve"],
-            # The margin is of what the run may fill: under --gpu_memory_gib 40 on an H200 the margin was of the
-            # whole GPU, the probe chose 6 rows (planned at 39.7 GiB) and the first step ran out of memory (INL 4b).
+            # The margin is of what the run may fill (a --gpu_memory_gib cap), not of the whole GPU: a probe that
+            # passed just under the cap left the run's first accumulated step out of memory.
             capacity=env.hw.memory_bytes or None,
         )
     except NothingFits:  # the estimate said it would: say what each way out needs

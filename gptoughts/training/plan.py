@@ -343,7 +343,8 @@ def make_plan(
     memory, device_memory, host, staging = _memory(cfg, env, model, batch)
     tps, basis = _speed(cfg, env, model, batch)
     start = _resumed_step(resume_from)
-    if start and (own := _own_speed(run_dir, env, batch, resolved)):
+    before = (read_run_json(run_dir) or {}) if start else {}  # the resumed run's record
+    if start and (own := _own_speed(before, run_dir, env, batch, resolved)):
         tps, basis = own, "this run's own speed before the resume"
     hours = max(0, batch.total_steps - start) * batch.tokens_per_step / tps / 3600 if tps else None
     warnings = (
@@ -351,7 +352,7 @@ def make_plan(
         + _unused_fp8_switches(cfg, resolved)
         + unused_fsdp_switches(cfg, env.dist)
         + kept_by_compiled_checkpointing(model, batch, resolved)
-        + _schedule_moved(cfg, batch, run_dir, start)
+        + _schedule_moved(cfg, batch, before, start)
     )
     return RunPlan(
         model=what,
@@ -383,16 +384,17 @@ def make_plan(
     )
 
 
-def _schedule_moved(cfg: Any, batch: BatchPlan, run_dir: Path, start: int) -> list[str]:
+def _schedule_moved(cfg: Any, batch: BatchPlan, record: dict[str, Any], start: int) -> list[str]:
     """A resume that changes the run's length recomputes the schedule for the new one: the learning rate of the
-    next step moves (a finished cosine run extended goes back up). Said, with both rates."""
+    next step moves (a finished cosine run extended goes back up). Said, with both rates (``record``: the resumed
+    run's run.json)."""
     from gptoughts.training.optim import Schedule
 
     if not start or cfg.train.schedule == "constant":
         return []
     try:
-        before = (read_run_json(run_dir) or {})["plan"]["batch"]
-        old_total, old_warmup = int(before["total_steps"]), int(before["warmup_steps"])
+        then = record["plan"]["batch"]
+        old_total, old_warmup = int(then["total_steps"]), int(then["warmup_steps"])
     except (ValueError, KeyError, TypeError):
         return []
     if old_total == batch.total_steps:
@@ -495,11 +497,12 @@ def memory_refusal(plan: RunPlan, on_cpu: bool) -> str | None:
 _SPEED_SETTINGS = ("compile", "cuda_graphs", "fp8", "activation_checkpointing", "parallel", "cpu_offload")
 
 
-def _own_speed(run_dir: Path, env: Any, batch: BatchPlan, resolved: dict[str, Any]) -> float | None:
-    """The median tokens/s of a resumed run's last logged windows, where it ran as this resume will (processes,
-    device, precision, rows, block and the settings above): a better figure than any estimate. None: not
-    comparable, or too few windows logged (a session's first window holds its compilation)."""
-    record = read_run_json(run_dir) or {}
+def _own_speed(
+    record: dict[str, Any], run_dir: Path, env: Any, batch: BatchPlan, resolved: dict[str, Any]
+) -> float | None:
+    """The median tokens/s of a resumed run's last logged windows (``record``: its run.json), where it ran as this
+    resume will (processes, device, precision, rows, block and the settings above): a better figure than any
+    estimate. None: not comparable, or too few windows logged (a session's first window holds its compilation)."""
     then = record.get("plan", {}).get("batch", {})
 
     def settings(r: dict[str, Any]) -> list[str]:
