@@ -149,9 +149,8 @@ def test_a_run_killed_before_its_first_checkpoint_restarts_without_duplicate_row
         capsys,
     )  # a run that never checkpointed
     assert code == 0 and not ckpt.list_steps(out / "checkpoints")
-    (
-        out / "summary.json"
-    ).unlink()  # killed, it would not have written its summary (one that ended is refused)
+    # killed, it would not have written its summary (a run that ended without checkpoints is refused)
+    (out / "summary.json").unlink()
     code, text = _run(["train", "--resume", "auto", "--out", str(out), "--train.checkpoints", "true"], capsys)
     assert code == 0, text[-1500:]
     steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
