@@ -572,6 +572,13 @@ def _warnings(
             f"optimal training wants ~{TOKENS_PER_PARAM_OPTIMAL} tokens per parameter"
             + (f"; --size {suggestion} suits this corpus better" if suggestion else "; add data")
         )
+    vocab, read = data.corpus.get("vocab") or 0, data.corpus.get("bytes_read") or 0
+    if getattr(data, "estimated", False) and str(cfg.data.tokenizer).startswith("bpe") and read < 64 * vocab:
+        # a dry run sizes the model at the asked vocabulary; BPE trained on a small text stops far short of it
+        out.append(
+            f"the vocabulary is planned at the {vocab:,} asked, but a BPE trained on {_mb(read)} of text holds "
+            "far fewer (the run says how many), and the model's parameters shrink with it"
+        )
     if data.corpus.get("cut") and "data.max_bytes" not in getattr(cfg, "shipped", frozenset()):
         out.append(
             f"data.max_bytes = {cfg.data.max_bytes:,} cuts the corpus: "

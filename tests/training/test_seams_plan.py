@@ -438,3 +438,15 @@ def test_a_corpus_under_one_row_a_step_is_told_to_shorten_the_row(tmp_path, caps
     assert batch.startswith("  batch: 1 x 1024 tokens x accumulation 1") and "at least 20 steps" not in batch
     warning = next(ln for ln in text.splitlines() if "optimizer step(s)" in ln)
     assert "lower --block_size" in warning and "--batch_size" not in warning
+
+
+def test_a_dry_run_says_a_small_corpus_trains_a_smaller_vocabulary(tmp_path, text_corpus, capsys):
+    """A dry run of a 17 KB file planned vocab 8,192 and 1.1M parameters; the run trained 329 tokens and 123K
+    parameters: the plan's model and its warnings were sized on a vocabulary the corpus cannot train."""
+    tiny = tmp_path / "tiny.txt"
+    tiny.write_text("".join(f"line {i} of a small corpus, a few words each.\n" for i in range(300)))
+    base = ["train", "--out", str(tmp_path / "r"), "--dry_run", "--device", "cpu", "--size", "debug"]
+    text = _ok([*base, "--data", str(tiny), "--tokenizer", "bpe:8192"], capsys)
+    assert "the vocabulary is planned at the 8,192 asked, but a BPE trained on" in text, text
+    text = _ok([*base, "--data", str(text_corpus), "--tokenizer", "bpe:512"], capsys)  # enough text for 512
+    assert "the vocabulary is planned" not in text, text
