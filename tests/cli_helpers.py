@@ -87,6 +87,18 @@ def snapshot(folder: Path) -> dict[str, str]:
     }
 
 
+def refused_leaving(folder: Path, argv: list[str], capsys, *needles: str) -> str:
+    """``refused(argv, capsys, *needles)``, which must also leave every file under ``folder`` as it was: none
+    changed, added or removed. The error line."""
+    before = snapshot(folder)
+    line = refused(argv, capsys, *needles)
+    after = snapshot(folder)
+    # named, not a bare dict: pytest does not rewrite the asserts of this module into a diff
+    changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+    assert not changed, f"refused, but gptoughts {argv[0]} changed under {folder}: {changed}"
+    return line
+
+
 def disk_full_at_state_file(monkeypatch) -> None:
     """Every checkpoint write from now on finds the disk full when it flushes the optimizer state file."""
     import errno
