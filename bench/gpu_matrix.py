@@ -157,6 +157,26 @@ MATRIX["inl-levers"] = [
     {**_INL, "model.integrator_impl": "reference", "perf.activation_checkpointing": "none"},
 ]
 SHAPES["inl-levers"] = ("1b", 2048, 8)
+# The Triton integrator against the preset and the fused Function, side by side (the order alternates).
+MATRIX["inl-triton"] = [
+    _INL,
+    {**_INL, "model.integrator_impl": "triton"},
+    {
+        **_INL,
+        "model.integrator_impl": "fused",
+        "perf.activation_checkpointing": "none",
+        "train.batch_size": 4,
+    },
+    {
+        **_INL,
+        "model.integrator_impl": "triton",
+        "perf.activation_checkpointing": "none",
+        "train.batch_size": 4,
+    },
+    {**_INL, "model.integrator_impl": "triton", "perf.activation_checkpointing": "none"},
+    _INL,
+]
+SHAPES["inl-triton"] = ("1b", 2048, 8)
 MATRIX["muon-compile"] = [
     {**_S47M, "model.size": "125m"},
     {**_S47M, "model.size": "125m", "train.optimizer": "muon"},

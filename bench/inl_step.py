@@ -6,6 +6,7 @@ forward + backward (CUDA events), the peak memory above the block's weights, and
 block's output and gradients from the reference. One JSON line per variant, on stdout and appended to ``--out``.
 
     python3 bench/inl_step.py --out r.jsonl [--ac none,selective] [--no-compile]
+    python3 bench/inl_step.py --impls fused,triton --tiles 16,64,4/32,64,8   # the kernels' tiles (BM,BD,warps)
     python3 bench/inl_step.py --device cpu --size debug --batch 2 --seq 64 --iters 2   # smoke run on CPU
 """
 
@@ -25,6 +26,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from gptoughts import models  # noqa: E402
+from gptoughts.models import inl_triton  # noqa: E402
 from gptoughts.models.inl import INLBlock  # noqa: E402
 from gptoughts.perf.checkpointing import apply_activation_checkpointing  # noqa: E402
 
@@ -39,6 +41,7 @@ class _Stack(torch.nn.Module):
 
 
 def _variant(a: argparse.Namespace, impl: str, ac: str, x: torch.Tensor, dy: torch.Tensor) -> dict:
+    torch._dynamo.reset()  # tiles are read when a graph is traced
     dev = x.device
     args = models.model_args("inl", a.size, {"integrator_impl": impl, "n_layers": 1, "max_seq_len": a.seq})
     model = models.build_model("inl", args, device=dev)
@@ -92,6 +95,10 @@ def main() -> None:
     p.add_argument("--ac", default="none,selective", help="activation-checkpointing modes, comma-separated")
     p.add_argument("--no-compile", dest="compile", action="store_false")
     p.add_argument("--device", default="cuda")
+    p.add_argument(
+        "--impls", default="reference,fused,triton", help="integrator_impl values, comma-separated"
+    )
+    p.add_argument("--tiles", default="", help="the triton kernels' BM,BD,num_warps; several joined by /")
     p.add_argument("--out", type=Path)
     a = p.parse_args()
     dev = torch.device(a.device)
@@ -101,8 +108,16 @@ def main() -> None:
     dy = torch.randn(a.batch, a.seq, d, device=dev, generator=g)
     for ac in a.ac.split(","):
         ref = None
-        for impl in ("reference", "fused"):
+        runs = []
+        for impl in a.impls.split(","):
+            for tiles in a.tiles.split("/") if impl == "triton" and a.tiles else [""]:
+                runs.append((impl, tiles))
+        for impl, tiles in runs:
+            if tiles:
+                bm, bd, warps = (int(t) for t in tiles.split(","))
+                inl_triton.TILES.update(BM=bm, BD=bd, num_warps=warps)
             r = _variant(a, impl, ac, x, dy)
+            r["tiles"] = dict(inl_triton.TILES) if impl == "triton" else None
             grads = r.pop("grads")
             ref = ref or grads
             diff = max(

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gptoughts.errors import ConfigError
+from gptoughts.models import inl_triton
 from gptoughts.models.base import DecoderLM
 from gptoughts.models.inl_fused import integrate
 from gptoughts.models.layers import Attention, KVCache, RMSNorm, RotaryEmbedding
@@ -76,11 +77,13 @@ class INLArgs:
     """Time step of the integrator's state update ``x <- x + dt * gate * v``."""
     controller_hidden: int = 64
     """Hidden width of each block's controller MLP ``[h, x, v] (3d) -> H -> 4d``."""
-    integrator_impl: Literal["reference", "fused"] = "reference"
+    integrator_impl: Literal["reference", "fused", "triton"] = "reference"
     """How the integrator's K iterations run; both compute the same function with the same parameters (a
     checkpoint moves between them). ``reference``: the module's loop under autograd (~10 saved ``[B, T, d]``
     tensors per iteration). ``fused``: one autograd Function (``models/inl_fused.py``) that saves per iteration
-    only x, v and the controller's H-wide pre-activation and recomputes the rest in a hand-written backward."""
+    only x, v and the controller's H-wide pre-activation and recomputes the rest in a hand-written backward.
+    ``triton``: the same saved state, forward and backward as two Triton kernels that walk the K iterations per
+    tile of tokens (``models/inl_triton.py``); where they cannot run (no Triton, fp32 matmuls), ``fused``."""
     rope_theta: float = 10000.0
     """RoPE base frequency."""
     norm_eps: float = 1e-5
@@ -98,9 +101,9 @@ class INLArgs:
             )
         if self.dt <= 0:
             raise ConfigError(f"model.dt must be positive, got {self.dt}")
-        if self.integrator_impl not in ("reference", "fused"):
+        if self.integrator_impl not in ("reference", "fused", "triton"):
             raise ConfigError(
-                f"model.integrator_impl must be reference or fused, got {self.integrator_impl!r}"
+                f"model.integrator_impl must be reference, fused or triton, got {self.integrator_impl!r}"
             )
         if self.ffn_dim is not None and self.ffn_dim <= 0:
             raise ConfigError(f"model.ffn_dim must be positive, got {self.ffn_dim}")
@@ -150,7 +153,7 @@ class Integrator(nn.Module):
         self.dim = dim
         self.n_iterations = n_iterations
         self.dt = dt
-        self.impl = impl  # "reference" or "fused" (INLArgs.integrator_impl)
+        self.impl = impl  # "reference", "fused" or "triton" (INLArgs.integrator_impl)
         self.w_in = nn.Parameter(torch.empty(hidden, 3 * dim))  # columns: [h | x | v]
         self.b_in = nn.Parameter(torch.empty(hidden))
         self.w_out = nn.Parameter(torch.empty(4 * dim, hidden))  # rows: [α̃ | β̃ | g̃ | v_cand]
@@ -191,8 +194,12 @@ class Integrator(nn.Module):
         """``x_K`` after K iterations from ``x_0 = h``, ``v_0 = 0``."""
         d = self.dim
         kappa = F.softplus(self.kappa_raw)  # once, not K times
-        if self.impl == "fused" and self.n_iterations > 0:
+        if self.impl != "reference" and self.n_iterations > 0:
             args = (self.w_in, self.b_in, self.w_out, self.b_out, self.mu, kappa)
+            dev = h.device.type
+            mm = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else self.w_in.dtype
+            if self.impl == "triton" and inl_triton.supported(h, self.w_in.size(0), mm):
+                return inl_triton.integrate(h, *args, self.dt, self.n_iterations)
             return integrate(h, *args, self.dt, self.n_iterations)
         # h does not change during the loop: its share of the controller's input layer is computed once.
         c_h = F.linear(h, self.w_in[:, :d], self.b_in)

@@ -1,0 +1,159 @@
+"""INL's integrator as Triton kernels (``model.integrator_impl = "triton"``, models/inl_triton.py) against the
+reference module: outputs and every gradient, on a GPU under bf16 autocast and compiled, and in fp32 through
+Triton's CPU interpreter where Triton is installed; without Triton the switch runs the fused Function."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from gptoughts import models
+from gptoughts.models import inl_triton
+from gptoughts.models.inl import Integrator
+
+NAMES = ["output", "h", "w_in", "b_in", "w_out", "b_out", "mu", "kappa_raw"]
+
+
+def _pair(
+    k: int, d: int, hidden: int, impl: str = "triton", device: str = "cpu"
+) -> tuple[Integrator, Integrator]:
+    """(reference, other) with the same weights, every parameter perturbed so the whole dynamics is exercised."""
+    ref = Integrator(d, k, dt=0.1, hidden=hidden, impl="reference")
+    ref.reset_parameters(0.02)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(0.1 * torch.randn(p.shape, generator=g))
+    other = Integrator(d, k, dt=0.1, hidden=hidden, impl=impl)
+    other.load_state_dict(ref.state_dict())
+    return ref.to(device), other.to(device)
+
+
+def _run(module: torch.nn.Module, h: torch.Tensor, bf16: bool) -> list[torch.Tensor]:
+    """[output, dL/dh, dL/dparam...] for a loss weighting every output element differently."""
+    h = h.detach().clone().requires_grad_()
+    module.zero_grad()
+    with torch.autocast(h.device.type, dtype=torch.bfloat16, enabled=bf16):
+        y = module(h)
+    weights = torch.linspace(-1, 1, y.numel(), device=h.device).view_as(y)
+    (y * weights).sum().backward()
+    return [y.detach(), h.grad, *(p.grad for p in module.parameters())]
+
+
+def test_without_the_kernels_the_switch_runs_the_fused_function(monkeypatch):
+    import gptoughts.models.inl as inl
+
+    calls = []
+    fused = inl.integrate
+    monkeypatch.setattr(inl, "integrate", lambda *a: calls.append(1) or fused(*a))
+    monkeypatch.setattr(inl_triton, "supported", lambda *a: False)
+    ref, other = _pair(3, 24, 16)
+    h = torch.randn(2, 5, 24, generator=torch.Generator().manual_seed(1))
+    for name, a, b in zip(NAMES, _run(ref, h, False), _run(other, h, False), strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5 * a.abs().max().item(), msg=name)
+    assert calls == [1]
+
+
+def test_the_kernels_run_only_where_they_can():
+    h = torch.zeros(2, 8)
+    assert not inl_triton.supported(h, 12, torch.bfloat16)  # the controller's width is not a power of two
+    assert not inl_triton.supported(h, 8, torch.bfloat16)  # narrower than a tensor-core tile
+    if not torch.cuda.is_available():
+        assert inl_triton.supported(h, 64, torch.bfloat16) == (
+            inl_triton.available() and os.environ.get("TRITON_INTERPRET") == "1"
+        )
+
+
+_INTERPRETED = textwrap.dedent(
+    """
+    import json, sys, torch
+    sys.path.insert(0, {tests!r})
+    from models.test_inl_triton import NAMES, _pair, _run
+    from gptoughts.models import inl_triton
+    out = {{}}
+    for k in (1, 2, 4):
+        ref, tri = _pair(k, 40, 16)  # 40 features: a part chunk; 21 tokens: a part tile
+        h = torch.randn(3, 7, 40, generator=torch.Generator().manual_seed(k))
+        assert inl_triton.supported(h, 16, torch.float32)
+        errs = [((b - a).abs().max() / a.abs().max()).item()
+                for a, b in zip(_run(ref, h, False), _run(tri, h, False), strict=True)]
+        out[k] = dict(zip(NAMES, errs, strict=True))
+    print(json.dumps(out))
+    """
+)
+
+
+@pytest.mark.skipif(not inl_triton.available(), reason="needs Triton (its CPU interpreter runs the kernels)")
+def test_interpreted_kernels_equal_the_reference_in_fp32():
+    # TRITON_INTERPRET must be set before the kernels are defined: a fresh process.
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    script = _INTERPRETED.format(tests=tests)
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    errors = json.loads(done.stdout.strip().splitlines()[-1])
+    assert set(errors) == {"1", "2", "4"}
+    for k, per_name in errors.items():
+        assert set(per_name) == set(NAMES)
+        for name, err in per_name.items():
+            assert err < 1e-5, (k, name, err)
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+@pytest.mark.parametrize("tiles", [None, {"BM": 32, "BD": 128, "num_warps": 8}])
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_kernels_under_bf16_are_as_close_to_fp32_as_the_reference(k, tiles, monkeypatch):
+    # The reference rounds c, gelu(c) and the controller's outputs to bf16, the kernels keep them in fp32: each is
+    # compared with the fp32 function, and the kernels must be as close as the reference (within 1.5x, plus a
+    # floor of bf16's resolution).
+    if tiles:
+        monkeypatch.setattr(inl_triton, "TILES", tiles)
+    ref, tri = _pair(k, 200, 64, device="cuda")  # 200 features: a part chunk; 111 tokens: a part tile
+    h = torch.randn(3, 37, 200, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    assert inl_triton.supported(h, 64, torch.bfloat16)
+    truth = _run(ref, h, False)
+    for name, t, a, b in zip(NAMES, truth, _run(ref, h, True), _run(tri, h, True), strict=True):
+        assert b.dtype == a.dtype, name
+        scale = t.abs().max().item()
+        err_ref, err_tri = ((x - t).abs().max().item() / scale for x in (a, b))
+        assert err_tri <= 1.5 * err_ref + 2e-3, (name, err_tri, err_ref)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_compiled_block_with_checkpointing_equals_the_compiled_reference():
+    from gptoughts.perf.checkpointing import apply_activation_checkpointing
+
+    ids = torch.randint(0, 512, (2, 100), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    results = []
+    for impl in ("reference", "triton"):
+        torch.manual_seed(0)
+        args = models.model_args("inl", "debug", {"integrator_impl": impl, "n_layers": 2})
+        model = models.build_model("inl", args, device="cuda")
+        model.init_weights()
+        with torch.no_grad():
+            g = torch.Generator("cuda").manual_seed(3)
+            for name, p in model.named_parameters():
+                if ".integrator." in name:
+                    p.add_(0.1 * torch.randn(p.shape, device="cuda", generator=g))
+        apply_activation_checkpointing(model, "selective")
+        for block in model.layers:
+            block.compile(fullgraph=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = model(ids)
+        out.float().square().mean().backward()
+        results.append([out.detach().float(), *(p.grad.float() for p in model.parameters())])
+    for a, b in zip(*results, strict=True):
+        assert (a - b).abs().max() <= 2e-2 * a.abs().max()
