@@ -6,7 +6,7 @@ forward + backward (CUDA events), the peak memory above the block's weights, and
 block's output and gradients from the reference. One JSON line per variant, on stdout and appended to ``--out``.
 
     python3 bench/inl_step.py --out r.jsonl [--ac none,selective] [--no-compile]
-    python3 bench/inl_step.py --impls fused,triton --tiles 16,32,8,1/16,64,8,1   # kernels' BM,BD,warps,stages
+    python3 bench/inl_step.py --impls fused,triton --tiles 32,32,256,4,1/64,32,256,8,1   # BM,BD,BDB,warps,stages
     python3 bench/inl_step.py --device cpu --size debug --batch 2 --seq 64 --iters 2   # smoke run on CPU
 """
 
@@ -98,7 +98,9 @@ def main() -> None:
     p.add_argument(
         "--impls", default="reference,fused,triton", help="integrator_impl values, comma-separated"
     )
-    p.add_argument("--tiles", default="", help="the triton kernels' BM,BD,num_warps,num_stages; several joined by /")
+    p.add_argument(
+        "--tiles", default="", help="the triton kernels' BM,BD,BDB,num_warps,num_stages; several joined by /"
+    )
     p.add_argument("--out", type=Path)
     a = p.parse_args()
     dev = torch.device(a.device)
@@ -114,8 +116,8 @@ def main() -> None:
                 runs.append((impl, tiles))
         for impl, tiles in runs:
             if tiles:
-                bm, bd, warps, stages = (int(t) for t in tiles.split(","))
-                inl_triton.TILES.update(BM=bm, BD=bd, num_warps=warps, num_stages=stages)
+                bm, bd, bdb, warps, stages = (int(t) for t in tiles.split(","))
+                inl_triton.TILES.update(BM=bm, BD=bd, BDB=bdb, num_warps=warps, num_stages=stages)
             r = _variant(a, impl, ac, x, dy)
             r["tiles"] = dict(inl_triton.TILES) if impl == "triton" else None
             grads = r.pop("grads")

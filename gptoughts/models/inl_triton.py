@@ -1,18 +1,18 @@
-"""INL's integrator as two Triton kernels, forward and backward (``integrator_impl = "triton"``).
+"""INL's integrator as Triton kernels, one launch per iteration forward and backward (``integrator_impl =
+"triton"``).
 
-Each program owns a tile of tokens and walks its K iterations alone, so a tile's state never leaves the
-chip's caches between iterations and nothing but the saved state and the weight gradients' operands reaches
-memory. The controller's pre-activation is a reduction over all d features while the update is per feature, so
-each iteration is one sweep over feature chunks that applies the update with ``g_i = gelu(c_i)`` and at the same
-time accumulates the next iteration's ``c_{i+1}`` from the new state (the backward: finishes the state gradients
-of iteration ``i`` with ``dc_i`` and runs iteration ``i - 1``'s update backward). Weight gradients are reductions
-over all tokens: the backward writes their operands (``du_i``, ``dc_i`` and the bf16 ``[x_i, v_i]``) and one
-cuBLAS matmul each reduces them, as inductor does; μ's and κ's come as per-tile sums, deterministic.
+A launch covers a grid of token tiles by feature blocks. The controller's pre-activation ``c_{i+1}`` is a
+reduction over all d features while the update is per feature, so each program applies iteration i's update to
+its block with ``g_i = gelu(c_i)`` and leaves its block's share of ``c_{i+1}`` as a ``[BM, H]`` partial, which the
+next launch sums (the backward does the same with ``du_i W_out``). Per iteration the state is read and written
+once; no ``[N, 4d]`` controller output is ever stored in the forward. Weight gradients are reductions over all
+tokens: the backward writes their operands (``du_i``, ``dc_i`` and the bf16 ``[x_i, v_i]``) and one cuBLAS
+matmul each reduces them; μ's and κ's come as per-tile sums, deterministic.
 
-The function is :func:`models.inl_fused.integrate`'s, same inputs and saved state (x_i, v_i in fp32, c_i); it
-keeps ``c_i`` and the controller's outputs in fp32 where the matmul path rounds them to bf16. It needs Triton
-(CUDA wheels), a bf16/fp16 matmul dtype and a power-of-two controller width of 16-256; elsewhere the fused
-autograd Function runs (:func:`supported`).
+The function is :func:`models.inl_fused.integrate`'s, with the same saved state (x_i, v_i in fp32, c_i); it keeps
+``c_i`` and the controller's outputs in fp32 where the matmul path rounds them to bf16. It needs Triton (CUDA
+wheels), a bf16/fp16 matmul dtype and a power-of-two controller width of 16-256; elsewhere the fused autograd
+Function runs (:func:`supported`).
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ except ImportError:
 
 __all__ = ["TILES", "available", "integrate", "supported"]
 
-TILES = {"BM": 16, "BD": 32, "num_warps": 8, "num_stages": 1}
-"""Tokens per program, features per chunk, warps and software-pipelining stages; a benchmark may change them
-(bench/inl_step.py --tiles). Compiled for sm_90 these spill least (ptxas -v: none forward, 80 bytes backward)."""
+TILES = {"BM": 32, "BD": 32, "BDB": 256, "num_warps": 4, "num_stages": 1}
+"""Tokens per program, features per chunk and per program, warps and software-pipelining stages; a benchmark
+may change them (bench/inl_step.py --tiles)."""
 
 
 def available() -> bool:
@@ -91,63 +91,67 @@ if triton is not None:
         return a, b, gl, vc
 
     @triton.jit
-    def _fwd_kernel(
-        h_ptr, ch_ptr, wxv_ptr, sw, wout_ptr, bout_ptr, mu_ptr, ka_ptr,
-        out_ptr, xs_ptr, vs_ptr, cs_ptr,
-        N, D, dt,
-        H: tl.constexpr, K: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, IEEE: tl.constexpr,
+    def _partial_sum(base_ptr, r, rmask, N, FB, H: tl.constexpr, BM: tl.constexpr):
+        """The sum over feature blocks of ``[FB, N, H]`` partials, ``[BM, H]`` fp32 (``r``: int64 rows)."""
+        acc = tl.zeros([BM, H], dtype=tl.float32)
+        hh = tl.arange(0, H)
+        for f in range(FB):
+            acc += tl.load(base_ptr + (r + f * N)[:, None] * H + hh[None, :], mask=rmask[:, None], other=0.0)
+        return acc
+
+    @triton.jit
+    def _fwd_step(
+        h_ptr, x_ptr, v_ptr, c0_ptr, ch_ptr, pin_ptr, pout_ptr, cs_ptr, xo_ptr, vo_ptr,
+        wxv_ptr, sw, wout_ptr, bout_ptr, mu_ptr, ka_ptr,
+        N, D, FB, dt,
+        H: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, BDB: tl.constexpr,
+        FIRST: tl.constexpr, LAST: tl.constexpr, IEEE: tl.constexpr,
     ):  # fmt: skip
+        """One iteration on a tile of tokens and a block of features: the update from ``c``, and this block's
+        share of the next ``c`` (``pout``, summed over blocks by the next launch)."""
         mm = wout_ptr.dtype.element_ty
-        rows = tl.program_id(0) * BM + tl.arange(0, BM)
+        pm, pf = tl.program_id(0), tl.program_id(1)
+        rows = pm * BM + tl.arange(0, BM)
         rmask = rows < N
         r = rows.to(tl.int64)
         hh = tl.arange(0, H)
-        nd, nh = N.to(tl.int64) * D, N.to(tl.int64) * H  # one iteration's slice of xs/vs and cs
-        ch = tl.load(ch_ptr + r[:, None] * H + hh[None, :], mask=rmask[:, None], other=0.0).to(tl.float32)
-        c = ch
-        for j0 in range(0, D, BD):  # c_0 = c_h + W_x h
+        cmat = r[:, None] * H + hh[None, :]
+        if FIRST:
+            c = tl.load(c0_ptr + cmat, mask=rmask[:, None], other=0.0).to(tl.float32)
+        else:
+            c = tl.load(ch_ptr + cmat, mask=rmask[:, None], other=0.0).to(tl.float32)
+            c += _partial_sum(pin_ptr, r, rmask, N, FB, H, BM)
+        if pf == 0:
+            tl.store(cs_ptr + cmat, c, mask=rmask[:, None])
+        g = _gelu(c).to(mm)
+        acc = tl.zeros([BM, H], dtype=tl.float32)
+        for j0 in range(pf * BDB, tl.minimum(pf * BDB + BDB, D), BD):
             cols = j0 + tl.arange(0, BD)
             cmask = cols < D
-            x = tl.load(
-                h_ptr + r[:, None] * D + cols[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0
-            )
-            wx = tl.load(wxv_ptr + hh[:, None] * sw + cols[None, :], mask=cmask[None, :], other=0.0)
-            c += _dot(x.to(mm), tl.trans(wx), IEEE)
-        for it in tl.static_range(K):
-            tl.store(cs_ptr + it * nh + r[:, None] * H + hh[None, :], c, mask=rmask[:, None])
-            g = _gelu(c).to(mm)
-            c_next = ch
-            for j0 in range(0, D, BD):
-                cols = j0 + tl.arange(0, BD)
-                cmask = cols < D
-                m2 = rmask[:, None] & cmask[None, :]
-                off = r[:, None] * D + cols[None, :]
-                a, b, gl, vc = _controller(g, wout_ptr, bout_ptr, cols, cmask, D, H, IEEE)
-                mu = tl.load(mu_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
-                ka = tl.load(ka_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
-                if it == 0:
-                    x = tl.load(h_ptr + off, mask=m2, other=0.0).to(tl.float32)
-                else:
-                    x = tl.load(xs_ptr + (it - 1) * nd + off, mask=m2, other=0.0)
-                    v = tl.load(vs_ptr + (it - 1) * nd + off, mask=m2, other=0.0)
-                err = x - mu
-                alpha = tl.sigmoid(a) * tl.exp(-ka * tl.abs(err))
-                vn = (1.0 - alpha) * vc - _softplus(b) * err
-                if it > 0:
-                    vn += alpha * v
-                xn = x + dt * tl.sigmoid(gl) * vn
-                if it < K - 1:
-                    tl.store(xs_ptr + it * nd + off, xn, mask=m2)
-                    tl.store(vs_ptr + it * nd + off, vn, mask=m2)
-                    wx = tl.load(wxv_ptr + hh[:, None] * sw + cols[None, :], mask=cmask[None, :], other=0.0)
-                    wv = tl.load(
-                        wxv_ptr + hh[:, None] * sw + D + cols[None, :], mask=cmask[None, :], other=0.0
-                    )
-                    c_next += _dot(xn.to(mm), tl.trans(wx), IEEE) + _dot(vn.to(mm), tl.trans(wv), IEEE)
-                else:
-                    tl.store(out_ptr + off, xn, mask=m2)
-            c = c_next
-            tl.debug_barrier()  # the next sweep reads what this one stored
+            m2 = rmask[:, None] & cmask[None, :]
+            off = r[:, None] * D + cols[None, :]
+            a, b, gl, vc = _controller(g, wout_ptr, bout_ptr, cols, cmask, D, H, IEEE)
+            mu = tl.load(mu_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+            ka = tl.load(ka_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+            if FIRST:
+                x = tl.load(h_ptr + off, mask=m2, other=0.0).to(tl.float32)
+            else:
+                x = tl.load(x_ptr + off, mask=m2, other=0.0)
+                v = tl.load(v_ptr + off, mask=m2, other=0.0)
+            err = x - mu
+            alpha = tl.sigmoid(a) * tl.exp(-ka * tl.abs(err))
+            vn = (1.0 - alpha) * vc - _softplus(b) * err
+            if not FIRST:
+                vn += alpha * v
+            xn = x + dt * tl.sigmoid(gl) * vn
+            tl.store(xo_ptr + off, xn, mask=m2)
+            if not LAST:
+                tl.store(vo_ptr + off, vn, mask=m2)
+                wp = wxv_ptr + hh[:, None] * sw + cols[None, :]
+                acc += _dot(xn.to(mm), tl.trans(tl.load(wp, mask=cmask[None, :], other=0.0)), IEEE)
+                acc += _dot(vn.to(mm), tl.trans(tl.load(wp + D, mask=cmask[None, :], other=0.0)), IEEE)
+        if not LAST:
+            tl.store(pout_ptr + (r + pf * N)[:, None] * H + hh[None, :], acc, mask=rmask[:, None])
 
     @triton.jit
     def _update_backward(
@@ -198,92 +202,81 @@ if triton is not None:
         return gx + d_err, g_vnew * alpha, dg, -tl.sum(d_err, axis=0), dka
 
     @triton.jit
-    def _bwd_kernel(
-        gout_ptr, h_ptr, xs_ptr, vs_ptr, cs_ptr, wxv_ptr, sw, wout_ptr, bout_ptr, mu_ptr, ka_ptr,
-        dh_ptr, gx_ptr, gv_ptr, dch_ptr, du_ptr, dc_ptr, xv_ptr, pmu_ptr, pka_ptr,
-        N, D, dt,
-        H: tl.constexpr, K: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, IEEE: tl.constexpr,
+    def _bwd_step(
+        gout_ptr, gx_ptr, gv_ptr, qin_ptr, qout_ptr, cnext_ptr, dcnext_ptr, c_ptr,
+        h_ptr, x_ptr, v_ptr, xv_ptr, du_ptr, pmu_ptr, pka_ptr,
+        wxv_ptr, sw, wout_ptr, bout_ptr, mu_ptr, ka_ptr,
+        N, D, FB, dt,
+        H: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, BDB: tl.constexpr,
+        TOP: tl.constexpr, FIRST: tl.constexpr, IEEE: tl.constexpr,
     ):  # fmt: skip
+        """Iteration i's backward on a tile of tokens and a block of features. Below the top iteration it first
+        finishes the gradients of x_{i+1} and v_{i+1} with ``dc_{i+1} = gelu'(c_{i+1}) Σ qin`` (the block
+        partials of ``du_{i+1} W_out``); it leaves the gradients of x_i and v_i without dc_i's share in gx/gv,
+        its block's partial of ``du_i W_out`` in ``qout``, ``du_i``, the bf16 ``[x_i, v_i]`` and dμ/dκ sums."""
         mm = wout_ptr.dtype.element_ty
-        pid = tl.program_id(0)
-        rows = pid * BM + tl.arange(0, BM)
+        pm, pf = tl.program_id(0), tl.program_id(1)
+        rows = pm * BM + tl.arange(0, BM)
         rmask = rows < N
         r = rows.to(tl.int64)
         hh = tl.arange(0, H)
-        nd, nh = N.to(tl.int64) * D, N.to(tl.int64) * H  # one iteration's slice of xs/vs, cs and dc
         cmat = r[:, None] * H + hh[None, :]
-        dch = tl.zeros([BM, H], dtype=tl.float32)
         dc = tl.zeros([BM, H], dtype=tl.float32)
-        # Sweep s (s = K .. 1) finishes the gradients of x_s, v_s with dc_s (none at s = K: x_K's comes in) and
-        # runs the update backward of iteration s - 1; a last sweep finishes h's gradient. (What a loop over
-        # chunks reads is defined before it, outside any compile-time branch: Triton's scoping asks for it.)
-        for t in tl.static_range(K):
-            s = K - t
-            it = s - 1
-            c = tl.load(cs_ptr + it * nh + cmat, mask=rmask[:, None], other=0.0)
-            g = _gelu(c).to(mm)
-            dcm = dc.to(mm)
-            dg = tl.zeros([BM, H], dtype=tl.float32)
-            for j0 in range(0, D, BD):
-                cols = j0 + tl.arange(0, BD)
-                cmask = cols < D
-                m2 = rmask[:, None] & cmask[None, :]
-                off = r[:, None] * D + cols[None, :]
-                if s == K:
-                    gx = tl.load(gout_ptr + off, mask=m2, other=0.0).to(tl.float32)
-                    gv = gx  # unused: nothing reads v_K
-                else:
-                    wp = wxv_ptr + hh[:, None] * sw + cols[None, :]
-                    gx = tl.load(gx_ptr + off, mask=m2, other=0.0)
-                    gx += _dot(dcm, tl.load(wp, mask=cmask[None, :], other=0.0), IEEE)
-                    gv = tl.load(gv_ptr + off, mask=m2, other=0.0)
-                    gv += _dot(dcm, tl.load(wp + D, mask=cmask[None, :], other=0.0), IEEE)
-                if it == 0:
-                    x = tl.load(h_ptr + off, mask=m2, other=0.0).to(tl.float32)
-                    v = x  # unused: iteration 0 starts from v = 0
-                else:
-                    x = tl.load(xs_ptr + (it - 1) * nd + off, mask=m2, other=0.0)
-                    v = tl.load(vs_ptr + (it - 1) * nd + off, mask=m2, other=0.0)
-                gx, gv, dg_j, dmu, dka = _update_backward(
-                    g, x, v, gx, gv, wout_ptr, bout_ptr, mu_ptr, ka_ptr, du_ptr + it * 4 * nd,
-                    cols, cmask, r, m2, N, D, dt, H, it > 0, s < K, IEEE,
-                )  # fmt: skip
-                dg += dg_j
-                tl.store(gx_ptr + off, gx, mask=m2)
-                if it > 0:
-                    tl.store(gv_ptr + off, gv, mask=m2)
-                    tl.store(xv_ptr + it * 2 * nd + r[:, None] * 2 * D + D + cols[None, :], v.to(mm), mask=m2)
-                tl.store(xv_ptr + it * 2 * nd + r[:, None] * 2 * D + cols[None, :], x.to(mm), mask=m2)
-                pm = pmu_ptr + pid * D + cols
-                pk = pka_ptr + pid * D + cols
-                tl.store(pm, tl.load(pm, mask=cmask, other=0.0) + dmu, mask=cmask)
-                tl.store(pk, tl.load(pk, mask=cmask, other=0.0) + dka, mask=cmask)
-            dc = _gelu_grad(c) * dg
-            dch += dc
-            tl.store(dc_ptr + it * nh + cmat, dc.to(mm), mask=rmask[:, None])
-            tl.debug_barrier()  # the next sweep reads what this one stored
+        if not TOP:
+            cn = tl.load(cnext_ptr + cmat, mask=rmask[:, None], other=0.0)
+            dc = _gelu_grad(cn) * _partial_sum(qin_ptr, r, rmask, N, FB, H, BM)
+            if pf == 0:
+                tl.store(dcnext_ptr + cmat, dc, mask=rmask[:, None])
         dcm = dc.to(mm)
-        for j0 in range(0, D, BD):  # h's gradient: x_0 = h
+        g = _gelu(tl.load(c_ptr + cmat, mask=rmask[:, None], other=0.0)).to(mm)
+        q = tl.zeros([BM, H], dtype=tl.float32)
+        for j0 in range(pf * BDB, tl.minimum(pf * BDB + BDB, D), BD):
             cols = j0 + tl.arange(0, BD)
             cmask = cols < D
             m2 = rmask[:, None] & cmask[None, :]
             off = r[:, None] * D + cols[None, :]
-            gx = tl.load(gx_ptr + off, mask=m2, other=0.0)
-            gx += _dot(
-                dcm, tl.load(wxv_ptr + hh[:, None] * sw + cols[None, :], mask=cmask[None, :], other=0.0), IEEE
-            )
-            tl.store(dh_ptr + off, gx, mask=m2)
-        tl.store(dch_ptr + cmat, dch, mask=rmask[:, None])
+            if TOP:
+                gx = tl.load(gout_ptr + off, mask=m2, other=0.0).to(tl.float32)
+                gv = gx  # unused: nothing reads v_K
+            else:
+                wp = wxv_ptr + hh[:, None] * sw + cols[None, :]
+                gx = tl.load(gx_ptr + off, mask=m2, other=0.0)
+                gx += _dot(dcm, tl.load(wp, mask=cmask[None, :], other=0.0), IEEE)
+                gv = tl.load(gv_ptr + off, mask=m2, other=0.0)
+                gv += _dot(dcm, tl.load(wp + D, mask=cmask[None, :], other=0.0), IEEE)
+            if FIRST:
+                x = tl.load(h_ptr + off, mask=m2, other=0.0).to(tl.float32)
+                v = x  # unused: iteration 0 starts from v = 0
+            else:
+                x = tl.load(x_ptr + off, mask=m2, other=0.0)
+                v = tl.load(v_ptr + off, mask=m2, other=0.0)
+            gx, gv, q_j, dmu, dka = _update_backward(
+                g, x, v, gx, gv, wout_ptr, bout_ptr, mu_ptr, ka_ptr, du_ptr,
+                cols, cmask, r, m2, N, D, dt, H, not FIRST, not TOP, IEEE,
+            )  # fmt: skip
+            q += q_j
+            tl.store(gx_ptr + off, gx, mask=m2)
+            if not FIRST:
+                tl.store(gv_ptr + off, gv, mask=m2)
+                xo = r[:, None] * 2 * D + cols[None, :]
+                tl.store(xv_ptr + xo, x.to(mm), mask=m2)
+                tl.store(xv_ptr + xo + D, v.to(mm), mask=m2)
+            pmo = pm * D + cols  # the tile's row of the partial sums
+            tl.store(pmu_ptr + pmo, tl.load(pmu_ptr + pmo, mask=cmask, other=0.0) + dmu, mask=cmask)
+            tl.store(pka_ptr + pmo, tl.load(pka_ptr + pmo, mask=cmask, other=0.0) + dka, mask=cmask)
+        tl.store(qout_ptr + (r + pf * N)[:, None] * H + hh[None, :], q, mask=rmask[:, None])
 
-    def _launch_args(n: int, mm_dtype: torch.dtype) -> tuple[tuple[int], dict]:
+    def _launch(n: int, d: int, mm_dtype: torch.dtype) -> tuple[tuple[int, int], int, dict]:
         t = TILES
-        kw = dict(BM=t["BM"], BD=t["BD"], num_warps=t["num_warps"], num_stages=t["num_stages"])
-        return (triton.cdiv(n, t["BM"]),), dict(IEEE=mm_dtype == torch.float32, **kw)
+        fb = triton.cdiv(d, t["BDB"])
+        kw = dict(BM=t["BM"], BD=t["BD"], BDB=t["BDB"], num_warps=t["num_warps"], num_stages=t["num_stages"])
+        return (triton.cdiv(n, t["BM"]), fb), fb, dict(IEEE=mm_dtype == torch.float32, **kw)
 
     @triton_op("gptoughts::inl_integrate", mutates_args=())
     def _integrate_op(
         h: torch.Tensor,
         c_h: torch.Tensor,
+        c0: torch.Tensor,
         w_xv: torch.Tensor,
         w_out: torch.Tensor,
         b_out: torch.Tensor,
@@ -293,16 +286,22 @@ if triton is not None:
         k: int,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         n, d = h.shape
-        hid = c_h.size(-1)
-        f32 = torch.float32
-        out = torch.empty(n, d, device=h.device, dtype=f32)
-        xs = torch.empty(k - 1, n, d, device=h.device, dtype=f32)
-        vs = torch.empty(k - 1, n, d, device=h.device, dtype=f32)
-        cs = torch.empty(k, n, hid, device=h.device, dtype=f32)
-        grid, kw = _launch_args(n, w_out.dtype)
-        wrap_triton(_fwd_kernel)[grid](
-            h, c_h, w_xv, w_xv.stride(0), w_out, b_out, mu, kappa, out, xs, vs, cs, n, d, dt, H=hid, K=k, **kw
-        )
+        hid, f32, dev = c_h.size(-1), torch.float32, h.device
+        grid, fb, kw = _launch(n, d, w_out.dtype)
+        out = torch.empty(n, d, device=dev, dtype=f32)
+        xs = torch.empty(k - 1, n, d, device=dev, dtype=f32)
+        vs = torch.empty(k - 1, n, d, device=dev, dtype=f32)
+        cs = torch.empty(k, n, hid, device=dev, dtype=f32)
+        parts = [torch.empty(fb, n, hid, device=dev, dtype=f32) for _ in range(min(k - 1, 2))] or [cs]
+        weights = (w_xv, w_xv.stride(0), w_out, b_out, mu, kappa)
+        for it in range(k):
+            x, v = (h, h) if it == 0 else (xs[it - 1], vs[it - 1])
+            xo, vo = (out, out) if it == k - 1 else (xs[it], vs[it])
+            pin, pout = parts[(it + 1) % len(parts)], parts[it % len(parts)]
+            wrap_triton(_fwd_step)[grid](
+                h, x, v, c0, c_h, pin, pout, cs[it], xo, vo, *weights, n, d, fb, dt,
+                H=hid, FIRST=it == 0, LAST=it == k - 1, **kw,
+            )  # fmt: skip
         return out, xs, vs, cs
 
     @triton_op("gptoughts::inl_integrate_backward", mutates_args=())
@@ -324,44 +323,55 @@ if triton is not None:
         k, n, hid = cs.shape
         d = h.size(-1)
         f32, mm, dev = torch.float32, w_out.dtype, h.device
-        grid, kw = _launch_args(n, mm)
-        dh = torch.empty(n, d, device=dev, dtype=f32)
-        gx = torch.empty(n, d, device=dev, dtype=f32)
+        grid, fb, kw = _launch(n, d, mm)
+        gx = torch.empty(n, d, device=dev, dtype=f32)  # becomes h's gradient through the update
         gv = torch.empty(n, d, device=dev, dtype=f32)
-        dch = torch.empty(n, hid, device=dev, dtype=f32)
+        dc = torch.empty(k, n, hid, device=dev, dtype=f32)  # dc_0 is left to the caller: q holds its partials
         du = torch.empty(k, n, 4 * d, device=dev, dtype=mm)
-        dc = torch.empty(k, n, hid, device=dev, dtype=mm)
-        xv = torch.zeros(k, n, 2 * d, device=dev, dtype=mm)  # iteration 0's v half stays 0
+        xv = torch.empty(k - 1, n, 2 * d, device=dev, dtype=mm)
         pmu = torch.zeros(grid[0], d, device=dev, dtype=f32)
         pka = torch.zeros(grid[0], d, device=dev, dtype=f32)
-        wrap_triton(_bwd_kernel)[grid](
-            gout, h, xs, vs, cs, w_xv, w_xv.stride(0), w_out, b_out, mu, kappa,
-            dh, gx, gv, dch, du, dc, xv, pmu, pka, n, d, dt, H=hid, K=k, **kw,
-        )  # fmt: skip
-        return dh, dch, du, dc, xv, pmu, pka
+        qs = [torch.empty(fb, n, hid, device=dev, dtype=f32) for _ in range(2)]
+        weights = (w_xv, w_xv.stride(0), w_out, b_out, mu, kappa)
+        for it in reversed(range(k)):
+            x, v = (h, h) if it == 0 else (xs[it - 1], vs[it - 1])
+            qin, qout = qs[(it + 1) % 2], qs[it % 2]
+            nxt = min(it + 1, k - 1)
+            wrap_triton(_bwd_step)[grid](
+                gout, gx, gv, qin, qout, cs[nxt], dc[nxt], cs[it], h, x, v, xv[max(it - 1, 0)] if k > 1 else du,
+                du[it], pmu, pka, *weights, n, d, fb, dt,
+                H=hid, TOP=it == k - 1, FIRST=it == 0, **kw,
+            )  # fmt: skip
+        return gx, dc, qs[0], du, xv, pmu, pka
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    h, c_h, w_xv, w_out, b_out, mu, kappa, dt, _k = inputs
+    h, c_h, c0, w_xv, w_out, b_out, mu, kappa, dt, _k = inputs
     _out, xs, vs, cs = output
     ctx.save_for_backward(h, w_xv, w_out, b_out, mu, kappa, xs, vs, cs)
-    ctx.dt, ctx.ch_dtype = dt, c_h.dtype
+    ctx.dt, ctx.ch_dtype, ctx.c0_dtype = dt, c_h.dtype, c0.dtype
     ctx.mark_non_differentiable(xs, vs, cs)
 
 
 def _backward(ctx, gout, _gxs, _gvs, _gcs):
     h, w_xv, w_out, b_out, mu, kappa, xs, vs, cs = ctx.saved_tensors
-    dh, dch, du, dc, xv, pmu, pka = torch.ops.gptoughts.inl_integrate_backward(
+    dh, dc, q0, du, xv, pmu, pka = torch.ops.gptoughts.inl_integrate_backward(
         gout.contiguous(), h, xs, vs, cs, w_xv, w_out, b_out, mu, kappa, ctx.dt
     )
     k, n, hid = cs.shape
+    dc0 = torch.ops.aten.gelu_backward(q0.sum(0), cs[0])
     g = F.gelu(cs).to(w_out.dtype).view(k * n, hid)
     dw_out = du.view(k * n, -1).t() @ g  # one reduction over all tokens and iterations
     db_out = du.view(k * n, -1).sum(0, dtype=torch.float32)
-    dw_xv = dc.view(k * n, hid).t() @ xv.view(k * n, -1)
+    if k > 1:
+        dw_xv = dc[1:].to(w_xv.dtype).view(-1, hid).t() @ xv.view((k - 1) * n, -1)
+        dc_h = dc[1:].sum(0)
+    else:
+        dw_xv, dc_h = torch.zeros_like(w_xv), torch.zeros_like(dc0)
     return (
         dh.to(h.dtype),
-        dch.to(ctx.ch_dtype),
+        dc_h.to(ctx.ch_dtype),
+        dc0.to(ctx.c0_dtype),
         dw_xv.to(w_xv.dtype),
         dw_out.to(w_out.dtype),
         db_out.to(b_out.dtype),
@@ -387,15 +397,20 @@ def integrate(
     dt: float,
     n_iterations: int,
 ) -> torch.Tensor:
-    """``x_K`` of the integrator through the kernels (the caller checks :func:`supported`)."""
+    """``x_K`` of the integrator through the kernels (the caller checks :func:`supported`).
+
+    ``c_h = W_h h + b_in`` and the first iteration's ``c_0 = c_h + W_x h`` stay ordinary autograd ops, as in the
+    reference; the weights are cast to their dtype (the autocast dtype under autocast), so their gradients reach
+    the fp32 parameters through the casts."""
     d = h.size(-1)
     c_h = F.linear(h, w_in[:, :d], b_in)
+    c0 = c_h + F.linear(h, w_in[:, d : 2 * d])
     mm = c_h.dtype
     shape = h.shape
-    h2 = h.reshape(-1, d).contiguous()
     out, *_ = torch.ops.gptoughts.inl_integrate(
-        h2,
+        h.reshape(-1, d).contiguous(),
         c_h.reshape(-1, c_h.size(-1)).contiguous(),
+        c0.reshape(-1, c0.size(-1)).contiguous(),
         w_in[:, d:].to(mm).contiguous(),
         w_out.to(mm).contiguous(),
         b_out.to(mm),

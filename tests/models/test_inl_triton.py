@@ -76,6 +76,7 @@ _INTERPRETED = textwrap.dedent(
     sys.path.insert(0, {tests!r})
     from models.test_inl_triton import NAMES, _pair, _run
     from gptoughts.models import inl_triton
+    inl_triton.TILES.update(BM=16, BD=16, BDB=32)  # 2 token tiles, 2 feature blocks (one part-filled)
     out = {{}}
     for k in (1, 2, 4):
         ref, tri = _pair(k, 40, 16)  # 40 features: a part chunk; 21 tokens: a part tile
@@ -111,14 +112,14 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 @pytest.mark.parametrize("k", [1, 2, 4])
-@pytest.mark.parametrize("tiles", [None, {"BM": 32, "BD": 64, "num_warps": 4, "num_stages": 2}])
+@pytest.mark.parametrize("tiles", [None, {"BM": 16, "BD": 32, "BDB": 64, "num_warps": 4, "num_stages": 2}])
 @pytest.mark.gpu
 @needs_cuda
 def test_gpu_kernels_under_bf16_are_as_close_to_fp32_as_the_reference(k, tiles, monkeypatch):
     # The reference rounds c, gelu(c) and the controller's outputs to bf16, the kernels keep them in fp32: each is
     # compared with the fp32 function, and the kernels must be as close as the reference (within 1.5x, plus a
     # floor of bf16's resolution).
-    if tiles:
+    if tiles:  # 4 feature blocks of 64, the last part-filled
         monkeypatch.setattr(inl_triton, "TILES", tiles)
     ref, tri = _pair(k, 200, 64, device="cuda")  # 200 features: a part chunk; 111 tokens: a part tile
     h = torch.randn(3, 37, 200, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
