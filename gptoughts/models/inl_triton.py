@@ -23,13 +23,12 @@ import torch.nn.functional as F
 try:  # Triton ships with PyTorch's CUDA wheels; the CPU wheels have none
     import triton
     import triton.language as tl
-    from torch.library import triton_op, wrap_triton
 except ImportError:
     triton = None
 
 __all__ = ["TILES", "available", "integrate", "supported"]
 
-TILES = {"BM": 32, "BD": 32, "BDB": 256, "num_warps": 4, "num_stages": 1}
+TILES = {"BM": 16, "BD": 16, "BDB": 256, "num_warps": 4, "num_stages": 1}
 """Tokens per program, features per chunk and per program, warps and software-pipelining stages; a benchmark
 may change them (bench/inl_step.py --tiles)."""
 
@@ -75,19 +74,17 @@ if triton is not None:
             return tl.dot(a, b)
 
     @triton.jit
-    def _controller(g, wout_ptr, bout_ptr, cols, cmask, D, H: tl.constexpr, IEEE: tl.constexpr):
-        """The chunk's four controller outputs ``W_out gelu(c) + b_out`` in fp32: ([BM, BD] each)."""
+    def _controller(g, w4_ptr, b4_ptr, j0, D, H: tl.constexpr, BD: tl.constexpr, IEEE: tl.constexpr):
+        """The chunk's four controller outputs ``W_out gelu(c) + b_out`` in fp32 ([BM, BD] each), from one
+        dot: W_out's rows are interleaved per feature (row ``4j + p``: part p of feature j)."""
         hh = tl.arange(0, H)
-        wmask = cmask[:, None]
-        wt = wout_ptr + cols[:, None] * H + hh[None, :]  # rows of W_out [4D, H], read as [BD, H]
-        a = _dot(g, tl.trans(tl.load(wt, mask=wmask, other=0.0)), IEEE)
-        b = _dot(g, tl.trans(tl.load(wt + D * H, mask=wmask, other=0.0)), IEEE)
-        gl = _dot(g, tl.trans(tl.load(wt + 2 * D * H, mask=wmask, other=0.0)), IEEE)
-        vc = _dot(g, tl.trans(tl.load(wt + 3 * D * H, mask=wmask, other=0.0)), IEEE)
-        a += tl.load(bout_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
-        b += tl.load(bout_ptr + D + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
-        gl += tl.load(bout_ptr + 2 * D + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
-        vc += tl.load(bout_ptr + 3 * D + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+        rows4 = 4 * j0 + tl.arange(0, 4 * BD)
+        m4 = rows4 < 4 * D
+        w = tl.load(w4_ptr + rows4[None, :] * H + hh[:, None], mask=m4[None, :], other=0.0)  # [H, 4 BD]
+        u = _dot(g, w, IEEE) + tl.load(b4_ptr + rows4, mask=m4, other=0.0).to(tl.float32)[None, :]
+        lo0, lo1 = tl.split(tl.reshape(u, [u.shape[0], BD, 2, 2]))  # p = 2 p_hi + p_lo
+        a, gl = tl.split(lo0)
+        b, vc = tl.split(lo1)
         return a, b, gl, vc
 
     @triton.jit
@@ -102,14 +99,14 @@ if triton is not None:
     @triton.jit
     def _fwd_step(
         h_ptr, x_ptr, v_ptr, c0_ptr, ch_ptr, pin_ptr, pout_ptr, cs_ptr, xo_ptr, vo_ptr,
-        wxv_ptr, sw, wout_ptr, bout_ptr, mu_ptr, ka_ptr,
+        wxv_ptr, w4_ptr, b4_ptr, mu_ptr, ka_ptr,
         N, D, FB, dt,
         H: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, BDB: tl.constexpr,
         FIRST: tl.constexpr, LAST: tl.constexpr, IEEE: tl.constexpr,
     ):  # fmt: skip
         """One iteration on a tile of tokens and a block of features: the update from ``c``, and this block's
         share of the next ``c`` (``pout``, summed over blocks by the next launch)."""
-        mm = wout_ptr.dtype.element_ty
+        mm = w4_ptr.dtype.element_ty
         pm, pf = tl.program_id(0), tl.program_id(1)
         rows = pm * BM + tl.arange(0, BM)
         rmask = rows < N
@@ -130,7 +127,7 @@ if triton is not None:
             cmask = cols < D
             m2 = rmask[:, None] & cmask[None, :]
             off = r[:, None] * D + cols[None, :]
-            a, b, gl, vc = _controller(g, wout_ptr, bout_ptr, cols, cmask, D, H, IEEE)
+            a, b, gl, vc = _controller(g, w4_ptr, b4_ptr, j0, D, H, BD, IEEE)
             mu = tl.load(mu_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
             ka = tl.load(ka_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
             if FIRST:
@@ -147,26 +144,26 @@ if triton is not None:
             tl.store(xo_ptr + off, xn, mask=m2)
             if not LAST:
                 tl.store(vo_ptr + off, vn, mask=m2)
-                wp = wxv_ptr + hh[:, None] * sw + cols[None, :]
-                acc += _dot(xn.to(mm), tl.trans(tl.load(wp, mask=cmask[None, :], other=0.0)), IEEE)
-                acc += _dot(vn.to(mm), tl.trans(tl.load(wp + D, mask=cmask[None, :], other=0.0)), IEEE)
+                c2 = 2 * j0 + tl.arange(0, 2 * BD)  # W_in's x and v columns, interleaved per feature
+                w = tl.load(
+                    wxv_ptr + hh[:, None] * (2 * D) + c2[None, :], mask=(c2 < 2 * D)[None, :], other=0.0
+                )
+                xv = tl.reshape(tl.join(xn, vn), [BM, 2 * BD]).to(mm)
+                acc += _dot(xv, tl.trans(w), IEEE)
         if not LAST:
             tl.store(pout_ptr + (r + pf * N)[:, None] * H + hh[None, :], acc, mask=rmask[:, None])
 
     @triton.jit
     def _update_backward(
-        g, x, v, gx, gv, wout_ptr, bout_ptr, mu_ptr, ka_ptr, du_ptr, cols, cmask, r, m2, N, D, dt,
-        H: tl.constexpr, HAS_V: tl.constexpr, HAS_GV: tl.constexpr, IEEE: tl.constexpr,
+        g, x, v, gx, gv, w4_ptr, b4_ptr, mu_ptr, ka_ptr, du_ptr, j0, cols, cmask, r, rmask, D, dt,
+        H: tl.constexpr, BD: tl.constexpr, HAS_V: tl.constexpr, HAS_GV: tl.constexpr, IEEE: tl.constexpr,
     ):  # fmt: skip
-        """One chunk of an iteration's update backward (models.inl_fused.update_backward): stores ``du``,
-        returns ``(gx + d_err, dv, dg, dμ, dκ)`` with ``dg = du W_out`` and dμ, dκ summed over the tile."""
-        # Each du part is stored and multiplied into dg as soon as it is known: short live ranges, fewer spills.
-        mm = wout_ptr.dtype.element_ty
+        """One chunk of an iteration's update backward (models.inl_fused.update_backward): stores ``du``
+        (interleaved as W_out's rows), returns ``(gx + d_err, dv, dg, dμ, dκ)`` with ``dg = du W_out`` and dμ,
+        dκ summed over the tile."""
+        mm = w4_ptr.dtype.element_ty
         hh = tl.arange(0, H)
-        wt = wout_ptr + cols[:, None] * H + hh[None, :]
-        wmask = cmask[:, None]
-        off = r[:, None] * (4 * D) + cols[None, :]
-        a, b, gl, vc = _controller(g, wout_ptr, bout_ptr, cols, cmask, D, H, IEEE)
+        a, b, gl, vc = _controller(g, w4_ptr, b4_ptr, j0, D, H, BD, IEEE)
         mu = tl.load(mu_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
         ka = tl.load(ka_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
         err = x - mu
@@ -180,22 +177,20 @@ if triton is not None:
         g_vnew = gx * (dt * s_g)
         if HAS_GV:
             g_vnew += gv
-        d_part = (gx * dt * vn * s_g * (1.0 - s_g)).to(mm)  # the gate's
-        tl.store(du_ptr + off + 2 * D, d_part, mask=m2)
-        dg = _dot(d_part, tl.load(wt + 2 * D * H, mask=wmask, other=0.0), IEEE)
-        d_part = (g_vnew * (1.0 - alpha)).to(mm)  # v_cand's
-        tl.store(du_ptr + off + 3 * D, d_part, mask=m2)
-        dg += _dot(d_part, tl.load(wt + 3 * D * H, mask=wmask, other=0.0), IEEE)
+        d_gate = gx * dt * vn * s_g * (1.0 - s_g)
+        d_vc = g_vnew * (1.0 - alpha)
         if HAS_V:
             d_damp = g_vnew * (v - vc) * alpha  # dα times ∂α/∂(-κ|err|) = α
         else:
             d_damp = -g_vnew * vc * alpha
-        d_part = (d_damp * (1.0 - s_a)).to(mm)  # α̃'s
-        tl.store(du_ptr + off, d_part, mask=m2)
-        dg += _dot(d_part, tl.load(wt, mask=wmask, other=0.0), IEEE)
-        d_part = (-g_vnew * err * tl.sigmoid(b)).to(mm)  # β̃'s
-        tl.store(du_ptr + off + D, d_part, mask=m2)
-        dg += _dot(d_part, tl.load(wt + D * H, mask=wmask, other=0.0), IEEE)
+        d_a = d_damp * (1.0 - s_a)
+        d_b = -g_vnew * err * tl.sigmoid(b)
+        du = tl.reshape(tl.join(tl.join(d_a, d_gate), tl.join(d_b, d_vc)), [x.shape[0], 4 * BD]).to(mm)
+        rows4 = 4 * j0 + tl.arange(0, 4 * BD)
+        m4 = rows4 < 4 * D
+        tl.store(du_ptr + r[:, None] * (4 * D) + rows4[None, :], du, mask=rmask[:, None] & m4[None, :])
+        w = tl.load(w4_ptr + rows4[:, None] * H + hh[None, :], mask=m4[:, None], other=0.0)  # [4 BD, H]
+        dg = _dot(du, w, IEEE)
         sign = tl.where(err > 0, 1.0, tl.where(err < 0, -1.0, 0.0))
         d_err = -g_vnew * beta - d_damp * ka * sign
         dka = -tl.sum(d_damp * tl.abs(err), axis=0)
@@ -205,7 +200,7 @@ if triton is not None:
     def _bwd_step(
         gout_ptr, gx_ptr, gv_ptr, qin_ptr, qout_ptr, cnext_ptr, dcnext_ptr, c_ptr,
         h_ptr, x_ptr, v_ptr, xv_ptr, du_ptr, pmu_ptr, pka_ptr,
-        wxv_ptr, sw, wout_ptr, bout_ptr, mu_ptr, ka_ptr,
+        wxv_ptr, w4_ptr, b4_ptr, mu_ptr, ka_ptr,
         N, D, FB, dt,
         H: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, BDB: tl.constexpr,
         TOP: tl.constexpr, FIRST: tl.constexpr, IEEE: tl.constexpr,
@@ -214,7 +209,7 @@ if triton is not None:
         finishes the gradients of x_{i+1} and v_{i+1} with ``dc_{i+1} = gelu'(c_{i+1}) Σ qin`` (the block
         partials of ``du_{i+1} W_out``); it leaves the gradients of x_i and v_i without dc_i's share in gx/gv,
         its block's partial of ``du_i W_out`` in ``qout``, ``du_i``, the bf16 ``[x_i, v_i]`` and dμ/dκ sums."""
-        mm = wout_ptr.dtype.element_ty
+        mm = w4_ptr.dtype.element_ty
         pm, pf = tl.program_id(0), tl.program_id(1)
         rows = pm * BM + tl.arange(0, BM)
         rmask = rows < N
@@ -235,15 +230,18 @@ if triton is not None:
             cmask = cols < D
             m2 = rmask[:, None] & cmask[None, :]
             off = r[:, None] * D + cols[None, :]
+            c2 = 2 * j0 + tl.arange(0, 2 * BD)  # W_in's x and v columns, interleaved per feature
+            m2x = rmask[:, None] & (c2 < 2 * D)[None, :]
             if TOP:
                 gx = tl.load(gout_ptr + off, mask=m2, other=0.0).to(tl.float32)
                 gv = gx  # unused: nothing reads v_K
             else:
-                wp = wxv_ptr + hh[:, None] * sw + cols[None, :]
-                gx = tl.load(gx_ptr + off, mask=m2, other=0.0)
-                gx += _dot(dcm, tl.load(wp, mask=cmask[None, :], other=0.0), IEEE)
-                gv = tl.load(gv_ptr + off, mask=m2, other=0.0)
-                gv += _dot(dcm, tl.load(wp + D, mask=cmask[None, :], other=0.0), IEEE)
+                w = tl.load(
+                    wxv_ptr + hh[:, None] * (2 * D) + c2[None, :], mask=(c2 < 2 * D)[None, :], other=0.0
+                )
+                add_x, add_v = tl.split(tl.reshape(_dot(dcm, w, IEEE), [BM, BD, 2]))
+                gx = tl.load(gx_ptr + off, mask=m2, other=0.0) + add_x
+                gv = tl.load(gv_ptr + off, mask=m2, other=0.0) + add_v
             if FIRST:
                 x = tl.load(h_ptr + off, mask=m2, other=0.0).to(tl.float32)
                 v = x  # unused: iteration 0 starts from v = 0
@@ -251,16 +249,15 @@ if triton is not None:
                 x = tl.load(x_ptr + off, mask=m2, other=0.0)
                 v = tl.load(v_ptr + off, mask=m2, other=0.0)
             gx, gv, q_j, dmu, dka = _update_backward(
-                g, x, v, gx, gv, wout_ptr, bout_ptr, mu_ptr, ka_ptr, du_ptr,
-                cols, cmask, r, m2, N, D, dt, H, not FIRST, not TOP, IEEE,
+                g, x, v, gx, gv, w4_ptr, b4_ptr, mu_ptr, ka_ptr, du_ptr,
+                j0, cols, cmask, r, rmask, D, dt, H, BD, not FIRST, not TOP, IEEE,
             )  # fmt: skip
             q += q_j
             tl.store(gx_ptr + off, gx, mask=m2)
             if not FIRST:
                 tl.store(gv_ptr + off, gv, mask=m2)
-                xo = r[:, None] * 2 * D + cols[None, :]
-                tl.store(xv_ptr + xo, x.to(mm), mask=m2)
-                tl.store(xv_ptr + xo + D, v.to(mm), mask=m2)
+                xv = tl.reshape(tl.join(x, v), [BM, 2 * BD]).to(mm)
+                tl.store(xv_ptr + r[:, None] * (2 * D) + c2[None, :], xv, mask=m2x)
             pmo = pm * D + cols  # the tile's row of the partial sums
             tl.store(pmu_ptr + pmo, tl.load(pmu_ptr + pmo, mask=cmask, other=0.0) + dmu, mask=cmask)
             tl.store(pka_ptr + pmo, tl.load(pka_ptr + pmo, mask=cmask, other=0.0) + dka, mask=cmask)
@@ -272,7 +269,9 @@ if triton is not None:
         kw = dict(BM=t["BM"], BD=t["BD"], BDB=t["BDB"], num_warps=t["num_warps"], num_stages=t["num_stages"])
         return (triton.cdiv(n, t["BM"]), fb), fb, dict(IEEE=mm_dtype == torch.float32, **kw)
 
-    @triton_op("gptoughts::inl_integrate", mutates_args=())
+    # Opaque custom ops, not torch.library.triton_op: traced through, the per-iteration views of the saved state
+    # that the launches write became functional copies, and the compiled block read out of bounds (H200).
+    @torch.library.custom_op("gptoughts::inl_integrate", mutates_args=())
     def _integrate_op(
         h: torch.Tensor,
         c_h: torch.Tensor,
@@ -293,18 +292,18 @@ if triton is not None:
         vs = torch.empty(k - 1, n, d, device=dev, dtype=f32)
         cs = torch.empty(k, n, hid, device=dev, dtype=f32)
         parts = [torch.empty(fb, n, hid, device=dev, dtype=f32) for _ in range(min(k - 1, 2))] or [cs]
-        weights = (w_xv, w_xv.stride(0), w_out, b_out, mu, kappa)
+        weights = (w_xv, w_out, b_out, mu, kappa)
         for it in range(k):
             x, v = (h, h) if it == 0 else (xs[it - 1], vs[it - 1])
             xo, vo = (out, out) if it == k - 1 else (xs[it], vs[it])
             pin, pout = parts[(it + 1) % len(parts)], parts[it % len(parts)]
-            wrap_triton(_fwd_step)[grid](
+            _fwd_step[grid](
                 h, x, v, c0, c_h, pin, pout, cs[it], xo, vo, *weights, n, d, fb, dt,
                 H=hid, FIRST=it == 0, LAST=it == k - 1, **kw,
             )  # fmt: skip
         return out, xs, vs, cs
 
-    @triton_op("gptoughts::inl_integrate_backward", mutates_args=())
+    @torch.library.custom_op("gptoughts::inl_integrate_backward", mutates_args=())
     def _backward_op(
         gout: torch.Tensor,
         h: torch.Tensor,
@@ -332,17 +331,49 @@ if triton is not None:
         pmu = torch.zeros(grid[0], d, device=dev, dtype=f32)
         pka = torch.zeros(grid[0], d, device=dev, dtype=f32)
         qs = [torch.empty(fb, n, hid, device=dev, dtype=f32) for _ in range(2)]
-        weights = (w_xv, w_xv.stride(0), w_out, b_out, mu, kappa)
+        weights = (w_xv, w_out, b_out, mu, kappa)
         for it in reversed(range(k)):
             x, v = (h, h) if it == 0 else (xs[it - 1], vs[it - 1])
             qin, qout = qs[(it + 1) % 2], qs[it % 2]
             nxt = min(it + 1, k - 1)
-            wrap_triton(_bwd_step)[grid](
+            _bwd_step[grid](
                 gout, gx, gv, qin, qout, cs[nxt], dc[nxt], cs[it], h, x, v, xv[max(it - 1, 0)] if k > 1 else du,
                 du[it], pmu, pka, *weights, n, d, fb, dt,
                 H=hid, TOP=it == k - 1, FIRST=it == 0, **kw,
             )  # fmt: skip
         return gx, dc, qs[0], du, xv, pmu, pka
+
+
+if triton is not None:
+
+    @_integrate_op.register_fake
+    def _(h, c_h, c0, w_xv, w_out, b_out, mu, kappa, dt, k):
+        n, d = h.shape
+        hid = c_h.size(-1)
+        new = h.new_empty
+        f32 = torch.float32
+        return (
+            new(n, d, dtype=f32),
+            new(k - 1, n, d, dtype=f32),
+            new(k - 1, n, d, dtype=f32),
+            new(k, n, hid, dtype=f32),
+        )
+
+    @_backward_op.register_fake
+    def _(gout, h, xs, vs, cs, w_xv, w_out, b_out, mu, kappa, dt):
+        k, n, hid = cs.shape
+        d = h.size(-1)
+        grid, fb, _ = _launch(n, d, w_out.dtype)
+        new, f32, mm = h.new_empty, torch.float32, w_out.dtype
+        return (
+            new(n, d, dtype=f32),
+            new(k, n, hid, dtype=f32),
+            new(fb, n, hid, dtype=f32),
+            new(k, n, 4 * d, dtype=mm),
+            new(k - 1, n, 2 * d, dtype=mm),
+            new(grid[0], d, dtype=f32),
+            new(grid[0], d, dtype=f32),
+        )
 
 
 def _setup_context(ctx, inputs, output) -> None:
@@ -405,15 +436,21 @@ def integrate(
     d = h.size(-1)
     c_h = F.linear(h, w_in[:, :d], b_in)
     c0 = c_h + F.linear(h, w_in[:, d : 2 * d])
-    mm = c_h.dtype
+    mm, hid = c_h.dtype, c_h.size(-1)
     shape = h.shape
+    # Interleaved per feature (plain views and copies: autograd maps the gradients back): W_out's four parts of
+    # feature j at rows 4j..4j+3, W_in's x and v columns of feature j at 2j, 2j+1. A chunk's four controller
+    # outputs then come from one dot, and its x and v share of the next c from another.
+    w4 = w_out.to(mm).view(4, d, hid).transpose(0, 1).reshape(4 * d, hid)
+    b4 = b_out.to(mm).view(4, d).t().reshape(4 * d)
+    wxv = w_in[:, d:].to(mm).view(hid, 2, d).transpose(1, 2).reshape(hid, 2 * d)
     out, *_ = torch.ops.gptoughts.inl_integrate(
         h.reshape(-1, d).contiguous(),
-        c_h.reshape(-1, c_h.size(-1)).contiguous(),
-        c0.reshape(-1, c0.size(-1)).contiguous(),
-        w_in[:, d:].to(mm).contiguous(),
-        w_out.to(mm).contiguous(),
-        b_out.to(mm),
+        c_h.reshape(-1, hid).contiguous(),
+        c0.reshape(-1, hid).contiguous(),
+        wxv.contiguous(),
+        w4.contiguous(),
+        b4.contiguous(),
         mu.contiguous(),
         kappa.contiguous(),
         dt,
