@@ -28,7 +28,7 @@ except ImportError:
 
 __all__ = ["TILES", "available", "integrate", "supported"]
 
-TILES = {"BM": 16, "BD": 16, "BDB": 256, "num_warps": 4, "num_stages": 1}
+TILES = {"BM": 16, "BD": 16, "BDB": 256, "num_warps": 4, "num_stages": 2}
 """Tokens per program, features per chunk and per program, warps and software-pipelining stages; a benchmark
 may change them (bench/inl_step.py --tiles)."""
 

@@ -24,6 +24,9 @@ def _pair(
     k: int, d: int, hidden: int, impl: str = "triton", device: str = "cpu"
 ) -> tuple[Integrator, Integrator]:
     """(reference, other) with the same weights, every parameter perturbed so the whole dynamics is exercised."""
+    torch.manual_seed(
+        0
+    )  # reset_parameters draws from the global generator: the same weights in any test order
     ref = Integrator(d, k, dt=0.1, hidden=hidden, impl="reference")
     ref.reset_parameters(0.02)
     g = torch.Generator().manual_seed(5)
@@ -123,7 +126,8 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 def test_gpu_kernels_under_bf16_are_as_close_to_fp32_as_the_reference(k, tiles, monkeypatch):
     # The reference rounds c, gelu(c) and the controller's outputs to bf16, the kernels keep them in fp32: each is
     # compared with the fp32 function, and the kernels must be as close as the reference (within 1.5x, plus a
-    # floor of bf16's resolution).
+    # floor of bf16's resolution). Errors are relative RMS: with K = 4 and these perturbed weights the largest
+    # element's error swings several-fold with rounding order alone (fp16 on Triton's interpreter, 6 weight draws).
     if tiles:  # 4 feature blocks of 64, the last part-filled
         monkeypatch.setattr(inl_triton, "TILES", tiles)
     ref, tri = _pair(k, 200, 64, device="cuda")  # 200 features: a part chunk; 111 tokens: a part tile
@@ -132,8 +136,7 @@ def test_gpu_kernels_under_bf16_are_as_close_to_fp32_as_the_reference(k, tiles, 
     truth = _run(ref, h, False)
     for name, t, a, b in zip(NAMES, truth, _run(ref, h, True), _run(tri, h, True), strict=True):
         assert b.dtype == a.dtype, name
-        scale = t.abs().max().item()
-        err_ref, err_tri = ((x - t).abs().max().item() / scale for x in (a, b))
+        err_ref, err_tri = ((x.float() - t).norm().item() / t.norm().item() for x in (a, b))
         assert err_tri <= 1.5 * err_ref + 2e-3, (name, err_tri, err_ref)
 
 
