@@ -168,14 +168,22 @@ def _inl_layer_bytes(args: Any, mode: str, r: int) -> float:
 
 def _integrator_bytes(args: Any, mode: str) -> float:
     """What INL's integrator saves per token and block (``_inl_layer_bytes`` gives the terms): none, reference
-    2d + K (22d + 4H), fused 2d + (K-1) 8d + 2KH; selective K (8d + 4H); full nothing (the block input only)."""
+    2d + K (22d + 4H), fused 2d + (K-1) 8d + 2KH, triton 2d + (K-1) 8d + 4KH; selective K (8d + 4H), triton 4H;
+    full nothing (the block input only)."""
     d, hid, k = args.d_model, args.controller_hidden, args.n_iterations
     if k == 0 or mode == "full":
         return 0.0
+    # "triton" is counted as the kernels: a CUDA GPU, where memory is planned, has Triton (elsewhere it is the
+    # fused Function)
+    impl = getattr(args, "integrator_impl", "reference")
+    if mode == "selective" and impl == "triton":
+        return 4 * hid  # c_h and c_0 (bf16): the kernels' op is recomputed like any non-matmul op
     if mode == "selective":
         return k * (8 * d + 4 * hid)
-    if getattr(args, "integrator_impl", "reference") == "fused":
+    if impl == "fused":
         return 2 * d + (k - 1) * 8 * d + 2 * k * hid
+    if impl == "triton":  # the fused Function's set, with c_i in fp32
+        return 2 * d + (k - 1) * 8 * d + 4 * k * hid
     return 2 * d + k * (22 * d + 4 * hid)
 
 

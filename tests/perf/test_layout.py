@@ -111,15 +111,16 @@ def test_the_chosen_layout_fits_each_cap_or_the_refusal_names_offload(family, si
 
 def test_the_guides_hardware_gets_a_layout_in_the_fixed_order():
     """inl/3b on 24 GiB: its states alone (~34 GiB) exceed the card, checkpointing and bf16 states are not
-    enough, CPU offload is; inl/4b on 40 GiB without accumulation: full checkpointing with bf16 states fits, no
-    offload (under accumulation the kept gradients need offload, or 8-bit states: the plan snapshot); llama/3b on
-    40 GiB: bf16 states alone, without the checkpointing that would not be needed."""
+    enough, CPU offload is; inl/4b on 40 GiB without accumulation: its size's selective checkpointing with bf16
+    states fits (the Triton integrator keeps nothing under it), no offload (under accumulation the kept gradients
+    need more: the plan snapshot); llama/3b on 40 GiB: bf16 states alone, without the checkpointing that would
+    not be needed."""
     three = _search("inl", "3b", 24).choose()
     assert three.refusal is None and three.layout.cpu_offload, three
     assert set(three.why) == {"cpu_offload"}, three.why  # the size's selective checkpointing fits offloaded
     assert "host" in three.why["cpu_offload"]
     four = _search("inl", "4b", 40).choose()
-    assert four.layout == Layout("full", "bf16", False), four
+    assert four.layout == Layout("selective", "bf16", False), four
     llama = _search("llama", "3b", 40).choose()
     assert llama.layout == Layout("none", "bf16", False), llama
 
