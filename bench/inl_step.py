@@ -5,7 +5,7 @@ as training compiles it), for each implementation and activation-checkpointing m
 forward + backward (CUDA events), the peak memory above the block's weights, and the largest difference of the
 block's output and gradients from the reference. One JSON line per variant, on stdout and appended to ``--out``.
 
-    python3 bench/inl_step.py --out r.jsonl [--ac none,selective] [--no-compile]
+    python3 bench/inl_step.py --out r.jsonl [--ac none,selective] [--no-compile] [--part integrator]
     python3 bench/inl_step.py --impls fused,triton --tiles 32,32,256,4,1/64,32,256,8,1   # BM,BD,BDB,warps,stages
     python3 bench/inl_step.py --device cpu --size debug --batch 2 --seq 64 --iters 2   # smoke run on CPU
 """
@@ -51,18 +51,20 @@ def _variant(a: argparse.Namespace, impl: str, ac: str, x: torch.Tensor, dy: tor
         model.layers[0].integrator.w_out.normal_(0, 0.02)
     stack = _Stack(model.layers[0], model.rope)
     apply_activation_checkpointing(stack, ac)
-    block = stack.layers[0]
+    block = stack.layers[0].integrator if a.part == "integrator" else stack.layers[0]
     if a.compile:
         block.compile()
     cos, sin = model.rope(a.seq, 0, None)
-    xin = x.detach().requires_grad_()
+    xin = (
+        (x.to(torch.bfloat16) if a.part == "integrator" else x).detach().requires_grad_()
+    )  # attention's output
 
     def step() -> None:
         xin.grad = None
         for p in block.parameters():
             p.grad = None
         with torch.autocast(dev.type, dtype=torch.bfloat16):
-            y = block(xin, cos, sin)
+            y = block(xin) if a.part == "integrator" else block(xin, cos, sin)
         y.backward(dy)
 
     for _ in range(3):
@@ -101,6 +103,9 @@ def main() -> None:
     p.add_argument(
         "--tiles", default="", help="the triton kernels' BM,BD,BDB,num_warps,num_stages; several joined by /"
     )
+    p.add_argument(
+        "--part", choices=["block", "integrator"], default="block", help="time the block or its integrator"
+    )
     p.add_argument("--out", type=Path)
     a = p.parse_args()
     dev = torch.device(a.device)
@@ -126,7 +131,7 @@ def main() -> None:
                 ((g1.float() - g0.float()).abs().max() / g0.float().abs().max()).item()
                 for g0, g1 in zip(ref, grads)
             )
-            row = {"bench": "inl_step", "size": a.size, "batch": a.batch, "seq": a.seq, "compile": a.compile,
+            row = {"bench": "inl_step", "part": a.part, "size": a.size, "batch": a.batch, "seq": a.seq, "compile": a.compile,
                    "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
                    **r, "max_rel_grad_diff": diff}  # fmt: skip
             line = json.dumps(row)

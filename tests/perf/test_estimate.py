@@ -88,7 +88,11 @@ def test_deepseek_activations_follow_the_active_experts_only():
 def test_inl_activations_grow_with_integrator_iterations():
     acts = [
         estimate(
-            "inl", "3b", {"n_iterations": k, "integrator_impl": "reference"}, batch_size=1, residual_dtype="fp32"
+            "inl",
+            "3b",
+            {"n_iterations": k, "integrator_impl": "reference"},
+            batch_size=1,
+            residual_dtype="fp32",
         ).activations_gib
         for k in (0, 4, 8)
     ]
@@ -117,10 +121,17 @@ def test_estimate_matches_measured_peaks(family, size, batch, block, peak_gib):
 
 # INL 3b with the Triton integrator (the size's default), bf16 residual, one H200 (bench/gpu_matrix.py --only
 # inl-triton, bench/BENCHMARKS.md): the kernels save the fused Function's set, and nothing under selective.
-@pytest.mark.parametrize(("checkpointing", "batch", "peak_gib"), [("none", 2, 48.10), ("selective", 2, 32.38)])
+@pytest.mark.parametrize(
+    ("checkpointing", "batch", "peak_gib"), [("none", 2, 48.10), ("selective", 2, 32.38)]
+)
 def test_estimate_matches_the_triton_integrators_measured_peaks(checkpointing, batch, peak_gib):
     e = estimate(
-        "inl", "3b", batch_size=batch, block_size=2048, activation_checkpointing=checkpointing, residual_dtype="bf16"
+        "inl",
+        "3b",
+        batch_size=batch,
+        block_size=2048,
+        activation_checkpointing=checkpointing,
+        residual_dtype="bf16",
     )
     assert e.total_gib == pytest.approx(peak_gib, rel=0.05)
 
