@@ -245,7 +245,8 @@ def _final_sample(asm: Any) -> str | None:
     """The summary's sample of the first prompt, once training and its last checkpoint are done: the trainer's from
     the final step when it sampled there (the same seeded text), else generated now. A failure is one warning line:
     a sample never turns a finished run into an error."""
-    trainer, prompts, d = asm.trainer, asm.cfg.eval.sample_prompts, asm.env.dist
+    trainer, d = asm.trainer, asm.env.dist
+    prompts = trainer.evaluator.cfg.sample_prompts  # resolved: None became the data's own
     ev = trainer.evaluator
     # No sampler: a pipeline's stages do not generate (run plan), or sampling failed during the run (warned then).
     if not prompts or ev.sampler is None:
@@ -346,7 +347,7 @@ def _print_summary(asm: Any, history: History) -> None:
 
     s, run = history.summary, asm.run_dir
     if history.sample:
-        prompt = asm.cfg.eval.sample_prompts[0]
+        prompt = asm.trainer.evaluator.cfg.sample_prompts[0]
         console.print(f"[bold]sample[/bold] ({prompt!r}):\n{history.sample}", highlight=False)
     speed = f"{s['tokens_per_s']:,.0f} tokens/s" if s["tokens_per_s"] else "-"
     mfu = f", MFU {s['mfu']:.3f}" if s["mfu"] else ""

@@ -56,7 +56,7 @@ def test_size_1b_from_the_command_line_is_the_1b_shape(text_corpus, cache_dir, c
     assert "block 2,048" in text and "runs/llama-1b" in text
     cfg = load_config(None, {"data.sources": ["x"], "model.size": "1b"})
     assert cfg.data.max_bytes is None and cfg.train.max_steps is None and cfg.train.learning_rate == 3e-4
-    assert cfg.eval.sample_prompts == ["def fibonacci(n):"] and cfg.model.overrides == {}
+    assert cfg.eval.sample_prompts is None and cfg.model.overrides == {}  # the data's own (below)
 
 
 def test_bare_train_is_the_quickstart_and_says_so(capsys, cache_dir):
@@ -611,3 +611,30 @@ def test_an_fsdp_run_resumed_on_one_process_keeps_its_global_batch(text_corpus, 
         and plan["tokens_per_step"] == saved["tokens_per_step"]
     )
     assert "keeps the resumed run's global batch" in json.dumps(plan["why"]) and "resumed from" in text
+
+
+def test_samples_continue_the_corpus_unless_prompts_are_given(tmp_path, cache_dir, capsys):
+    """A newcomer's finding: samples were prompted with Python code whatever the corpus. Unset, the prompt is the
+    corpus's first words; given, it is used as given."""
+    corpus = tmp_path / "story.txt"
+    corpus.write_text("Once upon a time there was a small red fox.\nIt lived by the river.\n" * 200)
+    base = [
+        "train",
+        "--data",
+        str(corpus),
+        "--size",
+        "debug",
+        "--tokenizer",
+        "bytes",
+        "--max_steps",
+        "2",
+        *FASTRUN,
+    ]
+
+    def sample(out: Path) -> str:  # the summary's sample: the first prompt and what the model added
+        return json.loads((out / "summary.json").read_text())["sample"]
+
+    _ok([*base, "--out", str(tmp_path / "auto")], capsys)
+    assert sample(tmp_path / "auto").startswith("Once upon a time there was")
+    _ok([*base, "--out", str(tmp_path / "given"), "--sample_prompts", "It lived"], capsys)
+    assert sample(tmp_path / "given").startswith("It lived")

@@ -160,8 +160,9 @@ class EvalConfig:
     """An evaluation improves on the best when it is lower by more than this."""
     sample_interval: int | None = None
     """Generate samples every N steps; None means at each evaluation; 0 disables."""
-    sample_prompts: list[str] = field(default_factory=lambda: ["def fibonacci(n):"])
-    """Prompts of the samples (samples.txt, TensorBoard); an empty list disables sampling."""
+    sample_prompts: list[str] | None = None
+    """Prompts of the samples (samples.txt, TensorBoard); an empty list disables sampling; None: the first words
+    of the corpus (chat data: a greeting)."""
     sample_max_new_tokens: int = 64
     """Tokens generated per sample."""
     sample_temperature: float = 0.8

@@ -73,7 +73,10 @@ def make_trainer(asm: Assembly, tasks: Any = None) -> Assembly:
     cfg, env, model, batch, run_dir = asm.cfg, asm.env, asm.model, asm.batch, asm.run_dir
     t = replace(cfg.train, batch_size=batch.micro_batch, grad_accum=batch.grad_accum)
     evaluation = replace(
-        cfg.eval, eval_interval=batch.eval_interval, eval_tasks_interval=batch.tasks_interval
+        cfg.eval,
+        eval_interval=batch.eval_interval,
+        eval_tasks_interval=batch.tasks_interval,
+        sample_prompts=asm.data.sample_prompts(cfg.eval.sample_prompts),
     )
     checkpointing = replace(cfg.checkpoint, save_interval=batch.save_interval)
     check_train_ranges(t, evaluation, checkpointing, cfg.recovery)  # with the plan's values

@@ -44,6 +44,27 @@ class Data:
     def vocab_size(self) -> int:
         return int(self.tokenizer.vocab_size) if self.tokenizer is not None else int(self.corpus["vocab"])
 
+    def sample_prompts(self, asked: list[str] | None) -> list[str]:
+        """``eval.sample_prompts`` for this data: as asked, or (None) the first words of the corpus's first line (the
+        training split starts a document; the held-out one may start mid-line), so that samples continue text like
+        the corpus's; chat data, and text without shards, get a greeting."""
+        if asked is not None:
+            return asked
+        ds = self.dataset
+        if ds is None or self.tokenizer is None or self.format != "text":
+            return ["Hello!"]
+        for split in ("train", "val"):
+            for source in ds.sources:
+                for shard in ds.shards(split, source.index):
+                    ids = [int(t) for t in shard[:512]]
+                    while ids and ids[0] == ds.eos_id:
+                        ids.pop(0)
+                    ids = ids[: ids.index(ds.eos_id)] if ds.eos_id in ids else ids
+                    line = next((ln for ln in self.tokenizer.decode(ids).splitlines() if ln.strip()), "")
+                    if line:
+                        return [" ".join(line.split()[:6])]
+        return ["Hello!"]
+
 
 def resolve_sources(sources: list[str]) -> list[str]:
     if not sources:
