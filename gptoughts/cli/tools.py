@@ -126,7 +126,8 @@ def cmd_estimate(argv: Sequence[str]) -> int:
             "                          --block_size T --activation_checkpointing M --strategy fsdp --cpu_offload ...]\n"
             "                          [--gpu H100] [--num_gpus N] [--tokens 50e9] [--mfu 0.5] [--price 2.5] [--json]\n"
             "Memory, time and cost of the run `gptoughts train` would make with the same options (same keys, same\n"
-            "defaults: --size 1b means its block 2048 and automatic batch), on --gpu (default H100)."
+            "defaults: --size 1b means its block 2048 and automatic batch), on --gpu (default H100). For this\n"
+            "machine's CPU, `gptoughts train` with the same flags and --device cpu --dry_run prints the plan."
         )
         return 0
     rest, opts = pop_options(argv, {"json"}, {"gpu", "num_gpus", "tokens", "mfu", "price"})

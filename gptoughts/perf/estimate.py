@@ -575,6 +575,12 @@ def _speed_and_cost(
     """Speed at ``mfu`` of ``gpu``'s peak (default by size class), the time for ``tokens`` and its price, and the
     GPU's memory (None for a GPU not in GPU_MEMORY_GIB): the Estimate fields of the same names."""
     peak = peak_flops(gpu)
+    if peak is None and gpu.lower() in ("cpu", "mps"):
+        # a CPU's speed is measured, not looked up: train's dry run times a matmul here and plans with it
+        raise ConfigError(
+            f"gptoughts estimate models GPUs, not {gpu}: for this machine, `gptoughts train` with the same flags "
+            f"and --device {gpu.lower()} --dry_run prints the plan (memory, and time from a matmul timed here)"
+        )
     if peak is None:
         raise ConfigError(f"unknown GPU {gpu!r}; known: {', '.join(sorted(_PEAK_BF16))}")
     if mfu is None:

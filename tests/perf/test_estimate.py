@@ -47,6 +47,16 @@ def test_estimate_cli_exits_cleanly(family, size, capsys):
     assert "total" in out and "params" in out
 
 
+@pytest.mark.parametrize("device", ["cpu", "CPU", "mps"])
+def test_estimate_of_a_cpu_points_to_the_dry_run_that_measures_it(device, capsys):
+    # A newcomer's finding: `--gpu cpu` gave "unknown GPU" and the list of GPUs, nothing about the way there.
+    assert cli.main(["estimate", "--model", "llama", "--size", "125m", "--gpu", device]) == 2
+    out, err = capsys.readouterr()
+    lines = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1 and "Traceback" not in err and out == ""
+    assert "--dry_run" in lines[0] and f"--device {device.lower()}" in lines[0] and "known:" not in lines[0]
+
+
 def test_estimate_cli_json_for_each_family(capsys):
     for family in FAMILIES:
         assert cli.main(["estimate", "--model", family, "--size", "debug", "--json"]) == 0
