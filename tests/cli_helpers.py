@@ -140,3 +140,9 @@ def pretend_gpu(monkeypatch, gpu_gib: float = 80) -> None:
     monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda *a, **k: None)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(staging, "host_memory_available", lambda: int(HOST_GIB * GIB))
+    # PyTorch's CUDA wheels ship Triton: INL's kernels would run there (the CPU wheels have none)
+    from gptoughts.models import inl_triton
+
+    monkeypatch.setattr(
+        inl_triton, "_hidden_fits", lambda hidden: 16 <= hidden <= 256 and not hidden & (hidden - 1)
+    )

@@ -638,3 +638,22 @@ def test_samples_continue_the_corpus_unless_prompts_are_given(tmp_path, cache_di
     assert sample(tmp_path / "auto").startswith("Once upon a time there was")
     _ok([*base, "--out", str(tmp_path / "given"), "--sample_prompts", "It lived"], capsys)
     assert sample(tmp_path / "given").startswith("It lived")
+    # Text without spaces is one long word: the prompt is cut to 32 tokens (whole characters), and samples run.
+    cjk = tmp_path / "cjk.txt"
+    cjk.write_text(
+        "むかしむかしあるところにおじいさんとおばあさんがすんでいました。\n" * 200, encoding="utf-8"
+    )
+    cjk_run = [
+        "train",
+        "--data",
+        str(cjk),
+        "--size",
+        "debug",
+        "--tokenizer",
+        "bytes",
+        "--max_steps",
+        "2",
+        *FASTRUN,
+    ]
+    _ok([*cjk_run, "--out", str(tmp_path / "cjk")], capsys)
+    assert sample(tmp_path / "cjk").startswith("むかしむかしあるとこ")  # 32 bytes: ten whole characters

@@ -82,8 +82,9 @@ class INLArgs:
     checkpoint moves between them). ``reference``: the module's loop under autograd (~10 saved ``[B, T, d]``
     tensors per iteration). ``fused``: one autograd Function (``models/inl_fused.py``) that saves per iteration
     only x, v and the controller's H-wide pre-activation and recomputes the rest in a hand-written backward.
-    ``triton``: the same saved state, forward and backward as two Triton kernels that walk the K iterations per
-    tile of tokens (``models/inl_triton.py``); where they cannot run (no Triton, fp32 matmuls), ``fused``."""
+    ``triton``: the same saved state, each iteration's forward and backward one Triton kernel launch over tiles of
+    tokens and features (``models/inl_triton.py``); where they cannot run (no CUDA or Triton, fp32 matmuls), the
+    assembly records ``fused``, which runs."""
     rope_theta: float = 10000.0
     """RoPE base frequency."""
     norm_eps: float = 1e-5

@@ -39,11 +39,21 @@ def available() -> bool:
 
 def supported(h: torch.Tensor, hidden: int, mm_dtype: torch.dtype) -> bool:
     """Whether the kernels run these operands (``interpret``: Triton's CPU interpreter, for the tests)."""
-    if triton is None or hidden < 16 or hidden > 256 or hidden & (hidden - 1):
+    if not _hidden_fits(hidden):
         return False
     if h.is_cuda:
         return mm_dtype in (torch.bfloat16, torch.float16)
     return _interpreting()
+
+
+def will_run(hidden: int, device: torch.device, precision: str) -> bool:
+    """Whether a run on ``device`` at ``precision`` gets the kernels (else the fused Function): what the assembly
+    records and the memory estimate counts."""
+    return _hidden_fits(hidden) and device.type == "cuda" and precision in ("bf16", "fp16")
+
+
+def _hidden_fits(hidden: int) -> bool:
+    return triton is not None and 16 <= hidden <= 256 and not hidden & (hidden - 1)
 
 
 def _interpreting() -> bool:
@@ -265,6 +275,11 @@ if triton is not None:
 
     def _launch(n: int, d: int, mm_dtype: torch.dtype) -> tuple[tuple[int, int], int, dict]:
         t = TILES
+        sizes = (t["BM"], t["BD"], t["BDB"])
+        if any(v < 16 or v & (v - 1) for v in sizes) or t["BDB"] % t["BD"]:
+            raise ValueError(
+                f"TILES: BM, BD and BDB must be powers of two >= 16, BD dividing BDB; got {sizes}"
+            )
         fb = triton.cdiv(d, t["BDB"])
         kw = dict(BM=t["BM"], BD=t["BD"], BDB=t["BDB"], num_warps=t["num_warps"], num_stages=t["num_stages"])
         return (triton.cdiv(n, t["BM"]), fb), fb, dict(IEEE=mm_dtype == torch.float32, **kw)
@@ -341,7 +356,8 @@ if triton is not None:
                 du[it], pmu, pka, *weights, n, d, fb, dt,
                 H=hid, TOP=it == k - 1, FIRST=it == 0, **kw,
             )  # fmt: skip
-        return gx, dc, qs[0], du, xv, pmu, pka
+        # reduced here, so that no output's shape depends on the tiles (the fake's shapes are traced once)
+        return gx, dc, qs[0].sum(0), du, xv, pmu.sum(0), pka.sum(0)
 
 
 if triton is not None:
@@ -363,16 +379,15 @@ if triton is not None:
     def _(gout, h, xs, vs, cs, w_xv, w_out, b_out, mu, kappa, dt):
         k, n, hid = cs.shape
         d = h.size(-1)
-        grid, fb, _ = _launch(n, d, w_out.dtype)
         new, f32, mm = h.new_empty, torch.float32, w_out.dtype
         return (
             new(n, d, dtype=f32),
             new(k, n, hid, dtype=f32),
-            new(fb, n, hid, dtype=f32),
+            new(n, hid, dtype=f32),
             new(k, n, 4 * d, dtype=mm),
             new(k - 1, n, 2 * d, dtype=mm),
-            new(grid[0], d, dtype=f32),
-            new(grid[0], d, dtype=f32),
+            new(d, dtype=f32),
+            new(d, dtype=f32),
         )
 
 
@@ -386,11 +401,11 @@ def _setup_context(ctx, inputs, output) -> None:
 
 def _backward(ctx, gout, _gxs, _gvs, _gcs):
     h, w_xv, w_out, b_out, mu, kappa, xs, vs, cs = ctx.saved_tensors
-    dh, dc, q0, du, xv, pmu, pka = torch.ops.gptoughts.inl_integrate_backward(
+    dh, dc, dg0, du, xv, dmu, dkappa = torch.ops.gptoughts.inl_integrate_backward(
         gout.contiguous(), h, xs, vs, cs, w_xv, w_out, b_out, mu, kappa, ctx.dt
     )
     k, n, hid = cs.shape
-    dc0 = torch.ops.aten.gelu_backward(q0.sum(0), cs[0])
+    dc0 = torch.ops.aten.gelu_backward(dg0, cs[0])
     g = F.gelu(cs).to(w_out.dtype).view(k * n, hid)
     dw_out = du.view(k * n, -1).t() @ g  # one reduction over all tokens and iterations
     db_out = du.view(k * n, -1).sum(0, dtype=torch.float32)
@@ -406,8 +421,8 @@ def _backward(ctx, gout, _gxs, _gvs, _gcs):
         dw_xv.to(w_xv.dtype),
         dw_out.to(w_out.dtype),
         db_out.to(b_out.dtype),
-        pmu.sum(0).to(mu.dtype),
-        pka.sum(0).to(kappa.dtype),
+        dmu.to(mu.dtype),
+        dkappa.to(kappa.dtype),
         None,
         None,
     )

@@ -173,8 +173,7 @@ def _integrator_bytes(args: Any, mode: str) -> float:
     d, hid, k = args.d_model, args.controller_hidden, args.n_iterations
     if k == 0 or mode == "full":
         return 0.0
-    # "triton" is counted as the kernels: a CUDA GPU, where memory is planned, has Triton (elsewhere it is the
-    # fused Function)
+    # a run records "triton" only where the kernels run (training/modeling.py: elsewhere "fused")
     impl = getattr(args, "integrator_impl", "reference")
     if mode == "selective" and impl == "triton":
         return 4 * hid  # c_h and c_0 (bf16): the kernels' op is recomputed like any non-matmul op

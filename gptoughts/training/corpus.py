@@ -45,14 +45,31 @@ class Data:
         return int(self.tokenizer.vocab_size) if self.tokenizer is not None else int(self.corpus["vocab"])
 
     def sample_prompts(self, asked: list[str] | None) -> list[str]:
-        """``eval.sample_prompts`` for this data: as asked, or (None) the first words of the corpus's first line (the
-        training split starts a document; the held-out one may start mid-line), so that samples continue text like
-        the corpus's; chat data, and text without shards, get a greeting."""
+        """``eval.sample_prompts`` for this data: as asked, or (None) the start of the corpus's first line (the
+        training split starts a document; the held-out one may start mid-line): at most 6 words and 32 tokens
+        (text without spaces is one long word), so that samples continue text like the corpus's; chat data, and
+        text without shards, get a greeting."""
         if asked is not None:
             return asked
         ds = self.dataset
         if ds is None or self.tokenizer is None or self.format != "text":
             return ["Hello!"]
+        tok = self.tokenizer
+        for split in ("train", "val"):
+            for source in ds.sources:
+                for shard in ds.shards(split, source.index):
+                    ids = [int(t) for t in shard[:512]]
+                    while ids and ids[0] == ds.eos_id:
+                        ids.pop(0)
+                    ids = ids[: ids.index(ds.eos_id)] if ds.eos_id in ids else ids
+                    text = tok.decode(ids, skip_special_tokens=True)  # no BOS spelled out as text
+                    line = next((ln for ln in text.splitlines() if ln.strip()), "")
+                    words = " ".join(line.split()[:6])
+                    # a cut inside a character decodes to U+FFFD: dropped
+                    prompt = tok.decode(tok.encode(words)[:32]).rstrip("\ufffd").strip()
+                    if prompt:
+                        return [prompt]
+        return ["Hello!"]
         for split in ("train", "val"):
             for source in ds.sources:
                 for shard in ds.shards(split, source.index):

@@ -147,6 +147,11 @@ def _from_scratch(
         )
     if hasattr(args, "max_seq_len") and args.max_seq_len < cfg.train.block_size:
         args = replace(args, max_seq_len=cfg.train.block_size)
+    if getattr(args, "integrator_impl", None) == "triton":
+        from gptoughts.models import inl_triton
+
+        if not inl_triton.will_run(args.controller_hidden, env.device, env.precision):
+            args = replace(args, integrator_impl="fused")  # what runs here, and what the estimate then counts
     _check_tp(cfg, env, family.name, args)
     if home.type == "meta":
         with torch.device("meta"):

@@ -142,6 +142,30 @@ def test_bos_is_written_before_each_document(tmp_path: Path, write_folder: Calla
     assert ids == [259, 3 + 97, 3 + 98, 260, 259, 3 + 99, 3 + 100, 260, 259, 3 + 101, 3 + 102, 260]
 
 
+def test_the_default_sample_prompt_has_no_special_token(
+    tmp_path: Path, write_folder: Callable[..., Path]
+) -> None:
+    # The prompt taken from the corpus (eval.sample_prompts unset) is plain text: a BOS written before each
+    # document is not spelled out as "<s>", which the sampler would encode as three ordinary characters.
+    from gptoughts.data.tokenizer import Tokenizer
+    from gptoughts.training.corpus import Data
+
+    base = bytes_tokenizer()
+    base.backend.add_special_tokens(["<s>", "</s>"])
+    folder = tmp_path / "tk"
+    folder.mkdir()
+    base.backend.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    write_folder(tmp_path / "c", ["The quick brown fox jumps over the lazy dog.", "Another document."])
+    m = prepare(
+        [tmp_path / "c"], tmp_path / "o", str(folder), progress=False, val_fraction=0.0, min_val_docs=0
+    )
+    assert m.bos_id is not None
+    data = Data(sources=[str(tmp_path / "c")], format="text", tokenizer=Tokenizer.load(folder), manifest=m)
+    assert data.sample_prompts(None) == ["The quick brown fox jumps over"]
+    assert data.sample_prompts(["x"]) == ["x"] and data.sample_prompts([]) == []
+
+
 def test_cache_reuse_and_invalidation(tmp_path: Path, corpus: Path, caplog: pytest.LogCaptureFixture) -> None:
     out = tmp_path / "o"
     m1 = prepare([corpus], out, "bytes", progress=False)

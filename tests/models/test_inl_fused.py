@@ -18,6 +18,9 @@ from gptoughts.perf.checkpointing import apply_activation_checkpointing
 def _integrators(k: int, d: int = 32, hidden: int = 8) -> tuple[Integrator, Integrator]:
     """(reference, fused) with the same weights: initialised, then every parameter perturbed (the controller's
     output layer starts at zero) so that the whole input-dependent dynamics is exercised, without blowing up."""
+    torch.manual_seed(
+        0
+    )  # reset_parameters draws from the global generator: the same weights in any test order
     ref = Integrator(d, k, dt=0.1, hidden=hidden, impl="reference")
     ref.reset_parameters(0.02)
     g = torch.Generator().manual_seed(5)

@@ -73,6 +73,22 @@ def test_the_kernels_run_only_where_they_can():
         )
 
 
+def test_a_run_records_the_fused_function_where_the_kernels_cannot_run(text_corpus, cache_dir):
+    # The 3b size asks for the kernels; on this CPU the assembly records what runs, so the plan's memory estimate
+    # counts the fused Function's saved tensors, not the kernels'.
+    import gptoughts
+
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    assert not inl_triton.will_run(64, cpu, "bf16") and not inl_triton.will_run(64, gpu, "fp32")
+    assert inl_triton.will_run(64, gpu, "bf16") == inl_triton.available()
+    assert not inl_triton.will_run(48, gpu, "bf16")
+    assert models.model_args("inl", "3b").integrator_impl == "triton"
+    model, _, _ = gptoughts.train(
+        data_path=str(text_corpus), model="inl", size="3b", dry_run=True, **{"perf.device": "cpu"}
+    )
+    assert model.args.integrator_impl == "fused"
+
+
 _INTERPRETED = textwrap.dedent(
     """
     import json, sys, torch
