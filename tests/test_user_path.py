@@ -616,44 +616,21 @@ def test_an_fsdp_run_resumed_on_one_process_keeps_its_global_batch(text_corpus, 
 def test_samples_continue_the_corpus_unless_prompts_are_given(tmp_path, cache_dir, capsys):
     """A newcomer's finding: samples were prompted with Python code whatever the corpus. Unset, the prompt is the
     corpus's first words; given, it is used as given."""
-    corpus = tmp_path / "story.txt"
-    corpus.write_text("Once upon a time there was a small red fox.\nIt lived by the river.\n" * 200)
-    base = [
-        "train",
-        "--data",
-        str(corpus),
-        "--size",
-        "debug",
-        "--tokenizer",
-        "bytes",
-        "--max_steps",
-        "2",
-        *FASTRUN,
-    ]
-
-    def sample(out: Path) -> str:  # the summary's sample: the first prompt and what the model added
-        return json.loads((out / "summary.json").read_text())["sample"]
-
-    _ok([*base, "--out", str(tmp_path / "auto")], capsys)
-    assert sample(tmp_path / "auto").startswith("Once upon a time there was")
-    _ok([*base, "--out", str(tmp_path / "given"), "--sample_prompts", "It lived"], capsys)
-    assert sample(tmp_path / "given").startswith("It lived")
+    story = tmp_path / "story.txt"
+    story.write_text("Once upon a time there was a small red fox.\nIt lived by the river.\n" * 200)
     # Text without spaces is one long word: the prompt is cut to 32 tokens (whole characters), and samples run.
     cjk = tmp_path / "cjk.txt"
     cjk.write_text(
         "むかしむかしあるところにおじいさんとおばあさんがすんでいました。\n" * 200, encoding="utf-8"
     )
-    cjk_run = [
-        "train",
-        "--data",
-        str(cjk),
-        "--size",
-        "debug",
-        "--tokenizer",
-        "bytes",
-        "--max_steps",
-        "2",
-        *FASTRUN,
-    ]
-    _ok([*cjk_run, "--out", str(tmp_path / "cjk")], capsys)
-    assert sample(tmp_path / "cjk").startswith("むかしむかしあるとこ")  # 32 bytes: ten whole characters
+
+    def sample(
+        corpus: Path, out: str, *flags: str
+    ) -> str:  # the summary's: the first prompt, then the model's
+        argv = ["train", "--data", str(corpus), "--size", "debug", "--tokenizer", "bytes", "--max_steps", "2"]
+        _ok([*argv, *FASTRUN, "--out", str(tmp_path / out), *flags], capsys)
+        return json.loads((tmp_path / out / "summary.json").read_text())["sample"]
+
+    assert sample(story, "auto").startswith("Once upon a time there was")
+    assert sample(story, "given", "--sample_prompts", "It lived").startswith("It lived")
+    assert sample(cjk, "cjk").startswith("むかしむかしあるとこ")  # 32 bytes: ten whole characters

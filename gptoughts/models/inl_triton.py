@@ -98,6 +98,15 @@ if triton is not None:
         return a, b, gl, vc
 
     @triton.jit
+    def _token_tile(pm, N, BM: tl.constexpr, H: tl.constexpr):
+        """Program row ``pm``'s tokens: ``(rmask, r, hh, cmat)``, ``r`` the int64 rows and ``cmat`` their
+        ``[BM, H]`` offsets in an ``[N, H]`` tensor."""
+        rows = pm * BM + tl.arange(0, BM)
+        r = rows.to(tl.int64)
+        hh = tl.arange(0, H)
+        return rows < N, r, hh, r[:, None] * H + hh[None, :]
+
+    @triton.jit
     def _partial_sum(base_ptr, r, rmask, N, FB, H: tl.constexpr, BM: tl.constexpr):
         """The sum over feature blocks of ``[FB, N, H]`` partials, ``[BM, H]`` fp32 (``r``: int64 rows)."""
         acc = tl.zeros([BM, H], dtype=tl.float32)
@@ -118,11 +127,7 @@ if triton is not None:
         share of the next ``c`` (``pout``, summed over blocks by the next launch)."""
         mm = w4_ptr.dtype.element_ty
         pm, pf = tl.program_id(0), tl.program_id(1)
-        rows = pm * BM + tl.arange(0, BM)
-        rmask = rows < N
-        r = rows.to(tl.int64)
-        hh = tl.arange(0, H)
-        cmat = r[:, None] * H + hh[None, :]
+        rmask, r, hh, cmat = _token_tile(pm, N, BM, H)
         if FIRST:
             c = tl.load(c0_ptr + cmat, mask=rmask[:, None], other=0.0).to(tl.float32)
         else:
@@ -221,11 +226,7 @@ if triton is not None:
         its block's partial of ``du_i W_out`` in ``qout``, ``du_i``, the bf16 ``[x_i, v_i]`` and dμ/dκ sums."""
         mm = w4_ptr.dtype.element_ty
         pm, pf = tl.program_id(0), tl.program_id(1)
-        rows = pm * BM + tl.arange(0, BM)
-        rmask = rows < N
-        r = rows.to(tl.int64)
-        hh = tl.arange(0, H)
-        cmat = r[:, None] * H + hh[None, :]
+        rmask, r, hh, cmat = _token_tile(pm, N, BM, H)
         dc = tl.zeros([BM, H], dtype=tl.float32)
         if not TOP:
             cn = tl.load(cnext_ptr + cmat, mask=rmask[:, None], other=0.0)

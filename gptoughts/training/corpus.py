@@ -70,17 +70,6 @@ class Data:
                     if prompt:
                         return [prompt]
         return ["Hello!"]
-        for split in ("train", "val"):
-            for source in ds.sources:
-                for shard in ds.shards(split, source.index):
-                    ids = [int(t) for t in shard[:512]]
-                    while ids and ids[0] == ds.eos_id:
-                        ids.pop(0)
-                    ids = ids[: ids.index(ds.eos_id)] if ds.eos_id in ids else ids
-                    line = next((ln for ln in self.tokenizer.decode(ids).splitlines() if ln.strip()), "")
-                    if line:
-                        return [" ".join(line.split()[:6])]
-        return ["Hello!"]
 
 
 def resolve_sources(sources: list[str]) -> list[str]:

@@ -127,13 +127,18 @@ def test_dtype_follows_vocab_size(tmp_path: Path, write_folder: Callable[..., Pa
     assert 70_001 in ids.tolist() and 65_538 in ids.tolist()
 
 
-def test_bos_is_written_before_each_document(tmp_path: Path, write_folder: Callable[..., Path]) -> None:
+def _bos_tokenizer(folder: Path) -> Path:
+    """A bytes tokenizer with ``<s>`` as BOS and ``</s>`` as EOS, saved in ``folder``."""
     base = bytes_tokenizer()
     base.backend.add_special_tokens(["<s>", "</s>"])
-    folder = tmp_path / "tk"
     folder.mkdir()
     base.backend.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    return folder
+
+
+def test_bos_is_written_before_each_document(tmp_path: Path, write_folder: Callable[..., Path]) -> None:
+    folder = _bos_tokenizer(tmp_path / "tk")
     write_folder(tmp_path / "c", ["ab", "cd", "ef"])
     out = tmp_path / "o"
     m = prepare([tmp_path / "c"], out, str(folder), progress=False, val_fraction=0.0, min_val_docs=0)
@@ -150,12 +155,7 @@ def test_the_default_sample_prompt_has_no_special_token(
     from gptoughts.data.tokenizer import Tokenizer
     from gptoughts.training.corpus import Data
 
-    base = bytes_tokenizer()
-    base.backend.add_special_tokens(["<s>", "</s>"])
-    folder = tmp_path / "tk"
-    folder.mkdir()
-    base.backend.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    folder = _bos_tokenizer(tmp_path / "tk")
     write_folder(tmp_path / "c", ["The quick brown fox jumps over the lazy dog.", "Another document."])
     m = prepare(
         [tmp_path / "c"], tmp_path / "o", str(folder), progress=False, val_fraction=0.0, min_val_docs=0

@@ -15,8 +15,8 @@ from gptoughts.models.inl_fused import update, update_backward
 from gptoughts.perf.checkpointing import apply_activation_checkpointing
 
 
-def _integrators(k: int, d: int = 32, hidden: int = 8) -> tuple[Integrator, Integrator]:
-    """(reference, fused) with the same weights: initialised, then every parameter perturbed (the controller's
+def _integrators(k: int, d: int = 32, hidden: int = 8, impl: str = "fused") -> tuple[Integrator, Integrator]:
+    """(reference, ``impl``) with the same weights: initialised, then every parameter perturbed (the controller's
     output layer starts at zero) so that the whole input-dependent dynamics is exercised, without blowing up."""
     torch.manual_seed(
         0
@@ -27,10 +27,10 @@ def _integrators(k: int, d: int = 32, hidden: int = 8) -> tuple[Integrator, Inte
     with torch.no_grad():
         for p in ref.parameters():
             p.add_(0.1 * torch.randn(p.shape, generator=g))
-    fused = Integrator(d, k, dt=0.1, hidden=hidden, impl="fused")
-    fused.load_state_dict(ref.state_dict())
+    other = Integrator(d, k, dt=0.1, hidden=hidden, impl=impl)
+    other.load_state_dict(ref.state_dict())
     assert ref.w_out.abs().min() > 0
-    return ref, fused
+    return ref, other
 
 
 def _run(module: torch.nn.Module, h: torch.Tensor, bf16: bool) -> list[torch.Tensor]:

@@ -12,6 +12,7 @@ import textwrap
 
 import pytest
 import torch
+from test_inl_fused import _integrators
 
 from gptoughts import models
 from gptoughts.models import inl_triton
@@ -23,18 +24,8 @@ NAMES = ["output", "h", "w_in", "b_in", "w_out", "b_out", "mu", "kappa_raw"]
 def _pair(
     k: int, d: int, hidden: int, impl: str = "triton", device: str = "cpu"
 ) -> tuple[Integrator, Integrator]:
-    """(reference, other) with the same weights, every parameter perturbed so the whole dynamics is exercised."""
-    torch.manual_seed(
-        0
-    )  # reset_parameters draws from the global generator: the same weights in any test order
-    ref = Integrator(d, k, dt=0.1, hidden=hidden, impl="reference")
-    ref.reset_parameters(0.02)
-    g = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for p in ref.parameters():
-            p.add_(0.1 * torch.randn(p.shape, generator=g))
-    other = Integrator(d, k, dt=0.1, hidden=hidden, impl=impl)
-    other.load_state_dict(ref.state_dict())
+    """(reference, ``impl``) with the same perturbed weights (test_inl_fused's), on ``device``."""
+    ref, other = _integrators(k, d, hidden, impl)
     return ref.to(device), other.to(device)
 
 
@@ -93,7 +84,7 @@ _INTERPRETED = textwrap.dedent(
     """
     import json, sys, torch
     sys.path.insert(0, {tests!r})
-    from models.test_inl_triton import NAMES, _pair, _run
+    from test_inl_triton import NAMES, _pair, _run
     from gptoughts.models import inl_triton
     inl_triton.TILES.update(BM=16, BD=16, BDB=32)  # 2 token tiles, 2 feature blocks (one part-filled)
     out = {{}}
@@ -117,7 +108,7 @@ _INTERPRETED = textwrap.dedent(
 @pytest.mark.skipif(not inl_triton.available(), reason="needs Triton (its CPU interpreter runs the kernels)")
 def test_interpreted_kernels_equal_the_reference_in_fp32():
     # TRITON_INTERPRET must be set before the kernels are defined: a fresh process.
-    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    tests = os.path.dirname(os.path.abspath(__file__))
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     script = _INTERPRETED.format(tests=tests)
     done = subprocess.run(
