@@ -107,6 +107,20 @@ if triton is not None:
         return rows < N, r, hh, r[:, None] * H + hh[None, :]
 
     @triton.jit
+    def _chunk(j0, r, rmask, D, BD: tl.constexpr):
+        """Features ``j0 .. j0 + BD`` of the tile: ``(cols, cmask, m2, off)``, ``m2`` the rows' and columns' mask
+        and ``off`` the ``[BM, BD]`` offsets in an ``[N, D]`` tensor."""
+        cols = j0 + tl.arange(0, BD)
+        cmask = cols < D
+        return cols, cmask, rmask[:, None] & cmask[None, :], r[:, None] * D + cols[None, :]
+
+    @triton.jit
+    def _per_feature(mu_ptr, ka_ptr, cols, cmask):
+        """μ and κ of the chunk's features, ``[1, BD]`` fp32."""
+        mu = tl.load(mu_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+        return mu, tl.load(ka_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+
+    @triton.jit
     def _partial_sum(base_ptr, r, rmask, N, FB, H: tl.constexpr, BM: tl.constexpr):
         """The sum over feature blocks of ``[FB, N, H]`` partials, ``[BM, H]`` fp32 (``r``: int64 rows)."""
         acc = tl.zeros([BM, H], dtype=tl.float32)
@@ -138,13 +152,9 @@ if triton is not None:
         g = _gelu(c).to(mm)
         acc = tl.zeros([BM, H], dtype=tl.float32)
         for j0 in range(pf * BDB, tl.minimum(pf * BDB + BDB, D), BD):
-            cols = j0 + tl.arange(0, BD)
-            cmask = cols < D
-            m2 = rmask[:, None] & cmask[None, :]
-            off = r[:, None] * D + cols[None, :]
+            cols, cmask, m2, off = _chunk(j0, r, rmask, D, BD)
             a, b, gl, vc = _controller(g, w4_ptr, b4_ptr, j0, D, H, BD, IEEE)
-            mu = tl.load(mu_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
-            ka = tl.load(ka_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+            mu, ka = _per_feature(mu_ptr, ka_ptr, cols, cmask)
             if FIRST:
                 x = tl.load(h_ptr + off, mask=m2, other=0.0).to(tl.float32)
             else:
@@ -179,8 +189,7 @@ if triton is not None:
         mm = w4_ptr.dtype.element_ty
         hh = tl.arange(0, H)
         a, b, gl, vc = _controller(g, w4_ptr, b4_ptr, j0, D, H, BD, IEEE)
-        mu = tl.load(mu_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
-        ka = tl.load(ka_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+        mu, ka = _per_feature(mu_ptr, ka_ptr, cols, cmask)
         err = x - mu
         s_a = tl.sigmoid(a)
         alpha = s_a * tl.exp(-ka * tl.abs(err))
@@ -237,10 +246,7 @@ if triton is not None:
         g = _gelu(tl.load(c_ptr + cmat, mask=rmask[:, None], other=0.0)).to(mm)
         q = tl.zeros([BM, H], dtype=tl.float32)
         for j0 in range(pf * BDB, tl.minimum(pf * BDB + BDB, D), BD):
-            cols = j0 + tl.arange(0, BD)
-            cmask = cols < D
-            m2 = rmask[:, None] & cmask[None, :]
-            off = r[:, None] * D + cols[None, :]
+            cols, cmask, m2, off = _chunk(j0, r, rmask, D, BD)
             c2 = 2 * j0 + tl.arange(0, 2 * BD)  # W_in's x and v columns, interleaved per feature
             m2x = rmask[:, None] & (c2 < 2 * D)[None, :]
             if TOP:
