@@ -232,6 +232,8 @@ class RunPlan:
             graphs = str(r.get("cuda_graphs", ""))  # "True" or "True (why)" when on
             graphs = f"; CUDA graphs{graphs[4:]}" if graphs.startswith("True") else ""
             lines.append(f"  compile: {r['compile']}{graphs}")
+        if "integrator" in r:
+            lines.append(f"  integrator: {r['integrator']}")
         return lines
 
     def _tasks_line(self) -> str:
@@ -342,6 +344,7 @@ def make_plan(
     corpus.pop("per_source", None)
     memory, device_memory, host, staging = _memory(cfg, env, model, batch)
     tps, basis = _speed(cfg, env, model, batch)
+    resolved.update(_integrator(cfg, model))  # (the same dict: the assembly adds the measured threads later)
     start = _resumed_step(resume_from)
     before = (read_run_json(run_dir) or {}) if start else {}  # the resumed run's record
     if start and (own := _own_speed(before, run_dir, env, batch, resolved)):
@@ -423,6 +426,23 @@ def _resumed_step(resume_from: Path | None) -> int:
         return store.step_of(Path(resume_from))
     except Exception:  # noqa: BLE001 - a plan's time figure never stops a run
         return 0
+
+
+def _integrator(cfg: Any, model: Any) -> dict[str, str]:
+    """INL's integrator as it will run, and why where the size asked for kernels this machine does not run."""
+    args = model.args
+    if model.family.name != "inl" or not getattr(args, "n_iterations", 0) or cfg.model.init_from is not None:
+        return {}
+    from gptoughts import models
+
+    asked = models.model_args("inl", cfg.model.size, dict(cfg.model.overrides)).integrator_impl
+    kind = {"reference": "reference (autograd)", "fused": "fused (one autograd Function)", "triton": "triton"}
+    line = kind[args.integrator_impl]
+    if asked != args.integrator_impl:
+        line += (
+            f" (asked {asked}: its kernels need a CUDA GPU with Triton, bf16 or fp16, a power-of-two width)"
+        )
+    return {"integrator": line}
 
 
 def _variant_layout(family: Any, args: Any) -> str:

@@ -74,10 +74,12 @@ def test_a_run_records_the_fused_function_where_the_kernels_cannot_run(text_corp
     assert inl_triton.will_run(64, gpu, "bf16") == inl_triton.available()
     assert not inl_triton.will_run(48, gpu, "bf16")
     assert models.model_args("inl", "3b").integrator_impl == "triton"
-    model, _, _ = gptoughts.train(
+    model, _, hist = gptoughts.train(
         data_path=str(text_corpus), model="inl", size="3b", dry_run=True, **{"perf.device": "cpu"}
     )
     assert model.args.integrator_impl == "fused"
+    line = hist.plan["resolved"]["integrator"]  # the plan says so, and why
+    assert line.startswith("fused") and "asked triton" in line and "CUDA" in line
 
 
 _INTERPRETED = textwrap.dedent(
