@@ -79,11 +79,12 @@ def refused(argv: list[str], capsys, *needles: str) -> str:
 
 
 def snapshot(folder: Path) -> dict[str, str]:
-    """Every file under ``folder`` by its SHA-256: what a refusal must leave as it was."""
+    """Every file under ``folder`` by its SHA-256, and every folder (an empty one made or removed counts too):
+    what a refusal must leave as it was."""
     return {
-        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "folder"
         for p in sorted(folder.rglob("*"))
-        if p.is_file()
+        if p.is_file() or p.is_dir()
     }
 
 
