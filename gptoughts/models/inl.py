@@ -197,16 +197,15 @@ class Integrator(nn.Module):
         """``x_K`` after K iterations from ``x_0 = h``, ``v_0 = 0``."""
         d = self.dim
         kappa = F.softplus(self.kappa_raw)  # once, not K times
-        if self.impl != "reference" and self.n_iterations > 0:
-            args = (self.w_in, self.b_in, self.w_out, self.b_out, self.mu, kappa)
-            dev = h.device.type
-            mm = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else self.w_in.dtype
-            if self.impl == "triton" and inl_triton.supported(h, self.w_in.size(0), mm):
-                return inl_triton.integrate(h, *args, self.dt, self.n_iterations)
-            return integrate(h, *args, self.dt, self.n_iterations)
-        # h does not change during the loop: its share of the controller's input layer is computed once.
+        # h does not change during the loop: its share of the controller's input layer is computed once (under
+        # autocast in the autocast dtype: the controller's matmul dtype).
         c_h = F.linear(h, self.w_in[:, :d], self.b_in)
         w_xv = self.w_in[:, d:]
+        if self.impl != "reference" and self.n_iterations > 0:
+            args = (c_h, w_xv, self.w_out, self.b_out, self.mu, kappa, self.dt, self.n_iterations)
+            if self.impl == "triton" and inl_triton.supported(h, self.w_in.size(0), c_h.dtype):
+                return inl_triton.integrate(h, *args)
+            return integrate(h, *args)
         x = h
         v = torch.zeros_like(h)  # v_0 = 0, so the first iteration also skips the v share of W_in
         for i in range(self.n_iterations):

@@ -174,8 +174,8 @@ class _IntegratorLoop(torch.autograd.Function):
 
 def integrate(
     h: torch.Tensor,
-    w_in: torch.Tensor,
-    b_in: torch.Tensor,
+    c_h: torch.Tensor,
+    w_xv: torch.Tensor,
     w_out: torch.Tensor,
     b_out: torch.Tensor,
     mu: torch.Tensor,
@@ -183,15 +183,9 @@ def integrate(
     dt: float,
     n_iterations: int,
 ) -> torch.Tensor:
-    """``x_K`` of the integrator (``Integrator.forward``'s function) through :class:`_IntegratorLoop`.
-
-    ``c_h = W_h h + b_in`` stays an ordinary autograd op (under autocast it runs in the autocast dtype, which then
-    is the controller's matmul dtype); the weights are cast to that dtype here, so their gradients reach the
-    fp32 parameters through the casts, as under autocast.
-    """
-    d = h.size(-1)
-    c_h = F.linear(h, w_in[:, :d], b_in)
+    """``x_K`` of the integrator (``Integrator.forward``'s function) through :class:`_IntegratorLoop`, given
+    ``c_h = W_h h + b_in`` (an ordinary autograd op, in the controller's matmul dtype) and ``W_in``'s x and v
+    columns. The weights are cast to that dtype here, so their gradients reach the fp32 parameters through the
+    casts, as under autocast."""
     mm = c_h.dtype
-    return _IntegratorLoop.apply(
-        c_h, h, w_in[:, d:].to(mm), w_out.to(mm), b_out.to(mm), mu, kappa, dt, n_iterations
-    )
+    return _IntegratorLoop.apply(c_h, h, w_xv.to(mm), w_out.to(mm), b_out.to(mm), mu, kappa, dt, n_iterations)

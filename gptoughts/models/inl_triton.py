@@ -441,8 +441,8 @@ if triton is not None:
 
 def integrate(
     h: torch.Tensor,
-    w_in: torch.Tensor,
-    b_in: torch.Tensor,
+    c_h: torch.Tensor,
+    w_xv: torch.Tensor,
     w_out: torch.Tensor,
     b_out: torch.Tensor,
     mu: torch.Tensor,
@@ -450,14 +450,12 @@ def integrate(
     dt: float,
     n_iterations: int,
 ) -> torch.Tensor:
-    """``x_K`` of the integrator through the kernels (the caller checks :func:`supported`).
-
-    ``c_h = W_h h + b_in`` and the first iteration's ``c_0 = c_h + W_x h`` stay ordinary autograd ops, as in the
-    reference; the weights are cast to their dtype (the autocast dtype under autocast), so their gradients reach
-    the fp32 parameters through the casts."""
+    """``x_K`` of the integrator through the kernels (the caller checks :func:`supported`), given ``c_h`` and
+    ``W_in``'s x and v columns as :func:`models.inl_fused.integrate`. The first iteration's ``c_0 = c_h + W_x h``
+    stays an ordinary autograd op, as in the reference; the weights are cast to ``c_h``'s dtype, so their
+    gradients reach the fp32 parameters through the casts."""
     d = h.size(-1)
-    c_h = F.linear(h, w_in[:, :d], b_in)
-    c0 = c_h + F.linear(h, w_in[:, d : 2 * d])
+    c0 = c_h + F.linear(h, w_xv[:, :d])
     mm, hid = c_h.dtype, c_h.size(-1)
     shape = h.shape
     # Interleaved per feature (plain views and copies: autograd maps the gradients back): W_out's four parts of
@@ -465,7 +463,7 @@ def integrate(
     # outputs then come from one dot, and its x and v share of the next c from another.
     w4 = w_out.to(mm).view(4, d, hid).transpose(0, 1).reshape(4 * d, hid)
     b4 = b_out.to(mm).view(4, d).t().reshape(4 * d)
-    wxv = w_in[:, d:].to(mm).view(hid, 2, d).transpose(1, 2).reshape(hid, 2 * d)
+    wxv = w_xv.to(mm).view(hid, 2, d).transpose(1, 2).reshape(hid, 2 * d)
     out, *_ = torch.ops.gptoughts.inl_integrate(
         h.reshape(-1, d).contiguous(),
         c_h.reshape(-1, hid).contiguous(),
