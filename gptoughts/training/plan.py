@@ -514,7 +514,15 @@ def memory_refusal(plan: RunPlan, on_cpu: bool) -> str | None:
 
 
 # What a run's speed depends on beyond its shape: a resumed run timed at its own speed must match on each.
-_SPEED_SETTINGS = ("compile", "cuda_graphs", "fp8", "activation_checkpointing", "parallel", "cpu_offload")
+_SPEED_SETTINGS = (
+    "compile",
+    "cuda_graphs",
+    "fp8",
+    "activation_checkpointing",
+    "parallel",
+    "cpu_offload",
+    "integrator",
+)
 
 
 def _own_speed(
