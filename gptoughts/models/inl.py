@@ -134,8 +134,7 @@ class INLArgs:
 
 # Size presets: field overrides of INLArgs. d_model and n_layers are the user's; heads of 128 (the usual
 # width at this scale, as in Llama; same FLOPs as the user's 32 heads of 64, half the softmax rows). The large
-# sizes run the Triton integrator: at 3b on an H200 it trains 6% faster than the reference under selective
-# checkpointing and keeps 9 GiB less (bench/BENCHMARKS.md); without Triton it is the fused Function.
+# sizes run the Triton integrator, faster and smaller than the reference there (bench/BENCHMARKS.md).
 INL_SIZES: dict[str, dict[str, Any]] = {
     "debug": dict(d_model=64, n_layers=2, n_heads=4, vocab_size=512, max_seq_len=256),
     "3b": dict(d_model=2048, n_layers=40, n_heads=16, integrator_impl="triton"),

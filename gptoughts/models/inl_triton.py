@@ -292,7 +292,7 @@ if triton is not None:
         return (triton.cdiv(n, t["BM"]), fb), fb, dict(IEEE=mm_dtype == torch.float32, **kw)
 
     # Opaque custom ops, not torch.library.triton_op: traced through, the per-iteration views of the saved state
-    # that the launches write became functional copies, and the compiled block read out of bounds (H200).
+    # that the launches write became functional copies, and the compiled block read out of bounds.
     @torch.library.custom_op("gptoughts::inl_integrate", mutates_args=())
     def _integrate_op(
         h: torch.Tensor,

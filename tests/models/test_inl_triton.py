@@ -136,7 +136,7 @@ def test_gpu_kernels_under_bf16_are_as_close_to_fp32_as_the_reference(k, tiles, 
     # The reference rounds c, gelu(c) and the controller's outputs to bf16, the kernels keep them in fp32: each is
     # compared with the fp32 function, and the kernels must be as close as the reference (within 1.5x, plus a
     # floor of bf16's resolution). Errors are relative RMS: with K = 4 and these perturbed weights the largest
-    # element's error swings several-fold with rounding order alone (fp16 on Triton's interpreter, 6 weight draws).
+    # element's error swings several-fold with rounding order alone.
     if tiles:  # 4 feature blocks of 64, the last part-filled
         monkeypatch.setattr(inl_triton, "TILES", tiles)
     ref, tri = _pair(k, 200, 64, device="cuda")  # 200 features: a part chunk; 111 tokens: a part tile
