@@ -280,16 +280,35 @@ if triton is not None:
             tl.store(pka_ptr + pmo, tl.load(pka_ptr + pmo, mask=cmask, other=0.0) + dka, mask=cmask)
         tl.store(qout_ptr + (r + pf * N)[:, None] * H + hh[None, :], q, mask=rmask[:, None])
 
-    def _launch(n: int, d: int, mm_dtype: torch.dtype) -> tuple[tuple[int, int], int, dict]:
+    def _launch(n: int, d: int, mm_dtype: torch.dtype) -> tuple[tuple[int, int], dict]:
         t = TILES
         sizes = (t["BM"], t["BD"], t["BDB"])
         if any(v < 16 or v & (v - 1) for v in sizes) or t["BDB"] % t["BD"]:
             raise ValueError(
                 f"TILES: BM, BD and BDB must be powers of two >= 16, BD dividing BDB; got {sizes}"
             )
-        fb = triton.cdiv(d, t["BDB"])
         kw = dict(BM=t["BM"], BD=t["BD"], BDB=t["BDB"], num_warps=t["num_warps"], num_stages=t["num_stages"])
-        return (triton.cdiv(n, t["BM"]), fb), fb, dict(IEEE=mm_dtype == torch.float32, **kw)
+        return (triton.cdiv(n, t["BM"]), triton.cdiv(d, t["BDB"])), dict(IEEE=mm_dtype == torch.float32, **kw)
+
+    def _forward_outputs(h: torch.Tensor, hid: int, k: int) -> tuple[torch.Tensor, ...]:
+        """``(x_K, xs, vs, cs)`` unfilled: the real op's and its fake's, one definition of their shapes."""
+        n, d = h.shape
+        f32 = torch.float32
+        return tuple(
+            h.new_empty(shape, dtype=f32) for shape in ((n, d), (k - 1, n, d), (k - 1, n, d), (k, n, hid))
+        )
+
+    def _backward_outputs(h: torch.Tensor, cs: torch.Tensor, mm: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """``(dh, dc, du, xv)`` unfilled, as :func:`_forward_outputs` (the other outputs are per-row or per-feature
+        sums the op reduces)."""
+        (k, n, hid), d = cs.shape, h.size(-1)
+        f32 = torch.float32
+        return (
+            h.new_empty(n, d, dtype=f32),
+            h.new_empty(k, n, hid, dtype=f32),
+            h.new_empty(k, n, 4 * d, dtype=mm),
+            h.new_empty(k - 1, n, 2 * d, dtype=mm),
+        )
 
     # Opaque custom ops, not torch.library.triton_op: traced through, the per-iteration views of the saved state
     # that the launches write became functional copies, and the compiled block read out of bounds.
@@ -307,13 +326,11 @@ if triton is not None:
         k: int,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         n, d = h.shape
-        hid, f32, dev = c_h.size(-1), torch.float32, h.device
-        grid, fb, kw = _launch(n, d, w_out.dtype)
-        out = torch.empty(n, d, device=dev, dtype=f32)
-        xs = torch.empty(k - 1, n, d, device=dev, dtype=f32)
-        vs = torch.empty(k - 1, n, d, device=dev, dtype=f32)
-        cs = torch.empty(k, n, hid, device=dev, dtype=f32)
-        parts = [torch.empty(fb, n, hid, device=dev, dtype=f32) for _ in range(min(k - 1, 2))] or [cs]
+        hid = c_h.size(-1)
+        grid, kw = _launch(n, d, w_out.dtype)
+        fb = grid[1]
+        out, xs, vs, cs = _forward_outputs(h, hid, k)
+        parts = [h.new_empty(fb, n, hid, dtype=torch.float32) for _ in range(min(k - 1, 2))] or [cs]
         weights = (w_xv, w_out, b_out, mu, kappa)
         for it in range(k):
             x, v = (h, h) if it == 0 else (xs[it - 1], vs[it - 1])
@@ -343,16 +360,15 @@ if triton is not None:
     ]:
         k, n, hid = cs.shape
         d = h.size(-1)
-        f32, mm, dev = torch.float32, w_out.dtype, h.device
-        grid, fb, kw = _launch(n, d, mm)
-        gx = torch.empty(n, d, device=dev, dtype=f32)  # becomes h's gradient through the update
-        gv = torch.empty(n, d, device=dev, dtype=f32)
-        dc = torch.empty(k, n, hid, device=dev, dtype=f32)  # dc_0 is left to the caller: q holds its partials
-        du = torch.empty(k, n, 4 * d, device=dev, dtype=mm)
-        xv = torch.empty(k - 1, n, 2 * d, device=dev, dtype=mm)
-        pmu = torch.zeros(grid[0], d, device=dev, dtype=f32)
-        pka = torch.zeros(grid[0], d, device=dev, dtype=f32)
-        qs = [torch.empty(fb, n, hid, device=dev, dtype=f32) for _ in range(2)]
+        f32 = torch.float32
+        grid, kw = _launch(n, d, w_out.dtype)
+        fb = grid[1]
+        # gx becomes h's gradient through the update; dc_0 is left to the caller (qs[0] holds its partials)
+        gx, dc, du, xv = _backward_outputs(h, cs, w_out.dtype)
+        gv = h.new_empty(n, d, dtype=f32)
+        pmu = h.new_zeros(grid[0], d, dtype=f32)
+        pka = h.new_zeros(grid[0], d, dtype=f32)
+        qs = [h.new_empty(fb, n, hid, dtype=f32) for _ in range(2)]
         weights = (w_xv, w_out, b_out, mu, kappa)
         for it in reversed(range(k)):
             x, v = (h, h) if it == 0 else (xs[it - 1], vs[it - 1])
@@ -371,30 +387,21 @@ if triton is not None:
 
     @_integrate_op.register_fake
     def _(h, c_h, c0, w_xv, w_out, b_out, mu, kappa, dt, k):
-        n, d = h.shape
-        hid = c_h.size(-1)
-        new = h.new_empty
-        f32 = torch.float32
-        return (
-            new(n, d, dtype=f32),
-            new(k - 1, n, d, dtype=f32),
-            new(k - 1, n, d, dtype=f32),
-            new(k, n, hid, dtype=f32),
-        )
+        return _forward_outputs(h, c_h.size(-1), k)
 
     @_backward_op.register_fake
     def _(gout, h, xs, vs, cs, w_xv, w_out, b_out, mu, kappa, dt):
-        k, n, hid = cs.shape
-        d = h.size(-1)
-        new, f32, mm = h.new_empty, torch.float32, w_out.dtype
+        dh, dc, du, xv = _backward_outputs(h, cs, w_out.dtype)
+        n, hid, d = cs.size(1), cs.size(2), h.size(-1)
+        f32 = torch.float32
         return (
-            new(n, d, dtype=f32),
-            new(k, n, hid, dtype=f32),
-            new(n, hid, dtype=f32),
-            new(k, n, 4 * d, dtype=mm),
-            new(k - 1, n, 2 * d, dtype=mm),
-            new(d, dtype=f32),
-            new(d, dtype=f32),
+            dh,
+            dc,
+            h.new_empty(n, hid, dtype=f32),
+            du,
+            xv,
+            h.new_empty(d, dtype=f32),
+            h.new_empty(d, dtype=f32),
         )
 
 
