@@ -177,6 +177,11 @@ MATRIX["inl-triton"] = [
     _INL,
 ]
 SHAPES["inl-triton"] = ("1b", 2048, 8)
+# Kernel tables (run with --kernels 2): the INL preset and its fastest layout, and the MoE default.
+MATRIX["inl-kernels"] = [MATRIX["inl-triton"][1], MATRIX["inl-triton"][3]]
+SHAPES["inl-kernels"] = SHAPES["inl-triton"]
+MATRIX["moe-kernels"] = [_DS]
+SHAPES["moe-kernels"] = SHAPES["moe-levers"]
 MATRIX["muon-compile"] = [
     {**_S47M, "model.size": "125m"},
     {**_S47M, "model.size": "125m", "train.optimizer": "muon"},

@@ -2,11 +2,11 @@
 
 At the inl-3b shape by default (d 2048, 16 heads, K 4, H 64; batch 2 x 2048; bf16 autocast; the block compiled
 as training compiles it), for each implementation and activation-checkpointing mode: median milliseconds of a
-forward + backward (CUDA events), the peak memory above the block's weights, and the largest difference of the
+forward + backward and of the forward alone, the peak memory above the block's weights, and the largest difference of the
 block's output and gradients from the reference. One JSON line per variant, on stdout and appended to ``--out``.
 
-    python3 bench/inl_step.py --out r.jsonl [--ac none,selective] [--no-compile] [--part integrator]
-    python3 bench/inl_step.py --impls fused,triton --tiles 32,32,256,4,1/64,32,256,8,1   # BM,BD,BDB,warps,stages
+    python3 bench/inl_step.py --out r.jsonl [--ac none,selective] [--no-compile] [--part integrator] [--profile 3]
+    python3 bench/inl_step.py --impls triton --tiles 32,32,256,4,1/16,16,512,4,2+64,16,256,4,2   # BM,BD,BDB,warps,stages
     python3 bench/inl_step.py --device cpu --size debug --batch 2 --seq 64 --iters 2   # smoke run on CPU
 """
 
@@ -29,6 +29,7 @@ from gptoughts import models  # noqa: E402
 from gptoughts.models import inl_triton  # noqa: E402
 from gptoughts.models.inl import INLBlock  # noqa: E402
 from gptoughts.perf.checkpointing import apply_activation_checkpointing  # noqa: E402
+from gptoughts.tools.measure import profile_steps  # noqa: E402
 
 
 class _Stack(torch.nn.Module):
@@ -59,25 +60,33 @@ def _variant(a: argparse.Namespace, impl: str, ac: str, x: torch.Tensor, dy: tor
         (x.to(torch.bfloat16) if a.part == "integrator" else x).detach().requires_grad_()
     )  # attention's output
 
+    def forward() -> torch.Tensor:
+        with torch.autocast(dev.type, dtype=torch.bfloat16):
+            return block(xin) if a.part == "integrator" else block(xin, cos, sin)
+
     def step() -> None:
         xin.grad = None
         for p in block.parameters():
             p.grad = None
-        with torch.autocast(dev.type, dtype=torch.bfloat16):
-            y = block(xin) if a.part == "integrator" else block(xin, cos, sin)
-        y.backward(dy)
+        forward().backward(dy)
+
+    def median_ms(fn) -> float:
+        times = []
+        for _ in range(a.iters):
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
 
     for _ in range(3):
         step()
-    times = []
-    for _ in range(a.iters):
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        step()
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) * 1e3)
+    ms = median_ms(step)
+    fwd_ms = median_ms(forward)  # with autograd recording, as in training
+    kernels = profile_steps(step, dev, a.profile) if a.profile else None
     peak = None
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -85,7 +94,8 @@ def _variant(a: argparse.Namespace, impl: str, ac: str, x: torch.Tensor, dy: tor
         step()
         peak = (torch.cuda.max_memory_allocated() - base) / 2**30
     grads = [xin.grad] + [p.grad for p in block.parameters()]
-    return {"impl": impl, "ac": ac, "ms": statistics.median(times), "peak_gib": peak, "grads": grads}
+    row = {"impl": impl, "ac": ac, "ms": ms, "fwd_ms": fwd_ms, "peak_gib": peak, "grads": grads}
+    return {**row, "kernels": kernels} if kernels else row
 
 
 def main() -> None:
@@ -101,10 +111,15 @@ def main() -> None:
         "--impls", default="reference,fused,triton", help="integrator_impl values, comma-separated"
     )
     p.add_argument(
-        "--tiles", default="", help="the triton kernels' BM,BD,BDB,num_warps,num_stages; several joined by /"
+        "--tiles",
+        default="",
+        help="the triton kernels' BM,BD,BDB,num_warps,num_stages (forward+backward, or one for both); several joined by /",
     )
     p.add_argument(
         "--part", choices=["block", "integrator"], default="block", help="time the block or its integrator"
+    )
+    p.add_argument(
+        "--profile", type=int, default=0, help="profile this many steps per variant (kernel table)"
     )
     p.add_argument("--out", type=Path)
     a = p.parse_args()
@@ -120,11 +135,13 @@ def main() -> None:
             for tiles in a.tiles.split("/") if impl == "triton" and a.tiles else [""]:
                 runs.append((impl, tiles))
         for impl, tiles in runs:
-            if tiles:
-                bm, bd, bdb, warps, stages = (int(t) for t in tiles.split(","))
-                inl_triton.TILES.update(BM=bm, BD=bd, BDB=bdb, num_warps=warps, num_stages=stages)
+            if tiles:  # one tuple for both passes, or forward+backward
+                fwd, bwd = (tiles.split("+") * 2)[:2]
+                for which, spec in (("forward", fwd), ("backward", bwd)):
+                    bm, bd, bdb, warps, stages = (int(t) for t in spec.split(","))
+                    inl_triton.TILES[which] = dict(BM=bm, BD=bd, BDB=bdb, num_warps=warps, num_stages=stages)
             r = _variant(a, impl, ac, x, dy)
-            r["tiles"] = dict(inl_triton.TILES) if impl == "triton" else None
+            r["tiles"] = {k: dict(v) for k, v in inl_triton.TILES.items()} if impl == "triton" else None
             grads = r.pop("grads")
             ref = ref or grads
             diff = max(

@@ -28,9 +28,12 @@ except ImportError:
 
 __all__ = ["TILES", "available", "integrate", "supported"]
 
-TILES = {"BM": 16, "BD": 16, "BDB": 256, "num_warps": 4, "num_stages": 2}
-"""Tokens per program, features per chunk and per program, warps and software-pipelining stages; a benchmark
-may change them (bench/inl_step.py --tiles)."""
+TILES = {
+    "forward": {"BM": 32, "BD": 16, "BDB": 512, "num_warps": 4, "num_stages": 2},
+    "backward": {"BM": 64, "BD": 16, "BDB": 256, "num_warps": 4, "num_stages": 2},
+}
+"""Per pass: tokens per program, features per chunk and per program, warps and software-pipelining stages; the
+fastest of a sweep on an H200 (bench/inl_step.py --tiles, which may change them)."""
 
 
 def available() -> bool:
@@ -280,12 +283,12 @@ if triton is not None:
             tl.store(pka_ptr + pmo, tl.load(pka_ptr + pmo, mask=cmask, other=0.0) + dka, mask=cmask)
         tl.store(qout_ptr + (r + pf * N)[:, None] * H + hh[None, :], q, mask=rmask[:, None])
 
-    def _launch(n: int, d: int, mm_dtype: torch.dtype) -> tuple[tuple[int, int], dict]:
-        t = TILES
+    def _launch(n: int, d: int, mm_dtype: torch.dtype, which: str) -> tuple[tuple[int, int], dict]:
+        t = TILES[which]
         sizes = (t["BM"], t["BD"], t["BDB"])
         if any(v < 16 or v & (v - 1) for v in sizes) or t["BDB"] % t["BD"]:
             raise ValueError(
-                f"TILES: BM, BD and BDB must be powers of two >= 16, BD dividing BDB; got {sizes}"
+                f"TILES[{which!r}]: BM, BD and BDB must be powers of two >= 16, BD dividing BDB; got {sizes}"
             )
         kw = dict(BM=t["BM"], BD=t["BD"], BDB=t["BDB"], num_warps=t["num_warps"], num_stages=t["num_stages"])
         return (triton.cdiv(n, t["BM"]), triton.cdiv(d, t["BDB"])), dict(IEEE=mm_dtype == torch.float32, **kw)
@@ -327,7 +330,7 @@ if triton is not None:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         n, d = h.shape
         hid = c_h.size(-1)
-        grid, kw = _launch(n, d, w_out.dtype)
+        grid, kw = _launch(n, d, w_out.dtype, "forward")
         fb = grid[1]
         out, xs, vs, cs = _forward_outputs(h, hid, k)
         parts = [h.new_empty(fb, n, hid, dtype=torch.float32) for _ in range(min(k - 1, 2))] or [cs]
@@ -361,7 +364,7 @@ if triton is not None:
         k, n, hid = cs.shape
         d = h.size(-1)
         f32 = torch.float32
-        grid, kw = _launch(n, d, w_out.dtype)
+        grid, kw = _launch(n, d, w_out.dtype, "backward")
         fb = grid[1]
         # gx becomes h's gradient through the update; dc_0 is left to the caller (qs[0] holds its partials)
         gx, dc, du, xv = _backward_outputs(h, cs, w_out.dtype)

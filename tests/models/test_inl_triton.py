@@ -88,7 +88,8 @@ _INTERPRETED = textwrap.dedent(
     sys.path.insert(0, {tests!r})
     from test_inl_triton import NAMES, _pair, _run
     from gptoughts.models import inl_triton
-    inl_triton.TILES.update(BM=16, BD=16, BDB=32)  # 2 token tiles, 2 feature blocks (one part-filled)
+    for t in inl_triton.TILES.values():  # 2 token tiles, 2 feature blocks (one part-filled)
+        t.update(BM=16, BD=16, BDB=32)
     out = {{}}
     for k in (1, 2, 4):
         ref, tri = _pair(k, 40, 16)  # 40 features: a part chunk; 21 tokens: a part tile
@@ -138,7 +139,7 @@ def test_gpu_kernels_under_bf16_are_as_close_to_fp32_as_the_reference(k, tiles, 
     # floor of bf16's resolution). Errors are relative RMS: with K = 4 and these perturbed weights the largest
     # element's error swings several-fold with rounding order alone.
     if tiles:  # 4 feature blocks of 64, the last part-filled
-        monkeypatch.setattr(inl_triton, "TILES", tiles)
+        monkeypatch.setattr(inl_triton, "TILES", {"forward": tiles, "backward": tiles})
     ref, tri = _pair(k, 200, 64, device="cuda")  # 200 features: a part chunk; 111 tokens: a part tile
     h = torch.randn(3, 37, 200, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
     assert inl_triton.supported(h, 64, torch.bfloat16)
