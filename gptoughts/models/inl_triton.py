@@ -4,10 +4,12 @@
 A launch covers a grid of token tiles by feature blocks. The controller's pre-activation ``c_{i+1}`` is a
 reduction over all d features while the update is per feature, so each program applies iteration i's update to
 its block with ``g_i = gelu(c_i)`` and leaves its block's share of ``c_{i+1}`` as a ``[BM, H]`` partial, which the
-next launch sums (the backward does the same with ``du_i W_out``). Per iteration the state is read and written
-once; no ``[N, 4d]`` controller output is ever stored in the forward. Weight gradients are reductions over all
-tokens: the backward writes their operands (``du_i``, ``dc_i`` and the bf16 ``[x_i, v_i]``) and one cuBLAS
-matmul each reduces them; μ's and κ's come as per-tile sums, deterministic.
+next launch sums. Per iteration the state is read and written once; no ``[N, 4d]`` controller output is ever
+stored in the forward. The backward writes ``du_i`` (which its weight gradient needs anyway) and takes
+``dc_i = gelu'(c_i) du_i W_out`` from a cuBLAS matmul between launches: measured, that beats reducing in-kernel
+partials, whose accumulator and second weight tile cost the kernel half its occupancy. Weight gradients are
+reductions over all tokens: one cuBLAS matmul each over ``du_i``, ``dc_i`` and the bf16 ``[x_i, v_i]``; μ's and
+κ's come as per-tile sums, deterministic.
 
 The function is :func:`models.inl_fused.integrate`'s, with the same saved state (x_i, v_i in fp32, c_i); it keeps
 ``c_i`` and the controller's outputs in fp32 where the matmul path rounds them to bf16. It needs Triton (CUDA
@@ -29,8 +31,8 @@ except ImportError:
 __all__ = ["TILES", "available", "integrate", "supported"]
 
 TILES = {
-    "forward": {"BM": 32, "BD": 16, "BDB": 512, "num_warps": 4, "num_stages": 2},
-    "backward": {"BM": 64, "BD": 16, "BDB": 256, "num_warps": 4, "num_stages": 2},
+    "forward": {"BM": 32, "BD": 16, "BDB": 512, "num_warps": 4, "num_stages": 3},
+    "backward": {"BM": 32, "BD": 16, "BDB": 512, "num_warps": 4, "num_stages": 3},
 }
 """Per pass: tokens per program, features per chunk and per program, warps and software-pipelining stages; the
 fastest of a sweep on an H200 (bench/inl_step.py --tiles, which may change them)."""
@@ -70,10 +72,6 @@ if triton is not None:
     @triton.jit
     def _gelu(c):
         return 0.5 * c * (1.0 + tl.erf(c * 0.7071067811865476))
-
-    @triton.jit
-    def _gelu_grad(c):
-        return 0.5 * (1.0 + tl.erf(c * 0.7071067811865476)) + c * 0.3989422804014327 * tl.exp(-0.5 * c * c)
 
     @triton.jit
     def _softplus(x):
@@ -187,10 +185,8 @@ if triton is not None:
         H: tl.constexpr, BD: tl.constexpr, HAS_V: tl.constexpr, HAS_GV: tl.constexpr, IEEE: tl.constexpr,
     ):  # fmt: skip
         """One chunk of an iteration's update backward (models.inl_fused.update_backward): stores ``du``
-        (interleaved as W_out's rows), returns ``(gx + d_err, dv, dg, dμ, dκ)`` with ``dg = du W_out`` and dμ,
-        dκ summed over the tile."""
+        (interleaved as W_out's rows), returns ``(gx + d_err, dv, dμ, dκ)`` with dμ, dκ summed over the tile."""
         mm = w4_ptr.dtype.element_ty
-        hh = tl.arange(0, H)
         a, b, gl, vc = _controller(g, w4_ptr, b4_ptr, j0, D, H, BD, IEEE)
         mu, ka = _per_feature(mu_ptr, ka_ptr, cols, cmask)
         err = x - mu
@@ -216,38 +212,30 @@ if triton is not None:
         rows4 = 4 * j0 + tl.arange(0, 4 * BD)
         m4 = rows4 < 4 * D
         tl.store(du_ptr + r[:, None] * (4 * D) + rows4[None, :], du, mask=rmask[:, None] & m4[None, :])
-        w = tl.load(w4_ptr + rows4[:, None] * H + hh[None, :], mask=m4[:, None], other=0.0)  # [4 BD, H]
-        dg = _dot(du, w, IEEE)
         sign = tl.where(err > 0, 1.0, tl.where(err < 0, -1.0, 0.0))
         d_err = -g_vnew * beta - d_damp * ka * sign
         dka = -tl.sum(d_damp * tl.abs(err), axis=0)
-        return gx + d_err, g_vnew * alpha, dg, -tl.sum(d_err, axis=0), dka
+        return gx + d_err, g_vnew * alpha, -tl.sum(d_err, axis=0), dka
 
     @triton.jit
     def _bwd_step(
-        gout_ptr, gx_ptr, gv_ptr, qin_ptr, qout_ptr, cnext_ptr, dcnext_ptr, c_ptr,
+        gout_ptr, gx_ptr, gv_ptr, dcnext_ptr, c_ptr,
         h_ptr, x_ptr, v_ptr, xv_ptr, du_ptr, pmu_ptr, pka_ptr,
         wxv_ptr, w4_ptr, b4_ptr, mu_ptr, ka_ptr,
-        N, D, FB, dt,
+        N, D, dt,
         H: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, BDB: tl.constexpr,
         TOP: tl.constexpr, FIRST: tl.constexpr, IEEE: tl.constexpr,
     ):  # fmt: skip
         """Iteration i's backward on a tile of tokens and a block of features. Below the top iteration it first
-        finishes the gradients of x_{i+1} and v_{i+1} with ``dc_{i+1} = gelu'(c_{i+1}) Σ qin`` (the block
-        partials of ``du_{i+1} W_out``); it leaves the gradients of x_i and v_i without dc_i's share in gx/gv,
-        its block's partial of ``du_i W_out`` in ``qout``, ``du_i``, the bf16 ``[x_i, v_i]`` and dμ/dκ sums."""
+        finishes the gradients of x_{i+1} and v_{i+1} with ``dc_{i+1}`` (``dcnext``); it leaves the gradients of
+        x_i and v_i without dc_i's share in gx/gv, ``du_i``, the bf16 ``[x_i, v_i]`` and dμ/dκ sums."""
         mm = w4_ptr.dtype.element_ty
         pm, pf = tl.program_id(0), tl.program_id(1)
         rmask, r, hh, cmat = _token_tile(pm, N, BM, H)
-        dc = tl.zeros([BM, H], dtype=tl.float32)
+        dcm = tl.zeros([BM, H], dtype=mm)
         if not TOP:
-            cn = tl.load(cnext_ptr + cmat, mask=rmask[:, None], other=0.0)
-            dc = _gelu_grad(cn) * _partial_sum(qin_ptr, r, rmask, N, FB, H, BM)
-            if pf == 0:
-                tl.store(dcnext_ptr + cmat, dc, mask=rmask[:, None])
-        dcm = dc.to(mm)
+            dcm = tl.load(dcnext_ptr + cmat, mask=rmask[:, None], other=0.0).to(mm)
         g = _gelu(tl.load(c_ptr + cmat, mask=rmask[:, None], other=0.0)).to(mm)
-        q = tl.zeros([BM, H], dtype=tl.float32)
         for j0 in range(pf * BDB, tl.minimum(pf * BDB + BDB, D), BD):
             cols, cmask, m2, off = _chunk(j0, r, rmask, D, BD)
             c2 = 2 * j0 + tl.arange(0, 2 * BD)  # W_in's x and v columns, interleaved per feature
@@ -268,11 +256,10 @@ if triton is not None:
             else:
                 x = tl.load(x_ptr + off, mask=m2, other=0.0)
                 v = tl.load(v_ptr + off, mask=m2, other=0.0)
-            gx, gv, q_j, dmu, dka = _update_backward(
+            gx, gv, dmu, dka = _update_backward(
                 g, x, v, gx, gv, w4_ptr, b4_ptr, mu_ptr, ka_ptr, du_ptr,
                 j0, cols, cmask, r, rmask, D, dt, H, BD, not FIRST, not TOP, IEEE,
             )  # fmt: skip
-            q += q_j
             tl.store(gx_ptr + off, gx, mask=m2)
             if not FIRST:
                 tl.store(gv_ptr + off, gv, mask=m2)
@@ -281,7 +268,6 @@ if triton is not None:
             pmo = pm * D + cols  # the tile's row of the partial sums
             tl.store(pmu_ptr + pmo, tl.load(pmu_ptr + pmo, mask=cmask, other=0.0) + dmu, mask=cmask)
             tl.store(pka_ptr + pmo, tl.load(pka_ptr + pmo, mask=cmask, other=0.0) + dka, mask=cmask)
-        tl.store(qout_ptr + (r + pf * N)[:, None] * H + hh[None, :], q, mask=rmask[:, None])
 
     def _launch(n: int, d: int, mm_dtype: torch.dtype, which: str) -> tuple[tuple[int, int], dict]:
         t = TILES[which]
@@ -365,25 +351,30 @@ if triton is not None:
         d = h.size(-1)
         f32 = torch.float32
         grid, kw = _launch(n, d, w_out.dtype, "backward")
-        fb = grid[1]
-        # gx becomes h's gradient through the update; dc_0 is left to the caller (qs[0] holds its partials)
+        # gx becomes h's gradient through the update; dc_0 is left to the caller (from du_0 W_out, returned)
         gx, dc, du, xv = _backward_outputs(h, cs, w_out.dtype)
         gv = h.new_empty(n, d, dtype=f32)
         pmu = h.new_zeros(grid[0], d, dtype=f32)
         pka = h.new_zeros(grid[0], d, dtype=f32)
-        qs = [h.new_empty(fb, n, hid, dtype=f32) for _ in range(2)]
         weights = (w_xv, w_out, b_out, mu, kappa)
         for it in reversed(range(k)):
             x, v = (h, h) if it == 0 else (xs[it - 1], vs[it - 1])
-            qin, qout = qs[(it + 1) % 2], qs[it % 2]
             nxt = min(it + 1, k - 1)
+            if it < k - 1:  # dc_{i+1} = gelu'(c_{i+1}) du_{i+1} W_out, by cuBLAS
+                dc[nxt] = torch.ops.aten.gelu_backward(_mm_f32(du[nxt], w_out), cs[nxt])
             _bwd_step[grid](
-                gout, gx, gv, qin, qout, cs[nxt], dc[nxt], cs[it], h, x, v, xv[max(it - 1, 0)] if k > 1 else du,
-                du[it], pmu, pka, *weights, n, d, fb, dt,
+                gout, gx, gv, dc[nxt], cs[it], h, x, v, xv[max(it - 1, 0)] if k > 1 else du,
+                du[it], pmu, pka, *weights, n, d, dt,
                 H=hid, TOP=it == k - 1, FIRST=it == 0, **kw,
             )  # fmt: skip
-        # reduced here, so that no output's shape depends on the tiles (the fake's shapes are traced once)
-        return gx, dc, qs[0].sum(0), du, xv, pmu.sum(0), pka.sum(0)
+        # μ's and κ's sums reduced here, so that no output's shape depends on the tiles (the fake's are traced once)
+        return gx, dc, _mm_f32(du[0], w_out), du, xv, pmu.sum(0), pka.sum(0)
+
+    def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """``a @ b`` accumulated and returned in fp32 (CPU has no mm with an output dtype: the interpreter's)."""
+        if a.is_cuda:
+            return torch.mm(a, b, out_dtype=torch.float32)
+        return a.float() @ b.float()
 
 
 if triton is not None:
