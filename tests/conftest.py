@@ -61,6 +61,18 @@ def _plots_drawn_where_checked(
         monkeypatch.setattr(plots, "write_run_plots", _no_plots_drawn)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _own_hugging_face_caches(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The evaluation harness loads local task files through ``datasets``, which caches (and would read back)
+    under ~/.cache/huggingface: the session gets caches of its own. Set before the first ``datasets`` import,
+    which reads them (the package imports it lazily)."""
+    home = tmp_path_factory.mktemp("hf-home")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HF_HOME", str(home))
+        mp.setenv("HF_DATASETS_CACHE", str(home / "datasets"))
+        yield home
+
+
 @pytest.fixture(autouse=True)
 def _own_working_directory(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
     """Each test runs in an empty folder of its own, with its own cache: what a test writes to a relative path

@@ -526,3 +526,11 @@ def test_generation_stops_once_every_row_holds_a_stop_string():
     got = generate_until(model, tok, ["xa", "ya"], until=["\n"], max_new_tokens=60, batch_size=2)
     assert got == ["b", "b"]
     assert len(calls) == STOP_EVERY  # was 60: one forward per token to the limit
+
+
+def test_the_harness_caches_in_the_sessions_own_hugging_face_home(tmp_path_factory):
+    # `datasets` (the harness's loader of local task files) caches under ~/.cache/huggingface by default: a test
+    # run must neither write there nor read back what another run left.
+    config = pytest.importorskip("datasets.config")
+    base = tmp_path_factory.getbasetemp().resolve()
+    assert Path(config.HF_DATASETS_CACHE).resolve().is_relative_to(base)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from cli_helpers import FASTRUN as CPU_FASTRUN
-from cli_helpers import disk_full_at_state_file, refused, refused_leaving, run_cli
+from cli_helpers import disk_full_at_state_file, ok, refused, refused_leaving, run_cli
 
 from gptoughts.training.checkpoint import store as ckpt
 from gptoughts.training.rundir import RunLock
@@ -349,3 +349,44 @@ def test_a_resumes_plan_times_the_steps_left_not_the_whole_run(run, capsys):
     assert code == 0, text[-2000:]
     line = next(ln for ln in text.splitlines() if "time: ~" in ln)
     assert "for the 2 steps left" in line, line
+
+
+# ------------------------------------------------------------------------------- a run used from another folder
+
+
+def test_a_run_on_a_relative_tokenizer_folder_resumes_from_another_directory(
+    tmp_path, text_corpus, capsys, monkeypatch
+):
+    # config.toml kept `--tokenizer tok` as typed: a resume from elsewhere looked for ./tok and refused
+    first = tmp_path / "first"
+    ok(["train", "--data", str(text_corpus), "--size", "debug", "--tokenizer", "bytes", "--max_steps", "1",
+        "--out", str(first), *CPU_FASTRUN], capsys)  # fmt: skip
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tok").symlink_to(first / "tokenizer")
+    out = tmp_path / "r"
+    ok(["train", "--data", str(text_corpus), "--size", "debug", "--tokenizer", "tok", "--max_steps", "2",
+        "--save_interval", "1", "--out", str(out), *CPU_FASTRUN], capsys)  # fmt: skip
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    ok(["train", "--resume", "auto", "--out", str(out), "--max_steps", "3", *CPU_FASTRUN], capsys)
+    assert json.loads((out / "summary.json").read_text())["steps"] == 3
+
+
+def test_a_lora_run_on_a_relative_model_folder_samples_from_another_directory(
+    tmp_path, text_corpus, capsys, monkeypatch
+):
+    base = tmp_path / "base"
+    ok(["train", "--data", str(text_corpus), "--size", "debug", "--tokenizer", "bytes", "--max_steps", "1",
+        "--out", str(base), *CPU_FASTRUN], capsys)  # fmt: skip
+    monkeypatch.chdir(tmp_path)
+    ok(["export", str(base), "--format", "hf", "exported"], capsys)
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text("".join(json.dumps({"prompt": f"q{i}?", "response": f"a{i}"}) + "\n" for i in range(40)))
+    ft = tmp_path / "ft"
+    ok(["finetune", "--model", "exported", "--data", str(chat), "--lora", "--max_steps", "1",
+        "--out", str(ft), *CPU_FASTRUN], capsys)  # fmt: skip
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    ok(["sample", str(ft), "--prompt", "q1?", "--max_new_tokens", "2"], capsys)

@@ -195,6 +195,14 @@ def test_the_stopping_rule_given_wins_and_two_are_an_error(text_corpus, capsys):
     assert load_config(None, {"data.sources": ["x"], "train.epochs": 3}).train.epochs == 3.0  # API num_epochs
 
 
+def test_two_stopping_rules_in_a_toml_file_are_an_error_unless_a_flag_gives_one(tmp_path, capsys):
+    f = tmp_path / "run.toml"
+    f.write_text("[train]\nmax_steps = 3\nepochs = 1.0\n")
+    code, text = _run(["train", str(f), "--dry_run"], capsys)
+    assert code == 2 and "two stopping rules" in text and "run.toml" in text and "Traceback" not in text
+    assert load_config(f, {"train.max_tokens": 4096}).train.max_tokens == 4096  # the flag replaces the file's
+
+
 # -------------------------------------------------------------------------------------------- the defects
 
 

@@ -264,6 +264,12 @@ def load_config(preset: str | Path | None = None, overrides: dict[str, Any] | No
         given, shipped = _given_at_start(run_file, data)
         shipped -= set(overrides)
     else:
+        file_stops = [k for k in STOP_KEYS if data.get("train", {}).get(k.split(".")[1]) is not None]
+        if len(file_stops) > 1 and not given_stops:
+            raise ConfigError(
+                f"{start}: {' and '.join(file_stops)} are two stopping rules; keep one (steps, epochs or a "
+                "token budget), or give one on the command line, which replaces the file's"
+            )
         data, given = _under_size_defaults(data, overrides)
         if not _preset_path(start)[1]:
             shipped = given - set(overrides)

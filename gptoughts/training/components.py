@@ -407,8 +407,9 @@ def phases(cfg: Config) -> list | None:
 
 
 def write_run_files(asm: Assembly) -> None:
-    """config.toml (sources and task files as absolute paths: the file can be moved and still resumes),
-    tokenizer/, run.json (with the plan). Called once everything has been validated."""
+    """config.toml (sources, a tokenizer folder, the base model's folder and task files as absolute paths: the
+    run resumes and samples from any working directory), tokenizer/, run.json (with the plan). Called once
+    everything has been validated."""
     cfg, env, model, data, run_dir = asm.cfg, asm.env, asm.model, asm.data, asm.run_dir
     if asm.resume_from is None and rundir.is_run(run_dir):
         # --overwrite, or --resume auto on a run killed before its first checkpoint: it starts over, and what it
@@ -417,7 +418,14 @@ def write_run_files(asm: Assembly) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     saved = replace(
         cfg,
-        data=replace(cfg.data, sources=[_absolute(s) for s in cfg.data.sources]),
+        data=replace(
+            cfg.data,
+            sources=[_absolute(s) for s in cfg.data.sources],
+            tokenizer=cfg.data.tokenizer
+            if cfg.data.tokenizer == "bytes" or cfg.data.tokenizer.startswith("bpe:")
+            else _absolute(cfg.data.tokenizer),
+        ),
+        model=replace(cfg.model, init_from=_absolute(cfg.model.init_from) if cfg.model.init_from else None),
         eval=replace(
             cfg.eval,
             eval_tasks=[_absolute(s) if is_task_file(s) else s for s in cfg.eval.eval_tasks],
@@ -438,7 +446,7 @@ def write_run_files(asm: Assembly) -> None:
         "hardware": env.hw.to_dict(),
         "data": str(data.manifest.dir) if data.manifest is not None else data.sources,
         "data_format": data.format,
-        "init_from": str(data.init_from) if data.init_from is not None else None,
+        "init_from": _absolute(str(data.init_from)) if data.init_from is not None else None,
         "generic": bool(model.pretrained is not None and model.pretrained.generic),
         "lora": cfg.lora.enabled,
         "trainable_params": sum(p.numel() for p in raw.parameters() if p.requires_grad),
