@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -390,3 +391,20 @@ def test_a_lora_run_on_a_relative_model_folder_samples_from_another_directory(
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)
     ok(["sample", str(ft), "--prompt", "q1?", "--max_new_tokens", "2"], capsys)
+
+
+def test_a_token_budget_counts_the_tokens_seen_when_a_resume_changes_the_batch(tmp_path, text_corpus, capsys):
+    # 2,048 tokens at 2 rows x 32 = 32 steps; resumed at step 8 with 1 row a step, the steps were counted again
+    # from zero at the new batch (64 of them): the run ended at 2,560 tokens, over the budget its summary quoted
+    out = tmp_path / "r"
+    ok(["train", "--data", str(text_corpus), "--size", "debug", "--tokenizer", "bytes", "--max_tokens", "2048",
+        "--save_interval", "8", "--keep_last", "10", "--out", str(out), *CPU_FASTRUN], capsys)  # fmt: skip
+    for d in (out / "checkpoints").glob("step_*"):
+        if int(d.name.split("_")[1]) > 8:
+            shutil.rmtree(d)
+    resume = ["train", "--resume", "auto", "--out", str(out), *CPU_FASTRUN]
+    resume[resume.index("--batch_size") + 1] = "1"
+    text = ok(resume, capsys)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["tokens"] == 2048 and summary["steps"] == 8 + 48, summary
+    assert "1,536 tokens of it left at step 8" in text

@@ -46,9 +46,11 @@ def plan_batches(
     *,
     dry_run: bool = False,
     resumed_run: dict[str, Any] | None = None,
+    resumed_at: tuple[int, int] | None = None,
 ) -> BatchPlan:
     """Micro-batch (auto: the largest that fits), accumulation, tokens per step, steps, epochs, warmup and the
-    evaluation/checkpoint intervals, each with the rule that decided it."""
+    evaluation/checkpoint intervals, each with the rule that decided it. ``resumed_at``: the step and the tokens
+    seen of the checkpoint a run resumes (a token or epoch budget counts them)."""
     from gptoughts.training.optim import default_warmup
 
     t, info = cfg.train, env.dist
@@ -70,6 +72,14 @@ def plan_batches(
         why.setdefault("batch_size", "pairs, each 2 rows: chosen and rejected")
     accum, tokens_per_step = _resumed_global_batch(resumed_run, micro, accum, row_tokens, info, why)
     total_steps, rule = _total_steps(t, epochs, train_tokens, tokens_per_step, cfg.shipped)
+    old_tps = resumed_run.get("tokens_per_step") if resumed_run else None
+    if resumed_at is not None and old_tps and old_tps != tokens_per_step and t.max_steps is None:
+        # Resumed at another batch: the budget's remaining tokens at the new batch, not all of it again (an
+        # unchanged batch keeps the plan of the run's start, so that an exact resume stays exact).
+        step, seen = resumed_at
+        budget = t.max_tokens if t.max_tokens is not None else epochs * train_tokens  # type: ignore[operator]
+        total_steps = step + max(0, math.ceil((budget - seen) / tokens_per_step))
+        rule += f", {max(0, budget - seen):,.0f} tokens of it left at step {step} at this batch"
     warmup = t.warmup_steps if t.warmup_steps is not None else default_warmup(total_steps)
     why["warmup_steps"] = "asked" if t.warmup_steps is not None else "auto: 2% of the run, at most 2000"
     eval_interval, save_interval, tasks_interval = _intervals(

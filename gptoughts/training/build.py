@@ -121,6 +121,20 @@ def build(
         raise
 
 
+def _resumed_at(resume_from: Path | None) -> tuple[int, int] | None:
+    """The step and tokens seen of the checkpoint a run resumes, from its meta.json (None where unreadable: the
+    resume then falls back to an earlier checkpoint or refuses, as for any corruption)."""
+    if resume_from is None:
+        return None
+    from gptoughts.training.checkpoint import store
+
+    try:
+        meta = store.read_meta(resume_from)
+        return int(meta["step"]), int(meta["tokens_seen"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def _assemble(
     cfg: Config,
     env: Environment,
@@ -138,7 +152,8 @@ def _assemble(
     data = prepare_data(cfg, env, dry_run=True)
     model = build_model(cfg, env, data, meta=True)
     cfg, env = choose_memory_layout(cfg, env, model, dry_run=dry_run)  # 4b: what the later steps build
-    batch = plan_batches(cfg, env, data, model, dry_run=True, resumed_run=resumed_run)
+    resumed_at = _resumed_at(resume_from)
+    batch = plan_batches(cfg, env, data, model, dry_run=True, resumed_run=resumed_run, resumed_at=resumed_at)
     threads = _given_threads(cfg, env, resumed_run)  # None: measured after the plan is printed
     why = _threads_why(env, threads, dry_run)
     resolved, plan = _plan(cfg, env, data, model, batch, run_dir, resume_from, tasks, why)
@@ -162,7 +177,7 @@ def _assemble(
     _check_corpus(cfg, data)
     if not dry_run:
         model = build_model(cfg, env, data)  # 4
-        batch = plan_batches(cfg, env, data, model, resumed_run=resumed_run)  # 5
+        batch = plan_batches(cfg, env, data, model, resumed_run=resumed_run, resumed_at=resumed_at)  # 5
         resolved, plan = _plan(cfg, env, data, model, batch, run_dir, resume_from, tasks, why)  # 6
     probing = threads is None and not dry_run and _single_cpu_process(env)
     if env.dist.is_main:
