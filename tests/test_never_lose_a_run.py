@@ -355,18 +355,22 @@ def test_a_resumes_plan_times_the_steps_left_not_the_whole_run(run, capsys):
 # ------------------------------------------------------------------------------- a run used from another folder
 
 
+def _debug_run(out: Path, corpus: Path, capsys, *flags: str) -> str:
+    """A debug model trained on ``corpus`` into ``out`` (bytes tokenizer unless ``flags`` name another)."""
+    tok = [] if "--tokenizer" in flags else ["--tokenizer", "bytes"]
+    return ok(["train", "--data", str(corpus), "--size", "debug", *tok, *flags, "--out", str(out), *CPU_FASTRUN],
+              capsys)  # fmt: skip
+
+
 def test_a_run_on_a_relative_tokenizer_folder_resumes_from_another_directory(
     tmp_path, text_corpus, capsys, monkeypatch
 ):
     # config.toml kept `--tokenizer tok` as typed: a resume from elsewhere looked for ./tok and refused
-    first = tmp_path / "first"
-    ok(["train", "--data", str(text_corpus), "--size", "debug", "--tokenizer", "bytes", "--max_steps", "1",
-        "--out", str(first), *CPU_FASTRUN], capsys)  # fmt: skip
+    first, out = tmp_path / "first", tmp_path / "r"
+    _debug_run(first, text_corpus, capsys, "--max_steps", "1")
     monkeypatch.chdir(tmp_path)
     (tmp_path / "tok").symlink_to(first / "tokenizer")
-    out = tmp_path / "r"
-    ok(["train", "--data", str(text_corpus), "--size", "debug", "--tokenizer", "tok", "--max_steps", "2",
-        "--save_interval", "1", "--out", str(out), *CPU_FASTRUN], capsys)  # fmt: skip
+    _debug_run(out, text_corpus, capsys, "--tokenizer", "tok", "--max_steps", "2", "--save_interval", "1")
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)
@@ -378,8 +382,7 @@ def test_a_lora_run_on_a_relative_model_folder_samples_from_another_directory(
     tmp_path, text_corpus, capsys, monkeypatch
 ):
     base = tmp_path / "base"
-    ok(["train", "--data", str(text_corpus), "--size", "debug", "--tokenizer", "bytes", "--max_steps", "1",
-        "--out", str(base), *CPU_FASTRUN], capsys)  # fmt: skip
+    _debug_run(base, text_corpus, capsys, "--max_steps", "1")
     monkeypatch.chdir(tmp_path)
     ok(["export", str(base), "--format", "hf", "exported"], capsys)
     chat = tmp_path / "chat.jsonl"
@@ -395,10 +398,9 @@ def test_a_lora_run_on_a_relative_model_folder_samples_from_another_directory(
 
 def test_a_token_budget_counts_the_tokens_seen_when_a_resume_changes_the_batch(tmp_path, text_corpus, capsys):
     # 2,048 tokens at 2 rows x 32 = 32 steps; resumed at step 8 with 1 row a step, the steps were counted again
-    # from zero at the new batch (64 of them): the run ended at 2,560 tokens, over the budget its summary quoted
+    # from zero at the new batch (64 of them): the run ended at 2,304 tokens, over the budget its summary quoted
     out = tmp_path / "r"
-    ok(["train", "--data", str(text_corpus), "--size", "debug", "--tokenizer", "bytes", "--max_tokens", "2048",
-        "--save_interval", "8", "--keep_last", "10", "--out", str(out), *CPU_FASTRUN], capsys)  # fmt: skip
+    _debug_run(out, text_corpus, capsys, "--max_tokens", "2048", "--save_interval", "8", "--keep_last", "10")
     for d in (out / "checkpoints").glob("step_*"):
         if int(d.name.split("_")[1]) > 8:
             shutil.rmtree(d)
