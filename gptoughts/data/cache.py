@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from gptoughts.data.manifest import FORMAT_VERSION, SHARD_NAME, Manifest
-from gptoughts.data.sources import STDLIB_ALIAS, normalize_extensions, source_fingerprint
+from gptoughts.data.sources import STDLIB_ALIAS, normalize_extensions, prepared_manifest, source_fingerprint
 from gptoughts.data.split import TOKENIZER_TRAIN_BYTES
 from gptoughts.data.tokenizer import Tokenizer, parse_spec
 from gptoughts.errors import ConfigError, DataError
@@ -106,7 +106,8 @@ def cache_key(
 
 def _slug(sources: Sequence[str | os.PathLike[str]], tokenizer: str | Tokenizer) -> str:
     first = str(sources[0])
-    name = "stdlib" if first == STDLIB_ALIAS else Path(first).name or "data"
+    # resolved: `--data .` and the absolute path a run's config.toml records must name the same folder
+    name = "stdlib" if first == STDLIB_ALIAS else Path(first).expanduser().resolve().name or "data"
     tok = tokenizer.spec if isinstance(tokenizer, Tokenizer) else str(tokenizer)
     tok = Path(tok).name if "/" in tok else tok
     return re.sub(r"[^A-Za-z0-9._-]+", "", f"{name}-{tok}")[:60] or "data"
@@ -183,11 +184,7 @@ def reusable(out: Path, key: str, verify: bool) -> Manifest | None:
 
 def _looks_like_ours(manifest: Path) -> bool:
     """A manifest.json gptoughts wrote (any format version, even with damaged fields)."""
-    try:
-        data = json.loads(manifest.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError):
-        return False
-    return isinstance(data, dict) and "cache_key" in data and "format_version" in data
+    return prepared_manifest(manifest.parent) is not None
 
 
 def check_replaceable(out: Path, owned: bool) -> None:

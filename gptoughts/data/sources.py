@@ -13,14 +13,18 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import re
+import shlex
 import sysconfig
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from gptoughts.errors import DataError
+
+log = logging.getLogger("gptoughts.data")
 
 DEFAULT_EXTENSIONS: tuple[str, ...] = (
     "txt", "md", "rst", "py", "json", "c", "h", "js", "ts", "java", "go", "rs", "toml", "yaml", "yml",
@@ -46,6 +50,8 @@ _COLUMN_SLICE_BYTES = 1 << 20
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
 _MISSING_MSG = "does not exist; pass a file, folder, .jsonl, .parquet or a saved HF dataset"
+# (root, skipped folders) already reported: a corpus is walked several times per command (size, key, reads)
+_REPORTED: set[tuple[str, tuple[str, ...]]] = set()
 
 
 @dataclass
@@ -80,7 +86,55 @@ def resolve_source(path: str | os.PathLike[str]) -> Path:
     p = Path(path).expanduser()
     if not p.exists():
         raise DataError(f"{path} {_MISSING_MSG}")
-    return p.resolve()
+    p = p.resolve()
+    if p.is_dir():
+        _refuse_gptoughts_output(p)
+    return p
+
+
+def _read_json_dict(path: Path) -> dict | None:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def prepared_manifest(folder: Path) -> dict | None:
+    """The manifest.json of a folder ``prepare`` wrote (any format version), else None."""
+    if not (folder / "manifest.json").is_file():
+        return None
+    data = _read_json_dict(folder / "manifest.json")
+    return data if data is not None and "cache_key" in data and "format_version" in data else None
+
+
+def is_run_folder(folder: Path) -> bool:
+    """A training run's folder, recognised as ``training/rundir.is_run`` does: a run.json with family and args
+    (data/ sits below training/, so the test is repeated here rather than imported)."""
+    if not (folder / "run.json").is_file():
+        return False
+    record = _read_json_dict(folder / "run.json")
+    return record is not None and "family" in record and "args" in record
+
+
+def _refuse_gptoughts_output(p: Path) -> None:
+    """A prepared dataset or a run given as a source is refused: its files are gptoughts output, not text."""
+    if (m := prepared_manifest(p)) is not None:
+        try:
+            srcs = [STDLIB_ALIAS if s.get("given") == STDLIB_ALIAS else str(s["path"]) for s in m["sources"]]
+            flags = " ".join(f"--data {shlex.quote(s)}" for s in srcs)
+            flags += f" --tokenizer {shlex.quote(str(m['tokenizer_spec']))}"
+        except (KeyError, TypeError, AttributeError):  # a damaged manifest: no sources to name
+            flags = "--data CORPUS"
+        raise DataError(
+            f"{p} is a prepared dataset (token shards from `gptoughts prepare`), not a corpus: train prepares "
+            f"and caches its own shards; pass the corpus it was made from instead: {flags}"
+        )
+    if is_run_folder(p):
+        raise DataError(
+            f"{p} is a gptoughts run, not a corpus; pass the corpus it trained on with --data (its "
+            f"config.toml lists it under data.sources)"
+        )
 
 
 def normalize_extensions(extensions: Iterable[str] | None) -> tuple[str, ...]:
@@ -115,22 +169,38 @@ def walk_files(root: Path, extensions: tuple[str, ...]) -> Iterator[Path]:
 
     Deterministic order matters: document indices feed the train/val split hash and the shard layout, so
     the same folder must give the same dataset on every machine (os.walk order is filesystem dependent).
+
+    Prepared datasets and training runs below ``root`` (``prepare . --out ./data``, ``train --data .`` writing
+    ``./runs/...``) are not entered: their JSON files are not text to learn from, and reading them would
+    change the corpus (its cache key, its BPE) after every prepare or run, so a resume would never match.
+    What was skipped is logged once, in one line.
     """
     wanted = {"." + e for e in extensions}
+    skipped: list[str] = []
     for dirpath, dirnames, filenames in os.walk(root):
-        if "manifest.json" in filenames and "tokenizer" in dirnames and Path(dirpath) != root:
-            # A prepared dataset inside the corpus (``prepare . --out ./data``): its JSON files are not text
-            # to learn from, and reading them would change the cache key after every prepare.
-            dirnames[:] = []
-            continue
+        here = Path(dirpath)
+        if here != root and ("manifest.json" in filenames or "run.json" in filenames):
+            what = ""
+            if prepared_manifest(here) is not None:
+                what = "a prepared dataset"
+            elif is_run_folder(here):
+                what = "a gptoughts run"
+            if what:
+                skipped.append(f"{here.relative_to(root).as_posix()} ({what})")
+                dirnames[:] = []
+                continue
         dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and d not in SKIPPED_DIRS)
         for name in sorted(filenames):
             if name.startswith("."):
                 continue
             if os.path.splitext(name)[1].lower() in wanted:
-                path = Path(dirpath) / name
+                path = here / name
                 if path.is_file():  # not a broken symbolic link, a socket or a fifo
                     yield path
+    if skipped and (key := (str(Path(root).resolve()), tuple(skipped))) not in _REPORTED:
+        _REPORTED.add(key)
+        shown = ", ".join(skipped[:3]) + (f" and {len(skipped) - 3} more" if len(skipped) > 3 else "")
+        log.info("%s: skipped %d folder(s) gptoughts wrote, not corpus text: %s", key[0], len(skipped), shown)
 
 
 def source_fingerprint(path: str | os.PathLike[str], extensions: Iterable[str] | None = None) -> dict:
