@@ -8,8 +8,9 @@
   make one, and ``--overwrite`` refuses folders that are not runs. :func:`clear` removes only what a run writes
   (:data:`RUN_FILES`), never anything else in the folder, and never follows a symlink out of it.
 * **Nothing is destroyed by a refusal.** :func:`check` decides (resume, start, refuse) by reading only; a run
-  whose every checkpoint is unusable is refused rather than restarted over them, and ``--resume auto`` where
-  there is no run is refused rather than started as a new one.
+  whose every checkpoint is unusable is refused rather than restarted over them, ``--resume auto`` where
+  there is no run is refused rather than started as a new one, and ``--resume PATH`` into a folder that holds
+  another run is refused rather than mixed into it (its own run's folder, a new or an empty one take it).
 """
 
 from __future__ import annotations
@@ -130,8 +131,7 @@ def check(run_dir: Path, cfg: Config) -> tuple[Path | None, dict[str, Any] | Non
     run's run.json or None)``; a :class:`UserError` when the run must not start."""
     resume = cfg.run.resume
     if resume and resume != "auto":
-        path = ckpt.resolve(resume)
-        return path, read_run_json(path.parent.parent if path.parent.name == "checkpoints" else path.parent)
+        return _check_checkpoint(run_dir, cfg, ckpt.resolve(resume))
     if resume == "auto":
         return _check_resume(run_dir, cfg)
     present = _contents(run_dir)
@@ -180,7 +180,64 @@ def _check_resume(run_dir: Path, cfg: Config) -> tuple[Path | None, dict[str, An
             f"every checkpoint of {run_dir} is unusable ({problems}); nothing was changed: restore "
             "one, or start over with --overwrite"
         )
+    if found is not None:  # (a run with no checkpoint yet restarts from step 0: any optimizer will do)
+        _check_optimizer(found, old.train.optimizer, cfg, True)
     return found, read_run_json(run_dir)
+
+
+def _check_checkpoint(run_dir: Path, cfg: Config, path: Path) -> tuple[Path | None, dict[str, Any] | None]:
+    """``--resume PATH``: checkpoint ``path`` resumes into its own run's folder, or branches into a new or empty
+    one; never into a folder that holds another run (its checkpoints and metrics would mix with this one's)."""
+    home = path.parent.parent if path.parent.name == "checkpoints" else None
+    own = home is not None and home.resolve() == run_dir.resolve()
+    if not own:
+        if is_run(run_dir):
+            steps = ckpt.list_steps(run_dir / "checkpoints")
+            where = f" (checkpoints up to step {steps[-1]})" if steps else ""
+            raise UserError(
+                f"{run_dir} already holds another run{where}, and {path} is not one of its checkpoints; "
+                f"continue that run with --resume auto, or resume {path} into a new or empty --out"
+                + (" (--overwrite does not replace a run by another's resume)" if cfg.run.overwrite else "")
+            )
+        present = _contents(run_dir)
+        if present:
+            raise UserError(
+                f"{run_dir} exists and is not empty (it holds {', '.join(present[:4])}); resume {path} into a "
+                "new or empty --out"
+            )
+    source = home if home is not None else path.parent
+    if (source / "config.toml").is_file():
+        old = _old_config(source)
+        changed = architecture_changes(old, cfg)
+        if changed:
+            raise UserError(
+                f"{path} was saved from another model than this command builds ({'; '.join(changed)}): a "
+                f"checkpoint resumes only into its own model; give the model flags of its run ({source}/config.toml)"
+            )
+        _check_optimizer(path, old.train.optimizer, cfg, True)
+    else:  # a checkpoint moved out of its run: its weights' shapes are checked as they load
+        from gptoughts.training.checkpoint.restore import saved_optimizer
+
+        _check_optimizer(path, saved_optimizer(path), cfg, False)
+    return path, read_run_json(source)
+
+
+def _check_optimizer(path: Path, was: str | None, cfg: Config, in_run: bool) -> None:
+    """A checkpoint's optimizer state loads only into the optimizer that wrote it (``was``; None: unknown), whose
+    groups it has: refused here, before the model is built, rather than by torch as it loads. ``in_run``: the
+    checkpoint is beside its run's files, which ``gptoughts export`` needs."""
+    asked = cfg.train.optimizer
+    if was is not None and was != asked:
+        new_run = (
+            f", or train its weights with {asked} as a new run: `gptoughts export {path} --format hf OUT`, then "
+            f"`gptoughts finetune --model OUT --optimizer {asked}`"
+            if in_run
+            else ""
+        )
+        raise UserError(
+            f"{path} holds the state of the {was} optimizer and this command asks for --optimizer {asked}; "
+            f"resume with --optimizer {was}{new_run}"
+        )
 
 
 def _contents(run_dir: Path) -> list[str]:

@@ -52,6 +52,12 @@ def load_weights(model: nn.Module, path: Path, *, strict: bool = True, sharded: 
         else:
             missing, unexpected = load_model(model, str(path / MODEL_FILE), strict=False)
     except (OSError, ValueError, RuntimeError) as e:  # SafetensorError is an Exception: see below
+        mismatch = [ln.strip() for ln in str(e).splitlines() if ln.strip().startswith("size mismatch for")]
+        if mismatch:  # intact weights of another shape: another model, not a file to restore
+            raise UserError(
+                f"checkpoint {path} does not match the model ({mismatch[0][:160]}); was it trained with another "
+                "--size, family or tokenizer? Give the flags of its run"
+            ) from None
         raise UnreadableCheckpoint(
             f"{path / MODEL_FILE} cannot be read ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
         ) from None
@@ -64,6 +70,19 @@ def load_weights(model: nn.Module, path: Path, *, strict: bool = True, sharded: 
             f"checkpoint {path} does not match the model (missing {sorted(missing)[:4]}, "
             f"unexpected {sorted(unexpected)[:4]}); was it trained with another --size or family?"
         )
+
+
+def saved_optimizer(path: Path) -> str | None:
+    """``"muon"`` or ``"adamw"``: the optimizer whose state checkpoint ``path`` holds, from its parameter groups
+    (Muon marks its own); None where it cannot tell (a sharded checkpoint keeps them in its shards, or state.pt
+    does not read: the resume says why when it loads it)."""
+    try:
+        # mmap: the moments are not read, only the pickle's structure
+        state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=True, mmap=True)
+        groups = state["optimizer"]["param_groups"]
+        return "muon" if any(isinstance(g, dict) and g.get("muon") for g in groups) else "adamw"
+    except Exception:  # noqa: BLE001 - whatever the file holds, the answer is "cannot tell"
+        return None
 
 
 def load_state(path: Path, device: torch.device | str = "cpu") -> dict[str, Any]:
