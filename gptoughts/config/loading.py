@@ -184,9 +184,17 @@ def starting_preset(preset: str | Path | None, overrides: dict[str, Any]) -> str
 
 
 def _run_config_file(data: dict[str, Any], overrides: dict[str, Any]) -> Path | None:
-    """With ``run.resume = auto``: the ``config.toml`` of the run being resumed (None when there is none yet)."""
+    """The ``config.toml`` of the run being resumed: with ``run.resume = auto``, the one in ``--out`` (None when
+    there is none yet); with ``--resume PATH``, the one of the run that saved PATH, where it sits in it (a
+    checkpoint moved out of its run starts from the config given)."""
     resume = overrides.get("run.resume", data.get("run", {}).get("resume"))
-    if resume != "auto":  # (--resume PATH starts a run from that checkpoint with the config given)
+    if resume is None:
+        return None
+    if resume != "auto":
+        path = Path(str(resume)).expanduser()
+        for folder in (path, path.parent, path.parent.parent):  # a run, its checkpoints/, one checkpoint
+            if (folder / "config.toml").is_file() and (folder / "checkpoints").is_dir():
+                return folder / "config.toml"
         return None
     out = overrides.get("run.out", data.get("run", {}).get("out"))
     if out is None:
@@ -254,11 +262,13 @@ def load_config(preset: str | Path | None = None, overrides: dict[str, Any] | No
     start = starting_preset(preset, overrides)
     data = read_toml(start)
     run_file = _run_config_file(data, overrides)
+    auto = overrides.get("run.resume", data.get("run", {}).get("resume")) == "auto"
     shipped: set[str] = set()
     if run_file is not None:
         # (a preset named beside --resume is where the run started: its config.toml already holds it all)
         data = _read_run_config(run_file)
-        data.setdefault("run", {})["out"] = str(run_file.parent)
+        # --resume PATH branches into --out (or the default one), never into the run it comes from
+        data.setdefault("run", {})["out"] = str(run_file.parent) if auto else None
         # How a run is launched is not part of it: a run saved under FSDP on 2 GPUs resumes on one.
         data.pop("parallel", None)
         given, shipped = _given_at_start(run_file, data)

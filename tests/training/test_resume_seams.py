@@ -121,3 +121,14 @@ def test_a_checkpoint_of_another_model_is_refused_as_such(two_runs, tmp_path, te
         "does not match the model",
     )  # fmt: skip
     assert "restore" not in line, line
+
+
+def test_a_checkpoint_resumed_with_no_flags_starts_from_its_runs_config(two_runs, tmp_path, capsys):
+    # `--resume PATH` started from the quickstart preset: a debug run's checkpoint planned the quickstart's model
+    # and failed as it loaded ("cannot be read ... restore the checkpoint")
+    _, b = two_runs
+    out = tmp_path / "branch"
+    text = ok(["train", "--resume", str(b / "checkpoints" / "step_000002"), "--out", str(out), *FASTRUN], capsys)
+    assert "resumed from" in text and ckpt.list_steps(out / "checkpoints") == [4]
+    saved = (out / "config.toml").read_text()
+    assert 'size = "debug"' in saved and "learning_rate = 0.001" in saved, saved
