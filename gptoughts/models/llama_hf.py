@@ -189,6 +189,12 @@ def _not_exportable(args: LlamaArgs) -> str | None:
         return f"model.mlp = relu2 with {extra} (transformers' Arcee has the ReLU² MLP, not {extra})"
     if args.mlp == "relu2" and args.sliding_window is not None:
         return "model.mlp = relu2 with model.sliding_window (transformers' Arcee has no sliding window)"
+    if args.sliding_window is not None and args.full_attention_layers and not (args.qkv_bias or args.qk_norm):
+        return (
+            f"model.full_attention_layers = {args.full_attention_layers} with model.sliding_window = "
+            f"{args.sliding_window} (Mistral windows every layer; Qwen2 and Qwen3, which keep the first layers "
+            "full, have model.qkv_bias or model.qk_norm)"
+        )
     return None
 
 

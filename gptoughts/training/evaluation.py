@@ -130,17 +130,19 @@ class Evaluator:
         return loss, math.exp(min(loss, 50.0))
 
     def evaluate_and_track(self) -> tuple[float, bool]:
-        """Evaluate, log it, and track the best loss: (val loss, whether it is the best so far)."""
+        """Evaluate, log it, and track the best loss: (val loss, whether it is the best so far).
+
+        The best is the lowest val loss (best.json, the "(best)" marks, the summary); ``early_stopping_min_delta``
+        only decides which evaluations reset early stopping's patience."""
         st = self.state
         val_loss, ppl = self.evaluate()
         # Weights inside a streak of bad steps are never the best (a collapsed model's first evaluation would be).
-        improved = (
-            math.isfinite(val_loss)
-            and not st.bad_steps
-            and val_loss < st.best_val_loss - self.cfg.early_stopping_min_delta
-        )
-        if improved:
+        counts = math.isfinite(val_loss) and not st.bad_steps
+        best = counts and val_loss < st.best_val_loss
+        improved = counts and val_loss < self._patience_reference() - self.cfg.early_stopping_min_delta
+        if best:
             st.best_val_loss = val_loss
+        if improved:
             st.evals_without_improvement = 0
         elif math.isfinite(val_loss):
             st.evals_without_improvement += 1
@@ -156,12 +158,21 @@ class Evaluator:
                     if pairs
                     else f"perplexity {ppl:.2f}"
                 )
-                + (" (best)" if improved else ""),
+                + (" (best)" if best else ""),
                 self.dist,
             )
             if self.plots is not None:
                 self.plots.request()
-        return val_loss, improved
+        return val_loss, best
+
+    def _patience_reference(self) -> float:
+        """The val loss of the last evaluation that reset the patience (inf before any). Each finite evaluation
+        since then added one to ``evals_without_improvement``, so it is the finite one that many before the last:
+        derived from the history every checkpoint keeps, it comes back with a resumed or rolled-back run, older
+        checkpoints included."""
+        finite = [h["val_loss"] for h in self.state.history if math.isfinite(h["val_loss"])]
+        n = self.state.evals_without_improvement
+        return finite[-n - 1] if n < len(finite) else math.inf
 
     def patience_exhausted(self) -> bool:
         """Whether early stopping ends the run (every rank decides it alike, from the all-reduced val loss)."""

@@ -446,7 +446,8 @@ def _integrator(cfg: Any, model: Any) -> dict[str, str]:
 
 
 def _variant_layout(family: Any, args: Any) -> str:
-    """``qwen2 layout (exports as Qwen2ForCausalLM)`` when the family's export is one of ``models.VARIANTS``."""
+    """``qwen2 layout (exports as Qwen2ForCausalLM)`` when the family's export is one of ``models.VARIANTS``; why
+    it does not export where no transformers class computes the model."""
     from gptoughts.errors import UserError
     from gptoughts.models import VARIANTS
 
@@ -454,8 +455,8 @@ def _variant_layout(family: Any, args: Any) -> str:
         return ""
     try:
         hf = family.hf.hf_config(args)
-    except UserError:  # a switch transformers has no class for: said when the run is exported
-        return ""
+    except UserError as e:  # a switch transformers has no class for: said now, not first at export
+        return str(e)
     kind = hf.get("model_type")
     return f"{kind} layout (exports as {hf['architectures'][0]})" if kind in VARIANTS else ""
 

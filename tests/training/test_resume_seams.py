@@ -128,7 +128,9 @@ def test_a_checkpoint_resumed_with_no_flags_starts_from_its_runs_config(two_runs
     # and failed as it loaded ("cannot be read ... restore the checkpoint")
     _, b = two_runs
     out = tmp_path / "branch"
-    text = ok(["train", "--resume", str(b / "checkpoints" / "step_000002"), "--out", str(out), *FASTRUN], capsys)
+    text = ok(
+        ["train", "--resume", str(b / "checkpoints" / "step_000002"), "--out", str(out), *FASTRUN], capsys
+    )
     assert "resumed from" in text and ckpt.list_steps(out / "checkpoints") == [4]
     saved = (out / "config.toml").read_text()
     assert 'size = "debug"' in saved and "learning_rate = 0.001" in saved, saved
