@@ -157,7 +157,8 @@ class EvalConfig:
     early_stopping_patience: int | None = None
     """Stop after this many evaluations without val-loss improvement; None disables."""
     early_stopping_min_delta: float = 0.0
-    """An evaluation improves on the best when it is lower by more than this."""
+    """Early stopping's patience resets when an evaluation is lower by more than this than the one that last reset
+    it; the best checkpoint is the lowest val loss whatever this is."""
     sample_interval: int | None = None
     """Generate samples every N steps; None means at each evaluation; 0 disables."""
     sample_prompts: list[str] | None = None

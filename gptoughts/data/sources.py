@@ -109,8 +109,8 @@ def prepared_manifest(folder: Path) -> dict | None:
 
 
 def is_run_folder(folder: Path) -> bool:
-    """A training run's folder, recognised as ``training/rundir.is_run`` does: a run.json with family and args
-    (data/ sits below training/, so the test is repeated here rather than imported)."""
+    """A training run's folder: a run.json that gptoughts wrote, with family and args (``training/rundir.is_run``
+    asks this too)."""
     if not (folder / "run.json").is_file():
         return False
     record = _read_json_dict(folder / "run.json")

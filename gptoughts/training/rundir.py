@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from gptoughts.config import Config, config_from_toml_text
+from gptoughts.data.sources import is_run_folder
 from gptoughts.errors import ConfigError, UserError
 from gptoughts.training.checkpoint import store as ckpt
 
@@ -113,9 +114,9 @@ def _holder(text: str) -> str:
 
 
 def is_run(run_dir: Path) -> bool:
-    """Whether ``run_dir`` holds a gptoughts run: its run.json is one that gptoughts wrote (family and args)."""
-    record = read_run_json(run_dir)
-    return record is not None and "family" in record and "args" in record
+    """Whether ``run_dir`` holds a gptoughts run: its run.json is one that gptoughts wrote (family and args; the
+    corpus walk skips such folders by the same test)."""
+    return is_run_folder(run_dir)
 
 
 def read_run_json(run_dir: Path) -> dict[str, Any] | None:

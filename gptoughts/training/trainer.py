@@ -435,9 +435,9 @@ class Trainer:
                 # A background write failed: the state is saved again now (synchronously; see FileSaver.save)
                 # rather than at the next interval, so no more work is at risk.
                 self.save()
-        val_loss, improved = None, False
+        val_loss, best = None, False
         if due.evaluate:
-            val_loss, improved = ev.evaluate_and_track()
+            val_loss, best = ev.evaluate_and_track()
             if ev.patience_exhausted():
                 stop, self.stop_reason = True, "early stopping"
                 # An end too: an open streak is settled first (a rollback trains on from there).
@@ -445,7 +445,7 @@ class Trainer:
                     self._after_rollback(self.recovery.settle_streak(at_end=True))
                     self.stop_reason = "max steps"
                     return False
-        saved = (due.save or improved or stop) and self.save(val_loss=val_loss, is_best=improved)
+        saved = (due.save or best or stop) and self.save(val_loss=val_loss, is_best=best)
         # Samples and task scores only read the model: they come after the save, and a failure in them is a
         # warning, so neither can cost this step's checkpoint (at the end: the run's last one).
         if due.sample:
