@@ -172,8 +172,8 @@ def _assemble(
         # the real shards: prepared, or their checksums verified (SFT examples were made whole above)
         if data.format == "text":
             data = prepare_data(cfg, env)  # 3
-        if resume_from is not None and (run_dir / "tokenizer").exists():
-            rundir.check_tokenizer(run_dir, data.tokenizer, cfg)
+        if resume_from is not None:
+            rundir.check_resumed_tokenizer(run_dir, resume_from, data.tokenizer, cfg)
     _check_corpus(cfg, data)
     if not dry_run:
         model = build_model(cfg, env, data)  # 4

@@ -311,6 +311,16 @@ def _old_config(run_dir: Path) -> Config:
         ) from None
 
 
+def check_resumed_tokenizer(run_dir: Path, resume_from: Path, tokenizer: Any, cfg: Config) -> None:
+    """:func:`check_tokenizer` against the run's own tokenizer, or for a branch into a new folder the one of the
+    run the checkpoint comes from (where neither has one, nothing to compare)."""
+    home = resume_from.parent.parent if resume_from.parent.name == "checkpoints" else None
+    for source in (run_dir, home):
+        if source is not None and (source / "tokenizer").exists():
+            check_tokenizer(source, tokenizer, cfg)
+            return
+
+
 def check_tokenizer(run_dir: Path, tokenizer: Any, cfg: Config) -> None:
     """A resumed run must tokenize as it did: say why it would not, and the fix that works."""
     from gptoughts.data.tokenizer import Tokenizer

@@ -134,3 +134,19 @@ def test_a_checkpoint_resumed_with_no_flags_starts_from_its_runs_config(two_runs
     assert "resumed from" in text and ckpt.list_steps(out / "checkpoints") == [4]
     saved = (out / "config.toml").read_text()
     assert 'size = "debug"' in saved and "learning_rate = 0.001" in saved, saved
+
+
+def test_a_branch_tokenizes_as_the_run_it_comes_from(tmp_path, text_corpus, cache_dir, capsys):
+    # a branch into a new folder was never compared with its run's tokenizer: a BPE of the same size trained on
+    # another corpus resumed the weights silently, every token id meaning something else
+    a, branch = tmp_path / "a", tmp_path / "branch"
+    flags = ["--size", "debug", "--tokenizer", "bpe:300", *FASTRUN, "--save_interval", "2"]
+    ok(["train", "--data", str(text_corpus), *flags, "--max_steps", "2", "--out", str(a)], capsys)
+    other = tmp_path / "other"
+    other.mkdir()
+    for f in sorted(text_corpus.iterdir())[:2]:
+        shutil.copy(f, other / f.name)
+    argv = ["train", "--data", str(other), *flags, "--max_steps", "4", "--out", str(branch),
+            "--resume", str(a / "checkpoints" / "step_000002")]  # fmt: skip
+    refused_leaving(a, argv, capsys, "corpus differs")  # (the other corpus's shards are cached: not the run's)
+    assert not branch.exists()
