@@ -148,5 +148,7 @@ def test_a_branch_tokenizes_as_the_run_it_comes_from(tmp_path, text_corpus, cach
         shutil.copy(f, other / f.name)
     argv = ["train", "--data", str(other), *flags, "--max_steps", "4", "--out", str(branch),
             "--resume", str(a / "checkpoints" / "step_000002")]  # fmt: skip
-    refused_leaving(a, argv, capsys, "corpus differs")  # (the other corpus's shards are cached: not the run's)
+    refused_leaving(
+        a, argv, capsys, "corpus differs"
+    )  # (the other corpus's shards are cached: not the run's)
     assert not branch.exists()
