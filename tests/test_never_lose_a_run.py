@@ -410,3 +410,12 @@ def test_a_token_budget_counts_the_tokens_seen_when_a_resume_changes_the_batch(t
     summary = json.loads((out / "summary.json").read_text())
     assert summary["tokens"] == 2048 and summary["steps"] == 8 + 48, summary
     assert "1,536 tokens of it left at step 8" in text
+
+
+def test_a_resume_below_the_runs_step_is_refused_and_keeps_its_config(tmp_path, text_corpus, capsys):
+    # --max_steps 2 on a run at step 4 trained nothing, exited 0, and rewrote config.toml's max_steps to 2
+    out = tmp_path / "r"
+    _debug_run(out, text_corpus, capsys, "--max_steps", "4", "--save_interval", "2")
+    line = refused_leaving(out, ["train", "--resume", "auto", "--out", str(out), "--max_steps", "2", *CPU_FASTRUN],
+                           capsys, "at step 4", "--max_steps above 4")  # fmt: skip
+    assert "Traceback" not in line

@@ -72,6 +72,11 @@ def plan_batches(
         why.setdefault("batch_size", "pairs, each 2 rows: chosen and rejected")
     accum, tokens_per_step = _resumed_global_batch(resumed_run, micro, accum, row_tokens, info, why)
     total_steps, rule = _total_steps(t, epochs, train_tokens, tokens_per_step, cfg.shipped)
+    if resumed_at is not None and t.max_steps is not None and t.max_steps < resumed_at[0]:
+        raise ConfigError(
+            f"the run is at step {resumed_at[0]}, past --max_steps {t.max_steps}: nothing would train; give a "
+            f"--max_steps above {resumed_at[0]} to train on (sample, evaluate or export the run as it is)"
+        )
     old_tps = resumed_run.get("tokens_per_step") if resumed_run else None
     if resumed_at is not None and old_tps and old_tps != tokens_per_step and t.max_steps is None:
         # Resumed at another batch: the budget's remaining tokens at the new batch, not all of it again (an
