@@ -399,6 +399,10 @@ def _column_batches(batches: Iterable, p: Path, text_field: str, stats: SourceSt
 
     for batch in batches:
         col = batch.column(text_field)
+        if pa.types.is_dictionary(col.type) and (
+            pa.types.is_string(col.type.value_type) or pa.types.is_large_string(col.type.value_type)
+        ):  # a categorical text column (pandas' category): its strings decoded
+            col = col.cast(col.type.value_type)
         if not (pa.types.is_string(col.type) or pa.types.is_large_string(col.type)):
             raise DataError(
                 f"{p}: column '{text_field}' has type {col.type}, not string; pass --text_field naming a "

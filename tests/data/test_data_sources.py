@@ -125,6 +125,15 @@ def test_parquet(tmp_path: Path) -> None:
         read(p)
 
 
+def test_a_categorical_parquet_text_column_is_read_as_text(tmp_path: Path) -> None:
+    # pandas writes a category column as a dictionary of strings: it was refused as "not string"
+    p = tmp_path / "d.parquet"
+    texts = ["spam", "eggs", "spam", None]
+    pq.write_table(pa.table({"text": pa.array(texts).dictionary_encode()}), p)
+    docs, st = read(p)
+    assert docs == ["spam", "eggs", "spam"] and st.skipped_empty == 1
+
+
 def _write_arrow_stream(path: Path, texts: list[str]) -> None:
     table = pa.table({"text": texts, "label": list(range(len(texts)))})
     with pa.OSFile(str(path), "wb") as sink, ipc.new_stream(sink, table.schema) as writer:
