@@ -126,6 +126,11 @@ def read_config(path: str | Path) -> dict[str, Any]:
             "a Hugging Face hub id (ORG/NAME)"
         )
     if not (p / CONFIG_NAME).is_file():
+        if (p / "run.json").is_file():  # a gptoughts run: its weights reach transformers through export
+            raise UserError(
+                f"{p} is a gptoughts run, not a Hugging Face model folder; export it first "
+                f"(`gptoughts export {p} --format hf OUT`) and pass OUT"
+            )
         raise UserError(f"{p} has no config.json; pass the folder that transformers' save_pretrained wrote")
     try:
         cfg = json.loads((p / CONFIG_NAME).read_text(encoding="utf-8"))
