@@ -73,7 +73,12 @@ def test_a_rejected_resume_leaves_config_and_run_json_as_they_were(run, capsys, 
     refused_leaving(
         run, ["train", "--resume", "auto", "--out", str(run), "--size", "125m"], capsys, "size debug -> 125m"
     )
-    refused_leaving(run, ["train", "--resume", "auto", "--out", str(run), "--seed", "7"], capsys, "seed")
+    refused_leaving(
+        run,
+        ["train", "--resume", "auto", "--out", str(run), "--seed", "7", "--max_steps", "6"],
+        capsys,
+        "seed",
+    )
 
 
 def test_forged_state_falls_back_to_the_previous_checkpoint(run, capsys):
@@ -418,4 +423,13 @@ def test_a_resume_below_the_runs_step_is_refused_and_keeps_its_config(tmp_path, 
     _debug_run(out, text_corpus, capsys, "--max_steps", "4", "--save_interval", "2")
     line = refused_leaving(out, ["train", "--resume", "auto", "--out", str(out), "--max_steps", "2", *CPU_FASTRUN],
                            capsys, "at step 4", "--max_steps above 4")  # fmt: skip
+    assert "Traceback" not in line
+
+
+def test_resuming_a_complete_run_is_refused_and_keeps_its_summary(tmp_path, text_corpus, capsys):
+    # it trained nothing and rewrote summary.json with the empty session's figures (wall 0 s, 0 tokens/s)
+    out = tmp_path / "r"
+    _debug_run(out, text_corpus, capsys, "--max_steps", "2", "--save_interval", "2")
+    line = refused_leaving(out, ["train", "--resume", "auto", "--out", str(out), *CPU_FASTRUN], capsys,
+                           "complete at step 2", "--max_steps above 2")  # fmt: skip
     assert "Traceback" not in line

@@ -23,6 +23,7 @@ bench scripts and the tests all assemble through here.
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -135,6 +136,24 @@ def _resumed_at(resume_from: Path | None) -> tuple[int, int] | None:
         return None
 
 
+def _refuse_a_complete_run(run_dir: Path, resumed_at: tuple[int, int] | None, batch: BatchPlan) -> None:
+    """A run that ended (its summary written at its last checkpoint's step) where its stopping rule stops has
+    nothing to train: resumed, it rewrote its summary with an empty session's figures. (One killed between its
+    last checkpoint and its summary resumes, and ends properly.)"""
+    if resumed_at is None or batch.total_steps > resumed_at[0]:
+        return
+    try:
+        ended_at = json.loads((run_dir / "summary.json").read_text(encoding="utf-8")).get("steps")
+    except (OSError, ValueError, AttributeError):
+        return
+    if ended_at != resumed_at[0]:
+        return
+    raise UserError(
+        f"{run_dir} is complete at step {resumed_at[0]} ({batch.stop_rule}): nothing to train; pass a --max_steps "
+        f"above {resumed_at[0]} to train on (sample, evaluate or export the run as it is)"
+    )
+
+
 def _assemble(
     cfg: Config,
     env: Environment,
@@ -154,6 +173,7 @@ def _assemble(
     cfg, env = choose_memory_layout(cfg, env, model, dry_run=dry_run)  # 4b: what the later steps build
     resumed_at = _resumed_at(resume_from)
     batch = plan_batches(cfg, env, data, model, dry_run=True, resumed_run=resumed_run, resumed_at=resumed_at)
+    _refuse_a_complete_run(run_dir, resumed_at, batch)
     threads = _given_threads(cfg, env, resumed_run)  # None: measured after the plan is printed
     why = _threads_why(env, threads, dry_run)
     resolved, plan = _plan(cfg, env, data, model, batch, run_dir, resume_from, tasks, why)
