@@ -195,6 +195,8 @@ class RunPlan:
             sv = f"checkpoint at the end ({sv}: longer than the run)"
         if not b.get("checkpoints", True):
             sv = "no checkpoints (checkpoint.checkpoints false)"
+        elif ev.startswith("eval every"):  # the trainer saves the best weights as it finds them
+            sv += " and at each new best val loss"
         return (
             f"  steps: {b['total_steps']:,} ({b['stop_rule']}) = {b['epochs']:.2f} epoch(s) over the data, "
             f"{b['total_steps'] * b['tokens_per_step']:,} tokens; warmup {b['warmup_steps']:,}, {ev}, {sv}"
