@@ -79,7 +79,9 @@ def test_the_batch_counts_processes_by_what_they_share(batch, device, factor):
         (0, 50, "eval at the end, checkpoint every 50"),
     ],
 )
-def test_the_steps_line_says_a_new_best_is_saved_where_evaluations_find_one(eval_interval, save_interval, said):
+def test_the_steps_line_says_a_new_best_is_saved_where_evaluations_find_one(
+    eval_interval, save_interval, said
+):
     # every evaluation that beats the best saves a checkpoint: the plan had said "every 50" alone
     batch = {**BATCH, "eval_interval": eval_interval, "save_interval": save_interval}
     line = next(ln for ln in _plan(batch=batch).format().splitlines() if "steps:" in ln)
