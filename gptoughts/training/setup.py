@@ -529,7 +529,7 @@ def default_lora_targets(model: nn.Module) -> list[str]:
 def check_qlora(device: torch.device) -> None:
     if device.type != "cuda":
         raise HardwareError(
-            "QLoRA (4-bit) needs a CUDA GPU and bitsandbytes; run LoRA without --lora.quantize or on a GPU"
+            "QLoRA (4-bit) needs a CUDA GPU and bitsandbytes; run LoRA without --qlora (--lora.quantize) or on a GPU"
         )
     try:
         import bitsandbytes  # noqa: F401
