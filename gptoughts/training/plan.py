@@ -156,8 +156,11 @@ class RunPlan:
 
     def _batch_line(self) -> str:
         b = self.batch
+        dp = b.get("dp_size") or b["world_size"] // b.get("tp", 1)
+        pairs = b["tokens_per_step"] == 2 * b["micro_batch"] * b["block_size"] * b["grad_accum"] * dp
+        rows = f"{b['micro_batch']} pairs x 2 rows" if pairs else f"{b['micro_batch']}"  # preference pairs
         return (
-            f"  batch: {b['micro_batch']} x {b['block_size']} tokens x accumulation {b['grad_accum']}"
+            f"  batch: {rows} x {b['block_size']} tokens x accumulation {b['grad_accum']}"
             + self._ranks()
             + f" = {b['tokens_per_step']:,} tokens per step"
             + (f" (batch_size {self.resolved['batch_size']})" if "batch_size" in self.resolved else "")

@@ -86,3 +86,10 @@ def test_the_steps_line_says_a_new_best_is_saved_where_evaluations_find_one(
     batch = {**BATCH, "eval_interval": eval_interval, "save_interval": save_interval}
     line = next(ln for ln in _plan(batch=batch).format().splitlines() if "steps:" in ln)
     assert line.endswith(said), line
+
+
+def test_the_batch_line_of_preference_pairs_counts_their_two_rows():
+    # "8 x 256 tokens x accumulation 1 = 4,096 tokens per step": the product did not add up
+    batch = {**BATCH, "micro_batch": 8, "block_size": 256, "tokens_per_step": 4096}
+    line = next(ln for ln in _plan(batch=batch).format().splitlines() if "batch:" in ln)
+    assert "batch: 8 pairs x 2 rows x 256 tokens x accumulation 1 = 4,096 tokens per step" in line, line
