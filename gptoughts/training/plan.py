@@ -640,8 +640,10 @@ def _warnings(
     warmup = cfg.train.warmup_steps
     if warmup is not None and warmup >= batch.total_steps > 1:
         out.append(
-            f"the warmup ({warmup:,} steps) covers the whole {batch.total_steps:,}-step run: the learning rate "
-            "never decays; lower --warmup_steps"
+            f"the warmup ({warmup:,} steps"
+            + (f", cut to the run's {batch.warmup_steps:,}" if warmup > batch.warmup_steps else "")
+            + f") covers the whole {batch.total_steps:,}-step run: the learning rate never decays; lower "
+            "--warmup_steps"
         )
     if batch.total_steps < MIN_USEFUL_STEPS and cfg.train.max_steps is None:
         smaller = (  # a step of one row per rank: only a shorter row makes more steps of the same data

@@ -450,3 +450,12 @@ def test_a_dry_run_says_a_small_corpus_trains_a_smaller_vocabulary(tmp_path, tex
     assert "the vocabulary is planned at the 8,192 asked, but a BPE trained on" in text, text
     text = _ok([*base, "--data", str(text_corpus), "--tokenizer", "bpe:512"], capsys)  # enough text for 512
     assert "the vocabulary is planned" not in text, text
+
+
+def test_a_warmup_longer_than_the_run_says_the_warmup_the_plan_shows(tmp_path, text_corpus, capsys):
+    # the plan's steps line showed the warmup cut to the run's 6 steps, its warning "the warmup (20 steps)"
+    argv = ["train", "--data", str(text_corpus), "--out", str(tmp_path / "r"), "--dry_run", *QUIET_CPU,
+            "--size", "debug", "--tokenizer", "bytes", "--max_steps", "6", "--warmup_steps", "20"]  # fmt: skip
+    text = _ok(argv, capsys)
+    assert "warmup 6," in next(ln for ln in text.splitlines() if ln.startswith("  steps:"))
+    assert "the warmup (20 steps, cut to the run's 6) covers the whole 6-step run" in text, text
