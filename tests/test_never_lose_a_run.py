@@ -433,3 +433,15 @@ def test_resuming_a_complete_run_is_refused_and_keeps_its_summary(tmp_path, text
     line = refused_leaving(out, ["train", "--resume", "auto", "--out", str(out), *CPU_FASTRUN], capsys,
                            "complete at step 2", "--max_steps above 2")  # fmt: skip
     assert "Traceback" not in line
+
+
+def test_a_resume_on_a_changed_corpus_says_so(tmp_path, text_corpus, capsys):
+    # a file appended to: the run re-tokenized and resumed without a word, its held-out set changed
+    out = tmp_path / "r"
+    _debug_run(out, text_corpus, capsys, "--max_steps", "2", "--save_interval", "1")
+    resume = ["train", "--resume", "auto", "--out", str(out), "--max_steps", "3", *CPU_FASTRUN]
+    assert "corpus differs" not in ok(resume, capsys)
+    with open(sorted(text_corpus.iterdir())[0], "a") as f:
+        f.write("\n# one more line\n")
+    resume[resume.index("--max_steps") + 1] = "4"
+    assert "the corpus differs from the one this run trained on" in ok(resume, capsys)

@@ -361,6 +361,7 @@ def make_plan(
         + unused_fsdp_switches(cfg, env.dist)
         + kept_by_compiled_checkpointing(model, batch, resolved)
         + _schedule_moved(cfg, batch, before, start)
+        + _corpus_moved(data, before, start)
     )
     return RunPlan(
         model=what,
@@ -390,6 +391,21 @@ def make_plan(
         if cfg.run.overwrite and resume_from is None and is_run(run_dir)
         else "",
     )
+
+
+def _corpus_moved(data: Any, record: dict[str, Any], start: int) -> list[str]:
+    """A resume on another corpus (files edited, added, or another --data) is allowed but said: its batches and
+    held-out set are not the run's. Compared by the shards' cache key (``record``: the resumed run's run.json)."""
+    was = record.get("data") if start else None
+    if not isinstance(was, str) or data.manifest is None:
+        return []
+    key = str(data.manifest.dir).rsplit("-", 1)[-1]
+    if Path(was).name.rsplit("-", 1)[-1] == key:
+        return []
+    return [
+        "the corpus differs from the one this run trained on until now (its tokenized shards do): the batches from "
+        "here are not an uninterrupted run's, and val losses before and after compare only loosely"
+    ]
 
 
 def _schedule_moved(cfg: Any, batch: BatchPlan, record: dict[str, Any], start: int) -> list[str]:
