@@ -79,7 +79,7 @@ def test_a_run_records_the_fused_function_where_the_kernels_cannot_run(text_corp
     )
     assert model.args.integrator_impl == "fused"
     line = hist.plan["resolved"]["integrator"]  # the plan says so, and why
-    assert line.startswith("fused") and "asked triton" in line and "CUDA" in line
+    assert line.startswith("fused") and "instead of triton, the 3b size's default" in line and "CUDA" in line
 
 
 _INTERPRETED = textwrap.dedent(
