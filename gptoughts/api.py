@@ -118,8 +118,37 @@ def _overrides(
         "train.max_steps": max_steps,
     }
     kw.update({k: v for k, v in {**named, **common}.items() if v is not None})
+    for key in overrides:
+        if "." not in key:  # a misspelt keyword, or a setting named without its section
+            _refuse_bare_key(key, _API_KEYWORDS)
     kw.update(overrides)
     return kw
+
+
+_API_KEYWORDS = ["data_path", "model", "size", "num_epochs", "batch_size", "learning_rate", "save_dir", "device",
+                 "max_steps", "dry_run", "model_path", "lora", "trust_remote_code"]  # fmt: skip
+
+
+def _refuse_bare_key(key: str, keywords: list[str]) -> None:
+    """One line for a keyword that is neither an argument nor a dotted config key: the argument it is close to,
+    or the dotted key of a setting of that name (as the command line's ``did you mean``)."""
+    import dataclasses
+
+    from gptoughts.config.schema import SECTIONS
+    from gptoughts.errors import closest, did_you_mean
+
+    dotted = {f.name: f"{sec}.{f.name}" for sec, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
+    if key in dotted:
+        raise ConfigError(f"`{key}` is a setting: pass it by its dotted key, **{{{dotted[key]!r}: ...}}")
+    near = closest(key, keywords) or closest(key, list(dotted))
+    hint = (
+        f" (did you mean `{near}`?)"
+        if near in keywords
+        else f" (did you mean **{{{dotted[near]!r}: ...}}?)"
+        if near
+        else did_you_mean(key, keywords)
+    )
+    raise ConfigError(f"unknown argument `{key}`{hint}")
 
 
 def finetune(

@@ -642,3 +642,12 @@ def test_samples_continue_the_corpus_unless_prompts_are_given(tmp_path, cache_di
     assert sample(story, "auto").startswith("Once upon a time there was")
     assert sample(story, "given", "--sample_prompts", "It lived").startswith("It lived")
     assert sample(cjk, "cjk").startswith("むかしむかしあるとこ")  # 32 bytes: ten whole characters
+
+
+def test_the_python_api_names_a_misspelt_keyword_as_the_cli_does():
+    import gptoughts
+
+    with pytest.raises(ConfigError, match=r"unknown argument `max_step` \(did you mean `max_steps`\?\)"):
+        gptoughts.train(dry_run=True, max_step=3)
+    with pytest.raises(ConfigError, match=r"`warmup_steps` is a setting.*'train.warmup_steps'"):
+        gptoughts.train(dry_run=True, warmup_steps=3)
