@@ -6,8 +6,8 @@ reduction over all d features while the update is per feature, so each program a
 its block with ``g_i = gelu(c_i)`` and leaves its block's share of ``c_{i+1}`` as a ``[BM, H]`` partial, which the
 next launch sums. Per iteration the state is read and written once; no ``[N, 4d]`` controller output is ever
 stored in the forward. The backward writes ``du_i`` (which its weight gradient needs anyway) and takes
-``dc_i = gelu'(c_i) du_i W_out`` from a cuBLAS matmul between launches: measured, that beats reducing in-kernel
-partials, whose accumulator and second weight tile cost the kernel half its occupancy. Weight gradients are
+``dc_i = gelu'(c_i) du_i W_out`` from a cuBLAS matmul between launches: reduced in the kernel as partials, its
+accumulator and second weight tile halved the kernel's occupancy. Weight gradients are
 reductions over all tokens: one cuBLAS matmul each over ``du_i``, ``dc_i`` and the bf16 ``[x_i, v_i]``; μ's and
 κ's come as per-tile sums, deterministic.
 
@@ -35,7 +35,7 @@ TILES = {
     "backward": {"BM": 32, "BD": 16, "BDB": 512, "num_warps": 4, "num_stages": 3},
 }
 """Per pass: tokens per program, features per chunk and per program, warps and software-pipelining stages; the
-fastest of a sweep on an H200 (bench/inl_step.py --tiles, which may change them)."""
+fastest of a sweep on an H200 for each pass (bench/inl_step.py --tiles, which may change them); they coincide."""
 
 
 def available() -> bool:
@@ -288,8 +288,8 @@ if triton is not None:
         )
 
     def _backward_outputs(h: torch.Tensor, cs: torch.Tensor, mm: torch.dtype) -> tuple[torch.Tensor, ...]:
-        """``(dh, dc, du, xv)`` unfilled, as :func:`_forward_outputs` (the other outputs are per-row or per-feature
-        sums the op reduces)."""
+        """``(dh, dc, du, xv)`` unfilled, as :func:`_forward_outputs` (the other two outputs are per-feature sums
+        the op reduces)."""
         (k, n, hid), d = cs.shape, h.size(-1)
         f32 = torch.float32
         return (
@@ -344,14 +344,12 @@ if triton is not None:
         mu: torch.Tensor,
         kappa: torch.Tensor,
         dt: float,
-    ) -> tuple[
-        torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor
-    ]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         k, n, hid = cs.shape
         d = h.size(-1)
         f32 = torch.float32
         grid, kw = _launch(n, d, w_out.dtype, "backward")
-        # gx becomes h's gradient through the update; dc_0 is left to the caller (from du_0 W_out, returned)
+        # gx becomes h's gradient through the update
         gx, dc, du, xv = _backward_outputs(h, cs, w_out.dtype)
         gv = h.new_empty(n, d, dtype=f32)
         pmu = h.new_zeros(grid[0], d, dtype=f32)
@@ -360,21 +358,22 @@ if triton is not None:
         for it in reversed(range(k)):
             x, v = (h, h) if it == 0 else (xs[it - 1], vs[it - 1])
             nxt = min(it + 1, k - 1)
-            if it < k - 1:  # dc_{i+1} = gelu'(c_{i+1}) du_{i+1} W_out, by cuBLAS
-                dc[nxt] = torch.ops.aten.gelu_backward(_mm_f32(du[nxt], w_out), cs[nxt])
+            if it < k - 1:
+                dc[nxt] = _dc(du[nxt], w_out, cs[nxt])
             _bwd_step[grid](
                 gout, gx, gv, dc[nxt], cs[it], h, x, v, xv[max(it - 1, 0)] if k > 1 else du,
                 du[it], pmu, pka, *weights, n, d, dt,
                 H=hid, TOP=it == k - 1, FIRST=it == 0, **kw,
             )  # fmt: skip
+        dc[0] = _dc(du[0], w_out, cs[0])
         # μ's and κ's sums reduced here, so that no output's shape depends on the tiles (the fake's are traced once)
-        return gx, dc, _mm_f32(du[0], w_out), du, xv, pmu.sum(0), pka.sum(0)
+        return gx, dc, du, xv, pmu.sum(0), pka.sum(0)
 
-    def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        """``a @ b`` accumulated and returned in fp32 (CPU has no mm with an output dtype: the interpreter's)."""
-        if a.is_cuda:
-            return torch.mm(a, b, out_dtype=torch.float32)
-        return a.float() @ b.float()
+    def _dc(du: torch.Tensor, w4: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        """``dc = gelu'(c) du W_out`` by cuBLAS, accumulated in fp32 (CPU has no mm with an output dtype: the
+        interpreter's, there)."""
+        dg = torch.mm(du, w4, out_dtype=torch.float32) if du.is_cuda else du.float() @ w4.float()
+        return torch.ops.aten.gelu_backward(dg, c)
 
 
 if triton is not None:
@@ -386,17 +385,8 @@ if triton is not None:
     @_backward_op.register_fake
     def _(gout, h, xs, vs, cs, w_xv, w_out, b_out, mu, kappa, dt):
         dh, dc, du, xv = _backward_outputs(h, cs, w_out.dtype)
-        n, hid, d = cs.size(1), cs.size(2), h.size(-1)
-        f32 = torch.float32
-        return (
-            dh,
-            dc,
-            h.new_empty(n, hid, dtype=f32),
-            du,
-            xv,
-            h.new_empty(d, dtype=f32),
-            h.new_empty(d, dtype=f32),
-        )
+        d = h.size(-1)
+        return dh, dc, du, xv, h.new_empty(d, dtype=torch.float32), h.new_empty(d, dtype=torch.float32)
 
 
 def _setup_context(ctx, inputs, output) -> None:
@@ -409,11 +399,11 @@ def _setup_context(ctx, inputs, output) -> None:
 
 def _backward(ctx, gout, _gxs, _gvs, _gcs):
     h, w_xv, w_out, b_out, mu, kappa, xs, vs, cs = ctx.saved_tensors
-    dh, dc, dg0, du, xv, dmu, dkappa = torch.ops.gptoughts.inl_integrate_backward(
+    dh, dc, du, xv, dmu, dkappa = torch.ops.gptoughts.inl_integrate_backward(
         gout.contiguous(), h, xs, vs, cs, w_xv, w_out, b_out, mu, kappa, ctx.dt
     )
     k, n, hid = cs.shape
-    dc0 = torch.ops.aten.gelu_backward(dg0, cs[0])
+    dc0 = dc[0]
     g = F.gelu(cs).to(w_out.dtype).view(k * n, hid)
     dw_out = du.view(k * n, -1).t() @ g  # one reduction over all tokens and iterations
     db_out = du.view(k * n, -1).sum(0, dtype=torch.float32)
