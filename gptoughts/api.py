@@ -89,6 +89,7 @@ def train(
                 max_steps,
                 named,
                 overrides,
+                _keywords(train),
             ),
         )
     return run_training(config, dry_run=dry_run)
@@ -104,6 +105,7 @@ def _overrides(
     max_steps: int | None,
     named: dict[str, Any],
     overrides: dict[str, Any],
+    keywords: list[str],
 ) -> dict[str, Any]:
     """The API's keyword arguments as the dotted keys of the command line (the ones left None are not given)."""
     kw: dict[str, Any] = {}
@@ -120,34 +122,44 @@ def _overrides(
     kw.update({k: v for k, v in {**named, **common}.items() if v is not None})
     for key in overrides:
         if "." not in key:  # a misspelt keyword, or a setting named without its section
-            _refuse_bare_key(key, _API_KEYWORDS)
+            _refuse_bare_key(key, keywords)
     kw.update(overrides)
     return kw
 
 
-_API_KEYWORDS = ["data_path", "model", "size", "num_epochs", "batch_size", "learning_rate", "save_dir", "device",
-                 "max_steps", "dry_run", "model_path", "lora", "trust_remote_code"]  # fmt: skip
+def _keywords(fn: Any) -> list[str]:
+    """The keyword arguments of the API function ``fn`` (its dotted-key ``overrides`` aside)."""
+    import inspect
+
+    return [p for p in inspect.signature(fn).parameters if p not in ("config", "overrides")]
 
 
 def _refuse_bare_key(key: str, keywords: list[str]) -> None:
-    """One line for a keyword that is neither an argument nor a dotted config key: the argument it is close to,
-    or the dotted key of a setting of that name (as the command line's ``did you mean``)."""
+    """One line for a keyword that is neither an argument nor a dotted config key: the argument or the setting it
+    is closest to (as the command line's ``did you mean``)."""
     import dataclasses
 
     from gptoughts.config.schema import SECTIONS
     from gptoughts.errors import closest, did_you_mean
 
-    dotted = {f.name: f"{sec}.{f.name}" for sec, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
+    dotted = {
+        f.name: f"{sec}.{f.name}"
+        for sec, cls in SECTIONS.items()
+        for f in dataclasses.fields(cls)
+        if f.name != "overrides"
+    }
     if key in dotted:
         raise ConfigError(f"`{key}` is a setting: pass it by its dotted key, **{{{dotted[key]!r}: ...}}")
-    near = closest(key, keywords) or closest(key, list(dotted))
-    hint = (
-        f" (did you mean `{near}`?)"
-        if near in keywords
-        else f" (did you mean **{{{dotted[near]!r}: ...}}?)"
-        if near
-        else did_you_mean(key, keywords)
-    )
+    for fn in (train, finetune):
+        if key in _keywords(fn):
+            raise ConfigError(f"`{key}` is an argument of gptoughts.{fn.__name__}, not of this function")
+    near = closest(key, [*keywords, *dotted])
+    if near in keywords:
+        hint = f" (did you mean `{near}`?)"
+    elif near is not None:
+        hint = f" (did you mean **{{{dotted[near]!r}: ...}}?)"
+    else:
+        hint = did_you_mean(key, keywords)
     raise ConfigError(f"unknown argument `{key}`{hint}")
 
 
@@ -192,6 +204,7 @@ def finetune(
                 max_steps,
                 named,
                 overrides,
+                _keywords(finetune),
             ),
         )
     if config.model.init_from is None:
@@ -450,7 +463,7 @@ def load(path: str | Path, device: str = "auto", *, trust_remote_code: bool = Fa
     if is_hf_folder(path):
         return _load_hf_folder(path, dev, trust_remote_code)
     ck = ckpt.resolve(path)
-    run_dir = ck.parent.parent if ck.parent.name == "checkpoints" else ck.parent
+    run_dir = ckpt.run_of(ck) or ck.parent
     cfg, run = _read_run(run_dir)
     init_from = run.get("init_from")
     if init_from and (cfg.lora.enabled or run.get("generic")):

@@ -415,6 +415,12 @@ def test_a_token_budget_counts_the_tokens_seen_when_a_resume_changes_the_batch(t
     summary = json.loads((out / "summary.json").read_text())
     assert summary["tokens"] == 2048 and summary["steps"] == 8 + 48, summary
     assert "1,536 tokens of it left at step 8" in text
+    # resumed again at the same new batch (its run.json now says that batch): still the tokens seen that count
+    for d in (out / "checkpoints").glob("step_*"):
+        if int(d.name.split("_")[1]) > 24:
+            shutil.rmtree(d)
+    ok(resume, capsys)
+    assert json.loads((out / "summary.json").read_text())["tokens"] == 2048
 
 
 def test_a_resume_below_the_runs_step_is_refused_and_keeps_its_config(tmp_path, text_corpus, capsys):
@@ -427,12 +433,16 @@ def test_a_resume_below_the_runs_step_is_refused_and_keeps_its_config(tmp_path, 
 
 
 def test_resuming_a_complete_run_is_refused_and_keeps_its_summary(tmp_path, text_corpus, capsys):
-    # it trained nothing and rewrote summary.json with the empty session's figures (wall 0 s, 0 tokens/s)
+    # it trained nothing and rewrote summary.json with the empty session's figures (wall 0 s, 0 tokens/s); a
+    # branch of its last checkpoint wrote a folder with no checkpoint
     out = tmp_path / "r"
     _debug_run(out, text_corpus, capsys, "--max_steps", "2", "--save_interval", "2")
     line = refused_leaving(out, ["train", "--resume", "auto", "--out", str(out), *CPU_FASTRUN], capsys,
                            "complete at step 2", "--max_steps above 2")  # fmt: skip
     assert "Traceback" not in line
+    branch = ["train", "--resume", str(out / "checkpoints" / "step_000002"), "--out", str(tmp_path / "b"),
+              *CPU_FASTRUN]  # fmt: skip
+    refused_leaving(tmp_path, branch, capsys, "complete at step 2")
 
 
 def test_a_resume_on_a_changed_corpus_says_so(tmp_path, text_corpus, capsys):

@@ -72,15 +72,9 @@ def plan_batches(
         why.setdefault("batch_size", "pairs, each 2 rows: chosen and rejected")
     accum, tokens_per_step = _resumed_global_batch(resumed_run, micro, accum, row_tokens, info, why)
     total_steps, rule = _total_steps(t, epochs, train_tokens, tokens_per_step, cfg.shipped)
-    if resumed_at is not None and t.max_steps is not None and t.max_steps < resumed_at[0]:
-        raise ConfigError(
-            f"the run is at step {resumed_at[0]}, past --max_steps {t.max_steps}: nothing would train; give a "
-            f"--max_steps above {resumed_at[0]} to train on (sample, evaluate or export the run as it is)"
-        )
-    old_tps = resumed_run.get("tokens_per_step") if resumed_run else None
-    if resumed_at is not None and old_tps and old_tps != tokens_per_step and t.max_steps is None:
-        # Resumed at another batch: the budget's remaining tokens at the new batch, not all of it again (an
-        # unchanged batch keeps the plan of the run's start, so that an exact resume stays exact).
+    if resumed_at is not None and t.max_steps is None and resumed_at[1] != resumed_at[0] * tokens_per_step:
+        # The run's batch was another until now: the budget's remaining tokens at this batch, not all of it
+        # again. (An unchanged batch keeps the plan of the run's start, so that an exact resume stays exact.)
         step, seen = resumed_at
         budget = t.max_tokens if t.max_tokens is not None else epochs * train_tokens  # type: ignore[operator]
         total_steps = step + max(0, math.ceil((budget - seen) / tokens_per_step))

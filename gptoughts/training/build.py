@@ -136,21 +136,30 @@ def _resumed_at(resume_from: Path | None) -> tuple[int, int] | None:
         return None
 
 
-def _refuse_a_complete_run(run_dir: Path, resumed_at: tuple[int, int] | None, batch: BatchPlan) -> None:
-    """A run that ended (its summary written at its last checkpoint's step) where its stopping rule stops has
-    nothing to train: resumed, it rewrote its summary with an empty session's figures. (One killed between its
-    last checkpoint and its summary resumes, and ends properly.)"""
-    if resumed_at is None or batch.total_steps > resumed_at[0]:
+def _refuse_nothing_to_train(
+    run_dir: Path, resume_from: Path | None, resumed_at: tuple[int, int] | None, batch: BatchPlan
+) -> None:
+    """A resume whose stopping rule is at or behind its checkpoint's step trains nothing: it exited 0 having
+    rewritten the run's config and summary (or left a branch with no checkpoint). Refused, except for the run's
+    own folder where it was killed between its last checkpoint and its summary: resumed, it ends properly."""
+    if resume_from is None or resumed_at is None or batch.total_steps > resumed_at[0]:
         return
-    try:
-        ended_at = json.loads((run_dir / "summary.json").read_text(encoding="utf-8")).get("steps")
-    except (OSError, ValueError, AttributeError):
-        return
-    if ended_at != resumed_at[0]:
-        return
+    step = resumed_at[0]
+    fix = f"pass a --max_steps above {step} to train on (sample, evaluate or export the run as it is)"
+    if batch.total_steps < step:
+        raise UserError(f"the run is at step {step}, past {batch.stop_rule}: nothing would train; {fix}")
+    from gptoughts.training.checkpoint import store
+
+    home = store.run_of(resume_from)
+    if home is not None and home.resolve() == run_dir.resolve():
+        try:
+            ended_at = json.loads((run_dir / "summary.json").read_text(encoding="utf-8")).get("steps")
+        except (OSError, ValueError, AttributeError):
+            ended_at = None
+        if ended_at != step:
+            return
     raise UserError(
-        f"{run_dir} is complete at step {resumed_at[0]} ({batch.stop_rule}): nothing to train; pass a --max_steps "
-        f"above {resumed_at[0]} to train on (sample, evaluate or export the run as it is)"
+        f"{home or resume_from} is complete at step {step} ({batch.stop_rule}): nothing to train; {fix}"
     )
 
 
@@ -173,7 +182,7 @@ def _assemble(
     cfg, env = choose_memory_layout(cfg, env, model, dry_run=dry_run)  # 4b: what the later steps build
     resumed_at = _resumed_at(resume_from)
     batch = plan_batches(cfg, env, data, model, dry_run=True, resumed_run=resumed_run, resumed_at=resumed_at)
-    _refuse_a_complete_run(run_dir, resumed_at, batch)
+    _refuse_nothing_to_train(run_dir, resume_from, resumed_at, batch)
     threads = _given_threads(cfg, env, resumed_run)  # None: measured after the plan is printed
     why = _threads_why(env, threads, dry_run)
     resolved, plan = _plan(cfg, env, data, model, batch, run_dir, resume_from, tasks, why)

@@ -189,7 +189,7 @@ def _check_resume(run_dir: Path, cfg: Config) -> tuple[Path | None, dict[str, An
 def _check_checkpoint(run_dir: Path, cfg: Config, path: Path) -> tuple[Path | None, dict[str, Any] | None]:
     """``--resume PATH``: checkpoint ``path`` resumes into its own run's folder, or branches into a new or empty
     one; never into a folder that holds another run (its checkpoints and metrics would mix with this one's)."""
-    home = path.parent.parent if path.parent.name == "checkpoints" else None
+    home = ckpt.run_of(path)
     own = home is not None and home.resolve() == run_dir.resolve()
     if not own:
         if is_run(run_dir):
@@ -314,8 +314,7 @@ def _old_config(run_dir: Path) -> Config:
 def check_resumed_tokenizer(run_dir: Path, resume_from: Path, tokenizer: Any, cfg: Config) -> None:
     """:func:`check_tokenizer` against the run's own tokenizer, or for a branch into a new folder the one of the
     run the checkpoint comes from (where neither has one, nothing to compare)."""
-    home = resume_from.parent.parent if resume_from.parent.name == "checkpoints" else None
-    for source in (run_dir, home):
+    for source in (run_dir, ckpt.run_of(resume_from)):
         if source is not None and (source / "tokenizer").exists():
             check_tokenizer(source, tokenizer, cfg)
             return

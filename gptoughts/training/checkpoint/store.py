@@ -345,6 +345,11 @@ def resolve(path_or_run: str | Path) -> Path:
     raise UserError(f"no valid checkpoint under {p}; train first or pass a checkpoint directory")
 
 
+def run_of(checkpoint: Path) -> Path | None:
+    """The run folder a checkpoint sits in (``RUN/checkpoints/step_N``), None for one moved out of a run."""
+    return checkpoint.parent.parent if checkpoint.parent.name == "checkpoints" else None
+
+
 class UnreadableCheckpoint(UserError):
     """A checkpoint whose checksums verify but whose content cannot be read (forged or corrupt before hashing):
     a resume falls back to the previous checkpoint as for any other corruption."""
