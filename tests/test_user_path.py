@@ -651,3 +651,7 @@ def test_the_python_api_names_a_misspelt_keyword_as_the_cli_does():
         gptoughts.train(dry_run=True, max_step=3)
     with pytest.raises(ConfigError, match=r"`warmup_steps` is a setting.*'train.warmup_steps'"):
         gptoughts.train(dry_run=True, warmup_steps=3)
+    with pytest.raises(ConfigError, match=r"`warmup_step` \(did you mean \*\*\{'train.warmup_steps'"):
+        gptoughts.train(dry_run=True, warmup_step=3)
+    with pytest.raises(ConfigError, match=r"`lora` is an argument of gptoughts.finetune"):
+        gptoughts.train(dry_run=True, lora=True)

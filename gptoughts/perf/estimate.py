@@ -149,10 +149,10 @@ def _inl_layer_bytes(args: Any, mode: str, r: int) -> float:
     none: attention as Llama's ((6 + r) d + 4 d_kv), the integrator, FFN-norm input and output ((r + 2) d),
     fc1 output and its GELU (4f). Against the measured inl/3b peak (K = 4; H200, per-block compile, fp32
     residual, batch 2 × 2048: 67.2 GiB, bench/BENCHMARKS.md families table) the estimate gives 68.4 GiB (+1.8%).
-    selective: the block input, the attention's matmul outputs and SDPA's output (q, k, v, o: 4d + 4 d_kv; what
-    the compiled 3b block saves, traced), fc1's output and the controller's matmul outputs the policy keeps,
-    (r + 6) d + 4 d_kv + 2f + K (8d + 4H); full: r d. With the Triton integrator at 3b this gives 3.71 GiB per
-    2048-token row against the 3.78 measured between micro-batches 8 and 27 (H200, BENCHMARKS session 22).
+    selective: the block input (r d), the attention's matmul outputs (q and o: 4d; k and v: 4 d_kv) and SDPA's
+    output (2d), what the compiled block saves (traced), fc1's output (2f) and the controller's matmul outputs
+    the policy keeps: (r + 6) d + 4 d_kv + 2f + K (8d + 4H); full: r d. With the Triton integrator at 3b this
+    gives 3.46 GiB per 2048-token row against 3.78 measured between micro-batches 8 and 27 (bench/BENCHMARKS.md).
     ``integrator_impl = "fused"`` (none): h, x_i and v_i in fp32 for i = 1..K-1, and c_i: 2d + (K-1) 8d + 2KH
     (what its autograd Function saves). Against the measured inl/3b peak of 48.0 GiB (H100, bf16 residual, batch
     2 × 2048, no checkpointing) the estimate gives 48.3 GiB.

@@ -460,7 +460,10 @@ def _integrator(cfg: Any, model: Any) -> dict[str, str]:
     kind = {"reference": "reference (autograd)", "fused": "fused (one autograd Function)", "triton": "triton"}
     line = kind[args.integrator_impl]
     if asked != args.integrator_impl:
-        whose = "asked" if cfg.is_given("model.integrator_impl") else f"the {cfg.model.size} size's default"
+        # (a family's own field is an override of the size's value: Config.given does not name those)
+        whose = (
+            "asked" if "integrator_impl" in cfg.model.overrides else f"the {cfg.model.size} size's default"
+        )
         line += (
             f" (instead of {asked}, {whose}: its kernels need a CUDA GPU with Triton, bf16 or fp16, a power-of-two "
             "width)"

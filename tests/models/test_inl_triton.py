@@ -176,3 +176,15 @@ def test_gpu_compiled_block_with_checkpointing_equals_the_compiled_reference():
         results.append([out.detach().float(), *(p.grad.float() for p in model.parameters())])
     for a, b in zip(*results, strict=True):
         assert (a - b).abs().max() <= 2e-2 * a.abs().max()
+
+
+def test_a_config_built_in_code_plans_the_integrator_line(tmp_path, text_corpus, cache_dir):
+    # the plan asked Config.is_given about a family field, which a Config built in code cannot answer
+    import gptoughts
+    from gptoughts.config import Config
+
+    cfg = Config()
+    cfg.model.family, cfg.model.size, cfg.perf.device = "inl", "3b", "cpu"
+    cfg.data.sources, cfg.run.out = [str(text_corpus)], str(tmp_path / "r")
+    _, _, hist = gptoughts.train(cfg, dry_run=True)
+    assert "the 3b size's default" in hist.plan["resolved"]["integrator"]

@@ -56,7 +56,7 @@ def load_weights(model: nn.Module, path: Path, *, strict: bool = True, sharded: 
         if mismatch:  # intact weights of another shape: another model, not a file to restore
             raise UserError(
                 f"checkpoint {path} does not match the model ({mismatch[0][:160]}); was it trained with another "
-                "--size, family or tokenizer? Give the flags of its run"
+                "--size, family or tokenizer than the one built here?"
             ) from None
         raise UnreadableCheckpoint(
             f"{path / MODEL_FILE} cannot be read ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
