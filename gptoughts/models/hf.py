@@ -126,7 +126,9 @@ def read_config(path: str | Path) -> dict[str, Any]:
             "a Hugging Face hub id (ORG/NAME)"
         )
     if not (p / CONFIG_NAME).is_file():
-        if (p / "run.json").is_file():  # a gptoughts run: its weights reach transformers through export
+        from gptoughts.data.sources import is_run_folder
+
+        if is_run_folder(p):  # a gptoughts run: its weights reach transformers through export
             raise UserError(
                 f"{p} is a gptoughts run, not a Hugging Face model folder; export it first "
                 f"(`gptoughts export {p} --format hf OUT`) and pass OUT"

@@ -147,12 +147,32 @@ def check(run_dir: Path, cfg: Config) -> tuple[Path | None, dict[str, Any] | Non
         return None, None
     if cfg.run.overwrite:
         return None, None
-    steps = ckpt.list_steps(run_dir / "checkpoints")
-    where = f" (checkpoints up to step {steps[-1]})" if steps else ""
     raise UserError(
-        f"{run_dir} already holds a run{where}; pass --resume auto to continue it, --overwrite to "
+        f"{run_dir} already holds a run{_up_to(run_dir)}; pass --resume auto to continue it, --overwrite to "
         f"replace it, or choose another --out"
     )
+
+
+def _up_to(run_dir: Path) -> str:
+    """`` (checkpoints up to step N)`` of a run folder, for the refusals that name it."""
+    steps = ckpt.list_steps(run_dir / "checkpoints")
+    return f" (checkpoints up to step {steps[-1]})" if steps else ""
+
+
+def _check_same_model(old: Config, cfg: Config, saved: str, fix: str) -> None:
+    """A checkpoint resumes only into the model it was saved from (``saved``: what holds it, for the message):
+    the same architecture, and the same base model and LoRA switch for a fine-tune."""
+    changed = architecture_changes(old, cfg)
+    if changed:
+        raise UserError(
+            f"{saved} another architecture than this command's ({'; '.join(changed)}): a checkpoint resumes "
+            f"only into the model it was saved from; {fix}"
+        )
+    if (old.model.init_from, old.lora.enabled) != (cfg.model.init_from, cfg.lora.enabled):
+        raise UserError(
+            f"{saved} a fine-tune of {old.model.init_from} (LoRA {'on' if old.lora.enabled else 'off'}); resume "
+            f"it with the same --model and --lora, or {fix}"
+        )
 
 
 def _check_resume(run_dir: Path, cfg: Config) -> tuple[Path | None, dict[str, Any] | None]:
@@ -160,17 +180,7 @@ def _check_resume(run_dir: Path, cfg: Config) -> tuple[Path | None, dict[str, An
     its first one, and starts again from step 0 on its own config.toml, which ``cfg`` was loaded from)."""
     check_resumable(run_dir)
     old = _old_config(run_dir)
-    changed = architecture_changes(old, cfg)
-    if changed:
-        raise UserError(
-            f"{run_dir} holds a run of another architecture than this command's ({'; '.join(changed)}): a "
-            "checkpoint resumes only into the model it was saved from; drop those flags, or use another --out"
-        )
-    if (old.model.init_from, old.lora.enabled) != (cfg.model.init_from, cfg.lora.enabled):
-        raise UserError(
-            f"{run_dir} fine-tunes {old.model.init_from} (LoRA {'on' if old.lora.enabled else 'off'})"
-            f"; resume it with the same --model and --lora, or use another --out"
-        )
+    _check_same_model(old, cfg, f"{run_dir} holds a run of", "drop those flags, or use another --out")
     steps = ckpt.list_steps(run_dir / "checkpoints")
     found = ckpt.latest_valid(run_dir / "checkpoints")
     if steps and found is None:
@@ -193,10 +203,8 @@ def _check_checkpoint(run_dir: Path, cfg: Config, path: Path) -> tuple[Path | No
     own = home is not None and home.resolve() == run_dir.resolve()
     if not own:
         if is_run(run_dir):
-            steps = ckpt.list_steps(run_dir / "checkpoints")
-            where = f" (checkpoints up to step {steps[-1]})" if steps else ""
             raise UserError(
-                f"{run_dir} already holds another run{where}, and {path} is not one of its checkpoints; "
+                f"{run_dir} already holds another run{_up_to(run_dir)}, and {path} is not one of its checkpoints; "
                 f"continue that run with --resume auto, or resume {path} into a new or empty --out"
                 + (" (--overwrite does not replace a run by another's resume)" if cfg.run.overwrite else "")
             )
@@ -209,12 +217,9 @@ def _check_checkpoint(run_dir: Path, cfg: Config, path: Path) -> tuple[Path | No
     source = home if home is not None else path.parent
     if (source / "config.toml").is_file():
         old = _old_config(source)
-        changed = architecture_changes(old, cfg)
-        if changed:
-            raise UserError(
-                f"{path} was saved from another model than this command builds ({'; '.join(changed)}): a "
-                f"checkpoint resumes only into its own model; give the model flags of its run ({source}/config.toml)"
-            )
+        _check_same_model(
+            old, cfg, f"{path} was saved from", f"give the model flags of its run ({source}/config.toml)"
+        )
         _check_optimizer(path, old.train.optimizer, cfg, True)
     else:  # a checkpoint moved out of its run: its weights' shapes are checked as they load
         from gptoughts.training.checkpoint.restore import saved_optimizer
