@@ -159,19 +159,22 @@ def _up_to(run_dir: Path) -> str:
     return f" (checkpoints up to step {steps[-1]})" if steps else ""
 
 
-def _check_same_model(old: Config, cfg: Config, saved: str, fix: str) -> None:
-    """A checkpoint resumes only into the model it was saved from (``saved``: what holds it, for the message):
-    the same architecture, and the same base model and LoRA switch for a fine-tune."""
+def _check_same_model(old: Config, cfg: Config, subject: str, fix: str) -> None:
+    """A checkpoint resumes only into the model it was saved from (``subject``: "RUN holds" or "CHECKPOINT was
+    saved from", for the message): the same architecture, and the same base model and LoRA switch."""
     changed = architecture_changes(old, cfg)
     if changed:
         raise UserError(
-            f"{saved} another architecture than this command's ({'; '.join(changed)}): a checkpoint resumes "
-            f"only into the model it was saved from; {fix}"
+            f"{subject} a model of another architecture than this command's ({'; '.join(changed)}): a checkpoint "
+            f"resumes only into the model it was saved from; {fix}"
         )
     if (old.model.init_from, old.lora.enabled) != (cfg.model.init_from, cfg.lora.enabled):
+        base = (
+            f"a fine-tune of {old.model.init_from}" if old.model.init_from else "a model trained from scratch"
+        )
         raise UserError(
-            f"{saved} a fine-tune of {old.model.init_from} (LoRA {'on' if old.lora.enabled else 'off'}); resume "
-            f"it with the same --model and --lora, or {fix}"
+            f"{subject} {base} (LoRA {'on' if old.lora.enabled else 'off'}); resume it with the same --model and "
+            f"--lora, or {fix}"
         )
 
 
@@ -180,7 +183,7 @@ def _check_resume(run_dir: Path, cfg: Config) -> tuple[Path | None, dict[str, An
     its first one, and starts again from step 0 on its own config.toml, which ``cfg`` was loaded from)."""
     check_resumable(run_dir)
     old = _old_config(run_dir)
-    _check_same_model(old, cfg, f"{run_dir} holds a run of", "drop those flags, or use another --out")
+    _check_same_model(old, cfg, f"{run_dir} holds", "drop those flags, or use another --out")
     steps = ckpt.list_steps(run_dir / "checkpoints")
     found = ckpt.latest_valid(run_dir / "checkpoints")
     if steps and found is None:

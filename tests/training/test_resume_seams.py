@@ -152,3 +152,27 @@ def test_a_branch_tokenizes_as_the_run_it_comes_from(tmp_path, text_corpus, cach
         a, argv, capsys, "corpus differs"
     )  # (the other corpus's shards are cached: not the run's)
     assert not branch.exists()
+
+
+def test_a_lora_checkpoint_is_not_resumed_as_another_kind_of_run(tmp_path, text_corpus, cache_dir, capsys):
+    # --resume PATH had no base-model check: only --resume auto refused a LoRA run resumed without LoRA
+    base, ft = tmp_path / "base", tmp_path / "ft"
+    ok(_argv(text_corpus, base, "--max_steps", "1"), capsys)
+    ok(["export", str(base), "--format", "hf", str(tmp_path / "exp")], capsys)
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text("".join(f'{{"prompt": "q{i}?", "response": "a{i}"}}\n' for i in range(40)))
+    tune = [
+        "finetune",
+        "--model",
+        str(tmp_path / "exp"),
+        "--data",
+        str(chat),
+        *FASTRUN,
+        "--save_interval",
+        "1",
+    ]
+    ok([*tune, "--lora", "--max_steps", "2", "--out", str(ft)], capsys)
+    off = [*tune, "--max_steps", "3", "--lora.enabled", "false"]
+    refused_leaving(ft, [*off, "--resume", "auto", "--out", str(ft)], capsys, "a fine-tune of", "LoRA on")
+    step1 = ft / "checkpoints" / "step_000001"
+    refused_leaving(tmp_path, [*off, "--resume", str(step1), "--out", str(tmp_path / "b")], capsys, "LoRA on")
