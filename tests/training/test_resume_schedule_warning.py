@@ -16,7 +16,8 @@ def test_extending_a_finished_run_says_the_learning_rate_goes_back_up(
     assert rc == 0, text
     assert "schedule is recomputed" not in text
     rc, text = run_cli([*argv, "--max_steps", "4", "--resume", "auto"], capsys)
-    assert rc == 0 and "schedule is recomputed" not in text, text  # the same length: nothing moves
+    # the same length: nothing to train, refused before any schedule is planned
+    assert rc == 2 and "complete at step 4" in text and "schedule is recomputed" not in text, text
     rc, text = run_cli([*argv, "--max_steps", "8", "--resume", "auto"], capsys)
     assert rc == 0, text
     line = next(x for x in text.splitlines() if "schedule is recomputed" in x)
