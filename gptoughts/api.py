@@ -137,17 +137,10 @@ def _keywords(fn: Any) -> list[str]:
 def _refuse_bare_key(key: str, keywords: list[str]) -> None:
     """One line for a keyword that is neither an argument nor a dotted config key: the argument or the setting it
     is closest to (as the command line's ``did you mean``)."""
-    import dataclasses
-
-    from gptoughts.config.schema import SECTIONS
+    from gptoughts.config.schema import bare_keys
     from gptoughts.errors import closest, did_you_mean
 
-    dotted = {
-        f.name: f"{sec}.{f.name}"
-        for sec, cls in SECTIONS.items()
-        for f in dataclasses.fields(cls)
-        if f.name != "overrides"
-    }
+    dotted = bare_keys()
     if key in dotted:
         raise ConfigError(f"`{key}` is a setting: pass it by its dotted key, **{{{dotted[key]!r}: ...}}")
     for fn in (train, finetune):

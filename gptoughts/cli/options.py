@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from gptoughts.config.schema import bare_keys
 from gptoughts.errors import ConfigError, closest
 
 # alias -> dotted key: the spellings of the user's own scripts and of the API (num_epochs, save_dir). Besides
@@ -51,15 +52,6 @@ OPTIONAL_CHOICES: dict[str, set[str]] = {"compile": _BOOL_WORDS, "fp8": _BOOL_WO
 TRAIN_SWITCHES = ("interactive", "dry_run", "print_config")
 # The config sections whose options train (and the commands that take its options) accept.
 TRAIN_SECTIONS = ("model", "data", "train", "eval", "checkpoint", "recovery", "perf", "parallel", "run")
-
-
-def bare_keys(sections: tuple[str, ...]) -> dict[str, str]:
-    """field name -> dotted key for every field of ``sections`` (no two sections share a field name)."""
-    from gptoughts.config import SECTIONS
-
-    return {
-        f: f"{sec}.{f}" for sec in sections for f in SECTIONS[sec].__dataclass_fields__ if f != "overrides"
-    }
 
 
 def parse_overrides(

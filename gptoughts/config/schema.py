@@ -537,6 +537,16 @@ SECTIONS: dict[str, type] = {
     "lora": LoraConfig,
     "dpo": DpoConfig,
 }
+
+
+def bare_keys(sections: tuple[str, ...] = tuple(SECTIONS)) -> dict[str, str]:
+    """field name -> dotted key for every field of ``sections`` (no two sections share a field name): the bare
+    names the command line accepts, and what the Python API suggests for one."""
+    return {
+        f: f"{sec}.{f}" for sec in sections for f in SECTIONS[sec].__dataclass_fields__ if f != "overrides"
+    }
+
+
 # Keys that moved out of [train] (it held 42 fields) into sections of their own: the old dotted spellings and
 # old TOML files keep working.
 MOVED: dict[str, str] = {
