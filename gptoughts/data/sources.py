@@ -92,7 +92,8 @@ def resolve_source(path: str | os.PathLike[str]) -> Path:
     return p
 
 
-def _read_json_dict(path: Path) -> dict | None:
+def read_json_dict(path: Path) -> dict | None:
+    """A JSON file's object, None where it is missing, unreadable or not an object."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError, RecursionError):
@@ -104,7 +105,7 @@ def prepared_manifest(folder: Path) -> dict | None:
     """The manifest.json of a folder ``prepare`` wrote (any format version), else None."""
     if not (folder / "manifest.json").is_file():
         return None
-    data = _read_json_dict(folder / "manifest.json")
+    data = read_json_dict(folder / "manifest.json")
     return data if data is not None and "cache_key" in data and "format_version" in data else None
 
 
@@ -113,7 +114,7 @@ def is_run_folder(folder: Path) -> bool:
     asks this too)."""
     if not (folder / "run.json").is_file():
         return False
-    record = _read_json_dict(folder / "run.json")
+    record = read_json_dict(folder / "run.json")
     return record is not None and "family" in record and "args" in record
 
 

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from gptoughts.config import Config, TrainConfig, is_task_file, to_toml
+from gptoughts.data.tokenizer import parse_spec
 from gptoughts.errors import ConfigError, UserError
 from gptoughts.parallel import dist as pdist
 from gptoughts.training import rundir
@@ -421,9 +422,9 @@ def write_run_files(asm: Assembly) -> None:
         data=replace(
             cfg.data,
             sources=[_absolute(s) for s in cfg.data.sources],
-            tokenizer=cfg.data.tokenizer
-            if cfg.data.tokenizer == "bytes" or cfg.data.tokenizer.startswith("bpe:")
-            else _absolute(cfg.data.tokenizer),
+            tokenizer=_absolute(cfg.data.tokenizer)
+            if parse_spec(cfg.data.tokenizer)[0] == "folder"
+            else cfg.data.tokenizer,
         ),
         model=replace(cfg.model, init_from=_absolute(cfg.model.init_from) if cfg.model.init_from else None),
         eval=replace(

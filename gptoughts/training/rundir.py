@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from gptoughts.config import Config, config_from_toml_text
-from gptoughts.data.sources import is_run_folder
+from gptoughts.data.sources import is_run_folder, read_json_dict
 from gptoughts.errors import ConfigError, UserError
 from gptoughts.training.checkpoint import store as ckpt
 
@@ -120,11 +120,7 @@ def is_run(run_dir: Path) -> bool:
 
 
 def read_run_json(run_dir: Path) -> dict[str, Any] | None:
-    try:
-        data = json.loads((run_dir / "run.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
+    return read_json_dict(run_dir / "run.json")
 
 
 def check(run_dir: Path, cfg: Config) -> tuple[Path | None, dict[str, Any] | None]:
