@@ -36,6 +36,7 @@ from gptoughts.parallel import dist as pdist
 from gptoughts.perf import hardware
 from gptoughts.training import rundir
 from gptoughts.training.batches import plan_batches
+from gptoughts.training.checkpoint import store
 from gptoughts.training.components import Assembly, make_trainer
 from gptoughts.training.corpus import Data, prepare_data
 from gptoughts.training.environment import (
@@ -127,8 +128,6 @@ def _resumed_at(resume_from: Path | None) -> tuple[int, int] | None:
     resume then falls back to an earlier checkpoint or refuses, as for any corruption)."""
     if resume_from is None:
         return None
-    from gptoughts.training.checkpoint import store
-
     try:
         meta = store.read_meta(resume_from)
         return int(meta["step"]), int(meta["tokens_seen"])
@@ -148,8 +147,6 @@ def _refuse_nothing_to_train(
     fix = f"pass a --max_steps above {step} to train on (sample, evaluate or export the run as it is)"
     if batch.total_steps < step:
         raise UserError(f"the run is at step {step}, past {batch.stop_rule}: nothing would train; {fix}")
-    from gptoughts.training.checkpoint import store
-
     home = store.run_of(resume_from)
     if home is not None and home.resolve() == run_dir.resolve():
         try:
