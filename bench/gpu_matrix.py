@@ -182,6 +182,9 @@ MATRIX["inl-kernels"] = [MATRIX["inl-triton"][1], MATRIX["inl-triton"][3]]
 SHAPES["inl-kernels"] = SHAPES["inl-triton"]
 MATRIX["moe-kernels"] = [_DS]
 SHAPES["moe-kernels"] = SHAPES["moe-levers"]
+# The gate and up projections as one grouped GEMM, between two rows of the default (run with --kernels 2).
+MATRIX["moe-w13"] = [_DS, {**_DS, "model.moe_w13": "fused"}, _DS]
+SHAPES["moe-w13"] = SHAPES["moe-levers"]
 MATRIX["muon-compile"] = [
     {**_S47M, "model.size": "125m"},
     {**_S47M, "model.size": "125m", "train.optimizer": "muon"},

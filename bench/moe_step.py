@@ -42,6 +42,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "shared-before": dict(moe_shared="before"),
     "shared-stream": dict(moe_shared="stream"),
     "all": ALL,
+    "default": dict(moe_combine="hidden", moe_permute="gather"),
+    "default-w13": dict(moe_combine="hidden", moe_permute="gather", moe_w13="fused"),
     "groups-reference": GROUPS,
     "groups-router-gather": dict(GROUPS, moe_router="gather"),
     "groups-all": dict(GROUPS, moe_router="gather", **ALL),
@@ -83,7 +85,8 @@ def _timed(step: Any, device: torch.device) -> float:
 
 def run_variant(args: argparse.Namespace, name: str, x: torch.Tensor, grad: torch.Tensor) -> dict[str, Any]:
     layer, switches = _layer(args.size, VARIANTS[name], x.device)
-    fn = layer if args.eager else torch.compile(layer)
+    mode = "max-autotune-no-cudagraphs" if args.max_autotune else None
+    fn = layer if args.eager else torch.compile(layer, mode=mode)
     xi = x.detach().requires_grad_()
 
     def step() -> torch.Tensor:
@@ -123,6 +126,9 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--device", default="cuda", help="cuda (the measurement) or cpu (a smoke test)")
     p.add_argument("--eager", action="store_true", help="do not compile the layer")
+    p.add_argument(
+        "--max-autotune", action="store_true", help="compile with Triton GEMM templates tried (max-autotune)"
+    )
     p.add_argument("--only", nargs="*", choices=list(VARIANTS), default=list(VARIANTS))
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=20)
@@ -148,6 +154,7 @@ def main() -> None:
             batch=args.batch,
             seq=args.seq,
             compiled=not args.eager,
+            max_autotune=args.max_autotune,
             device=_device_name(device),
         )
         line = json.dumps(row)

@@ -93,8 +93,11 @@ def _layer_activation_bytes(args: Any, mode: str, residual_bytes: int = 4) -> fl
     softmax stats (2d), FFN-norm input and output (r d + 2d), w1 and w3 outputs and their product (3 × 2f):
     (8 + 2r) d + 4 d_kv + 6f. Measured on an H200 with per-block compile (bench/BENCHMARKS.md): fp32 residual,
     26.9 KB per token and layer at 125m (formula 27.6 KB) and 81.5 KB at 1b (formula 84.0 KB); bf16 residual,
-    77.4 KB at 1b (formula 75.8 KB). selective keeps matmul outputs and recomputes norms and activations; full
-    keeps only the block input (r d).
+    77.4 KB at 1b (formula 75.8 KB). selective keeps the block input (r d), the attention's matmul outputs (q and
+    o: 4d; k and v: 4 d_kv), SDPA's output (2d) and w1's and w3's outputs (4f), and recomputes norms, activations
+    and the weights' casts: (r + 6) d + 4 d_kv + 4f, what a trace of the compiled block's saved tensors shows. At
+    3b (bf16 residual, H200) it gives 61.4 KB per token and layer against 62.9 KB measured between micro-batches
+    4 and 8 (bench/BENCHMARKS.md). full keeps only the block input (r d).
 
     Speedrun switches (not measured; counted as above): ``qk_norm`` adds q and k before their norm (2(d + d_kv));
     ``mlp = "relu2"`` keeps w3's output and its square (2 × 2h, h = ``ffn_hidden`` = 3f/2: the same 6f as the
@@ -110,9 +113,8 @@ def _layer_activation_bytes(args: Any, mode: str, residual_bytes: int = 4) -> fl
         qk_norm = 2 * (d + d_kv) if getattr(args, "qk_norm", False) else 0
         mlp = 4 * args.ffn_hidden if relu2 else 6 * f
         return (8 + 2 * r) * d + 4 * d_kv + mlp + qk_norm
-    # selective: measured 45.4 KB/token/layer at 3b (d 3072, ffn 8192, fp32 residual), per-block compile
     if mode == "selective":
-        return r * d + (2 * args.ffn_hidden if relu2 else 4 * f)
+        return (r + 6) * d + 4 * d_kv + (2 * args.ffn_hidden if relu2 else 4 * f)
     if mode == "full":
         return r * d
     raise ConfigError(f"activation checkpointing must be none, selective or full; got {mode!r}")
@@ -150,9 +152,10 @@ def _inl_layer_bytes(args: Any, mode: str, r: int) -> float:
     fc1 output and its GELU (4f). Against the measured inl/3b peak (K = 4; H200, per-block compile, fp32
     residual, batch 2 × 2048: 67.2 GiB, bench/BENCHMARKS.md families table) the estimate gives 68.4 GiB (+1.8%).
     selective: the block input (r d), the attention's matmul outputs (q and o: 4d; k and v: 4 d_kv) and SDPA's
-    output (2d), what the compiled block saves (traced), fc1's output (2f) and the controller's matmul outputs
-    the policy keeps: (r + 6) d + 4 d_kv + 2f + K (8d + 4H); full: r d. With the Triton integrator at 3b this
-    gives 3.46 GiB per 2048-token row against 3.78 measured between micro-batches 8 and 27 (bench/BENCHMARKS.md).
+    output (2d), what the compiled block saves (traced), fc1's output (2f), the controller's matmul outputs
+    the policy keeps, and 2d more (a bf16 ``[B, T, d]`` tensor the trace does not show and the measured slope
+    implies): (r + 8) d + 4 d_kv + 2f + K (8d + 4H); full: r d. With the Triton integrator at 3b this gives 3.77
+    GiB per 2048-token row against 3.78 measured between micro-batches 8 and 27 (bench/BENCHMARKS.md).
     ``integrator_impl = "fused"`` (none): h, x_i and v_i in fp32 for i = 1..K-1, and c_i: 2d + (K-1) 8d + 2KH
     (what its autograd Function saves). Against the measured inl/3b peak of 48.0 GiB (H100, bf16 residual, batch
     2 × 2048, no checkpointing) the estimate gives 48.3 GiB.
@@ -164,7 +167,7 @@ def _inl_layer_bytes(args: Any, mode: str, r: int) -> float:
     if mode == "none":
         return (8 + 2 * r) * d + 4 * d_kv + 4 * f + _integrator_bytes(args, mode)
     if mode == "selective":
-        return (r + 6) * d + 4 * d_kv + 2 * f + _integrator_bytes(args, mode)
+        return (r + 8) * d + 4 * d_kv + 2 * f + _integrator_bytes(args, mode)
     return r * d
 
 
@@ -332,7 +335,7 @@ def estimate(
         grads=4 * n,
         optim=_optimizer_bytes(model, n, optimizer, optimizer_states)
         + (muon_graph_bytes(model) if muon_graph and optimizer == "muon" else 0.0),
-        copies=2 * _matmul_params(model, full=activation_checkpointing == "full"),
+        copies=2 * _matmul_params(model, one_block=activation_checkpointing != "none"),
         act=act,
         logits=logits,
         act_whole=(counted + added) * tokens_step,
@@ -387,11 +390,12 @@ class _Bytes:
     """...of which ``act`` does not count yet (added under tensor parallelism)."""
 
 
-def _matmul_params(model: Any, full: bool = False) -> int:
+def _matmul_params(model: Any, one_block: bool = False) -> int:
     """Weights autocast casts to bf16 and keeps for backward: every matrix (and DeepSeek's 3-D expert stacks) except
-    embedding lookups, which read rows without a cast; a tied LM head is a matmul, so it counts. ``full`` (full
-    activation checkpointing): a block's casts are made inside its checkpointed forward and made again in its
-    recompute, so only one block's live at a time, beside the head's."""
+    embedding lookups, which read rows without a cast; a tied LM head is a matmul, so it counts. ``one_block``
+    (full or selective checkpointing): a block's casts are made inside its checkpointed forward and made again
+    in its recompute (the selective policy saves matmul outputs, not the casts), so only one block's are live at
+    a time, beside the head's."""
     import torch
 
     lookups = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
@@ -400,7 +404,7 @@ def _matmul_params(model: Any, full: bool = False) -> int:
     def count(params: Any) -> int:
         return sum(p.numel() for p in params if p.ndim >= 2 and id(p) not in lookups)
 
-    if not full:
+    if not one_block:
         return count(model.parameters())
     inside = {id(p) for p in model.layers.parameters()}
     outside = count(p for p in model.parameters() if id(p) not in inside)

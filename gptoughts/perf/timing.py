@@ -168,7 +168,7 @@ def kernel_category(name: str) -> str:
     return "other"
 
 
-def summarize_kernels(kernel_us: dict[str, float], steps: int, top: int = 20) -> dict[str, object]:
+def summarize_kernels(kernel_us: dict[str, float], steps: int, top: int = 40) -> dict[str, object]:
     """Per-step GPU milliseconds by kernel category (and each category's share of GPU busy time), plus the
     ``top`` kernels by time, from ``{kernel name: total microseconds}`` over ``steps`` steps."""
     steps = max(1, steps)
@@ -186,7 +186,7 @@ def summarize_kernels(kernel_us: dict[str, float], steps: int, top: int = 20) ->
         "gpu_busy_ms_per_step": busy / 1e3 / steps,
         "categories": cats,
         "top_kernels": [
-            {"name": n[:120], "category": kernel_category(n), "ms_per_step": us / 1e3 / steps}
+            {"name": n[:240], "category": kernel_category(n), "ms_per_step": us / 1e3 / steps}
             for n, us in heavy
         ],
     }

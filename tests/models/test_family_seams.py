@@ -99,7 +99,7 @@ def test_a_deepseek_run_saved_before_the_moe_switches_loads_and_resumes_alike(
     _train(capsys, *base, "--out", str(old), "--max_steps", "2")
     # what such a run wrote: its model args without the moe_* fields
     run_json = json.loads((old / "run.json").read_text())
-    for name in ("moe_combine", "moe_permute", "moe_router", "moe_shared"):
+    for name in ("moe_combine", "moe_permute", "moe_router", "moe_shared", "moe_w13"):
         del run_json["args"][name]
     (old / "run.json").write_text(json.dumps(run_json))
     code, text = run_cli(

@@ -30,9 +30,11 @@ def _inputs(n: int = 41, d: int = 16, e: int = 6, k: int = 3, seed: int = 0):
     return x, idx, gates
 
 
-def _experts(combine: str, permute: str, impl: str, d: int = 16, e: int = 6) -> GroupedExperts:
+def _experts(
+    combine: str, permute: str, impl: str, d: int = 16, e: int = 6, w13: str = "separate"
+) -> GroupedExperts:
     torch.manual_seed(0)
-    ex = GroupedExperts(d, 24, n_experts=e, combine=combine, permute=permute)
+    ex = GroupedExperts(d, 24, n_experts=e, combine=combine, permute=permute, w13=w13)
     ex.reset_parameters(0.3, 0.3)
     ex.impl = impl
     return ex
@@ -79,6 +81,28 @@ def test_expert_switches_match_the_reference_under_bf16_grouped_gemm(combine, pe
         err_ref = (b.float() - exact).abs().max()
         err_got = (a.float() - exact).abs().max()
         assert err_got <= 2 * err_ref + 1e-3 * exact.abs().max(), (err_got, err_ref)
+
+
+@pytest.mark.skipif(not HAS_GMM, reason="torch._grouped_mm not available")
+@pytest.mark.parametrize(("combine", "permute"), [("bmm", "index_put"), ("hidden", "gather")])
+def test_fused_w13_matches_two_gemms(combine, permute):
+    """``moe_w13 = fused``: one grouped GEMM over [w1; w3] gives the two GEMMs' outputs and gradients, and it
+    is one GEMM fewer forward (two fewer with the backward's)."""
+    x, idx, gates = _inputs(seed=2)
+    ex = {w: _experts(combine, permute, "grouped_mm", w13=w) for w in ("separate", "fused")}
+    ref, got = (_run_and_grads(ex[w], x, idx, gates) for w in ("separate", "fused"))
+    assert torch.equal(got[1], ref[1])
+    torch.testing.assert_close(got[0], ref[0], rtol=1e-5, atol=1e-6)
+    for name, a, b in zip(("x", "gates", "w1", "w3", "w2"), got[2], ref[2]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda m, n=name: f"grad {n}: {m}")
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def gemms(m: GroupedExperts) -> int:
+        gm = make_fx(lambda x: m(x, idx, gates)[0])(x)
+        return sum(1 for n in gm.graph.nodes if "_grouped_mm" in str(n.target))
+
+    counts = {w: gemms(m) for w, m in ex.items()}
+    assert counts == {"separate": 3, "fused": 2}
 
 
 def test_gather_permutation_saves_no_token_copies():
@@ -263,11 +287,13 @@ def test_dropless_grouped_gemm_path_never_syncs_with_the_host(switches):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("w13", ["separate", "fused"])
 @pytest.mark.parametrize(("combine", "permute"), [("bmm", "index_put"), *VARIANTS])
-def test_dropless_path_never_syncs_on_cuda(combine, permute):
-    layer = MoE(
-        _moe_args(moe_combine=combine, moe_permute=permute, n_expert_groups=4, n_limited_groups=2)
-    ).cuda()
+def test_dropless_path_never_syncs_on_cuda(combine, permute, w13):
+    args = _moe_args(
+        moe_combine=combine, moe_permute=permute, moe_w13=w13, n_expert_groups=4, n_limited_groups=2
+    )
+    layer = MoE(args).cuda()
     layer.reset_parameters(0.2, 0.1)
     if torch.bfloat16 not in layer.experts._gmm_dtypes:
         pytest.skip("no bf16 grouped GEMM on this GPU")

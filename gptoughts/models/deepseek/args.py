@@ -16,7 +16,7 @@ class DeepSeekArgs:
     """Architecture hyper-parameters of a DeepSeek-V3-style model (build one with ``models.model_args``)."""
 
     KERNEL_FIELDS: ClassVar[frozenset[str]] = frozenset(
-        {"moe_combine", "moe_permute", "moe_router", "moe_shared"}
+        {"moe_combine", "moe_permute", "moe_router", "moe_shared", "moe_w13"}
     )
     """The speed switches: other kernels, the same model and weights (a run resumes with them changed)."""
 
@@ -101,6 +101,10 @@ class DeepSeekArgs:
     """Speed switch: when the shared experts run. ``after`` the routed ones, ``before`` them (the compiled
     block's scheduler sees them first), or ``stream``: on a side CUDA stream, overlapping the router and the
     dispatch (eager CUDA only; a compiled block runs them as ``before``)."""
+    moe_w13: str = "separate"
+    """Speed switch: the routed experts' gate and up projections (``w1``, ``w3``) as two grouped GEMMs
+    (``separate``) or as one over both weights concatenated at the cast (``fused``: one GEMM of twice the width,
+    a wider tile than ``moe_inter_dim`` alone gives). The weights stay two parameters either way."""
     hf_rope_interleave: bool = True
     """Checkpoint layout only (HF ``rope_interleave``): whether HF weights store the rope dims as interleaved pairs.
     ``from_hf``/``to_hf`` permute accordingly; the model itself always computes in the rotate_half layout."""
@@ -176,6 +180,7 @@ class DeepSeekArgs:
             "moe_permute": ("index_put", "gather"),
             "moe_router": ("mask", "gather"),
             "moe_shared": ("after", "before", "stream"),
+            "moe_w13": ("separate", "fused"),
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:

@@ -68,7 +68,7 @@ def plan(idx: torch.Tensor, n_experts: int, align: int) -> Layout:
     padded = (counts + align - 1) // align * align
     ends = torch.cumsum(padded, 0)
     starts = ends - padded
-    ends[-1] = rows
+    ends[-1:].fill_(rows)  # a fill kernel: `ends[-1] = rows` copies a host scalar (a sync under CUDA)
     rank = torch.arange(n * k, device=dev) - bounds[sorted_e]
     dest = torch.empty_like(order).scatter_(0, order, starts[sorted_e] + rank)
     return Layout(dest=dest, ends=ends.to(torch.int32), counts=counts, rows=rows)

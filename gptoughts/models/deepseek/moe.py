@@ -131,15 +131,27 @@ class GroupedExperts(nn.Module):
     """
 
     def __init__(
-        self, dim: int, hidden_dim: int, n_experts: int, *, combine: str = "bmm", permute: str = "index_put"
+        self,
+        dim: int,
+        hidden_dim: int,
+        n_experts: int,
+        *,
+        combine: str = "bmm",
+        permute: str = "index_put",
+        w13: str = "separate",
     ) -> None:
         super().__init__()
-        if combine not in ("bmm", "sum", "hidden") or permute not in ("index_put", "gather"):
-            raise ValueError(f"unknown combine {combine!r} or permute {permute!r}")
+        if (
+            combine not in ("bmm", "sum", "hidden")
+            or permute not in ("index_put", "gather")
+            or w13 not in ("separate", "fused")
+        ):
+            raise ValueError(f"unknown combine {combine!r}, permute {permute!r} or w13 {w13!r}")
         if permute == "gather" and combine == "bmm":
             raise ValueError("permute='gather' sums the K outputs itself: use combine='sum' or 'hidden'")
         self.n_experts = n_experts
-        self.combine, self.permute = combine, permute  # DeepSeekArgs.moe_combine / moe_permute
+        # DeepSeekArgs.moe_combine / moe_permute / moe_w13
+        self.combine, self.permute, self.w13 = combine, permute, w13
         self.w1 = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))
         self.w3 = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden_dim))
@@ -225,11 +237,19 @@ class GroupedExperts(nn.Module):
             xp = xp.to(dtype)
             # A transposed view, not a copy: the cast keeps the weights' layout and the grouped GEMM reads
             # the column-major operand as it is.
-            w1, w3, w2 = (w.to(dtype).transpose(-2, -1) for w in weights)
-            h = F.silu(torch._grouped_mm(xp, w1, offs=offs)) * torch._grouped_mm(xp, w3, offs=offs)
+            w1, w3, w2 = weights
+            if self.w13 == "fused":
+                # One GEMM [E, dim, 2 * hidden]; cast, then concatenated (one fused kernel under compile), so the
+                # backward casts each half's gradient into a tensor of its own, laid out as its parameter.
+                w13 = torch.cat([w1.to(dtype), w3.to(dtype)], dim=1).transpose(-2, -1)
+                gate, up = torch._grouped_mm(xp, w13, offs=offs).chunk(2, dim=-1)
+            else:
+                gate = torch._grouped_mm(xp, w1.to(dtype).transpose(-2, -1), offs=offs)
+                up = torch._grouped_mm(xp, w3.to(dtype).transpose(-2, -1), offs=offs)
+            h = F.silu(gate) * up
             if row_gate is not None:
                 h = h * row_gate.unsqueeze(-1).to(h.dtype)
-            return torch._grouped_mm(h, w2, offs=offs)
+            return torch._grouped_mm(h, w2.to(dtype).transpose(-2, -1), offs=offs)
         # Fallback: one GEMM per *expert* (never per token). Reading the group ends costs one host sync per
         # MoE layer and a graph break under compile; free on CPU, where this path is normally taken.
         if xp.is_cuda and (xp.device.type, dtype) not in _WARNED_LOOP:
@@ -284,6 +304,7 @@ class MoE(nn.Module):
             args.n_routed_experts,
             combine=args.moe_combine,
             permute=args.moe_permute,
+            w13=args.moe_w13,
         )
         self.router, self.shared_mode = args.moe_router, args.moe_shared
         self._side_stream: torch.cuda.Stream | None = None  # moe_shared = stream, created on first use
