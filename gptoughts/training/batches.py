@@ -13,7 +13,7 @@ from gptoughts.parallel import dist as pdist
 from gptoughts.training.corpus import Data
 from gptoughts.training.environment import Environment
 from gptoughts.training.modeling import Model
-from gptoughts.training.plan import BatchPlan
+from gptoughts.training.plan import MEASURED_BATCH, BatchPlan
 from gptoughts.training.plan import gib as plan_gib
 
 
@@ -205,7 +205,7 @@ def _probed_micro_batch(cfg: Config, env: Environment, model: Model) -> tuple[in
     except NothingFits:  # the estimate said it would: say what each way out needs
         lead = f"not even one row of {t.block_size:,} tokens fits in real training steps"
         raise UserError(layout_refusal(cfg, env, model, lead)) from None
-    return micro, "auto: largest that fits" + (" (cached)" if cached else "")
+    return micro, MEASURED_BATCH + (" (cached)" if cached else "")
 
 
 def _graph_reserve(cfg: Config, env: Environment, model: Model) -> int:

@@ -28,6 +28,9 @@ from gptoughts.training.estimates import (
 )
 from gptoughts.training.rundir import is_run, read_run_json
 
+MEASURED_BATCH = "auto: largest that fits"
+"""How the batch plan names a micro-batch found with real training steps (``batches._probed_micro_batch``)."""
+
 # Beyond ~4 epochs, repeated data adds little and overfits (Muennighoff et al. 2023, "Scaling data-constrained
 # language models").
 MAX_USEFUL_EPOCHS = 4.0
@@ -265,6 +268,13 @@ class RunPlan:
             + (
                 f" of {gib(self.device_memory_gib)}" + (" available" if self.device_type == "cpu" else "")
                 if self.device_memory_gib
+                else ""
+            )
+            + (
+                " estimated (the micro-batch was measured to fit in real steps)"
+                if measured_to_fit(self.batch)
+                and self.device_memory_gib
+                and self.memory_gib > self.device_memory_gib
                 else ""
             )
             + (f" + ~{gib(self.host_memory_gib)} of CPU memory (offload)" if self.host_memory_gib else "")
@@ -525,11 +535,17 @@ def _memory(
     )
 
 
+def measured_to_fit(batch: dict[str, Any]) -> bool:
+    """Whether the micro-batch was found with real training steps on this device (``batch_size = auto`` on a GPU):
+    then it fits by measurement, and the estimate, a formula, neither warns nor refuses."""
+    return str(batch.get("why", {}).get("batch_size", "")).startswith(MEASURED_BATCH)
+
+
 def memory_refusal(plan: RunPlan, on_cpu: bool) -> str | None:
     """The one-line refusal of a run whose estimated peak clearly exceeds the device's memory (None: it fits): it
     would end out of memory, and on a CPU the kernel kills the process without a word."""
     mem, limit = plan.memory_gib, plan.device_memory_gib
-    if mem is None or not limit or mem <= REFUSE_ABOVE * limit:
+    if mem is None or not limit or mem <= REFUSE_ABOVE * limit or measured_to_fit(plan.batch):
         return None
     b = plan.batch
     where = f"the {gib(limit)} this machine has available" if on_cpu else f"this GPU's {gib(limit)}"
@@ -676,23 +692,7 @@ def _warnings(
             f"only {batch.total_steps} optimizer step(s) of {batch.tokens_per_step:,} tokens: too few for the "
             f"schedule; add data, raise --epochs, or {smaller}"
         )
-    if memory is not None and device_memory and memory > 0.95 * device_memory:
-        refused = (
-            " (a run is refused at this estimate; --ignore_memory_estimate tries anyway)"
-            if memory > REFUSE_ABOVE * device_memory
-            else ""
-        )
-        # between 95% and 100% the estimate is not over, but within its own error of the limit
-        verb = "exceeds" if memory > device_memory else "is within 5% of"
-        if on_cpu:
-            out.append(
-                f"the estimated peak ({gib(memory)}) {verb} the {gib(device_memory)} of memory available on "
-                f"this machine: train a smaller size here, or on a GPU{refused}"
-            )
-        else:
-            out.append(
-                f"the estimated peak ({gib(memory)}) {verb} this GPU's {gib(device_memory)}: {GPU_FIXES}{refused}"
-            )
+    out += _memory_warning(memory, device_memory, batch, on_cpu=on_cpu)
     if (
         cfg.model.size == "debug"
         and (not cfg.is_given("model.size") or "model.size" in cfg.shipped)
@@ -701,6 +701,35 @@ def _warnings(
     ):  # the size a bare --data run gets, not one the user named
         out.append("model.size = debug is the test size: name a size with --size (e.g. 125m)")
     return out
+
+
+def _memory_warning(
+    memory: float | None, device_memory: float | None, batch: BatchPlan, *, on_cpu: bool
+) -> list[str]:
+    """The warning of an estimated peak near or over the device's memory; none where the micro-batch was
+    measured to fit (:func:`measured_to_fit`)."""
+    if (
+        memory is None
+        or not device_memory
+        or memory <= 0.95 * device_memory
+        or measured_to_fit(asdict(batch))
+    ):
+        return []
+    refused = (
+        " (a run is refused at this estimate; --ignore_memory_estimate tries anyway)"
+        if memory > REFUSE_ABOVE * device_memory
+        else ""
+    )
+    # between 95% and 100% the estimate is not over, but within its own error of the limit
+    verb = "exceeds" if memory > device_memory else "is within 5% of"
+    if on_cpu:
+        return [
+            f"the estimated peak ({gib(memory)}) {verb} the {gib(device_memory)} of memory available on "
+            f"this machine: train a smaller size here, or on a GPU{refused}"
+        ]
+    return [
+        f"the estimated peak ({gib(memory)}) {verb} this GPU's {gib(device_memory)}: {GPU_FIXES}{refused}"
+    ]
 
 
 def _unused_fp8_switches(cfg: Any, resolved: dict[str, Any]) -> list[str]:

@@ -5,6 +5,7 @@ answer as it is given; the README's Python block runs as written without a GPU; 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import sys
@@ -459,3 +460,40 @@ def test_a_warmup_longer_than_the_run_says_the_warmup_the_plan_shows(tmp_path, t
     text = _ok(argv, capsys)
     assert "warmup 6," in next(ln for ln in text.splitlines() if ln.startswith("  steps:"))
     assert "the warmup (20 steps, cut to the run's 6) covers the whole 6-step run" in text, text
+
+
+def _plan_at(memory_gib: float, why_batch: str):
+    from gptoughts.training.plan import BatchPlan, RunPlan
+
+    batch = BatchPlan(
+        micro_batch=64, grad_accum=4, world_size=1, block_size=2048, tokens_per_step=524_288, total_steps=8,
+        train_tokens=8_000_000, epochs=0.5, stop_rule="max_steps", warmup_steps=1, eval_interval=8,
+        save_interval=0, why={"batch_size": why_batch},
+    )  # fmt: skip
+    return RunPlan(
+        model="deepseek/small", params=1, params_non_embedding=1, trainable_params=1, vocab_size=320,
+        block_size=2048, corpus={}, batch=dataclasses.asdict(batch), memory_gib=memory_gib,
+        device_memory_gib=139.8, tokens_per_s=None, speed_basis="", hours=None, out="o", resume=None,
+        resolved={}, warnings=[],
+    ), batch  # fmt: skip
+
+
+def test_a_micro_batch_measured_to_fit_is_neither_refused_nor_warned_by_the_formula():
+    """Seen on an H200: deepseek small's auto micro-batch 64 fit in real steps (122.9 GiB peak) while the formula
+    said 141.5 GiB of 139.8 and the plan told the user to lower the batch it had just chosen; 10% more and the run
+    would have been refused. A measured micro-batch is what the run fits: the estimate stays, marked as such."""
+    from gptoughts.training import plan as plan_mod
+
+    measured, batch = _plan_at(141.5, "auto: largest that fits")
+    assert plan_mod.memory_refusal(measured, on_cpu=False) is None
+    assert "measured to fit" in measured._memory_figure()
+    over, _ = _plan_at(160.0, "auto: largest that fits")
+    assert plan_mod.memory_refusal(over, on_cpu=False) is None
+    asked, _ = _plan_at(160.0, "asked (--batch_size 64)")
+    assert "exceeds this GPU" in plan_mod.memory_refusal(asked, on_cpu=False)
+    assert "measured" not in asked._memory_figure()
+
+    for why, warned in (("auto: largest that fits", False), ("asked", True)):
+        b = dataclasses.replace(batch, why={"batch_size": why})
+        lines = plan_mod._memory_warning(141.5, 139.8, b, on_cpu=False)
+        assert any("exceeds this GPU" in w for w in lines) == warned, (why, lines)
