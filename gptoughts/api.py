@@ -460,9 +460,12 @@ def load(path: str | Path, device: str = "auto", *, trust_remote_code: bool = Fa
     cfg, run = _read_run(run_dir)
     init_from = run.get("init_from")
     if init_from and (cfg.lora.enabled or run.get("generic")):
-        model, family_name, args = _load_over_base(run_dir, ck, cfg, init_from, dev, trust_remote_code)
+        model, family_name, args, weights = _build_over_base(run_dir, cfg, init_from, dev, trust_remote_code)
     else:
-        model, family_name, args = _load_native(run_dir / "run.json", ck, run, dev)
+        model, family_name, args = _build_native(run_dir / "run.json", run, dev)
+        weights = model
+    # a run still training may rotate ck away before it is read: then its newest checkpoint is read instead
+    ck = ckpt.read_newest(path, lambda c: restore.load_weights(weights, c), first=ck)
     model.eval()
     if not (run_dir / "tokenizer").exists():
         raise DataError(f"{run_dir}/tokenizer is missing; cannot decode this model's outputs")
@@ -516,11 +519,11 @@ def _read_run(run_dir: Path) -> tuple[Config, dict[str, Any]]:
     return cfg, run
 
 
-def _load_over_base(
-    run_dir: Path, ck: Path, cfg: Config, init_from: str, dev: torch.device, trust_remote_code: bool
-) -> tuple[nn.Module, str, Any]:
+def _build_over_base(
+    run_dir: Path, cfg: Config, init_from: str, dev: torch.device, trust_remote_code: bool
+) -> tuple[nn.Module, str, Any, nn.Module]:
     """A run that holds only what was trained on top of its ``init_from`` folder (LoRA adapters, or a generic
-    transformers model): the base rebuilt, then the checkpoint loaded over it."""
+    transformers model): the base rebuilt; last, what the checkpoint is loaded into, over it."""
     from gptoughts.training.setup import TrainableWeights, apply_lora
 
     if not Path(init_from).is_dir():
@@ -537,14 +540,11 @@ def _load_over_base(
         # the result differs from the 4-bit training-time model by the base's quantization error only), so a
         # QLoRA run loads, samples and exports on any device.
         model = apply_lora(model, replace(cfg.lora, quantize="none"), device=dev)
-    restore.load_weights(TrainableWeights(model) if cfg.lora.enabled else model, ck)
-    return model, family_name, args
+    return model, family_name, args, TrainableWeights(model) if cfg.lora.enabled else model
 
 
-def _load_native(
-    run_file: Path, ck: Path, run: dict[str, Any], dev: torch.device
-) -> tuple[nn.Module, str, Any]:
-    """A native family's model rebuilt from run.json's args, with the checkpoint's weights."""
+def _build_native(run_file: Path, run: dict[str, Any], dev: torch.device) -> tuple[nn.Module, str, Any]:
+    """A native family's model rebuilt from run.json's args (the checkpoint's weights are loaded into it)."""
     from gptoughts.training.setup import build_raw_model
 
     family = models.get_family(run["family"])
@@ -552,9 +552,7 @@ def _load_native(
         args = family.args_cls(**run["args"])
     except (TypeError, ValueError) as e:
         raise UserError(f"{run_file} is corrupt (args: {e}); restore it from a copy") from None
-    model = build_raw_model(family.name, args, dev, seed=0)
-    restore.load_weights(model, ck)
-    return model, family.name, args
+    return build_raw_model(family.name, args, dev, seed=0), family.name, args
 
 
 def generate_text(

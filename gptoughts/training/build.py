@@ -136,17 +136,33 @@ def _resumed_at(resume_from: Path | None) -> tuple[int, int] | None:
 
 
 def _refuse_nothing_to_train(
-    run_dir: Path, resume_from: Path | None, resumed_at: tuple[int, int] | None, batch: BatchPlan
-) -> None:
+    run_dir: Path,
+    resume_from: Path | None,
+    resumed_at: tuple[int, int] | None,
+    batch: BatchPlan,
+    *,
+    dry_run: bool,
+) -> str | None:
     """A resume whose stopping rule is at or behind its checkpoint's step trains nothing: it exited 0 having
     rewritten the run's config and summary (or left a branch with no checkpoint). Refused, except for the run's
-    own folder where it was killed between its last checkpoint and its summary: resumed, it ends properly."""
+    own folder where it was killed between its last checkpoint and its summary: resumed, it ends properly. A dry
+    run's refusal is returned instead, for :func:`_print_plan` (None: the resume trains)."""
+    refusal = _nothing_to_train(run_dir, resume_from, resumed_at, batch)
+    if refusal and not dry_run:
+        raise UserError(refusal)
+    return refusal
+
+
+def _nothing_to_train(
+    run_dir: Path, resume_from: Path | None, resumed_at: tuple[int, int] | None, batch: BatchPlan
+) -> str | None:
+    """Why a resume trains nothing (see :func:`_refuse_nothing_to_train`); None when it trains."""
     if resume_from is None or resumed_at is None or batch.total_steps > resumed_at[0]:
-        return
+        return None
     step = resumed_at[0]
     fix = f"pass a --max_steps above {step} to train on (sample, evaluate or export the run as it is)"
     if batch.total_steps < step:
-        raise UserError(f"the run is at step {step}, past {batch.stop_rule}: nothing would train; {fix}")
+        return f"the run is at step {step}, past {batch.stop_rule}: nothing would train; {fix}"
     home = store.run_of(resume_from)
     if home is not None and home.resolve() == run_dir.resolve():
         try:
@@ -154,10 +170,8 @@ def _refuse_nothing_to_train(
         except (OSError, ValueError, AttributeError):
             ended_at = None
         if ended_at != step:
-            return
-    raise UserError(
-        f"{home or resume_from} is complete at step {step} ({batch.stop_rule}): nothing to train; {fix}"
-    )
+            return None
+    return f"{home or resume_from} is complete at step {step} ({batch.stop_rule}): nothing to train; {fix}"
 
 
 def _assemble(
@@ -179,7 +193,7 @@ def _assemble(
     cfg, env = choose_memory_layout(cfg, env, model, dry_run=dry_run)  # 4b: what the later steps build
     resumed_at = _resumed_at(resume_from)
     batch = plan_batches(cfg, env, data, model, dry_run=True, resumed_run=resumed_run, resumed_at=resumed_at)
-    _refuse_nothing_to_train(run_dir, resume_from, resumed_at, batch)
+    nothing = _refuse_nothing_to_train(run_dir, resume_from, resumed_at, batch, dry_run=dry_run)
     threads = _given_threads(cfg, env, resumed_run)  # None: measured after the plan is printed
     why = _threads_why(env, threads, dry_run)
     resolved, plan = _plan(cfg, env, data, model, batch, run_dir, resume_from, tasks, why)
@@ -206,8 +220,7 @@ def _assemble(
         batch = plan_batches(cfg, env, data, model, resumed_run=resumed_run, resumed_at=resumed_at)  # 5
         resolved, plan = _plan(cfg, env, data, model, batch, run_dir, resume_from, tasks, why)  # 6
     probing = threads is None and not dry_run and _single_cpu_process(env)
-    if env.dist.is_main:
-        console.print(plan.format(threads_pending=probing), highlight=False)
+    _print_plan(env, plan, probing, refusal=nothing)
     if probing:
         # After the plan: on a CPU the probe's forward+backward steps are the first thing that takes a while.
         step, probe_tokens = _probe_step(cfg, model, data)
@@ -243,6 +256,18 @@ def _assemble(
     if dry_run:
         return asm
     return make_trainer(asm, tasks)  # 7-8
+
+
+def _print_plan(env: Environment, plan: RunPlan, probing: bool, *, refusal: str | None) -> None:
+    """The plan, printed by rank 0. Then a dry run's ``refusal`` (a resume with nothing to train), raised: the plan
+    shows the user where the run stands, then the same one line and exit status as the run itself, so that a
+    script checking with ``--dry_run`` gets the real verdict (as for a folder it would refuse)."""
+    from gptoughts.training.metrics import console
+
+    if env.dist.is_main:
+        console.print(plan.format(threads_pending=probing), highlight=False)
+    if refusal:
+        raise UserError(refusal)
 
 
 def choose_memory_layout(

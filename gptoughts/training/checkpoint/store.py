@@ -19,6 +19,7 @@ import re
 import shutil
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -254,7 +255,9 @@ def verify(path: Path) -> str | None:
     try:
         meta = json.loads(meta_path.read_text())
         files = meta["files"]
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+    except FileNotFoundError:  # deleted since: rotated away by a run still training
+        return "meta.json missing (deleted while it was read)"
+    except (OSError, ValueError, KeyError, TypeError, UnicodeDecodeError):
         return "meta.json unreadable"
     dcp_format = isinstance(meta, dict) and meta.get("format") == DCP_FORMAT
     problem = _listing_problem(files, dcp_format) or _files_problem(path, files)
@@ -289,12 +292,17 @@ def _files_problem(path: Path, files: dict[str, dict[str, Any]]) -> str | None:
     """The first listed file that is missing, truncated or corrupted."""
     for name, info in files.items():
         f = path / name
-        if not f.exists():
+        # FileNotFoundError: never written, or deleted while it was read (rotated away by a run still training)
+        try:
+            size = f.stat().st_size
+            if size != info["bytes"]:
+                return f"{name} truncated ({size} of {info['bytes']} bytes)"
+            if _sha256(f) != info["sha256"]:
+                return f"{name} checksum mismatch (corrupted)"
+        except FileNotFoundError:
             return f"{name} missing"
-        if f.stat().st_size != info["bytes"]:
-            return f"{name} truncated ({f.stat().st_size} of {info['bytes']} bytes)"
-        if _sha256(f) != info["sha256"]:
-            return f"{name} checksum mismatch (corrupted)"
+        except OSError as e:
+            return f"{name} unreadable ({e.strerror or type(e).__name__})"
     return None
 
 
@@ -310,21 +318,45 @@ def _dcp_index_problem(path: Path, files: dict[str, dict[str, Any]]) -> str | No
     return None
 
 
+RELISTS = 5
+"""How many times :func:`latest_valid` lists a checkpoints dir that changes while it is read, and
+:func:`read_newest` reads a run's newest checkpoint again after one was rotated away under it."""
+
+
 def latest_valid(root: str | Path, *, before: int | None = None) -> Path | None:
     """The newest intact checkpoint dir under ``root`` (with ``before``: of a step < ``before``); corrupted
-    newer ones are skipped with a warning."""
+    newer ones are skipped with a warning. A run still training may save and rotate while this reads (another
+    process sampling from it): a listing that changed while it was read is read again, and a checkpoint deleted
+    meanwhile is passed over without a warning (it was not corrupt, only rotated away)."""
     root = Path(root)
     recover(root)
-    for s in reversed(list_steps(root)):
+    unusable: dict[Path, str] = {}
+    found = None
+    for _ in range(RELISTS):
+        steps = list_steps(root)
+        found = _newest_intact(root, steps, before, unusable)
+        if found is not None or list_steps(root) == steps:
+            break
+    for path, problem in unusable.items():
+        if path.exists() and (found is None or step_of(path) > step_of(found)):
+            warnings.warn(
+                f"checkpoint {path} is unusable ({problem}); falling back to the previous one", stacklevel=2
+            )
+    return found
+
+
+def _newest_intact(
+    root: Path, steps: list[int], before: int | None, unusable: dict[Path, str]
+) -> Path | None:
+    """The newest of ``steps`` that verifies; the problems of those that do not, into ``unusable``."""
+    for s in reversed(steps):
         if before is not None and s >= before:
             continue
         path = step_dir(root, s)
         problem = verify(path)
         if problem is None:
             return path
-        warnings.warn(
-            f"checkpoint {path} is unusable ({problem}); falling back to the previous one", stacklevel=2
-        )
+        unusable[path] = problem
     return None
 
 
@@ -343,6 +375,43 @@ def resolve(path_or_run: str | Path) -> Path:
         if found is not None:
             return found
     raise UserError(f"no valid checkpoint under {p}; train first or pass a checkpoint directory")
+
+
+def read_newest(
+    path_or_run: str | Path,
+    read: Callable[[Path], object],
+    *,
+    first: Path | None = None,
+    attempts: int = RELISTS,
+) -> Path:
+    """``read(checkpoint)`` of :func:`resolve` (``path_or_run``) (``first``: that checkpoint, resolved already);
+    the checkpoint read. A run still training rotates its checkpoints away (``--keep_last``), possibly between
+    resolving its newest and reading it (``gptoughts sample RUN`` while it trains): a read that fails because the
+    checkpoint was deleted (or half-deleted) under it reads the run's newest complete checkpoint instead, up to
+    ``attempts`` reads in all; only then it is refused in one line. A read that fails on a checkpoint still intact
+    (a mismatched model, unreadable content) is the checkpoint's own error, raised as it was."""
+    ck = first if first is not None else resolve(path_or_run)
+    for attempt in range(attempts):
+        try:
+            read(ck)
+            return ck
+        except Exception:  # noqa: BLE001 - whatever the read raised: intact, it is the checkpoint's own error
+            if verify(ck) is None:
+                raise
+        if Path(path_or_run) == ck:  # the user named this very checkpoint: no other one to fall back to
+            home = run_of(ck)
+            raise UserError(
+                f"checkpoint {ck} was deleted while it was read (a run still training rotates its checkpoints "
+                f"away, --keep_last); pass {'the run folder ' + str(home) if home else 'its run folder'} to "
+                "read its newest checkpoint"
+            )
+        if attempt + 1 < attempts:
+            ck = resolve(path_or_run)
+    raise UserError(
+        f"the newest checkpoint of {path_or_run} was deleted while it was read, {attempts} times in a row (the "
+        "run is still training and rotates its checkpoints away); run the command again, or train with a larger "
+        "--keep_last"
+    )
 
 
 def run_of(checkpoint: Path) -> Path | None:
