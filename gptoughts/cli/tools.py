@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
+import uuid
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from gptoughts.cli.options import ALIASES, FLAGS, bare_keys, options_help, parse_overrides, pop_options
@@ -176,25 +180,39 @@ def cmd_tune(argv: Sequence[str]) -> int:
         print(
             "usage: gptoughts tune [PRESET|FILE.toml] [--size S --block_size T ...] [--ac none,selective,full]\n"
             "                      [--compile_modes blocks,model] [--fp8 off,tensorwise,rowwise] [--batches auto]\n"
-            "                      [--steps 10] [--out tuned.toml]\n"
+            "                      [--steps 10] [--out tuned.toml] [--overwrite]\n"
             "Searches micro-batch x activation checkpointing x compile mode x fp8 recipe for the highest tokens/s\n"
-            "within memory, prints the table and writes the winning config (default tuned.toml)."
+            "within memory, prints the table and writes the winning config (default tuned.toml; a file already\n"
+            "there is kept unless --overwrite)."
         )
         return 0
-    rest, opts = pop_options(argv, set(), {"ac", "compile_modes", "fp8", "batches", "steps", "warmup", "out"})
+    # --overwrite is tune's own (replace OUT), not the config's run.overwrite: it never goes into tuned.toml
+    rest, opts = pop_options(
+        argv, {"overwrite"}, {"ac", "compile_modes", "fp8", "batches", "steps", "warmup", "out"}
+    )
+    # before any trial: a search takes minutes, and its result must have somewhere to go
+    out = _new_file(opts.get("out"), "tuned.toml", bool(opts.get("overwrite")))
     preset, overrides, _ = parse_overrides(rest)
     from gptoughts.config import load_config
     from gptoughts.tools.tune import best, format_table, run_tune, write_winner
+    from gptoughts.training.rundir import place_file
 
     def csv(name: str) -> list[str] | None:
         return [v.strip() for v in opts[name].split(",")] if name in opts else None
 
+    def count(name: str, default: int) -> int:
+        value = opts.get(name, str(default))
+        if not value.isdigit():
+            raise ConfigError(f"--{name} must be a whole number, got {value!r}")
+        return int(value)
+
     batches = [int(b) if b.isdigit() else b for b in csv("batches")] if "batches" in opts else None
+    steps, warmup = count("steps", 10), count("warmup", 3)
     cfg = load_config(preset or "default", overrides)
     trials = run_tune(
         cfg,
-        steps=int(opts.get("steps", 10)),
-        warmup=int(opts.get("warmup", 3)),
+        steps=steps,
+        warmup=warmup,
         ac=csv("ac"),
         compile_modes=csv("compile_modes"),
         fp8=csv("fp8"),
@@ -204,6 +222,36 @@ def cmd_tune(argv: Sequence[str]) -> int:
     win = best(trials)
     if win is None:
         raise UserError("no combination ran; see the errors in the table")
-    path = write_winner(win, cfg, opts.get("out", "tuned.toml"))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.{uuid.uuid4().hex[:12]}.tmp")
+    try:
+        write_winner(win, cfg, tmp)
+        path = place_file(tmp, out, bool(opts.get("overwrite")))
+    finally:
+        tmp.unlink(missing_ok=True)
+    if path != out:
+        print(f"{out} appeared during the search; kept it and wrote {path} instead", file=sys.stderr)
     print(f"best settings written to {path}: gptoughts train {path} --data ...")
     return 0
+
+
+def _new_file(given: str | None, default: str, overwrite: bool) -> Path:
+    """Where a command writes its one output file: ``given`` (an existing folder: ``default`` in it), else
+    ``default`` in the current folder; refused before the command does any work where a file is already there
+    without ``overwrite`` (``rundir.refuse_existing``), or where its folder cannot be written."""
+    from gptoughts.training.rundir import refuse_existing
+
+    path = Path(given).expanduser() if given else Path(default)
+    if path.is_dir():
+        path = path / default
+    if path.is_dir():
+        raise UserError(f"{path} is a folder; pass --out FILE.toml")
+    refuse_existing(path, overwrite)
+    above = path.parent.absolute()
+    while not above.exists():
+        above = above.parent
+    if not above.is_dir():
+        raise UserError(f"cannot write {path}: {above} is a file, not a folder; pass another --out")
+    if not os.access(above, os.W_OK | os.X_OK):
+        raise UserError(f"cannot write {path}: {above} is not writable; pass another --out")
+    return path

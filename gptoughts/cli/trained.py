@@ -381,6 +381,7 @@ def cmd_plot(argv: Sequence[str]) -> int:
     )
     p.add_argument("runs", nargs="+", help="run directories (each holds metrics.jsonl)")
     p.add_argument("--out", default=None, help="with several runs: the PNG to write (default compare.png)")
+    p.add_argument("--overwrite", action="store_true", help="replace the PNG --out names if it exists")
     a = p.parse_args(argv)
     from gptoughts.training.plots import compare_runs, write_run_plots
 
@@ -392,5 +393,6 @@ def cmd_plot(argv: Sequence[str]) -> int:
             raise UserError(f"nothing to plot in {a.runs[0]} (no metrics yet, or matplotlib is missing)")
         print("\n".join(str(w) for w in written))
         return 0
-    print(f"wrote {Path(compare_runs(a.runs, a.out or 'compare.png')).resolve()}")
+    # like tune's tuned.toml: an existing compare.png (default or named) is kept unless --overwrite
+    print(f"wrote {Path(compare_runs(a.runs, a.out or 'compare.png', overwrite=a.overwrite)).resolve()}")
     return 0

@@ -152,17 +152,43 @@ def cache_location(
 
 @contextlib.contextmanager
 def locked(out: Path) -> Iterator[None]:
-    """An exclusive lock beside ``out`` so concurrent prepares of the same folder build it once."""
+    """An exclusive lock beside ``out`` so concurrent prepares of the same folder build it once.
+
+    The lock file ``.OUT.lock`` is removed when the holder is done, while it still holds the lock: a process
+    that was waiting then holds a lock on a file no longer at that path, sees it (the path names another file,
+    or none) and locks afresh, so two processes never both believe they hold it. A file left by a killed
+    holder is locked and removed like any other."""
     out.parent.mkdir(parents=True, exist_ok=True)
     lock_path = out.parent / f".{out.name}.lock"
-    with open(lock_path, "a+") as f:
+    try:
+        import fcntl
+    except ImportError:  # no flock (Windows): best effort
+        fcntl = None  # type: ignore[assignment]
+    while True:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            import fcntl
-
-            fcntl.flock(f.fileno(), fcntl.LOCK_EX)
-        except (ImportError, OSError):  # no flock (Windows, some network filesystems): best effort
-            pass
+            if fcntl is not None:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:  # no flock on some network filesystems: best effort
+            break
+        except BaseException:
+            os.close(fd)
+            raise
+        try:
+            current = os.stat(lock_path)
+        except FileNotFoundError:
+            current = None
+        held = os.fstat(fd)
+        if current is not None and (current.st_dev, current.st_ino) == (held.st_dev, held.st_ino):
+            break
+        os.close(fd)  # the holder before us removed (and maybe someone re-created) the file: lock the new one
+    try:
         yield
+    finally:
+        # unlinked before the lock is released (closing the file releases it): see the docstring
+        with contextlib.suppress(OSError):
+            os.unlink(lock_path)
+        os.close(fd)
 
 
 def reusable(out: Path, key: str, verify: bool) -> Manifest | None:

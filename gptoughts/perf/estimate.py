@@ -4,7 +4,8 @@ Memory is the peak of a training step with fp32 master weights and mixed precisi
 optimizer state (per ``train.optimizer_states``), autocast weight copies, activations counted per family and
 activation-checkpointing mode from the block's ops, and the LM-head logits; under FSDP the sharded parts are
 divided by the GPU count and the gathered blocks added. Time is tokens × FLOPs/token / (peak FLOP/s × MFU), with
-a default MFU per size class measured on Hopper; ``--mfu`` overrides it. The full breakdown and the
+a default MFU per size class measured on Hopper; ``--mfu`` overrides it; a micro-batch step never takes less than
+:data:`MIN_STEP_S` (tiny models are bound by kernel launches, not FLOPs). The full breakdown and the
 measurements it was checked against: docs/performance.md, "Memory and time estimate".
 """
 
@@ -35,6 +36,11 @@ DEFAULT_PRICE = {
     "V100": 0.8,
     "B200": 5.0,
 }
+# The least a training micro-batch step takes on a GPU, whatever its FLOPs: a tiny model is bound by launching its
+# kernels, and its FLOP-bound speed is fiction. Under every step measured on an H200 (docs/performance.md), so
+# where it binds the speed is an upper bound.
+MIN_STEP_S = 4.5e-3
+
 GPU_MEMORY_GIB = {
     "H200": 141,
     "H100": 80,
@@ -80,6 +86,9 @@ class Estimate:
     shards under FSDP, rank 0's whole state for one process or DDP)."""
     optimizer_states: str = "fp32"
     """How AdamW's moments are stored (``train.optimizer_states``): what ``optimizer_gib`` counts."""
+    flops_tokens_per_s: float | None = None
+    """The speed FLOPs alone allow at ``mfu``. ``tokens_per_s`` is lower where a step would take less than
+    :data:`MIN_STEP_S` (a tiny model): it is then that floor's speed, an upper bound."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -346,8 +355,9 @@ def estimate(
         grad_accum > 1 or keep_grads,
     )  # fmt: skip
     speed = _speed_and_cost(
-        gpu, args.d_model, model.flops_per_token(block_size), mfu, num_gpus, tokens, price
-    )
+        gpu, args.d_model, model.flops_per_token(block_size), mfu, num_gpus, tokens, price,
+        tokens_step=tokens_step, data_ranks=max(1, num_gpus // tp),
+    )  # fmt: skip
     mem = speed.pop("gpu_memory_gib")
     return Estimate(
         params=n,
@@ -576,9 +586,14 @@ def _speed_and_cost(
     num_gpus: int,
     tokens: int | None,
     price: float | None,
+    *,
+    tokens_step: int | None = None,
+    data_ranks: int = 1,
 ) -> dict[str, Any]:
     """Speed at ``mfu`` of ``gpu``'s peak (default by size class), the time for ``tokens`` and its price, and the
-    GPU's memory (None for a GPU not in GPU_MEMORY_GIB): the Estimate fields of the same names."""
+    GPU's memory (None for a GPU not in GPU_MEMORY_GIB): the Estimate fields of the same names. With
+    ``tokens_step`` (a micro-batch's tokens on each of ``data_ranks``), no faster than one such step every
+    :data:`MIN_STEP_S`."""
     peak = peak_flops(gpu)
     if peak is None and gpu.lower() in ("cpu", "mps"):
         # a CPU's speed is measured, not looked up: train's dry run times a matmul here and plans with it
@@ -590,7 +605,8 @@ def _speed_and_cost(
         raise ConfigError(f"unknown GPU {gpu!r}; known: {', '.join(sorted(_PEAK_BF16))}")
     if mfu is None:
         mfu = 0.55 if d_model >= 2048 else 0.45
-    tps = peak * mfu / flops_tok * num_gpus
+    flops_tps = peak * mfu / flops_tok * num_gpus
+    tps = min(flops_tps, tokens_step * data_ranks / MIN_STEP_S) if tokens_step else flops_tps
     hours = tokens / tps / 3600 if tokens else None
     key = next((k for k in sorted(GPU_MEMORY_GIB, key=len, reverse=True) if k.lower() in gpu.lower()), None)
     pph = price if price is not None else DEFAULT_PRICE.get(key) if key else None
@@ -599,6 +615,7 @@ def _speed_and_cost(
         "flops_per_token": flops_tok,
         "mfu": mfu,
         "tokens_per_s": tps,
+        "flops_tokens_per_s": flops_tps,
         "tokens": tokens,
         "hours": hours,
         "price_per_hour": pph,
@@ -615,7 +632,11 @@ STATE_BYTES = {"fp32": 8.0, "bf16": 4.0, "8bit": 2 * (1 + 4 / 256)}
 def format_estimate(e: Estimate) -> str:
     lines = [
         f"{e.params / 1e6:,.1f}M params ({e.params_non_embedding / 1e6:,.1f}M non-embedding), "
-        f"{e.flops_per_token / 1e9:.2f} GFLOP/token",
+        + (
+            f"{e.flops_per_token / 1e9:.2f} GFLOP/token"
+            if e.flops_per_token >= 1e7
+            else f"{e.flops_per_token / 1e6:.1f} MFLOP/token"  # a debug model's 0.004 GFLOP is not "0.00"
+        ),
         "memory at peak (GiB):",
     ]
     for k in ("weights", "gradients", "optimizer", "autocast_copies", "activations", "logits"):
@@ -628,11 +649,20 @@ def format_estimate(e: Estimate) -> str:
     lines.append(f"  {'total':<16} {e.total_gib:8.2f}{mem}{fit}")
     if e.host_gib:
         lines.append(f"  {'host (offload)':<16} {e.host_gib:8.2f} of CPU memory per process")
-    lines.append(f"speed: {e.tokens_per_s:,.0f} tokens/s at MFU {e.mfu:.2f} on {e.gpu}")
+    floored = e.flops_tokens_per_s is not None and e.tokens_per_s < e.flops_tokens_per_s
+    if floored:
+        lines.append(
+            f"speed: at most {e.tokens_per_s:,.0f} tokens/s on {e.gpu}: a model this small is bound by each step's "
+            f"~{MIN_STEP_S * 1e3:g} ms of kernel launches, not by its FLOPs (at MFU {e.mfu:.2f} they would allow "
+            f"{e.flops_tokens_per_s:,.0f}); `gptoughts bench` with the same flags measures it"
+        )
+    else:
+        lines.append(f"speed: {e.tokens_per_s:,.0f} tokens/s at MFU {e.mfu:.2f} on {e.gpu}")
     if e.hours is not None:
         cost = f", ${e.cost:,.0f} at ${e.price_per_hour}/h per GPU" if e.cost is not None else ""
         days = f" ({e.hours / 24:.1f} days)" if e.hours > 48 else ""
-        lines.append(f"time for {e.tokens:,} tokens: {e.hours:,.1f} h{days}{cost}")
+        least = "at least " if floored else ""
+        lines.append(f"time for {e.tokens:,} tokens: {least}{e.hours:,.1f} h{days}{cost}")
     return "\n".join(lines)
 
 

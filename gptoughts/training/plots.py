@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
@@ -30,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from gptoughts.errors import UserError
+from gptoughts.training.rundir import place_file, refuse_existing
 
 log = logging.getLogger("gptoughts.training")
 
@@ -392,8 +392,9 @@ def _panel_step_time(ax: Any, s: Series) -> None:
     _legend(ax, twin)
 
 
-def _save(fig: Any, canvas_cls: Any, path: Path) -> Path:
-    """Render ``fig`` to ``path`` atomically: a temporary file in the same folder, then ``os.replace``."""
+def _save(fig: Any, canvas_cls: Any, path: Path, overwrite: bool = True) -> Path:
+    """Render ``fig`` to a temporary file beside ``path``, then place it (``rundir.place_file``: without
+    ``overwrite`` a file already at ``path`` is kept and the PNG goes to the first free name). Returns where."""
     canvas_cls(fig)
     # A unique name per call (two writers never share a temp file); opened like any new file, so it gets the
     # usual permissions (mkstemp's would be 0600).
@@ -401,11 +402,9 @@ def _save(fig: Any, canvas_cls: Any, path: Path) -> Path:
     try:
         with open(tmp, "xb") as f:
             fig.savefig(f, format="png", dpi=_DPI, pil_kwargs={"compress_level": _PNG_COMPRESSION})
-        os.replace(tmp, path)
-    except BaseException:
+        return place_file(tmp, path, overwrite)
+    finally:
         tmp.unlink(missing_ok=True)
-        raise
-    return path
 
 
 def _tokens_title(s: Series) -> str:
@@ -500,13 +499,14 @@ def _labels(paths: list[Path]) -> list[str]:
     return out
 
 
-def compare_runs(runs: Sequence[Path | str], out: Path | str) -> Path:
+def compare_runs(runs: Sequence[Path | str], out: Path | str, *, overwrite: bool = False) -> Path:
     """One PNG at ``out`` overlaying ``runs`` (run directories): train loss, val loss, learning rate, tokens/s and
     gradient norm, and when a run scored tasks during training a row of task scores (one colour per run, one line
     style per task and metric), the legend naming each run by its folder (disambiguated when two share a
     name). ``out`` may be an existing directory (the file is then ``compare.png`` in it). Returns the path.
 
-    Raises ``UserError`` when a run has no ``metrics.jsonl``, or without matplotlib.
+    Raises ``UserError`` when a run has no ``metrics.jsonl``, without matplotlib, or when the file exists and
+    ``overwrite`` is False (checked before anything is drawn, and again as the file is placed).
     """
     if not runs:
         raise UserError("compare_runs needs at least one run directory")
@@ -516,13 +516,16 @@ def compare_runs(runs: Sequence[Path | str], out: Path | str) -> Path:
         if not (p / METRICS_FILE).is_file():
             raise UserError(f"{p} has no {METRICS_FILE}; pass a run directory")
         data.append(read_series(p / METRICS_FILE))
+    out = Path(out)
+    if out.is_dir():
+        out = out / "compare.png"
+    if out.is_dir():
+        raise UserError(f"{out} is a folder; pass --out FILE.png")
+    refuse_existing(out, overwrite)
     mpl = _matplotlib()
     if mpl is None:
         raise UserError("comparing runs needs matplotlib: pip install matplotlib")
     Figure, Canvas = mpl
-    out = Path(out)
-    if out.is_dir():
-        out = out / "compare.png"
     out.parent.mkdir(parents=True, exist_ok=True)
 
     task_keys = sorted({k for s in data for k in _task_keys(s)})
@@ -536,7 +539,7 @@ def compare_runs(runs: Sequence[Path | str], out: Path | str) -> Path:
         _compare_tasks(fig.add_subplot(grid[2, :]), data, labels, task_keys)
     _runs_legend(axes[1, 2], data, labels)
     fig.suptitle("comparison: " + ", ".join(labels), fontsize=12)
-    return _save(fig, Canvas, out)
+    return _save(fig, Canvas, out, overwrite=overwrite)
 
 
 # The overlaid panels of a comparison: (row, column, metric, title, y label, log y when the values span > 10x).

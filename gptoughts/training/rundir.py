@@ -395,3 +395,44 @@ def write_text_atomic(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def refuse_existing(path: Path, overwrite: bool) -> None:
+    """One line, before a command's work, where its one output file is already there and ``overwrite`` was not
+    passed (``train --out`` and ``export OUT`` treat an existing output the same way)."""
+    if path.exists() and not overwrite:
+        raise UserError(
+            f"{path} already exists; pass --out to write elsewhere (e.g. --out {free_name(path)}), or "
+            "--overwrite to replace it"
+        )
+
+
+def free_name(path: Path) -> Path:
+    """``path`` with ``-2``, ``-3``, ... before its suffix: the first name not taken."""
+    n = 2
+    while (free := path.with_name(f"{path.stem}-{n}{path.suffix}")).exists():
+        n += 1
+    return free
+
+
+def place_file(tmp: Path, path: Path, overwrite: bool) -> Path:
+    """Move the finished ``tmp`` to ``path`` whole (a reader never sees half a file) and return where it went.
+    Without ``overwrite`` never over a file, not even one made since :func:`refuse_existing` looked: that one is
+    kept and ``tmp`` goes to the first free name (:func:`free_name`)."""
+    if overwrite:
+        os.replace(tmp, path)
+        return path
+    target = path
+    while True:
+        try:
+            os.link(tmp, target)  # fails if target exists, atomically: no window between a check and a rename
+            tmp.unlink()
+            return target
+        except FileExistsError:
+            target = free_name(path)
+        except OSError:  # no hard links on this filesystem: check, then rename
+            if target.exists():
+                target = free_name(path)
+                continue
+            os.replace(tmp, target)
+            return target

@@ -245,7 +245,7 @@ def test_failed_build_leaves_nothing(tmp_path: Path) -> None:
     jl.write_text('{"text": "fine"}\n' * 5 + '{"body": "oops"}\n')
     with pytest.raises(DataError, match=":6 has no field 'text'"):
         prepare([jl], tmp_path / "o", "bytes", progress=False)
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".o.lock", "d.jsonl"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d.jsonl"]
 
 
 def test_refuses_to_replace_a_foreign_folder(tmp_path: Path, corpus: Path) -> None:

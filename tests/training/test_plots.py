@@ -207,8 +207,23 @@ def test_compare_runs_overlays_two_runs(tmp_path):
     assert out == tmp_path / "out" / "compare.png"
     _assert_png(out, min_w=800, min_h=400)
     assert [p.name for p in (tmp_path / "out").iterdir()] == ["compare.png"]
-    # An existing directory as `out`: compare.png inside it.
-    assert compare_runs([a, str(b)], tmp_path / "out") == tmp_path / "out" / "compare.png"
+    # An existing directory as `out`: compare.png inside it (replacing the one drawn above: overwrite=True).
+    assert compare_runs([a, str(b)], tmp_path / "out", overwrite=True) == tmp_path / "out" / "compare.png"
+
+
+def test_compare_runs_keeps_an_existing_file(tmp_path):
+    a = _write_run(tmp_path / "a")
+    b = _write_run(tmp_path / "b")
+    mine = tmp_path / "compare.png"
+    mine.write_bytes(b"my own figure")
+    for out in (mine, tmp_path):  # named, and as compare.png in a named folder
+        with pytest.raises(UserError, match=r"compare.png already exists; pass --out .* or --overwrite") as e:
+            compare_runs([a, b], out)
+        assert "\n" not in str(e.value)
+    assert mine.read_bytes() == b"my own figure"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "compare.png"]  # no temporary file left
+    _assert_png(compare_runs([a, b], mine, overwrite=True), min_w=800, min_h=400)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "compare.png"]
 
 
 def test_compare_labels_are_disambiguated(tmp_path):
