@@ -295,10 +295,24 @@ def apply_compile(parts: list[nn.Module], spec: Transforms, *, whole_later: bool
         return
     for part in parts:
         if spec.compile_mode == "blocks" or whole_later:
+            _graphs_per_block_kind(part.layers)
             for block in part.layers:
                 block.compile(mode=spec.block_mode)
         else:  # sharded or pipelined: the whole stage, before FSDP wraps it
             part.compile(mode=spec.inductor_mode)
+
+
+def _graphs_per_block_kind(blocks: nn.Module) -> None:
+    """Every block shares one ``forward``, and dynamo keeps at most ``recompile_limit`` graphs of a function before
+    running it eagerly: training and evaluation (grad mode), the auto-batch probe's static then dynamic shapes, per
+    kind of block. DeepSeek's dense and MoE blocks reached the default 8 at the first evaluation, which then ran
+    eagerly. The limit is raised to 8 per kind of block (kinds: by class and parameter shapes)."""
+    kinds = {(type(b), tuple(p.shape for p in b.parameters())) for b in blocks}
+    limit = 8 * len(kinds)
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    if getattr(config, name, limit) < limit:
+        setattr(config, name, limit)
 
 
 def apply_whole_model_compile(built: Built) -> None:
