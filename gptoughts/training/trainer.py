@@ -427,7 +427,16 @@ class Trainer:
         return due if (due.log or evaluate or sample or tasks or due.save or due.stop) else None
 
     def _at_interval(self, due: _Due) -> bool:
-        """After the flush: log, evaluate, save, sample and score as due. True: the run stops here."""
+        """After the flush: log, evaluate, save, sample and score as due. True: the run stops here. The logged
+        throughput is training's: the next window does not count the time spent here."""
+        t0 = time.perf_counter()
+        try:
+            return self._interval_work(due)
+        finally:  # (a rollback in it restarted the window already: never later than now)
+            now = time.perf_counter()
+            self._window_t0 = min(self._window_t0 + now - t0, now)
+
+    def _interval_work(self, due: _Due) -> bool:
         stop, ev = due.stop, self.evaluator
         if due.log:
             stop = stop or self._agree_stop()
@@ -470,10 +479,7 @@ class Trainer:
         return bool(pdist.all_reduce_sum(flag, self.dist).item() > 0)
 
     def _score_tasks(self) -> None:
-        t0 = time.perf_counter()
         self.evaluator.score_tasks_or_drop_them(stop=lambda: self.stop_requested)
-        # The logged throughput is training's: the next window does not count the time spent scoring.
-        self._window_t0 += time.perf_counter() - t0
 
     # ------------------------------------------------------------------------------------------ checkpoints
     def save(self, *, val_loss: float | None = None, is_best: bool = False) -> bool:
