@@ -186,7 +186,7 @@ def _dry_run(tmp_path, text_corpus, capsys, **overrides):
     return history.plan, capsys.readouterr().out
 
 
-def _debug_need(tmp_path, text_corpus, capsys, layout: Layout) -> float:
+def _debug_need(tmp_path, text_corpus, capsys, layout: Layout, batch: int = 4) -> float:
     plan, _ = _dry_run(
         tmp_path,
         text_corpus,
@@ -194,7 +194,7 @@ def _debug_need(tmp_path, text_corpus, capsys, layout: Layout) -> float:
         **{
             "perf.activation_checkpointing": layout.activation_checkpointing,
             "train.optimizer_states": layout.optimizer_states,
-            "train.batch_size": 4,
+            "train.batch_size": batch,
         },
     )
     return plan["memory_gib"]
@@ -223,17 +223,18 @@ def test_a_dry_run_on_a_small_gpu_plans_the_layout_and_says_why(
 def test_a_set_value_is_kept_end_to_end(tmp_path, text_corpus, cache_dir, capsys, pretend_gpu):
     """A cap where selective checkpointing would be chosen; with --activation_checkpointing none given, the next
     step, bf16 states, is chosen instead and checkpointing stays off."""
-    plain = _debug_need(tmp_path, text_corpus, capsys, Layout())
-    bf16 = _debug_need(tmp_path, text_corpus, capsys, Layout(optimizer_states="bf16"))
-    selective = _debug_need(tmp_path, text_corpus, capsys, Layout("selective"))
+    # 16 rows: enough activations for selective checkpointing to save more than bf16 optimizer states
+    plain = _debug_need(tmp_path, text_corpus, capsys, Layout(), batch=16)
+    bf16 = _debug_need(tmp_path, text_corpus, capsys, Layout(optimizer_states="bf16"), batch=16)
+    selective = _debug_need(tmp_path, text_corpus, capsys, Layout("selective"), batch=16)
     assert selective < bf16 < plain
     cap = (bf16 / FIT + plain / FIT) / 2
     plan, text = _dry_run(
-        tmp_path, text_corpus, capsys, **{"perf.gpu_memory_gib": cap, "train.batch_size": 4}
+        tmp_path, text_corpus, capsys, **{"perf.gpu_memory_gib": cap, "train.batch_size": 16}
     )
     assert plan["resolved"]["activation_checkpointing"].startswith("selective (auto")
     assert "optimizer_states" not in plan["resolved"]
-    given = {"perf.gpu_memory_gib": cap, "train.batch_size": 4, "perf.activation_checkpointing": "none"}
+    given = {"perf.gpu_memory_gib": cap, "train.batch_size": 16, "perf.activation_checkpointing": "none"}
     plan, text = _dry_run(tmp_path, text_corpus, capsys, **given)
     assert (
         plan["resolved"]["activation_checkpointing"] == "none (asked)"
