@@ -200,6 +200,10 @@ def finetune(
                 _keywords(finetune),
             ),
         )
+    if config.model.init_from is None and config.run.resume:
+        from gptoughts.training.rundir import check_finetune_base
+
+        check_finetune_base(config)  # no run to resume, or one trained from scratch: said by name
     if config.model.init_from is None:
         raise ConfigError("finetune needs a pretrained model: pass model_path (--model HF_DIR)")
     return run_training(config, dry_run=dry_run)
@@ -413,10 +417,12 @@ def _print_summary(asm: Any, history: History) -> None:
         console.print(f"  next: gptoughts plot {run}", highlight=False)
         return
     scored = "--prefs PAIRS.jsonl" if asm.data.prefs is not None else "--data PATH"
+    # An interrupted run continues to its own end as it is; a finished one needs a budget past where it stopped.
+    more = "" if history.stop_reason.startswith("interrupted") else " --max_steps N"
     console.print(
         f'  next: gptoughts sample {run} --prompt "..."  |  gptoughts eval {run} {scored}  |  '
-        f"gptoughts export {run} --format hf OUT  |  gptoughts train --resume auto --out {run} "
-        f"--max_steps N  |  gptoughts plot {run}",
+        f"gptoughts export {run} --format hf OUT  |  gptoughts train --resume auto --out {run}{more}  |  "
+        f"gptoughts plot {run}",
         highlight=False,
     )
 

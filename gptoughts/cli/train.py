@@ -69,11 +69,19 @@ def train_help() -> str:
 
 
 def _run(
-    preset: str | None, overrides: dict[str, Any], switches: set[str], default_preset: str | None = None
+    preset: str | None,
+    overrides: dict[str, Any],
+    switches: set[str],
+    default_preset: str | None = None,
+    finetune: bool = False,
 ) -> int:
     from gptoughts.config import load_config, to_toml
 
     cfg = load_config(preset or default_preset, overrides)
+    if finetune:
+        from gptoughts.training.rundir import check_finetune_base
+
+        check_finetune_base(cfg)  # a resume without --model: the base model of the run's config.toml
     if "print_config" in switches:
         print(to_toml(cfg), end="")
         return 0
@@ -150,12 +158,12 @@ def cmd_finetune(argv: Sequence[str]) -> int:
     )
     if overrides.get("lora.quantize") == "4bit":
         overrides.setdefault("lora.enabled", True)
-    if "model.init_from" not in overrides and preset is None:
+    if "model.init_from" not in overrides and preset is None and "run.resume" not in overrides:
         raise ConfigError(
             "finetune needs a pretrained model: pass --model HF_DIR (a local Hugging Face folder) or "
             "--model ORG/NAME (a Hugging Face hub id)"
         )
-    return _run(preset, overrides, switches, default_preset="finetune")
+    return _run(preset, overrides, switches, default_preset="finetune", finetune=True)
 
 
 def cmd_config(argv: Sequence[str]) -> int:

@@ -19,18 +19,22 @@ from gptoughts.errors import HardwareError, UserError
 RECIPES = ("tensorwise", "rowwise")
 
 
-def check_fp8_supported(device: torch.device) -> None:
+def check_fp8_supported(device: torch.device, recommended: str | None = None) -> None:
+    """Refuse ``--fp8`` where it cannot run, naming the precision to use instead: ``recommended``, the hardware
+    profile's (what ``gptoughts env`` recommends: fp32 on a CPU, bf16 or fp16 on a GPU)."""
     if device.type != "cuda":
+        use = recommended or "fp32"
         raise HardwareError(
-            f"--fp8 needs an NVIDIA GPU with fp8 tensor cores (Ada, Hopper or newer); this run is "
-            f"on {device.type}. Drop --fp8 (bf16 is the fastest precision here)."
+            f"--fp8 needs an NVIDIA GPU with fp8 tensor cores (Ada, Hopper or newer); this run is on "
+            f"{device.type}: drop --fp8 ({use} is the recommended precision here, as `gptoughts env` says)"
         )
     cc = torch.cuda.get_device_capability(device)
     if cc < (8, 9):
         name = torch.cuda.get_device_name(device)
+        use = recommended or "bf16"
         raise HardwareError(
-            f"--fp8 needs compute capability 8.9+ (Ada, Hopper); {name} is {cc[0]}.{cc[1]}. "
-            "Use --precision bf16 instead."
+            f"--fp8 needs compute capability 8.9+ (Ada, Hopper); {name} is {cc[0]}.{cc[1]}: drop --fp8 "
+            f"(--precision {use} is the recommended precision here, as `gptoughts env` says)"
         )
 
 

@@ -189,6 +189,13 @@ def _assemble(
     # 3-6 first on estimates: the vocabulary and the corpus's size (nothing tokenized), the model on the meta
     # device, the micro-batch, the plan. A run that cannot fit is refused here, before anything heavy is done.
     data = prepare_data(cfg, env, dry_run=True)
+    # A resume tokenizes as its run did: compared here, before the plan and in a dry run too (a BPE still to be
+    # trained on an uncached corpus is judged by what it would be trained on; compared again once trained)
+    tokenizer_note = (
+        rundir.check_resumed_tokenizer(run_dir, resume_from, data.tokenizer, cfg)
+        if resume_from is not None
+        else None
+    )
     model = build_model(cfg, env, data, meta=True)
     cfg, env = choose_memory_layout(cfg, env, model, dry_run=dry_run)  # 4b: what the later steps build
     resumed_at = _resumed_at(resume_from)
@@ -220,7 +227,7 @@ def _assemble(
         batch = plan_batches(cfg, env, data, model, resumed_run=resumed_run, resumed_at=resumed_at)  # 5
         resolved, plan = _plan(cfg, env, data, model, batch, run_dir, resume_from, tasks, why)  # 6
     probing = threads is None and not dry_run and _single_cpu_process(env)
-    _print_plan(env, plan, probing, refusal=nothing)
+    _print_plan(env, plan, probing, refusal=nothing, note=tokenizer_note if dry_run else None)
     if probing:
         # After the plan: on a CPU the probe's forward+backward steps are the first thing that takes a while.
         step, probe_tokens = _probe_step(cfg, model, data)
@@ -258,14 +265,19 @@ def _assemble(
     return make_trainer(asm, tasks)  # 7-8
 
 
-def _print_plan(env: Environment, plan: RunPlan, probing: bool, *, refusal: str | None) -> None:
-    """The plan, printed by rank 0. Then a dry run's ``refusal`` (a resume with nothing to train), raised: the plan
-    shows the user where the run stands, then the same one line and exit status as the run itself, so that a
-    script checking with ``--dry_run`` gets the real verdict (as for a folder it would refuse)."""
+def _print_plan(
+    env: Environment, plan: RunPlan, probing: bool, *, refusal: str | None, note: str | None = None
+) -> None:
+    """The plan, printed by rank 0, and a dry run's ``note`` (what only the real run can decide). Then a dry run's
+    ``refusal`` (a resume with nothing to train), raised: the plan shows the user where the run stands, then the
+    same one line and exit status as the run itself, so that a script checking with ``--dry_run`` gets the real
+    verdict (as for a folder it would refuse)."""
     from gptoughts.training.metrics import console
 
     if env.dist.is_main:
         console.print(plan.format(threads_pending=probing), highlight=False)
+        if note:
+            console.print(f"note: {note}", highlight=False)
     if refusal:
         raise UserError(refusal)
 

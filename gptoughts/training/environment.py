@@ -73,6 +73,10 @@ def setup_environment(cfg: Config) -> Environment:
     # here: the later steps that use them need not check again)
     check_attention(cfg.perf, device)
     check_optimizer_states(cfg.train, info)
+    if cfg.perf.fp8 is True:  # asked: refused here, where a dry run checks it too, not as the model is built
+        from gptoughts.perf.fp8 import check_fp8_supported
+
+        check_fp8_supported(device, str(hw.recommended.get("precision", "")) or None)
     precision = hardware.resolve_precision(cfg.perf.precision, hw)
     why = {"precision": f"{precision} ({'asked' if cfg.perf.precision != 'auto' else 'auto: ' + hw.arch})"}
     if cfg.perf.gpu_memory_gib is not None and device.type == "cuda" and hw.memory_bytes:

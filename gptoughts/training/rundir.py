@@ -164,7 +164,7 @@ def _check_same_model(old: Config, cfg: Config, subject: str, fix: str) -> None:
             f"{subject} a model of another architecture than this command's ({'; '.join(changed)}): a checkpoint "
             f"resumes only into the model it was saved from; {fix}"
         )
-    if (old.model.init_from, old.lora.enabled) != (cfg.model.init_from, cfg.lora.enabled):
+    if old.lora.enabled != cfg.lora.enabled or not same_base_model(old.model.init_from, cfg.model.init_from):
         base = (
             f"a fine-tune of {old.model.init_from}" if old.model.init_from else "a model trained from scratch"
         )
@@ -172,6 +172,46 @@ def _check_same_model(old: Config, cfg: Config, subject: str, fix: str) -> None:
             f"{subject} {base} (LoRA {'on' if old.lora.enabled else 'off'}); resume it with the same --model and "
             f"--lora, or {fix}"
         )
+
+
+def same_base_model(a: str | None, b: str | None) -> bool:
+    """Whether ``a`` and ``b`` (``model.init_from``) name the same base model: a folder by its resolved path
+    (config.toml stores it absolute, a command names it as typed: ``exported_a``, ``./exported_a/``), a hub id
+    (:func:`~gptoughts.models.hf.is_hub_id`) as it is written."""
+    if a is None or b is None:
+        return a is b
+    return _base_model_key(a) == _base_model_key(b)
+
+
+def _base_model_key(spec: str) -> str:
+    from gptoughts.models.hf import is_hub_id
+
+    return spec if is_hub_id(spec) else str(Path(spec).expanduser().resolve())
+
+
+def check_finetune_base(cfg: Config) -> None:
+    """``finetune`` trains a pretrained model (``model.init_from``). Without ``--model``, a resume takes it from the
+    run's config.toml (as ``train --resume`` takes the whole model): refused by name where there is no run to
+    resume, or the run was trained from scratch."""
+    if cfg.model.init_from is not None:
+        return
+    resume = cfg.run.resume
+    if resume == "auto":
+        run_dir = Path(cfg.run.out)
+        check_resumable(run_dir)  # no run there: nothing to resume, said by the refusal --resume auto gives
+        raise UserError(
+            f"{run_dir} holds a model trained from scratch, not a fine-tune; resume it with `gptoughts train "
+            f"--resume auto --out {run_dir}`, or fine-tune a model with --model HF_DIR into another --out"
+        )
+    if resume:
+        raise UserError(
+            f"{resume} is not a checkpoint of a fine-tune (no run config.toml beside it names a base model); "
+            f"resume it with `gptoughts train --resume {resume}`, or pass --model HF_DIR"
+        )
+    raise UserError(
+        "finetune needs a pretrained model: pass --model HF_DIR (a local Hugging Face folder) or "
+        "--model ORG/NAME (a Hugging Face hub id)"
+    )
 
 
 def _check_resume(run_dir: Path, cfg: Config) -> tuple[Path | None, dict[str, Any] | None]:
@@ -190,9 +230,11 @@ def _check_resume(run_dir: Path, cfg: Config) -> tuple[Path | None, dict[str, An
             f"every checkpoint of {run_dir} is unusable ({problems}); nothing was changed: restore "
             "one, or start over with --overwrite"
         )
-    if found is not None:  # (a run with no checkpoint yet restarts from step 0: any optimizer will do)
+    record = read_run_json(run_dir)
+    if found is not None:  # (a run with no checkpoint yet restarts from step 0: any optimizer, any batches)
         _check_optimizer(found, old.train.optimizer, cfg, True)
-    return found, read_run_json(run_dir)
+        _check_data_order(found, old, cfg, record)
+    return found, record
 
 
 def _check_checkpoint(run_dir: Path, cfg: Config, path: Path) -> tuple[Path | None, dict[str, Any] | None]:
@@ -220,6 +262,7 @@ def _check_checkpoint(run_dir: Path, cfg: Config, path: Path) -> tuple[Path | No
             old, cfg, f"{path} was saved from", f"give the model flags of its run ({source}/config.toml)"
         )
         _check_optimizer(path, old.train.optimizer, cfg, True)
+        _check_data_order(path, old, cfg, read_run_json(source))
     else:  # a checkpoint moved out of its run: its weights' shapes are checked as they load
         from gptoughts.training.checkpoint.restore import saved_optimizer
 
@@ -243,6 +286,27 @@ def _check_optimizer(path: Path, was: str | None, cfg: Config, in_run: bool) -> 
             f"{path} holds the state of the {was} optimizer and this command asks for --optimizer {asked}; "
             f"resume with --optimizer {was}{new_run}"
         )
+
+
+def _check_data_order(path: Path, old: Config, cfg: Config, record: dict[str, Any] | None) -> None:
+    """A checkpoint's data loader goes on only with the block and seed it cut its batches with (chat data: and its
+    packing): refused here, from its run's config.toml, before the plan and in a dry run too, rather than by the
+    loader as the checkpoint loads (which stays the check of a checkpoint moved out of its run). ``record``: the
+    run's run.json (its data format)."""
+    fields = [
+        ("block_size", old.train.block_size, cfg.train.block_size),
+        ("seed", old.train.seed, cfg.train.seed),
+    ]
+    if record is not None and record.get("data_format") == "sft" and not record.get("generic"):
+        fields.append(("packing", old.data.packing, cfg.data.packing))  # (a generic model never packs)
+    for name, was, now in fields:
+        if was != now:
+            shown = str(was).lower() if isinstance(was, bool) else was
+            raise UserError(
+                f"the data loader of {path} used {name}={was!r}, this command asks for {now!r}: its batches go on "
+                f"only with the {name} they were cut with; resume with --{name} {shown} (or without --{name}), "
+                "or train with the new value as a new run (another --out)"
+            )
 
 
 def _contents(run_dir: Path) -> list[str]:
@@ -315,13 +379,94 @@ def _old_config(run_dir: Path) -> Config:
         ) from None
 
 
-def check_resumed_tokenizer(run_dir: Path, resume_from: Path, tokenizer: Any, cfg: Config) -> None:
+def check_resumed_tokenizer(run_dir: Path, resume_from: Path, tokenizer: Any, cfg: Config) -> str | None:
     """:func:`check_tokenizer` against the run's own tokenizer, or for a branch into a new folder the one of the
-    run the checkpoint comes from (where neither has one, nothing to compare)."""
+    run the checkpoint comes from (where neither has one, nothing to compare).
+
+    ``tokenizer`` None: a BPE not trained yet (the assembly's first pass, which a dry run stops after, tokenizes
+    nothing). It is decided by what it would be trained on (:func:`tokenizer_inputs_changed`: the tokenizer
+    asked, the sources, the seed and the reading settings, against the run's config.toml): refused where those
+    differ, so that a dry run gives the real run's verdict and a real run refuses before preparing a corpus it
+    cannot use. Where they are the run's own, only the trained BPE can tell an edited corpus from a touched one:
+    what is left to compare is returned, for a dry run to say (else None)."""
     for source in (run_dir, ckpt.run_of(resume_from)):
-        if source is not None and (source / "tokenizer").exists():
+        if source is None or not (source / "tokenizer").exists():
+            continue
+        if tokenizer is not None:
             check_tokenizer(source, tokenizer, cfg)
-            return
+            return None
+        old = _old_config(source) if (source / "config.toml").is_file() else None
+        cause = tokenizer_inputs_changed(old, cfg) if old is not None else None
+        if cause:
+            raise UserError(
+                f"the tokenizer this run would build differs from {source}/tokenizer: {cause}; resume with the "
+                f"run's own settings, or keep its vocabulary with --tokenizer {source}/tokenizer"
+            )
+        return (
+            f"the run's corpus has no tokenized shards here (its files changed since the run read them, or the "
+            f"cache is another): the run trains its {cfg.data.tokenizer} again and compares it with "
+            f"{source}/tokenizer before its first step; if the text changed, it is refused then "
+            f"(--tokenizer {source}/tokenizer keeps the run's vocabulary)"
+        )
+    return None
+
+
+def tokenizer_inputs_changed(old: Config, cfg: Config) -> str | None:
+    """Why the tokenizer ``cfg`` builds is not the one the run of ``old`` built, when it is in what the two
+    configs ask for (the tokenizer, the sources, the held-out split, the reading settings); None when they ask
+    for the same (a trained BPE may still differ: its corpus's text may have changed)."""
+    if cfg.model.init_from is not None:  # a fine-tune's tokenizer is its base model's, whatever the data
+        return None
+    if _tokenizer_key(old.data.tokenizer) != _tokenizer_key(cfg.data.tokenizer):
+        return f"the run used --tokenizer {old.data.tokenizer}, this command asks for {cfg.data.tokenizer}"
+    if _tokenizer_kind(cfg.data.tokenizer) != "bpe":  # bytes or a folder: the same whatever the corpus
+        return None
+    was, now = _source_keys(old.data.sources), _source_keys(cfg.data.sources)
+    if was != now:
+        names = ", ".join(Path(s).name for s in now) or "none"
+        return (
+            f"the corpus differs from the one the run started on (--data {names}; the run's: "
+            f"{', '.join(Path(s).name for s in was) or 'none'}), so the BPE trained on it differs"
+        )
+    if old.train.seed != cfg.train.seed:
+        return (
+            f"the run's seed was {old.train.seed} and this command's is {cfg.train.seed} (the seed picks the "
+            "held-out documents, which the BPE is not trained on)"
+        )
+    d, n = old.data, cfg.data
+    if (d.max_bytes, d.val_fraction, d.text_field, d.extensions) != (
+        n.max_bytes,
+        n.val_fraction,
+        n.text_field,
+        n.extensions,
+    ):
+        return (
+            "data.max_bytes, data.val_fraction, data.text_field or data.extensions changed, so the BPE was "
+            "trained on other text"
+        )
+    return None
+
+
+def _tokenizer_kind(spec: str) -> str:
+    from gptoughts.data.tokenizer import parse_spec
+
+    try:
+        return parse_spec(spec)[0]
+    except ConfigError:  # a folder gone missing: refused by name where it is loaded
+        return "folder"
+
+
+def _tokenizer_key(spec: str) -> str:
+    """A tokenizer spec as compared: a folder by its resolved path (config.toml stores it absolute)."""
+    return str(Path(spec).expanduser().resolve()) if _tokenizer_kind(spec) == "folder" else spec.strip()
+
+
+def _source_keys(sources: list[str]) -> list[str]:
+    """Sources as the corpus reads them: ``@stdlib`` expanded, paths resolved (config.toml stores them absolute,
+    a command names them as typed)."""
+    from gptoughts.data.sources import STDLIB_ALIAS, stdlib_path
+
+    return [str(stdlib_path()) if s == STDLIB_ALIAS else str(Path(s).expanduser().resolve()) for s in sources]
 
 
 def check_tokenizer(run_dir: Path, tokenizer: Any, cfg: Config) -> None:
@@ -339,22 +484,17 @@ def check_tokenizer(run_dir: Path, tokenizer: Any, cfg: Config) -> None:
     if saved.fingerprint() == tokenizer.fingerprint():
         return
     old = _old_config(run_dir) if (run_dir / "config.toml").is_file() else None
-    cause = (
-        "the corpus differs from the one the run started on (edited, added or removed files), so the BPE "
-        "trained on it differs"
-    )
-    if old is not None and old.data.tokenizer != cfg.data.tokenizer:
-        cause = f"the run used --tokenizer {old.data.tokenizer}, this command asks for {cfg.data.tokenizer}"
-    elif old is not None and old.train.seed != cfg.train.seed:
-        cause = (
-            f"the run's seed was {old.train.seed} and this command's is {cfg.train.seed} (the seed picks the "
-            "held-out documents, which the BPE is not trained on)"
-        )
-    elif old is not None and (old.data.max_bytes, old.data.val_fraction) != (
-        cfg.data.max_bytes,
-        cfg.data.val_fraction,
+    if cfg.model.init_from is not None:  # a fine-tune tokenizes with its base model's tokenizer
+        cause = f"the tokenizer of {cfg.model.init_from} is not the one the run started with"
+    elif _tokenizer_kind(cfg.data.tokenizer) == "folder" and (
+        old is None or _tokenizer_key(old.data.tokenizer) == _tokenizer_key(cfg.data.tokenizer)
     ):
-        cause = "data.max_bytes or data.val_fraction changed, so the BPE was trained on other text"
+        cause = f"{cfg.data.tokenizer} holds another tokenizer than the one the run started with"
+    else:
+        cause = (tokenizer_inputs_changed(old, cfg) if old is not None else None) or (
+            "the corpus differs from the one the run started on (edited, added or removed files), so the BPE "
+            "trained on it differs"
+        )
     raise UserError(
         f"the tokenizer built now differs from {run_dir}/tokenizer: {cause}; resume with the run's own "
         f"settings, or keep its vocabulary with --tokenizer {run_dir}/tokenizer"
