@@ -427,11 +427,18 @@ class Sampler:
         self.defaults = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p)
 
     def prompt_ids(self, prompt: str, chat: bool) -> list[int]:
+        return self._context(prompt, chat)[0]
+
+    def _context(self, prompt: str, chat: bool) -> tuple[list[int], int]:
+        """The ids the model continues, and how many of them lead the text returned. An empty prompt starts from
+        end-of-text, where every document of the corpus starts (the model writes "a document"); that token is
+        not the user's and is not printed."""
         if chat:
             from gptoughts.data.sft import render_prompt
 
-            return render_prompt(self.tokenizer, [{"role": "user", "content": prompt}])
-        return self.tokenizer.encode(prompt) or [self.tokenizer.eos_id]
+            return render_prompt(self.tokenizer, [{"role": "user", "content": prompt}]), 0
+        ids = self.tokenizer.encode(prompt)
+        return (ids, 0) if ids else ([self.tokenizer.eos_id], 1)
 
     def __call__(
         self, prompt: str, *, seed: int | None = 0, chat: bool | None = None, **settings: Any
@@ -445,7 +452,7 @@ class Sampler:
         chat = self.chat if chat is None else chat
         tok = self.tokenizer
         device = compute_device(self.model)
-        ids = self.prompt_ids(prompt, chat)
+        ids, hidden = self._context(prompt, chat)
         x = torch.tensor([ids], dtype=torch.long, device=device)
         g = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
         with eager(self.model):
@@ -461,7 +468,7 @@ class Sampler:
                     mask_id=tok.mask_id,
                     generator=g,
                 )
-                return tok.decode(_until_eos(out[0].tolist(), len(ids), tok.eos_id))
+                return tok.decode(_until_eos(out[0].tolist(), len(ids), tok.eos_id)[hidden:])
             out = generate(
                 self.model,
                 x,
@@ -474,7 +481,7 @@ class Sampler:
             )
         if chat:
             return tok.decode(out[0].tolist()[len(ids) :], skip_special_tokens=True)
-        return tok.decode(out[0].tolist())
+        return tok.decode(out[0].tolist()[hidden:])
 
 
 def _until_eos(ids: list[int], prompt_len: int, eos_id: int) -> list[int]:

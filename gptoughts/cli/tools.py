@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -14,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from gptoughts.cli.options import ALIASES, FLAGS, bare_keys, options_help, parse_overrides, pop_options
+from gptoughts.cli.trained import Parser
 from gptoughts.errors import ConfigError, UserError
 
 
@@ -57,7 +57,7 @@ def cmd_prepare(argv: Sequence[str]) -> int:
 
 
 def cmd_env(argv: Sequence[str]) -> int:
-    p = argparse.ArgumentParser(prog="gptoughts env", description="Hardware and what `auto` means on it.")
+    p = Parser(prog="gptoughts env", description="Hardware and what `auto` means on it.")
     p.add_argument("--json", action="store_true")
     p.add_argument("--device", default="auto")
     a = p.parse_args(argv)
@@ -118,6 +118,8 @@ def cmd_bench(argv: Sequence[str]) -> int:
         compare=opts.get("compare"),
         data_dir=opts.get("shards"),
         kernel_steps=int(opts.get("kernels", 0)),
+        # to stderr: stdout stays the result alone (--json)
+        announce=lambda line: print(line, file=sys.stderr, flush=True),
     )
     print(json.dumps(res, default=str) if opts.get("json") else format_result(res))
     return 0
@@ -225,7 +227,7 @@ def cmd_tune(argv: Sequence[str]) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.{uuid.uuid4().hex[:12]}.tmp")
     try:
-        write_winner(win, cfg, tmp)
+        write_winner(win, cfg, tmp, name=str(out))
         path = place_file(tmp, out, bool(opts.get("overwrite")))
     finally:
         tmp.unlink(missing_ok=True)

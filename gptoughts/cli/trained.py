@@ -10,15 +10,85 @@ import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
-from gptoughts.errors import ConfigError, UserError
+from gptoughts.errors import ConfigError, UserError, closest
+
+MODEL_PATHS = (
+    "a run directory, a checkpoint directory or a Hugging Face model folder (what save_pretrained writes)"
+)
+"""What ``sample``, ``eval`` and ``export`` read, as their errors name it."""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, with errors said as the rest of the command says them: one line (a ``UserError``: exit 2, no usage
+    block), and an unknown option with the closest one of the command, as ``train`` names them."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UserError(f"{self.prog}: {message}; `{self.prog} --help` lists its options")
+
+    def parse_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> Any:  # type: ignore[override]
+        parsed, extra = self.parse_known_args(args, namespace)
+        if extra:
+            self._unknown(extra)
+        return parsed
+
+    def parse_intermixed_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> Any:  # type: ignore[override]
+        parsed, extra = self.parse_known_intermixed_args(args, namespace)
+        if extra:
+            self._unknown(extra)
+        return parsed
+
+    def _unknown(self, extra: list[str]) -> NoReturn:
+        first = next((a for a in extra if a.startswith("-")), extra[0])
+        if not first.startswith("-"):
+            raise UserError(
+                f"{self.prog}: unexpected argument {first!r}; `{self.prog} --help` lists what it takes"
+            )
+        name = first.split("=", 1)[0].lstrip("-")
+        options = [o[2:] for action in self._actions for o in action.option_strings if o.startswith("--")]
+        near = closest(name, options)
+        raise UserError(
+            f"unknown option --{name} for {self.prog}"
+            + (f" (did you mean --{near}?)" if near else f"; `{self.prog} --help` lists its options")
+        )
+
+
+def model_path(spec: str) -> str:
+    """``spec`` when it can name a model to read (:data:`MODEL_PATHS`); otherwise a one-line error naming what is
+    accepted, checked before anything loads. A hub id (``ORG/NAME``) is not fetched here: the hint says how."""
+    from gptoughts.models.hf import CONFIG_NAME, is_hub_id
+    from gptoughts.training.checkpoint import store
+
+    p = Path(spec).expanduser()
+    if not p.exists():
+        hub = (
+            f"; for a model of the Hugging Face hub, `hf download {spec} --local-dir DIR`, then pass DIR"
+            if is_hub_id(spec)
+            else ""
+        )
+        raise UserError(f"{spec} does not exist; pass {MODEL_PATHS}{hub}")
+    if not p.is_dir():
+        raise UserError(f"{spec} is a file; pass {MODEL_PATHS}")
+    marks = ("run.json", "config.toml", CONFIG_NAME, "checkpoints", store.META_FILE, store.MODEL_FILE)
+    # what store.resolve reads: a checkpoint's files, or step_N folders (.old-step_N-*: a replace a crash cut short)
+    if not any((p / m).exists() for m in (*marks, store.DCP_METADATA)) and not any(
+        "step_" in c.name for c in p.iterdir()
+    ):
+        raise UserError(
+            f"{spec} holds no run, checkpoint or model (no run.json, checkpoint or config.json); pass {MODEL_PATHS}"
+        )
+    return spec
 
 
 def cmd_sample(argv: Sequence[str]) -> int:
-    p = argparse.ArgumentParser(prog="gptoughts sample", description="Generate text from a trained model.")
+    p = Parser(prog="gptoughts sample", description="Generate text from a trained model.")
     p.add_argument("path", help="run directory, checkpoint directory or Hugging Face model folder")
-    p.add_argument("--prompt", default="", help="text to continue (with --chat: the user's message)")
+    p.add_argument(
+        "--prompt",
+        default="",
+        help="text to continue (with --chat: the user's message); empty: the model starts a document",
+    )
     p.add_argument(
         "--chat",
         default="auto",
@@ -45,6 +115,7 @@ def cmd_sample(argv: Sequence[str]) -> int:
         raise UserError(f"--top_k must be >= 0 (0: no top-k filtering), got {a.top_k}")
     if a.top_p is not None and not 0 < a.top_p <= 1:
         raise UserError(f"--top_p must be in (0, 1], got {a.top_p}")
+    model_path(a.path)
     from gptoughts.api import generate_text, load
 
     loaded = load(a.path, device=a.device, trust_remote_code=a.trust_remote_code)
@@ -70,10 +141,7 @@ def cmd_eval(argv: Sequence[str]) -> int:
     # Everything a user can get wrong is checked before the first (possibly long) model load and scoring.
     tasks, bench = _eval_tasks(a)
     for run in a.path:
-        if not Path(run).exists():
-            raise UserError(
-                f"{run} does not exist; pass a run directory, a checkpoint directory or a HF folder"
-            )
+        model_path(run)
     results: dict[str, dict[str, Any]] = {}
     for run in a.path:
         results[run] = _evaluate_run(run, a, tasks, bench)
@@ -82,7 +150,7 @@ def cmd_eval(argv: Sequence[str]) -> int:
 
 
 def _eval_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="gptoughts eval",
         description="Loss and perplexity of a run (or HF folder) on all of a corpus; multiple-choice accuracy and "
         "generation exact match on task files and lm-evaluation-harness tasks (--tasks). Several runs: one table "
@@ -333,7 +401,7 @@ def _save_task_scores(run: Path, scores: dict[str, Any]) -> None:
 
 
 def cmd_export(argv: Sequence[str]) -> int:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="gptoughts export",
         description="Write a run as a Hugging Face transformers model folder (LoRA merged).",
     )
@@ -358,6 +426,10 @@ def cmd_export(argv: Sequence[str]) -> int:
     if out is None:
         raise ConfigError("export needs an output folder: gptoughts export RUN --format hf OUT")
     from gptoughts.api import export
+    from gptoughts.models.hf_export import parse_size
+
+    parse_size(a.max_shard_size)  # every option checked, then what is read
+    model_path(a.path)
 
     written = export(
         a.path,
@@ -374,7 +446,7 @@ def cmd_export(argv: Sequence[str]) -> int:
 
 
 def cmd_plot(argv: Sequence[str]) -> int:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="gptoughts plot",
         description="PNG plots of runs (loss, lr, tokens/s, grad "
         "norm, memory): one run -> RUN/plots/; several -> one figure overlaying them.",

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass, replace
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -77,9 +79,13 @@ def run_bench(
     data_dir: str | None = None,
     hf_modes: tuple[str, ...] = ("eager", "compiled"),
     kernel_steps: int = 0,
+    announce: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Time ``cfg``'s training step; ``compare``: ``hf``, or ``torchtitan[:MODE,...]`` (see
-    :func:`parse_torchtitan_compare`), run after ours on the same shape, batch and precision."""
+    :func:`parse_torchtitan_compare`), run after ours on the same shape, batch and precision. A shape whose
+    estimated peak memory clearly exceeds the device's is refused before anything is built, as ``train`` refuses
+    it (:class:`MemoryRefused`; ``perf.ignore_memory_estimate`` tries anyway). ``announce``: told in one line what
+    is about to be built and timed, before the first slow step."""
     tt_modes: tuple[str, ...] = ()
     tt_graphs = True
     ours_notes: list[str] = []
@@ -91,7 +97,9 @@ def run_bench(
         cfg, ours_notes = align_ours_with_torchtitan(cfg)
         if models.get_family(cfg.model.family).name == "deepseek":
             import_torchtitan_deepseek()  # its modules beyond Llama's (MTP, the MoE hook)
-    result, ours = _bench_ours(cfg, steps=steps, warmup=warmup, data_dir=data_dir, kernel_steps=kernel_steps)
+    result, ours = _bench_ours(
+        cfg, steps=steps, warmup=warmup, data_dir=data_dir, kernel_steps=kernel_steps, announce=announce
+    )
     if ours_notes:
         result["ours_for_compare"] = ours_notes  # what our measured step left out to be the peer's model
     if compare == "hf":
@@ -112,8 +120,20 @@ def run_bench(
     return result
 
 
+class MemoryRefused(UserError, RuntimeError):
+    """A shape refused on its memory estimate (``train``'s refusal). A ``UserError`` (one line, exit 2), and a
+    ``RuntimeError`` so that ``tune``, which times each combination through :func:`run_bench`, records it as that
+    combination's failure and goes on with the others."""
+
+
 def _bench_ours(
-    cfg: Config, *, steps: int, warmup: int, data_dir: str | None, kernel_steps: int
+    cfg: Config,
+    *,
+    steps: int,
+    warmup: int,
+    data_dir: str | None,
+    kernel_steps: int,
+    announce: Callable[[str], None] | None = None,
 ) -> tuple[dict[str, Any], _Ours]:
     """Our step, built by train's own assembly and timed; the result's fields, and what a peer is compared at."""
     from gptoughts.training.batches import plan_batches
@@ -129,6 +149,12 @@ def _bench_ours(
     tokenizer, vocab = _vocabulary(cfg, data_dir)
     reset_memory(device)
     data = synthetic_data(vocab, tokenizer=tokenizer)
+    what = _check_memory(cfg, env, data)  # before the real build: a 1b on a CPU fills GBs in seconds
+    if announce is not None and env.dist.is_main:
+        announce(
+            f"bench: {what}: building it, then {warmup} warmup + {steps} timed steps"
+            + (f" + {kernel_steps} profiled" if kernel_steps > 0 else "")
+        )
     model = build_model(cfg, env, data)  # the train assembly's own step: transforms in their one order
     batch = plan_batches(cfg, env, data, model)  # batch_size = auto: the same search as train
     t = replace(cfg.train, batch_size=batch.micro_batch, grad_accum=batch.grad_accum)
@@ -176,6 +202,47 @@ def _bench_ours(
     del trainer, model, raw, loader
     reset_memory(device)
     return result, ours
+
+
+def _check_memory(cfg: Config, env: Any, data: Any) -> str:
+    """Train's memory refusal for this shape (:func:`~gptoughts.training.plan.memory_refusal` of the estimated peak
+    at the planned micro-batch, on the model built on the meta device: nothing allocated), raised as
+    :class:`MemoryRefused`; else what will be timed, in words: model, parameters, batch, device, precision and the
+    estimated peak."""
+    from gptoughts.parallel import dist as pdist
+    from gptoughts.training.batches import plan_batches
+    from gptoughts.training.estimates import device_memory_gib, estimate_peak
+    from gptoughts.training.modeling import build_model
+    from gptoughts.training.plan import gib, memory_refusal
+
+    meta = build_model(cfg, env, data, meta=True)
+    batch = plan_batches(cfg, env, data, meta, dry_run=True)
+    e = estimate_peak(
+        cfg, env, meta, batch.micro_batch, batch.block_size, batch.world_size, batch.tp, batch.grad_accum
+    )
+    peak, limit = (e.total_gib if e is not None else None), device_memory_gib(env)
+    if not cfg.perf.ignore_memory_estimate:
+        # what memory_refusal reads of a run's plan; rank 0's verdict for all, as in train
+        planned = SimpleNamespace(memory_gib=peak, device_memory_gib=limit, batch=asdict(batch))
+        verdict = memory_refusal(planned, on_cpu=env.device.type == "cpu")  # type: ignore[arg-type]
+        refusal = pdist.broadcast_object(verdict, env.dist)
+        if refusal:
+            raise MemoryRefused(str(refusal))
+    auto = not isinstance(cfg.train.batch_size, int) and env.device.type == "cuda"
+    shape = (
+        f"micro-batch auto (found with real steps) x {batch.block_size:,} tokens"
+        if auto
+        else f"micro-batch {batch.micro_batch} x {batch.block_size:,} tokens x accum {batch.grad_accum}"
+    )
+    memory = (
+        f", ~{gib(peak)} estimated peak" + (f" of {gib(limit)}" if limit else "")
+        if peak is not None and not auto
+        else ""
+    )
+    return (
+        f"{meta.family.name}/{cfg.model.size}, {meta.raw.num_params():,} parameters, {shape} on {env.hw.name} "
+        f"({env.device.type}, {env.precision}){memory}"
+    )
 
 
 def _vocabulary(cfg: Config, data_dir: str | None) -> tuple[Any, int]:

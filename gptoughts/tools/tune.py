@@ -120,15 +120,24 @@ def format_table(trials: list[Trial]) -> str:
     return "\n".join(lines)
 
 
-def write_winner(trial: Trial, cfg: Config, out: str | Path) -> Path:
-    """The complete config with the winning settings, as TOML: `gptoughts train OUT.toml --data ...`."""
+def write_winner(trial: Trial, cfg: Config, out: str | Path, *, name: str | None = None) -> Path:
+    """The complete config with the winning settings, as TOML: `gptoughts train OUT.toml --data ...`. ``name``:
+    the file as its header tells the user to pass it (default ``out``; the CLI writes a temporary file first)."""
     from gptoughts.config import to_toml
 
     out = Path(out)
-    header = f"# Written by `gptoughts tune`: {trial.tokens_per_s:,.0f} tokens/s" + (
+    speed = f"{trial.tokens_per_s:,.0f} tokens/s" + (
         f", MFU {trial.mfu:.3f}" if trial.mfu is not None else ""
+    )
+    header = (
+        f"# Written by `gptoughts tune`: the complete config with the fastest settings it measured ({speed}).\n"
+        f"# Train with it: gptoughts train {name or out} --data PATH (flags after the file override its values)."
     )
     tuned = apply(cfg, trial.settings)
     tuned.run.out = None  # a config for future runs: each writes where its own family and size say
-    out.write_text(header + "\n" + to_toml(tuned))
+    # (to_toml's own first line describes a run's config.toml, "written by the run": not this file's story)
+    body = to_toml(tuned)
+    if body.startswith("#"):
+        body = body.split("\n", 1)[1]
+    out.write_text(header + "\n" + body)
     return out
