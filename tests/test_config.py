@@ -248,3 +248,11 @@ def test_ddp_buckets_grow_with_the_model() -> None:
     huge = nn.ParameterList([nn.Parameter(torch.empty(1024**3, device="meta"))])  # 4 GiB of gradients
     assert ddp_bucket_mb(huge) == 204
     assert ddp_bucket_mb(huge, asked=64) == 64
+
+
+def test_a_size_in_capitals_is_the_size():
+    # A newcomer's --size DEBUG trained the debug size into runs/llama-DEBUG, and the plan said "llama/DEBUG".
+    from gptoughts.config import load_config
+
+    cfg = load_config(None, {"model.size": "DEBUG", "data.sources": ["x.txt"]})
+    assert cfg.model.size == "debug" and cfg.run.out.endswith("llama-debug")

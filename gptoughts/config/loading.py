@@ -258,6 +258,10 @@ def load_config(preset: str | Path | None = None, overrides: dict[str, Any] | No
     given in the overrides replaces the preset's; two stopping rules given together are an error.
     """
     overrides = {MOVED.get(k, k): v for k, v in (overrides or {}).items()}
+    if isinstance(
+        overrides.get("model.size"), str
+    ):  # sizes are lower case: --size DEBUG made runs/llama-DEBUG
+        overrides["model.size"] = overrides["model.size"].lower()
     given_stops = _check_overrides(overrides)
     start = starting_preset(preset, overrides)
     data = read_toml(start)
