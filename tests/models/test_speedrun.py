@@ -217,7 +217,8 @@ def test_activation_estimate_counts_the_switches():
     qk = _layer_activation_bytes(model_args("llama", "125m", {"qk_norm": True}), "none", 4)
     assert qk - base == 2 * (768 + 768)
     sel = _layer_activation_bytes(model_args("llama", "125m", {"mlp": "relu2"}), "selective", 4)
-    assert sel == 4 * 768 + 2 * 3072
+    # the block input, q and o, k and v, SDPA's output (r d + 4d + 4 d_kv + 2d), and relu2's one up-projection (2h)
+    assert sel == (4 + 6) * 768 + 4 * 768 + 2 * 3072
 
 
 # ------------------------------------------------------------------------------------------- HF export
