@@ -450,9 +450,10 @@ def test_curriculum_paths_are_relative_to_the_toml_and_phases_are_announced(
     )
     monkeypatch.chdir(tmp_path)  # not the TOML's folder
     text = _ok(
-        ["train", "conf/run.toml", "--out", "r", "--max_steps", "4", "--log_interval", "1", *FASTRUN], capsys
+        ["train", "conf/run.toml", "--out", "r", "--max_steps", "5", "--log_interval", "1", *FASTRUN], capsys
     )
-    assert "curriculum phase 'second' begins (after 'first')" in text
+    # 256 tokens of 'first' are steps 1-4 of 2 x 32 tokens: the fifth step's batch is the first of 'second'
+    assert "step 5: curriculum phase 'second' begins (after 'first')" in text
 
 
 def test_bench_headline_and_breakdown_agree():

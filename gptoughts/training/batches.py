@@ -58,27 +58,35 @@ def plan_batches(
     train_tokens = _train_tokens(cfg, data, model, info)
     # The epochs asked for (one when no stopping rule is given); None under a step or token budget.
     epochs = None if t.max_steps is not None or t.max_tokens is not None else (t.epochs or 1.0)
+    # A preference pair is two rows (chosen, rejected): a step's tokens count both.
+    row_tokens = t.block_size * (2 if data.prefs is not None else 1)
     micro, accum = t.batch_size, t.grad_accum
     if not isinstance(micro, int):
         # the rows a step may hold so that the epochs asked for are enough steps (_fit_epochs): what the memory
         # estimates below assume of the accumulation too
-        rows_cap = _rows_for_epochs(epochs * train_tokens, t.block_size * info.dp_size) if epochs else None
+        rows_cap = _rows_for_epochs(epochs * train_tokens, row_tokens * info.dp_size) if epochs else None
         micro, accum = _auto_batch(cfg, env, model, dry_run, why, rows_cap)
         if epochs is not None:
-            micro, accum = _fit_epochs(micro, accum, epochs * train_tokens, t.block_size * info.dp_size, why)
-    # A preference pair is two rows (chosen, rejected): a step's tokens count both.
-    row_tokens = t.block_size * (2 if data.prefs is not None else 1)
+            micro, accum = _fit_epochs(micro, accum, epochs * train_tokens, row_tokens * info.dp_size, why)
+    elif epochs is not None and _default_batch(cfg):
+        micro, accum = _fit_default_batch(
+            cfg, micro, accum, epochs * train_tokens, row_tokens * info.dp_size, why
+        )
     if data.prefs is not None:
         why.setdefault("batch_size", "pairs, each 2 rows: chosen and rejected")
     accum, tokens_per_step = _resumed_global_batch(resumed_run, micro, accum, row_tokens, info, why)
     total_steps, rule = _total_steps(t, epochs, train_tokens, tokens_per_step, cfg.shipped)
-    if resumed_at is not None and t.max_steps is None and resumed_at[1] != resumed_at[0] * tokens_per_step:
-        # The run's batch was another until now: the budget's remaining tokens at this batch, not all of it
-        # again. (An unchanged batch keeps the plan of the run's start, so that an exact resume stays exact.)
+    # The run's tokens: a resumed run's checkpoint saw its own; the steps after it are of this batch.
+    total_tokens = total_steps * tokens_per_step
+    if resumed_at is not None and resumed_at[1] != resumed_at[0] * tokens_per_step:
         step, seen = resumed_at
-        budget = t.max_tokens if t.max_tokens is not None else epochs * train_tokens  # type: ignore[operator]
-        total_steps = step + max(0, math.ceil((budget - seen) / tokens_per_step))
-        rule += f", {max(0, budget - seen):,.0f} tokens of it left at step {step} at this batch"
+        if t.max_steps is None:
+            # The run's batch was another until now: the budget's remaining tokens at this batch, not all of it
+            # again. (An unchanged batch keeps the plan of the run's start, so that an exact resume stays exact.)
+            budget = t.max_tokens if t.max_tokens is not None else epochs * train_tokens  # type: ignore[operator]
+            total_steps = step + max(0, math.ceil((budget - seen) / tokens_per_step))
+            rule += f", {max(0, budget - seen):,.0f} tokens of it left at step {step} at this batch"
+        total_tokens = seen + max(0, total_steps - step) * tokens_per_step
     warmup = t.warmup_steps if t.warmup_steps is not None else default_warmup(total_steps)
     why["warmup_steps"] = "asked" if t.warmup_steps is not None else "auto: 2% of the run, at most 2000"
     eval_interval, save_interval, tasks_interval = _intervals(
@@ -93,7 +101,9 @@ def plan_batches(
         tokens_per_step=tokens_per_step,
         total_steps=total_steps,
         train_tokens=train_tokens,
-        epochs=total_steps * tokens_per_step / max(1, train_tokens),
+        epochs=total_tokens / max(1, train_tokens),
+        total_tokens=total_tokens,
+        phases=_phases(cfg, data, tokens_per_step, accum, resumed_at),
         stop_rule=rule,
         warmup_steps=min(warmup, total_steps),
         eval_interval=eval_interval,
@@ -104,6 +114,52 @@ def plan_batches(
         eval_block=data.dataset.longest_window("val", t.block_size) if data.manifest is not None else None,
         checkpoints=cfg.checkpoint.checkpoints,
     )
+
+
+def _phases(
+    cfg: Config, data: Data, tokens_per_step: int, accum: int, resumed_at: tuple[int, int] | None
+) -> list[dict[str, Any]]:
+    """The curriculum's phases with the step each begins at (``curriculum.phase_schedule``); none for a run without
+    one, or whose data is examples or pairs (their loaders draw no phases)."""
+    if not cfg.data.phases or data.sft is not None or data.prefs is not None:
+        return []
+    from gptoughts.training.curriculum import phase_schedule
+
+    return phase_schedule(
+        cfg.data.phases, tokens_per_step=tokens_per_step, grad_accum=accum, resumed_at=resumed_at
+    )
+
+
+def _default_batch(cfg: Config) -> bool:
+    """Whether the micro-batch is a default the user did not choose: no --batch_size (nor a TOML of theirs) named it,
+    or a shipped preset did (its choice for its own corpus)."""
+    return not cfg.is_given("train.batch_size") or "train.batch_size" in cfg.shipped
+
+
+def _fit_default_batch(
+    cfg: Config, micro: int, accum: int, tokens: float, row_tokens: int, why: dict[str, str]
+) -> tuple[int, int]:
+    """A default micro-batch (:func:`_default_batch`) cut as an automatic one is (:func:`_fit_epochs`): so that the
+    epochs asked for (``tokens`` of training) hold at least MIN_USEFUL_STEPS steps, never one step that reads a small
+    corpus twice. The user's --grad_accum is kept (only the default, the micro-batch, is cut to make room for it).
+    Returns (micro-batch, accumulation)."""
+    rows = _rows_for_epochs(tokens, row_tokens)
+    if micro * accum <= rows:
+        return micro, accum
+    if cfg.is_given("train.grad_accum") and "train.grad_accum" not in cfg.shipped:
+        cut = max(1, min(micro, rows // accum))
+        if cut < micro:
+            from gptoughts.training.plan import MIN_USEFUL_STEPS
+
+            steps = tokens / (cut * accum * row_tokens)
+            why["batch_size"] = (
+                f"the default {micro} cut to {cut} for the epochs: {tokens:,.0f} tokens of training are then "
+                f"~{steps:.0f} steps at --grad_accum {accum} ({MIN_USEFUL_STEPS} or more wanted)"
+            )
+        return cut, accum
+    if rows < micro:
+        why["batch_size"] = f"the default {micro}"
+    return _fit_epochs(micro, accum, tokens, row_tokens, why, what="default")
 
 
 def _train_tokens(cfg: Config, data: Data, model: Model, info: pdist.DistInfo) -> int:
@@ -350,11 +406,12 @@ def _intervals(
 
 
 def _fit_epochs(
-    micro: int, accum: int, tokens: float, row_tokens: int, why: dict[str, str]
+    micro: int, accum: int, tokens: float, row_tokens: int, why: dict[str, str], what: str = "automatic"
 ) -> tuple[int, int]:
-    """An automatic batch cut so that the epochs asked for (``tokens`` of training) hold at least
-    MIN_USEFUL_STEPS steps: a global batch larger than a small corpus would take it twice or more in one step
-    (one epoch planned as 2, even 4), with too few steps for the schedule. Returns (micro-batch, accumulation)."""
+    """An automatic batch (``what``: or a default one, :func:`_fit_default_batch`) cut so that the epochs asked for
+    (``tokens`` of training) hold at least MIN_USEFUL_STEPS steps: a global batch larger than a small corpus would
+    take it twice or more in one step (one epoch planned as 2, even 4), with too few steps for the schedule. Returns
+    (micro-batch, accumulation)."""
     from gptoughts.training.plan import MIN_USEFUL_STEPS
 
     rows = _rows_for_epochs(tokens, row_tokens)
@@ -368,12 +425,12 @@ def _fit_epochs(
     accum = max(1, rows // micro)
     if tokens < MIN_USEFUL_STEPS * row_tokens:  # even one row a step leaves fewer: say so, not "at least"
         why["grad_accum"] = (
-            f"1, with micro-batch 1: the automatic batch cut to one row a step, its least ({tokens:,.0f} tokens "
+            f"1, with micro-batch 1: the {what} batch cut to one row a step, its least ({tokens:,.0f} tokens "
             f"of training, the epochs asked for, hold {tokens / row_tokens:.1f} steps of one row per rank)"
         )
         return micro, accum
     why["grad_accum"] = (
-        f"{accum}, with micro-batch {micro}: the automatic batch cut so that {tokens:,.0f} tokens of training "
+        f"{accum}, with micro-batch {micro}: the {what} batch cut so that {tokens:,.0f} tokens of training "
         f"(the epochs asked for) are at least {MIN_USEFUL_STEPS} steps"
     )
     return micro, accum

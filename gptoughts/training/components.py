@@ -258,6 +258,7 @@ def _trainer(
         mfu_per_token_s=_mfu_per_token_s(env, model, t.block_size),
         progress=cfg.run.progress,
         profile_dir=asm.run_dir / "profile",
+        phases=batch.phases,
         **common,
     )
 

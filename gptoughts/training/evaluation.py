@@ -65,7 +65,10 @@ class Evaluator:
         self.sampler = sampler
         self.tasks = tasks
         self.plots = plots
+        # Samples follow the evaluations (eval_interval 0: the one at the end) unless sample_interval sets their own
+        # interval; sample_interval 0 turns them off.
         self.sample_every = cfg.eval_interval if cfg.sample_interval is None else cfg.sample_interval
+        self.samples_on = cfg.sample_interval != 0
         self.tasks_every = cfg.eval_interval if cfg.eval_tasks_interval is None else cfg.eval_tasks_interval
         self.task_scores: dict[str, dict[str, float]] = {}
         """The last scores of ``tasks`` (``{task: {"examples": n, metric: value}}``), for the run's summary."""
@@ -84,8 +87,10 @@ class Evaluator:
         evaluate = self.batches is not None and (
             bool(ev.eval_interval and step % ev.eval_interval == 0) or at_end
         )
-        sample = bool(
-            self.sampler is not None and self.sample_every and (step % self.sample_every == 0 or at_end)
+        sample = (
+            self.sampler is not None
+            and self.samples_on
+            and (bool(self.sample_every and step % self.sample_every == 0) or at_end)
         )
         tasks = self.tasks is not None and (bool(self.tasks_every and step % self.tasks_every == 0) or at_end)
         return evaluate, sample, tasks

@@ -69,6 +69,13 @@ class BatchPlan:
     data, no evaluation); None: the block (not known before the corpus is tokenized, or examples)."""
     checkpoints: bool = True
     """Whether the run writes checkpoints at all (checkpoint.checkpoints)."""
+    total_tokens: int = 0
+    """Training tokens of the whole run: ``total_steps x tokens_per_step``, or for a run resumed at another batch
+    size the tokens its checkpoint saw plus the steps left at this batch (0 in the run.json of older runs: the
+    product)."""
+    phases: list[dict[str, Any]] = field(default_factory=list)
+    """The curriculum (``data.phases``): each phase's name, token budget, first token and the step holding its first
+    batch (``curriculum.phase_schedule``); empty without one."""
 
 
 @dataclass
@@ -113,6 +120,7 @@ class RunPlan:
         """The plan as the lines a person reads before the run starts. ``threads_pending``: a CPU run's thread
         probe comes next, so the thread count, the time it sets and the rest follow it (:meth:`after_probe`)."""
         lines = [self._model_line(), self._corpus_line(), self._batch_line(), self._steps_line()]
+        lines += self._curriculum_lines()
         lines += self._setting_lines()
         if threads_pending:
             return "\n".join([*lines, f"  {self._memory_figure()}"])
@@ -203,10 +211,32 @@ class RunPlan:
             sv = "no checkpoints (checkpoint.checkpoints false)"
         elif ev.startswith("eval every"):  # the trainer saves the best weights as it finds them
             sv += " and at each new best val loss"
+        tokens = b.get("total_tokens") or b["total_steps"] * b["tokens_per_step"]
         return (
             f"  steps: {b['total_steps']:,} ({b['stop_rule']}) = {b['epochs']:.2f} epoch(s) over the data, "
-            f"{b['total_steps'] * b['tokens_per_step']:,} tokens; warmup {b['warmup_steps']:,}, {ev}, {sv}"
+            f"{tokens:,} tokens; warmup {b['warmup_steps']:,}, {ev}, {sv}"
         )
+
+    def _curriculum_lines(self) -> list[str]:
+        """The curriculum's phases, each with the step its first batch is drawn at (or why none is)."""
+        b = self.batch
+        phases = b.get("phases") or []
+        if not phases:
+            return []
+        total = b["total_steps"]
+        parts = []
+        for p in phases:
+            budget = f"{p['tokens']:,} tokens" if p["tokens"] is not None else "to the end"
+            if p["step"] is None:  # (a resume at another batch size: the steps before it were of that batch)
+                when = f"{'done' if p.get('done') else 'under way'} at step {self.start_step:,}"
+            elif p["step"] > total:
+                when = f"from step {p['step']:,}: not reached"
+            elif p["skipped"]:
+                when = "never drawn (shorter than a batch)"
+            else:
+                when = f"from step {p['step']:,}"
+            parts.append(f"{p['name']} ({budget}) {when}")
+        return ["  curriculum: " + ", ".join(parts)]
 
     def _setting_lines(self) -> list[str]:
         """One line per resolved setting that differs from a plain run (parallelism, tasks, optimizer, memory
@@ -367,6 +397,7 @@ def make_plan(
     hours = max(0, batch.total_steps - start) * batch.tokens_per_step / tps / 3600 if tps else None
     warnings = (
         _warnings(cfg, data, model, batch, params, memory, device_memory, on_cpu=env.device.type == "cpu")
+        + curriculum_warnings(batch)
         + _unused_fp8_switches(cfg, resolved)
         + unused_fsdp_switches(cfg, env.dist)
         + kept_by_compiled_checkpointing(model, batch, resolved)
@@ -700,6 +731,30 @@ def _warnings(
         and cfg.model.overrides == {}
     ):  # the size a bare --data run gets, not one the user named
         out.append("model.size = debug is the test size: name a size with --size (e.g. 125m)")
+    return out
+
+
+def curriculum_warnings(batch: BatchPlan) -> list[str]:
+    """The phases of a curriculum the run never trains on: those it ends before, and those shorter than a batch (the
+    loader draws a batch from the phase its first token falls in: one that no batch starts in is passed over)."""
+    total, out = batch.total_steps, []
+    late = [p for p in batch.phases if p["step"] is not None and p["step"] > total]
+    if late:
+        names = " and ".join(f"'{p['name']}' (step {p['step']:,})" for p in late)
+        need = max(p["step"] for p in late)
+        out.append(
+            f"the run ends at step {total:,}, before curriculum phase{'s' if len(late) > 1 else ''} {names} "
+            f"begin{'' if len(late) > 1 else 's'}: train at least {need:,} steps to reach "
+            f"{'it' if len(late) == 1 else 'them all'}, or lower the earlier phases' tokens"
+        )
+    batch_tokens = batch.tokens_per_step // max(1, batch.grad_accum)
+    for p in batch.phases:
+        if p["skipped"] and p["step"] is not None and p["step"] <= total:
+            out.append(
+                f"curriculum phase '{p['name']}' ({p['tokens']:,} tokens) is shorter than a batch "
+                f"({batch_tokens:,} tokens): no batch starts inside it, so none is drawn from it; give it at least "
+                f"{batch_tokens:,} tokens"
+            )
     return out
 
 

@@ -88,7 +88,8 @@ class Trainer:
     loss scaler, exactly when ``precision`` is fp16. ``weights``: what checkpoints hold (the model, or a LoRA model's
     adapters), whose trainer hooks (``after_optimizer_step``, ``rank_summed_state``, ``log_metrics``) run here.
     ``pipeline``: a ``parallel.pp.Pipeline``, through whose schedule forward and backward run (``model`` is then the
-    rank's stages as one module)."""
+    rank's stages as one module). ``phases``: the curriculum as the plan lists it (``BatchPlan.phases``): each phase
+    is announced, and written to the metrics, as its first batch is drawn (None: only the changes are announced)."""
 
     def __init__(
         self,
@@ -120,6 +121,7 @@ class Trainer:
         timing: bool = True,
         progress: bool = True,
         profile_dir: Path = Path("profile"),
+        phases: list[dict[str, Any]] | None = None,
     ):
         self.state = state if state is not None else TrainState()
         _check_parts(cfg, precision, scaler, self.state, recovery, evaluator)
@@ -164,7 +166,8 @@ class Trainer:
         self.startup: Startup | None = None  # given to fit: the first step completes it
         self.stop_requested, self.stop_signal, self.stop_reason = False, None, "max steps"
         self._interrupts = self._logs = 0
-        self._phase: str | None = None  # the curriculum phase of the last window
+        self.phases = phases or []
+        self._phase: str | None = None  # the curriculum phase of the last batch drawn
         self._previous_gpu: dict[str, float] = {}  # the last window's GPU reading (advice needs two low ones)
 
     def autocast(self) -> contextlib.AbstractContextManager:
@@ -193,7 +196,10 @@ class Trainer:
         """
         accum = self.cfg.grad_accum
         self.timer.start()
-        micro = [next(self.loader) for _ in range(accum)]
+        micro = []
+        for _ in range(accum):
+            self._enter_phase()  # (host only: the loader's position)
+            micro.append(next(self.loader))
         self.timer.mark("data")
         return self._run_step(micro)
 
@@ -456,8 +462,9 @@ class Trainer:
                     return False
         saved = (due.save or best or stop) and self.save(val_loss=val_loss, is_best=best)
         # Samples and task scores only read the model: they come after the save, and a failure in them is a
-        # warning, so neither can cost this step's checkpoint (at the end: the run's last one).
-        if due.sample:
+        # warning, so neither can cost this step's checkpoint (at the end: the run's last one). An early stop is an
+        # end: its samples go to samples.txt as the last step's would.
+        if due.sample or (self.stop_reason == "early stopping" and ev.due(self.state.step, True)[1]):
             ev.sample_or_drop_it()
         # An early stop is an end too (every rank decides it alike, from the all-reduced val loss); a Ctrl-C is not
         # made to wait for a scoring.
@@ -593,16 +600,35 @@ class Trainer:
             self._show_progress(loss, tps)
 
     def _note_phase(self, row: dict[str, Any]) -> None:
-        phase = getattr(self.loader, "phase_name", None)
-        if phase is None:
+        """A log row's curriculum phase: that of the window's last batch."""
+        if self._phase is not None:
+            row["phase"] = self._phase
+
+    def _enter_phase(self) -> None:
+        """Before a batch is drawn: the first batch of a curriculum phase is announced with its step (the plan's
+        rule, ``curriculum.phase_schedule``) and written to the metrics as ``{"event": "phase"}``; a resumed run
+        inside a phase says which. Rollbacks move the loader forward only: the last batch's phase stays right."""
+        name = getattr(self.loader, "phase_name", None)
+        if name is None or name == self._phase:
             return
-        row["phase"] = phase
-        if phase != self._phase:
-            if self._phase is not None:  # the curriculum moved on: say so, once
-                self.log_line(
-                    f"step {self.state.step}: curriculum phase '{phase}' begins (after '{self._phase}')"
-                )
-            self._phase = phase
+        step, before = self.state.step + 1, self._phase
+        self._phase = name
+        if before is None:
+            # no curriculum known: the loader's one phase (or a trainer built without a plan)
+            if not self.phases:
+                return
+            from gptoughts.training.curriculum import begins_now
+
+            loader = self.loader
+            batch = int(getattr(loader, "global_batch_size", 0)) * int(getattr(loader, "block_size", 0))
+            if not begins_now(self.phases, int(getattr(loader, "tokens_consumed", 0)), batch):
+                self.log_line(f"step {step}: curriculum phase '{name}' goes on (resumed inside it)")
+                return
+        n = len(self.phases)
+        note = f"after '{before}'" if before is not None else f"the first of {n}" if n else ""
+        self.log_line(f"step {step}: curriculum phase '{name}' begins" + (f" ({note})" if note else ""))
+        if self.dist.is_main:
+            self.metrics.log(step, {"event": "phase", "phase": name})
 
     def _show_progress(self, loss: float, tps: float) -> None:
         step = self.state.step
