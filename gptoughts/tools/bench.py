@@ -13,7 +13,6 @@ import contextlib
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -205,7 +204,7 @@ def _bench_ours(
 
 
 def _check_memory(cfg: Config, env: Any, data: Any) -> str:
-    """Train's memory refusal for this shape (:func:`~gptoughts.training.plan.memory_refusal` of the estimated peak
+    """Train's memory refusal for this shape (:func:`~gptoughts.training.plan.peak_refusal` of the estimated peak
     at the planned micro-batch, on the model built on the meta device: nothing allocated), raised as
     :class:`MemoryRefused`; else what will be timed, in words: model, parameters, batch, device, precision and the
     estimated peak."""
@@ -213,7 +212,7 @@ def _check_memory(cfg: Config, env: Any, data: Any) -> str:
     from gptoughts.training.batches import plan_batches
     from gptoughts.training.estimates import device_memory_gib, estimate_peak
     from gptoughts.training.modeling import build_model
-    from gptoughts.training.plan import gib, memory_refusal
+    from gptoughts.training.plan import gib, peak_refusal
 
     meta = build_model(cfg, env, data, meta=True)
     batch = plan_batches(cfg, env, data, meta, dry_run=True)
@@ -222,9 +221,8 @@ def _check_memory(cfg: Config, env: Any, data: Any) -> str:
     )
     peak, limit = (e.total_gib if e is not None else None), device_memory_gib(env)
     if not cfg.perf.ignore_memory_estimate:
-        # what memory_refusal reads of a run's plan; rank 0's verdict for all, as in train
-        planned = SimpleNamespace(memory_gib=peak, device_memory_gib=limit, batch=asdict(batch))
-        verdict = memory_refusal(planned, on_cpu=env.device.type == "cpu")  # type: ignore[arg-type]
+        # rank 0's verdict for all, as in train
+        verdict = peak_refusal(peak, limit, asdict(batch), on_cpu=env.device.type == "cpu")
         refusal = pdist.broadcast_object(verdict, env.dist)
         if refusal:
             raise MemoryRefused(str(refusal))

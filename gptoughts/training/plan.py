@@ -575,15 +575,19 @@ def measured_to_fit(batch: dict[str, Any]) -> bool:
 def memory_refusal(plan: RunPlan, on_cpu: bool) -> str | None:
     """The one-line refusal of a run whose estimated peak clearly exceeds the device's memory (None: it fits): it
     would end out of memory, and on a CPU the kernel kills the process without a word."""
-    mem, limit = plan.memory_gib, plan.device_memory_gib
-    if mem is None or not limit or mem <= REFUSE_ABOVE * limit or measured_to_fit(plan.batch):
+    return peak_refusal(plan.memory_gib, plan.device_memory_gib, plan.batch, on_cpu)
+
+
+def peak_refusal(mem: float | None, limit: float | None, batch: dict[str, Any], on_cpu: bool) -> str | None:
+    """:func:`memory_refusal` of an estimated peak ``mem`` against ``limit`` (GiB) at ``batch`` (a batch plan as a
+    dict): what ``bench`` refuses too, before it builds anything."""
+    if mem is None or not limit or mem <= REFUSE_ABOVE * limit or measured_to_fit(batch):
         return None
-    b = plan.batch
     where = f"the {gib(limit)} this machine has available" if on_cpu else f"this GPU's {gib(limit)}"
     fixes = "lower --batch_size or --block_size, or train a smaller --size here" if on_cpu else GPU_FIXES
     return (
-        f"the estimated peak memory, ~{gib(mem)} at micro-batch {b['micro_batch']} x {b['block_size']:,} tokens, "
-        f"exceeds {where}: {fixes}; --ignore_memory_estimate tries anyway"
+        f"the estimated peak memory, ~{gib(mem)} at micro-batch {batch['micro_batch']} x "
+        f"{batch['block_size']:,} tokens, exceeds {where}: {fixes}; --ignore_memory_estimate tries anyway"
     )
 
 
