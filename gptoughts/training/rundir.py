@@ -90,7 +90,13 @@ class RunLock:
             )
         )
         handle.flush()
-        return cls(path, handle, created)
+        lock = cls(path, handle, created)
+        try:  # the lock's holder alone finishes a checkpoint replace a crash cut short (a reader only reads)
+            ckpt.recover(run_dir / "checkpoints")
+        except BaseException:
+            lock.release()
+            raise
+        return lock
 
     def release(self) -> None:
         if self.handle is None:

@@ -5,8 +5,12 @@ the sharded one (DCP shards, ``.metadata``, ``state.pt``, ``meta.json`` with ``"
 names the best step, never rotated away. A checkpoint is written into a hidden temp dir, fsynced, and renamed into
 place by :func:`commit`, which writes ``meta.json`` (every file's sha256) last: :func:`verify` checks it, and
 :func:`latest_valid` falls back past a checkpoint that does not verify. Re-saving a step moves the old dir aside
-first; :func:`recover` renames it back after a crash. DCP's ``.metadata`` is a pickle: it is read through an
-allow-list unpickler (:func:`read_dcp_metadata`), never by plain ``pickle``.
+first; :func:`recover` renames it back after a crash. Only the process that holds the run's lock (the trainer:
+``rundir.RunLock``) writes, rotates or recovers a checkpoints dir; a reader (sample, eval, export, ``gptoughts.load``,
+a dry run, another run's ``--resume PATH``) never renames or removes anything in it: :func:`latest_valid` only reads,
+and takes a ``.old-step_N-*`` dir that an interrupted replace left as a candidate of step N where ``step_N`` itself
+is missing or unusable. DCP's ``.metadata`` is a pickle: it is read through an allow-list unpickler
+(:func:`read_dcp_metadata`), never by plain ``pickle``.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import os
 import pickle
 import re
 import shutil
+import stat
 import time
 import warnings
 from collections.abc import Callable
@@ -30,6 +35,8 @@ from torch import nn
 from gptoughts.errors import UserError, as_disk_full
 
 STEP_DIR = re.compile(r"^step_(\d{6,})$")
+_OLD_DIR = re.compile(r"^\.old-(step_(\d{6,}))-(\d+)$")
+"""A ``step_N`` dir a replace moved aside (:func:`_replace`): its name, its step, the time it was moved."""
 MODEL_FILE = "model.safetensors"
 STATE_FILE = "state.pt"
 META_FILE = "meta.json"
@@ -65,9 +72,14 @@ def _fsync_file(path: Path) -> None:
 
 
 def step_of(path: Path) -> int:
-    """The step of a checkpoint directory ``step_000123`` (its meta.json's step when the name is not one)."""
-    m = STEP_DIR.match(Path(path).name)
-    return int(m.group(1)) if m else int(read_meta(Path(path))["step"])
+    """The step of a checkpoint directory ``step_000123`` (or ``.old-step_000123-*``, moved aside by a replace;
+    its meta.json's step when the name is neither)."""
+    name = Path(path).name
+    if m := STEP_DIR.match(name):
+        return int(m.group(1))
+    if m := _OLD_DIR.match(name):
+        return int(m.group(2))
+    return int(read_meta(Path(path))["step"])
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -177,7 +189,7 @@ def commit(
 
 def _replace(final: Path, tmp: Path, root: Path) -> None:
     """Swap the complete dir ``tmp`` in for ``final``. A crash between the two renames leaves only
-    ``.old-<final>-*``, which :func:`recover` renames back."""
+    ``.old-<final>-*``, which :func:`recover` renames back (and which :func:`latest_valid` reads meanwhile)."""
     old = root / f".old-{final.name}-{time.monotonic_ns()}"
     final.rename(old)
     _fsync_dir(root)
@@ -186,18 +198,19 @@ def _replace(final: Path, tmp: Path, root: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-_OLD_DIR = re.compile(r"^\.old-(step_\d{6,})-(\d+)$")
-
-
 def recover(root: str | Path) -> None:
     """Finish a replace that a crash interrupted: a ``.old-step_N-*`` dir whose ``step_N`` is missing is renamed
-    back (it was complete: it had been in place); one whose ``step_N`` exists is a leftover and is removed."""
+    back (it was complete: it had been in place); one whose ``step_N`` exists is a leftover and is removed.
+
+    Only for the process that holds the run's lock (the trainer: when it takes it, and before each save): run by
+    anyone else, it could land between the two renames of the trainer's own :func:`_replace`, put the old dir
+    back and make the trainer's save fail. Readers use :func:`latest_valid`, which reads a leftover in place."""
     root = Path(root)
     if not root.is_dir():
         return
     olds = sorted(
         ((m, p) for p in root.iterdir() if p.is_dir() and (m := _OLD_DIR.match(p.name))),
-        key=lambda mp: -int(mp[0].group(2)),
+        key=lambda mp: -int(mp[0].group(3)),
     )  # the newest first
     for m, p in olds:
         final = root / m.group(1)
@@ -325,38 +338,96 @@ RELISTS = 5
 
 def latest_valid(root: str | Path, *, before: int | None = None) -> Path | None:
     """The newest intact checkpoint dir under ``root`` (with ``before``: of a step < ``before``); corrupted
-    newer ones are skipped with a warning. A run still training may save and rotate while this reads (another
-    process sampling from it): a listing that changed while it was read is read again, and a checkpoint deleted
-    meanwhile is passed over without a warning (it was not corrupt, only rotated away)."""
+    newer ones are skipped with a warning. A run still training may save, rotate and re-save a step while this
+    reads (another process sampling from it): a listing that changed while it was read (a dir added, removed or
+    replaced) past a newer dir that did not verify is read again, and a checkpoint deleted or replaced meanwhile
+    is passed over without a warning (it was not corrupt, only rotated away or re-saved).
+
+    Reading only: nothing under ``root`` is renamed or removed (the run may belong to a trainer still writing
+    it; only the holder of its lock calls :func:`recover`). A step whose ``step_N`` is missing or unusable is
+    read from a ``.old-step_N-*`` dir a replace moved aside (the trainer between its two renames, or a crash
+    there): it was complete, it had been in place; one that does not verify (being removed) is passed over
+    without a warning."""
     root = Path(root)
-    recover(root)
-    unusable: dict[Path, str] = {}
+    unusable: dict[Path, tuple[str, tuple[int, int]]] = {}
     found = None
     for _ in range(RELISTS):
-        steps = list_steps(root)
-        found = _newest_intact(root, steps, before, unusable)
-        if found is not None or list_steps(root) == steps:
+        listed = _checkpoint_dirs(root)
+        unusable = {}
+        found = _newest_intact(listed, before, unusable)
+        relisted = _checkpoint_dirs(root)
+        if relisted == listed:
             break
-    for path, problem in unusable.items():
-        if path.exists() and (found is None or step_of(path) > step_of(found)):
+        # Changed meanwhile: the answer stands if nothing newer was passed over (it was not corrupt, perhaps
+        # replaced) nor is listed now (a listing read while a dir is renamed may miss it under either name).
+        newest = step_of(found) if found is not None else None
+        if (
+            newest is not None
+            and not unusable
+            and all(s <= newest for s, _, _ in relisted if _before(s, before))
+        ):
+            break
+    for path, (problem, ident) in unusable.items():
+        if (
+            STEP_DIR.match(path.name)
+            and _identity(path) == ident  # (not removed nor replaced since it was read)
+            and (found is None or step_of(path) >= step_of(found))
+        ):
             warnings.warn(
                 f"checkpoint {path} is unusable ({problem}); falling back to the previous one", stacklevel=2
             )
     return found
 
 
-def _newest_intact(
-    root: Path, steps: list[int], before: int | None, unusable: dict[Path, str]
-) -> Path | None:
-    """The newest of ``steps`` that verifies; the problems of those that do not, into ``unusable``."""
-    for s in reversed(steps):
-        if before is not None and s >= before:
+def _before(step: int, before: int | None) -> bool:
+    return before is None or step < before
+
+
+def _identity(path: Path) -> tuple[int, int] | None:
+    """What tells a dir from another put in its place (a re-saved step): its inode and its change time; None
+    when it is gone (or not a dir)."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return (st.st_ino, st.st_ctime_ns) if stat.S_ISDIR(st.st_mode) else None
+
+
+def _checkpoint_dirs(root: Path) -> list[tuple[int, Path, tuple[int, int]]]:
+    """``(step, dir, identity)`` of the checkpoint dirs under ``root``, the newest first: each step's ``step_N``,
+    then the ``.old-step_N-*`` dirs a replace moved aside (the newest first)."""
+    try:
+        children = list(root.iterdir())
+    except OSError:  # no such dir (yet), or unreadable: nothing to read
+        return []
+    keyed = []
+    for p in children:
+        if m := STEP_DIR.match(p.name):
+            key = (int(m.group(1)), 1, 0)
+        elif m := _OLD_DIR.match(p.name):
+            key = (int(m.group(2)), 0, int(m.group(3)))
+        else:
             continue
-        path = step_dir(root, s)
+        if (ident := _identity(p)) is not None:
+            keyed.append((key, p, ident))
+    keyed.sort(key=lambda kpi: kpi[0], reverse=True)
+    return [(key[0], p, ident) for key, p, ident in keyed]
+
+
+def _newest_intact(
+    listed: list[tuple[int, Path, tuple[int, int]]],
+    before: int | None,
+    unusable: dict[Path, tuple[str, tuple[int, int]]],
+) -> Path | None:
+    """The newest of ``listed`` (:func:`_checkpoint_dirs`) that verifies; those passed over, with their problem
+    and their identity as listed, into ``unusable``."""
+    for s, path, ident in listed:
+        if not _before(s, before):
+            continue
         problem = verify(path)
         if problem is None:
             return path
-        unusable[path] = problem
+        unusable[path] = (problem, ident)
     return None
 
 
