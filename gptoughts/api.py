@@ -120,10 +120,16 @@ def _overrides(
         "train.max_steps": max_steps,
     }
     kw.update({k: v for k, v in {**named, **common}.items() if v is not None})
-    for key in overrides:
-        if "." not in key:  # a misspelt keyword, or a setting named without its section
+    from gptoughts.config.schema import bare_keys
+
+    dotted = bare_keys()
+    for key, value in overrides.items():
+        if "." in key:
+            kw[key] = value
+        elif key in dotted:  # a setting named without its section, as the command line takes it
+            kw[dotted[key]] = value
+        else:  # a misspelt keyword
             _refuse_bare_key(key, keywords)
-    kw.update(overrides)
     return kw
 
 
@@ -135,14 +141,12 @@ def _keywords(fn: Any) -> list[str]:
 
 
 def _refuse_bare_key(key: str, keywords: list[str]) -> None:
-    """One line for a keyword that is neither an argument nor a dotted config key: the argument or the setting it
-    is closest to (as the command line's ``did you mean``)."""
+    """One line for a keyword that is neither an argument nor a setting (dotted, or by its bare name): the argument
+    or the setting it is closest to (as the command line's ``did you mean``)."""
     from gptoughts.config.schema import bare_keys
     from gptoughts.errors import closest, did_you_mean
 
     dotted = bare_keys()
-    if key in dotted:
-        raise ConfigError(f"`{key}` is a setting: pass it by its dotted key, **{{{dotted[key]!r}: ...}}")
     for fn in (train, finetune):
         if key in _keywords(fn):
             raise ConfigError(f"`{key}` is an argument of gptoughts.{fn.__name__}, not of this function")

@@ -650,8 +650,9 @@ def test_the_python_api_names_a_misspelt_keyword_as_the_cli_does():
 
     with pytest.raises(ConfigError, match=r"unknown argument `max_step` \(did you mean `max_steps`\?\)"):
         gptoughts.train(dry_run=True, max_step=3)
-    with pytest.raises(ConfigError, match=r"`warmup_steps` is a setting.*'train.warmup_steps'"):
-        gptoughts.train(dry_run=True, warmup_steps=3)
+    # a setting by its bare name is taken, as the command line takes it
+    _, _, history = gptoughts.train(dry_run=True, warmup_steps=3, max_steps=8)
+    assert history.plan["batch"]["warmup_steps"] == 3
     with pytest.raises(ConfigError, match=r"`warmup_step` \(did you mean \*\*\{'train.warmup_steps'"):
         gptoughts.train(dry_run=True, warmup_step=3)
     with pytest.raises(ConfigError, match=r"`lora` is an argument of gptoughts.finetune"):
