@@ -408,32 +408,32 @@ def check_resumed_tokenizer(run_dir: Path, resume_from: Path, tokenizer: Any, cf
                 f"the tokenizer this run would build differs from {source}/tokenizer: {cause}; resume with the "
                 f"run's own settings, or keep its vocabulary with --tokenizer {source}/tokenizer"
             )
+        # Sources at other paths may hold the same text (a copied or moved corpus): only the trained BPE tells.
+        was, now = (_source_keys(old.data.sources) if old else []), _source_keys(cfg.data.sources)
+        why = (
+            f"the corpus is not at the run's path (--data {', '.join(now)}; the run's: {', '.join(was)})"
+            if old is not None and was != now
+            else "the run's corpus has no tokenized shards here (its files changed since the run read them, or "
+            "the cache is another)"
+        )
         return (
-            f"the run's corpus has no tokenized shards here (its files changed since the run read them, or the "
-            f"cache is another): the run trains its {cfg.data.tokenizer} again and compares it with "
-            f"{source}/tokenizer before its first step; if the text changed, it is refused then "
-            f"(--tokenizer {source}/tokenizer keeps the run's vocabulary)"
+            f"{why}: the run trains its {cfg.data.tokenizer} on it and compares it with {source}/tokenizer before "
+            f"its first step; if the text differs, it is refused then (--tokenizer {source}/tokenizer keeps the "
+            "run's vocabulary)"
         )
     return None
 
 
 def tokenizer_inputs_changed(old: Config, cfg: Config) -> str | None:
     """Why the tokenizer ``cfg`` builds is not the one the run of ``old`` built, when it is in what the two
-    configs ask for (the tokenizer, the sources, the held-out split, the reading settings); None when they ask
-    for the same (a trained BPE may still differ: its corpus's text may have changed)."""
+    configs ask for (the tokenizer, the held-out split, the reading settings); None when they ask for the same (a
+    trained BPE may still differ: its corpus's text may have changed, or be at other paths)."""
     if cfg.model.init_from is not None:  # a fine-tune's tokenizer is its base model's, whatever the data
         return None
     if _tokenizer_key(old.data.tokenizer) != _tokenizer_key(cfg.data.tokenizer):
         return f"the run used --tokenizer {old.data.tokenizer}, this command asks for {cfg.data.tokenizer}"
     if _tokenizer_kind(cfg.data.tokenizer) != "bpe":  # bytes or a folder: the same whatever the corpus
         return None
-    was, now = _source_keys(old.data.sources), _source_keys(cfg.data.sources)
-    if was != now:
-        names = ", ".join(Path(s).name for s in now) or "none"
-        return (
-            f"the corpus differs from the one the run started on (--data {names}; the run's: "
-            f"{', '.join(Path(s).name for s in was) or 'none'}), so the BPE trained on it differs"
-        )
     if old.train.seed != cfg.train.seed:
         return (
             f"the run's seed was {old.train.seed} and this command's is {cfg.train.seed} (the seed picks the "

@@ -1,6 +1,7 @@
-"""A dry run gives the real run's verdict: a resume on a corpus whose BPE would differ, a resume at another block
-size or seed than its checkpoint's batches, and --fp8 on a machine without fp8 are refused by `--dry_run` as by the
-run itself (one line, exit 2, nothing written), and the run refuses them before printing its plan."""
+"""A dry run gives the real run's verdict: a resume at another block size or seed than its checkpoint's batches, and
+--fp8 on a machine without fp8 are refused by `--dry_run` as by the run itself (one line, exit 2, nothing written),
+before the plan. A resume on another corpus, whose BPE only training it can compare, is told by the dry run and
+decided by the run."""
 
 from __future__ import annotations
 
@@ -24,26 +25,29 @@ def bpe_run(tmp_path, text_corpus, cache_dir, capsys) -> Path:
     return run
 
 
-def test_a_resume_on_another_corpus_is_refused_by_its_dry_run(bpe_run, tmp_path, capsys):
+def test_a_resume_on_another_corpus_is_told_by_its_dry_run_and_refused_by_the_run(bpe_run, tmp_path, capsys):
     notes = tmp_path / "notes.txt"
     notes.write_text("Meeting notes.\nThe quarterly numbers went up; the plan stays.\n" * 300)
     resume = ["train", "--resume", "auto", "--out", str(bpe_run), "--max_steps", "4", "--data", str(notes)]
-    for argv in ([*resume, "--dry_run"], resume):
-        line = refused_leaving(bpe_run, argv, capsys, "tokenizer", f"{bpe_run}/tokenizer", "corpus differs")
-        assert "notes.txt" in line and "--tokenizer" in line, line
+    # the dry run cannot train the BPE: it says the corpus is another and that the run compares its BPE first
+    text = ok([*resume, "--dry_run"], capsys)
+    assert "corpus is not at the run's path" in text and str(notes) in text, text[-1500:]
+    line = refused_leaving(bpe_run, resume, capsys, "tokenizer", f"{bpe_run}/tokenizer")
+    assert "--tokenizer" in line, line
     # the fix it names works: the run's own vocabulary on the new corpus
     ok([*resume, "--tokenizer", str(bpe_run / "tokenizer"), *FASTRUN], capsys)
     assert ckpt.list_steps(bpe_run / "checkpoints")[-1] == 4
 
 
-def test_the_real_run_refuses_another_corpus_before_preparing_it(bpe_run, tmp_path, cache_dir, capsys):
-    # it tokenized the whole new corpus into the cache (a BPE trained, every shard written), then refused
-    notes = tmp_path / "notes.txt"
-    notes.write_text("Meeting notes.\n" * 500)
-    code, text = _run(["train", "--resume", "auto", "--out", str(bpe_run), "--max_steps", "4", "--data", str(notes)],
-                      capsys)  # fmt: skip
-    assert code == 2 and "plan:" not in text, text[-1500:]
-    assert not list(cache_dir.rglob("notes.txt-*")), "the refused corpus was prepared"
+def test_a_resume_on_a_copy_of_its_corpus_elsewhere_resumes(bpe_run, text_corpus, tmp_path, capsys):
+    # The review's regression: a corpus copied or moved to another path was refused from its path alone, though
+    # the BPE trained on the same text is the run's.
+    copy = tmp_path / "moved" / text_corpus.name
+    shutil.copytree(text_corpus, copy)
+    resume = ["train", "--resume", "auto", "--out", str(bpe_run), "--max_steps", "4", "--data", str(copy)]
+    assert "corpus is not at the run's path" in ok([*resume, "--dry_run"], capsys)
+    ok([*resume, *FASTRUN], capsys)
+    assert ckpt.list_steps(bpe_run / "checkpoints")[-1] == 4
 
 
 def test_a_resume_on_the_same_uncached_corpus_says_what_the_run_will_compare(
