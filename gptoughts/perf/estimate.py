@@ -578,6 +578,26 @@ def unsharded_grad_bytes(
     return 4.0 * (n - n_blocks + (n_blocks - experts + experts / ep) / (tp * pp))
 
 
+def default_mfu(d_model: int) -> float:
+    """The MFU ``bench`` measured for the size class on Hopper (bench/BENCHMARKS.md)."""
+    return 0.55 if d_model >= 2048 else 0.45
+
+
+def gpu_tokens_per_s(
+    peak: float,
+    flops_per_token: float,
+    mfu: float,
+    num_gpus: int,
+    tokens_step: int | None = None,
+    data_ranks: int = 1,
+) -> tuple[float, float]:
+    """(tokens/s, the tokens/s FLOPs alone allow) at ``mfu`` of ``peak`` on ``num_gpus``: with ``tokens_step`` (a
+    micro-batch's tokens on each of ``data_ranks``), no faster than one such step every :data:`MIN_STEP_S`."""
+    flops_tps = peak * mfu / flops_per_token * num_gpus
+    tps = min(flops_tps, tokens_step * data_ranks / MIN_STEP_S) if tokens_step else flops_tps
+    return tps, flops_tps
+
+
 def _speed_and_cost(
     gpu: str,
     d_model: int,
@@ -604,9 +624,8 @@ def _speed_and_cost(
     if peak is None:
         raise ConfigError(f"unknown GPU {gpu!r}; known: {', '.join(sorted(_PEAK_BF16))}")
     if mfu is None:
-        mfu = 0.55 if d_model >= 2048 else 0.45
-    flops_tps = peak * mfu / flops_tok * num_gpus
-    tps = min(flops_tps, tokens_step * data_ranks / MIN_STEP_S) if tokens_step else flops_tps
+        mfu = default_mfu(d_model)
+    tps, flops_tps = gpu_tokens_per_s(peak, flops_tok, mfu, num_gpus, tokens_step, data_ranks)
     hours = tokens / tps / 3600 if tokens else None
     key = next((k for k in sorted(GPU_MEMORY_GIB, key=len, reverse=True) if k.lower() in gpu.lower()), None)
     pph = price if price is not None else DEFAULT_PRICE.get(key) if key else None

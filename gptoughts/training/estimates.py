@@ -203,8 +203,16 @@ def estimate_speed(
         peak = env.hw.peak_bf16_flops
         if not peak:
             return None, "unknown GPU peak"
-        mfu = 0.55 if getattr(model.args, "d_model", 0) >= 2048 else 0.45
-        return peak * mfu / flops * world_size, f"estimated at MFU {mfu:.2f} of {env.hw.name}'s peak"
+        from gptoughts.perf.estimate import MIN_STEP_S, default_mfu, gpu_tokens_per_s
+
+        mfu = default_mfu(getattr(model.args, "d_model", 0))
+        tps, flops_tps = gpu_tokens_per_s(peak, flops, mfu, world_size, micro_batch * block_size, world_size)
+        if tps < flops_tps:  # a model this small is bound by its kernel launches, not its FLOPs
+            return (
+                tps,
+                f"at most: a step takes at least ~{MIN_STEP_S * 1e3:g} ms on a GPU, whatever its FLOPs",
+            )
+        return tps, f"estimated at MFU {mfu:.2f} of {env.hw.name}'s peak"
     # a whole training step reaches ~25% of a 512² matmul's speed (docs/performance.md, "Memory and time estimate")
     flops_s = _cpu_matmul_flops()
     return flops_s * 0.25 / flops, "from this CPU's measured matmul speed, at 25% of it"
