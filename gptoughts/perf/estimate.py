@@ -104,9 +104,8 @@ def _layer_activation_bytes(args: Any, mode: str, residual_bytes: int = 4) -> fl
     26.9 KB per token and layer at 125m (formula 27.6 KB) and 81.5 KB at 1b (formula 84.0 KB); bf16 residual,
     77.4 KB at 1b (formula 75.8 KB). selective keeps the block input (r d), the attention's matmul outputs (q and
     o: 4d; k and v: 4 d_kv), SDPA's output (2d) and w1's and w3's outputs (4f), and recomputes norms, activations
-    and the weights' casts: (r + 6) d + 4 d_kv + 4f, what a trace of the compiled block's saved tensors shows. At
-    3b (bf16 residual, H200) it gives 61.4 KB per token and layer against 62.9 KB measured between micro-batches
-    4 and 8 (bench/BENCHMARKS.md). full keeps only the block input (r d).
+    and the weights' casts: (r + 6) d + 4 d_kv + 4f, what a trace of the compiled block's saved tensors shows
+    (checked against 3b's measured peaks: bench/BENCHMARKS.md). full keeps only the block input (r d).
 
     Speedrun switches (not measured; counted as above): ``qk_norm`` adds q and k before their norm (2(d + d_kv));
     ``mlp = "relu2"`` keeps w3's output and its square (2 × 2h, h = ``ffn_hidden`` = 3f/2: the same 6f as the

@@ -305,8 +305,7 @@ def apply_compile(parts: list[nn.Module], spec: Transforms, *, whole_later: bool
 def _graphs_per_block_kind(blocks: nn.Module) -> None:
     """Every block shares one ``forward``, and dynamo keeps at most ``recompile_limit`` graphs of a function before
     running it eagerly: training and evaluation (grad mode), the auto-batch probe's static then dynamic shapes, per
-    kind of block. DeepSeek's dense and MoE blocks reached the default 8 at the first evaluation, which then ran
-    eagerly. The limit is raised to 8 per kind of block (kinds: by class and parameter shapes)."""
+    kind of block (by class and parameter shapes: DeepSeek's dense and MoE blocks are two). So 8 per kind."""
     kinds = {(type(b), tuple(p.shape for p in b.parameters())) for b in blocks}
     limit = 8 * len(kinds)
     config = torch._dynamo.config

@@ -104,8 +104,7 @@ class DeepSeekArgs:
     moe_w13: str = "fused"
     """Speed switch: the routed experts' gate and up projections (``w1``, ``w3``) as two grouped GEMMs
     (``separate``) or as one over both weights concatenated at the cast (``fused``, the default: one GEMM twice
-    as wide, 1.037x the step of deepseek small on an H200, bench/BENCHMARKS.md). The weights stay two parameters
-    either way."""
+    as wide, which measured faster; bench/BENCHMARKS.md). The weights stay two parameters either way."""
     hf_rope_interleave: bool = True
     """Checkpoint layout only (HF ``rope_interleave``): whether HF weights store the rope dims as interleaved pairs.
     ``from_hf``/``to_hf`` permute accordingly; the model itself always computes in the rotate_half layout."""
