@@ -56,22 +56,17 @@ def plan_batches(
     t, info = cfg.train, env.dist
     why: dict[str, str] = {}
     train_tokens = _train_tokens(cfg, data, model, info)
-    # The epochs asked for (one when no stopping rule is given); None under a step or token budget.
-    epochs = None if t.max_steps is not None or t.max_tokens is not None else (t.epochs or 1.0)
-    # A preference pair is two rows (chosen, rejected): a step's tokens count both.
-    row_tokens = t.block_size * (2 if data.prefs is not None else 1)
-    micro, accum = t.batch_size, t.grad_accum
-    if not isinstance(micro, int):
+    epochs = _epochs_asked(t)
+    row_tokens = _row_tokens(cfg, data)
+    if not isinstance(t.batch_size, int):
         # the rows a step may hold so that the epochs asked for are enough steps (_fit_epochs): what the memory
         # estimates below assume of the accumulation too
         rows_cap = _rows_for_epochs(epochs * train_tokens, row_tokens * info.dp_size) if epochs else None
         micro, accum = _auto_batch(cfg, env, model, dry_run, why, rows_cap)
         if epochs is not None:
             micro, accum = _fit_epochs(micro, accum, epochs * train_tokens, row_tokens * info.dp_size, why)
-    elif epochs is not None and _default_batch(cfg):
-        micro, accum = _fit_default_batch(
-            cfg, micro, accum, epochs * train_tokens, row_tokens * info.dp_size, why
-        )
+    else:
+        micro, accum = given_batch(cfg, env, data, model, why=why, train_tokens=train_tokens)
     if data.prefs is not None:
         why.setdefault("batch_size", "pairs, each 2 rows: chosen and rejected")
     accum, tokens_per_step = _resumed_global_batch(resumed_run, micro, accum, row_tokens, info, why)
@@ -114,6 +109,58 @@ def plan_batches(
         eval_block=data.dataset.longest_window("val", t.block_size) if data.manifest is not None else None,
         checkpoints=cfg.checkpoint.checkpoints,
     )
+
+
+def _epochs_asked(t: TrainConfig) -> float | None:
+    """The epochs asked for (one when no stopping rule is given); None under a step or token budget."""
+    return None if t.max_steps is not None or t.max_tokens is not None else (t.epochs or 1.0)
+
+
+def _row_tokens(cfg: Config, data: Data) -> int:
+    """Tokens of one row of a micro-batch: a preference pair is two rows (chosen, rejected), a step counts both."""
+    return cfg.train.block_size * (2 if data.prefs is not None else 1)
+
+
+def given_batch(
+    cfg: Config,
+    env: Environment,
+    data: Data,
+    model: Model,
+    *,
+    why: dict[str, str] | None = None,
+    train_tokens: int | None = None,
+) -> tuple[int, int]:
+    """(micro-batch, accumulation) of a run whose micro-batch is a number (not ``auto``): as given, or a default one
+    cut for a small corpus (:func:`_fit_default_batch`). What this step plans, and what the memory layout is chosen
+    for before it (:func:`layout_batch`). ``train_tokens``: one epoch's, where already counted."""
+    t, info = cfg.train, env.dist
+    assert isinstance(t.batch_size, int), t.batch_size
+    epochs = _epochs_asked(t)
+    if epochs is None or not _default_batch(cfg):
+        return t.batch_size, t.grad_accum
+    if train_tokens is None:
+        train_tokens = _train_tokens(cfg, data, model, info)
+    return _fit_default_batch(
+        cfg,
+        t.batch_size,
+        t.grad_accum,
+        epochs * train_tokens,
+        _row_tokens(cfg, data) * info.dp_size,
+        {} if why is None else why,
+    )
+
+
+def layout_batch(
+    cfg: Config, env: Environment, data: Data, model: Model, resumed_run: dict[str, Any] | None = None
+) -> tuple[int, int] | None:
+    """(micro-batch, accumulation) that the memory layout is chosen for (``build.choose_memory_layout``, before this
+    step): a given micro-batch as :func:`plan_batches` will plan it (:func:`given_batch`, then a resumed run's global
+    batch kept); None under ``batch_size = auto`` (its micro-batch is found after the layout)."""
+    if not isinstance(cfg.train.batch_size, int):
+        return None
+    micro, accum = given_batch(cfg, env, data, model)
+    accum, _ = _resumed_global_batch(resumed_run, micro, accum, _row_tokens(cfg, data), env.dist, {})
+    return micro, accum
 
 
 def _phases(

@@ -8,7 +8,8 @@
 4. ``modeling.build_model``           meta build -> load or init -> LoRA -> ``resolve.resolve_transforms``
                                       (every transform decided) -> ``setup.apply_transforms``; first on meta,
                                       for :func:`choose_memory_layout` (checkpointing, optimizer states, CPU
-                                      offload: what fits the GPU, decided before the real build)
+                                      offload: what fits the GPU at the batch step 5 will plan, decided before
+                                      the real build)
 5. ``batches.plan_batches``           micro-batch, accumulation, tokens per step, steps, epochs, warmup, intervals
 6. ``plan.make_plan``                 what the run will do (printed before the first step); then the whole
                                       model's compile, where it was chosen
@@ -46,7 +47,7 @@ from gptoughts.training.environment import (
 )
 from gptoughts.training.estimates import cpu_optimizer_seconds, with_optimizer_step
 from gptoughts.training.modeling import Model, apply_planned_compile, build_model
-from gptoughts.training.plan import BatchPlan, RunPlan, make_plan, memory_refusal
+from gptoughts.training.plan import BatchPlan, RunPlan, make_plan, memory_refusal, resumed_step
 from gptoughts.training.resolve import resolve_grad_sync
 
 # ------------------------------------------------------------------------------------------ 1. environment
@@ -197,7 +198,8 @@ def _assemble(
         else None
     )
     model = build_model(cfg, env, data, meta=True)
-    cfg, env = choose_memory_layout(cfg, env, model, dry_run=dry_run)  # 4b: what the later steps build
+    # 4b: what the later steps build, for the batch step 5 will plan
+    cfg, env = choose_memory_layout(cfg, env, model, dry_run=dry_run, data=data, resumed_run=resumed_run)
     resumed_at = _resumed_at(resume_from)
     batch = plan_batches(cfg, env, data, model, dry_run=True, resumed_run=resumed_run, resumed_at=resumed_at)
     nothing = _refuse_nothing_to_train(run_dir, resume_from, resumed_at, batch, dry_run=dry_run)
@@ -283,16 +285,28 @@ def _print_plan(
 
 
 def choose_memory_layout(
-    cfg: Config, env: Environment, model: Model, *, dry_run: bool
+    cfg: Config,
+    env: Environment,
+    model: Model,
+    *,
+    dry_run: bool,
+    data: Data | None = None,
+    resumed_run: dict[str, Any] | None = None,
 ) -> tuple[Config, Environment]:
     """The memory layout that fits this GPU (``perf/layout.py``: activation checkpointing, optimizer states, CPU
     offload, among the settings the user left to their defaults), decided once on the meta model's estimates and
     applied to the config, with why in ``cfg.resolved`` (the plan prints it); offload also starts the process group
     of one it needs. A run that nothing fits is refused here, before anything heavy, unless
-    ``--ignore_memory_estimate`` (or a dry run: its plan warns)."""
+    ``--ignore_memory_estimate`` (or a dry run: its plan warns).
+
+    Estimated at the batch the run will train with (``batches.layout_batch``, given ``data``: a size's default
+    micro-batch cut for a small corpus, a resume's global batch), not the config's micro-batch: a layout chosen for
+    rows the run never holds would turn on checkpointing or offload it does not need."""
+    from gptoughts.training.batches import layout_batch
     from gptoughts.training.estimates import layout_search
 
-    search = layout_search(cfg, env, model)
+    shape = layout_batch(cfg, env, data, model, resumed_run) if data is not None else None
+    search = layout_search(_at_batch(cfg, shape), env, model)
     if search is None:
         return cfg, env
     # rank 0's choice for all: the host memory each rank reads differs by a little
@@ -319,6 +333,14 @@ def choose_memory_layout(
     return cfg, env
 
 
+def _at_batch(cfg: Config, shape: tuple[int, int] | None) -> Config:
+    """``cfg`` with the (micro-batch, accumulation) the run will train with, for the layout's estimates only (the
+    config the run keeps is unchanged: the batch step plans the same shape from it)."""
+    if shape is None or shape == (cfg.train.batch_size, cfg.train.grad_accum):
+        return cfg
+    return replace(cfg, train=replace(cfg.train, batch_size=shape[0], grad_accum=shape[1]))
+
+
 def _plan(
     cfg: Config,
     env: Environment,
@@ -333,7 +355,7 @@ def _plan(
     """Every ``auto`` resolved (with why) and the run's plan, from what steps 3-5 decided; ``threads``: the CPU
     thread count and why, when known before the plan."""
     if model.transforms is not None and model.transforms.whole_model_auto:
-        _whole_model_for_long_runs(env, model, batch)
+        _whole_model_for_long_runs(env, model, batch, start=resumed_step(resume_from))
     from gptoughts.training.resolve import resolve_run
 
     # A dry run builds nothing: what the build would apply, with the layout read where the build reads it.
@@ -411,9 +433,10 @@ def _given_threads(
     return hardware.given_cpu_threads(cfg.perf.threads, kept if isinstance(kept, int) and kept > 0 else None)
 
 
-def _whole_model_for_long_runs(env: Environment, model: Model, batch: BatchPlan) -> None:
+def _whole_model_for_long_runs(env: Environment, model: Model, batch: BatchPlan, start: int = 0) -> None:
     """``compile_mode = auto``: a run estimated shorter than ``WHOLE_MODEL_MIN_RUN_S`` trains on the per-block
-    graphs (the whole model's compile would cost more than its faster steps gain)."""
+    graphs (the whole model's compile would cost more than its faster steps gain). ``start``: the step a resumed
+    run starts after; what this session trains, and so repays the compile, is the steps left."""
     from gptoughts.training.estimates import estimate_speed
     from gptoughts.training.resolve import WHOLE_MODEL_MIN_RUN_S
 
@@ -421,11 +444,13 @@ def _whole_model_for_long_runs(env: Environment, model: Model, batch: BatchPlan)
     if not tps:
         _use_blocks(model, "auto: the run's length cannot be estimated on this GPU (unknown peak)")
         return
-    run_s = batch.total_steps * batch.tokens_per_step / tps
+    left = max(0, batch.total_steps - start)
+    run_s = left * batch.tokens_per_step / tps
     if run_s < WHOLE_MODEL_MIN_RUN_S:
+        what = f"the {left:,} steps left after step {start:,}" if start else "a run"
         _use_blocks(
             model,
-            f"auto: a run estimated at ~{max(1, round(run_s / 60))} min (the whole model's compile repays from "
+            f"auto: {what} estimated at ~{max(1, round(run_s / 60))} min (the whole model's compile repays from "
             f"~{WHOLE_MODEL_MIN_RUN_S // 60} min)",
         )
 

@@ -171,13 +171,7 @@ class Evaluator:
         return val_loss, best
 
     def _patience_reference(self) -> float:
-        """The val loss of the last evaluation that reset the patience (inf before any). Each finite evaluation
-        since then added one to ``evals_without_improvement``, so it is the finite one that many before the last:
-        derived from the history every checkpoint keeps, it comes back with a resumed or rolled-back run, older
-        checkpoints included."""
-        finite = [h["val_loss"] for h in self.state.history if math.isfinite(h["val_loss"])]
-        n = self.state.evals_without_improvement
-        return finite[-n - 1] if n < len(finite) else math.inf
+        return patience_reference(self.state.history, self.state.evals_without_improvement)
 
     def patience_exhausted(self) -> bool:
         """Whether early stopping ends the run (every rank decides it alike, from the all-reduced val loss)."""
@@ -295,6 +289,17 @@ class Evaluator:
         )
         if self.plots is not None:
             self.plots.request()
+
+
+def patience_reference(history: list[dict[str, float]], evals_without_improvement: int) -> float:
+    """The val loss of the last evaluation that reset early stopping's patience (inf before any): an evaluation
+    improves when it is lower than this by more than ``early_stopping_min_delta``. Each finite evaluation since then
+    added one to ``evals_without_improvement``, so it is the finite one that many before the last: derived from the
+    history every checkpoint keeps, it comes back with a resumed or rolled-back run, older checkpoints included (and
+    the plan of a resume reads it from there: ``plan.early_stopping_line``)."""
+    finite = [h["val_loss"] for h in history if math.isfinite(h["val_loss"])]
+    n = evals_without_improvement
+    return finite[-n - 1] if n < len(finite) else math.inf
 
 
 def combine_task_scores(parts: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
