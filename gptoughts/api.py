@@ -421,8 +421,15 @@ def _print_summary(asm: Any, history: History) -> None:
         console.print(f"  next: gptoughts plot {run}", highlight=False)
         return
     scored = "--prefs PAIRS.jsonl" if asm.data.prefs is not None else "--data PATH"
-    # An interrupted run continues to its own end as it is; a finished one needs a budget past where it stopped.
-    more = "" if history.stop_reason.startswith("interrupted") else " --max_steps N"
+    # An interrupted run continues to its own end as it is; a finished one needs a budget past where it stopped;
+    # an early-stopped one keeps its used-up patience (it would stop again at its next evaluation).
+    more = (
+        ""
+        if history.stop_reason.startswith("interrupted")
+        else " --early_stopping_patience none"
+        if history.stop_reason == "early stopping"
+        else " --max_steps N"
+    )
     console.print(
         f'  next: gptoughts sample {run} --prompt "..."  |  gptoughts eval {run} {scored}  |  '
         f"gptoughts export {run} --format hf OUT  |  gptoughts train --resume auto --out {run}{more}  |  "

@@ -161,8 +161,10 @@ def test_resuming_an_early_stopped_run_says_the_patience_is_used_up_and_does_tha
     tmp_path, text_corpus, cache_dir, capsys
 ):
     out = tmp_path / "run"
-    _train(out, text_corpus, capsys, *EARLY)
+    ended = _train(out, text_corpus, capsys, *EARLY)
     assert _summary(out) == (6, "early stopping")
+    # the summary's next step trains on: more steps alone would stop again at the next evaluation
+    assert f"--resume auto --out {out} --early_stopping_patience none" in ended, ended[-800:]
     # The plan of the resume as the user types it: 20 steps, and the early stop that ends it at its next evaluation
     text = _resume(out, capsys, "--dry_run")
     assert "steps: 20 " in text, text
