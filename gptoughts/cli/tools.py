@@ -20,29 +20,25 @@ from gptoughts.errors import ConfigError, UserError
 def cmd_prepare(argv: Sequence[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(
-            "usage: gptoughts prepare --data PATH [--data PATH ...] --out DIR [--size S | --tokenizer SPEC]\n"
+            "usage: gptoughts prepare --data PATH [--data PATH ...] [--out DIR] [--size S | --tokenizer SPEC]\n"
             "                         [--text_field F --extensions a,b --val_fraction X --max_bytes N --seed N\n"
             "                          --workers N]\n"
-            "Tokenize a corpus into token shards in DIR (manifest.json, tokenizer/, *.bin): the same keys and\n"
-            "defaults as `gptoughts train` (with --size, the tokenizer that size trains with), so\n"
-            "`gptoughts bench --shards DIR` and a train of the same settings read the same tokens."
+            "Tokenize a corpus into token shards (manifest.json, tokenizer/, *.bin) with the same keys and defaults\n"
+            "as `gptoughts train` (with --size, the tokenizer that size trains with). Without --out, into the cache\n"
+            "that `gptoughts train` with the same --data and settings reads: that train then starts without\n"
+            "tokenizing. With --out DIR, into DIR, for `gptoughts bench --shards DIR` (train does not read DIR)."
         )
         print("\n".join(options_help(("data",), {**bare_keys(("data",)), **ALIASES}, FLAGS)))
         return 0
     rest, opts = pop_options(argv, set(), {"out"})
-    if "out" not in opts:
-        raise ConfigError("prepare needs an output folder: --out DIR")
     preset, overrides, _ = parse_overrides(rest, sections=("model", "data", "train"), switches=())
     from gptoughts.config import load_config
-    from gptoughts.data.prepare import prepare
+    from gptoughts.data.prepare import cached_prepare, prepare
     from gptoughts.training.corpus import resolve_sources
 
     cfg = load_config(preset, overrides)
     d = cfg.data
-    m = prepare(
-        resolve_sources(d.sources),
-        opts["out"],
-        d.tokenizer,
+    kwargs: dict[str, Any] = dict(
         text_field=d.text_field,
         extensions=d.extensions or None,
         val_fraction=d.val_fraction,
@@ -50,8 +46,19 @@ def cmd_prepare(argv: Sequence[str]) -> int:
         seed=cfg.train.seed,
         workers=d.workers,
     )
+    sources = resolve_sources(d.sources)
+    if "out" in opts:
+        m = prepare(sources, opts["out"], d.tokenizer, **kwargs)
+        where, note = (
+            opts["out"],
+            "; train reads its own cache, which `gptoughts prepare` without --out fills",
+        )
+    else:  # where train's data step looks (training/corpus.py: the same sources, tokenizer and settings)
+        m = cached_prepare(sources, d.tokenizer, cache_root=d.cache_dir, **kwargs)
+        where = str(m.dir)
+        note = "; `gptoughts train` with the same --data and settings reads these shards"
     print(
-        f"{opts['out']}: {m.train_tokens:,} train tokens, {m.val_tokens:,} val tokens (vocab {m.vocab_size:,})"
+        f"{where}: {m.train_tokens:,} train tokens, {m.val_tokens:,} val tokens (vocab {m.vocab_size:,}){note}"
     )
     return 0
 

@@ -426,10 +426,11 @@ def cmd_export(argv: Sequence[str]) -> int:
     if out is None:
         raise ConfigError("export needs an output folder: gptoughts export RUN --format hf OUT")
     from gptoughts.api import export
-    from gptoughts.models.hf_export import parse_size
+    from gptoughts.models.hf_export import check_out_dir, parse_size
 
     parse_size(a.max_shard_size)  # every option checked, then what is read
     model_path(a.path)
+    check_out_dir(out, a.overwrite)  # before the load, which can take minutes
 
     written = export(
         a.path,

@@ -245,6 +245,21 @@ def default_out(data: dict[str, Any], overrides: dict[str, Any]) -> str:
     return f"runs/{family}-{size}"
 
 
+def branch_out(resume: Any, run_dir: Path | None) -> str:
+    """The default ``--out`` of ``--resume PATH``: beside the run it branches from, named after it and the
+    checkpoint (``runs/a/checkpoints/step_000004`` -> ``runs/a-from-step_000004``; the run or its checkpoints/
+    folder, whose newest checkpoint is resumed -> ``runs/a-branch``); a checkpoint moved out of its run (no
+    ``run_dir``) -> ``runs/NAME-branch``. A second branch from the same place finds the first there and is
+    refused with the fix (continue it with --resume auto, or name another --out)."""
+    path = Path(str(resume)).expanduser()
+    if run_dir is None:
+        return f"runs/{path.resolve().name or 'checkpoint'}-branch"
+    suffix = f"from-{path.name}" if path.parent.name == "checkpoints" and run_dir != path else "branch"
+    if run_dir.name in ("", ".", ".."):  # `--resume .` inside the run: name it by its real folder
+        run_dir = run_dir.resolve()
+    return str(run_dir.with_name(f"{run_dir.name}-{suffix}"))
+
+
 def load_config(preset: str | Path | None = None, overrides: dict[str, Any] | None = None) -> Config:
     """The config of a run, composed in one order (README "Where a run starts"):
 
@@ -266,13 +281,17 @@ def load_config(preset: str | Path | None = None, overrides: dict[str, Any] | No
     start = starting_preset(preset, overrides)
     data = read_toml(start)
     run_file = _run_config_file(data, overrides)
-    auto = overrides.get("run.resume", data.get("run", {}).get("resume")) == "auto"
+    resume = overrides.get("run.resume", data.get("run", {}).get("resume"))
+    auto = resume == "auto"
     shipped: set[str] = set()
     if run_file is not None:
         # (a preset named beside --resume is where the run started: its config.toml already holds it all)
         data = _read_run_config(run_file)
-        # --resume PATH branches into --out (or the default one), never into the run it comes from
-        data.setdefault("run", {})["out"] = str(run_file.parent) if auto else None
+        # --resume PATH branches into --out, by default a folder named after the run and checkpoint it comes
+        # from (never into that run, nor into the family-size folder, which may hold an unrelated run)
+        data.setdefault("run", {})["out"] = (
+            str(run_file.parent) if auto else branch_out(resume, run_file.parent)
+        )
         # How a run is launched is not part of it: a run saved under FSDP on 2 GPUs resumes on one.
         data.pop("parallel", None)
         given, shipped = _given_at_start(run_file, data)
@@ -297,7 +316,8 @@ def load_config(preset: str | Path | None = None, overrides: dict[str, Any] | No
     cfg.given = frozenset(given | set(overrides))
     cfg.shipped = frozenset(shipped & cfg.given)
     if cfg.run.out is None:
-        cfg.run.out = default_out(data, {})
+        # a checkpoint moved out of its run (no config.toml beside it) branches into a folder named after it too
+        cfg.run.out = branch_out(resume, None) if resume and not auto else default_out(data, {})
     validate(cfg)
     if cfg.model.init_from is not None:
         finetune_defaults(cfg)

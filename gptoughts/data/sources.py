@@ -128,8 +128,9 @@ def _refuse_gptoughts_output(p: Path) -> None:
         except (KeyError, TypeError, AttributeError):  # a damaged manifest: no sources to name
             flags = "--data CORPUS"
         raise DataError(
-            f"{p} is a prepared dataset (token shards from `gptoughts prepare`), not a corpus: train prepares "
-            f"and caches its own shards; pass the corpus it was made from instead: {flags}"
+            f"{p} is a prepared dataset (token shards from `gptoughts prepare --out`), not a corpus: train "
+            f"tokenizes into a cache of its own (`gptoughts prepare` without --out fills it ahead); pass the corpus "
+            f"it was made from instead: {flags}"
         )
     if is_run_folder(p):
         raise DataError(

@@ -93,13 +93,68 @@ def save_state_dict(
     return names + [SAFE_INDEX]
 
 
-def prepare_out_dir(out_dir: str | Path, overwrite: bool = False) -> Path:
+# A checkpoint folder (training/checkpoint/store.py's names; this layer does not import training): meta.json
+# beside its weights, its state or a sharded checkpoint's index.
+_CHECKPOINT_META = "meta.json"
+_CHECKPOINT_WEIGHTS = ("model.safetensors", "state.pt", ".metadata")
+
+
+def _gptoughts_folder(out: Path) -> tuple[Path, str] | None:
+    """(the folder, what it is) where ``out`` is, or lies inside, a folder gptoughts wrote and reads back: a
+    training run (its checkpoints, tokenizer, plots), a prepared dataset, or a checkpoint moved out of its run."""
+    from gptoughts.data.sources import is_run_folder, prepared_manifest
+
+    here = out.expanduser().resolve()
+    for folder in (here, *here.parents):
+        if is_run_folder(folder):
+            return folder, "a training run" if folder == here else f"inside the training run {_shown(folder)}"
+        if prepared_manifest(folder) is not None:
+            what = "a prepared dataset" if folder == here else f"inside the prepared dataset {_shown(folder)}"
+            return folder, what
+    if (here / _CHECKPOINT_META).is_file() and any((here / n).exists() for n in _CHECKPOINT_WEIGHTS):
+        return here, "a checkpoint"
+    return None
+
+
+def _shown(path: Path) -> Path:
+    """A resolved path as the user would type it: relative to the working directory when inside it."""
+    try:
+        return path.relative_to(Path.cwd().resolve())
+    except ValueError:
+        return path
+
+
+def _free_sibling(folder: Path, suffix: str) -> Path:
+    """``FOLDER-SUFFIX`` beside ``folder``, or ``FOLDER-SUFFIX-2``, ``-3``, ...: the first name not taken."""
+    name, n = f"{folder.name}-{suffix}", 2
+    candidate = folder.with_name(name)
+    while candidate.exists():
+        candidate, n = folder.with_name(f"{name}-{n}"), n + 1
+    return candidate
+
+
+def check_out_dir(out_dir: str | Path, overwrite: bool = False) -> Path:
+    """Refuse, by reading only, an output folder an export must not write into: one that gptoughts wrote (a run,
+    what lies inside one, a prepared dataset, a checkpoint), whatever ``overwrite`` says, since its files would
+    mix with the export's and an export clears old weight files; and a non-empty folder without ``overwrite``."""
     out = Path(out_dir).expanduser()
+    found = _gptoughts_folder(out)
+    if found is not None:
+        folder, what = found
+        raise UserError(
+            f"{out} is {what}, not a folder for an export (its files and the Hugging Face files would mix, "
+            f"--overwrite or not); pass another OUT, e.g. {_shown(_free_sibling(folder, 'hf'))}"
+        )
+    if out.exists() and not out.is_dir():
+        raise UserError(f"{out} exists and is a file; pass a new or empty folder as OUT")
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise UserError(f"{out} exists and is not empty; choose another output folder or pass --overwrite")
+    return out
+
+
+def prepare_out_dir(out_dir: str | Path, overwrite: bool = False) -> Path:
+    out = check_out_dir(out_dir, overwrite)
     if out.exists() and any(out.iterdir()):
-        if not overwrite:
-            raise UserError(
-                f"{out} exists and is not empty; choose another output folder or pass --overwrite"
-            )
         for f in list(out.glob("*.safetensors")) + [out / SAFE_INDEX, out / BIN_WEIGHTS, out / BIN_INDEX]:
             if f.exists():
                 f.unlink()  # stale shards of an earlier export would be picked up by the index-less reader
