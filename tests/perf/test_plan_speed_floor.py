@@ -15,7 +15,9 @@ from gptoughts.training.estimates import estimate_speed
 
 def _plan_speed(size: str, micro: int, block: int) -> tuple[float, str]:
     raw = models.build_model("llama", models.model_args("llama", size), device="meta")
-    env = SimpleNamespace(device=torch.device("cuda"), hw=SimpleNamespace(peak_bf16_flops=989e12, name="H200"))
+    env = SimpleNamespace(
+        device=torch.device("cuda"), hw=SimpleNamespace(peak_bf16_flops=989e12, name="H200")
+    )
     model = SimpleNamespace(raw=raw, args=raw.args)
     return estimate_speed(env, model, block, micro, 1)
 
