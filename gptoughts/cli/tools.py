@@ -5,11 +5,9 @@
 from __future__ import annotations
 
 import json
-import os
 import sys
 import uuid
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from gptoughts.cli.options import ALIASES, FLAGS, bare_keys, options_help, parse_overrides, pop_options
@@ -200,7 +198,9 @@ def cmd_tune(argv: Sequence[str]) -> int:
         argv, {"overwrite"}, {"ac", "compile_modes", "fp8", "batches", "steps", "warmup", "out"}
     )
     # before any trial: a search takes minutes, and its result must have somewhere to go
-    out = _new_file(opts.get("out"), "tuned.toml", bool(opts.get("overwrite")))
+    from gptoughts.training.rundir import output_file
+
+    out = output_file(opts.get("out"), "tuned.toml", bool(opts.get("overwrite")))
     preset, overrides, _ = parse_overrides(rest)
     from gptoughts.config import load_config
     from gptoughts.tools.tune import best, format_table, run_tune, write_winner
@@ -242,25 +242,3 @@ def cmd_tune(argv: Sequence[str]) -> int:
         print(f"{out} appeared during the search; kept it and wrote {path} instead", file=sys.stderr)
     print(f"best settings written to {path}: gptoughts train {path} --data ...")
     return 0
-
-
-def _new_file(given: str | None, default: str, overwrite: bool) -> Path:
-    """Where a command writes its one output file: ``given`` (an existing folder: ``default`` in it), else
-    ``default`` in the current folder; refused before the command does any work where a file is already there
-    without ``overwrite`` (``rundir.refuse_existing``), or where its folder cannot be written."""
-    from gptoughts.training.rundir import refuse_existing
-
-    path = Path(given).expanduser() if given else Path(default)
-    if path.is_dir():
-        path = path / default
-    if path.is_dir():
-        raise UserError(f"{path} is a folder; pass --out FILE.toml")
-    refuse_existing(path, overwrite)
-    above = path.parent.absolute()
-    while not above.exists():
-        above = above.parent
-    if not above.is_dir():
-        raise UserError(f"cannot write {path}: {above} is a file, not a folder; pass another --out")
-    if not os.access(above, os.W_OK | os.X_OK):
-        raise UserError(f"cannot write {path}: {above} is not writable; pass another --out")
-    return path

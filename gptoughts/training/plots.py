@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from gptoughts.errors import UserError
-from gptoughts.training.rundir import place_file, refuse_existing
+from gptoughts.training.rundir import output_file, place_file
 
 log = logging.getLogger("gptoughts.training")
 
@@ -516,12 +516,7 @@ def compare_runs(runs: Sequence[Path | str], out: Path | str, *, overwrite: bool
         if not (p / METRICS_FILE).is_file():
             raise UserError(f"{p} has no {METRICS_FILE}; pass a run directory")
         data.append(read_series(p / METRICS_FILE))
-    out = Path(out)
-    if out.is_dir():
-        out = out / "compare.png"
-    if out.is_dir():
-        raise UserError(f"{out} is a folder; pass --out FILE.png")
-    refuse_existing(out, overwrite)
+    out = output_file(out, "compare.png", overwrite)
     mpl = _matplotlib()
     if mpl is None:
         raise UserError("comparing runs needs matplotlib: pip install matplotlib")

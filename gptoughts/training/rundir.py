@@ -543,14 +543,31 @@ def write_text_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def refuse_existing(path: Path, overwrite: bool) -> None:
-    """One line, before a command's work, where its one output file is already there and ``overwrite`` was not
-    passed (``train --out`` and ``export OUT`` treat an existing output the same way)."""
+def output_file(given: str | Path | None, default: str, overwrite: bool) -> Path:
+    """Where a command writes its one output file (``tune``'s TOML, ``plot``'s PNG): ``given`` (a folder, existing
+    or written with a trailing separator: ``default`` in it), else ``default`` in the current folder. Refused in
+    one line, before the command does any work, where a file is already there and ``overwrite`` was not passed
+    (``train --out`` and ``export OUT`` treat an existing output the same way), or where its folder cannot be
+    written. The folders it needs are made when the file is placed (:func:`place_file`)."""
+    as_folder = given is not None and str(given).endswith(("/", os.sep))
+    path = Path(given).expanduser() if given else Path(default)
+    if path.is_dir() or as_folder:
+        path = path / default
+    if path.is_dir():
+        raise UserError(f"{path} is a folder; pass another --out")
     if path.exists() and not overwrite:
         raise UserError(
-            f"{path} already exists; pass --out to write elsewhere (e.g. --out {free_name(path)}), or "
-            "--overwrite to replace it"
+            f"{path} already exists; write elsewhere (e.g. --out {free_name(path)}), or replace it with "
+            "--overwrite (overwrite=True from Python)"
         )
+    above = path.parent.absolute()
+    while not above.exists():
+        above = above.parent
+    if not above.is_dir():
+        raise UserError(f"cannot write {path}: {above} is a file, not a folder; pass another --out")
+    if not os.access(above, os.W_OK | os.X_OK):
+        raise UserError(f"cannot write {path}: {above} is not writable; pass another --out")
+    return path
 
 
 def free_name(path: Path) -> Path:
@@ -563,7 +580,7 @@ def free_name(path: Path) -> Path:
 
 def place_file(tmp: Path, path: Path, overwrite: bool) -> Path:
     """Move the finished ``tmp`` to ``path`` whole (a reader never sees half a file) and return where it went.
-    Without ``overwrite`` never over a file, not even one made since :func:`refuse_existing` looked: that one is
+    Without ``overwrite`` never over a file, not even one made since :func:`output_file` looked: that one is
     kept and ``tmp`` goes to the first free name (:func:`free_name`)."""
     if overwrite:
         os.replace(tmp, path)

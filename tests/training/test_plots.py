@@ -217,13 +217,18 @@ def test_compare_runs_keeps_an_existing_file(tmp_path):
     mine = tmp_path / "compare.png"
     mine.write_bytes(b"my own figure")
     for out in (mine, tmp_path):  # named, and as compare.png in a named folder
-        with pytest.raises(UserError, match=r"compare.png already exists; pass --out .* or --overwrite") as e:
+        with pytest.raises(
+            UserError, match=r"compare.png already exists; .*--out .*--overwrite .*overwrite=True"
+        ) as e:
             compare_runs([a, b], out)
         assert "\n" not in str(e.value)
     assert mine.read_bytes() == b"my own figure"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "compare.png"]  # no temporary file left
     _assert_png(compare_runs([a, b], mine, overwrite=True), min_w=800, min_h=400)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "compare.png"]
+    # a folder named with a trailing separator that does not exist yet: compare.png inside it
+    new = compare_runs([a, b], f"{tmp_path}/figs/")
+    assert new == tmp_path / "figs" / "compare.png" and new.is_file()
 
 
 def test_compare_labels_are_disambiguated(tmp_path):
