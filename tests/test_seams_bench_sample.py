@@ -147,6 +147,13 @@ def test_a_flag_typo_suggests_the_flag_meant(argv, meant, capsys):
     assert code == 2 and f"did you mean {meant}?" in line, line
 
 
+def test_an_unknown_short_option_is_named_as_typed(capsys):
+    # the review: `sample RUN -p hi` said "unknown option --p"
+    code, text = run_cli(["sample", "RUN", "-p", "hi"], capsys)
+    line = _error_line(text)
+    assert code == 2 and "unknown option -p " in line and "--p" not in line, line
+
+
 def test_an_argparse_error_is_one_line(capsys):
     code, text = run_cli(["export", "RUN", "OUT", "--format", "gguf"], capsys)
     line = _error_line(text)

@@ -45,12 +45,12 @@ class Parser(argparse.ArgumentParser):
             raise UserError(
                 f"{self.prog}: unexpected argument {first!r}; `{self.prog} --help` lists what it takes"
             )
-        name = first.split("=", 1)[0].lstrip("-")
-        options = [o[2:] for action in self._actions for o in action.option_strings if o.startswith("--")]
-        near = closest(name, options)
+        typed = first.split("=", 1)[0]  # as typed: -p stays -p
+        options = [o for action in self._actions for o in action.option_strings if o.startswith("--")]
+        near = closest(typed, options) if typed.startswith("--") else None  # (one letter matches anything)
         raise UserError(
-            f"unknown option --{name} for {self.prog}"
-            + (f" (did you mean --{near}?)" if near else f"; `{self.prog} --help` lists its options")
+            f"unknown option {typed} for {self.prog}"
+            + (f" (did you mean {near}?)" if near else f"; `{self.prog} --help` lists its options")
         )
 
 
