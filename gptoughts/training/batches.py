@@ -66,7 +66,9 @@ def plan_batches(
         if epochs is not None:
             micro, accum = _fit_epochs(micro, accum, epochs * train_tokens, row_tokens * info.dp_size, why)
     else:
-        micro, accum = given_batch(cfg, env, data, model, why=why, train_tokens=train_tokens)
+        micro, accum = given_batch(
+            cfg, env, data, model, why=why, train_tokens=train_tokens, resumed_run=resumed_run
+        )
     if data.prefs is not None:
         why.setdefault("batch_size", "pairs, each 2 rows: chosen and rejected")
     accum, tokens_per_step = _resumed_global_batch(resumed_run, micro, accum, row_tokens, info, why)
@@ -129,12 +131,20 @@ def given_batch(
     *,
     why: dict[str, str] | None = None,
     train_tokens: int | None = None,
+    resumed_run: dict[str, Any] | None = None,
 ) -> tuple[int, int]:
     """(micro-batch, accumulation) of a run whose micro-batch is a number (not ``auto``): as given, or a default one
-    cut for a small corpus (:func:`_fit_default_batch`). What this step plans, and what the memory layout is chosen
-    for before it (:func:`layout_batch`). ``train_tokens``: one epoch's, where already counted."""
+    cut for a small corpus (:func:`_fit_default_batch`); a resumed run keeps its own where this command names
+    neither. What this step plans, and what the memory layout is chosen for before it (:func:`layout_batch`).
+    ``train_tokens``: one epoch's, where already counted."""
     t, info = cfg.train, env.dist
     assert isinstance(t.batch_size, int), t.batch_size
+    own = ((resumed_run or {}).get("plan") or {}).get("batch") or {}
+    if _default_batch(cfg) and not cfg.is_given("train.grad_accum") and own.get("micro_batch"):
+        # (another --epochs would otherwise cut the default again: the batch would change under the resume)
+        if why is not None:
+            why["batch_size"] = f"{own['micro_batch']}: the resumed run's own"
+        return int(own["micro_batch"]), int(own.get("grad_accum") or t.grad_accum)
     epochs = _epochs_asked(t)
     if epochs is None or not _default_batch(cfg):
         return t.batch_size, t.grad_accum
@@ -158,7 +168,7 @@ def layout_batch(
     batch kept); None under ``batch_size = auto`` (its micro-batch is found after the layout)."""
     if not isinstance(cfg.train.batch_size, int):
         return None
-    micro, accum = given_batch(cfg, env, data, model)
+    micro, accum = given_batch(cfg, env, data, model, resumed_run=resumed_run)
     accum, _ = _resumed_global_batch(resumed_run, micro, accum, _row_tokens(cfg, data), env.dist, {})
     return micro, accum
 
