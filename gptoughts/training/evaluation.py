@@ -5,6 +5,7 @@ task scores are optional parts of a run: a failure in them is one warning and th
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -296,7 +297,7 @@ def patience_reference(history: list[dict[str, float]], evals_without_improvemen
     improves when it is lower than this by more than ``early_stopping_min_delta``. Each finite evaluation since then
     added one to ``evals_without_improvement``, so it is the finite one that many before the last: derived from the
     history every checkpoint keeps, it comes back with a resumed or rolled-back run, older checkpoints included (and
-    the plan of a resume reads it from there: ``plan.early_stopping_line``)."""
+    the plan of a resume reads it from there: :func:`early_stopping_line`)."""
     finite = [h["val_loss"] for h in history if math.isfinite(h["val_loss"])]
     n = evals_without_improvement
     return finite[-n - 1] if n < len(finite) else math.inf
@@ -313,3 +314,97 @@ def combine_task_scores(parts: list[dict[str, dict[str, float]]]) -> dict[str, d
         out[name] = {k: sum(sl[k] * sl["examples"] for sl in slices) / n for k in metrics}
         out[name]["examples"] = n
     return out
+
+
+def early_stopping_line(
+    cfg: Any, batch: Any, corpus: dict[str, Any], resume_from: Path | None, start: int
+) -> str:
+    """The plan's line of what early stopping does in a resumed run whose checkpoint already counts evaluations without improvement
+    (``eval.early_stopping_patience`` as this run sets it): the count and the val loss to beat come back with the
+    checkpoint (:func:`patience_reference`), so a run that early stopping ended stops again at its next
+    evaluation that does not improve, whatever its new --max_steps. Said with the way to train on. "": a new run,
+    early stopping off, nothing counted, or a checkpoint whose state cannot be read here."""
+    patience = cfg.eval.early_stopping_patience
+    if not start or patience is None or resume_from is None or start >= batch.total_steps:
+        return ""
+    saved = _saved_trainer_state(resume_from)
+    try:
+        count = int(saved["evals_without_improvement"])  # type: ignore[index]
+        history = [h for h in saved["history"] if math.isfinite(float(h["val_loss"]))]  # type: ignore[index]
+    except (TypeError, KeyError, ValueError):
+        return ""
+    if count <= 0 and patience > 0:
+        return ""
+    delta = cfg.eval.early_stopping_min_delta
+    ref = patience_reference(history, count)
+    by = f" by more than min_delta {delta:g}" if delta else ""
+    if math.isfinite(ref):  # (the evaluation that last reset the count: the one `count` before the last)
+        beat = f"val loss below {ref - delta:.4f}"
+        at = int(history[-count - 1]["step"])
+        since = f"{count} evaluation(s) without improving{by} on val loss {ref:.4f} of step {at:,}"
+    else:
+        beat, since = "a finite val loss", f"{count} evaluation(s) without improvement"
+    if not _evaluates(batch, corpus):
+        return (
+            f"{since}, carried over from the checkpoint; this run has no evaluation (no held-out data): early "
+            "stopping cannot end it"
+        )
+    every = batch.eval_interval
+    nxt = min(batch.total_steps, (start // every + 1) * every) if every else batch.total_steps
+    nxt_s = f"step {nxt:,}" + (", the run's last" if nxt == batch.total_steps else "")
+    if patience == 0:
+        return (
+            f"--early_stopping_patience 0 ends the run at its first evaluation ({nxt_s}), improved or not; "
+            "--early_stopping_patience none turns early stopping off"
+        )
+    if count < patience:
+        more = patience - count
+        return (
+            f"{count} of its patience of {patience} used by step {start:,} ({since}; carried over from the "
+            f"checkpoint): {more} more evaluation(s) in a row without {beat} end the run (the next at {nxt_s}); "
+            "one below resets the count"
+        )
+    ended = _ended_by_early_stopping(resume_from, start)
+    return (
+        f"its patience of {patience} was used up at step {start:,}"
+        + (" (early stopping ended the run there)" if ended else "")
+        + f": {since}. The count carries over from the checkpoint, so the run stops at its next evaluation "
+        f"({nxt_s}) unless that brings {beat}. To train on: --early_stopping_patience none turns it off, or "
+        f"--early_stopping_patience {count + patience} ends the run after {patience} more evaluation(s) without "
+        "improvement"
+    )
+
+
+def _evaluates(batch: Any, corpus: dict[str, Any]) -> bool:
+    """Whether the run evaluates at all: held-out windows, pairs or examples (as the steps line says)."""
+    return batch.eval_block != 0 and corpus.get("val_pairs") != 0 and corpus.get("val_examples") != 0
+
+
+def _saved_trainer_state(resume_from: Path) -> dict[str, Any] | None:
+    """The ``trainer`` entry of a checkpoint's state.pt (step, early stopping's count, the val loss history), or None
+    where it cannot be read here (the resume says why when it loads it). Memory-mapped: the optimizer's moments a
+    single-file checkpoint keeps there are not read."""
+    from gptoughts.training.checkpoint.store import STATE_FILE
+
+    try:
+        state = torch.load(Path(resume_from) / STATE_FILE, map_location="cpu", weights_only=True, mmap=True)
+        trainer = state["trainer"]
+    except Exception:  # noqa: BLE001 - a plan's line never stops a run
+        return None
+    return trainer if isinstance(trainer, dict) else None
+
+
+def _ended_by_early_stopping(resume_from: Path, step: int) -> bool:
+    """Whether the summary of the run the checkpoint sits in says early stopping ended it at ``step``."""
+    from gptoughts.training.checkpoint.store import run_of
+
+    home = run_of(Path(resume_from))
+    try:
+        summary = json.loads((home / "summary.json").read_text(encoding="utf-8")) if home else None
+    except (OSError, ValueError):
+        return False
+    return (
+        isinstance(summary, dict)
+        and summary.get("stop_reason") == "early stopping"
+        and summary.get("steps") == step
+    )
