@@ -713,6 +713,7 @@ def export(
     """
     from gptoughts.models.hf import read_config
     from gptoughts.models.hf_export import (
+        check_out_dir,
         copy_tokenizer_files,
         model_dtype,
         parse_size,
@@ -726,6 +727,7 @@ def export(
     if dtype not in ("auto", *names):
         raise ConfigError(f"--dtype must be auto, fp32, bf16 or fp16; got {dtype!r}")
     shard = parse_size(max_shard_size)  # (before the load, which can take minutes)
+    check_out_dir(out, overwrite)  # (the same: an output refused is refused before the load)
     loaded = load(path, device=device, trust_remote_code=trust_remote_code)
     model = loaded.model
     if hasattr(model, "merge_and_unload"):  # PEFT: fold B @ A * alpha / r into the base weights

@@ -52,13 +52,19 @@ def test_export_into_a_moved_checkpoint_or_a_prepared_dataset_is_refused(
             assert f"{out.name}-hf" in line, line
 
 
-def test_the_python_api_refuses_it_too_and_a_new_folder_still_exports(run: Path, tmp_path: Path, capsys):
+def test_the_python_api_refuses_it_too_and_a_new_folder_still_exports(
+    run: Path, tmp_path: Path, capsys, monkeypatch
+):
     from gptoughts import api
 
     before = snapshot(tmp_path)
+    loads = []
+    real_load = api.load
+    monkeypatch.setattr(api, "load", lambda *a, **k: loads.append(a) or real_load(*a, **k))
     with pytest.raises(UserError, match="another OUT"):
         api.export(run, run, overwrite=True)
     assert snapshot(tmp_path) == before
+    assert loads == []  # refused before the model is loaded (which can take minutes)
     ok(["export", str(run), str(tmp_path / "runs" / "a-hf")], capsys)  # the name the refusal suggests
     assert (tmp_path / "runs" / "a-hf" / "config.json").is_file()
     # a second export into it needs --overwrite, as before; with it, it replaces that export
