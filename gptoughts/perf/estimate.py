@@ -94,7 +94,14 @@ class Estimate:
         return asdict(self)
 
 
-def _layer_activation_bytes(args: Any, mode: str, residual_bytes: int = 4) -> float:
+# What torchao's float8 linears (tensorwise, per-block compile) save less than bf16 per token and layer without
+# checkpointing: the compiled graph keeps the fp8 copies of the linears' inputs instead of bf16 ones. Fitted to the
+# user path's measured peaks on an H200 (bench/BENCHMARKS.md, session 24): 1b at 64 rows 124.6 GiB (the bf16
+# formula said 167.7), 3b at 23 rows 123.9 (162.5).
+FP8_SAVED_LESS_PER_D, FP8_SAVED_LESS_PER_F = 9.0, 0.4
+
+
+def _layer_activation_bytes(args: Any, mode: str, residual_bytes: int = 4, fp8: bool = False) -> float:
     """Bytes saved for backward per token per block (bf16 activations; the residual stream in fp32, r = 4
     bytes, or bf16, r = 2: ``perf.residual_dtype``).
 
@@ -106,6 +113,8 @@ def _layer_activation_bytes(args: Any, mode: str, residual_bytes: int = 4) -> fl
     o: 4d; k and v: 4 d_kv), SDPA's output (2d) and w1's and w3's outputs (4f), and recomputes norms, activations
     and the weights' casts: (r + 6) d + 4 d_kv + 4f, what a trace of the compiled block's saved tensors shows
     (checked against 3b's measured peaks: bench/BENCHMARKS.md). full keeps only the block input (r d).
+    ``fp8`` (torchao's float8 linears): none keeps ``FP8_SAVED_LESS_PER_D d + FP8_SAVED_LESS_PER_F f`` less;
+    selective and full keep what they keep in bf16 (not measured under fp8: counted as bf16, the safe side).
 
     Speedrun switches (not measured; counted as above): ``qk_norm`` adds q and k before their norm (2(d + d_kv));
     ``mlp = "relu2"`` keeps w3's output and its square (2 × 2h, h = ``ffn_hidden`` = 3f/2: the same 6f as the
@@ -120,7 +129,8 @@ def _layer_activation_bytes(args: Any, mode: str, residual_bytes: int = 4) -> fl
     if mode == "none":
         qk_norm = 2 * (d + d_kv) if getattr(args, "qk_norm", False) else 0
         mlp = 4 * args.ffn_hidden if relu2 else 6 * f
-        return (8 + 2 * r) * d + 4 * d_kv + mlp + qk_norm
+        fp8_less = FP8_SAVED_LESS_PER_D * d + FP8_SAVED_LESS_PER_F * f if fp8 else 0.0
+        return (8 + 2 * r) * d + 4 * d_kv + mlp + qk_norm - fp8_less
     if mode == "selective":
         return (r + 6) * d + 4 * d_kv + (2 * args.ffn_hidden if relu2 else 4 * f)
     if mode == "full":
@@ -234,7 +244,7 @@ def _deepseek_layer_bytes(args: Any, mode: str, r: int, moe: bool) -> float:
     return attn + (r + 2) * d + routed + 6 * args.n_shared_experts * m
 
 
-def _activation_bytes(family: str, args: Any, mode: str, r: int) -> tuple[float, float]:
+def _activation_bytes(family: str, args: Any, mode: str, r: int, fp8: bool = False) -> tuple[float, float]:
     """(bytes per token saved for backward by all blocks in ``mode``, the most one block saves without
     checkpointing, i.e. what the block being recomputed under ``full`` rebuilds during its backward).
 
@@ -248,6 +258,9 @@ def _activation_bytes(family: str, args: Any, mode: str, r: int) -> tuple[float,
     * deepseek: MLA (latent, q/k/v, output) plus, in the dense layers, a SwiGLU, and in the MoE layers the router,
       each token's copies through its *active* experts only and the shared experts (``_deepseek_layer_bytes``);
       an MTP block counts as one more, never checkpointed, block.
+
+    ``fp8`` (torchao's float8 linears) lowers llama's and llada's (``_layer_activation_bytes``); the other families
+    are counted as in bf16 (not measured under fp8; too high, never too low).
     """
     if mode not in ("none", "selective", "full"):
         raise ConfigError(f"activation checkpointing must be none, selective or full; got {mode!r}")
@@ -268,7 +281,7 @@ def _activation_bytes(family: str, args: Any, mode: str, r: int) -> tuple[float,
             per_layer += _deepseek_layer_bytes(args, "none", r, moe > 0) + (2 * r + 8) * args.d_model
         return per_layer, rebuilt
     # llama, llada (LlamaArgs) and any family with Llama's field names.
-    return _layer_activation_bytes(args, mode, r) * L, _layer_activation_bytes(args, "none", r)
+    return _layer_activation_bytes(args, mode, r, fp8) * L, _layer_activation_bytes(args, "none", r)
 
 
 def _tp_whole_bytes(family: str, args: Any, mode: str) -> tuple[float, float]:
@@ -317,19 +330,24 @@ def estimate(
     grad_accum: int = 1,
     keep_grads: bool = False,
     muon_graph: bool = False,
+    fp8: bool = False,
 ) -> Estimate:
     """Peak memory of one training step, speed and cost for ``family`` at ``size`` (module docstring: each line;
     the activations per family: ``_activation_bytes``; tensor parallelism, FSDP, offload: ``_place``).
     ``grad_accum`` > 1: the gradients accumulated so far live beside the next micro-batch's activations;
     ``keep_grads`` (CUDA graphs): the gradients stay allocated between steps, beside the activations too;
-    ``muon_graph``: Muon's recorded step keeps its working memory (:func:`muon_graph_bytes`)."""
+    ``muon_graph``: Muon's recorded step keeps its working memory (:func:`muon_graph_bytes`); ``fp8``: the blocks'
+    linears are torchao's float8 ones (fewer saved bytes: :func:`_layer_activation_bytes`; speed:
+    :func:`fp8_speedup`)."""
     args, model = _meta_model(family, size, overrides)
     n = model.num_params()
     tokens_step = batch_size * block_size
     if residual_dtype not in ("fp32", "bf16"):
         raise ConfigError(f"residual dtype must be fp32 or bf16; got {residual_dtype!r}")
     r = 4 if residual_dtype == "fp32" else 2
-    per_token, rebuilt = _activation_bytes(models.get_family(family).name, args, activation_checkpointing, r)
+    per_token, rebuilt = _activation_bytes(
+        models.get_family(family).name, args, activation_checkpointing, r, fp8
+    )
     act = per_token * tokens_step
     if activation_checkpointing == "full":  # one block's activations are rebuilt during its backward
         act += rebuilt * tokens_step
@@ -355,7 +373,7 @@ def estimate(
     )  # fmt: skip
     speed = _speed_and_cost(
         gpu, args.d_model, model.flops_per_token(block_size), mfu, num_gpus, tokens, price,
-        tokens_step=tokens_step, data_ranks=max(1, num_gpus // tp),
+        tokens_step=tokens_step, data_ranks=max(1, num_gpus // tp), fp8=fp8,
     )  # fmt: skip
     mem = speed.pop("gpu_memory_gib")
     return Estimate(
@@ -582,6 +600,13 @@ def default_mfu(d_model: int) -> float:
     return 0.55 if d_model >= 2048 else 0.45
 
 
+def fp8_speedup(d_model: int) -> float:
+    """How much faster fp8 (torchao tensorwise) trains than bf16, measured on an H200 at 1b and 3b (1.18-1.28×, on
+    the user path and in ``bench``: bench/BENCHMARKS.md, session 24); below d_model 2048 the casts cost about what
+    the matmuls gain (``perf.fp8 = auto`` stays off there), so no gain is counted."""
+    return 1.2 if d_model >= 2048 else 1.0
+
+
 def gpu_tokens_per_s(
     peak: float,
     flops_per_token: float,
@@ -608,11 +633,12 @@ def _speed_and_cost(
     *,
     tokens_step: int | None = None,
     data_ranks: int = 1,
+    fp8: bool = False,
 ) -> dict[str, Any]:
     """Speed at ``mfu`` of ``gpu``'s peak (default by size class), the time for ``tokens`` and its price, and the
     GPU's memory (None for a GPU not in GPU_MEMORY_GIB): the Estimate fields of the same names. With
     ``tokens_step`` (a micro-batch's tokens on each of ``data_ranks``), no faster than one such step every
-    :data:`MIN_STEP_S`."""
+    :data:`MIN_STEP_S`. ``fp8``: the bf16 peak's MFU times :func:`fp8_speedup` (an MFU-equivalent)."""
     peak = peak_flops(gpu)
     if peak is None and gpu.lower() in ("cpu", "mps"):
         # a CPU's speed is measured, not looked up: train's dry run times a matmul here and plans with it
@@ -623,7 +649,7 @@ def _speed_and_cost(
     if peak is None:
         raise ConfigError(f"unknown GPU {gpu!r}; known: {', '.join(sorted(_PEAK_BF16))}")
     if mfu is None:
-        mfu = default_mfu(d_model)
+        mfu = default_mfu(d_model) * (fp8_speedup(d_model) if fp8 else 1.0)
     tps, flops_tps = gpu_tokens_per_s(peak, flops_tok, mfu, num_gpus, tokens_step, data_ranks)
     hours = tokens / tps / 3600 if tokens else None
     key = next((k for k in sorted(GPU_MEMORY_GIB, key=len, reverse=True) if k.lower() in gpu.lower()), None)
@@ -744,6 +770,7 @@ def estimate_config(
             cpu_offload=cfg.parallel.cpu_offload,
             tp=cfg.parallel.tp,
             grad_accum=accum_at(batch),
+            fp8=cfg.perf.fp8 is True and p.fp8_recipe != "fused_rowwise",
         )
         if cap and (e.gpu_memory_gib is None or cap < e.gpu_memory_gib):
             e = replace(e, gpu_memory_gib=cap, fits=e.total_gib <= cap * 0.95)

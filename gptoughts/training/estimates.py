@@ -65,9 +65,17 @@ def estimate_peak(
             grad_accum=grad_accum,
             keep_grads=keep_grads,
             muon_graph=records_muon_step(cfg, env, keep_grads),
+            fp8=torchao_fp8(model),
         )
     except Exception:  # noqa: BLE001 - an estimate must never stop a run
         return None
+
+
+def torchao_fp8(model: Any) -> bool:
+    """Whether the blocks' linears are (or, in a dry run, will be) torchao's float8 ones, the fp8 the estimate
+    models: ``model.transforms`` holds ``perf.fp8`` resolved; the fused recipe is our own code."""
+    t = getattr(model, "transforms", None)
+    return bool(getattr(t, "fp8", False)) and t.perf.fp8_recipe != "fused_rowwise"
 
 
 def accumulation(cfg: Any, micro_batch: int, block_size: int, data_ranks: int) -> int:
@@ -203,16 +211,21 @@ def estimate_speed(
         peak = env.hw.peak_bf16_flops
         if not peak:
             return None, "unknown GPU peak"
-        from gptoughts.perf.estimate import MIN_STEP_S, default_mfu, gpu_tokens_per_s
+        from gptoughts.perf.estimate import MIN_STEP_S, default_mfu, fp8_speedup, gpu_tokens_per_s
 
-        mfu = default_mfu(getattr(model.args, "d_model", 0))
-        tps, flops_tps = gpu_tokens_per_s(peak, flops, mfu, world_size, micro_batch * block_size, world_size)
+        d_model = getattr(model.args, "d_model", 0)
+        mfu = default_mfu(d_model)
+        gain = fp8_speedup(d_model) if torchao_fp8(model) else 1.0
+        tps, flops_tps = gpu_tokens_per_s(
+            peak, flops, mfu * gain, world_size, micro_batch * block_size, world_size
+        )
         if tps < flops_tps:  # a model this small is bound by its kernel launches, not its FLOPs
             return (
                 tps,
                 f"at most: a step takes at least ~{MIN_STEP_S * 1e3:g} ms on a GPU, whatever its FLOPs",
             )
-        return tps, f"estimated at MFU {mfu:.2f} of {env.hw.name}'s peak"
+        fp8 = f", x {gain:g} for fp8" if gain != 1.0 else ""
+        return tps, f"estimated at MFU {mfu:.2f} of {env.hw.name}'s peak{fp8}"
     # a whole training step reaches ~25% of a 512² matmul's speed (docs/performance.md, "Memory and time estimate")
     flops_s = _cpu_matmul_flops()
     return flops_s * 0.25 / flops, "from this CPU's measured matmul speed, at 25% of it"
