@@ -79,6 +79,18 @@ class StepTimer:
         return out
 
 
+def nvml_index(index: int) -> int:
+    """NVML's index of torch's CUDA device ``index``: NVML numbers every GPU of the machine, torch only those
+    ``CUDA_VISIBLE_DEVICES`` shows (under ``CUDA_VISIBLE_DEVICES=2`` torch's 0 is NVML's 2: read by torch's index,
+    the run reported another GPU's utilisation, 0% beside a busy GPU, and advised a larger batch)."""
+    try:
+        return torch.cuda._get_nvml_device_index(
+            index
+        )  # private, but the mapping torch.cuda.utilization uses
+    except Exception:  # an unparsable CUDA_VISIBLE_DEVICES, UUIDs NVML cannot list: torch's own index
+        return index
+
+
 class GpuMonitor:
     """GPU utilisation and memory from NVML (nvidia-ml-py); silently absent where NVML is not available."""
 
@@ -91,7 +103,7 @@ class GpuMonitor:
 
             pynvml.nvmlInit()
             index = device.index if device.index is not None else torch.cuda.current_device()
-            self.handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            self.handle = pynvml.nvmlDeviceGetHandleByIndex(nvml_index(index))
             self.nvml = pynvml
         except Exception:  # no driver library, container without NVML, ...
             self.handle = None
