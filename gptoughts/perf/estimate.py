@@ -18,7 +18,7 @@ from typing import Any
 from gptoughts import models
 from gptoughts.errors import ConfigError
 from gptoughts.perf.checkpointing import resolve as resolve_ac
-from gptoughts.perf.hardware import _PEAK_BF16, peak_flops
+from gptoughts.perf.hardware import _PEAK_BF16, has_fp8, peak_flops
 
 GIB = 2**30
 
@@ -339,6 +339,11 @@ def estimate(
     ``muon_graph``: Muon's recorded step keeps its working memory (:func:`muon_graph_bytes`); ``fp8``: the blocks'
     linears are torchao's float8 ones (fewer saved bytes: :func:`_layer_activation_bytes`; speed:
     :func:`fp8_speedup`)."""
+    if fp8 and has_fp8(gpu) is False:  # as train refuses it there (perf/fp8.py)
+        raise ConfigError(
+            f"--fp8 needs fp8 tensor cores (Ada, Hopper or newer); the {gpu} has none: drop --fp8, or estimate "
+            "for another --gpu"
+        )
     args, model = _meta_model(family, size, overrides)
     n = model.num_params()
     tokens_step = batch_size * block_size

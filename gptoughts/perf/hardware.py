@@ -79,6 +79,16 @@ def peak_flops(name: str) -> float | None:
     return None
 
 
+# The GPUs of the table above without fp8 tensor cores (before Ada): `--fp8` is refused on them.
+_NO_FP8 = ("A100", "A10G", "A10", "RTX 3090", "V100", "T4")
+
+
+def has_fp8(name: str) -> bool | None:
+    """Whether a GPU of this name has fp8 tensor cores (Ada, Hopper, Blackwell); None when the name is unknown."""
+    key = next((k for k in sorted(_PEAK_BF16, key=len, reverse=True) if k.lower() in name.lower()), None)
+    return None if key is None else key not in _NO_FP8
+
+
 def _compile_works() -> bool:
     # Inductor needs a C compiler on CPU and Triton on GPU; a missing one is a common cause of crashes.
     try:

@@ -10,7 +10,9 @@ import torch
 
 from gptoughts.cli.options import parse_overrides
 from gptoughts.config import load_config
+from gptoughts.errors import ConfigError
 from gptoughts.perf.estimate import estimate, estimate_config, fp8_speedup
+from gptoughts.perf.hardware import has_fp8
 from gptoughts.training.estimates import estimate_speed, torchao_fp8
 
 
@@ -73,3 +75,12 @@ def test_the_plans_speed_counts_fp8():
     assert fp8 == pytest.approx(bf16 * fp8_speedup(2048)) and "fp8" in why8 and "fp8" not in why
     assert torchao_fp8(_model(True)) and not torchao_fp8(_model(True, "fused_rowwise"))
     assert not torchao_fp8(SimpleNamespace(transforms=None))
+
+
+def test_fp8_on_a_gpu_without_fp8_tensor_cores_is_refused_as_train_refuses_it():
+    # `gptoughts estimate --gpu A100 --fp8 true` printed fp8's memory and 1.2x speed for a card train refuses it on
+    with pytest.raises(ConfigError, match="A100 has none"):
+        estimate("llama", "3b", gpu="A100", fp8=True)
+    for gpu in ("H100", "L40S", "B200"):  # Hopper, Ada, Blackwell
+        assert estimate("llama", "125m", gpu=gpu, fp8=True).fits
+    assert has_fp8("NVIDIA A100-SXM4-80GB") is False and has_fp8("NVIDIA H200") and has_fp8("Z9") is None
