@@ -23,7 +23,13 @@ from pathlib import Path
 from typing import Any
 
 from gptoughts.data.manifest import FORMAT_VERSION, SHARD_NAME, Manifest
-from gptoughts.data.sources import STDLIB_ALIAS, normalize_extensions, prepared_manifest, source_fingerprint
+from gptoughts.data.sources import (
+    STDLIB_ALIAS,
+    check_distinct,
+    normalize_extensions,
+    prepared_manifest,
+    source_fingerprint,
+)
 from gptoughts.data.split import TOKENIZER_TRAIN_BYTES
 from gptoughts.data.tokenizer import Tokenizer, parse_spec
 from gptoughts.errors import ConfigError, DataError
@@ -53,12 +59,15 @@ def key_settings(
     text_field: str,
     extensions: tuple[str, ...],
     val_fraction: float,
-    min_val_docs: int,
+    min_val_docs: int | None,
     max_bytes: int | None,
     seed: int,
     tokenizer_train_bytes: int,
 ) -> dict[str, Any]:
-    """The settings a prepared folder depends on, besides its sources and tokenizer (kept in its manifest)."""
+    """The settings a prepared folder depends on, besides its sources and tokenizer (kept in its manifest).
+    ``min_val_docs`` None: one held-out document, none when ``val_fraction`` is 0 (the user asked for none)."""
+    if min_val_docs is None:
+        min_val_docs = 1 if val_fraction > 0 else 0
     return {
         "text_field": text_field,
         "extensions": list(extensions),
@@ -88,7 +97,7 @@ def cache_key(
     text_field: str = "text",
     extensions: Sequence[str] | None = None,
     val_fraction: float = 0.005,
-    min_val_docs: int = 1,
+    min_val_docs: int | None = None,
     max_bytes: int | None = None,
     seed: int = 0,
     tokenizer_train_bytes: int = TOKENIZER_TRAIN_BYTES,
@@ -145,6 +154,7 @@ def cache_location(
 ) -> tuple[list[str | os.PathLike[str]], Path, str]:
     """(sources as a list, the cache folder, its key) for ``cached_prepare``'s arguments."""
     sources = source_list(sources)
+    check_distinct(sources)
     key = cache_key(sources, tokenizer, **{k: kwargs[k] for k in _KEY_ARGS if k in kwargs})
     root = Path(cache_root).expanduser() if cache_root is not None else default_cache_dir() / "datasets"
     return sources, root / f"{_slug(sources, tokenizer)}-{key[:16]}", key

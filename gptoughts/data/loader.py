@@ -15,6 +15,7 @@ interface: :class:`gptoughts.data.sft.SFTLoader`.
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 import os
 import queue
@@ -30,6 +31,9 @@ import torch
 
 from gptoughts.data.manifest import Manifest, SourceInfo
 from gptoughts.errors import ConfigError, DataError, did_you_mean
+
+log = logging.getLogger("gptoughts.data")
+_WARNED: set[tuple[str, int, int]] = set()  # (dataset, source, block) already warned of: once per process
 
 STATE_VERSION = 1
 _U64 = np.uint64
@@ -152,6 +156,19 @@ def _too_small(n_tokens: int, split: str, block_size: int, name: str | None = No
     )
 
 
+def _warn_never_drawn(ds: TokenDataset, windows: list[_Windows], ids: list[int]) -> None:
+    """A warning naming the sources too short for one block: weighted by their windows, they are never drawn."""
+    for i in ids:
+        if (key := (str(ds.dir), i, windows[i].block_size)) in _WARNED:
+            continue
+        _WARNED.add(key)
+        log.warning(
+            "source %s has %d train tokens, fewer than one block of block_size+1 = %d: it is never drawn; use a "
+            "smaller --block_size, or join it to another source",
+            ds.sources[i].given, ds.num_tokens("train", i), windows[i].block_size + 1,
+        )  # fmt: skip
+
+
 # --------------------------------------------------------------------------------------------- phases
 
 
@@ -195,6 +212,10 @@ def _resolve_phases(
             raise ConfigError(f"phase {ph.name!r} lists a source twice; list each source once")
         if pairs[0][1] is None:  # proportional to the tokens each source can give
             weights = [float(windows[i].count) for i in ids]
+            if split == "train":
+                _warn_never_drawn(
+                    ds, windows, [i for i in ids if not windows[i].count and ds.num_tokens(split, i)]
+                )
         else:
             weights = [float(w) for _, w in pairs]  # type: ignore[arg-type]
             if any(not math.isfinite(w) or w < 0 for w in weights) or sum(weights) <= 0:

@@ -38,13 +38,21 @@ from gptoughts.data.manifest import CHECKSUM, FORMAT_VERSION, Manifest, SourceIn
 from gptoughts.data.shards import ShardWriter, shards_intact, write_source
 from gptoughts.data.sources import (
     SourceStats,
+    check_distinct,
     content_sha256,
     normalize_extensions,
-    resolve_source,
     source_fingerprint,
     source_kind,
 )
-from gptoughts.data.split import TOKENIZER_TRAIN_BYTES, Plan, Reader, SplitRule, scan
+from gptoughts.data.split import (
+    TOKENIZER_TRAIN_BYTES,
+    Plan,
+    Reader,
+    SourceChanged,
+    SplitRule,
+    changed_while_prepared,
+    scan,
+)
 from gptoughts.data.tokenizer import Tokenizer, build_tokenizer, parse_spec
 from gptoughts.errors import ConfigError, DataError
 
@@ -65,7 +73,7 @@ def prepare(
     text_field: str = "text",
     extensions: Sequence[str] | None = None,
     val_fraction: float = 0.005,
-    min_val_docs: int = 1,
+    min_val_docs: int | None = None,
     max_bytes: int | None = None,
     seed: int = 0,
     cache: bool = True,
@@ -77,7 +85,7 @@ def prepare(
 ) -> Manifest:
     """Tokenise ``sources`` into ``out_dir`` (see the module docstring) and return its manifest.
 
-    ``max_bytes`` caps the text read from *each* source (at document granularity). With ``cache`` (the
+    ``max_bytes`` caps the text read from *each* source (the document crossing it is cut there). With ``cache`` (the
     default) an ``out_dir`` already prepared from the same inputs is returned without work, after checking
     its files' checksums when ``verify`` (a damaged folder is rebuilt). ``owned``: ``out_dir`` is a folder
     only gptoughts writes to (the cache), rebuilt even when its manifest is unreadable; a folder the user
@@ -89,9 +97,11 @@ def prepare(
     the same prepare again resumes it from its last checkpoint.
     """
     sources = source_list(sources)
+    if min_val_docs is None:  # val_fraction 0 holds nothing out; otherwise at least one document
+        min_val_docs = 1 if val_fraction > 0 else 0
     _check_settings(val_fraction, min_val_docs, max_bytes, workers)
     exts = normalize_extensions(extensions)
-    paths = [resolve_source(s) for s in sources]  # DataError for a missing path, before any work
+    paths = check_distinct(sources)  # DataError for a missing path or one read twice, before any work
     fps = [source_fingerprint(p, exts) for p in paths]
     spec, ident = tokenizer_identity(tokenizer)
     settings = key_settings(
@@ -104,6 +114,7 @@ def prepare(
         tokenizer=tokenizer,
         spec=spec,
         key=dataset_key(fps, ident, settings),
+        fingerprints=fps,
         settings=settings,
         exts=exts,
         progress=progress,
@@ -209,6 +220,7 @@ class _Job:
     tokenizer: str | Tokenizer
     spec: str
     key: str
+    fingerprints: list[dict[str, Any]]  # the sources' identity when the preparation began (in the key)
     settings: dict[str, Any]
     exts: tuple[str, ...]
     progress: bool
@@ -239,8 +251,9 @@ def _build_and_install(job: _Job) -> Manifest:
     try:
         manifest = _build(job)
         install(tmp, job.out)
-    except BaseException:
-        if (tmp / _PLAN_FILE).is_file():
+    except BaseException as e:
+        # a source edited meanwhile: its next key differs, there is nothing to resume
+        if (tmp / _PLAN_FILE).is_file() and not isinstance(e, SourceChanged):
             log.warning("preparation interrupted: its work is kept in %s; the same prepare resumes it", tmp)
         else:  # failed while reading (bad input): nothing worth keeping
             shutil.rmtree(tmp, ignore_errors=True)
@@ -264,6 +277,11 @@ def _build(job: _Job) -> Manifest:
         plan, tok = _plan(job, reader)
         state = {"key": job.key, "done": [], "current": None}
     infos = _write_shards(job, reader, plan, tok, state)
+    # The key names the sources as they were at the start (sizes, mtimes): a source edited since would be
+    # installed under a key that does not describe its shards.
+    for path, fp in zip(job.paths, job.fingerprints):
+        if source_fingerprint(path, job.exts) != fp:
+            raise changed_while_prepared(path)
     manifest = _manifest(job, plan, tok, infos)
     (job.tmp / _PLAN_FILE).unlink()
     (job.tmp / _PROGRESS_FILE).unlink()

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from gptoughts.data.manifest import crc32_file
-from gptoughts.data.split import Plan, Reader
+from gptoughts.data.split import Plan, Reader, changed_while_prepared
 from gptoughts.data.tokenizer import Tokenizer
 from gptoughts.errors import DataError
 
@@ -160,10 +160,13 @@ def _batches(i: int, reader: Reader, plan: Plan, start: int) -> Iterator[_Batch]
     it = reader.docs(i)
     try:
         for _ in range(start):
-            next(it)
+            if next(it, None) is None:
+                raise changed_while_prepared(reader.paths[i])
         b = _Batch(end=start)
         for j in range(start, plan.n_docs[i]):
-            doc = next(it)
+            doc = next(it, None)
+            if doc is None:  # fewer documents than pass 1 counted: the source was edited meanwhile
+                raise changed_while_prepared(reader.paths[i])
             kind, at = plan.label(i, j, doc, reader.draw(i, j, doc))
             if kind == "cut":
                 b.cut_docs.append(j)

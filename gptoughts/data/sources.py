@@ -48,6 +48,13 @@ _PARQUET_BATCH_ROWS = 1024
 _PARQUET_BUFFER_BYTES = 1 << 20
 _COLUMN_SLICE_BYTES = 1 << 20
 
+# Magic bytes of compressed files (read as binary: decompress them first) and the command that does it.
+_COMPRESSED: tuple[tuple[bytes, str], ...] = (
+    (b"\x1f\x8b", "gzip"), (b"BZh", "bzip2"), (b"\xfd7zXZ\x00", "xz"), (b"\x28\xb5\x2f\xfd", "zstd"),
+    (b"PK\x03\x04", "zip"), (b"\xff\xfe", "utf-16"), (b"\xfe\xff", "utf-16"),
+)  # fmt: skip
+_PACKED_EXTENSIONS = frozenset({".gz", ".bz2", ".xz", ".zst", ".zip"})
+_UNPACK = {"gzip": "gunzip -k", "bzip2": "bunzip2 -k", "xz": "unxz -k", "zstd": "unzstd", "zip": "unzip"}
 _SURROGATE = re.compile("[\ud800-\udfff]")
 _MISSING_MSG = "does not exist; pass a file, folder, .jsonl, .parquet or a saved HF dataset"
 # (root, skipped folders) already reported: a corpus is walked several times per command (size, key, reads)
@@ -90,6 +97,28 @@ def resolve_source(path: str | os.PathLike[str]) -> Path:
     if p.is_dir():
         _refuse_gptoughts_output(p)
     return p
+
+
+def check_distinct(sources: Iterable[str | os.PathLike[str]]) -> list[Path]:
+    """The sources resolved, refusing one given twice or inside another given one: its documents would be read
+    twice, trained on twice, and a document held out of one copy trained on in the other."""
+    given = list(sources)
+    paths = [resolve_source(s) for s in given]
+    for a in range(len(paths)):
+        for b in range(len(paths)):
+            if a == b:
+                continue
+            if paths[a] == paths[b] and a < b:
+                raise DataError(
+                    f"{given[b]} is given twice as a source (as {given[a]} too): it would be read twice; give "
+                    f"each source once (a curriculum weights sources with data.phases)"
+                )
+            if paths[a] != paths[b] and paths[a].is_relative_to(paths[b]):
+                raise DataError(
+                    f"{given[a]} is inside {given[b]}, also a source: it would be read twice; give it once "
+                    f"(a curriculum weights sources with data.phases)"
+                )
+    return paths
 
 
 def read_json_dict(path: Path) -> dict | None:
@@ -166,7 +195,7 @@ def source_kind(path: str | os.PathLike[str]) -> str:
     return "text"
 
 
-def walk_files(root: Path, extensions: tuple[str, ...]) -> Iterator[Path]:
+def walk_files(root: Path, extensions: tuple[str, ...], *, report: bool = False) -> Iterator[Path]:
     """Files under ``root`` with a listed extension, in a deterministic depth-first sorted order.
 
     Deterministic order matters: document indices feed the train/val split hash and the shard layout, so
@@ -175,10 +204,13 @@ def walk_files(root: Path, extensions: tuple[str, ...]) -> Iterator[Path]:
     Prepared datasets and training runs below ``root`` (``prepare . --out ./data``, ``train --data .`` writing
     ``./runs/...``) are not entered: their JSON files are not text to learn from, and reading them would
     change the corpus (its cache key, its BPE) after every prepare or run, so a resume would never match.
-    What was skipped is logged once, in one line.
+    What was skipped is logged once, in one line; with ``report`` (a walk that reads the corpus, not a probe for
+    one kind of file), so are the files not read (other extensions) and the links not followed.
     """
     wanted = {"." + e for e in extensions}
     skipped: list[str] = []
+    other: dict[str, int] = {}  # files not read, by extension
+    links: list[str] = []  # symbolic links to folders (not followed) and broken ones
     for dirpath, dirnames, filenames in os.walk(root):
         here = Path(dirpath)
         if here != root and ("manifest.json" in filenames or "run.json" in filenames):
@@ -192,17 +224,57 @@ def walk_files(root: Path, extensions: tuple[str, ...]) -> Iterator[Path]:
                 dirnames[:] = []
                 continue
         dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and d not in SKIPPED_DIRS)
+        # os.walk lists a link to a folder among the folders and does not enter it
+        links += [(here / d).relative_to(root).as_posix() for d in dirnames if (here / d).is_symlink()]
         for name in sorted(filenames):
             if name.startswith("."):
                 continue
-            if os.path.splitext(name)[1].lower() in wanted:
+            ext = os.path.splitext(name)[1].lower()
+            if ext in wanted:
                 path = here / name
                 if path.is_file():  # not a broken symbolic link, a socket or a fifo
                     yield path
+                elif path.is_symlink():
+                    links.append(path.relative_to(root).as_posix())
+            else:
+                other[ext] = other.get(ext, 0) + 1
     if skipped and (key := (str(Path(root).resolve()), tuple(skipped))) not in _REPORTED:
         _REPORTED.add(key)
         shown = ", ".join(skipped[:3]) + (f" and {len(skipped) - 3} more" if len(skipped) > 3 else "")
         log.info("%s: skipped %d folder(s) gptoughts wrote, not corpus text: %s", key[0], len(skipped), shown)
+    if report and Path(root) != stdlib_path():  # the embedded default: its .so, .pem, ... are no news
+        _report_unread(Path(root), extensions, other, links)
+
+
+def _report_unread(root: Path, extensions: tuple[str, ...], other: dict[str, int], links: list[str]) -> None:
+    """One line, once per folder, naming what a walk did not read: files of other extensions (a warning when
+    some are .jsonl/.parquet, which gptoughts reads when listed, or compressed), links to folders (not followed)
+    and broken links."""
+    if not other and not links:
+        return
+    key = (str(root.resolve()), tuple(extensions), tuple(sorted(other.items())), tuple(links))
+    if key in _REPORTED:
+        return
+    _REPORTED.add(key)
+    parts = []
+    if other:
+        counts = sorted(other.items(), key=lambda kv: (-kv[1], kv[0]))
+        named = [f"{n} {ext}" if ext else f"{n} without extension" for ext, n in counts]
+        shown = ", ".join(named[:8]) + (f" and {len(named) - 8} more kinds" if len(named) > 8 else "")
+        readable = sorted(e.lstrip(".") for e in other if e.lstrip(".") in _STRUCTURED)
+        packed = [e for e in other if e in _PACKED_EXTENSIONS]
+        hints = [f"to read them too: --extensions {','.join((*extensions, *readable))}"] if readable else []
+        hints += ["compressed files are never read: decompress them first"] if packed else []
+        hint = "; ".join(hints) or "--extensions lists those read"
+        parts.append(f"{sum(other.values())} file(s) of other extensions ({shown}; {hint})")
+    if links:
+        shown = ", ".join(links[:5]) + (f" and {len(links) - 5} more" if len(links) > 5 else "")
+        parts.append(
+            f"{len(links)} symbolic link(s) to folders (not followed: pass them as --data) or to nothing: {shown}"
+        )
+    likely_data = any(e.lstrip(".") in _STRUCTURED or e in _PACKED_EXTENSIONS for e in other)
+    level = logging.WARNING if links or likely_data else logging.INFO
+    log.log(level, "%s: not read: %s", key[0], "; ".join(parts))
 
 
 def source_fingerprint(path: str | os.PathLike[str], extensions: Iterable[str] | None = None) -> dict:
@@ -219,7 +291,11 @@ def source_fingerprint(path: str | os.PathLike[str], extensions: Iterable[str] |
     h = hashlib.sha256()
     if p.is_dir():
         # Streamed (a corpus of millions of files is never listed in memory).
-        files = sorted(f for f in p.rglob("*") if f.is_file()) if _is_hf_dataset(p) else walk_files(p, exts)
+        files = (
+            sorted(f for f in p.rglob("*") if f.is_file())
+            if _is_hf_dataset(p)
+            else walk_files(p, exts, report=True)
+        )
         for f in files:
             st = _stat(f)
             h.update(f"{f.relative_to(p).as_posix()}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
@@ -347,6 +423,7 @@ def _emit(text: str, stats: SourceStats) -> Iterator[str]:
 
 def _read_jsonl(p: Path, text_field: str, stats: SourceStats) -> Iterator[str]:
     stats.files_read += 1
+    seen_field = False
     with _readable(p), open(p, "rb") as f:
         for lineno, raw in enumerate(f, start=1):
             stats.bytes_read += len(raw)
@@ -368,10 +445,13 @@ def _read_jsonl(p: Path, text_field: str, stats: SourceStats) -> Iterator[str]:
                 )
             if text_field not in rec:
                 keys = ", ".join(sorted(rec)) or "none"
-                raise DataError(
-                    f"{p}:{lineno} has no field '{text_field}' (available keys: {keys}); "
-                    f"pass --text_field with one of them"
+                fix = (
+                    "fix or remove that line (the lines before it have the field)"
+                    if seen_field
+                    else "pass --text_field with one of them"
                 )
+                raise DataError(f"{p}:{lineno} has no field '{text_field}' (available keys: {keys}); {fix}")
+            seen_field = True
             value = rec[text_field]
             if value is None:
                 stats.skipped_empty += 1
@@ -410,13 +490,16 @@ def _column_batches(batches: Iterable, p: Path, text_field: str, stats: SourceSt
                 f"{p}: column '{text_field}' has type {col.type}, not string; pass --text_field naming a "
                 f"text column"
             )
-        nbytes = int(pc.sum(pc.binary_length(col)).as_py() or 0)
-        stats.bytes_read += nbytes
+        lengths = pc.binary_length(col)
+        nbytes = int(pc.sum(lengths).as_py() or 0)
         # Python strings for ~_COLUMN_SLICE_BYTES of the batch at a time, not for all of it (a writer's batch
         # of 1000 rows of 20 KB documents is 20 MB).
         step = max(1, len(col) * _COLUMN_SLICE_BYTES // max(nbytes, 1))
         for start in range(0, len(col), step):
-            for value in col.slice(start, step).to_pylist():
+            sizes = lengths.slice(start, step).to_pylist()
+            for value, size in zip(col.slice(start, step).to_pylist(), sizes):
+                # counted row by row, as consumed: a reader that stops at data.max_bytes stops at its row
+                stats.bytes_read += size or 0
                 if value is None:
                     stats.skipped_empty += 1
                     continue
@@ -512,6 +595,39 @@ def _hf_arrow_files(p: Path) -> list[Path]:
     return files
 
 
+def files_read(path: Path, extensions: tuple[str, ...]) -> Iterator[Path]:
+    """The files reading source ``path`` opens (a folder's files of ``extensions``, a DatasetDict's train
+    split), without opening them: what the plan counts."""
+    kind = source_kind(path)
+    if kind == "folder":
+        yield from walk_files(path, extensions)
+    elif kind == "hf_dataset":
+        yield from _hf_arrow_files(path)
+    else:
+        yield path
+
+
+def text_bytes_estimate(f: Path, text_field: str) -> int:
+    """About how many bytes of text reading file ``f`` gives: its size, or for Parquet (compressed) the
+    uncompressed size of its text column, from the file's footer (no data read)."""
+    size = _stat(f).st_size
+    if f.suffix.lower() != ".parquet":
+        return size
+    import pyarrow.parquet as pq
+
+    try:
+        md = pq.ParquetFile(f).metadata
+        cols = [
+            md.row_group(g).column(k)
+            for g in range(md.num_row_groups)
+            for k in range(md.row_group(g).num_columns)
+        ]
+        text = sum(c.total_uncompressed_size for c in cols if c.path_in_schema == text_field)
+    except Exception:  # a corrupt file: reading it says so; here, its size
+        return size
+    return text or size
+
+
 def _read_hf_dataset(p: Path, text_field: str, stats: SourceStats) -> Iterator[str]:
     for f in _hf_arrow_files(p):
         batches = _guarded(_arrow_batches(f), f, "arrow")
@@ -529,7 +645,7 @@ def _read_hf_dataset(p: Path, text_field: str, stats: SourceStats) -> Iterator[s
 
 
 def _read_folder(p: Path, text_field: str, exts: tuple[str, ...], stats: SourceStats) -> Iterator[str]:
-    for f in walk_files(p, exts):
+    for f in walk_files(p, exts, report=True):
         suffix = f.suffix.lower().lstrip(".")
         if suffix == "jsonl":
             yield from _read_jsonl(f, text_field, stats)
@@ -539,7 +655,35 @@ def _read_folder(p: Path, text_field: str, exts: tuple[str, ...], stats: SourceS
             yield from _read_text_file(f, stats, skip_binary=True)
 
 
+def _compression(p: Path) -> str | None:
+    """The compression format of a file by its magic bytes (gzip, bzip2, xz, zstd, zip; or utf-16 by its byte
+    order mark), else None."""
+    try:
+        with open(p, "rb") as f:
+            head = f.read(6)
+    except OSError:
+        return None
+    return next((name for magic, name in _COMPRESSED if head.startswith(magic)), None)
+
+
 def _nothing_found(p: Path, kind: str, exts: tuple[str, ...], stats: SourceStats) -> DataError:
+    if kind == "text" and stats.skipped_binary:  # one file given: --extensions (for folders) cannot help
+        packed = _compression(p)
+        if packed == "utf-16":  # Windows' "Unicode" text: NUL bytes between ASCII letters
+            q = shlex.quote(str(p))
+            return DataError(
+                f"{p} is UTF-16 text, not UTF-8; convert it first (iconv -f UTF-16 -t UTF-8 {q} > {q}.utf8.txt) "
+                f"and pass the result"
+            )
+        if packed is not None:
+            return DataError(
+                f"{p} is a {packed}-compressed file, not text; decompress it first "
+                f"({_UNPACK[packed]} {shlex.quote(str(p))}) and pass the result"
+            )
+        return DataError(
+            f"{p} is a binary file (NUL bytes in its first {BINARY_PROBE:,} bytes), not text; pass a text "
+            f"file, a folder, .jsonl, .parquet or a saved HF dataset"
+        )
     if stats.skipped_binary:
         return DataError(
             f"{p}: all {stats.skipped_binary} candidate file(s) are binary (NUL bytes) and were skipped; "

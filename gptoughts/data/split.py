@@ -153,6 +153,28 @@ class Plan:
         )
 
 
+def _cut_utf8(doc: str, keep: int) -> str:
+    """The first ``keep`` UTF-8 bytes of ``doc`` (whole characters), ended at a line end when one is in the
+    second half."""
+    if keep <= 0:
+        return ""
+    head = doc.encode("utf-8", "surrogatepass")[:keep].decode("utf-8", "ignore")
+    nl = head.rfind("\n")
+    return head[: nl + 1] if nl >= len(head) // 2 else head
+
+
+class SourceChanged(DataError):
+    """A source edited while prepare read it: the work done is of a corpus that no longer exists."""
+
+
+def changed_while_prepared(path: Path) -> SourceChanged:
+    """The error of a source edited between the two passes of prepare (its shards would not be what was planned)."""
+    return SourceChanged(
+        f"{path} changed while it was being prepared (edited, added or removed files); run the command again "
+        f"once it is no longer being written"
+    )
+
+
 class Reader:
     """The documents of each source in reading order, and their lottery draws: what both passes read."""
 
@@ -160,9 +182,36 @@ class Reader:
         self.paths, self.exts = paths, exts
         self.text_field: str = settings["text_field"]
         self.seed: int = settings["seed"]
+        self.max_bytes: int | None = settings["max_bytes"]
+        self.capped: set[int] = set()  # sources whose reading stopped at max_bytes
 
     def docs(self, i: int, stats: SourceStats | None = None) -> Iterator[str]:
-        return iter_documents(self.paths[i], text_field=self.text_field, extensions=self.exts, stats=stats)
+        """Source ``i``'s documents, the one that crosses ``max_bytes`` cut there (both passes read the same)."""
+        st = stats if stats is not None else SourceStats()
+        docs = iter_documents(self.paths[i], text_field=self.text_field, extensions=self.exts, stats=st)
+        if self.max_bytes is None:
+            yield from docs
+            return
+        start = st.bytes_read
+        try:
+            for doc in docs:
+                over = st.bytes_read - start - self.max_bytes
+                if over > 0:  # a long document (a 1 MB piece of a big file, say) would overshoot the cap
+                    size = len(doc.encode("utf-8", "surrogatepass"))
+                    doc = _cut_utf8(doc, size - over)
+                    st.bytes_read -= size - len(doc.encode("utf-8", "surrogatepass"))
+                    # (a JSONL line's syntax counts too, but only its text is cut: at most the cap either way)
+                    st.bytes_read = min(st.bytes_read, start + self.max_bytes)
+                if st.bytes_read - start >= self.max_bytes or over > 0:
+                    self.capped.add(i)
+                    if doc.strip():
+                        yield doc
+                    else:
+                        st.docs -= 1
+                    return
+                yield doc
+        finally:
+            docs.close()
 
     def draw(self, i: int, j: int, doc: str) -> float:
         return _doc_u(self.seed, i, j, doc)
@@ -188,7 +237,6 @@ class _Scanner:
         self.reader, self.train_bpe, self.advance = reader, train_bpe, advance
         self.rule = SplitRule(settings["val_fraction"], settings["min_val_docs"])
         self.min_val_docs: int = settings["min_val_docs"]
-        self.max_bytes: int | None = settings["max_bytes"]
         self.per_source_train_chars: int = settings["tokenizer_train_bytes"] // len(reader.paths)
         self.n_docs: list[int] = []
         self.stats: list[SourceStats] = []
@@ -205,7 +253,7 @@ class _Scanner:
     def read(self, i: int) -> None:
         """Read source ``i`` (up to max_bytes)."""
         st = SourceStats()
-        n, collected, cut = 0, 0, False
+        n, collected = 0, 0
         for doc in self.reader.docs(i, st):
             u = self.reader.draw(i, n, doc)
             self.chars += len(doc)
@@ -218,12 +266,9 @@ class _Scanner:
                 collected += len(doc)
             n += 1
             self.advance(len(doc))
-            if self.max_bytes is not None and st.bytes_read >= self.max_bytes:
-                cut = True
-                break
         self.n_docs.append(n)
         self.stats.append(st)
-        self.truncated.append(cut)
+        self.truncated.append(i in self.reader.capped)
 
     def _settle_short(self, u: float, i: int, j: int) -> None:
         if u < self.rule.val_fraction:

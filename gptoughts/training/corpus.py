@@ -3,7 +3,6 @@ the plan reads (its size, estimated before anything is tokenized)."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -120,7 +119,7 @@ def prepare_data(cfg: Config, env: Environment, *, dry_run: bool = False) -> Dat
         seed=cfg.train.seed,
         cache_root=cfg.data.cache_dir,
     )
-    corpus = corpus_size(sources, cfg.data.extensions or None)
+    corpus = corpus_size(sources, cfg.data.extensions or None, cfg.data.text_field)
     if dry_run:
         manifest = lookup_cached(sources, tok_spec, **kwargs)
         if manifest is None:
@@ -202,12 +201,13 @@ def _estimated(
     kind = parse_spec(tok_spec)[0]
     tokenizer, vocab = tokenizer_before_training(tok_spec)
     cap = cfg.data.max_bytes
-    read = corpus["bytes"] if cap is None else sum(min(b, cap) for b in corpus["per_source"])
+    text = corpus["per_source"]  # bytes of text (a Parquet file holds more than its compressed size)
+    read = sum(text) if cap is None else sum(min(b, cap) for b in text)
     corpus.update(
         bytes_read=read,
         vocab=vocab,
         tokens=int(read / _bytes_per_token(kind, vocab)),
-        cut=read < corpus["bytes"],
+        cut=read < sum(text),
     )
     return Data(
         sources=sources,
@@ -246,29 +246,22 @@ def _bytes_per_token(kind: str, vocab: int | None) -> float:
     return 3.2 if vocab >= 8192 else 2.5
 
 
-def corpus_size(sources: list[str], extensions: list[str] | None) -> dict[str, Any]:
-    """Files and bytes on disk of the sources (a walk of file sizes: no reading)."""
+def corpus_size(sources: list[str], extensions: list[str] | None, text_field: str = "text") -> dict[str, Any]:
+    """Files and bytes on disk of what the sources' reading opens (a walk of file sizes: no reading), and per
+    source about how many bytes of text they hold (``per_source``: a dry run's token estimate)."""
 
-    from gptoughts.data.sources import normalize_extensions, walk_files
+    from gptoughts.data.sources import files_read, normalize_extensions, resolve_source, text_bytes_estimate
 
     exts = normalize_extensions(extensions)
-    files, per_source = 0, []
+    files, on_disk, per_source = 0, 0, []
     for s in sources:
-        p = Path(s).expanduser()
-        if p.is_dir():
-            sizes = (
-                [f.stat().st_size for f in walk_files(p, exts)]
-                if not (p / "dataset_info.json").exists() and not (p / "dataset_dict.json").exists()
-                else [f.stat().st_size for f in p.rglob("*.arrow")]
-            )
-            files += len(sizes)
-            per_source.append(sum(sizes))
-        elif p.is_file():
+        text = 0
+        for f in files_read(resolve_source(s), exts):
             files += 1
-            per_source.append(os.path.getsize(p))
-        else:
-            per_source.append(0)
-    return {"files": files, "bytes": sum(per_source), "per_source": per_source}
+            on_disk += f.stat().st_size
+            text += text_bytes_estimate(f, text_field)
+        per_source.append(text)
+    return {"files": files, "bytes": on_disk, "per_source": per_source}
 
 
 def _sft_tokenizer(spec: str, sources: list[str]) -> Any:

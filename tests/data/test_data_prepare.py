@@ -206,7 +206,8 @@ def test_cache_rebuilds_when_a_shard_is_damaged(tmp_path: Path, corpus: Path) ->
 def test_max_bytes_caps_each_source(tmp_path: Path, corpus: Path) -> None:
     m = prepare([corpus], tmp_path / "o", "bytes", progress=False, max_bytes=1000)
     src = m.sources[0]
-    assert src.truncated and 1000 <= src.bytes < 1000 + 250 and src.docs == 5
+    # at most the cap: the fifth document (~200 bytes) is cut where it crosses it, at a line end if near
+    assert src.truncated and 1000 - 150 < src.bytes <= 1000 and src.docs == 5
 
 
 def test_multiple_sources_of_several_kinds(
@@ -264,7 +265,7 @@ def test_stdlib_slice(tmp_path: Path) -> None:
     src = m.sources[0]
     assert src.truncated and src.docs > 5 and m.stats["skipped_binary"] == 0
     assert src.val_docs + len(src.val_tail_doc_indices) >= 1 and m.val_tokens > 0
-    assert 300_000 <= src.bytes < 300_000 + (1 << 20)
+    assert 300_000 - 2_000 < src.bytes <= 300_000  # the last file read is cut at a line end near the cap
     assert m.train_tokens < src.bytes  # BPE compresses code
     with BatchLoader(TokenDataset(out), batch_size=2, block_size=64, prefetch=0) as loader:
         x, y = next(loader)
