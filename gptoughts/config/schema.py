@@ -60,7 +60,8 @@ class DataConfig:
     extensions: list[str] = field(default_factory=list)
     """File extensions read in folders; empty means the built-in list (txt, md, py, json, ...)."""
     val_fraction: float = 0.005
-    """Fraction of documents held out for validation."""
+    """Fraction of documents held out for validation (at least one document, ~1 KiB of a small corpus; 0 holds
+    nothing out and the run is not evaluated)."""
     max_bytes: int | None = None
     """Read at most this many bytes of text from each source (the quickstart reads 6 MB of the stdlib); None
     reads everything. The run plan says how much of the corpus a cap cuts."""
