@@ -514,6 +514,13 @@ def all_reduce_sum(t: torch.Tensor, info: DistInfo) -> torch.Tensor:
     return t
 
 
+def all_reduce_max(t: torch.Tensor, info: DistInfo) -> torch.Tensor:
+    """Maximum over every rank (a signal number that only some ranks received)."""
+    if info.enabled:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t
+
+
 def all_reduce_dp(t: torch.Tensor, info: DistInfo) -> torch.Tensor:
     """Sum over the data-parallel ranks only: per-rank data (losses, token counts) that the ranks of a tensor
     or pipeline group hold alike is counted once."""

@@ -57,6 +57,8 @@ class MetricsLogger:
                 ln for ln in self.path.read_text().splitlines() if ln.strip() and _step_of(ln) <= resume_step
             ]
             self.path.write_text("".join(ln + "\n" for ln in kept))
+        if resume_step is not None:  # the samples of those steps too: they are generated again
+            _drop_samples_after(run_dir / "samples.txt", resume_step)
         self.file = open(self.path, "a", buffering=1)
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -146,6 +148,21 @@ def _start_wandb(run_dir: Path, project: str, config: dict | None) -> Any:
             highlight=False,
         )
         return None
+
+
+def _drop_samples_after(path: Path, step: int) -> None:
+    """Cut samples.txt (``=== step N`` sections) before its first section of a step after ``step`` (in place, the
+    bytes before it untouched)."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return
+    offset = 0
+    for line in data.split(b"\n"):
+        if line.startswith(b"=== step ") and line[9:].strip().isdigit() and int(line[9:]) > step:
+            os.truncate(path, offset)
+            return
+        offset += len(line) + 1
 
 
 def _step_of(line: str) -> int:

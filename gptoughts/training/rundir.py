@@ -30,13 +30,15 @@ from gptoughts.data.sources import is_run_folder, read_json_dict
 from gptoughts.errors import ConfigError, UserError
 from gptoughts.training.checkpoint import store as ckpt
 
-# Everything a run writes at its top level (checkpoints/ holds only step_* folders, best.json and temp dirs).
+# Everything a run writes at its top level (checkpoints/ holds only step_* folders, best.json and temp dirs), and
+# what commands write about it there (`gptoughts eval RUN --tasks`: eval_tasks.json, the scores of its model).
 RUN_FILES = (
     "config.toml",
     "run.json",
     "metrics.jsonl",
     "samples.txt",
     "summary.json",
+    "eval_tasks.json",
     "tokenizer",
     "tensorboard",
     "plots",
@@ -244,10 +246,26 @@ def _check_resume(run_dir: Path, cfg: Config) -> tuple[Path | None, dict[str, An
 
 
 def _check_checkpoint(run_dir: Path, cfg: Config, path: Path) -> tuple[Path | None, dict[str, Any] | None]:
-    """``--resume PATH``: checkpoint ``path`` resumes into its own run's folder, or branches into a new or empty
-    one; never into a folder that holds another run (its checkpoints and metrics would mix with this one's)."""
+    """``--resume PATH``: checkpoint ``path`` resumes into its own run's folder (where it is the newest), or branches
+    into a new or empty one; never into a folder that holds another run (its checkpoints and metrics would mix with
+    this one's)."""
     home = ckpt.run_of(path)
     own = home is not None and home.resolve() == run_dir.resolve()
+    later = own and any(s > ckpt.step_of(path) for s in ckpt.list_steps(path.parent))
+    if (
+        later
+        and (newest := ckpt.latest_valid(path.parent)) is not None
+        and ckpt.step_of(newest) > ckpt.step_of(path)
+    ):
+        # Rewound in place, the run's later checkpoints would stay: a later --resume auto would take the newest of
+        # them, on the other history, and go on from it past this one's steps.
+        from gptoughts.config.loading import branch_out
+
+        raise UserError(
+            f"{path} is not the newest checkpoint of {run_dir} ({newest.name} is): resumed into it, a later "
+            f"--resume auto would go on from {newest.name}, mixing two histories; branch it into a new folder "
+            f"(--out {branch_out(path, home)}, the default without --out), or continue the run with --resume auto"
+        )
     if not own:
         if is_run(run_dir):
             raise UserError(

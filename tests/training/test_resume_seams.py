@@ -48,7 +48,7 @@ def test_a_checkpoint_resumes_into_its_own_run_an_empty_or_a_new_folder(
 ):
     a, _ = two_runs
     step2 = a / "checkpoints" / "step_000002"
-    ok(_argv(text_corpus, a, "--resume", str(step2), "--max_steps", "5"), capsys)
+    ok(_argv(text_corpus, a, "--resume", str(a / "checkpoints" / "step_000004"), "--max_steps", "5"), capsys)
     assert ckpt.list_steps(a / "checkpoints")[-1] == 5
     empty = tmp_path / "empty"
     empty.mkdir()
@@ -56,6 +56,18 @@ def test_a_checkpoint_resumes_into_its_own_run_an_empty_or_a_new_folder(
         text = ok(_argv(text_corpus, out, "--resume", str(step2)), capsys)
         assert f"resumed from {step2} at step 2" in text, text[-1500:]
         assert ckpt.list_steps(out / "checkpoints") == [4]
+
+
+def test_an_earlier_checkpoint_is_not_rewound_into_its_own_run(two_runs, text_corpus, capsys):
+    """Step 2 resumed into its own run, which holds step 4: a later --resume auto took step 4 again, going on from
+    the other history (metrics rows of both, steps missing between them). Refused, changing nothing, with the
+    branch that keeps both."""
+    a, _ = two_runs
+    step2 = a / "checkpoints" / "step_000002"
+    line = refused_leaving(
+        a, _argv(text_corpus, a, "--resume", str(step2)), capsys, "step_000004", "--resume auto"
+    )
+    assert f"--out {a}-from-step_000002" in line, line
 
 
 def test_a_checkpoint_is_not_resumed_into_a_folder_of_other_files(two_runs, tmp_path, text_corpus, capsys):

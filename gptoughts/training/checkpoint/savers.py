@@ -359,10 +359,11 @@ class ShardedSaver(_BackgroundWriter):
             (self.root / tmp_name).mkdir()
             torch.save(trainer_state, self.root / tmp_name / store.STATE_FILE)
         except Exception as e:  # noqa: BLE001 - every rank must learn of it, not only rank 0
-            error = f"checkpoint step {step} could not be written: {_failure(e, self.root)}"
             if tmp_name is not None:
                 shutil.rmtree(self.root / tmp_name, ignore_errors=True)
-            return None, error
+            if store.interrupted(e):  # a second Ctrl-C inside torch.save (see store.save): the run stops here
+                raise KeyboardInterrupt from None
+            return None, f"checkpoint step {step} could not be written: {_failure(e, self.root)}"
         return tmp_name, None
 
     def _finish(

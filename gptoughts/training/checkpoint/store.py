@@ -124,6 +124,8 @@ def save(
         commit(root, tmp, step, files, val_loss=val_loss, meta=meta)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if interrupted(e):  # a second Ctrl-C mid-write: torch.save reports it as a RuntimeError of its own
+            raise KeyboardInterrupt from None
         full = as_disk_full(e, final, folder=root)
         if full is not None:
             raise full from None
@@ -132,6 +134,19 @@ def save(
         mark_best(root, step, val_loss)
     rotate(root, keep_last)
     return final
+
+
+def interrupted(e: BaseException) -> bool:
+    """Whether ``e`` is, or was raised while handling, a ``KeyboardInterrupt``: torch.save's zip writer, cut short
+    by one inside its write, raises ``RuntimeError: ... unexpected pos`` from its ``__exit__`` instead."""
+    seen: set[int] = set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        if isinstance(cur, KeyboardInterrupt):
+            return True
+        seen.add(id(cur))
+        cur = cur.__cause__ or cur.__context__
+    return False
 
 
 def weights_for_file(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str] | None]:
