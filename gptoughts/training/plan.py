@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from gptoughts.perf.layout import REFUSE_ABOVE
+from gptoughts.training.checkpoint import store
 from gptoughts.training.estimates import (
     GPU_FIXES,
     cpu_optimizer_seconds,
@@ -396,8 +397,10 @@ def make_plan(
     tps, basis = _speed(cfg, env, model, batch)
     resolved.update(_integrator(cfg, model))  # (the same dict: the assembly adds the measured threads later)
     start = resumed_step(resume_from)
-    before = (read_run_json(run_dir) or {}) if start else {}  # the resumed run's record
-    if start and (own := _own_speed(before, run_dir, env, batch, resolved)):
+    # The resumed run's record: a branch's is the run its checkpoint comes from (its own folder is new)
+    source = (store.run_of(Path(resume_from)) or run_dir) if start else run_dir
+    before = (read_run_json(source) or {}) if start else {}
+    if start and (own := _own_speed(before, source, env, batch, resolved)):
         tps, basis = own, "this run's own speed before the resume"
     hours = max(0, batch.total_steps - start) * batch.tokens_per_step / tps / 3600 if tps else None
     warnings = (
@@ -408,6 +411,7 @@ def make_plan(
         + kept_by_compiled_checkpointing(model, batch, resolved)
         + _schedule_moved(cfg, batch, before, start)
         + _corpus_moved(data, before, start)
+        + _rolled_back_rate(resume_from, start)
     )
     return RunPlan(
         model=what,
@@ -480,6 +484,24 @@ def _schedule_moved(cfg: Any, batch: BatchPlan, record: dict[str, Any], start: i
     return [
         f"the {t.schedule} schedule is recomputed for {batch.total_steps:,} steps (the run was planned for "
         f"{old_total:,}): the learning rate at step {start + 1:,} moves from {rates[0]:.2e} to {rates[1]:.2e}"
+    ]
+
+
+def _rolled_back_rate(resume_from: Path | None, start: int) -> list[str]:
+    """A checkpoint saved after rollbacks carries their cut of the learning rate, which the resumed run keeps on top
+    of the schedule (and of a new --learning_rate): said, since the plan's peak lr is the schedule's."""
+    if not start or resume_from is None:
+        return []
+    try:
+        meta = store.read_meta(Path(resume_from))
+        scale, rollbacks = float(meta.get("lr_scale", 1.0)), int(meta.get("rollbacks", 0))
+    except (OSError, ValueError, TypeError, AttributeError):
+        return []
+    if scale >= 1.0:
+        return []
+    return [
+        f"the learning rate runs at {scale:g}x the schedule's above: the checkpoint's {rollbacks} rollback(s) cut "
+        "it, and a resume keeps the cut"
     ]
 
 
