@@ -254,6 +254,9 @@ def run_training(cfg: Config, *, dry_run: bool = False) -> tuple[nn.Module, Any,
             if main:
                 history.summary = _summary(asm, history, wall, start)
                 _print_summary(asm, history)
+            # The ranks leave together: under torchrun a rank that exits non-zero first (an interrupt's 130 or 143)
+            # gets the others killed, rank 0 in the middle of its summary.
+            pdist.barrier(env.dist)
         finally:
             asm.close()
         return asm.model.raw, asm.data.tokenizer, history

@@ -479,11 +479,16 @@ class Trainer:
         return True
 
     def _agree_stop(self) -> bool:
-        # Ranks may see a signal at different steps; they agree at log intervals so collectives stay aligned.
+        # Ranks may see a signal at different steps, or only some of them see it (one process killed by hand); they
+        # agree at log intervals so collectives stay aligned, and on the signal: every rank stops as interrupted
+        # (rank 0's summary and every exit code say so, not "max steps" and 0).
         if not self.dist.enabled:
             return self.stop_requested
-        flag = torch.tensor(float(self.stop_requested), device=self.device)
-        return bool(pdist.all_reduce_sum(flag, self.dist).item() > 0)
+        seen = torch.tensor(float(self.stop_signal or 0), device=self.device)
+        signum = int(pdist.all_reduce_max(seen, self.dist).item())
+        if signum and not self.stop_requested:
+            self.stop_requested, self.stop_signal = True, signum
+        return bool(signum)
 
     def _score_tasks(self) -> None:
         self.evaluator.score_tasks_or_drop_them(stop=lambda: self.stop_requested)
