@@ -118,6 +118,9 @@ class Recovery:
         self.grad_accum = grad_accum
         self.checkpointer = checkpointer
         self.vocab_size = vocab_size
+        self.rescue: Callable[[int], Path | None] | None = None
+        """Set by the trainer: saves the state from before a streak of skipped steps as the step before ``first_bad``
+        (its checkpoint's path, or None where it cannot)."""
         self._streak_start = 0  # first step of the current streak of bad steps
         self._streak_kinds: set[str] = set()  # "non-finite", "collapsed": what the current streak holds
         # The on-device spike check needs the global loss of each step and the right to skip a step: one process,
@@ -339,10 +342,28 @@ class Recovery:
 
     def _diverged(self, what: str, before: int) -> UserError:
         st = self.state
-        return UserError(
-            f"training diverged at step {st.step} ({what}, {st.rollbacks} rollback"
-            f"{'' if st.rollbacks == 1 else 's'}); {self._last_good_text(before)}"
-        )
+        head = f"training diverged at step {st.step} ({what}, {st.rollbacks} rollback{'' if st.rollbacks == 1 else 's'})"
+        saved = self._save_before_streak(before)
+        if saved is not None:
+            return UserError(
+                f"{head}; no checkpoint was written before it, so the weights from before it (its steps were "
+                f"skipped, not applied) are saved as {saved}; resume from it with a lower --learning_rate"
+            )
+        return UserError(f"{head}; {self._last_good_text(before)}")
+
+    def _save_before_streak(self, first_bad: int) -> Path | None:
+        """A run about to stop on a streak of non-finite steps with no good checkpoint before it would lose all its
+        steps: those steps were skipped, so the weights and optimizer are still those of step ``first_bad - 1``,
+        which the trainer saves (when that is a trained step and the run writes checkpoints). Collapsed steps were
+        applied: no such state is left behind them."""
+        if (
+            self.rescue is None
+            or self._streak_kinds != {"non-finite"}
+            or first_bad <= 1
+            or self._last_good(first_bad) is not None
+        ):
+            return None
+        return self.rescue(first_bad)
 
     def rollback(self, reason: str, bad_from: int) -> Rollback:
         """Reload the newest good checkpoint of a step < ``bad_from`` (weights, optimizer, RNG, step), keep the

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from gptoughts.config import TrainConfig, check_train_ranges
+from gptoughts.errors import UserError
 from gptoughts.parallel import dist as pdist
 from gptoughts.perf.autobatch import free_memory
 from gptoughts.perf.startup import Startup
@@ -140,6 +141,8 @@ class Trainer:
         self.tokens_per_step = tokens_per_step
         self.checkpointer = checkpointer
         self.recovery = recovery
+        if recovery is not None:
+            recovery.rescue = self._save_before_streak
         self.evaluator = evaluator
         self.scaler = scaler
         self.forward_context = forward_context
@@ -511,6 +514,26 @@ class Trainer:
         if blocked is not None:  # how long training stood still for it
             self.metrics.log(self.state.step, {"checkpoint_blocked_s": blocked})
         return True
+
+    def _save_before_streak(self, first_bad: int) -> Path | None:
+        """``Recovery.rescue``: the weights and optimizer from before a streak of skipped steps, saved as step
+        ``first_bad - 1`` (the loader stays past the streak's batches, as after a rollback); the checkpoint's path,
+        or None where none could be written (no checkpoints, non-finite weights, a failed write)."""
+        ck, st = self.checkpointer, self.state
+        back = st.step - (first_bad - 1)
+        if ck is None or not ck.enabled or back <= 0 or not ck.weights_finite():
+            return None
+        st.step, st.tokens_seen = st.step - back, st.tokens_seen - back * self.tokens_per_step
+        st.data_steps_skipped += back
+        st.bad_steps = 0
+        try:
+            if not self.save():
+                return None
+            ck.wait()
+        except (UserError, OSError) as e:  # the run stops on its divergence either way; this is said too
+            self.log_line(f"step {st.step}: the state before the streak could not be saved ({e})")
+            return None
+        return ck.last_good(st.step + 1)
 
     def _after_rollback(self, rollback: Rollback) -> None:
         # Record the decision where a resume finds it: the checkpoint returned to, now with the loader past the
