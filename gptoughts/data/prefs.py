@@ -9,15 +9,15 @@ Input, one JSON object per line (``.jsonl`` files, or folders of them)::
 Each completion is rendered after its prompt exactly as SFT renders an assistant turn (``data/sft.py``: the
 tokenizer's chat template, else the default one); only the completion's tokens are targets. Every line is checked
 when the file is read, before any model loads: a bad one is a one-line error naming the file, the line and the fix.
-A pair longer than a row is cut on the right or dropped (``data.truncation``), as SFT examples are. The batch of
-``B`` pairs is ``(x [B, 2, T], ref_logratio [B], y [B, 2, T])``: index 0 of the second axis is the chosen
+A pair longer than a row is cut on the right or dropped (``data.truncation``), as SFT examples are; a pair whose
+two rows are the same (chosen = rejected, as written or once cut) teaches nothing and is dropped, counted. The
+batch of ``B`` pairs is ``(x [B, 2, T], ref_logratio [B], y [B, 2, T])``: index 0 of the second axis is the chosen
 completion, 1 the rejected; ``ref_logratio`` is the reference model's log p(chosen) - log p(rejected), filled in
 once before training where the reference is precomputed (NaN until then).
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -32,7 +32,10 @@ from gptoughts.data.sft import (
     SFTLoader,
     _first_record,
     _jsonl_files,
+    data_fingerprint,
     encode_conversations,
+    is_record_file,
+    read_records,
     split_indices,
 )
 from gptoughts.errors import ConfigError, DataError
@@ -49,9 +52,10 @@ def is_pref_record(obj: Any) -> bool:
 
 
 def looks_like_prefs(sources: Sequence[str]) -> bool:
-    """Whether the first record of the first ``.jsonl`` file is a preference pair (a hint for the user)."""
+    """Whether the first record of the first ``.jsonl`` (or ``.json``) file is a preference pair (a hint for the
+    user)."""
     for s in sources:
-        files = _jsonl_files(s) if str(s).endswith(".jsonl") else []
+        files = _jsonl_files(s) if is_record_file(s) else []
         if files:
             return is_pref_record(_first_record(files[0]))
     return False
@@ -95,29 +99,25 @@ def _prompt(obj: dict, where: str) -> list[Message]:
     ]
 
 
-def read_pairs(sources: Sequence[str]) -> list[Pair]:
-    """Every pair of the sources, in order; the first bad line is a DataError naming its file and line."""
+def read_located_pairs(sources: Sequence[str]) -> tuple[list[Pair], list[str]]:
+    """Every pair of the sources, in order, and the ``FILE:LINE`` of each; the first bad line is a DataError
+    naming its file and line."""
     pairs: list[Pair] = []
-    for s in sources:
-        for path in _jsonl_files(s):
-            with open(path, encoding="utf-8-sig", errors="replace") as f:
-                for lineno, line in enumerate(f, 1):
-                    if not line.strip():
-                        continue
-                    where = f"{path}:{lineno}"
-                    try:
-                        obj = json.loads(line)
-                    except ValueError as e:
-                        raise DataError(f"{where}: invalid JSON ({e.args[0][:60]}); {_EXPECTED}") from None
-                    if not isinstance(obj, dict):
-                        raise DataError(f"{where}: not a JSON object; {_EXPECTED}")
-                    prompt = _prompt(obj, where)
-                    pairs.append(
-                        (prompt, _completion(obj, "chosen", where), _completion(obj, "rejected", where))
-                    )
+    wheres: list[str] = []
+    for where, obj in read_records(sources, _EXPECTED):
+        if not isinstance(obj, dict):
+            raise DataError(f"{where}: not a JSON object; {_EXPECTED}")
+        prompt = _prompt(obj, where)
+        pairs.append((prompt, _completion(obj, "chosen", where), _completion(obj, "rejected", where)))
+        wheres.append(where)
     if not pairs:
         raise DataError(f"no preference pairs in {', '.join(map(str, sources))}; {_EXPECTED}")
-    return pairs
+    return pairs, wheres
+
+
+def read_pairs(sources: Sequence[str]) -> list[Pair]:
+    """Every pair of the sources, in order; the first bad line is a DataError naming its file and line."""
+    return read_located_pairs(sources)[0]
 
 
 def _last_span(tgt: np.ndarray) -> np.ndarray:
@@ -150,14 +150,20 @@ class PrefData:
             raise ConfigError(f"data.truncation must be right or drop, got {truncation!r}")
         self.block_size = block_size
         self.pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else tokenizer.eos_id
-        pairs = read_pairs(sources)
+        pairs, wheres = read_located_pairs(sources)
         convs = [
             p + [{"role": "assistant", "content": c}]
             for p, chosen, rejected in pairs
             for c in (chosen, rejected)
         ]
-        encoded = encode_conversations(convs, tokenizer)
-        stats = {"pairs": len(pairs), "truncated": 0, "dropped_too_long": 0, "dropped_no_target": 0}
+        encoded = encode_conversations(convs, tokenizer, [w for w in wheres for _ in (0, 1)])
+        stats = {
+            "pairs": len(pairs),
+            "truncated": 0,
+            "dropped_too_long": 0,
+            "dropped_no_target": 0,
+            "dropped_identical": 0,
+        }
         rows: list[tuple[np.ndarray, np.ndarray]] = []  # (x, y) of chosen then rejected, per kept pair
         for i in range(len(pairs)):
             kept = [self._row(*encoded[2 * i + k], truncation) for k in (0, 1)]
@@ -165,9 +171,21 @@ class PrefData:
             if any(r is None for r in kept):
                 stats["dropped_too_long" if truncation == "drop" and too_long else "dropped_no_target"] += 1
                 continue
+            (xc, yc), (xr, yr) = kept  # type: ignore[misc]
+            if np.array_equal(xc, xr) and np.array_equal(yc, yr):
+                # chosen == rejected (as written, or once cut to the row): its loss is log 2 whatever the
+                # weights, its gradient zero; kept, it would only dilute the mean over the real pairs.
+                stats["dropped_identical"] += 1
+                continue
             stats["truncated"] += too_long
             rows += kept  # type: ignore[arg-type]
         if not rows:
+            if stats["dropped_identical"]:
+                raise DataError(
+                    f"no usable preference pair: {stats['dropped_identical']:,} of {len(pairs):,} have the same "
+                    f"chosen and rejected completion (as written, or once cut to block_size+1 = {block_size + 1} "
+                    "tokens), which teaches nothing; give pairs whose completions differ (or raise --block_size)"
+                )
             raise DataError(
                 f"no usable preference pair: none fits block_size+1 = {block_size + 1} tokens with completion "
                 "tokens left; raise --block_size or use data.truncation = right"
@@ -179,6 +197,11 @@ class PrefData:
         stats.update(train=len(self.train_idx), val=len(self.val_idx))
         stats["target_tokens"] = int(sum((y != IGNORE_INDEX).sum() for _, y in rows))
         self.stats = stats
+
+    @property
+    def fingerprint(self) -> str:
+        """A short hash of the pairs as tokenized and split (see ``SFTData.fingerprint``)."""
+        return data_fingerprint(*(a for row in self.rows for a in row), self.train_idx, self.val_idx)
 
     def _row(self, ids: np.ndarray, tgt: np.ndarray, truncation: str) -> tuple[np.ndarray, np.ndarray] | None:
         tgt = _last_span(tgt)
@@ -203,6 +226,7 @@ class PrefData:
                 ("truncated", f"truncated to {self.block_size + 1} tokens"),
                 ("dropped_too_long", "dropped as too long"),
                 ("dropped_no_target", "dropped with no completion tokens left"),
+                ("dropped_identical", "dropped with chosen = rejected"),
             )
             if s[k]
         ]

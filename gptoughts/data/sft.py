@@ -1,12 +1,14 @@
 """Supervised fine-tuning data: JSONL conversations -> packed token rows with loss on responses only.
 
-Input, one JSON object per line (``.jsonl`` files, or folders of them)::
+Input, one JSON object per line (``.jsonl`` files, or folders of them; a ``.json`` file of JSON lines or of one
+JSON array of them too)::
 
     {"prompt": "...", "response": "..."}                      (optional "system": "...")
     {"messages": [{"role": "system"|"user"|"assistant"|..., "content": "..."}, ...]}
 
 Every assistant turn is a target; the rest is context. Conversations are rendered with the tokenizer's chat
-template (each assistant turn found by rendering with and without it), else with this default (role markers
+template (each assistant turn found by rendering with and without it; the rendered text tokenized whole, and a
+token a target where it overlaps an answer's characters), else with this default (role markers
 are plain text, so data cannot inject special tokens; the loss is on ``{response}<eos>``)::
 
     [bos]<|system|>\n{system}\n<|user|>\n{prompt}\n<|assistant|>\n{response}<eos><|user|>\n...
@@ -19,6 +21,7 @@ their own ``doc_ids``; without it, one right-padded example per row. Too-long ex
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from collections.abc import Iterator, Sequence
@@ -56,15 +59,35 @@ def _jsonl_files(source: str | Path) -> list[Path]:
     return [p]
 
 
+# Records are read from .jsonl files, and from .json files: JSON lines too (what ``datasets``' ``to_json`` writes),
+# or one JSON array of records.
+_RECORD_SUFFIXES = (".jsonl", ".json")
+# The first record of a JSON array is looked for in this much of the file's start.
+_ARRAY_PEEK = 1 << 22
+
+
+def is_record_file(source: str | Path) -> bool:
+    """A file whose name says it holds JSON records (``.jsonl`` or ``.json``)."""
+    return str(source).lower().endswith(_RECORD_SUFFIXES)
+
+
 def _first_record(path: Path) -> Any:
     # utf-8-sig: a byte order mark (Windows editors) is not JSON; invalid UTF-8 is replaced, as in text sources.
     with open(path, encoding="utf-8-sig", errors="replace") as f:
         for line in f:
-            if line.strip():
+            if not line.strip():
+                continue
+            if line.lstrip().startswith("["):  # a JSON array: its first element
+                f.seek(0)
+                head = f.read(_ARRAY_PEEK).lstrip().removeprefix("[")
                 try:
-                    return json.loads(line)
+                    return json.JSONDecoder().raw_decode(head.lstrip())[0]
                 except ValueError:
                     return None
+            try:
+                return json.loads(line)
+            except ValueError:
+                return None
     return None
 
 
@@ -73,12 +96,13 @@ def is_sft_record(obj: Any) -> bool:
 
 
 def resolve_format(fmt: str, sources: Sequence[str]) -> str:
-    """``text`` or ``sft``; ``auto`` looks at the first record of each ``.jsonl`` source."""
+    """``text`` or ``sft``; ``auto`` looks at the first record of each ``.jsonl`` or ``.json`` source (a folder: of
+    its ``.jsonl`` files)."""
     if fmt != "auto":
         return fmt
     kinds = set()
     for s in sources:
-        files = _jsonl_files(s) if Path(s).expanduser().is_dir() or str(s).endswith(".jsonl") else []
+        files = _jsonl_files(s) if Path(s).expanduser().is_dir() or is_record_file(s) else []
         sft = bool(files) and all(is_sft_record(_first_record(f)) for f in files)
         kinds.add("sft" if sft else "text")
     if len(kinds) > 1:
@@ -118,25 +142,56 @@ def _conversation(obj: Any, where: str) -> list[Message]:
     return out
 
 
-def read_conversations(sources: Sequence[str]) -> list[list[Message]]:
-    """Every conversation of the sources, in order (DataError naming the file and line of a bad record)."""
-    convs: list[list[Message]] = []
+def _array_records(path: Path, expected: str) -> Iterator[tuple[str, Any]]:
+    """``("FILE[i]", element)`` of a file that holds one JSON array."""
+    try:
+        items = json.loads(path.read_text(encoding="utf-8-sig", errors="replace"))
+    except ValueError as e:
+        raise DataError(f"{path}: invalid JSON ({e.args[0][:60]}); {expected}") from None
+    if not isinstance(items, list):
+        raise DataError(f"{path}: not a JSON array of records nor one record a line; {expected}")
+    for i, obj in enumerate(items):
+        yield f"{path}[{i}]", obj
+
+
+def read_records(sources: Sequence[str], expected: str) -> Iterator[tuple[str, Any]]:
+    """``("FILE:LINE", parsed JSON)`` of every non-blank line of the sources' ``.jsonl`` (or ``.json``) files, in
+    order; a file that holds one JSON array gives its elements (``FILE[i]``)."""
     for s in sources:
         for path in _jsonl_files(s):
+            with open(path, encoding="utf-8-sig", errors="replace") as f:
+                first = next((line for line in f if line.strip()), "")
+            if first.lstrip().startswith("["):
+                yield from _array_records(path, expected)
+                continue
             with open(path, encoding="utf-8-sig", errors="replace") as f:
                 for lineno, line in enumerate(f, 1):
                     if not line.strip():
                         continue
+                    where = f"{path}:{lineno}"
                     try:
                         obj = json.loads(line)
                     except ValueError as e:
-                        raise DataError(
-                            f"{path}:{lineno}: invalid JSON ({e.args[0][:60]}); {_EXPECTED}"
-                        ) from None
-                    convs.append(_conversation(obj, f"{path}:{lineno}"))
+                        raise DataError(f"{where}: invalid JSON ({e.args[0][:60]}); {expected}") from None
+                    yield where, obj
+
+
+def read_located_conversations(sources: Sequence[str]) -> tuple[list[list[Message]], list[str]]:
+    """Every conversation of the sources, in order, and the ``FILE:LINE`` of each (DataError naming the file and
+    line of a bad record)."""
+    convs: list[list[Message]] = []
+    wheres: list[str] = []
+    for where, obj in read_records(sources, _EXPECTED):
+        convs.append(_conversation(obj, where))
+        wheres.append(where)
     if not convs:
         raise DataError(f"no SFT examples in {', '.join(map(str, sources))}; {_EXPECTED}")
-    return convs
+    return convs, wheres
+
+
+def read_conversations(sources: Sequence[str]) -> list[list[Message]]:
+    """Every conversation of the sources, in order (DataError naming the file and line of a bad record)."""
+    return read_located_conversations(sources)[0]
 
 
 # ---------------------------------------------------------------------------------------------- rendering
@@ -178,14 +233,28 @@ def _render(tokenizer: Any, messages: list[Message], generation_prompt: bool) ->
     return text
 
 
+def _prompt_before(tokenizer: Any, messages: list[Message], i: int, upto: str) -> str:
+    """The rendered text that precedes the answer ``messages[i]``: the conversation before it with the generation
+    prompt. An answer that opens the conversation has nothing before it to render (templates refuse an empty
+    conversation), so its header is found in ``upto`` (its own rendering) as the generation prompt the template
+    appends after a turn; a template whose header is not that keeps the whole turn a target."""
+    if i:
+        return _render(tokenizer, messages[:i], True)
+    probe = [{"role": "user", "content": "."}]
+    closed, opened = _render(tokenizer, probe, False), _render(tokenizer, probe, True)
+    header = opened[len(closed) :] if opened.startswith(closed) else ""
+    at = upto.find(header) if header else -1
+    return upto[: at + len(header)] if at >= 0 else ""
+
+
 def _template_segments(messages: list[Message], tokenizer: Any) -> list[Segment]:
     full = _render(tokenizer, messages, False)
     spans = []
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        before = _render(tokenizer, messages[:i], True) if i else ""
         upto = _render(tokenizer, messages[: i + 1], False)
+        before = _prompt_before(tokenizer, messages, i, upto)
         if not (full.startswith(upto) and upto.startswith(before)):
             spans = None
             break
@@ -193,7 +262,7 @@ def _template_segments(messages: list[Message], tokenizer: Any) -> list[Segment]
     if spans is None:
         # The template rewrites earlier turns (e.g. drops past reasoning): only the last answer is a clean target.
         last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
-        before = _render(tokenizer, messages[:last], True)
+        before = _prompt_before(tokenizer, messages, last, _render(tokenizer, messages[: last + 1], False))
         if not full.startswith(before):
             raise DataError(
                 "the tokenizer's chat template does not render a conversation's prompt as a prefix of "
@@ -213,41 +282,150 @@ def _template_segments(messages: list[Message], tokenizer: Any) -> list[Segment]
     return segs
 
 
+def _checked_template_segments(messages: list[Message], tokenizer: Any, where: str) -> list[Segment]:
+    """:func:`_template_segments`, with a template that refuses the conversation (Jinja's ``raise_exception``:
+    "System role not supported", "roles must alternate", or a template error) as a one-line DataError."""
+    from jinja2.exceptions import TemplateError
+
+    try:
+        return _template_segments(messages, tokenizer)
+    except TemplateError as e:
+        reason = " ".join(str(e).split())[:200] or type(e).__name__
+        roles = ", ".join(m["role"] for m in messages)
+        raise DataError(
+            f"{where}: the tokenizer's chat template refuses this conversation (roles: {roles}): {reason}; "
+            "rewrite the line in a form the template accepts (e.g. fold a system message into the first user "
+            "message, alternate user and assistant turns) or drop it"
+        ) from None
+
+
+Run = tuple[str, list[tuple[int, int]]] | tuple[int, bool]
+
+
+def _runs(segs: list[Segment]) -> list[Run]:
+    """A conversation's segments as runs: each token id segment alone, ``(id, is_target)``, and each stretch of
+    consecutive text segments joined into one text with the character spans of its targets, ``(text, spans)``
+    (a run of text is tokenized whole)."""
+    runs: list[Run] = []
+    text, spans = "", []
+    for s, is_target in segs:
+        if isinstance(s, str):
+            if is_target and s:
+                spans.append((len(text), len(text) + len(s)))
+            text += s
+            continue
+        if text:
+            runs.append((text, spans))
+            text, spans = "", []
+        runs.append((int(s), is_target))
+    if text:
+        runs.append((text, spans))
+    return runs
+
+
+def _encode_runs(
+    texts: list[str], tokenizer: Any, special: bool
+) -> list[tuple[list[int], list[tuple[int, int]]]]:
+    """``(ids, character offsets)`` of each text, tokenized in one parallel batch (nothing added around them)."""
+    if getattr(tokenizer, "is_bytes", False) and not special:
+        # one token a byte of the UTF-8 text (numpy, at memory speed): the offsets follow from the text
+        return [(ids, []) for ids in tokenizer.encode_batch(texts)]
+    from gptoughts.data.tokenizer import _enable_rust_parallelism
+
+    _enable_rust_parallelism()
+    backend = tokenizer.backend
+    backend.encode_special_tokens = not special
+    return [(e.ids, e.offsets) for e in backend.encode_batch(list(texts), add_special_tokens=False)]
+
+
+def _token_targets(
+    text: str, spans: list[tuple[int, int]], n: int, offsets: list[tuple[int, int]]
+) -> np.ndarray:
+    """Which of the ``n`` tokens of ``text`` overlap a target span (character ``spans``); ``offsets`` empty: the
+    bytes tokenizer, one token per byte of the UTF-8 text."""
+    if not offsets:
+        flags = np.zeros(n, dtype=bool)
+        for a, b in spans:
+            start = len(text[:a].encode("utf-8"))
+            flags[start : start + len(text[a:b].encode("utf-8"))] = True
+        return flags
+    chars = np.zeros(len(text) + 1, dtype=np.int64)
+    for a, b in spans:
+        chars[a:b] = 1
+    before = np.concatenate([[0], np.cumsum(chars)])  # targets among the characters before each position
+    at = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
+    starts, ends = at[:, 0], at[:, 1]
+    # A token of no characters is one whose offsets were trimmed to nothing (a ByteLevel post-processor trims a
+    # whitespace token's to the end of it): it is the character before that point.
+    empty = ends <= starts
+    starts = np.where(empty, np.maximum(starts - 1, 0), starts)
+    ends = np.where(empty, starts + 1, ends)
+    return (before[np.minimum(ends, len(text) + 1)] - before[starts]) > 0
+
+
 def encode_conversations(
-    convs: Sequence[list[Message]], tokenizer: Any
+    convs: Sequence[list[Message]], tokenizer: Any, wheres: Sequence[str] | None = None
 ) -> list[tuple[np.ndarray, np.ndarray]]:
-    """``(ids, is_target)`` per conversation. All text segments are tokenized in one parallel batch."""
+    """``(ids, is_target)`` per conversation. All text is tokenized in one parallel batch. ``wheres``
+    (``FILE:LINE`` per conversation) names the line of a conversation the chat template refuses.
+
+    Text is tokenized whole, as ``apply_chat_template`` and the prompt at sampling time tokenize it (a run of text
+    between token ids of the default template; the whole conversation with a chat template), never piece by
+    piece: a SentencePiece tokenizer would begin each piece with a word boundary (``▁Hello`` where the
+    conversation has ``Hello``). A token is a target when it overlaps a target's characters."""
     use_template = tokenizer.chat_template is not None
-    all_segs = [
-        _template_segments(c, tokenizer) if use_template else _default_segments(c, tokenizer, False)
-        for c in convs
+    all_runs = [
+        _runs(
+            _checked_template_segments(c, tokenizer, wheres[i] if wheres else f"conversation {i + 1}")
+            if use_template
+            else _default_segments(c, tokenizer, False)
+        )
+        for i, c in enumerate(convs)
     ]
-    texts = [s for segs in all_segs for s, _ in segs if isinstance(s, str)]
+    texts = [r[0] for runs in all_runs for r in runs if isinstance(r[0], str)]
     # Template text holds special tokens by design (<|im_start|>...); the default template is plain text.
-    encoded = iter(tokenizer.encode_batch(texts, special=use_template))
+    encoded = iter(_encode_runs(texts, tokenizer, special=use_template))
     out = []
-    for segs in all_segs:
+    for runs in all_runs:
         ids: list[int] = []
         tgt: list[bool] = []
-        for s, is_target in segs:
-            piece = next(encoded) if isinstance(s, str) else [s]
+        for r in runs:
+            if not isinstance(r[0], str):  # the default template's bos (context) and eos (an answer's end)
+                ids.append(r[0])
+                tgt.append(bool(r[1]))
+                continue
+            text, spans = r  # type: ignore[misc]
+            piece, offsets = next(encoded)
             ids += piece
-            tgt += [is_target] * len(piece)
+            tgt += _token_targets(text, spans, len(piece), offsets).tolist()
         out.append((np.asarray(ids, dtype=np.int64), np.asarray(tgt, dtype=bool)))
     return out
 
 
 def render_prompt(tokenizer: Any, messages: list[Message]) -> list[int]:
-    """Token ids of a conversation followed by the assistant's generation prompt (for sampling)."""
+    """Token ids of a conversation followed by the assistant's generation prompt (for sampling), tokenized as
+    :func:`encode_conversations` tokenizes a conversation."""
     if tokenizer.chat_template is not None:
         return tokenizer.encode(_render(tokenizer, messages, True), special=True)
+    runs = _runs(_default_segments(messages, tokenizer, True))
+    encoded = iter(_encode_runs([r[0] for r in runs if isinstance(r[0], str)], tokenizer, special=False))
     ids: list[int] = []
-    for s, _ in _default_segments(messages, tokenizer, True):
-        ids += tokenizer.encode(s) if isinstance(s, str) else [s]
+    for r in runs:
+        ids += next(encoded)[0] if isinstance(r[0], str) else [r[0]]
     return ids
 
 
 # ------------------------------------------------------------------------------------------------ dataset
+
+
+def data_fingerprint(*arrays: np.ndarray) -> str:
+    """16 hex digits of a SHA-256 over the arrays' dtypes, shapes and bytes."""
+    h = hashlib.sha256()
+    for a in arrays:
+        a = np.ascontiguousarray(a)
+        h.update(f"{a.dtype.str}{a.shape}".encode())
+        h.update(a.tobytes())
+    return h.hexdigest()[:16]
 
 
 def split_indices(n: int, val_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -275,8 +453,8 @@ class SFTData:
             raise ConfigError(f"data.truncation must be right or drop, got {truncation!r}")
         self.block_size = block_size
         self.pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else tokenizer.eos_id
-        convs = read_conversations(sources)
-        encoded = encode_conversations(convs, tokenizer)
+        convs, wheres = read_located_conversations(sources)
+        encoded = encode_conversations(convs, tokenizer, wheres)
         stats = {"examples": len(encoded), "truncated": 0, "dropped_too_long": 0, "dropped_no_target": 0}
         keep_ids, keep_tgt = [], []
         for ids, tgt in encoded:
@@ -312,6 +490,12 @@ class SFTData:
             tokens=int(len(tokens)),
         )
         self.stats = stats
+
+    @property
+    def fingerprint(self) -> str:
+        """A short hash of the examples as tokenized and split: equal exactly when a resume would read the same
+        rows (a run records it; a resume on edited data is then said)."""
+        return data_fingerprint(self.x_tokens, self.y_tokens, self.offsets, self.train_idx, self.val_idx)
 
     def indices(self, split: str) -> np.ndarray:
         if split not in ("train", "val"):

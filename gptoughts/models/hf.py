@@ -263,16 +263,21 @@ class Pretrained:
     """Why the generic path was taken (None on the native path)."""
 
 
-def load_tokenizer(path: str | Path) -> Any:
-    from gptoughts.data.tokenizer import Tokenizer
-
+def require_tokenizer(path: str | Path) -> None:
+    """A UserError when a model folder holds no tokenizer files (a fine-tune reads its tokenizer from there)."""
     p = Path(path)
     if not any((p / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         raise UserError(
             f"{p} has no tokenizer files (tokenizer.json / tokenizer_config.json); save the "
             "tokenizer next to the model (tokenizer.save_pretrained(folder))"
         )
-    return Tokenizer.load(p)
+
+
+def load_tokenizer(path: str | Path) -> Any:
+    from gptoughts.data.tokenizer import Tokenizer
+
+    require_tokenizer(path)
+    return Tokenizer.load(Path(path))
 
 
 def _cast_params(model: nn.Module, dtype: torch.dtype) -> None:
