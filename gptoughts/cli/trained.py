@@ -252,6 +252,8 @@ def _check_eval_args(a: argparse.Namespace) -> None:
             "gptoughts eval needs --data PATH (loss, perplexity), --tasks FILE.jsonl (accuracy, exact match) or "
             "--prefs PAIRS.jsonl (preference accuracy)"
         )
+    if a.data:
+        _refuse_chat_data(a.data)
     if a.prefs:
         from gptoughts.data.prefs import read_pairs
 
@@ -273,6 +275,24 @@ def _check_eval_args(a: argparse.Namespace) -> None:
         raise UserError(f"{', '.join(repeated)} is given more than once; name each run once")
     if a.num_fewshot is not None and a.num_fewshot < 0:
         raise UserError(f"--num_fewshot must be >= 0, got {a.num_fewshot}")
+
+
+def _refuse_chat_data(data: list[str]) -> None:
+    """``--data`` scores plain text: chat examples or preference pairs there are named, before a model loads
+    (read as text, they would fail on a missing "text" field with a hint to a flag eval does not take)."""
+    from gptoughts.data.prefs import looks_like_prefs
+    from gptoughts.data.sft import resolve_format
+
+    if looks_like_prefs(data):
+        raise UserError(
+            f"--data {', '.join(data)} holds preference pairs (chosen/rejected); score them with --prefs instead"
+        )
+    if resolve_format("auto", data) == "sft":
+        raise UserError(
+            f"--data {', '.join(data)} holds chat examples (messages, or prompt/response), and eval --data scores "
+            'plain text (text files, or JSONL with a "text" field); a fine-tuning\'s loss on held-out examples is '
+            "its val_loss (metrics.jsonl), and answers are scored with --tasks (generation: prompt/expected)"
+        )
 
 
 def _eval_tasks(a: argparse.Namespace) -> tuple[list[Any], Any]:

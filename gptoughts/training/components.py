@@ -448,6 +448,8 @@ def write_run_files(asm: Assembly) -> None:
         "hardware": env.hw.to_dict(),
         "data": str(data.manifest.dir) if data.manifest is not None else data.sources,
         "data_format": data.format,
+        # SFT and preference runs read their examples whole (no cached shards): a resume compares this
+        "data_fingerprint": (data.sft or data.prefs).fingerprint if (data.sft or data.prefs) else None,
         "init_from": _absolute(str(data.init_from)) if data.init_from is not None else None,
         "generic": bool(model.pretrained is not None and model.pretrained.generic),
         "lora": cfg.lora.enabled,

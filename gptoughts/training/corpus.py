@@ -85,7 +85,7 @@ def init_from_dir(cfg: Config, *, weights: bool = True) -> Path | None:
     snapshot in the Hugging Face cache, downloaded when online (``weights=False``: config and tokenizer only)."""
     if cfg.model.init_from is None:
         return None
-    from gptoughts.models.hf import locate, read_config
+    from gptoughts.models.hf import locate, read_config, require_tokenizer
 
     p = locate(cfg.model.init_from, weights=weights)
     if (p / "config.toml").exists() or (p / "meta.json").exists() or (p / "checkpoints").is_dir():
@@ -94,6 +94,7 @@ def init_from_dir(cfg: Config, *, weights: bool = True) -> Path | None:
             "fine-tune OUT"
         )
     read_config(p)  # a clear error now rather than deep inside the model loading
+    require_tokenizer(p)  # (fine-tuning tokenizes with the folder's own: not a --tokenizer spec to fix)
     return p
 
 

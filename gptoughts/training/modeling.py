@@ -101,6 +101,10 @@ def apply_planned_compile(env: Environment, model: Model) -> None:
 
 def _pretrained(cfg: Config, env: Environment, data: Data, home: torch.device) -> tuple[Any, nn.Module, Any]:
     """The model fine-tuning starts from, checked against the run: (pretrained, model, perf)."""
+    if cfg.lora.enabled and cfg.lora.quantize == "4bit":
+        from gptoughts.training.setup import check_qlora
+
+        check_qlora(env.device)  # refused where the plan is made (a dry run too), as the run would refuse it
     pretrained, raw, perf = build_finetune_model(cfg, data.init_from, home, env.precision)
     _check_tp(cfg, env, pretrained.family, pretrained.model.args, generic=pretrained.generic)
     if pretrained.generic and env.dist.sharded:
@@ -202,6 +206,11 @@ def build_finetune_model(
             )
         perf = replace(perf, fp8=False)
         if device.type == "meta":
+            # The plan's model (a dry run's too): the adapters on meta, so that it counts the trainable parameters
+            # and refuses target modules that match no layer as the run does (4-bit needs no device here: the
+            # adapters over a quantized base have the same shapes).
+            with torch.device("meta"):
+                model = apply_lora(model, replace(cfg.lora, quantize="none"), device=device)
             return pretrained, model, perf
         # The adapters' random init is a function of train.seed alone (not of what ran before in the process).
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):

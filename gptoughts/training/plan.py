@@ -447,6 +447,15 @@ def make_plan(
 def _corpus_moved(data: Any, record: dict[str, Any], start: int) -> list[str]:
     """A resume on another corpus (files edited, added, or another --data) is allowed but said: its batches and
     held-out set are not the run's. Compared by the shards' cache key (``record``: the resumed run's run.json)."""
+    examples = (data.sft or data.prefs) if data.format in ("sft", "prefs") else None
+    if start and examples is not None and isinstance(record.get("data_fingerprint"), str):
+        if record["data_fingerprint"] == examples.fingerprint:
+            return []
+        return [
+            "the examples differ from the ones this run trained on until now (lines edited, added or removed, or "
+            "another --data): the batches from here are not an uninterrupted run's, its held-out examples are "
+            "another draw (some may have been trained on), and val losses before and after compare only loosely"
+        ]
     was = record.get("data") if start else None
     if not isinstance(was, str) or data.manifest is None:
         return []
@@ -707,7 +716,8 @@ def _warnings(
             + (f"; --size {suggestion} suits this corpus better" if suggestion else "; add data")
         )
     vocab, read = data.corpus.get("vocab") or 0, data.corpus.get("bytes_read") or 0
-    if getattr(data, "estimated", False) and str(cfg.data.tokenizer).startswith("bpe") and read < 64 * vocab:
+    bpe = data.init_from is None and str(cfg.data.tokenizer).startswith("bpe")  # (a fine-tune: its model's)
+    if getattr(data, "estimated", False) and bpe and read < 64 * vocab:
         # a dry run sizes the model at the asked vocabulary; BPE trained on a small text stops far short of it
         out.append(
             f"the vocabulary is planned at the {vocab:,} asked, but a BPE trained on {_mb(read)} of text holds "

@@ -166,7 +166,7 @@ def _up_to(run_dir: Path) -> str:
 def _check_same_model(old: Config, cfg: Config, subject: str, fix: str) -> None:
     """A checkpoint resumes only into the model it was saved from (``subject``: "RUN holds" or "CHECKPOINT was
     saved from", for the message): the same architecture, and the same base model and LoRA switch."""
-    changed = architecture_changes(old, cfg)
+    changed = architecture_changes(old, cfg) + adapter_changes(old, cfg)
     if changed:
         raise UserError(
             f"{subject} a model of another architecture than this command's ({'; '.join(changed)}): a checkpoint "
@@ -390,6 +390,21 @@ def architecture_changes(old: Config, cfg: Config) -> list[str]:
         f"{f.name} {getattr(before, f.name)} -> {getattr(after, f.name)}"
         for f in dataclasses.fields(before)
         if f.name not in kernels and getattr(before, f.name) != getattr(after, f.name)
+    ]
+
+
+def adapter_changes(old: Config, cfg: Config) -> list[str]:
+    """``lora.FIELD old -> new`` for each LoRA setting that shapes the adapters (their rank, the layers they wrap)
+    where a LoRA run is resumed with LoRA: its checkpoint holds only adapters of the run's own shapes."""
+    if not (old.lora.enabled and cfg.lora.enabled):
+        return []
+    return [
+        f"lora.{name} {a} -> {b}"
+        for name, a, b in (
+            ("r", old.lora.r, cfg.lora.r),
+            ("target_modules", list(old.lora.target_modules), list(cfg.lora.target_modules)),
+        )
+        if a != b
     ]
 
 
