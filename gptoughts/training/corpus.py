@@ -203,6 +203,14 @@ def _estimated(
     tokenizer, vocab = tokenizer_before_training(tok_spec)
     cap = cfg.data.max_bytes
     text = corpus["per_source"]  # bytes of text (a Parquet file holds more than its compressed size)
+    for source, size in zip(sources, text):
+        if (
+            not size
+        ):  # an empty file, a folder with nothing to read: the run's reading refuses it, and so here
+            from gptoughts.data.sources import iter_documents
+
+            exts = cfg.data.extensions or None
+            next(iter(iter_documents(source, text_field=cfg.data.text_field, extensions=exts)), None)
     read = sum(text) if cap is None else sum(min(b, cap) for b in text)
     corpus.update(
         bytes_read=read,
