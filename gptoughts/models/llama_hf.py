@@ -51,6 +51,15 @@ _BLOCK = {
     "feed_forward.w2": "mlp.down_proj",
 }
 _BLOCK_BACK = {v: k for k, v in _BLOCK.items()}
+
+
+def hf_linear_names() -> dict[str, str]:
+    """Hugging Face's name of each of a native block's linear layers -> ours (``q_proj`` -> ``wq``)."""
+    return {
+        hf.rsplit(".", 1)[-1]: ours.rsplit(".", 1)[-1] for ours, hf in _BLOCK.items() if "norm" not in ours
+    }
+
+
 _TOP = {"tok_embeddings": "model.embed_tokens", "norm": "model.norm", "output": "lm_head"}
 _TOP_BACK = {v: k for k, v in _TOP.items()}
 _OURS_LAYER = re.compile(r"^layers\.(\d+)\.(.+)\.(weight|bias)$")

@@ -588,6 +588,8 @@ def apply_lora(
     if lora.quantize == "4bit":
         check_qlora(device)
         quantize_base_4bit(model, compute_dtype)
+    if lora.target_modules:
+        _check_lora_targets(model, list(lora.target_modules))
     targets = list(lora.target_modules) or default_lora_targets(model)
     config = peft.LoraConfig(
         r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets, bias="none"
@@ -608,6 +610,28 @@ def apply_lora(
             f"lora.target_modules {lora.target_modules} match no layer; the linear layers are "
             f"named {', '.join(names)}"
         ) from None
+
+
+def _check_lora_targets(model: nn.Module, targets: list[str]) -> None:
+    """Refuse target names that match no linear layer. PEFT refuses only a list of which none matches: with one
+    name right and one wrong (``wq,v_proj``), the wrong one's layers were left without adapters, silently. Hugging
+    Face's names of a native model's layers (``q_proj`` for ``wq``) are named in the fix."""
+    from gptoughts.models.llama_hf import hf_linear_names
+
+    names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    missing = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
+    if not missing:
+        return
+    leaves = sorted({n.rsplit(".", 1)[-1] for n in names})
+    ours = {hf: leaf for hf, leaf in hf_linear_names().items() if leaf in leaves}
+    fix = ""
+    if all(t in ours for t in missing):
+        fixed = ",".join(ours.get(t, t) for t in targets)
+        fix = f" (Hugging Face's names; this model's are ours: --target_modules {fixed})"
+    raise ConfigError(
+        f"lora.target_modules {', '.join(missing)} match no linear layer of this model{fix}; its linear layers "
+        f"are named {', '.join(leaves)}"
+    )
 
 
 class TrainableWeights(nn.Module):
