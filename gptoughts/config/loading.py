@@ -19,7 +19,7 @@ except ModuleNotFoundError:  # Python 3.10
 from gptoughts.coerce import build_dataclass
 from gptoughts.config.schema import MOVED, SECTIONS, Config, ModelConfig
 from gptoughts.config.validation import validate
-from gptoughts.errors import ConfigError, did_you_mean
+from gptoughts.errors import ConfigError, UserError, did_you_mean
 
 PRESET_DIR = Path(__file__).parent.parent / "presets"
 DEFAULT_PRESET = "quickstart"
@@ -294,6 +294,7 @@ def load_config(preset: str | Path | None = None, overrides: dict[str, Any] | No
         )
         # How a run is launched is not part of it: a run saved under FSDP on 2 GPUs resumes on one.
         data.pop("parallel", None)
+        _check_base_is_there(run_file.parent, data.get("model", {}).get("init_from"), overrides)
         given, shipped = _given_at_start(run_file, data)
         shipped -= set(overrides)
     else:
@@ -322,6 +323,24 @@ def load_config(preset: str | Path | None = None, overrides: dict[str, Any] | No
     if cfg.model.init_from is not None:
         finetune_defaults(cfg)
     return cfg
+
+
+def _check_base_is_there(run_dir: Path, base: Any, overrides: dict[str, Any]) -> None:
+    """A fine-tune resumed after its base model's folder went away: said as such (checking the base as a new model
+    would advise passing another folder, which a resume refuses: another --model is another base)."""
+    from gptoughts.models.hf import is_hub_id
+
+    if (
+        not base
+        or overrides.get("model.init_from")
+        or is_hub_id(str(base))
+        or Path(str(base)).expanduser().exists()
+    ):
+        return
+    raise UserError(
+        f"{run_dir} was fine-tuned from {base}, which is missing; put the base model folder back at that path, "
+        "then resume again"
+    )
 
 
 def _check_overrides(overrides: dict[str, Any]) -> list[str]:

@@ -77,3 +77,24 @@ def test_same_base_model_resolves_paths_and_keeps_hub_ids(tmp_path, monkeypatch)
     assert same_base_model("org/name", "org/name")
     assert not same_base_model("org/name", "org/other")
     assert same_base_model(None, None) and not same_base_model(None, "m")
+
+
+def test_a_resume_whose_base_folder_is_gone_says_to_put_it_back(hf_model, tmp_path, ft_cache, capsys):
+    """The base folder moved away: the resume said "is not a folder; pass a local Hugging Face model folder", advice
+    a resume refuses (another --model is another base)."""
+    import shutil
+
+    from cli_helpers import QUIET_CPU, run_cli
+    from hf_helpers import sft_rows
+
+    base, data, out = hf_model("llama"), sft_rows(tmp_path / "d.jsonl", 8), tmp_path / "ft"
+    cmd = ["finetune", "--model", str(base), "--data", str(data), "--lora", "--max_steps", "1", "--block_size", "32",
+           "--batch_size", "2", "--out", str(out), *QUIET_CPU]  # fmt: skip
+    assert run_cli(cmd, capsys)[0] == 0
+    shutil.move(base, tmp_path / "moved")
+    code, text = run_cli(
+        ["finetune", "--resume", "auto", "--out", str(out), "--max_steps", "2", *QUIET_CPU], capsys
+    )
+    assert (
+        code == 2 and f"fine-tuned from {base}, which is missing; put the base model folder back" in text
+    ), text
