@@ -19,7 +19,7 @@ from gptoughts import models
 from gptoughts.config import Config, config_from_toml_text, load_config
 from gptoughts.errors import ConfigError, DataError, UserError, as_disk_full, first_line
 from gptoughts.models import GENERIC_FAMILY
-from gptoughts.models.hf import is_hf_folder, load_pretrained
+from gptoughts.models.hf import check_base_unchanged, is_hf_folder, load_pretrained
 from gptoughts.models.hf_generic import HFCausalLM
 from gptoughts.parallel import dist as pdist
 from gptoughts.perf import hardware
@@ -480,6 +480,8 @@ def load(path: str | Path, device: str = "auto", *, trust_remote_code: bool = Fa
     cfg, run = _read_run(run_dir)
     init_from = run.get("init_from")
     if init_from and (cfg.lora.enabled or run.get("generic")):
+        if cfg.lora.enabled:
+            check_base_unchanged(run_dir, init_from, run.get("base_fingerprint"))
         model, family_name, args, weights = _build_over_base(run_dir, cfg, init_from, dev, trust_remote_code)
     else:
         model, family_name, args = _build_native(run_dir / "run.json", run, dev)

@@ -326,21 +326,25 @@ def load_config(preset: str | Path | None = None, overrides: dict[str, Any] | No
 
 
 def _check_base_is_there(run_dir: Path, base: Any, overrides: dict[str, Any]) -> None:
-    """A fine-tune resumed after its base model's folder went away: said as such (checking the base as a new model
-    would advise passing another folder, which a resume refuses: another --model is another base)."""
-    from gptoughts.models.hf import is_hub_id
+    """A fine-tune resumed after its base model's folder went away, or (LoRA) was replaced: said as such (checking the
+    base as a new model would advise passing another folder, which a resume refuses: another --model is another
+    base)."""
+    from gptoughts.models.hf import check_base_unchanged, is_hub_id
 
-    if (
-        not base
-        or overrides.get("model.init_from")
-        or is_hub_id(str(base))
-        or Path(str(base)).expanduser().exists()
-    ):
+    if not base or overrides.get("model.init_from") or is_hub_id(str(base)):
         return
-    raise UserError(
-        f"{run_dir} was fine-tuned from {base}, which is missing; put the base model folder back at that path, "
-        "then resume again"
-    )
+    if not Path(str(base)).expanduser().exists():
+        raise UserError(
+            f"{run_dir} was fine-tuned from {base}, which is missing; put the base model folder back at that "
+            "path, then resume again"
+        )
+    from gptoughts.data.sources import read_json_dict
+
+    record = read_json_dict(run_dir / "run.json") or {}
+    if record.get(
+        "lora"
+    ):  # (a full fine-tune's checkpoint holds the whole model: its base was only the start)
+        check_base_unchanged(run_dir, str(base), record.get("base_fingerprint"))
 
 
 def _check_overrides(overrides: dict[str, Any]) -> list[str]:

@@ -117,6 +117,40 @@ def locate(spec: str | Path, *, weights: bool = True) -> Path:
         ) from None
 
 
+def base_fingerprint(spec: str | Path) -> str | None:
+    """16 hex digits naming a local model folder's files as they are: ``config.json``, and each weight file's name,
+    size and first and last MiB (a new revision saved over the old one changes them; its sizes alone may not).
+    None for a hub id (its cache keeps revisions apart) or a folder that is not there."""
+    import hashlib
+
+    p = Path(spec).expanduser()
+    if is_hub_id(str(spec)) or not p.is_dir():
+        return None
+    h = hashlib.sha256()
+    for f in sorted(p.iterdir()):
+        if f.name != CONFIG_NAME and f.suffix not in (".safetensors", ".bin"):
+            continue
+        size = f.stat().st_size
+        h.update(f"{f.name}\0{size}\0".encode())
+        with open(f, "rb") as fh:
+            h.update(fh.read(1 << 20))
+            if size > 2 << 20:
+                fh.seek(-(1 << 20), 2)
+                h.update(fh.read())
+    return h.hexdigest()[:16]
+
+
+def check_base_unchanged(run_dir: str | Path, base: str, recorded: Any) -> None:
+    """Refuse adapters trained on ``base`` as it was (``recorded``: run.json's ``base_fingerprint``) where its files
+    have changed since: over other weights they compute another model, silently."""
+    if not isinstance(recorded, str) or (now := base_fingerprint(base)) is None or now == recorded:
+        return
+    raise UserError(
+        f"{run_dir} was trained on top of {base} as it was then, and its files have changed since (config.json or "
+        "weights): what was trained over it fits only those weights; put that version of the model back"
+    )
+
+
 def read_config(path: str | Path) -> dict[str, Any]:
     """The raw ``config.json`` of a model folder (UserError when it is not one)."""
     p = Path(path).expanduser()

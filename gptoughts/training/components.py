@@ -16,6 +16,7 @@ import torch
 from gptoughts.config import Config, TrainConfig, is_task_file, to_toml
 from gptoughts.data.tokenizer import parse_spec
 from gptoughts.errors import ConfigError, UserError
+from gptoughts.models.hf import base_fingerprint
 from gptoughts.parallel import dist as pdist
 from gptoughts.training import rundir
 from gptoughts.training.batches import data_packing
@@ -451,6 +452,8 @@ def write_run_files(asm: Assembly) -> None:
         # SFT and preference runs read their examples whole (no cached shards): a resume compares this
         "data_fingerprint": (data.sft or data.prefs).fingerprint if (data.sft or data.prefs) else None,
         "init_from": _absolute(str(data.init_from)) if data.init_from is not None else None,
+        # what LoRA adapters were trained over: a resume, sample or export over a changed base is refused
+        "base_fingerprint": base_fingerprint(data.init_from) if data.init_from is not None else None,
         "generic": bool(model.pretrained is not None and model.pretrained.generic),
         "lora": cfg.lora.enabled,
         "trainable_params": sum(p.numel() for p in raw.parameters() if p.requires_grad),
