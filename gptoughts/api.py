@@ -6,7 +6,10 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
+import shutil
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -110,12 +113,18 @@ def _overrides(
     """The API's keyword arguments as the dotted keys of the command line (the ones left None are not given)."""
     kw: dict[str, Any] = {}
     if data_path is not None:
-        kw["data.sources"] = [data_path] if isinstance(data_path, str) else list(data_path)
+        if isinstance(data_path, (str, os.PathLike)):
+            data_path = [data_path]
+        elif not isinstance(data_path, (list, tuple)):
+            raise ConfigError(
+                f"data_path must be a path or a list of paths, got {type(data_path).__name__} {data_path!r}"
+            )
+        kw["data.sources"] = [_path_text(d) for d in data_path]
     common = {
         "train.epochs": num_epochs,
         "train.batch_size": batch_size,
         "train.learning_rate": learning_rate,
-        "run.out": save_dir,
+        "run.out": _path_text(save_dir),
         "perf.device": device,
         "train.max_steps": max_steps,
     }
@@ -131,6 +140,11 @@ def _overrides(
         else:  # a misspelt keyword
             _refuse_bare_key(key, keywords)
     return kw
+
+
+def _path_text(path: Any) -> Any:
+    """A ``pathlib.Path`` (any ``os.PathLike``) as the string the config holds; anything else as given."""
+    return os.fspath(path) if isinstance(path, os.PathLike) else path
 
 
 def _keywords(fn: Any) -> list[str]:
@@ -185,7 +199,7 @@ def finetune(
     """
     if not isinstance(config, Config):
         named = {
-            "model.init_from": model_path,
+            "model.init_from": _path_text(model_path),
             "lora.enabled": lora,
             "model.trust_remote_code": trust_remote_code,
         }
@@ -472,6 +486,14 @@ def load(path: str | Path, device: str = "auto", *, trust_remote_code: bool = Fa
     (``merge_and_unload()`` gives the plain one)."""
     from gptoughts.data.tokenizer import Tokenizer
 
+    if not isinstance(path, (str, os.PathLike)):
+        raise UserError(
+            f"load takes the path of a run, a checkpoint or a Hugging Face model folder, got {type(path).__name__}"
+        )
+    if Path(path).expanduser().is_file():  # (was "no valid checkpoint under FILE; train first")
+        raise UserError(
+            f"{path} is a file; pass a run directory, a checkpoint directory or a Hugging Face model folder"
+        )
     dev = hardware.resolve_device(device)
     if is_hf_folder(path):
         return _load_hf_folder(path, dev, trust_remote_code)
@@ -593,8 +615,7 @@ def generate_text(
 
     ``chat`` (default ``loaded.chat``): the prompt is a user message rendered with the chat template (the
     tokenizer's own, else the SFT default) and only the assistant's answer is returned."""
-    if max_new_tokens < 1:
-        raise UserError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    _check_generate_args(loaded, prompt, max_new_tokens, temperature, top_k, top_p, seed)
     return sampler(loaded)(
         prompt,
         max_new_tokens=max_new_tokens,
@@ -604,6 +625,37 @@ def generate_text(
         seed=seed,
         chat=chat,
     )
+
+
+def _check_generate_args(
+    loaded: Any, prompt: Any, max_new_tokens: Any, temperature: Any, top_k: Any, top_p: Any, seed: Any
+) -> None:
+    """``generate``'s arguments, each checked as ``gptoughts sample`` checks its flags: one line naming the argument
+    (a wrong type was a library's error about something else, and a NaN temperature silently sampled noise)."""
+
+    def whole(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    def real(v: Any) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+    if not isinstance(loaded, Loaded):
+        raise UserError(
+            f"generate takes the model gptoughts.load returns, got {type(loaded).__name__}: "
+            "loaded = gptoughts.load(RUN_DIR); gptoughts.generate(loaded, PROMPT)"
+        )
+    if not isinstance(prompt, str):
+        raise UserError(f"prompt must be a string, got {type(prompt).__name__} {prompt!r:.60}")
+    if not whole(max_new_tokens) or max_new_tokens < 1:
+        raise UserError(f"max_new_tokens must be a whole number >= 1, got {max_new_tokens!r}")
+    if not real(temperature) or temperature < 0:
+        raise UserError(f"temperature must be a number >= 0 (0: greedy), got {temperature!r}")
+    if top_k is not None and (not whole(top_k) or top_k < 0):
+        raise UserError(f"top_k must be a whole number >= 0 (0 or None: no top-k filtering), got {top_k!r}")
+    if top_p is not None and (not real(top_p) or not 0 < top_p <= 1):
+        raise UserError(f"top_p must be a number in (0, 1] (None: no nucleus filtering), got {top_p!r}")
+    if seed is not None and not whole(seed):
+        raise UserError(f"seed must be a whole number or None, got {seed!r}")
 
 
 def sampler(loaded: Loaded) -> Any:
@@ -617,7 +669,7 @@ def sampler(loaded: Loaded) -> Any:
 @torch.no_grad()
 def evaluate(
     loaded: Loaded,
-    data: list[str],
+    data: str | os.PathLike | list[str],
     *,
     batch_size: int = 8,
     block_size: int | None = None,
@@ -631,6 +683,10 @@ def evaluate(
     from gptoughts.training.corpus import resolve_sources
     from gptoughts.training.objectives import build_objective
 
+    if isinstance(data, (str, os.PathLike)):  # one path (a str would be read as a list of one-letter paths)
+        data = [data]
+    data = [_path_text(d) for d in data]
+    refuse_prepared(data)
     cfg = loaded.config
     block = block_size or cfg.train.block_size
     limit = getattr(loaded.args, "max_seq_len", None)
@@ -697,6 +753,48 @@ def evaluate(
     }
 
 
+def _refuse_export_into_source(path: str | Path, out: str | Path) -> None:
+    """An export never writes over the model folder it reads: an HF folder exported onto itself, or the base a
+    fine-tuned run starts from (its ``init_from``, which a LoRA run rebuilds itself over at every load). With
+    --overwrite its weights were replaced by the merged ones, then the tokenizer copy failed with a traceback."""
+    src = Path(path).expanduser()
+    sources = [src] if is_hf_folder(src) else []
+    for folder in (src, src.parent, src.parent.parent):  # a run, a checkpoints folder or a checkpoint
+        try:
+            base = json.loads((folder / "run.json").read_text(encoding="utf-8")).get("init_from")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(base, str) and base:
+            sources.append(Path(base).expanduser())
+        break
+    target = Path(out).expanduser().resolve()
+    for s in sources:
+        if s.resolve() == target:
+            raise UserError(
+                f"{out} is the model folder {path} is read from (its weights would be replaced by the export's, "
+                f"--overwrite or not); export into another folder, e.g. {target.name}-export"
+            )
+
+
+def refuse_prepared(data: list[str]) -> None:
+    """A prepared dataset given to evaluate, said for evaluate: the corpus's own refusal speaks of train and its
+    ``--tokenizer``, which evaluate does not take (it reads a corpus with the model's own tokenizer)."""
+    from gptoughts.data.sources import prepared_manifest
+
+    for d in data:
+        m = prepared_manifest(Path(d)) if Path(d).is_dir() else None
+        if m is None:
+            continue
+        try:
+            made_from = " ".join(f"--data {s['path']}" for s in m["sources"])
+        except (KeyError, TypeError):  # a damaged manifest: no sources to name
+            made_from = "--data CORPUS"
+        raise DataError(
+            f"{d} is a prepared dataset (token shards), not a corpus: eval tokenizes a corpus with the model's own "
+            f"tokenizer; pass the corpus it was made from instead: {made_from}"
+        )
+
+
 # ------------------------------------------------------------------------------------------------- export
 
 
@@ -716,15 +814,7 @@ def export(
     ``dtype``: auto (the dtype of the model the run started from, fp32 for runs trained from scratch), fp32,
     bf16 or fp16. ``max_shard_size``: weights above it are split into shards with an index (e.g. ``5GB``).
     """
-    from gptoughts.models.hf import read_config
-    from gptoughts.models.hf_export import (
-        check_out_dir,
-        copy_tokenizer_files,
-        model_dtype,
-        parse_size,
-        save_generic,
-        save_hf,
-    )
+    from gptoughts.models.hf_export import check_out_dir, parse_size
 
     if format != "hf":
         raise ConfigError(f"--format {format!r}: only hf (a transformers model folder) is supported")
@@ -733,12 +823,36 @@ def export(
         raise ConfigError(f"--dtype must be auto, fp32, bf16 or fp16; got {dtype!r}")
     shard = parse_size(max_shard_size)  # (before the load, which can take minutes)
     check_out_dir(out, overwrite)  # (the same: an output refused is refused before the load)
+    _refuse_export_into_source(path, out)
     loaded = load(path, device=device, trust_remote_code=trust_remote_code)
     model = loaded.model
     if hasattr(model, "merge_and_unload"):  # PEFT: fold B @ A * alpha / r into the base weights
         model = model.merge_and_unload()
+    final = Path(out).expanduser()
+    if final.exists():  # (an empty folder of the user's, or --overwrite: written in place, as asked)
+        return _write_export(loaded, model, final, shard, names.get(dtype), overwrite)
+    # A new folder is written under a hidden name and renamed into place when complete: an export cut short (Ctrl-C,
+    # a full disk) left a config.json beside half a safetensors file, which looked like a model and refused the
+    # same command again as "not empty".
+    partial = final.with_name(f".{final.name}.partial-{uuid.uuid4().hex[:12]}")
+    try:
+        _write_export(loaded, model, partial, shard, names.get(dtype), overwrite)
+        os.replace(partial, final)
+    finally:
+        if partial.exists():
+            shutil.rmtree(partial, ignore_errors=True)
+    return final
+
+
+def _write_export(
+    loaded: Loaded, model: nn.Module, out: Path, shard: int, dtype: torch.dtype | None, overwrite: bool
+) -> Path:
+    """The transformers folder of ``model`` (LoRA merged) written into ``out``."""
+    from gptoughts.models.hf import read_config
+    from gptoughts.models.hf_export import copy_tokenizer_files, model_dtype, save_generic, save_hf
+
     base = read_config(loaded.init_from) if loaded.init_from else None
-    target = names.get(dtype) or (model_dtype(base) if base else torch.float32)
+    target = dtype or (model_dtype(base) if base else torch.float32)
     if isinstance(model, HFCausalLM):
         written = save_generic(
             model, loaded.tokenizer, out, max_shard_bytes=shard, dtype=target, overwrite=overwrite

@@ -162,8 +162,8 @@ def generate(
         raise UserError(
             f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) needs "
             f"{prompt_len + max_new_tokens - 1} positions but the model has max_seq_len={max_seq_len}; "
-            "shorten the prompt or --max_new_tokens (in Python, generate(..., use_cache=False) slides a window "
-            "over the last max_seq_len tokens instead)"
+            "shorten the prompt or max_new_tokens (gptoughts.sampling.generate(model, ids, n, use_cache=False) "
+            "slides a window over the last max_seq_len tokens instead)"
         )
 
     was_training = model.training

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 import uuid
 from collections.abc import Sequence
@@ -115,19 +116,31 @@ def cmd_bench(argv: Sequence[str]) -> int:
     from gptoughts.config import load_config
     from gptoughts.tools.bench import format_result, run_bench
 
+    # checked before the model is built: a count that is not one was a traceback, and --steps -1 a negative speed
+    steps = whole_number(opts, "steps", 20, minimum=1)
+    warmup = whole_number(opts, "warmup", 5, minimum=0)
+    kernels = whole_number(opts, "kernels", 0, minimum=0)
     cfg = load_config(preset or "default", overrides)
     res = run_bench(
         cfg,
-        steps=int(opts.get("steps", 20)),
-        warmup=int(opts.get("warmup", 5)),
+        steps=steps,
+        warmup=warmup,
         compare=opts.get("compare"),
         data_dir=opts.get("shards"),
-        kernel_steps=int(opts.get("kernels", 0)),
+        kernel_steps=kernels,
         # to stderr: stdout stays the result alone (--json)
         announce=lambda line: print(line, file=sys.stderr, flush=True),
     )
     print(json.dumps(res, default=str) if opts.get("json") else format_result(res))
     return 0
+
+
+def whole_number(opts: dict[str, Any], name: str, default: int, *, minimum: int) -> int:
+    """``--NAME``'s value as a whole number >= ``minimum`` (``default`` when not given), else a one-line error."""
+    value = str(opts.get(name, default)).strip()
+    if not value.isdigit() or int(value) < minimum:
+        raise ConfigError(f"--{name} must be a whole number >= {minimum}, got {value!r}")
+    return int(value)
 
 
 def cmd_estimate(argv: Sequence[str]) -> int:
@@ -146,22 +159,26 @@ def cmd_estimate(argv: Sequence[str]) -> int:
     from gptoughts.config import load_config
     from gptoughts.perf.estimate import estimate_config, format_estimate
 
-    def number(name: str, kind: type) -> Any:
+    def number(name: str, kind: type, ok: Any, what: str) -> Any:
+        """``--NAME`` as a finite number of ``kind`` for which ``ok`` holds (50e9 is a whole number), else one line:
+        --num_gpus 0 was taken as 1, -2 gave a negative speed, --tokens inf a traceback, --mfu 2 twice the peak."""
         if name not in opts:
             return None
         try:
-            return kind(float(opts[name])) if kind is int else kind(opts[name])
+            value = float(opts[name])
         except ValueError:
-            raise ConfigError(f"--{name} must be a number, got {opts[name]!r}") from None
+            value = math.nan
+        if not math.isfinite(value) or (kind is int and not value.is_integer()) or not ok(value):
+            raise ConfigError(f"--{name} must be {what}, got {opts[name]!r}")
+        return kind(value)
 
+    gpus = number("num_gpus", int, lambda v: v >= 1, "a whole number >= 1")
+    tokens = number("tokens", int, lambda v: v >= 1, "a number of tokens >= 1 (e.g. 50e9)")
+    mfu = number("mfu", float, lambda v: 0 < v <= 1, "a fraction of the GPU's peak in (0, 1] (e.g. 0.5)")
+    price = number("price", float, lambda v: v >= 0, "a price per GPU-hour >= 0")
     cfg = load_config(preset, overrides)
     e, micro, accum = estimate_config(
-        cfg,
-        gpu=opts.get("gpu", "H100"),
-        num_gpus=number("num_gpus", int) or 1,
-        tokens=number("tokens", int),
-        mfu=number("mfu", float),
-        price=number("price", float),
+        cfg, gpu=opts.get("gpu", "H100"), num_gpus=gpus or 1, tokens=tokens, mfu=mfu, price=price
     )
     if opts.get("json"):
         print(json.dumps({**e.to_dict(), "micro_batch": micro, "grad_accum": accum}))
@@ -209,14 +226,13 @@ def cmd_tune(argv: Sequence[str]) -> int:
     def csv(name: str) -> list[str] | None:
         return [v.strip() for v in opts[name].split(",")] if name in opts else None
 
-    def count(name: str, default: int) -> int:
-        value = opts.get(name, str(default))
-        if not value.isdigit():
-            raise ConfigError(f"--{name} must be a whole number, got {value!r}")
-        return int(value)
+    def batch(value: str) -> int | str:
+        if value == "auto" or (value.isdigit() and int(value) >= 1):
+            return value if value == "auto" else int(value)
+        raise ConfigError(f"--batches takes micro-batch sizes >= 1 or auto, comma-separated; got {value!r}")
 
-    batches = [int(b) if b.isdigit() else b for b in csv("batches")] if "batches" in opts else None
-    steps, warmup = count("steps", 10), count("warmup", 3)
+    batches = [batch(b) for b in csv("batches") or []] if "batches" in opts else None
+    steps, warmup = whole_number(opts, "steps", 10, minimum=1), whole_number(opts, "warmup", 3, minimum=0)
     cfg = load_config(preset or "default", overrides)
     trials = run_tune(
         cfg,

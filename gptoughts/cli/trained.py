@@ -254,6 +254,9 @@ def _check_eval_args(a: argparse.Namespace) -> None:
         )
     if a.data:
         _refuse_chat_data(a.data)
+        from gptoughts.api import refuse_prepared
+
+        refuse_prepared(a.data)  # before a model loads, in eval's words
     if a.prefs:
         from gptoughts.data.prefs import read_pairs
 
@@ -478,6 +481,9 @@ def cmd_plot(argv: Sequence[str]) -> int:
     a = p.parse_args(argv)
     from gptoughts.training.plots import compare_runs, write_run_plots
 
+    # what README calls RUN elsewhere (its metrics file, a checkpoint) named as the run it is in
+    for run in a.runs:
+        _plotted_run(Path(run))
     if len(a.runs) == 1 and a.out is None:
         if not (Path(a.runs[0]) / "metrics.jsonl").is_file():
             raise UserError(f"{a.runs[0]} has no metrics.jsonl; pass a run directory")
@@ -489,3 +495,21 @@ def cmd_plot(argv: Sequence[str]) -> int:
     # like tune's tuned.toml: an existing compare.png (default or named) is kept unless --overwrite
     print(f"wrote {Path(compare_runs(a.runs, a.out or 'compare.png', overwrite=a.overwrite)).resolve()}")
     return 0
+
+
+def _plotted_run(path: Path) -> None:
+    """A path ``plot`` reads runs from, or a one-line error naming the run directory meant: a file (its
+    metrics.jsonl, was "metrics.jsonl has no metrics.jsonl") or a checkpoint or other folder inside a run."""
+    from gptoughts.training.checkpoint import store
+
+    if (path / "metrics.jsonl").is_file():
+        return
+    if path.is_file():
+        raise UserError(
+            f"{path} is a file; pass the run directory that holds it: gptoughts plot {path.parent}"
+        )
+    run = store.run_of(path) or (path.parent if (path.parent / "metrics.jsonl").is_file() else None)
+    if run is not None and (run / "metrics.jsonl").is_file():
+        raise UserError(
+            f"{path} is inside the run {run}, which holds the metrics; pass it: gptoughts plot {run}"
+        )

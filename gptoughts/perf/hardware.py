@@ -5,7 +5,8 @@ from __future__ import annotations
 import math
 import os
 import platform
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -26,6 +27,7 @@ _PEAK_BF16 = {
     "A10G": 125e12,
     "A10": 125e12,
     "L40S": 362e12,
+    "L40": 181e12,
     "L4": 121e12,
     "RTX 4090": 165e12,
     "RTX 3090": 71e12,
@@ -71,12 +73,23 @@ def _arch(cc: tuple[int, int]) -> str:
     return "older"
 
 
+def _words(name: str) -> str:
+    """``name`` as lower-case words of letters or digits, space-padded: "NVIDIA A100-SXM4-40GB" and "a100 sxm4
+    40gb" both read " nvidia a 100 sxm 4 40 gb ", "rtx4090" reads as "RTX 4090"."""
+    return " " + " ".join(re.findall(r"[a-z]+|[0-9]+", name.lower())) + " "
+
+
+def match_gpu(name: str, keys: Iterable[str]) -> str | None:
+    """The key of a GPU table that ``name`` names (the most specific one: "H100 PCIe" before "H100"), by whole
+    words: "L40" is not an "L4", "GH200" not an "H200"; case, spaces and dashes do not matter. None: none."""
+    words = _words(name)
+    return next((k for k in sorted(keys, key=lambda k: -len(_words(k))) if _words(k) in words), None)
+
+
 def peak_flops(name: str) -> float | None:
     """Datasheet dense bf16 peak for a GPU name (None when unknown)."""
-    for key in sorted(_PEAK_BF16, key=len, reverse=True):
-        if key.lower() in name.lower():
-            return _PEAK_BF16[key]
-    return None
+    key = match_gpu(name, _PEAK_BF16)
+    return None if key is None else _PEAK_BF16[key]
 
 
 # The GPUs of the table above without fp8 tensor cores (before Ada): `--fp8` is refused on them.
@@ -85,7 +98,7 @@ _NO_FP8 = ("A100", "A10G", "A10", "RTX 3090", "V100", "T4")
 
 def has_fp8(name: str) -> bool | None:
     """Whether a GPU of this name has fp8 tensor cores (Ada, Hopper, Blackwell); None when the name is unknown."""
-    key = next((k for k in sorted(_PEAK_BF16, key=len, reverse=True) if k.lower() in name.lower()), None)
+    key = match_gpu(name, _PEAK_BF16)
     return None if key is None else key not in _NO_FP8
 
 

@@ -85,6 +85,10 @@ def run_bench(
     estimated peak memory clearly exceeds the device's is refused before anything is built, as ``train`` refuses
     it (:class:`MemoryRefused`; ``perf.ignore_memory_estimate`` tries anyway). ``announce``: told in one line what
     is about to be built and timed, before the first slow step."""
+    if steps < 1 or warmup < 0 or kernel_steps < 0:  # (a speed over no steps is a division by zero)
+        raise UserError(
+            f"bench needs steps >= 1, warmup >= 0 and kernel_steps >= 0; got {steps}, {warmup} and {kernel_steps}"
+        )
     tt_modes: tuple[str, ...] = ()
     tt_graphs = True
     ours_notes: list[str] = []
@@ -387,8 +391,10 @@ def format_result(r: dict[str, Any]) -> str:
     def f(v: Any, spec: str) -> str:
         return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
 
+    # what the step ran with (False, blocks or model), not the setting asked for (auto)
+    compiled = (r.get("resolved") or {}).get("compile", r["compile"])
     lines = [
-        f"{r['family']}/{r['size']} on {r['device']} ({r['precision']}, compile={r['compile']}): "
+        f"{r['family']}/{r['size']} on {r['device']} ({r['precision']}, compile={compiled or 'off'}): "
         f"batch {r['batch_size']} x {r['block_size']} x accum {r['grad_accum']}, {r['params'] / 1e6:.1f}M params",
         f"  tokens/s {f(r['tokens_per_s'], ',.0f')}   step {f(r['step_ms'], '.1f')} ms   MFU {f(r['mfu'], '.3f')}   "
         f"peak memory {f(r['peak_memory_gib'], '.2f')} GiB   ({r['data']} data)",
