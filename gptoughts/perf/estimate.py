@@ -12,13 +12,14 @@ measurements it was checked against: docs/performance.md, "Memory and time estim
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from gptoughts import models
 from gptoughts.errors import ConfigError
 from gptoughts.perf.checkpointing import resolve as resolve_ac
-from gptoughts.perf.hardware import _PEAK_BF16, has_fp8, peak_flops
+from gptoughts.perf.hardware import _PEAK_BF16, has_fp8, match_gpu, peak_flops
 
 GIB = 2**30
 
@@ -43,9 +44,13 @@ MIN_STEP_S = 4.5e-3
 
 GPU_MEMORY_GIB = {
     "H200": 141,
+    "GH200": 96,
+    "H100 NVL": 94,
     "H100": 80,
     "A100": 80,
     "L40S": 48,
+    "L40": 48,
+    "A10": 24,
     "RTX 4090": 24,
     "RTX 3090": 24,
     "A10G": 24,
@@ -657,10 +662,12 @@ def _speed_and_cost(
         mfu = default_mfu(d_model) * (fp8_speedup(d_model) if fp8 else 1.0)
     tps, flops_tps = gpu_tokens_per_s(peak, flops_tok, mfu, num_gpus, tokens_step, data_ranks)
     hours = tokens / tps / 3600 if tokens else None
-    key = next((k for k in sorted(GPU_MEMORY_GIB, key=len, reverse=True) if k.lower() in gpu.lower()), None)
+    # by whole words ("L40" is not an "L4"); a size in the name ("A100 40GB", "NVIDIA A100-SXM4-40GB") is the card's
+    key = match_gpu(gpu, GPU_MEMORY_GIB)
+    stated = re.search(r"(?<![0-9])([0-9]+) ?gb(?![a-z])", gpu.lower())
     pph = price if price is not None else DEFAULT_PRICE.get(key) if key else None
     return {
-        "gpu_memory_gib": GPU_MEMORY_GIB.get(key) if key else None,
+        "gpu_memory_gib": int(stated.group(1)) if stated else GPU_MEMORY_GIB.get(key) if key else None,
         "flops_per_token": flops_tok,
         "mfu": mfu,
         "tokens_per_s": tps,
