@@ -46,6 +46,7 @@ def cmd_prepare(argv: Sequence[str]) -> int:
         workers=d.workers,
     )
     sources = resolve_sources(d.sources)
+    _refuse_examples(sources, d.format)
     if "out" in opts:
         m = prepare(sources, opts["out"], d.tokenizer, **kwargs)
         where, note = (
@@ -133,6 +134,23 @@ def cmd_bench(argv: Sequence[str]) -> int:
     )
     print(json.dumps(res, default=str) if opts.get("json") else format_result(res))
     return 0
+
+
+def _refuse_examples(sources: list[str], fmt: str) -> None:
+    """Chat examples or preference pairs are not a corpus to prepare: fine-tuning reads them whole, with the model's
+    own tokenizer (prepare said they had no field 'text' and to pass --text_field)."""
+    from gptoughts.data.prefs import looks_like_prefs
+    from gptoughts.data.sft import resolve_format
+
+    what = "preference pairs" if fmt == "auto" and looks_like_prefs(sources) else None
+    if what is None and resolve_format(fmt, sources) == "sft":
+        what = "chat examples"
+    if what is not None:
+        objective = " --objective dpo" if what == "preference pairs" else ""
+        raise UserError(
+            f"{sources[0]} holds {what}, which fine-tuning reads whole with the model's own tokenizer: there is "
+            f"nothing to prepare; run `gptoughts finetune --model MODEL --data {sources[0]}{objective}`"
+        )
 
 
 def whole_number(opts: dict[str, Any], name: str, default: int, *, minimum: int) -> int:
