@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -18,21 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without an install
 from gptoughts.perf.estimate import _meta_model  # noqa: E402
-
-
-def timed(step, iters: int) -> float:
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        step()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+from gptoughts.tools.measure import median_ms  # noqa: E402
 
 
 def forms(shapes: list[torch.Size], dev: torch.device):
@@ -82,7 +67,7 @@ def main() -> None:
         n = sum(s.numel() for s in shapes)
         for name, make in forms(shapes, dev):
             try:
-                ms = timed(make(), a.iters)
+                ms = median_ms(make(), a.iters)
                 row = {"model": spec, "form": name, "params": n, "tensors": len(shapes), "ms": round(ms, 3),
                        "tb_per_s": round(28 * n / ms / 1e9, 2)}  # fmt: skip
             except Exception as e:  # noqa: BLE001 - a form that fails is a row

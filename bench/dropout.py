@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -24,22 +23,8 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
-
 from gptoughts.perf.dropout import dropout_bits, new_seed, seeded_dropout  # noqa: E402
-
-
-def timed(fn, iters: int) -> float:
-    for _ in range(5):
-        fn()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+from gptoughts.tools.measure import median_ms  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -64,7 +49,7 @@ def main(argv: list[str] | None = None) -> None:
             "bits only (ours)": lambda x=x, seed=seed: dropout_bits(seed, x.numel(), p),
         }
         for name, fn in variants.items():
-            ms = timed(fn, args.iters)
+            ms = median_ms(fn, args.iters, warmup=5)
             out = fn()
             rate = None if out.dtype == torch.uint8 else round((out == 0).float().mean().item(), 5)
             row = {

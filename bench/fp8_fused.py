@@ -21,9 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -33,9 +31,9 @@ from torch import nn
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
-
 from gptoughts.models.layers import RMSNorm, SwiGLU  # noqa: E402
 from gptoughts.perf.fp8_fused import swap_linears  # noqa: E402
+from gptoughts.tools.measure import median_ms  # noqa: E402
 
 # d_model, SwiGLU hidden, heads, kv heads (head dim 128), rows = batch x tokens.
 SHAPES = {
@@ -95,26 +93,6 @@ def step_fn(model: nn.Module, x: torch.Tensor, grads: list[torch.Tensor]) -> Cal
     return run
 
 
-def timed(fn: Callable[[], object], iters: int, cuda: bool, warmup: int = 3) -> float:
-    """Median milliseconds of ``fn()``: CUDA events on a GPU, the host clock otherwise (dry runs)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        if cuda:
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
-        else:
-            t = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(times)
-
-
 def sub_rows(shape_name: str, device: torch.device, iters: int, compile_: bool) -> list[dict]:
     shape = SHAPES[shape_name]
     cuda = device.type == "cuda"
@@ -137,7 +115,7 @@ def sub_rows(shape_name: str, device: torch.device, iters: int, compile_: bool) 
         out = fn()
         ref = out if variant == "bf16" else ref
         err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-        ms = timed(fn, iters, cuda)
+        ms = median_ms(fn, iters, cuda=cuda)
         rows.append({"part": "block_linears", "shape": shape_name, "variant": variant, "ms": round(ms, 3),
                      "rel_err_vs_bf16": round(err, 4), "device": _device_name(device)})  # fmt: skip
         print(f"{shape_name} {variant:20s} {ms:8.3f} ms  err vs bf16 {err:.4f}", flush=True)

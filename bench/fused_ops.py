@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
-import statistics
 import sys
 from pathlib import Path
 
@@ -30,21 +29,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
-
-
-def timed(fn, iters: int, warmup: int = 5) -> float:
-    """Median milliseconds of ``fn()`` (forward and backward), CUDA events around each call."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+from gptoughts.tools.measure import median_ms  # noqa: E402
 
 
 def fwd_bwd(op, inputs: list[torch.Tensor], grads: list[torch.Tensor]):
@@ -117,7 +102,7 @@ def ops_table(rows: int, d: int, hidden: int, iters: int) -> list[dict]:
         lig = fwd_bwd(liger, inputs, grads)
         (o1, g1), (o2, g2) = compiled(), lig()
         diff = max(max_diff(list(o1), list(o2)), max_diff(g1, g2))
-        t_c, t_l = timed(compiled, iters), timed(lig, iters)
+        t_c, t_l = median_ms(compiled, iters, warmup=5), median_ms(lig, iters, warmup=5)
         row = {
             "op": name,
             "rows": rows,

@@ -5,6 +5,7 @@ against (``transformers``, torchtitan) with the same clock."""
 from __future__ import annotations
 
 import gc
+import statistics
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -72,6 +73,30 @@ def time_steps(step_fn, device: torch.device, warmup: int, steps: int) -> float:
         step_fn()
     _sync(device)
     return (time.perf_counter() - t0) / steps
+
+
+def median_ms(fn: Any, iters: int, warmup: int = 3, cuda: bool | None = None) -> float:
+    """Median milliseconds of ``fn()`` over ``iters`` calls after ``warmup``: CUDA events around each call on a GPU
+    (what the bench scripts time kernels with), the host clock elsewhere (their CPU smoke runs). ``cuda`` None: a
+    GPU where CUDA is in use."""
+    if cuda is None:
+        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        if cuda:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
 
 
 def profile_steps(step_fn, device: torch.device, steps: int) -> dict[str, Any] | None:
