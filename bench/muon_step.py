@@ -22,6 +22,7 @@ import torch
 
 from gptoughts.models import build_model, model_args
 from gptoughts.perf.estimate import newton_schulz_flops
+from gptoughts.tools.measure import call_ms
 from gptoughts.training.optim import build_adamw, build_muon
 
 SHAPES = {
@@ -53,20 +54,8 @@ def time_steps(opt: torch.optim.Optimizer, dev: torch.device, reps: int) -> tupl
     first = time.perf_counter() - t0
     for _ in range(3):
         step()
-    times = []
-    for _ in range(reps):
-        sync()
-        t0 = time.perf_counter()
-        if dev.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            step()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            step()
-            times.append(1e3 * (time.perf_counter() - t0))
+    sync()
+    times = call_ms(step, reps, cuda=dev.type == "cuda")
     return first, times
 
 

@@ -76,13 +76,18 @@ def time_steps(step_fn, device: torch.device, warmup: int, steps: int) -> float:
 
 
 def median_ms(fn: Any, iters: int, warmup: int = 3, cuda: bool | None = None) -> float:
-    """Median milliseconds of ``fn()`` over ``iters`` calls after ``warmup``: CUDA events around each call on a GPU
-    (what the bench scripts time kernels with), the host clock elsewhere (their CPU smoke runs). ``cuda`` None: a
-    GPU where CUDA is in use."""
-    if cuda is None:
-        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    """Median milliseconds of ``fn()`` over ``iters`` calls after ``warmup`` (:func:`call_ms`)."""
     for _ in range(warmup):
         fn()
+    return statistics.median(call_ms(fn, iters, cuda))
+
+
+def call_ms(fn: Any, iters: int, cuda: bool | None = None) -> list[float]:
+    """Milliseconds of each of ``iters`` calls of ``fn()``: CUDA events around each call on a GPU (what the bench
+    scripts time kernels with), the host clock elsewhere (their CPU smoke runs). ``cuda`` None: a GPU where CUDA is
+    in use."""
+    if cuda is None:
+        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
     times = []
     for _ in range(iters):
         if cuda:
@@ -96,7 +101,7 @@ def median_ms(fn: Any, iters: int, warmup: int = 3, cuda: bool | None = None) ->
             t0 = time.perf_counter()
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    return times
 
 
 def profile_steps(step_fn, device: torch.device, steps: int) -> dict[str, Any] | None:
