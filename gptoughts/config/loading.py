@@ -331,8 +331,11 @@ def _check_base_is_there(run_dir: Path, base: Any, overrides: dict[str, Any]) ->
     base)."""
     from gptoughts.models.hf import check_base_unchanged, is_hub_id
 
-    if not base or overrides.get("model.init_from") or is_hub_id(str(base)):
+    given = overrides.get("model.init_from")
+    if not base or is_hub_id(str(base)):
         return
+    if given and Path(str(given)).expanduser().resolve() != Path(str(base)).expanduser().resolve():
+        return  # another base: the resume's own check refuses it as such
     if not Path(str(base)).expanduser().exists():
         raise UserError(
             f"{run_dir} was fine-tuned from {base}, which is missing; put the base model folder back at that "
@@ -341,9 +344,8 @@ def _check_base_is_there(run_dir: Path, base: Any, overrides: dict[str, Any]) ->
     from gptoughts.data.sources import read_json_dict
 
     record = read_json_dict(run_dir / "run.json") or {}
-    if record.get(
-        "lora"
-    ):  # (a full fine-tune's checkpoint holds the whole model: its base was only the start)
+    # (a full fine-tune's checkpoint holds the whole model: its base was only where it started)
+    if record.get("lora"):
         check_base_unchanged(run_dir, str(base), record.get("base_fingerprint"))
 
 

@@ -25,6 +25,18 @@ def test_adapters_over_a_replaced_base_are_refused(hf_model, tmp_path, ft_cache,
     said = f"{out} was trained on top of {base} as it was then, and its files have changed since"
     for argv in (
         ["finetune", "--resume", "auto", "--out", str(out), "--max_steps", "2", *QUIET_CPU],
+        [
+            "finetune",
+            "--model",
+            str(base),
+            "--resume",
+            "auto",
+            "--out",
+            str(out),
+            "--max_steps",
+            "2",
+            *QUIET_CPU,
+        ],
         ["sample", str(out), "--prompt", "hi", "--max_new_tokens", "2", "--device", "cpu"],
         ["export", str(out), str(tmp_path / "exported")],
     ):
