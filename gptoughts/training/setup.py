@@ -529,14 +529,17 @@ def default_lora_targets(model: nn.Module) -> list[str]:
     the LM head or embeddings (full names, so a same-named module outside the blocks cannot match)."""
     layers = model.layers
     prefix = next((n for n, m in model.named_modules() if m is layers), "layers")
-    linear: tuple[type, ...] = (nn.Linear,)
-    try:
-        from transformers.pytorch_utils import Conv1D  # GPT-2 style "linear" layers of transformers models
+    return [f"{prefix}.{n}" for n, m in layers.named_modules() if isinstance(m, _linear_types())]
 
-        linear = (nn.Linear, Conv1D)
+
+def _linear_types() -> tuple[type, ...]:
+    """The layers PEFT puts adapters on: ``nn.Linear``, and transformers' GPT-2 style ``Conv1D``."""
+    try:
+        from transformers.pytorch_utils import Conv1D
+
+        return (nn.Linear, Conv1D)
     except ImportError:
-        pass
-    return [f"{prefix}.{n}" for n, m in layers.named_modules() if isinstance(m, linear)]
+        return (nn.Linear,)
 
 
 def check_qlora(device: torch.device) -> None:
@@ -618,7 +621,7 @@ def _check_lora_targets(model: nn.Module, targets: list[str]) -> None:
     Face's names of a native model's layers (``q_proj`` for ``wq``) are named in the fix."""
     from gptoughts.models.llama_hf import hf_linear_names
 
-    names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    names = [n for n, m in model.named_modules() if isinstance(m, _linear_types())]
     missing = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
     if not missing:
         return

@@ -25,3 +25,17 @@ def test_a_target_that_matches_no_layer_is_refused_with_the_names(targets, said,
            "--dry_run"]  # fmt: skip
     code, text = run_cli(cmd, capsys)
     assert code == 2 and said in text, text[-1500:]
+
+
+def test_a_gpt2_style_models_conv1d_layers_are_targets(tmp_path):
+    # transformers' GPT-2 writes its projections as Conv1D, which PEFT adapts: named, they are not refused
+    import transformers
+
+    from gptoughts.training.setup import _check_lora_targets
+
+    model = transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32)
+    )
+    _check_lora_targets(model, ["c_attn", "c_proj"])
+    with pytest.raises(Exception, match="nope match no linear layer"):
+        _check_lora_targets(model, ["c_attn", "nope"])
