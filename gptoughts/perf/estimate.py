@@ -101,8 +101,7 @@ class Estimate:
 
 # What torchao's float8 linears (tensorwise, per-block compile) save less than bf16 per token and layer without
 # checkpointing: the compiled graph keeps the fp8 copies of the linears' inputs instead of bf16 ones. Fitted to the
-# user path's measured peaks on an H200 (bench/BENCHMARKS.md, session 24): 1b at 64 rows 124.6 GiB (the bf16
-# formula said 167.7), 3b at 23 rows 123.9 (162.5).
+# user path's measured peaks at 1b and 3b (bench/BENCHMARKS.md, "fp8's memory estimate").
 FP8_SAVED_LESS_PER_D, FP8_SAVED_LESS_PER_F = 9.0, 0.4
 
 
@@ -611,9 +610,9 @@ def default_mfu(d_model: int) -> float:
 
 
 def fp8_speedup(d_model: int) -> float:
-    """How much faster fp8 (torchao tensorwise) trains than bf16, measured on an H200 at 1b and 3b (1.18-1.28×, on
-    the user path and in ``bench``: bench/BENCHMARKS.md, session 24); below d_model 2048 the casts cost about what
-    the matmuls gain (``perf.fp8 = auto`` stays off there), so no gain is counted."""
+    """How much faster fp8 (torchao tensorwise) trains than bf16 at 1b and 3b (bench/BENCHMARKS.md, "fp8 on the user
+    path"); below d_model 2048 the casts cost about what the matmuls gain (``perf.fp8 = auto`` stays off there), so
+    no gain is counted."""
     return 1.2 if d_model >= 2048 else 1.0
 
 
@@ -667,7 +666,7 @@ def _speed_and_cost(
     stated = re.search(r"(?<![0-9])([0-9]+) ?gb(?![a-z])", gpu.lower())
     pph = price if price is not None else DEFAULT_PRICE.get(key) if key else None
     return {
-        "gpu_memory_gib": int(stated.group(1)) if stated else GPU_MEMORY_GIB.get(key) if key else None,
+        "gpu_memory_gib": _memory_gib(key, stated),
         "flops_per_token": flops_tok,
         "mfu": mfu,
         "tokens_per_s": tps,
@@ -683,6 +682,15 @@ def _speed_and_cost(
 # torchao's OptimState8bit, one uint8 code per value and one fp32 scale per block of 256 (tensors under 4096
 # values, or not a multiple of 256, stay fp32: norms and biases, a negligible share).
 STATE_BYTES = {"fp32": 8.0, "bf16": 4.0, "8bit": 2 * (1 + 4 / 256)}
+
+
+def _memory_gib(key: str | None, stated: Any) -> float | None:
+    """A GPU's memory: the size its name states ("A100 40GB"), never above its table's (a "GH200 480GB" names the
+    whole superchip's memory), else the table's."""
+    table = GPU_MEMORY_GIB.get(key) if key else None
+    if stated is None:
+        return table
+    return min(int(stated.group(1)), table) if table else int(stated.group(1))
 
 
 def format_estimate(e: Estimate) -> str:

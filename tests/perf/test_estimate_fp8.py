@@ -84,3 +84,13 @@ def test_fp8_on_a_gpu_without_fp8_tensor_cores_is_refused_as_train_refuses_it():
     for gpu in ("H100", "L40S", "B200"):  # Hopper, Ada, Blackwell
         assert estimate("llama", "125m", gpu=gpu, fp8=True).fits
     assert has_fp8("NVIDIA A100-SXM4-80GB") is False and has_fp8("NVIDIA H200") and has_fp8("Z9") is None
+
+
+def test_a_size_in_the_gpu_name_is_its_memory_up_to_the_tables():
+    from gptoughts.perf.estimate import _speed_and_cost
+
+    def memory(gpu):
+        return _speed_and_cost(gpu, 2048, 7e9, None, 1, None, None)["gpu_memory_gib"]
+
+    assert memory("NVIDIA A100-SXM4-40GB") == 40 and memory("A100") == 80
+    assert memory("NVIDIA GH200 480GB") == 96  # the superchip's memory, not the GPU's
