@@ -120,7 +120,7 @@ def prepare_data(cfg: Config, env: Environment, *, dry_run: bool = False) -> Dat
         seed=cfg.train.seed,
         cache_root=cfg.data.cache_dir,
     )
-    corpus = corpus_size(sources, cfg.data.extensions or None, cfg.data.text_field)
+    corpus = corpus_size(sources, cfg.data.extensions or None)
     if dry_run:
         manifest = lookup_cached(sources, tok_spec, **kwargs)
         if manifest is None:
@@ -202,21 +202,13 @@ def _estimated(
     kind = parse_spec(tok_spec)[0]
     tokenizer, vocab = tokenizer_before_training(tok_spec)
     cap = cfg.data.max_bytes
-    text = corpus["per_source"]  # bytes of text (a Parquet file holds more than its compressed size)
-    for source, size in zip(sources, text):
-        if (
-            not size
-        ):  # an empty file, a folder with nothing to read: the run's reading refuses it, and so here
-            from gptoughts.data.sources import iter_documents
-
-            exts = cfg.data.extensions or None
-            next(iter(iter_documents(source, text_field=cfg.data.text_field, extensions=exts)), None)
+    exts = cfg.data.extensions or None
+    _refuse_what_the_run_refuses(sources, cfg.data.text_field, exts)
+    text = _text_per_source(sources, exts, cfg.data.text_field)  # a Parquet file holds more than its size
     read = sum(text) if cap is None else sum(min(b, cap) for b in text)
     per_token = _bytes_per_token(kind, vocab)
-    if tokenizer is not None and kind not in (
-        "bytes",
-        "bpe",
-    ):  # a model's own: measured on the corpus's start
+    # a model's own tokenizer: measured on the corpus's start
+    if tokenizer is not None and kind not in ("bytes", "bpe"):
         per_token = _measured_bytes_per_token(tokenizer, sources, cfg) or per_token
     corpus.update(
         bytes_read=read,
@@ -283,22 +275,41 @@ def _measured_bytes_per_token(
     return size / tokens if tokens else None
 
 
-def corpus_size(sources: list[str], extensions: list[str] | None, text_field: str = "text") -> dict[str, Any]:
-    """Files and bytes on disk of what the sources' reading opens (a walk of file sizes: no reading), and per
-    source about how many bytes of text they hold (``per_source``: a dry run's token estimate)."""
+def corpus_size(sources: list[str], extensions: list[str] | None) -> dict[str, Any]:
+    """Files and bytes on disk of what the sources' reading opens (a walk of file sizes: no reading)."""
+    from gptoughts.data.sources import files_read, normalize_extensions, resolve_source
 
+    exts = normalize_extensions(extensions)
+    files, per_source = 0, []
+    for s in sources:
+        sizes = [f.stat().st_size for f in files_read(resolve_source(s), exts)]
+        files += len(sizes)
+        per_source.append(sum(sizes))
+    return {"files": files, "bytes": sum(per_source), "per_source": per_source}
+
+
+def _text_per_source(sources: list[str], extensions: list[str] | None, text_field: str) -> list[int]:
+    """About how many bytes of text each source holds (a dry run's token estimate): its files' sizes, a Parquet
+    file's text column uncompressed (read from its footer)."""
     from gptoughts.data.sources import files_read, normalize_extensions, resolve_source, text_bytes_estimate
 
     exts = normalize_extensions(extensions)
-    files, on_disk, per_source = 0, 0, []
-    for s in sources:
-        text = 0
-        for f in files_read(resolve_source(s), exts):
-            files += 1
-            on_disk += f.stat().st_size
-            text += text_bytes_estimate(f, text_field)
-        per_source.append(text)
-    return {"files": files, "bytes": on_disk, "per_source": per_source}
+    return [
+        sum(text_bytes_estimate(f, text_field) for f in files_read(resolve_source(s), exts)) for s in sources
+    ]
+
+
+def _refuse_what_the_run_refuses(sources: list[str], text_field: str, extensions: list[str] | None) -> None:
+    """A dry run reads each source's first document, as the run's reading would: an empty file, or a folder with
+    nothing to read, is refused in the run's words (it planned 256 epochs over 0 tokens)."""
+    from gptoughts.data.sources import iter_documents
+
+    for source in sources:
+        docs = iter_documents(source, text_field=text_field, extensions=extensions)
+        try:
+            next(docs, None)
+        finally:
+            docs.close()
 
 
 def _sft_tokenizer(spec: str, sources: list[str]) -> Any:
