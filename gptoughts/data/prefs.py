@@ -19,6 +19,7 @@ once before training where the reference is precomputed (NaN until then).
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -198,7 +199,7 @@ class PrefData:
         stats["target_tokens"] = int(sum((y != IGNORE_INDEX).sum() for _, y in rows))
         self.stats = stats
 
-    @property
+    @cached_property  # (a hash of every token: read by the plan and by the run record)
     def fingerprint(self) -> str:
         """A short hash of the pairs as tokenized and split (see ``SFTData.fingerprint``)."""
         return data_fingerprint(*(a for row in self.rows for a in row), self.train_idx, self.val_idx)

@@ -25,6 +25,7 @@ import hashlib
 import json
 import math
 from collections.abc import Iterator, Sequence
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -491,7 +492,7 @@ class SFTData:
         )
         self.stats = stats
 
-    @property
+    @cached_property  # (a hash of every token: read by the plan and by the run record)
     def fingerprint(self) -> str:
         """A short hash of the examples as tokenized and split: equal exactly when a resume would read the same
         rows (a run records it; a resume on edited data is then said)."""
