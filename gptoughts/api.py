@@ -632,13 +632,6 @@ def _check_generate_args(
 ) -> None:
     """``generate``'s arguments, each checked as ``gptoughts sample`` checks its flags: one line naming the argument
     (a wrong type was a library's error about something else, and a NaN temperature silently sampled noise)."""
-
-    def whole(v: Any) -> bool:
-        return isinstance(v, int) and not isinstance(v, bool)
-
-    def real(v: Any) -> bool:
-        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
     if not isinstance(loaded, Loaded):
         raise UserError(
             f"generate takes the model gptoughts.load returns, got {type(loaded).__name__}: "
@@ -646,16 +639,33 @@ def _check_generate_args(
         )
     if not isinstance(prompt, str):
         raise UserError(f"prompt must be a string, got {type(prompt).__name__} {prompt!r:.60}")
+    check_sampling(max_new_tokens, temperature, top_k, top_p, seed)
+
+
+def check_sampling(
+    max_new_tokens: Any, temperature: Any, top_k: Any, top_p: Any, seed: Any, flag: str = ""
+) -> None:
+    """The sampling settings' types and ranges, one line naming the setting (``flag``: "--" for the command line,
+    which checks them before a model loads)."""
+
+    def whole(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    def real(v: Any) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
     if not whole(max_new_tokens) or max_new_tokens < 1:
-        raise UserError(f"max_new_tokens must be a whole number >= 1, got {max_new_tokens!r}")
+        raise UserError(f"{flag}max_new_tokens must be a whole number >= 1, got {max_new_tokens!r}")
     if not real(temperature) or temperature < 0:
-        raise UserError(f"temperature must be a number >= 0 (0: greedy), got {temperature!r}")
+        raise UserError(f"{flag}temperature must be a number >= 0 (0: greedy), got {temperature!r}")
     if top_k is not None and (not whole(top_k) or top_k < 0):
-        raise UserError(f"top_k must be a whole number >= 0 (0 or None: no top-k filtering), got {top_k!r}")
+        raise UserError(
+            f"{flag}top_k must be a whole number >= 0 (0 or None: no top-k filtering), got {top_k!r}"
+        )
     if top_p is not None and (not real(top_p) or not 0 < top_p <= 1):
-        raise UserError(f"top_p must be a number in (0, 1] (None: no nucleus filtering), got {top_p!r}")
+        raise UserError(f"{flag}top_p must be a number in (0, 1] (None: no nucleus filtering), got {top_p!r}")
     if seed is not None and not whole(seed):
-        raise UserError(f"seed must be a whole number or None, got {seed!r}")
+        raise UserError(f"{flag}seed must be a whole number or None, got {seed!r}")
 
 
 def sampler(loaded: Loaded) -> Any:

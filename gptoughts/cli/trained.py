@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -106,17 +105,11 @@ def cmd_sample(argv: Sequence[str]) -> int:
         "--trust_remote_code", action="store_true", help="let transformers run an HF folder's own code"
     )
     a = p.parse_args(argv)
+    from gptoughts.api import check_sampling, generate_text, load
+
     # checked before the model is loaded (which can take minutes)
-    if a.max_new_tokens < 1:
-        raise UserError(f"--max_new_tokens must be >= 1, got {a.max_new_tokens}")
-    if not a.temperature >= 0 or math.isinf(a.temperature):
-        raise UserError(f"--temperature must be a number >= 0 (0: greedy), got {a.temperature}")
-    if a.top_k < 0:
-        raise UserError(f"--top_k must be >= 0 (0: no top-k filtering), got {a.top_k}")
-    if a.top_p is not None and not 0 < a.top_p <= 1:
-        raise UserError(f"--top_p must be in (0, 1], got {a.top_p}")
+    check_sampling(a.max_new_tokens, a.temperature, a.top_k, a.top_p, a.seed, flag="--")
     model_path(a.path)
-    from gptoughts.api import generate_text, load
 
     loaded = load(a.path, device=a.device, trust_remote_code=a.trust_remote_code)
     chat = None if a.chat == "auto" else a.chat == "on"
