@@ -139,12 +139,9 @@ def cmd_bench(argv: Sequence[str]) -> int:
 def _refuse_examples(sources: list[str], fmt: str) -> None:
     """Chat examples or preference pairs are not a corpus to prepare: fine-tuning reads them whole, with the model's
     own tokenizer (prepare said they had no field 'text' and to pass --text_field)."""
-    from gptoughts.data.prefs import looks_like_prefs
-    from gptoughts.data.sft import resolve_format
+    from gptoughts.data.prefs import examples_kind
 
-    what = "preference pairs" if fmt == "auto" and looks_like_prefs(sources) else None
-    if what is None and resolve_format(fmt, sources) == "sft":
-        what = "chat examples"
+    what = examples_kind(sources, fmt)
     if what is not None:
         objective = " --objective dpo" if what == "preference pairs" else ""
         raise UserError(

@@ -276,14 +276,14 @@ def _check_eval_args(a: argparse.Namespace) -> None:
 def _refuse_chat_data(data: list[str]) -> None:
     """``--data`` scores plain text: chat examples or preference pairs there are named, before a model loads
     (read as text, they would fail on a missing "text" field with a hint to a flag eval does not take)."""
-    from gptoughts.data.prefs import looks_like_prefs
-    from gptoughts.data.sft import resolve_format
+    from gptoughts.data.prefs import examples_kind
 
-    if looks_like_prefs(data):
+    what = examples_kind(data)
+    if what == "preference pairs":
         raise UserError(
             f"--data {', '.join(data)} holds preference pairs (chosen/rejected); score them with --prefs instead"
         )
-    if resolve_format("auto", data) == "sft":
+    if what == "chat examples":
         raise UserError(
             f"--data {', '.join(data)} holds chat examples (messages, or prompt/response), and eval --data scores "
             'plain text (text files, or JSONL with a "text" field); a fine-tuning\'s loss on held-out examples is '

@@ -37,6 +37,7 @@ from gptoughts.data.sft import (
     encode_conversations,
     is_record_file,
     read_records,
+    resolve_format,
     split_indices,
 )
 from gptoughts.errors import ConfigError, DataError
@@ -50,6 +51,16 @@ Pair = tuple[list[Message], str, str]
 
 def is_pref_record(obj: Any) -> bool:
     return isinstance(obj, dict) and "chosen" in obj and "rejected" in obj
+
+
+def examples_kind(sources: Sequence[str], fmt: str = "auto") -> str | None:
+    """What the sources hold when it is not a corpus of text: "preference pairs" or "chat examples" (read from their
+    first records, as ``data.format = auto`` reads them; an asked ``text`` is text), else None."""
+    if fmt == "text":
+        return None
+    if looks_like_prefs(sources):
+        return "preference pairs"
+    return "chat examples" if resolve_format(fmt, sources) == "sft" else None
 
 
 def looks_like_prefs(sources: Sequence[str]) -> bool:
