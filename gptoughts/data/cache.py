@@ -55,6 +55,14 @@ def tokenizer_identity(tokenizer: str | Tokenizer) -> tuple[str, str]:
     return spec, spec
 
 
+def held_out_docs(val_fraction: float, min_val_docs: int | None) -> int:
+    """The fewest documents held out: ``min_val_docs``, or where not given one, none when ``val_fraction`` is 0 (the
+    user asked for none)."""
+    if min_val_docs is not None:
+        return min_val_docs
+    return 1 if val_fraction > 0 else 0
+
+
 def key_settings(
     text_field: str,
     extensions: tuple[str, ...],
@@ -64,10 +72,8 @@ def key_settings(
     seed: int,
     tokenizer_train_bytes: int,
 ) -> dict[str, Any]:
-    """The settings a prepared folder depends on, besides its sources and tokenizer (kept in its manifest).
-    ``min_val_docs`` None: one held-out document, none when ``val_fraction`` is 0 (the user asked for none)."""
-    if min_val_docs is None:
-        min_val_docs = 1 if val_fraction > 0 else 0
+    """The settings a prepared folder depends on, besides its sources and tokenizer (kept in its manifest)."""
+    min_val_docs = held_out_docs(val_fraction, min_val_docs)
     return {
         "text_field": text_field,
         "extensions": list(extensions),

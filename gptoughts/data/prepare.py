@@ -27,6 +27,7 @@ from gptoughts.data.cache import (
     cache_location,
     check_replaceable,
     dataset_key,
+    held_out_docs,
     install,
     key_settings,
     locked,
@@ -97,8 +98,7 @@ def prepare(
     the same prepare again resumes it from its last checkpoint.
     """
     sources = source_list(sources)
-    if min_val_docs is None:  # val_fraction 0 holds nothing out; otherwise at least one document
-        min_val_docs = 1 if val_fraction > 0 else 0
+    min_val_docs = held_out_docs(val_fraction, min_val_docs)
     _check_settings(val_fraction, min_val_docs, max_bytes, workers)
     exts = normalize_extensions(extensions)
     paths = check_distinct(sources)  # DataError for a missing path or one read twice, before any work
