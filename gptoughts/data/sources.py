@@ -224,8 +224,8 @@ def walk_files(root: Path, extensions: tuple[str, ...], *, report: bool = False)
                 dirnames[:] = []
                 continue
         dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and d not in SKIPPED_DIRS)
-        # os.walk lists a link to a folder among the folders and does not enter it
-        links += [(here / d).relative_to(root).as_posix() for d in dirnames if (here / d).is_symlink()]
+        if report:  # os.walk lists a link to a folder among the folders and does not enter it
+            links += [(here / d).relative_to(root).as_posix() for d in dirnames if (here / d).is_symlink()]
         for name in sorted(filenames):
             if name.startswith("."):
                 continue
@@ -234,9 +234,9 @@ def walk_files(root: Path, extensions: tuple[str, ...], *, report: bool = False)
                 path = here / name
                 if path.is_file():  # not a broken symbolic link, a socket or a fifo
                     yield path
-                elif path.is_symlink():
+                elif report and path.is_symlink():
                     links.append(path.relative_to(root).as_posix())
-            else:
+            elif report:
                 other[ext] = other.get(ext, 0) + 1
     if skipped and (key := (str(Path(root).resolve()), tuple(skipped))) not in _REPORTED:
         _REPORTED.add(key)
