@@ -27,7 +27,7 @@ def test_a_lora_dry_run_plans_the_adapters_the_run_trains(hf_model, tmp_path, ft
     code, text = run_cli(
         [*cmd, "--out", str(tmp_path / "tm"), "--target_modules", "foo", "--dry_run"], capsys
     )
-    assert code == 2 and "lora.target_modules ['foo'] match no layer" in text
+    assert code == 2 and "lora.target_modules foo match no linear layer" in text
     # QLoRA on a CPU: the dry run refuses as the run does
     code, text = run_cli([*cmd, "--out", str(tmp_path / "q"), "--qlora", "--dry_run"], capsys)
     assert code != 0 and "QLoRA (4-bit) needs a CUDA GPU" in text and "Traceback" not in text
