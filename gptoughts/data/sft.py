@@ -324,21 +324,6 @@ def _runs(segs: list[Segment]) -> list[Run]:
     return runs
 
 
-def _encode_runs(
-    texts: list[str], tokenizer: Any, special: bool
-) -> list[tuple[list[int], list[tuple[int, int]]]]:
-    """``(ids, character offsets)`` of each text, tokenized in one parallel batch (nothing added around them)."""
-    if getattr(tokenizer, "is_bytes", False) and not special:
-        # one token a byte of the UTF-8 text (numpy, at memory speed): the offsets follow from the text
-        return [(ids, []) for ids in tokenizer.encode_batch(texts)]
-    from gptoughts.data.tokenizer import _enable_rust_parallelism
-
-    _enable_rust_parallelism()
-    backend = tokenizer.backend
-    backend.encode_special_tokens = not special
-    return [(e.ids, e.offsets) for e in backend.encode_batch(list(texts), add_special_tokens=False)]
-
-
 def _token_targets(
     text: str, spans: list[tuple[int, int]], n: int, offsets: list[tuple[int, int]]
 ) -> np.ndarray:
@@ -385,7 +370,7 @@ def encode_conversations(
     ]
     texts = [r[0] for runs in all_runs for r in runs if isinstance(r[0], str)]
     # Template text holds special tokens by design (<|im_start|>...); the default template is plain text.
-    encoded = iter(_encode_runs(texts, tokenizer, special=use_template))
+    encoded = iter(tokenizer.encode_batch_offsets(texts, special=use_template))
     out = []
     for runs in all_runs:
         ids: list[int] = []
@@ -409,7 +394,9 @@ def render_prompt(tokenizer: Any, messages: list[Message]) -> list[int]:
     if tokenizer.chat_template is not None:
         return tokenizer.encode(_render(tokenizer, messages, True), special=True)
     runs = _runs(_default_segments(messages, tokenizer, True))
-    encoded = iter(_encode_runs([r[0] for r in runs if isinstance(r[0], str)], tokenizer, special=False))
+    encoded = iter(
+        tokenizer.encode_batch_offsets([r[0] for r in runs if isinstance(r[0], str)], special=False)
+    )
     ids: list[int] = []
     for r in runs:
         ids += next(encoded)[0] if isinstance(r[0], str) else [r[0]]
