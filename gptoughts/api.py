@@ -789,16 +789,13 @@ def _refuse_export_into_source(path: str | Path, out: str | Path) -> None:
 def refuse_prepared(data: list[str]) -> None:
     """A prepared dataset given to evaluate, said for evaluate: the corpus's own refusal speaks of train and its
     ``--tokenizer``, which evaluate does not take (it reads a corpus with the model's own tokenizer)."""
-    from gptoughts.data.sources import prepared_manifest
+    from gptoughts.data.sources import made_from_flags, prepared_manifest
 
     for d in data:
         m = prepared_manifest(Path(d)) if Path(d).is_dir() else None
         if m is None:
             continue
-        try:
-            made_from = " ".join(f"--data {s['path']}" for s in m["sources"])
-        except (KeyError, TypeError):  # a damaged manifest: no sources to name
-            made_from = "--data CORPUS"
+        made_from = made_from_flags(m, tokenizer=False)
         raise DataError(
             f"{d} is a prepared dataset (token shards), not a corpus: eval tokenizes a corpus with the model's own "
             f"tokenizer; pass the corpus it was made from instead: {made_from}"

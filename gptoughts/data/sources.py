@@ -147,15 +147,25 @@ def is_run_folder(folder: Path) -> bool:
     return record is not None and "family" in record and "args" in record
 
 
+def made_from_flags(manifest: dict, tokenizer: bool = True) -> str:
+    """The ``--data`` flags (and ``--tokenizer``) of the corpus a prepared dataset was made from, as a command takes
+    them; ``--data CORPUS`` for a damaged manifest."""
+    try:
+        srcs = [
+            STDLIB_ALIAS if s.get("given") == STDLIB_ALIAS else str(s["path"]) for s in manifest["sources"]
+        ]
+        flags = " ".join(f"--data {shlex.quote(s)}" for s in srcs)
+        if tokenizer:
+            flags += f" --tokenizer {shlex.quote(str(manifest['tokenizer_spec']))}"
+    except (KeyError, TypeError, AttributeError):  # a damaged manifest: no sources to name
+        flags = "--data CORPUS"
+    return flags
+
+
 def _refuse_gptoughts_output(p: Path) -> None:
     """A prepared dataset or a run given as a source is refused: its files are gptoughts output, not text."""
     if (m := prepared_manifest(p)) is not None:
-        try:
-            srcs = [STDLIB_ALIAS if s.get("given") == STDLIB_ALIAS else str(s["path"]) for s in m["sources"]]
-            flags = " ".join(f"--data {shlex.quote(s)}" for s in srcs)
-            flags += f" --tokenizer {shlex.quote(str(m['tokenizer_spec']))}"
-        except (KeyError, TypeError, AttributeError):  # a damaged manifest: no sources to name
-            flags = "--data CORPUS"
+        flags = made_from_flags(m)
         raise DataError(
             f"{p} is a prepared dataset (token shards from `gptoughts prepare --out`), not a corpus: train "
             f"tokenizes into a cache of its own (`gptoughts prepare` without --out fills it ahead); pass the corpus "
