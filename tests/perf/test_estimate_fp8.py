@@ -1,7 +1,7 @@
 """The plan's memory and speed for an fp8 run. On an H200 the user path's fp8 runs measured far less than the bf16
-formula the plan printed (1b at 64 rows: 124.6 GiB against "~167.7 GiB of 139.8", 3b at 23 rows: 123.9 against 162.5;
-bench/BENCHMARKS.md, session 24), so a fixed fp8 micro-batch that fits could be refused or checkpointed, and the
-plan's time ignored fp8's 1.18-1.28x."""
+formula the plan printed (1b at 64 rows: 124.6 GiB against "~167.7 GiB of 139.8", 3b at 23 rows: 123.9 against
+162.5; bench/BENCHMARKS.md, "fp8's memory estimate"), so a fixed fp8 micro-batch that fits could be refused or
+checkpointed, and the plan's time ignored fp8's 1.18-1.28x."""
 
 from types import SimpleNamespace
 
