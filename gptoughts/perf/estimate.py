@@ -222,13 +222,12 @@ def _deepseek_layer_bytes(args: Any, mode: str, r: int, moe: bool) -> float:
     attention output (2 H v). Then FFN-norm input and output ((r + 2) d) and either the dense SwiGLU (6 f_dense,
     as Llama) or the MoE with ``k`` active of the routed experts of width ``m`` and shared experts of total width
     ``s``: the router's fp32 input and scores (4d + 8E), each token's k dispatched copies (2kd), their SwiGLUs
-    (6km: only the *active* experts hold activations, idle experts none), the gathered expert outputs (2kd) and
-    the shared SwiGLU (6s). Against the measured deepseek/small peak (H200, per-block compile, fp32 residual,
-    batch 8 × 2048: 31.5 GiB, bench/BENCHMARKS.md families table) the estimate gives 32.1 GiB (+2.1%; with
-    the 3-D expert weights' bf16 copies, 1.8 GiB, in the autocast line). selective: the block input plus the matmul
-    outputs the policy keeps: the dense SwiGLU's w1/w3 (4 f_dense), or the router scores, the shared experts'
-    w1/w3 and the gate-weighted sum (4E + 4s + 2d); the routed experts run through ``torch._grouped_mm``, which
-    the policy recomputes. full: r d. Not measured for selective/full. The MTP block (``mtp_depth = 1``) is
+    (6km: only the *active* experts hold activations, idle experts none), the gathered expert outputs (2kd; under
+    ``moe_combine = hidden`` the gate-weighted hidden rows instead, 2km) and the shared SwiGLU (6s); the 3-D expert
+    weights' bf16 copies are in the autocast line. Held to the measured peaks by tests/perf/test_estimate.py.
+    selective: the block input plus the matmul outputs the policy keeps: the dense SwiGLU's w1/w3 (4 f_dense), or
+    the router scores, the shared experts' w1/w3 and the gate-weighted sum (4E + 4s + 2d); the routed experts run
+    through ``torch._grouped_mm``, which the policy recomputes. full: r d. Not measured for selective/full. The MTP block (``mtp_depth = 1``) is
     outside ``model.layers``, so it is never checkpointed: ``_activation_bytes`` adds it as one more block.
     """
     d, h = args.d_model, args.n_heads
@@ -244,7 +243,10 @@ def _deepseek_layer_bytes(args: Any, mode: str, r: int, moe: bool) -> float:
     if not moe:
         return attn + (r + 2) * d + 6 * args.dense_inter_dim
     k, m, e = args.n_activated_experts, args.moe_inter_dim, args.n_routed_experts
-    routed = 4 * d + 8 * e + 2 * k * d + 6 * k * m + 2 * k * d
+    # moe_combine = hidden weights the hidden rows (w2's input, 2km) and sums w2's outputs, which keeps nothing;
+    # the other combines keep the k expert outputs (2kd) for the gates' gradient.
+    combine = 2 * k * m if getattr(args, "moe_combine", None) == "hidden" else 2 * k * d
+    routed = 4 * d + 8 * e + 2 * k * d + 6 * k * m + combine
     return attn + (r + 2) * d + routed + 6 * args.n_shared_experts * m
 
 
