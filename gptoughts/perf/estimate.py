@@ -225,18 +225,25 @@ def _deepseek_layer_bytes(args: Any, mode: str, r: int, moe: bool) -> float:
     (6km: only the *active* experts hold activations, idle experts none), the gathered expert outputs (2kd; under
     ``moe_combine = hidden`` the gate-weighted hidden rows instead, 2km) and the shared SwiGLU (6s); the 3-D expert
     weights' bf16 copies are in the autocast line. Held to the measured peaks by tests/perf/test_estimate.py.
-    selective: the block input plus the matmul outputs the policy keeps: the dense SwiGLU's w1/w3 (4 f_dense), or
-    the router scores, the shared experts' w1/w3 and the gate-weighted sum (4E + 4s + 2d); the routed experts run
-    through ``torch._grouped_mm``, which the policy recomputes. full: r d. Not measured for selective/full. The MTP block (``mtp_depth = 1``) is
+    selective: the block input plus the matmul outputs the policy keeps: MLA's projections, SDPA's and wo's
+    outputs, then the dense SwiGLU's w1/w3 and w2 (4 f_dense + 2d), or the router's fp32 logits, the shared
+    experts' w1/w3 and w2 (4E + 4s + 2d); the routed experts run through ``torch._grouped_mm``, which the policy
+    recomputes. full: r d (not measured). The MTP block (``mtp_depth = 1``) is
     outside ``model.layers``, so it is never checkpointed: ``_activation_bytes`` adds it as one more block.
     """
     d, h = args.d_model, args.n_heads
     if mode == "full":
         return r * d
     if mode == "selective":
+        # MLA's matmul and attention outputs: q (or q-LoRA's latent and q), the latent with the rope key, the
+        # expanded keys and values, SDPA's output and wo's
+        q = 2 * h * args.qk_head_dim + (2 * args.q_lora_rank if args.q_lora_rank else 0)
+        nope_v = args.qk_nope_head_dim + args.v_head_dim
+        kv = 2 * (args.kv_lora_rank + args.qk_rope_head_dim) + 2 * h * nope_v
+        mla = r * d + q + kv + 2 * h * args.v_head_dim + 2 * d
         if not moe:
-            return r * d + 4 * args.dense_inter_dim
-        return r * d + 4 * args.n_routed_experts + 4 * args.n_shared_experts * args.moe_inter_dim + 2 * d
+            return mla + 4 * args.dense_inter_dim + 2 * d
+        return mla + 4 * args.n_routed_experts + 4 * args.n_shared_experts * args.moe_inter_dim + 2 * d
     qk, v, c, rope = args.qk_head_dim, args.v_head_dim, args.kv_lora_rank, args.qk_rope_head_dim
     q_lora = 4 * args.q_lora_rank if args.q_lora_rank else 0
     attn = (r + 2) * d + q_lora + 2 * (c + rope) + 2 * c + 2 * h * (2 * qk + v) + 2 * h * v
@@ -281,6 +288,10 @@ def _activation_bytes(family: str, args: Any, mode: str, r: int, fp8: bool = Fal
         per_layer += moe * _deepseek_layer_bytes(args, mode, r, True)
         kinds = [False] * (dense > 0) + [True] * (moe > 0)
         rebuilt = max(_deepseek_layer_bytes(args, "none", r, is_moe) for is_moe in kinds)
+        if (
+            mode == "selective"
+        ):  # the block in its backward recomputes what the policy did not keep (routed experts)
+            per_layer += rebuilt
         if args.mtp_depth:
             # The MTP block is outside ``model.layers``: never checkpointed. Plus its two input norms and the
             # concatenated bf16 input of eh_proj.
