@@ -146,16 +146,15 @@ def _gpt2_layer_bytes(args: Any, mode: str, r: int) -> float:
     """GPT-2 block (LayerNorm, fused q/k/v without RoPE, GELU MLP ``f = 4d`` wide), counted as the Llama block.
 
     none: ln_1 input and output (r d + 2d), q/k/v (6d), attention output (2d), ln_2 input and output (r d + 2d),
-    c_fc output and its GELU (2 × 2f): (12 + 2r) d + 4f. Against the measured gpt2/large peak (H200, per-block
-    compile, fp32 residual, batch 16 × 1024: 36.2 GiB, bench/BENCHMARKS.md families table) the estimate gives
-    37.2 GiB (+2.7%). selective: the block input and the c_fc output the policy keeps, r d + 2f (the Llama
-    measurement's rule with one up-projection instead of two); full: r d. Not measured for selective/full.
+    c_fc output and its GELU (2 × 2f): (12 + 2r) d + 4f. selective: the block input and every addmm's output the
+    policy keeps (q/k/v 6d, SDPA's output 2d, the attention's and the MLP's projections 2 × 2d, c_fc 2f):
+    (r + 12) d + 2f; full: r d. Held to measured peaks by tests/perf/test_estimate.py.
     """
     d, f = args.d_model, args.ffn
     if mode == "none":
         return (12 + 2 * r) * d + 4 * f
     if mode == "selective":
-        return r * d + 2 * f
+        return (r + 12) * d + 2 * f
     return r * d
 
 
@@ -301,6 +300,27 @@ def _activation_bytes(family: str, args: Any, mode: str, r: int, fp8: bool = Fal
     return _layer_activation_bytes(args, mode, r, fp8) * L, _layer_activation_bytes(args, "none", r)
 
 
+def kept_by_compiled_full(family: str, args: Any) -> float:
+    """Bytes per token that compiled full activation checkpointing keeps besides the blocks' inputs on a torch
+    without pytorch/pytorch#177396 (``checkpointing.compile_recomputes_functions``; torch 2.11 has the fault): what
+    our autograd Functions save, DeepSeek's permuted rows (one ``[tokens × k, d]`` bf16 tensor a MoE block) and INL's
+    fused integrator's set. 0 on a torch with the fix."""
+    if (
+        family == "deepseek"
+        and getattr(args, "moe_permute", "") == "gather"
+        and getattr(args, "n_moe_layers", 0)
+    ):
+        kept = 2.0 * args.n_activated_experts * args.d_model * args.n_moe_layers
+    elif family == "inl" and getattr(args, "integrator_impl", "") == "fused" and args.n_iterations > 0:
+        k, d, h = args.n_iterations, args.d_model, args.controller_hidden
+        kept = float((2 * d + (k - 1) * 8 * d + 2 * k * h) * args.n_layers)
+    else:
+        return 0.0
+    from gptoughts.perf.checkpointing import compile_recomputes_functions
+
+    return 0.0 if compile_recomputes_functions() else kept
+
+
 def _tp_whole_bytes(family: str, args: Any, mode: str) -> tuple[float, float]:
     """Under tensor parallelism, the bytes per token saved for backward that every rank of the group keeps whole (not
     divided by ``tp``): ``(of them counted in the mode's formula, added to it)``.
@@ -371,9 +391,9 @@ def estimate(
         models.get_family(family).name, args, activation_checkpointing, r, fp8
     )
     act = per_token * tokens_step
-    if activation_checkpointing == "full":  # one block's activations are rebuilt during its backward
-        act += rebuilt * tokens_step
     name = models.get_family(family).name
+    if activation_checkpointing == "full":  # one block's activations are rebuilt during its backward
+        act += (rebuilt + kept_by_compiled_full(name, args)) * tokens_step
     counted, added = _tp_whole_bytes(name, args, activation_checkpointing) if tp > 1 else (0.0, 0.0)
     logits = _logits_bytes(args, loss, loss_chunk, tokens_step)
     if strategy not in ("ddp", "fsdp"):

@@ -847,41 +847,29 @@ def _unused_fp8_switches(cfg: Any, resolved: dict[str, Any]) -> list[str]:
 
 
 def kept_by_compiled_checkpointing(model: Any, batch: BatchPlan, resolved: dict[str, Any]) -> list[str]:
-    """A warning where compiled full activation checkpointing keeps what the memory estimate counts as recomputed:
-    the tensors of our autograd.Functions in DeepSeek's MoE (the gather permutation) and INL's fused integrator,
-    under a torch without pytorch/pytorch#177396 (``checkpointing.compile_recomputes_functions``)."""
+    """A note where compiled full activation checkpointing keeps what a newer torch recomputes (the estimate counts
+    it: ``perf.estimate.kept_by_compiled_full``), with the switch that avoids it."""
     # the run's resolved values read "VALUE (why)"
     ac, compiled = (str(resolved.get(k, "")).split(" ")[0] for k in ("activation_checkpointing", "compile"))
     if ac != "full" or compiled in ("", "False"):
         return []
-    args, family = model.args, model.family.name
-    tokens = batch.micro_batch * batch.block_size
-    if (
-        family == "deepseek"
-        and getattr(args, "moe_permute", "") == "gather"
-        and getattr(args, "n_moe_layers", 0)
-    ):
-        # one [tokens x k, d] bf16 tensor of rows a MoE block (seen on an H200, torch 2.11)
-        kept = 2 * args.n_activated_experts * args.d_model * tokens * args.n_moe_layers
-        what, fix = (
+    from gptoughts.perf.estimate import kept_by_compiled_full
+
+    kept = kept_by_compiled_full(model.family.name, model.args) * batch.micro_batch * batch.block_size
+    if not kept:
+        return []
+    what, fix = {
+        "deepseek": (
             "DeepSeek's permuted rows",
             "--model.moe_permute index_put recomputes them (a slower MoE step)",
-        )
-    elif family == "inl" and getattr(args, "integrator_impl", "") == "fused" and args.n_iterations > 0:
-        k, d, h = args.n_iterations, args.d_model, args.controller_hidden
-        kept = (2 * d + (k - 1) * 8 * d + 2 * k * h) * tokens * args.n_layers  # what its Function saves
-        what, fix = "the fused integrator's tensors", "--model.integrator_impl reference recomputes them"
-    else:
-        return []
-    from gptoughts.perf.checkpointing import compile_recomputes_functions
-
-    if compile_recomputes_functions():
-        return []
+        ),
+        "inl": ("the fused integrator's tensors", "--model.integrator_impl reference recomputes them"),
+    }[model.family.name]
     import torch
 
     return [
         f"torch {torch.__version__} keeps {what} under compiled full activation checkpointing, ~{gib(kept / 2**30)} "
-        f"more than the estimate (pytorch/pytorch#177396): {fix}, or use a newer torch"
+        f"of the estimate (pytorch/pytorch#177396): {fix}, or use a newer torch"
     ]
 
 

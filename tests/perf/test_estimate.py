@@ -155,6 +155,42 @@ def test_estimate_matches_deepseeks_measured_peaks(checkpointing, batch, vocab, 
     assert e.total_gib == pytest.approx(peak_gib, rel=0.03)
 
 
+# Checkpointing modes measured by `gptoughts bench ... --activation_checkpointing MODE --steps 3 --warmup 1 --json`
+# on one H200, torch 2.11 (bench/BENCHMARKS.md, "checkpointing modes' peaks"): DeepSeek under full checkpointing
+# was 46% low (torch 2.11 keeps the permuted rows a compiled block's Functions save), GPT-2 under selective 32% low
+# (the policy keeps every addmm's output).
+@pytest.mark.parametrize(
+    ("family", "size", "checkpointing", "batch", "block", "peak_gib"),
+    [("deepseek", "small", "full", 64, 2048, 46.02), ("gpt2", "large", "selective", 16, 1024, 25.98)],
+)
+def test_estimate_matches_measured_checkpointing_peaks(
+    monkeypatch, family, size, checkpointing, batch, block, peak_gib
+):
+    from gptoughts.perf import checkpointing as ac
+
+    monkeypatch.setattr(ac, "compile_recomputes_functions", lambda: False)  # the torch that measured them
+    e = estimate(
+        family,
+        size,
+        batch_size=batch,
+        block_size=block,
+        activation_checkpointing=checkpointing,
+        residual_dtype="bf16",
+    )
+    assert e.total_gib == pytest.approx(peak_gib, rel=0.04)
+
+
+def test_a_torch_that_recomputes_functions_keeps_only_the_blocks_inputs(monkeypatch):
+    from gptoughts.perf import checkpointing as ac
+
+    full = []
+    for fixed in (False, True):
+        monkeypatch.setattr(ac, "compile_recomputes_functions", lambda fixed=fixed: fixed)
+        full.append(estimate("deepseek", "small", batch_size=64, activation_checkpointing="full").total_gib)
+    # one [tokens x 6, 1024] bf16 tensor a MoE block (15 of them) less
+    assert full[0] - full[1] == pytest.approx(64 * 2048 * 2 * 6 * 1024 * 15 / 2**30)
+
+
 # INL 3b with the Triton integrator (the size's default), bf16 residual, one H200 (bench/BENCHMARKS.md): the
 # bench's rows (bench/gpu_matrix.py --only inl-triton), and the user path's micro-batches 8 and 27 under selective
 # checkpointing (`gptoughts train --model inl --size 3b --tokenizer bytes`: vocab 320).
