@@ -158,10 +158,17 @@ def test_estimate_matches_deepseeks_measured_peaks(checkpointing, batch, vocab, 
 # Checkpointing modes measured by `gptoughts bench ... --activation_checkpointing MODE --steps 3 --warmup 1 --json`
 # on one H200, torch 2.11 (bench/BENCHMARKS.md, "checkpointing modes' peaks"): DeepSeek under full checkpointing
 # was 46% low (torch 2.11 keeps the permuted rows a compiled block's Functions save), GPT-2 under selective 32% low
-# (the policy keeps every addmm's output).
+# (the policy keeps every addmm's output), the others under full 4-10% low (the rebuilt block's gradients).
 @pytest.mark.parametrize(
     ("family", "size", "checkpointing", "batch", "block", "peak_gib"),
-    [("deepseek", "small", "full", 64, 2048, 46.02), ("gpt2", "large", "selective", 16, 1024, 25.98)],
+    [
+        ("deepseek", "small", "full", 64, 2048, 46.02),
+        ("gpt2", "large", "selective", 16, 1024, 25.98),
+        ("gpt2", "large", "full", 32, 1024, 16.33),
+        ("llada", "medium", "full", 16, 2048, 19.13),
+        ("inl", "3b", "full", 8, 2048, 34.89),
+        ("llama", "1b", "full", 16, 2048, 20.12),
+    ],
 )
 def test_estimate_matches_measured_checkpointing_peaks(
     monkeypatch, family, size, checkpointing, batch, block, peak_gib
@@ -177,18 +184,20 @@ def test_estimate_matches_measured_checkpointing_peaks(
         activation_checkpointing=checkpointing,
         residual_dtype="bf16",
     )
-    assert e.total_gib == pytest.approx(peak_gib, rel=0.04)
+    assert e.total_gib == pytest.approx(peak_gib, rel=0.06)
 
 
 def test_a_torch_that_recomputes_functions_keeps_only_the_blocks_inputs(monkeypatch):
     from gptoughts.perf import checkpointing as ac
+    from gptoughts.perf.estimate import kept_by_compiled_full
 
-    full = []
-    for fixed in (False, True):
-        monkeypatch.setattr(ac, "compile_recomputes_functions", lambda fixed=fixed: fixed)
-        full.append(estimate("deepseek", "small", batch_size=64, activation_checkpointing="full").total_gib)
-    # one [tokens x 6, 1024] bf16 tensor a MoE block (15 of them) less
-    assert full[0] - full[1] == pytest.approx(64 * 2048 * 2 * 6 * 1024 * 15 / 2**30)
+    args = models.model_args("deepseek", "small")
+    monkeypatch.setattr(ac, "compile_recomputes_functions", lambda: False)
+    assert (
+        kept_by_compiled_full("deepseek", args) == 2 * 6 * 1024 * 15
+    )  # a [tokens x 6, 1024] bf16 a MoE block
+    monkeypatch.setattr(ac, "compile_recomputes_functions", lambda: True)
+    assert kept_by_compiled_full("deepseek", args) == 0
 
 
 # INL 3b with the Triton integrator (the size's default), bf16 residual, one H200 (bench/BENCHMARKS.md): the
