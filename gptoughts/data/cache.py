@@ -224,17 +224,41 @@ def reusable(out: Path, key: str, verify: bool) -> Manifest | None:
     return m
 
 
-def _looks_like_ours(manifest: Path) -> bool:
-    """A manifest.json gptoughts wrote (any format version, even with damaged fields)."""
-    return prepared_manifest(manifest.parent) is not None
+def made_with(
+    sources: Sequence[str | os.PathLike[str]], tokenizer_spec: str, settings: dict[str, Any]
+) -> dict:
+    """What a prepared folder was made of, in words a user gives: its sources, its tokenizer and
+    :func:`key_settings` (the same for a manifest, by :func:`_manifest_made_with`, and for a prepare about to run)."""
+    made = {"sources": [str(s) for s in sources], "tokenizer": tokenizer_spec, **settings}
+    if isinstance(made.get("extensions"), list):  # their order changes no file read
+        made["extensions"] = sorted(map(str, made["extensions"]))
+    return made
 
 
-def check_replaceable(out: Path, owned: bool) -> None:
+def _manifest_made_with(manifest: dict) -> dict | None:
+    """:func:`made_with` of a manifest.json's fields, None where they are damaged."""
+    try:
+        return made_with(
+            [s["path"] for s in manifest["sources"]], manifest["tokenizer_spec"], manifest["settings"]
+        )
+    except (KeyError, TypeError):
+        return None
+
+
+def _shown(value: Any) -> str:
+    if value is None:
+        return "none"
+    return ", ".join(map(str, value)) if isinstance(value, list) else str(value)
+
+
+def check_replaceable(out: Path, owned: bool, wanted: dict | None = None) -> None:
     """Refuse to replace a folder that is not a dataset: prepare must never delete a user's files.
 
     Every entry must have a name prepare writes. A folder the user named must also hold a manifest.json
     that gptoughts wrote (a damaged one is rebuilt, a foreign one refused); an ``owned`` folder (the cache)
-    is rebuilt whatever its manifest holds.
+    is rebuilt whatever its manifest holds. ``wanted`` (:func:`made_with` of the prepare about to run; None with
+    overwrite): a dataset made of other sources, tokenizer or settings is refused, naming the difference, since a
+    run or a bench may read it; one made of the same (its files edited since, or damaged) is rebuilt.
     """
     if not out.exists():
         return
@@ -245,10 +269,24 @@ def check_replaceable(out: Path, owned: bool) -> None:
     for entry in entries:
         if entry.name not in ("manifest.json", "tokenizer") and not SHARD_NAME.fullmatch(entry.name):
             raise DataError(f"{out} exists and is not a prepared dataset (it holds {entry.name}); {fix}")
-    if entries and not owned and not _looks_like_ours(out / "manifest.json"):
+    if not entries or owned:
+        return
+    manifest = prepared_manifest(out)
+    if manifest is None:
         raise DataError(
             f"{out} exists and is not a prepared dataset (no manifest.json written by gptoughts); delete it "
             f"if it is an old dataset, else pass a new or empty folder"
+        )
+    there = _manifest_made_with(manifest)
+    if wanted is None or there is None:
+        return
+    # a key an older version did not record is not a difference
+    diffs = [k for k, v in wanted.items() if k in there and there[k] != v]
+    if diffs:
+        said = ", ".join(f"{k} {_shown(there[k])} (this prepare: {_shown(wanted[k])})" for k in diffs[:3])
+        raise DataError(
+            f"{out} already holds a dataset prepared with other settings: {said}; pass --overwrite to replace "
+            f"it (overwrite=True from Python), or choose another --out"
         )
 
 

@@ -31,6 +31,7 @@ from gptoughts.data.cache import (
     install,
     key_settings,
     locked,
+    made_with,
     reusable,
     source_list,
     tokenizer_identity,
@@ -64,6 +65,10 @@ SHARD_TOKENS = 100_000_000
 # Files of a build in progress (removed before the folder is installed).
 _PLAN_FILE = "plan.json"
 _PROGRESS_FILE = "progress.json"
+# The rules a build in progress was planned under, recorded in plan.json: a build planned under other rules is
+# started over, never resumed (pass 2 would read the documents otherwise than pass 1 planned). Bump it whenever
+# what pass 1 or pass 2 reads changes. 2: the document crossing data.max_bytes is cut there (1, unrecorded: whole).
+_BUILD_RULES = 2
 
 
 def prepare(
@@ -83,6 +88,7 @@ def prepare(
     verify: bool = True,
     owned: bool = False,
     workers: int | None = None,
+    overwrite: bool = False,
 ) -> Manifest:
     """Tokenise ``sources`` into ``out_dir`` (see the module docstring) and return its manifest.
 
@@ -90,7 +96,8 @@ def prepare(
     default) an ``out_dir`` already prepared from the same inputs is returned without work, after checking
     its files' checksums when ``verify`` (a damaged folder is rebuilt). ``owned``: ``out_dir`` is a folder
     only gptoughts writes to (the cache), rebuilt even when its manifest is unreadable; a folder the user
-    named is replaced only when it holds a manifest gptoughts wrote.
+    named is replaced only when it holds a manifest gptoughts wrote, and one made of other sources, tokenizer or
+    settings only with ``overwrite`` (it may be what a run or a bench reads): else a DataError names the difference.
 
     ``workers``: processes that tokenise (None: one per core this process may use). It does not change the
     output (the shards are byte-identical whatever it is), so it is not part of the cache key. An
@@ -122,12 +129,14 @@ def prepare(
     )
     if cache and (m := _reuse(job, verify)) is not None:
         return m
-    check_replaceable(job.out, owned)
+    wanted = None if owned or overwrite else made_with(job.paths, job.spec, job.settings)
+    check_replaceable(job.out, owned, wanted)
     try:
         with locked(job.out):
             # Another process may have built it while we waited for the lock.
             if cache and (m := _reuse(job, verify)) is not None:
                 return m
+            check_replaceable(job.out, owned, wanted)
             manifest = _build_and_install(job)
     except OSError as e:  # reading errors are DataErrors already (sources.py): this one is about the output
         where = e.filename or job.out
@@ -426,6 +435,7 @@ def _write_json(path: Path, data: Any) -> None:
 def _plan_record(plan: Plan, key: str, tok: Tokenizer) -> dict[str, Any]:
     return {
         "key": key,
+        "rules": _BUILD_RULES,
         "shard_tokens": SHARD_TOKENS,
         "tokenizer_fingerprint": tok.fingerprint(),
         **plan.record(),
@@ -443,6 +453,9 @@ def _resumable(job: _Job) -> tuple[Plan, Tokenizer, dict[str, Any]] | None:
             if progress_path.is_file()
             else {"key": job.key, "done": [], "current": None}
         )
+        if rec.get("rules") != _BUILD_RULES:
+            log.info("%s was planned by another version of gptoughts: starting it over", job.tmp)
+            return None
         if rec["key"] != job.key or progress["key"] != job.key or rec["shard_tokens"] != SHARD_TOKENS:
             return None
         tok = _recorded_tokenizer(job)
@@ -451,7 +464,7 @@ def _resumable(job: _Job) -> tuple[Plan, Tokenizer, dict[str, Any]] | None:
         plan = Plan.from_record(rec, SplitRule(job.settings["val_fraction"], job.settings["min_val_docs"]))
         if not _progress_intact(job.tmp, progress, token_dtype(tok.vocab_size).itemsize):
             return None
-    except (OSError, ValueError, KeyError, TypeError, ConfigError, DataError):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, ConfigError, DataError):
         return None
     return plan, tok, progress
 

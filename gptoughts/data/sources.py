@@ -94,6 +94,14 @@ def resolve_source(path: str | os.PathLike[str]) -> Path:
     if not p.exists():
         raise DataError(f"{path} {_MISSING_MSG}")
     p = p.resolve()
+    try:  # bytes that are not UTF-8 (Latin-1 from an old archive), which Python keeps as surrogates
+        str(p).encode("utf-8")
+    except UnicodeEncodeError:
+        shown = os.fsencode(p).decode("utf-8", "replace")
+        raise DataError(
+            f"{shown}: its name is not UTF-8, and a run records its sources by name in config.toml (UTF-8); rename "
+            f"it (convmv -f latin1 -t utf8 --notest converts Latin-1 names)"
+        ) from None
     if p.is_dir():
         _refuse_gptoughts_output(p)
     return p
@@ -162,15 +170,28 @@ def made_from_flags(manifest: dict, tokenizer: bool = True) -> str:
     return flags
 
 
+def refuse_prepared(sources: Iterable[str | os.PathLike[str]], *, with_model_tokenizer: bool = False) -> None:
+    """A prepared dataset given as a corpus is refused, naming the corpus it was made from: its files are token
+    shards, not text. ``with_model_tokenizer``: said for eval, which tokenizes a corpus with the model's own tokenizer
+    (so takes no --tokenizer); else for train, which tokenizes into a cache of its own."""
+    for given in sources:
+        p = Path(given).expanduser()
+        m = prepared_manifest(p) if p.is_dir() else None
+        if m is None:
+            continue
+        if with_model_tokenizer:
+            why = "eval tokenizes a corpus with the model's own tokenizer"
+        else:
+            why = "train tokenizes into a cache of its own (`gptoughts prepare` without --out fills it ahead)"
+        raise DataError(
+            f"{given} is a prepared dataset (token shards from `gptoughts prepare --out`), not a corpus: {why}; pass "
+            f"the corpus it was made from instead: {made_from_flags(m, tokenizer=not with_model_tokenizer)}"
+        )
+
+
 def _refuse_gptoughts_output(p: Path) -> None:
     """A prepared dataset or a run given as a source is refused: its files are gptoughts output, not text."""
-    if (m := prepared_manifest(p)) is not None:
-        flags = made_from_flags(m)
-        raise DataError(
-            f"{p} is a prepared dataset (token shards from `gptoughts prepare --out`), not a corpus: train "
-            f"tokenizes into a cache of its own (`gptoughts prepare` without --out fills it ahead); pass the corpus "
-            f"it was made from instead: {flags}"
-        )
+    refuse_prepared([p])
     if is_run_folder(p):
         raise DataError(
             f"{p} is a gptoughts run, not a corpus; pass the corpus it trained on with --data (its "
@@ -300,18 +321,16 @@ def source_fingerprint(path: str | os.PathLike[str], extensions: Iterable[str] |
     exts = normalize_extensions(extensions)
     h = hashlib.sha256()
     if p.is_dir():
-        # Streamed (a corpus of millions of files is never listed in memory).
-        files = (
-            sorted(f for f in p.rglob("*") if f.is_file())
-            if _is_hf_dataset(p)
-            else walk_files(p, exts, report=True)
-        )
+        # Streamed (a corpus of millions of files is never listed in memory). A saved dataset: the files read and
+        # those naming them, not every file below (a prepare or a run written inside it would change its key).
+        files = _hf_dataset_files(p) if _is_hf_dataset(p) else walk_files(p, exts, report=True)
         for f in files:
             st = _stat(f)
-            h.update(f"{f.relative_to(p).as_posix()}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+            # os.fsencode: a name that is not UTF-8 (Latin-1 from an old archive) is hashed as its own bytes
+            h.update(os.fsencode(f"{f.relative_to(p).as_posix()}\0{st.st_size}\0{st.st_mtime_ns}\n"))
     else:
         st = _stat(p)
-        h.update(f"{p.name}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+        h.update(os.fsencode(f"{p.name}\0{st.st_size}\0{st.st_mtime_ns}\n"))
     return {"path": str(p), "kind": source_kind(p), "stat_sha256": h.hexdigest()}
 
 
@@ -595,6 +614,14 @@ def _hf_arrow_files(p: Path) -> list[Path]:
             files = [p / d["filename"] for d in json.loads(state.read_text()).get("_data_files", [])]
         except (json.JSONDecodeError, KeyError, TypeError):
             files = []
+        # a name read from a file stays inside its folder: the dataset is that folder (what its key covers, what
+        # is copied or moved with it), never a file elsewhere on the machine
+        outside = next((f for f in files if not Path(os.path.normpath(f)).is_relative_to(p)), None)
+        if outside is not None:
+            raise DataError(
+                f"{state} lists {os.path.normpath(outside)}, outside {p}; copy that file into {p} and list it by "
+                f"its name, or re-save the dataset with datasets' save_to_disk"
+            )
     if not files:
         files = sorted(p.glob("*.arrow"))
     missing = [f for f in files if not f.is_file()]
@@ -603,6 +630,12 @@ def _hf_arrow_files(p: Path) -> list[Path]:
     if not files:
         raise DataError(f"{p} holds no *.arrow files; pass a folder written by datasets.save_to_disk")
     return files
+
+
+def _hf_dataset_files(p: Path) -> list[Path]:
+    """The files a saved dataset's documents depend on: the arrow files read and the JSON files that list them."""
+    listing = [p / "dataset_dict.json", p / "state.json", p / "train" / "state.json"]
+    return sorted({*(f for f in listing if f.is_file()), *_hf_arrow_files(p)})
 
 
 def files_read(path: Path, extensions: tuple[str, ...]) -> Iterator[Path]:

@@ -175,8 +175,8 @@ def test_cache_reuse_and_invalidation(tmp_path: Path, corpus: Path, caplog: pyte
         m2 = prepare([corpus], out, "bytes", progress=False)
     assert "reusing cached shards" in caplog.text
     assert m2.created == m1.created and m2.cache_key == m1.cache_key and shard.stat().st_mtime_ns == mtime
-    # Another setting: another key.
-    m3 = prepare([corpus], out, "bytes", progress=False, seed=1)
+    # Another setting: another key (replacing a dataset of other settings takes overwrite).
+    m3 = prepare([corpus], out, "bytes", progress=False, seed=1, overwrite=True)
     assert m3.cache_key != m1.cache_key
     # A source edit invalidates the cache.
     (corpus / "doc_0000.txt").write_text("<doc-0> a different and longer first document\n")

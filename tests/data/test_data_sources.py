@@ -173,6 +173,39 @@ def test_saved_hf_dataset_dict_reads_train(tmp_path: Path) -> None:
         read(dd, text_field="body")
 
 
+def test_a_dataset_prepared_inside_a_saved_dataset_keeps_its_key(tmp_path: Path) -> None:
+    """A saved dataset's key covered every file below it: a prepare into a folder inside it was refused as "changed
+    while it was being prepared" (its own build folder changed the key), and a run inside it re-tokenized each time."""
+    from gptoughts.data import prepare
+    from gptoughts.data.sources import source_fingerprint
+
+    ds = tmp_path / "hf"
+    _write_hf_dataset(ds, [["a b c " * 50, "d e f " * 50]])
+    before = source_fingerprint(ds)
+    m = prepare([ds], ds / "prepared", "bytes", progress=False, val_fraction=0.0)
+    (ds / "runs" / "r").mkdir(parents=True)
+    (ds / "runs" / "r" / "metrics.jsonl").write_text("{}\n")
+    assert source_fingerprint(ds) == before
+    assert prepare([ds], ds / "prepared", "bytes", progress=False, val_fraction=0.0).created == m.created
+    (ds / "data-00000-of-00001.arrow").unlink()
+    _write_arrow_stream(ds / "data-00000-of-00001.arrow", ["another text"])
+    assert source_fingerprint(ds) != before  # the data itself still is its key
+
+
+@pytest.mark.parametrize("listed", ["../other/data-00000-of-00001.arrow", "ABSOLUTE", "sub/../../x.arrow"])
+def test_a_saved_dataset_reads_no_file_outside_its_folder(tmp_path: Path, listed: str) -> None:
+    """state.json names the files to read: one outside the folder was read, though not in the folder's
+    fingerprint (edits to it never invalidated the cache)."""
+    _write_hf_dataset(tmp_path / "other", [["secret"]])
+    ds = tmp_path / "hf"
+    _write_hf_dataset(ds, [["a"]])
+    if listed == "ABSOLUTE":
+        listed = str(tmp_path / "other" / "data-00000-of-00001.arrow")
+    (ds / "state.json").write_text(json.dumps({"_data_files": [{"filename": listed}]}))
+    with pytest.raises(DataError, match=r"state.json lists .*, outside .*hf; copy that file into"):
+        read(ds)
+
+
 def test_jsonl_lone_surrogates_are_replaced(tmp_path: Path) -> None:
     p = tmp_path / "s.jsonl"
     p.write_text('{"text": "a\\ud800b \\ud83d\\ude00"}\n')  # a lone surrogate, then a valid pair

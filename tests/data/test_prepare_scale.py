@@ -262,6 +262,35 @@ def test_a_damaged_or_foreign_partial_build_is_not_resumed(
     assert not other.exists() and count[0] == 80
 
 
+def test_a_partial_build_planned_under_older_rules_is_started_over(
+    tmp_path: Path,
+    write_folder: Callable[..., Path],
+    make_docs: Callable[..., list[str]],
+    small_shards: None,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The reading rules changed (data.max_bytes now cuts the document crossing it) under the same cache key: a
+    build interrupted under the older rules, whose plan.json records none, must not be finished under the new ones."""
+    corpus = write_folder(tmp_path / "corpus", make_docs(80))
+    whole = prepare([corpus], tmp_path / "whole", "bytes", progress=False, workers=1, max_bytes=9000)
+    with monkeypatch.context() as mp:
+        _interrupt_after(mp, shards=2)
+        with pytest.raises(_Kill):
+            prepare([corpus], tmp_path / "out", "bytes", progress=False, workers=1, max_bytes=9000)
+    (partial,) = tmp_path.glob(".out.partial-*")
+    plan = json.loads((partial / "plan.json").read_text())
+    plan.pop("rules", None)  # as an older version wrote it
+    (partial / "plan.json").write_text(json.dumps(plan))
+
+    count = _encoded_texts(monkeypatch)
+    with caplog.at_level(logging.INFO, logger="gptoughts.data"):
+        resumed = prepare([corpus], tmp_path / "out", "bytes", progress=False, workers=1, max_bytes=9000)
+    assert count[0] == whole.totals["docs"]  # every document tokenised again: started over
+    assert "planned by another version of gptoughts" in caplog.text and "resuming" not in caplog.text
+    _same_output(whole, resumed)
+
+
 _KILLED = """
 import importlib, json, os, signal, sys
 from gptoughts.data import prepare
