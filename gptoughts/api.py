@@ -690,13 +690,14 @@ def evaluate(
     batches spread evenly over it."""
     from gptoughts.data.loader import TokenDataset, eval_batches
     from gptoughts.data.prepare import cached_prepare
+    from gptoughts.data.sources import refuse_prepared
     from gptoughts.training.corpus import resolve_sources
     from gptoughts.training.objectives import build_objective
 
     if isinstance(data, (str, os.PathLike)):  # one path (a str would be read as a list of one-letter paths)
         data = [data]
     data = [_path_text(d) for d in data]
-    refuse_prepared(data)
+    refuse_prepared(data, with_model_tokenizer=True)  # in eval's words, not train's
     cfg = loaded.config
     block = block_size or cfg.train.block_size
     limit = getattr(loaded.args, "max_seq_len", None)
@@ -784,22 +785,6 @@ def _refuse_export_into_source(path: str | Path, out: str | Path) -> None:
                 f"{out} is the model folder {path} is read from (its weights would be replaced by the export's, "
                 f"--overwrite or not); export into another folder, e.g. {target.name}-export"
             )
-
-
-def refuse_prepared(data: list[str]) -> None:
-    """A prepared dataset given to evaluate, said for evaluate: the corpus's own refusal speaks of train and its
-    ``--tokenizer``, which evaluate does not take (it reads a corpus with the model's own tokenizer)."""
-    from gptoughts.data.sources import made_from_flags, prepared_manifest
-
-    for d in data:
-        m = prepared_manifest(Path(d)) if Path(d).is_dir() else None
-        if m is None:
-            continue
-        made_from = made_from_flags(m, tokenizer=False)
-        raise DataError(
-            f"{d} is a prepared dataset (token shards), not a corpus: eval tokenizes a corpus with the model's own "
-            f"tokenizer; pass the corpus it was made from instead: {made_from}"
-        )
 
 
 # ------------------------------------------------------------------------------------------------- export

@@ -19,17 +19,18 @@ from gptoughts.errors import ConfigError, UserError
 def cmd_prepare(argv: Sequence[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(
-            "usage: gptoughts prepare --data PATH [--data PATH ...] [--out DIR] [--size S | --tokenizer SPEC]\n"
+            "usage: gptoughts prepare --data PATH [--data PATH ...] [--out DIR [--overwrite]] [--size S | --tokenizer SPEC]\n"
             "                         [--text_field F --extensions a,b --val_fraction X --max_bytes N --seed N\n"
             "                          --workers N]\n"
             "Tokenize a corpus into token shards (manifest.json, tokenizer/, *.bin) with the same keys and defaults\n"
             "as `gptoughts train` (with --size, the tokenizer that size trains with). Without --out, into the cache\n"
             "that `gptoughts train` with the same --data and settings reads: that train then starts without\n"
-            "tokenizing. With --out DIR, into DIR, for `gptoughts bench --shards DIR` (train does not read DIR)."
+            "tokenizing. With --out DIR, into DIR, for `gptoughts bench --shards DIR` (train does not read DIR); a DIR\n"
+            "prepared with other data, tokenizer or settings is replaced only with --overwrite."
         )
         print("\n".join(options_help(("data",), {**bare_keys(("data",)), **ALIASES}, FLAGS)))
         return 0
-    rest, opts = pop_options(argv, set(), {"out"})
+    rest, opts = pop_options(argv, {"overwrite"}, {"out"})
     preset, overrides, _ = parse_overrides(rest, sections=("model", "data", "train"), switches=())
     from gptoughts.config import load_config
     from gptoughts.data.prepare import cached_prepare, prepare
@@ -48,7 +49,7 @@ def cmd_prepare(argv: Sequence[str]) -> int:
     sources = resolve_sources(d.sources)
     _refuse_examples(sources, d.format)
     if "out" in opts:
-        m = prepare(sources, opts["out"], d.tokenizer, **kwargs)
+        m = prepare(sources, opts["out"], d.tokenizer, overwrite="overwrite" in opts, **kwargs)
         where, note = (
             opts["out"],
             "; train reads its own cache, which `gptoughts prepare` without --out fills",

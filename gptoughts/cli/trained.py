@@ -247,9 +247,9 @@ def _check_eval_args(a: argparse.Namespace) -> None:
         )
     if a.data:
         _refuse_chat_data(a.data)
-        from gptoughts.api import refuse_prepared
+        from gptoughts.data.sources import refuse_prepared
 
-        refuse_prepared(a.data)  # before a model loads, in eval's words
+        refuse_prepared(a.data, with_model_tokenizer=True)  # before a model loads, in eval's words
     if a.prefs:
         from gptoughts.data.prefs import read_pairs
 

@@ -15,7 +15,7 @@ import torch
 
 from gptoughts.config import Config, TrainConfig, is_task_file, to_toml
 from gptoughts.data.tokenizer import parse_spec
-from gptoughts.errors import ConfigError, UserError
+from gptoughts.errors import UserError
 from gptoughts.models.hf import base_fingerprint
 from gptoughts.parallel import dist as pdist
 from gptoughts.training import rundir
@@ -394,14 +394,8 @@ def phases(cfg: Config) -> list | None:
     from gptoughts.data.loader import Phase
 
     out = []
-    known = resolve_sources(cfg.data.sources)
     for p in cfg.data.phases:
-        srcs = resolve_sources(p.sources)
-        for s in srcs:
-            if s not in known:
-                raise ConfigError(
-                    f"data.phases `{p.name}` uses {s}, which is not in data.sources; add it there"
-                )
+        srcs = resolve_sources(p.sources)  # each in data.sources (corpus.check_phases, before the data step)
         # Bare sources are weighted by their token counts; explicit weights are used as given.
         out.append(
             Phase(name=p.name, sources=list(zip(srcs, p.weights)) if p.weights else srcs, tokens=p.tokens)

@@ -80,6 +80,18 @@ def resolve_sources(sources: list[str]) -> list[str]:
     return [str(stdlib_path()) if s == STDLIB_ALIAS else s for s in sources]
 
 
+def check_phases(cfg: Config) -> None:
+    """Every source of ``data.phases`` is one of ``data.sources``: said before the corpus is tokenized (and by a dry
+    run), not once the whole corpus is prepared."""
+    known = resolve_sources(cfg.data.sources)
+    for p in cfg.data.phases:
+        for s in resolve_sources(p.sources):
+            if s not in known:
+                raise ConfigError(
+                    f"data.phases `{p.name}` uses {s}, which is not in data.sources; add it there"
+                )
+
+
 def init_from_dir(cfg: Config, *, weights: bool = True) -> Path | None:
     """``model.init_from`` as a checked HF model folder (None when training from scratch); a hub id is its
     snapshot in the Hugging Face cache, downloaded when online (``weights=False``: config and tokenizer only)."""
@@ -105,6 +117,7 @@ def prepare_data(cfg: Config, env: Environment, *, dry_run: bool = False) -> Dat
     from gptoughts.data.sft import resolve_format
 
     sources = resolve_sources(cfg.data.sources)
+    check_phases(cfg)
     init_from = init_from_dir(cfg, weights=not dry_run)  # a dry run reads no weights
     tok_spec: Any = str(init_from) if init_from is not None else cfg.data.tokenizer  # fine-tuning: its own
     if cfg.train.objective == "dpo":
