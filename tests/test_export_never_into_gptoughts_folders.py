@@ -67,6 +67,8 @@ def test_the_python_api_refuses_it_too_and_a_new_folder_still_exports(
     assert loads == []  # refused before the model is loaded (which can take minutes)
     ok(["export", str(run), str(tmp_path / "runs" / "a-hf")], capsys)  # the name the refusal suggests
     assert (tmp_path / "runs" / "a-hf" / "config.json").is_file()
+    with pytest.raises(UserError, match=r"e\.g\. \S*runs/a-hf-2$"):  # a-hf is taken now: the next free name
+        api.export(run, run / "checkpoints", overwrite=True)
     # a second export into it needs --overwrite, as before; with it, it replaces that export
     refused_leaving(tmp_path, ["export", str(run), str(tmp_path / "runs" / "a-hf")], capsys, "--overwrite")
     ok(["export", str(run), str(tmp_path / "runs" / "a-hf"), "--overwrite"], capsys)

@@ -198,9 +198,10 @@ class PrefData:
                     f"chosen and rejected completion (as written, or once cut to block_size+1 = {block_size + 1} "
                     "tokens), which teaches nothing; give pairs whose completions differ (or raise --block_size)"
                 )
+            keep = " or set data.truncation = right" if truncation == "drop" else ""
             raise DataError(
                 f"no usable preference pair: none fits block_size+1 = {block_size + 1} tokens with completion "
-                "tokens left; raise --block_size or use data.truncation = right"
+                f"tokens left; raise --block_size{keep}"
             )
         self.rows = rows
         n = len(rows) // 2

@@ -139,7 +139,10 @@ def _conversation(obj: Any, where: str) -> list[Message]:
     else:
         raise DataError(f"{where}: has keys {sorted(obj)[:6]}; {_EXPECTED}")
     if not any(m["role"] == "assistant" for m in out):
-        raise DataError(f"{where}: no assistant message, so nothing to learn; {_EXPECTED}")
+        roles = ", ".join(dict.fromkeys(m["role"][:40] for m in out))  # each role named once
+        raise DataError(
+            f'{where}: no assistant message, so nothing to learn (roles: {roles}); an answer has role "assistant"'
+        )
     return out
 
 
@@ -403,6 +406,26 @@ def render_prompt(tokenizer: Any, messages: list[Message]) -> list[int]:
     return ids
 
 
+def turn_end_id(tokenizer: Any) -> int | None:
+    """The special token the tokenizer's chat template closes an answer with where that is not eos (ChatML's
+    ``<|im_end|>`` over a base whose eos is ``<|endoftext|>``): SFT teaches the model to end its answers with
+    it, so generation must stop there. None without a template, or where an answer ends otherwise."""
+    from jinja2.exceptions import TemplateError
+
+    if tokenizer.chat_template is None:
+        return None
+    answer = "\x00answer\x00"
+    try:
+        text = _render(
+            tokenizer, [{"role": "user", "content": "."}, {"role": "assistant", "content": answer}], False
+        )
+    except TemplateError:
+        return None
+    ids = tokenizer.encode(text[text.rfind(answer) + len(answer) :], special=True)
+    specials = {i for i, t in tokenizer.backend.get_added_tokens_decoder().items() if t.special}
+    return ids[0] if ids and ids[0] != tokenizer.eos_id and ids[0] in specials else None
+
+
 # ------------------------------------------------------------------------------------------------ dataset
 
 
@@ -457,11 +480,23 @@ class SFTData:
                 continue
             keep_ids.append(ids)
             keep_tgt.append(tgt)
-        if not keep_ids:
+        if not keep_ids:  # none kept: every example truncated lost all its answer tokens to the cut
+            cut, empty = stats["truncated"], stats["dropped_no_target"] - stats["truncated"]
+            limit = f"block_size+1 = {block_size + 1} tokens"
+            lost = (
+                (stats["dropped_too_long"], f"dropped as longer than {limit}"),
+                (cut, f"cut at {limit} before their answer"),
+                (empty, "with no answer token"),
+            )
+            hint = (
+                "raise --block_size or set data.truncation = right"
+                if stats["dropped_too_long"]
+                else "raise --block_size"
+                if cut
+                else "give each example a non-empty answer"
+            )
             raise DataError(
-                f"no usable SFT example: {stats['dropped_too_long']} longer than block_size+1 = "
-                f"{block_size + 1} tokens, {stats['dropped_no_target']} without response tokens; raise "
-                "--block_size or use data.truncation = right"
+                f"no usable SFT example: {', '.join(f'{n} {what}' for n, what in lost if n)}; {hint}"
             )
         lengths = np.array([len(i) for i in keep_ids], dtype=np.int64)
         self.offsets = np.concatenate([[0], np.cumsum(lengths)])

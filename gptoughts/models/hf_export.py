@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from gptoughts.data.sft import turn_end_id
 from gptoughts.errors import ConfigError, UserError
 from gptoughts.models.hf import (
     BIN_INDEX,
@@ -173,7 +174,15 @@ def _token_ids(tokenizer: Any) -> dict[str, int | None]:
 def write_generation_config(out: Path, tokenizer: Any, base: dict[str, Any] | None = None) -> None:
     """``generation_config.json``: the source model's sampling defaults (when there was one) with our token ids."""
     gen = dict(base or {})
-    gen.update({k: v for k, v in _token_ids(tokenizer).items() if v is not None})
+    ours = {k: v for k, v in _token_ids(tokenizer).items() if v is not None}
+    # The source's stop tokens stay beside ours, and the chat template's end of an answer joins them: an instruct
+    # model ends its answers there, and without it transformers generates past the end of every answer.
+    kept = gen.get("eos_token_id")
+    kept = [e for e in (kept if isinstance(kept, list) else [kept]) if isinstance(e, int)]
+    for stop in (ours["eos_token_id"], turn_end_id(tokenizer)):
+        if stop is not None and stop not in kept:
+            kept.append(stop)
+    gen.update(ours, eos_token_id=kept if len(kept) > 1 else kept[0])
     gen.setdefault("do_sample", False)
     (out / GENERATION_CONFIG).write_text(json.dumps(gen, indent=2, sort_keys=True) + "\n")
 

@@ -98,6 +98,10 @@ def test_bad_records_name_the_line(tmp_path):
     _write(src, [{"messages": [{"role": "user", "content": "only a question"}]}])
     with pytest.raises(DataError, match="no assistant message"):
         SFTData([str(src)], _tok(), block_size=64)
+    # answers under another role name (Gemma's "model", ShareGPT's "gpt"): the line says which roles it has
+    _write(src, [{"messages": [{"role": "user", "content": "hi"}, {"role": "model", "content": "yo"}]}])
+    with pytest.raises(DataError, match=r'roles: user, model\); an answer has role "assistant"'):
+        SFTData([str(src)], _tok(), block_size=64)
 
 
 def test_format_detection(tmp_path):
@@ -128,6 +132,18 @@ def test_truncation_policy_is_counted(tmp_path):
     drop = SFTData([str(src)], _tok(), block_size=32, truncation="drop")
     assert drop.stats["dropped_too_long"] == 2 and len(drop.pairs) == 1
     assert "dropped as too long" in drop.summary()
+
+
+def test_no_usable_example_names_what_removed_the_answers(tmp_path):
+    """Every example cut at block_size+1 before its answer (a long system prompt) was reported as "0 longer than
+    block_size+1, 1 without response tokens; ... use data.truncation = right", the setting already in use."""
+    long_prompt = _write(tmp_path / "a.jsonl", [{"system": "s" * 60, "prompt": "p", "response": "r"}])
+    with pytest.raises(DataError) as e:
+        SFTData([str(long_prompt)], _tok(CHATML), block_size=32, truncation="right")
+    assert "1 cut at block_size+1 = 33 tokens before their answer" in str(e.value)
+    assert "raise --block_size" in str(e.value) and "truncation" not in str(e.value)
+    with pytest.raises(DataError, match="1 dropped as longer than .* data.truncation = right"):
+        SFTData([str(long_prompt)], _tok(CHATML), block_size=32, truncation="drop")
 
 
 def test_packing_rows_keep_examples_whole(tmp_path):

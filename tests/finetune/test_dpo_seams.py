@@ -234,3 +234,18 @@ def test_eval_of_several_models_shows_their_preferences_in_the_table(hf_model, t
         cells = line.split()[-2:]
         assert cells == [format(res[str(m)]["prefs"][metric], ".4f") for m in (a, b)], (line, res)
         assert line.split()[2] == "12"  # the pairs scored
+
+
+def test_no_usable_pair_suggests_only_what_would_help(tmp_path):
+    """Pairs whose prompt fills block_size were refused with "...; use data.truncation = right", the setting in use."""
+    from hf_helpers import make_tokenizer
+
+    from gptoughts.data.prefs import PrefData
+    from gptoughts.errors import DataError
+
+    pairs = tmp_path / "p.jsonl"
+    pairs.write_text(json.dumps({"prompt": "p" * 80, "chosen": "yes", "rejected": "no"}) + "\n")
+    with pytest.raises(DataError, match=r"raise --block_size$"):
+        PrefData([str(pairs)], make_tokenizer(), block_size=32, truncation="right")
+    with pytest.raises(DataError, match=r"raise --block_size or set data.truncation = right$"):
+        PrefData([str(pairs)], make_tokenizer(), block_size=32, truncation="drop")

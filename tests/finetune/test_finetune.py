@@ -55,7 +55,8 @@ def test_lora_finetune_then_export_matches_transformers(kind, hf_model, tmp_path
     assert (ours - hf_logits(base, ids)).abs().max().item() > 1e-3  # the adapters did change the model
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["model_type"] == kind and cfg["torch_dtype"] == "float32"
-    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == 0
+    stops = json.loads((out / "generation_config.json").read_text())["eos_token_id"]
+    assert stops == [0, 260]  # eos, and <|im_end|> that closes the template's answers
     assert (out / "tokenizer_config.json").read_bytes() == (base / "tokenizer_config.json").read_bytes()
     assert isinstance(api.generate_text(api.load(run), "add 1 2", max_new_tokens=3, temperature=0), str)
 
