@@ -768,23 +768,22 @@ def _refuse_export_into_source(path: str | Path, out: str | Path) -> None:
     """An export never writes over the model folder it reads: an HF folder exported onto itself, or the base a
     fine-tuned run starts from (its ``init_from``, which a LoRA run rebuilds itself over at every load). With
     --overwrite its weights were replaced by the merged ones, then the tokenizer copy failed with a traceback."""
+    from gptoughts.data.sources import free_name, is_run_folder, read_json_dict
+
     src = Path(path).expanduser()
+    # the run that path is, or whose checkpoints folder or checkpoint it is
+    run = next((f for f in (src, src.parent, src.parent.parent) if is_run_folder(f)), None)
+    base = (read_json_dict(run / "run.json") or {}).get("init_from") if run else None
     sources = [src] if is_hf_folder(src) else []
-    for folder in (src, src.parent, src.parent.parent):  # a run, a checkpoints folder or a checkpoint
-        try:
-            base = json.loads((folder / "run.json").read_text(encoding="utf-8")).get("init_from")
-        except (OSError, ValueError, AttributeError):
-            continue
-        if isinstance(base, str) and base:
-            sources.append(Path(base).expanduser())
-        break
+    if isinstance(base, str) and base:
+        sources.append(Path(base).expanduser())
     target = Path(out).expanduser().resolve()
-    for s in sources:
-        if s.resolve() == target:
-            raise UserError(
-                f"{out} is the model folder {path} is read from (its weights would be replaced by the export's, "
-                f"--overwrite or not); export into another folder, e.g. {target.name}-export"
-            )
+    if any(s.resolve() == target for s in sources):
+        beside = free_name(target.with_name(f"{target.name}-export"))
+        raise UserError(
+            f"{out} is the model folder {path} is read from (its weights would be replaced by the export's, "
+            f"--overwrite or not); export into another folder, e.g. {beside}"
+        )
 
 
 # ------------------------------------------------------------------------------------------------- export
@@ -865,10 +864,8 @@ def _write_export(
             dtype=target,
             overwrite=overwrite,
         )
-        if (
-            loaded.init_from
-        ):  # fine-tuning keeps the vocabulary: ship the original tokenizer files as they were
-            copy_tokenizer_files(loaded.init_from, written)
+    if loaded.init_from:  # fine-tuning keeps the vocabulary: ship the original tokenizer files as they were
+        copy_tokenizer_files(loaded.init_from, written)
     if loaded.chat and loaded.tokenizer.chat_template is None:
         # SFT without a template of the tokenizer's own trained on the default one: the export carries it, so that
         # transformers' apply_chat_template renders prompts as training did

@@ -453,6 +453,11 @@ class Sampler:
         tok = self.tokenizer
         device = compute_device(self.model)
         ids, hidden = self._context(prompt, chat)
+        from gptoughts.data.sft import turn_end_id
+
+        # A chat template may close answers with its own token rather than eos (ChatML's <|im_end|>): the answer
+        # ends there, and what follows is the model playing the next turns.
+        end = turn_end_id(tok) if chat and not self.diffusion else None
         x = torch.tensor([ids], dtype=torch.long, device=device)
         g = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
         with eager(self.model):
@@ -478,9 +483,13 @@ class Sampler:
                 top_p=s["top_p"],
                 eos_id=tok.eos_id,
                 generator=g,
+                stop=None if end is None else lambda new: [end in row.tolist() for row in new],
             )
         if chat:
-            return tok.decode(out[0].tolist()[len(ids) :], skip_special_tokens=True)
+            answer = out[0].tolist()[len(ids) :]
+            return tok.decode(
+                answer[: answer.index(end)] if end in answer else answer, skip_special_tokens=True
+            )
         return tok.decode(out[0].tolist()[hidden:])
 
 

@@ -155,6 +155,16 @@ def is_run_folder(folder: Path) -> bool:
     return record is not None and "family" in record and "args" in record
 
 
+def free_name(path: Path) -> Path:
+    """``path`` when nothing is there, else ``path`` with ``-2``, ``-3``, ... before its suffix (a folder's name has
+    none: ``run.v1`` gives ``run.v1-2``): the first name not taken."""
+    stem, suffix = (path.name, "") if path.is_dir() else (path.stem, path.suffix)
+    free, n = path, 2
+    while free.exists():
+        free, n = path.with_name(f"{stem}-{n}{suffix}"), n + 1
+    return free
+
+
 def made_from_flags(manifest: dict, tokenizer: bool = True) -> str:
     """The ``--data`` flags (and ``--tokenizer``) of the corpus a prepared dataset was made from, as a command takes
     them; ``--data CORPUS`` for a damaged manifest."""

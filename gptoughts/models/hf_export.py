@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from gptoughts.data.sft import turn_end_id
+from gptoughts.data.sources import free_name, is_run_folder, prepared_manifest
 from gptoughts.errors import ConfigError, UserError
 from gptoughts.models.hf import (
     BIN_INDEX,
@@ -103,8 +104,6 @@ _CHECKPOINT_WEIGHTS = ("model.safetensors", "state.pt", ".metadata")
 def _gptoughts_folder(out: Path) -> tuple[Path, str] | None:
     """(the folder, what it is) where ``out`` is, or lies inside, a folder gptoughts wrote and reads back: a
     training run (its checkpoints, tokenizer, plots), a prepared dataset, or a checkpoint moved out of its run."""
-    from gptoughts.data.sources import is_run_folder, prepared_manifest
-
     here = out.expanduser().resolve()
     for folder in (here, *here.parents):
         if is_run_folder(folder):
@@ -125,15 +124,6 @@ def _shown(path: Path) -> Path:
         return path
 
 
-def _free_sibling(folder: Path, suffix: str) -> Path:
-    """``FOLDER-SUFFIX`` beside ``folder``, or ``FOLDER-SUFFIX-2``, ``-3``, ...: the first name not taken."""
-    name, n = f"{folder.name}-{suffix}", 2
-    candidate = folder.with_name(name)
-    while candidate.exists():
-        candidate, n = folder.with_name(f"{name}-{n}"), n + 1
-    return candidate
-
-
 def check_out_dir(out_dir: str | Path, overwrite: bool = False) -> Path:
     """Refuse, by reading only, an output folder an export must not write into: one that gptoughts wrote (a run,
     what lies inside one, a prepared dataset, a checkpoint), whatever ``overwrite`` says, since its files would
@@ -142,9 +132,10 @@ def check_out_dir(out_dir: str | Path, overwrite: bool = False) -> Path:
     found = _gptoughts_folder(out)
     if found is not None:
         folder, what = found
+        beside = free_name(folder.with_name(f"{folder.name}-hf"))
         raise UserError(
             f"{out} is {what}, not a folder for an export (its files and the Hugging Face files would mix, "
-            f"--overwrite or not); pass another OUT, e.g. {_shown(_free_sibling(folder, 'hf'))}"
+            f"--overwrite or not); pass another OUT, e.g. {_shown(beside)}"
         )
     if out.exists() and not out.is_dir():
         raise UserError(f"{out} exists and is a file; pass a new or empty folder as OUT")

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from gptoughts.config import Config, config_from_toml_text
-from gptoughts.data.sources import is_run_folder, read_json_dict
+from gptoughts.data.sources import free_name, is_run_folder, read_json_dict
 from gptoughts.errors import ConfigError, UserError
 from gptoughts.training.checkpoint import store as ckpt
 
@@ -601,14 +601,6 @@ def output_file(given: str | Path | None, default: str, overwrite: bool) -> Path
     if not os.access(above, os.W_OK | os.X_OK):
         raise UserError(f"cannot write {path}: {above} is not writable; pass another --out")
     return path
-
-
-def free_name(path: Path) -> Path:
-    """``path`` with ``-2``, ``-3``, ... before its suffix: the first name not taken."""
-    n = 2
-    while (free := path.with_name(f"{path.stem}-{n}{path.suffix}")).exists():
-        n += 1
-    return free
 
 
 def place_file(tmp: Path, path: Path, overwrite: bool) -> Path:
