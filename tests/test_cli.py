@@ -326,3 +326,56 @@ def test_log_lines_to_a_file_or_pipe_are_one_line_each(tmp_path, text_corpus, ca
     info = [ln for ln in done.stderr.splitlines() if ln.startswith("INFO ")]
     assert info and all(ln == ln.rstrip() for ln in done.stderr.splitlines()), done.stderr
     assert any("tokens" in ln and str(tmp_path / "s") in ln for ln in info), done.stderr
+
+
+def test_a_yes_no_option_is_written_alone_or_with_its_word():
+    """``--overwrite`` alone worked but ``--overwrite true`` was refused as an unexpected argument, while
+    ``--run.tensorboard true`` worked and ``--run.tensorboard`` alone needed a value: every yes/no option now takes
+    both spellings, and a flag that says no (``--no_progress``) stays a flag."""
+    from gptoughts.cli.options import parse_overrides
+    from gptoughts.config import load_config
+    from gptoughts.errors import ConfigError
+
+    argv = ["--overwrite", "false", "--run.tensorboard", "--wandb", "no", "--perf.ignore_memory_estimate",
+            "--no_progress", "--max_steps", "3"]  # fmt: skip
+    _, overrides, _ = parse_overrides(argv)
+    cfg = load_config(overrides={**overrides, "data.sources": ["x.txt"]})
+    assert (cfg.run.overwrite, cfg.run.tensorboard, cfg.run.wandb) == (False, True, False)
+    assert cfg.perf.ignore_memory_estimate is True and cfg.run.progress is False and cfg.train.max_steps == 3
+    assert parse_overrides(["--overwrite"])[1] == {"run.overwrite": True}
+    with pytest.raises(ConfigError, match="run.overwrite must be true or false, got 'maybe'"):
+        load_config(overrides=parse_overrides(["--overwrite", "maybe"])[1])
+
+
+def test_config_flag_names_the_toml_file_as_the_positional_preset_does(tmp_path):
+    """``--config FILE.toml`` (other tools' spelling) was refused with a hint to --print_config; it names the preset
+    or TOML file, whose values the flags beside it replace (README "Where a run starts")."""
+    from gptoughts.cli.options import parse_overrides
+    from gptoughts.config import load_config
+    from gptoughts.errors import ConfigError
+
+    toml = tmp_path / "mine.toml"
+    toml.write_text("[train]\nmax_steps = 5\nbatch_size = 3\n")
+    preset, overrides, _ = parse_overrides(["--batch_size", "4", f"--config={toml}"])
+    assert preset == str(toml)
+    cfg = load_config(preset, overrides)
+    assert (cfg.train.max_steps, cfg.train.batch_size) == (5, 4)
+    with pytest.raises(ConfigError, match="two configs given"):
+        parse_overrides(["quickstart", "--config", str(toml)])
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--parallel", "2"], "--parallel is a section; its options are written --parallel.KEY VALUE"),
+        (["--train.lr", "1e-3"], "did you mean --train.learning_rate?"),
+    ],
+)
+def test_a_section_or_an_alias_misplaced_is_named_with_the_option_meant(argv, needle):
+    """``--parallel 2`` was answered "did you mean --profile?" and ``--train.lr`` named no option at all."""
+    from gptoughts.cli.options import parse_overrides
+    from gptoughts.errors import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        parse_overrides(argv)
+    assert needle in str(e.value)

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from gptoughts.config import Config, config_from_toml_text, list_presets, load_config, to_toml
@@ -31,6 +33,45 @@ def test_dotted_overrides_are_typed():
     assert cfg.data.sources == ["a.txt", "b.txt"]
     assert load_config("quickstart", {"train.batch_size": "auto"}).train.batch_size == "auto"
     assert load_config("quickstart", {"train.max_tokens": "1e6"}).train.max_tokens == 1_000_000
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ("max_steps = 5", "`max_steps`: write it under [train]"),
+        ("eval_interval = 5", "`eval_interval`: write it under [eval]"),
+        (
+            'given = ["train.grad_accum"]',
+            "`given` (valid: checkpoint, data",
+        ),  # Config's own, not a key of the file
+        ("flags = 3", "`flags` (valid: checkpoint, data"),
+        ("[modle]\nfamily = 'llama'", "did you mean `model`"),
+    ],
+)
+def test_a_key_outside_the_sections_of_a_toml_file_is_named_with_its_table(text, needle):
+    """A key above the tables was refused with Config's attributes as the valid keys (given, flags, resolved...),
+    and one of them, which no TOML type converts to, raised a TypeError with a traceback."""
+    with pytest.raises(ConfigError) as e:
+        config_from_toml_text(text)
+    assert needle in str(e.value) and "resolved" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "rule"),
+    [
+        ("train.weight_decay", "-1", ">= 0"),
+        ("train.weight_decay", "nan", ">= 0"),
+        ("train.beta1", "1.5", "in [0, 1)"),
+        ("train.beta2", "-0.1", "in [0, 1)"),
+        ("train.eps", "-1", ">= 0"),
+        ("eval.sample_temperature", "-1", ">= 0"),
+    ],
+)
+def test_optimizer_and_sampling_numbers_out_of_range_are_refused_before_the_run(key, value, rule):
+    """torch's AdamW refused a beta or eps out of range only as it was built (a traceback, the run's folder written),
+    took a negative weight decay, and a negative temperature failed each sample in the middle of the run."""
+    with pytest.raises(ConfigError, match=f"{key} must be {re.escape(rule)}"):
+        load_config(overrides={"data.sources": ["x.txt"], key: value})
 
 
 def test_unknown_key_names_closest():

@@ -60,6 +60,17 @@ def process(argv: list[str], *, procs: int = 1, timeout: int = 300) -> subproces
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+def by_rank(argvs: list[list[str]], *, tmp: Path, timeout: int = 300) -> subprocess.CompletedProcess:
+    """``gptoughts ARGV`` under torchrun, each rank with its own (``argvs[rank]``, one process each): a launch in
+    which a rank alone sees an error. The process itself, as :func:`process` gives it."""
+    spec = tmp / "torchrun_by_rank.json"
+    spec.write_text(json.dumps({"by_rank": argvs}), encoding="utf-8")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={len(argvs)}",
+           __file__, str(spec)]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
 def ok(r: subprocess.CompletedProcess) -> None:
     assert r.returncode == 0, r.stderr[-3000:]
 
@@ -102,6 +113,8 @@ def _worker(path: str) -> int:
     from gptoughts.parallel import dist as pdist
 
     spec = json.loads(Path(path).read_text(encoding="utf-8"))
+    if "by_rank" in spec:
+        return cli.main(spec["by_rank"][int(os.environ["RANK"])])
     runs = spec["runs"]
     if not spec["plots"]:
         from gptoughts.training import plots

@@ -109,7 +109,7 @@ def _command(argv: Sequence[str] | None) -> int:
     try:
         return COMMANDS[name][0](rest)
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
+        _print_error(str(e))
         return 2
     except KeyboardInterrupt:
         # Ctrl-C before training started (or a second one): nothing half-written remains
@@ -133,3 +133,21 @@ def _command(argv: Sequence[str] | None) -> int:
             file=sys.stderr,
         )
         return 2
+
+
+def _print_error(message: str) -> None:
+    """A user error, one line, once per launch: under torchrun an error every rank raises alike (a config checked on
+    each) is printed by rank 0 alone; one that another rank alone sees is printed by it, with its rank."""
+    import os
+
+    ranks, rank = int(os.environ.get("WORLD_SIZE", "1")), os.environ.get("RANK", "0")
+    if ranks == 1 or rank == "0":
+        print(f"error: {message}", file=sys.stderr, flush=True)
+        if ranks == 1:
+            return
+    from gptoughts.parallel import dist as pdist
+
+    if rank == "0":  # posted once printed: a rank that finds it exits, and torchrun then ends rank 0
+        pdist.post_error(message)
+    elif not pdist.is_rank0_error(message):
+        print(f"error: rank {rank}: {message}", file=sys.stderr, flush=True)

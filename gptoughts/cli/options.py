@@ -82,6 +82,13 @@ def parse_overrides(
                 continue
             raise ConfigError(f"unexpected argument {tok!r}; options are written --key VALUE")
         name, eq, value = tok[2:].partition("=")
+        if name == "config":  # --config FILE.toml: the spelling of other tools for the preset's place
+            if not eq:
+                value, i = _option_value(name, args, i)
+            if preset is not None:
+                raise ConfigError(f"two configs given ({preset} and {value}); name one preset or TOML file")
+            preset = value
+            continue
         if "." in name:
             name = key = _dotted_key(name, sections)
         else:
@@ -89,11 +96,14 @@ def parse_overrides(
             if name in switches:
                 seen.add(name)
                 continue
-            key = _alias_key(name, aliases, switches)
-        if name in flags and not eq:
+            key = _alias_key(name, aliases, switches, sections)
+        if not eq and flags.get(name, True) is True and _is_bool(key):
+            # A yes/no option alone is yes (--run.tensorboard, as --overwrite), or takes its word (--overwrite false)
+            value, i = (True, i) if i >= len(args) or args[i].startswith("--") else (args[i], i + 1)
+        elif name in flags and not eq:
             out[key] = flags[name]
             continue
-        if not eq:
+        elif not eq:
             value, i = _option_value(name, args, i)
         if key in REPEATABLE:
             out.setdefault(key, []).append(value)
@@ -119,6 +129,8 @@ def _dotted_key(name: str, sections: tuple[str, ...]) -> str:
         )
     if section != "model" and field_name not in SECTIONS[section].__dataclass_fields__:
         near = closest(field_name, list(SECTIONS[section].__dataclass_fields__))
+        if near is None and ALIASES.get(field_name, "").startswith(f"{section}."):  # --train.lr
+            near = ALIASES[field_name].split(".", 1)[1]
         raise ConfigError(
             f"unknown option --{name}"
             + (f" (did you mean --{section}.{near}?)" if near else "; `gptoughts train --help` lists them")
@@ -126,8 +138,21 @@ def _dotted_key(name: str, sections: tuple[str, ...]) -> str:
     return name
 
 
-def _alias_key(name: str, aliases: dict[str, str], switches: Sequence[str]) -> str:
+def _is_bool(key: str) -> bool:
+    """Whether the dotted ``key`` is a field of type bool (a model family's own fields are read later, as text)."""
+    from gptoughts.config import SECTIONS
+
+    section, _, field_name = key.partition(".")
+    f = SECTIONS[section].__dataclass_fields__.get(field_name) if section in SECTIONS else None
+    return f is not None and f.type in (bool, "bool")
+
+
+def _alias_key(name: str, aliases: dict[str, str], switches: Sequence[str], sections: tuple[str, ...]) -> str:
     key = aliases.get(name)
+    if key is None and name in sections:
+        raise ConfigError(
+            f"--{name} is a section; its options are written --{name}.KEY VALUE (--help lists them)"
+        )
     if key is None:
         near = closest(name, [*aliases, *switches])
         raise ConfigError(

@@ -31,7 +31,7 @@ def train_help() -> str:
     from gptoughts.config import list_presets
 
     lines = [
-        "usage: gptoughts train [PRESET|FILE.toml] [--option VALUE ...] [--section.key VALUE ...]",
+        "usage: gptoughts train [PRESET|FILE.toml|--config FILE.toml] [--option VALUE ...] [--section.key VALUE ...]",
         "",
         WHERE_A_RUN_STARTS,
         "",

@@ -17,7 +17,7 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
 from gptoughts.coerce import build_dataclass
-from gptoughts.config.schema import MOVED, SECTIONS, Config, ModelConfig
+from gptoughts.config.schema import MOVED, SECTIONS, Config, ModelConfig, bare_keys
 from gptoughts.config.validation import validate
 from gptoughts.errors import ConfigError, UserError, did_you_mean
 
@@ -52,7 +52,16 @@ def _migrate(data: dict[str, Any]) -> dict[str, Any]:
 
 
 def from_dict(data: dict[str, Any]) -> Config:
-    """Build and validate a Config from nested dicts (the parsed TOML)."""
+    """Build and validate a Config from nested dicts (the parsed TOML). Its tables are the sections: a key outside
+    them (``max_steps = 5`` above ``[train]``) is refused with the table it belongs in; Config's other fields
+    (where values came from) are not the file's to set."""
+    for key in data:
+        if key not in SECTIONS:
+            owner = bare_keys().get(key)
+            raise ConfigError(
+                f"unknown config key `{key}`"
+                + (f": write it under [{owner.split('.')[0]}]" if owner else did_you_mean(key, SECTIONS))
+            )
     return build_dataclass(Config, _migrate(data), "")
 
 
@@ -316,6 +325,7 @@ def load_config(preset: str | Path | None = None, overrides: dict[str, Any] | No
     cfg = from_dict(data)
     cfg.given = frozenset(given | set(overrides))
     cfg.shipped = frozenset(shipped & cfg.given)
+    cfg.flags = frozenset(overrides)
     if cfg.run.out is None:
         # a checkpoint moved out of its run (no config.toml beside it) branches into a folder named after it too
         cfg.run.out = branch_out(resume, None) if resume and not auto else default_out(data, {})

@@ -505,11 +505,17 @@ class Config:
     """Of :attr:`given`, the keys a shipped preset (``gptoughts/presets/``) set and no flag changed: our choices for
     that preset (the quickstart's 6 MB cap on its demo corpus), which the plan states without warning about them."""
 
+    flags: frozenset[str] = field(default_factory=frozenset, compare=False, repr=False)
+    """Of :attr:`given`, the keys this command's flags set (empty for a Config built in code). A resumed run's
+    :attr:`given` also holds what its first command set: a choice kept across a resume (its global batch on another
+    number of processes) yields only to what the user typed now."""
+
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d.pop("resolved")
         d.pop("given")
         d.pop("shipped")
+        d.pop("flags")
         overrides = d["model"].pop("overrides")
         d["model"].update(overrides)
         return d

@@ -202,6 +202,13 @@ def check_train_ranges(
         ("train.min_lr_ratio", 0.0 <= t.min_lr_ratio <= 1.0, "in [0, 1]", t.min_lr_ratio),
         ("train.decay_fraction", 0.0 <= t.decay_fraction <= 1.0, "in [0, 1]", t.decay_fraction),
         ("train.grad_clip", t.grad_clip >= 0 and math.isfinite(t.grad_clip), ">= 0", t.grad_clip),
+        # (torch's AdamW refuses these only as the optimizer is built, with a traceback, after the run's folder is
+        # written; a negative weight decay it takes, and grows every weight)
+        ("train.weight_decay", 0.0 <= t.weight_decay < math.inf, ">= 0", t.weight_decay),
+        ("train.beta1", 0.0 <= t.beta1 < 1.0, "in [0, 1)", t.beta1),
+        ("train.beta2", 0.0 <= t.beta2 < 1.0, "in [0, 1)", t.beta2),
+        ("train.eps", 0.0 <= t.eps < math.inf, ">= 0", t.eps),
+        ("eval.sample_temperature", ev.sample_temperature >= 0, ">= 0 (0: greedy)", ev.sample_temperature),
         ("train.muon_momentum", 0.0 <= t.muon_momentum < 1.0, "in [0, 1)", t.muon_momentum),
         (
             "train.muon_learning_rate",

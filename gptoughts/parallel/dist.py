@@ -560,6 +560,48 @@ def barrier(info: DistInfo) -> None:
         dist.barrier()
 
 
+def _error_key() -> str:
+    """Where rank 0 posts its one-line error for the other ranks to compare theirs with: one per torchrun attempt."""
+    return f"gptoughts/error/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+
+
+def _error_store(wait_s: float) -> Any:
+    """A client of the launch's store, hosted by torchrun's agent (so it is there before a process group is joined
+    and after it is left); None where torchrun hosts none (a rank 0 hosts it then, and may be gone)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    return dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        is_master=False,
+        timeout=datetime.timedelta(seconds=wait_s),
+    )
+
+
+def post_error(message: str) -> None:
+    """Rank 0, after printing ``message``: the other ranks that raise it too stay silent (:func:`is_rank0_error`)."""
+    try:
+        store = _error_store(5.0)
+        if store is not None:
+            store.set(_error_key(), message)
+    except Exception:  # noqa: BLE001 - then each rank says its own, as without a store
+        pass
+
+
+def is_rank0_error(message: str, wait_s: float = 10.0) -> bool:
+    """Whether rank 0 raised (and printed) this same error. Every rank checks the same config at about the same time;
+    an error only this rank sees leaves rank 0 waiting in a collective: after ``wait_s`` this rank says it itself."""
+    key = _error_key()
+    try:
+        store = _error_store(wait_s)
+        if store is None:
+            return False
+        store.wait([key], datetime.timedelta(seconds=wait_s))
+        return store.get(key).decode("utf-8") == message
+    except Exception:  # noqa: BLE001 - not there in time (or no store): this rank's own error
+        return False
+
+
 def unwrap(model: nn.Module) -> nn.Module:
     """The plain model under DDP / torch.compile wrappers (for state dicts and generation)."""
     while True:

@@ -71,7 +71,7 @@ def plan_batches(
         )
     if data.prefs is not None:
         why.setdefault("batch_size", "pairs, each 2 rows: chosen and rejected")
-    accum, tokens_per_step = _resumed_global_batch(resumed_run, micro, accum, row_tokens, info, why)
+    accum, tokens_per_step = _resumed_global_batch(cfg, resumed_run, micro, accum, row_tokens, info, why)
     total_steps, rule = _total_steps(t, epochs, train_tokens, tokens_per_step, cfg.shipped)
     # The run's tokens: a resumed run's checkpoint saw its own; the steps after it are of this batch.
     total_tokens = total_steps * tokens_per_step
@@ -169,7 +169,7 @@ def layout_batch(
     if not isinstance(cfg.train.batch_size, int):
         return None
     micro, accum = given_batch(cfg, env, data, model, resumed_run=resumed_run)
-    accum, _ = _resumed_global_batch(resumed_run, micro, accum, _row_tokens(cfg, data), env.dist, {})
+    accum, _ = _resumed_global_batch(cfg, resumed_run, micro, accum, _row_tokens(cfg, data), env.dist, {})
     return micro, accum
 
 
@@ -370,6 +370,7 @@ def _auto_accumulation(cfg: Config, micro: int, dp_size: int, why: dict[str, str
 
 
 def _resumed_global_batch(
+    cfg: Config,
     resumed_run: dict[str, Any] | None,
     micro: int,
     accum: int,
@@ -379,11 +380,17 @@ def _resumed_global_batch(
 ) -> tuple[int, int]:
     """(accumulation, tokens per step): a run resumed on another number of ranks (an FSDP run resumed on one
     GPU) keeps its global batch, so that the schedule, the data position and the loss scale mean what they
-    meant."""
+    meant; a --grad_accum typed in this command wins, and the plan says the global batch changes."""
     tokens_per_step = micro * block * accum * info.dp_size
     saved_dp = resumed_run.get("dp_size", resumed_run.get("world_size")) if resumed_run else None
     old = resumed_run.get("tokens_per_step") if resumed_run else None
     if not saved_dp or saved_dp == info.dp_size or not old or old == tokens_per_step:
+        return accum, tokens_per_step
+    if "train.grad_accum" in cfg.flags:
+        why["grad_accum"] = (
+            f"{accum} (--grad_accum): the global batch changes from the resumed run's {old:,} tokens "
+            f"(saved on {saved_dp} process(es)) to {tokens_per_step:,}"
+        )
         return accum, tokens_per_step
     k = old / (micro * block * info.dp_size)
     if k != int(k):
