@@ -24,7 +24,6 @@ bench scripts and the tests all assemble through here.
 
 from __future__ import annotations
 
-import json
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -32,6 +31,7 @@ from typing import Any
 import torch
 
 from gptoughts.config import Config
+from gptoughts.data.sources import read_json_dict
 from gptoughts.errors import DataError, UserError
 from gptoughts.parallel import dist as pdist
 from gptoughts.perf import hardware
@@ -165,13 +165,9 @@ def _nothing_to_train(
     if batch.total_steps < step:
         return f"the run is at step {step}, past {batch.stop_rule}: nothing would train; {fix}"
     home = store.run_of(resume_from)
-    if home is not None and home.resolve() == run_dir.resolve():
-        try:
-            ended_at = json.loads((run_dir / "summary.json").read_text(encoding="utf-8")).get("steps")
-        except (OSError, ValueError, AttributeError):
-            ended_at = None
-        if ended_at != step:
-            return None
+    own = home is not None and home.resolve() == run_dir.resolve()
+    if own and (read_json_dict(run_dir / "summary.json") or {}).get("steps") != step:
+        return None
     return f"{home or resume_from} is complete at step {step} ({batch.stop_rule}): nothing to train; {fix}"
 
 

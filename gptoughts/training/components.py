@@ -461,6 +461,10 @@ def write_run_files(asm: Assembly) -> None:
         "torch": torch.__version__,
         "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
+    home = ckpt.run_of(asm.resume_from) if asm.resume_from is not None else None
+    if asm.resume_from is not None and (home is None or home.resolve() != run_dir.resolve()):
+        # a branch: where a --resume auto of it goes on from until it writes a checkpoint of its own
+        record["branched_from"] = str(asm.resume_from.resolve())
     # run.json first: it is what makes the folder a run, so that a kill before the rest is written leaves one
     # that --overwrite may replace (and that --resume auto refuses, naming the missing config.toml)
     rundir.write_text_atomic(run_dir / "run.json", json.dumps(record, indent=2, default=str))

@@ -63,9 +63,14 @@ def phase_schedule(
     return out
 
 
+def phase_index(phases: Sequence[dict[str, Any]], consumed: int) -> int:
+    """The position in ``phases`` (:func:`phase_schedule`'s) of the phase the batch drawn after ``consumed`` tokens
+    (all ranks) comes from: the last one starting at or before it."""
+    return max(0, sum(p["start"] <= consumed for p in phases) - 1)
+
+
 def begins_now(phases: Sequence[dict[str, Any]], consumed: int, batch_tokens: int) -> bool:
     """Whether the batch about to be drawn, after ``consumed`` tokens (all ranks), is the first of its phase: the
     batch before it started before the phase (``phases``: :func:`phase_schedule`'s; ``batch_tokens``: a batch's
     tokens, all ranks). A run resumed at another batch size is judged at this one."""
-    starts = [p["start"] for p in phases if p["start"] <= consumed]
-    return consumed == 0 or (bool(starts) and consumed - batch_tokens < starts[-1])
+    return consumed == 0 or consumed - batch_tokens < phases[phase_index(phases, consumed)]["start"]

@@ -223,8 +223,9 @@ def check_finetune_base(cfg: Config) -> None:
 
 
 def _check_resume(run_dir: Path, cfg: Config) -> tuple[Path | None, dict[str, Any] | None]:
-    """``--resume auto``: the newest usable checkpoint of the run in ``run_dir`` (None: the run stopped before
-    its first one, and starts again from step 0 on its own config.toml, which ``cfg`` was loaded from)."""
+    """``--resume auto``: the newest usable checkpoint of the run in ``run_dir`` (a branch without one yet: the
+    checkpoint it branched from; None: the run stopped before its first one, and starts again from step 0 on its
+    own config.toml, which ``cfg`` was loaded from)."""
     check_resumable(run_dir)
     old = _old_config(run_dir)
     _check_same_model(old, cfg, f"{run_dir} holds", "drop those flags, or use another --out")
@@ -239,10 +240,29 @@ def _check_resume(run_dir: Path, cfg: Config) -> tuple[Path | None, dict[str, An
             "one, or start over with --overwrite"
         )
     record = read_run_json(run_dir)
+    if found is None:
+        found = _branch_origin(run_dir, record)
     if found is not None:  # (a run with no checkpoint yet restarts from step 0: any optimizer, any batches)
         _check_optimizer(found, old.train.optimizer, cfg, True)
         _check_data_order(found, old, cfg, record)
     return found, record
+
+
+def _branch_origin(run_dir: Path, record: dict[str, Any] | None) -> Path | None:
+    """The checkpoint a branch stopped before its first checkpoint goes on from: the one it branched from (run.json
+    ``branched_from``); None for a run that started from step 0. Refused where that checkpoint is no longer usable
+    (starting from step 0 instead would train another model under the branch's name)."""
+    origin = (record or {}).get("branched_from")
+    if not origin:
+        return None
+    path = Path(origin)
+    problem = ckpt.verify(path) if path.is_dir() else "it no longer exists"
+    if problem is not None:
+        raise UserError(
+            f"{run_dir} is a branch of {path} stopped before its first checkpoint, and that checkpoint is unusable "
+            f"({problem}); nothing was changed: restore it, or start over with --overwrite"
+        )
+    return path
 
 
 def _check_checkpoint(run_dir: Path, cfg: Config, path: Path) -> tuple[Path | None, dict[str, Any] | None]:

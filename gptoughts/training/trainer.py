@@ -381,6 +381,8 @@ class Trainer:
             for sig, handler in old_handlers.items():
                 signal.signal(sig, handler)
             self.progress.close()
+        if not self.stop_reason.startswith("interrupted"):
+            self.stop_signal = None  # (see _interval_work) it exits as a complete run does, not 128 + signal
         return self.state
 
     def _catch_signals(self) -> dict[int, Any]:
@@ -475,10 +477,14 @@ class Trainer:
             self._score_tasks()
         if not stop:
             return False
-        # Inside a streak of bad steps the save is refused: the reason says which it was.
-        kept = "checkpoint saved" if saved else "no checkpoint now, the last good one kept"
-        if self.stop_requested:
-            self.stop_reason = f"interrupted ({kept}; resume with --resume auto)"
+        # A signal at the run's last step, or at an early stop, ends nothing that was not ending: the run is
+        # complete, as its resume would find it.
+        if self.stop_requested and not due.at_end and self.stop_reason != "early stopping":
+            if self.checkpointer is None or not self.checkpointer.enabled:
+                self.stop_reason = "interrupted (checkpoint.checkpoints false: nothing to resume from)"
+            else:  # inside a streak of bad steps the save is refused: the reason says which it was
+                kept = "checkpoint saved" if saved else "no checkpoint now, the last good one kept"
+                self.stop_reason = f"interrupted ({kept}; resume with --resume auto)"
         return True
 
     def _agree_stop(self) -> bool:
@@ -641,20 +647,22 @@ class Trainer:
             return
         step, before = self.state.step + 1, self._phase
         self._phase = name
+        note = f" (after '{before}')"
         if before is None:
             # no curriculum known: the loader's one phase (or a trainer built without a plan)
             if not self.phases:
                 return
-            from gptoughts.training.curriculum import begins_now
+            from gptoughts.training.curriculum import begins_now, phase_index
 
             loader = self.loader
             batch = int(getattr(loader, "global_batch_size", 0)) * int(getattr(loader, "block_size", 0))
-            if not begins_now(self.phases, int(getattr(loader, "tokens_consumed", 0)), batch):
+            consumed = int(getattr(loader, "tokens_consumed", 0))
+            if not begins_now(self.phases, consumed, batch):
                 self.log_line(f"step {step}: curriculum phase '{name}' goes on (resumed inside it)")
                 return
-        n = len(self.phases)
-        note = f"after '{before}'" if before is not None else f"the first of {n}" if n else ""
-        self.log_line(f"step {step}: curriculum phase '{name}' begins" + (f" ({note})" if note else ""))
+            k, n = phase_index(self.phases, consumed), len(self.phases)  # (a resume may begin any of them)
+            note = f" (the first of {n})" if k == 0 else f" ({k + 1} of {n})"
+        self.log_line(f"step {step}: curriculum phase '{name}' begins{note}")
         if self.dist.is_main:
             self.metrics.log(step, {"event": "phase", "phase": name})
 

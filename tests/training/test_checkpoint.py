@@ -35,6 +35,26 @@ def test_rotation_keeps_last_and_best(tmp_path):
     assert ckpt.best_step(tmp_path) == 2
 
 
+def test_a_resume_past_unusable_checkpoints_never_rotates_its_own_away(tmp_path):
+    """A run whose newest checkpoints are unusable resumes from an older one (the warning "falling back to the
+    previous one"). Its next saves are of lower steps than those: with --keep_last 1 the rotation kept the unusable
+    step 6 and deleted the step 5 just written (and the step 4 resumed from), so a crash before step 6 was reached
+    again left no checkpoint that loads."""
+    m = _model(0)
+    for step in (4, 6):
+        ckpt.save(tmp_path, step, m, {"s": step}, keep_last=3)
+    (ckpt.step_dir(tmp_path, 6) / ckpt.MODEL_FILE).write_bytes(b"cut")
+    with pytest.warns(UserWarning, match="unusable"):
+        assert ckpt.latest_valid(tmp_path) == ckpt.step_dir(tmp_path, 4)
+    ckpt.save(tmp_path, 5, m, {"s": 5}, keep_last=1)  # the resumed run's first save
+    assert 5 in ckpt.list_steps(tmp_path)
+    with pytest.warns(UserWarning, match="unusable"):
+        assert ckpt.latest_valid(tmp_path) == ckpt.step_dir(tmp_path, 5)
+    # the run reaches the step again: one checkpoint, its own
+    ckpt.save(tmp_path, 6, m, {"s": 6}, keep_last=1)
+    assert ckpt.list_steps(tmp_path) == [6] and ckpt.verify(ckpt.step_dir(tmp_path, 6)) is None
+
+
 @pytest.mark.parametrize("damage", ["truncate", "flip", "no_meta"])
 def test_corrupt_newest_falls_back_with_warning(tmp_path, damage):
     m = _model(0)

@@ -38,7 +38,7 @@ def _trainer_saves_next(root: Path, *, keep_last: int = 1, half: bool = False) -
     if half:
         (newest / ckpt.MODEL_FILE).unlink()
     else:
-        ckpt.rotate(root, keep_last)
+        ckpt.rotate(root, keep_last, nxt)
     return ckpt.step_dir(root, nxt)
 
 

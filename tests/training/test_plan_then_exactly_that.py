@@ -115,7 +115,8 @@ def test_a_resumed_run_announces_the_phase_it_begins_or_goes_on_in(tmp_path, tex
     ok(["train", str(toml), "--out", str(out), "--max_steps", "4", *FASTRUN], capsys)
     # the checkpoint at step 4 is the first phase's last step: the resume's first batch begins the second
     text = ok(["train", "--resume", "auto", "--out", str(out), "--max_steps", "6", *FASTRUN], capsys)
-    assert "step 5: curriculum phase 'second' begins" in text, text[-2000:]
+    # (it said "the first of 3")
+    assert "step 5: curriculum phase 'second' begins (2 of 3)" in text, text[-2000:]
     text = ok(["train", "--resume", "auto", "--out", str(out), "--max_steps", "10", *FASTRUN], capsys)
     assert "step 7: curriculum phase 'second' goes on" in text, text[-2000:]
     assert "step 9: curriculum phase 'third' begins" in text, text[-2000:]

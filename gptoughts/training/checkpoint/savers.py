@@ -408,10 +408,9 @@ class ShardedSaver(_BackgroundWriter):
                     files,
                     val_loss=val_loss,
                     meta={**(meta or {}), "format": store.DCP_FORMAT, "world_size": world},
+                    is_best=is_best,
+                    keep_last=self.keep_last,
                 )
-                if is_best:
-                    store.mark_best(self.root, step, val_loss)
-                store.rotate(self.root, self.keep_last)
             except BaseException as e:  # noqa: BLE001 - every rank must learn of it
                 status = f"checkpoint step {step} could not be written: {_failure(e, tmp)}"
                 shutil.rmtree(tmp, ignore_errors=True)

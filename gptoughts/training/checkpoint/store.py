@@ -121,7 +121,7 @@ def save(
         with open(tmp / STATE_FILE, "wb") as f:
             torch.save(state, f)
         files = {name: file_record(tmp / name) for name in (MODEL_FILE, STATE_FILE)}
-        commit(root, tmp, step, files, val_loss=val_loss, meta=meta)
+        commit(root, tmp, step, files, val_loss=val_loss, meta=meta, is_best=is_best, keep_last=keep_last)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if interrupted(e):  # a second Ctrl-C mid-write: torch.save reports it as a RuntimeError of its own
@@ -130,9 +130,6 @@ def save(
         if full is not None:
             raise full from None
         raise
-    if is_best:
-        mark_best(root, step, val_loss)
-    rotate(root, keep_last)
     return final
 
 
@@ -180,9 +177,12 @@ def commit(
     *,
     val_loss: float | None,
     meta: dict[str, Any] | None,
+    is_best: bool,
+    keep_last: int,
 ) -> Path:
     """Write meta.json (the files' checksums) last into the complete temp dir ``tmp``, then rename it into
-    place as ``step_N`` (atomically replacing an existing one)."""
+    place as ``step_N`` (atomically replacing an existing one); then name it the best (``is_best``) and rotate the
+    older ones (:func:`rotate`)."""
     final = step_dir(root, step)
     info = {
         **(meta or {}),
@@ -199,6 +199,9 @@ def commit(
     else:
         tmp.rename(final)
     _fsync_dir(root)
+    if is_best:
+        mark_best(root, step, val_loss)
+    rotate(root, keep_last, step)
     return final
 
 
@@ -262,9 +265,12 @@ def list_steps(root: str | Path) -> list[int]:
     return sorted(int(m.group(1)) for p in root.iterdir() if p.is_dir() and (m := STEP_DIR.match(p.name)))
 
 
-def rotate(root: Path, keep_last: int) -> None:
-    steps = list_steps(root)
-    keep = set(steps[-keep_last:]) if keep_last > 0 else set(steps[-1:])
+def rotate(root: Path, keep_last: int, written: int) -> None:
+    """Remove the checkpoints of steps up to ``written`` (the one just written) but the ``keep_last`` newest (that
+    one at least) and the best. Higher steps are those a resume fell back from as unusable: they never take a good
+    one's place, and the run replaces them as it reaches their steps again."""
+    steps = [s for s in list_steps(root) if s <= written]
+    keep = set(steps[-max(1, keep_last) :])
     best = best_step(root)
     if best is not None:
         keep.add(best)
