@@ -500,6 +500,14 @@ def load(path: str | Path, device: str = "auto", *, trust_remote_code: bool = Fa
     ck = ckpt.resolve(path)
     run_dir = ckpt.run_of(ck) or ck.parent
     cfg, run = _read_run(run_dir)
+    # Before the weights, which can take minutes to read: an emptied tokenizer/ was a many-line error about
+    # train's --tokenizer flag.
+    if not (run_dir / "tokenizer" / "tokenizer.json").is_file():
+        raise DataError(
+            f"{run_dir}/tokenizer/tokenizer.json is missing (it encodes prompts and decodes the outputs); put back "
+            "the run's tokenizer/ folder from a copy of the run"
+        )
+    tokenizer = Tokenizer.load(run_dir / "tokenizer")
     init_from = run.get("init_from")
     if init_from and (cfg.lora.enabled or run.get("generic")):
         if cfg.lora.enabled:
@@ -511,11 +519,9 @@ def load(path: str | Path, device: str = "auto", *, trust_remote_code: bool = Fa
     # a run still training may rotate ck away before it is read: then its newest checkpoint is read instead
     ck = ckpt.read_newest(path, lambda c: restore.load_weights(weights, c), first=ck)
     model.eval()
-    if not (run_dir / "tokenizer").exists():
-        raise DataError(f"{run_dir}/tokenizer is missing; cannot decode this model's outputs")
     return Loaded(
         model=model,
-        tokenizer=Tokenizer.load(run_dir / "tokenizer"),
+        tokenizer=tokenizer,
         config=cfg,
         checkpoint=ck,
         family=family_name,
@@ -632,14 +638,22 @@ def _check_generate_args(
 ) -> None:
     """``generate``'s arguments, each checked as ``gptoughts sample`` checks its flags: one line naming the argument
     (a wrong type was a library's error about something else, and a NaN temperature silently sampled noise)."""
-    if not isinstance(loaded, Loaded):
-        raise UserError(
-            f"generate takes the model gptoughts.load returns, got {type(loaded).__name__}: "
-            "loaded = gptoughts.load(RUN_DIR); gptoughts.generate(loaded, PROMPT)"
-        )
+    _check_loaded(loaded, "generate", "gptoughts.generate(loaded, PROMPT)")
     if not isinstance(prompt, str):
         raise UserError(f"prompt must be a string, got {type(prompt).__name__} {prompt!r:.60}")
     check_sampling(max_new_tokens, temperature, top_k, top_p, seed)
+
+
+def _check_loaded(loaded: Any, function: str, call: str) -> None:
+    if not isinstance(loaded, Loaded):
+        raise UserError(
+            f"{function} takes the model gptoughts.load returns, got {type(loaded).__name__}: "
+            f"loaded = gptoughts.load(RUN_DIR); {call}"
+        )
+
+
+def _whole(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def check_sampling(
@@ -648,23 +662,20 @@ def check_sampling(
     """The sampling settings' types and ranges, one line naming the setting (``flag``: "--" for the command line,
     which checks them before a model loads)."""
 
-    def whole(v: Any) -> bool:
-        return isinstance(v, int) and not isinstance(v, bool)
-
     def real(v: Any) -> bool:
         return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
-    if not whole(max_new_tokens) or max_new_tokens < 1:
+    if not _whole(max_new_tokens) or max_new_tokens < 1:
         raise UserError(f"{flag}max_new_tokens must be a whole number >= 1, got {max_new_tokens!r}")
     if not real(temperature) or temperature < 0:
         raise UserError(f"{flag}temperature must be a number >= 0 (0: greedy), got {temperature!r}")
-    if top_k is not None and (not whole(top_k) or top_k < 0):
+    if top_k is not None and (not _whole(top_k) or top_k < 0):
         raise UserError(
             f"{flag}top_k must be a whole number >= 0 (0 or None: no top-k filtering), got {top_k!r}"
         )
     if top_p is not None and (not real(top_p) or not 0 < top_p <= 1):
         raise UserError(f"{flag}top_p must be a number in (0, 1] (None: no nucleus filtering), got {top_p!r}")
-    if seed is not None and not whole(seed):
+    if seed is not None and not _whole(seed):
         raise UserError(f"{flag}seed must be a whole number or None, got {seed!r}")
 
 
@@ -694,6 +705,13 @@ def evaluate(
     from gptoughts.training.corpus import resolve_sources
     from gptoughts.training.objectives import build_objective
 
+    _check_loaded(loaded, "evaluate", "gptoughts.evaluate(loaded, DATA)")
+    # as `gptoughts eval` checks its flags: max_batches=0 or batch_size=-1 reported a loss of 0.0 (perplexity 1),
+    # batch_size=0 was a ZeroDivisionError, block_size=0 fell back silently to the run's block
+    for name, value in (("batch_size", batch_size), ("block_size", block_size), ("max_batches", max_batches)):
+        if (value is not None or name == "batch_size") and not (_whole(value) and value >= 1):
+            none = "" if name == "batch_size" else " or None"
+            raise UserError(f"{name} must be a whole number >= 1{none}, got {value!r}")
     if isinstance(data, (str, os.PathLike)):  # one path (a str would be read as a list of one-letter paths)
         data = [data]
     data = [_path_text(d) for d in data]

@@ -102,7 +102,11 @@ def sample_top_k_top_p(
     logits = logits.float()
     if temperature == 0:
         return logits.argmax(dim=-1)
-    logits = filter_top_k_top_p(logits / temperature, top_k, top_p)
+    # A tiny temperature (1e-40) made logits / t inf and the softmax NaN, which sampled token 0. With the max
+    # subtracted first the best token scales to 0 and the others towards -inf, so sampling tends to argmax as
+    # t -> 0; the floor keeps t from rounding to 0 in fp32 (0 / 0).
+    scaled = (logits - logits.amax(dim=-1, keepdim=True)) / max(temperature, torch.finfo(logits.dtype).tiny)
+    logits = filter_top_k_top_p(scaled, top_k, top_p)
     probs = logits.softmax(dim=-1)
     # argmax(p / E) with E ~ Exp(1) samples from p (the exponential race) without the device->host sync of
     # torch.multinomial. The clamp avoids 0/0 = NaN if the exponential draw were exactly 0.
@@ -150,7 +154,9 @@ def generate(
         return hf_generate(
             input_ids,
             max_new_tokens,
-            temperature=temperature,
+            # transformers divides the logits by the temperature: below this they overflow fp32 to inf and its
+            # multinomial raises, where greedy decoding is the limit asked for
+            temperature=temperature if temperature >= _HF_MIN_TEMPERATURE else 0.0,
             top_k=top_k,
             top_p=top_p,
             eos_id=eos_id,
@@ -223,6 +229,7 @@ def _decode(
     return out[:, :cur]
 
 
+_HF_MIN_TEMPERATURE = 1e-30
 STOP_EVERY = 8
 """Tokens between two calls of ``generate``'s ``stop`` (its check decodes every row on the host)."""
 

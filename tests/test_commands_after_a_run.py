@@ -74,6 +74,27 @@ def test_run_bench_refuses_zero_steps_from_python():
         run_bench(load_config("default", {"model.size": "debug"}), steps=0)
 
 
+def test_bench_kernels_off_a_gpu_is_refused_before_anything_is_built(capsys, monkeypatch):
+    # on a CPU it announced "+ 2 profiled", ran them, and printed no kernel table
+    from gptoughts.training import modeling
+
+    monkeypatch.setattr(modeling, "build_model", lambda *a, **k: pytest.fail("built a model"))
+    argv = [
+        "bench",
+        "--size",
+        "debug",
+        "--block_size",
+        "32",
+        "--batch_size",
+        "1",
+        "--device",
+        "cpu",
+        "--kernels",
+        "2",
+    ]
+    assert "--kernels profiles CUDA kernels; this bench runs on cpu" in _error_line(*run_cli(argv, capsys))
+
+
 def test_bench_says_the_compile_it_ran_not_auto():
     from gptoughts.tools.bench import format_result
 
@@ -141,6 +162,40 @@ def test_estimate_numbers_are_checked(flags, needle, capsys):
     assert needle in line, line
 
 
+@pytest.mark.parametrize(
+    "flags, needle",
+    [
+        # each printed a memory, a speed and a cost for a run that train refuses
+        (["--parallel.tp", "2"], "--parallel.tp 2 splits the run over groups of 2 GPUs"),  # on one GPU
+        (
+            ["--parallel.pp", "4", "--num_gpus", "2", "--model.tie_embeddings", "false"],
+            "--num_gpus 2 does not divide",
+        ),
+        (["--parallel.tp", "2", "--num_gpus", "2", "--model", "deepseek"], "no tensor-parallel plan"),
+        (["--parallel.ep", "3", "--num_gpus", "3", "--model", "deepseek"], "do not split over 3 ranks"),
+        (["--parallel.ep", "2", "--num_gpus", "2"], "no routed experts"),
+        (["--parallel.pp", "2", "--num_gpus", "2", "--model", "gpt2"], "parallel.pp covers the llama family"),
+        (
+            ["--parallel.tp", "2", "--num_gpus", "4", "--strategy", "ddp"],
+            "ddp does not combine with --parallel.tp",
+        ),
+        (["--cpu_offload", "true", "--strategy", "ddp"], "use --parallel.strategy fsdp"),
+    ],
+)
+def test_estimate_refuses_a_layout_train_refuses(flags, needle, capsys):
+    line = _error_line(*run_cli(["estimate", "--size", "debug", "--batch_size", "1", *flags], capsys))
+    assert needle in line, line
+
+
+def test_estimate_of_a_layout_train_takes_still_prints_its_figures(capsys):
+    for flags in (
+        ["--parallel.tp", "2", "--num_gpus", "4"],
+        ["--model", "deepseek", "--parallel.ep", "2", "--num_gpus", "2"],
+    ):
+        code, text = run_cli(["estimate", "--size", "debug", "--batch_size", "1", *flags], capsys)
+        assert code == 0 and "tokens/s" in text, text[-2000:]
+
+
 # ---------------------------------------------------------------------------------------------- Python API
 
 
@@ -202,6 +257,27 @@ def test_evaluate_takes_one_path_as_a_string(loaded, shared_corpus: Path):
     # a str was read as a list of one-letter paths: "t does not exist"
     res = gptoughts.evaluate(loaded, str(shared_corpus), block_size=16, max_batches=1)
     assert res["loss"] > 0 and res["tokens"] > 0
+
+
+@pytest.mark.parametrize(
+    "kwargs, needle",
+    [
+        (dict(max_batches=0), "max_batches must be a whole number >= 1"),  # was loss 0.0, perplexity 1.0
+        (dict(batch_size=-1), "batch_size must be a whole number >= 1"),  # the same
+        (dict(batch_size=0), "batch_size must be a whole number >= 1"),  # was a ZeroDivisionError
+        (dict(block_size=0), "block_size must be a whole number >= 1"),  # was the run's block, silently
+        (dict(batch_size="8"), "batch_size must be a whole number >= 1"),  # was a TypeError
+    ],
+)
+def test_evaluate_names_the_argument_out_of_range(loaded, shared_corpus: Path, kwargs, needle):
+    with pytest.raises(UserError, match=needle):
+        gptoughts.evaluate(loaded, str(shared_corpus), **kwargs)
+
+
+def test_evaluate_given_a_run_path_says_to_load_it(loaded, shared_corpus: Path):
+    # was "'str' object has no attribute 'config'"
+    with pytest.raises(UserError, match=r"loaded = gptoughts\.load\(RUN_DIR\); gptoughts\.evaluate\(loaded"):
+        gptoughts.evaluate(str(loaded.checkpoint), str(shared_corpus))
 
 
 def test_eval_of_a_prepared_dataset_names_evals_own_flags(
@@ -283,3 +359,40 @@ def test_load_of_a_file_or_of_nothing_says_what_it_takes(tmp_path: Path):
         gptoughts.load(tmp_path / "notes.txt")
     with pytest.raises(UserError, match="load takes the path of a run"):  # was a TypeError from pathlib
         gptoughts.load(None)
+
+
+def test_a_tiny_temperature_samples_as_greedy_from_python_and_the_command_line(loaded, capsys):
+    # 1e-40 sampled token 0 (end-of-text) at once: logits / t overflowed to inf and the softmax to NaN
+    kw = dict(max_new_tokens=6, seed=0)
+    greedy = gptoughts.generate(loaded, "def ", temperature=0.0, **kw)
+    assert gptoughts.generate(loaded, "def ", temperature=1e-40, **kw) == greedy
+    run = str(loaded.checkpoint.parent.parent)
+    texts = []
+    for t in ("0", "1e-40"):
+        code, text = run_cli(
+            ["sample", run, "--prompt", "def ", "--max_new_tokens", "6", "--temperature", t], capsys
+        )
+        assert code == 0, text[-2000:]
+        texts.append(text)
+    assert texts[1] == texts[0] and greedy in texts[0]
+
+
+@pytest.mark.parametrize("left", ["empty folder", "no folder"])
+def test_a_run_whose_tokenizer_is_gone_is_refused_in_one_line(loaded, left, tmp_path: Path, capsys):
+    # an emptied tokenizer/ was a six-line error about train's --tokenizer flag, after the weights were read
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(loaded.checkpoint.parent.parent, run)
+    shutil.rmtree(run / "tokenizer")
+    if left == "empty folder":
+        (run / "tokenizer").mkdir()
+    with pytest.raises(
+        UserError, match=r"tokenizer\.json is missing .* put back the run's tokenizer/ folder"
+    ):
+        gptoughts.load(run)
+    for argv in (
+        ["sample", str(run), "--prompt", "x"],
+        ["eval", str(run), "--data", str(run / "config.toml")],
+    ):
+        assert "tokenizer.json is missing" in _error_line(*run_cli(argv, capsys))

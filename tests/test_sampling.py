@@ -131,3 +131,34 @@ def test_restores_training_mode_and_needs_no_grad():
     out = generate(model, _prompt(), 3)
     assert model.training and not out.requires_grad
     assert generate(model, _prompt(), 0).shape == (3, 5)
+
+
+@pytest.mark.parametrize("temperature", [1e-40, 1e-37, 5e-324])
+def test_a_tiny_temperature_samples_the_argmax(temperature):
+    # logits / 1e-40 overflowed to inf, the softmax to NaN, and every row sampled token 0
+    logits = torch.randn(4, 512, generator=torch.Generator().manual_seed(0)) * 20
+    for kw in ({}, dict(top_k=50, top_p=0.9)):
+        got = sample_top_k_top_p(
+            logits, temperature=temperature, generator=torch.Generator().manual_seed(1), **kw
+        )
+        assert torch.equal(got, logits.argmax(-1))
+
+
+def test_a_tiny_temperature_decodes_greedily_on_the_transformers_path():
+    """A generic transformers model decodes through transformers' generate, which raised on inf probabilities."""
+    import transformers
+
+    from gptoughts.models.hf_generic import HFCausalLM
+
+    cfg = transformers.GPTNeoXConfig(
+        hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, vocab_size=96,
+        max_position_embeddings=64, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = HFCausalLM(transformers.GPTNeoXForCausalLM(cfg))
+    with torch.no_grad():
+        model.hf.get_output_embeddings().weight.mul_(1e3)  # logits in the hundreds
+    prompt = torch.tensor([[5, 17, 42]])
+    greedy = generate(model, prompt, 6, temperature=0.0)
+    tiny = generate(model, prompt, 6, temperature=1e-40, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(tiny, greedy)

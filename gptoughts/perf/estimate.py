@@ -767,6 +767,34 @@ def format_estimate(e: Estimate) -> str:
     return "\n".join(lines)
 
 
+def _check_layout(cfg: Any, num_gpus: int, args: Any) -> None:
+    """The refusals ``gptoughts train`` makes of this layout on ``num_gpus`` GPUs, made here as one line: figures for
+    a split the GPUs cannot take (``--parallel.tp 2`` on one GPU) or the model cannot (DeepSeek under tensor
+    parallelism, 64 experts over 3 ranks) answered a question that train refuses."""
+    from gptoughts.parallel import pp as pipeline
+    from gptoughts.parallel.dist import _offload_choices, _with_tp
+    from gptoughts.parallel.ep import check_ep
+    from gptoughts.parallel.tp import check_tp
+
+    par, family = cfg.parallel, models.get_family(cfg.model.family)
+    for name in ("tp", "pp", "ep"):  # (config validation refused any two of them together)
+        split = getattr(par, name)
+        if num_gpus % split:
+            raise ConfigError(
+                f"--parallel.{name} {split} splits the run over groups of {split} GPUs, which --num_gpus "
+                f"{num_gpus} does not divide; pass --num_gpus a multiple of {split}"
+            )
+    check_tp(family.name, args, par.tp, lora=cfg.lora.enabled)
+    check_ep(family.name, args, par.ep, lora=cfg.lora.enabled)
+    if par.pp > 1:
+        pipeline.check_supported(
+            family.name, args, lora=cfg.lora.enabled, generic=False, objective=family.objective
+        )
+    if par.cpu_offload:
+        _offload_choices(None, "gloo", par.strategy, par.tp, par.pp)
+    _with_tp(par.strategy, par.tp, num_gpus // (par.tp * par.pp))
+
+
 def estimate_config(
     cfg: Any,
     *,
@@ -794,6 +822,7 @@ def estimate_config(
     residual = "fp32" if p.residual_dtype == "fp32" else "bf16"
     loss = "plain" if p.loss == "plain" else "chunked"
 
+    _check_layout(cfg, num_gpus, models.model_args(cfg.model.family, cfg.model.size, dict(overrides)))
     data_ranks = max(1, num_gpus // cfg.parallel.tp)
 
     def accum_at(

@@ -148,6 +148,8 @@ def _bench_ours(
     env = setup_environment(cfg)
     use_our_compile_cache()
     device, hw = env.device, env.hw
+    if kernel_steps > 0 and device.type != "cuda":  # (it ran the steps, announced them, and printed nothing)
+        raise UserError(f"--kernels profiles CUDA kernels; this bench runs on {device.type}: drop --kernels")
     family = models.get_family(cfg.model.family)
     tokenizer, vocab = _vocabulary(cfg, data_dir)
     reset_memory(device)

@@ -218,8 +218,12 @@ def _maybe_log_y(ax: Any, values: Sequence[float]) -> None:
 
 
 def _style(ax: Any, title: str, ylabel: str) -> None:
+    from matplotlib.ticker import MaxNLocator
+
     ax.set_title(title, fontsize=10)
     ax.set_xlabel("optimizer step")
+    # whole steps only: a run of one logged step was ticked 0.96, 0.98, 1.00, 1.02
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
     ax.set_ylabel(ylabel)
     ax.grid(True, alpha=0.3)
 
