@@ -348,9 +348,9 @@ def _out_of_memory_is_a_user_error(device: torch.device) -> Iterator[None]:
 
 def _history(asm: Any, st: Any, history: History) -> History:
     history.steps, history.tokens, history.stop_reason = st.step, st.tokens_seen, asm.trainer.stop_reason
-    rule = asm.batch.stop_rule  # "--max_steps N", "the preset's max_steps N", "--epochs E", "one epoch (...)"
-    if history.stop_reason == "max steps" and not rule.startswith(("--max_steps", "the preset's max_steps")):
-        history.stop_reason = rule.split(" (")[0]  # the epochs or tokens asked for
+    if history.stop_reason == "max steps" and asm.cfg.train.max_steps is None:
+        # the epochs or tokens asked for, as the plan named them ("--epochs 2", "epochs 2 in good.toml")
+        history.stop_reason = asm.batch.stop_rule.split(" (")[0]
     history.interrupted = asm.trainer.stop_signal
     for h in st.history:
         history.eval_steps.append(h["step"])

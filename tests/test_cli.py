@@ -379,3 +379,35 @@ def test_a_section_or_an_alias_misplaced_is_named_with_the_option_meant(argv, ne
     with pytest.raises(ConfigError) as e:
         parse_overrides(argv)
     assert needle in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("argv", "key"),
+    [
+        (["--lora", "3"], "lora.enabled"),
+        (["--lora"], "lora.enabled"),
+        (["--lora_r", "8"], "lora.r"),
+        (["--qlora"], "lora.quantize"),
+        (["--target_modules", "q_proj"], "lora.target_modules"),
+        (["--beta", "0.1"], "dpo.beta"),  # a bare field of [dpo], not a misspelt --beta2
+        (["--lora.r", "8"], None),
+        (["--dpo.beta", "0.1"], None),
+    ],
+)
+def test_a_finetune_option_given_to_train_names_the_finetune_command(
+    argv, key, tmp_path, monkeypatch, capsys
+):
+    """``gptoughts train --lora 3`` answered "did you mean --lr?" and ``--lora.r 8`` listed train's sections: the
+    options only ``gptoughts finetune`` takes are named as its, in one line, and finetune still reads them."""
+    from gptoughts.cli.options import TRAIN_SECTIONS, parse_overrides
+    from gptoughts.cli.train import FINETUNE_ALIASES, FINETUNE_FLAGS
+
+    monkeypatch.chdir(tmp_path)
+    code, text = cli.main(["train", *argv, "--dry_run"]), capsys.readouterr().err
+    option = argv[0] + (f" ({key})" if key else "")
+    assert code != 0 and text.strip().count("\n") == 0 and "Traceback" not in text, text
+    assert f"{option} is an option of `gptoughts finetune`" in text and "did you mean" not in text, text
+    assert list(tmp_path.iterdir()) == []
+    finetune = (FINETUNE_ALIASES, FINETUNE_FLAGS, (*TRAIN_SECTIONS, "lora", "dpo"))
+    _, overrides, _ = parse_overrides(argv, *finetune)
+    assert list(overrides) == [key or argv[0][2:]]

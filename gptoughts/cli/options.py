@@ -52,6 +52,19 @@ OPTIONAL_CHOICES: dict[str, set[str]] = {"compile": _BOOL_WORDS, "fp8": _BOOL_WO
 TRAIN_SWITCHES = ("interactive", "dry_run", "print_config")
 # The config sections whose options train (and the commands that take its options) accept.
 TRAIN_SECTIONS = ("model", "data", "train", "eval", "checkpoint", "recovery", "perf", "parallel", "run")
+# The sections only `finetune` takes besides them, and its spellings: there --model names the pretrained folder.
+FINETUNE_SECTIONS = ("lora", "dpo")
+FINETUNE_ALIASES: dict[str, str] = {
+    **ALIASES,
+    "model": "model.init_from",
+    "lora": "lora.enabled",
+    "lora_r": "lora.r",
+    "lora_alpha": "lora.alpha",
+    "lora_dropout": "lora.dropout",
+    "target_modules": "lora.target_modules",
+    "qlora": "lora.quantize",
+}
+FINETUNE_FLAGS: dict[str, Any] = {**FLAGS, "lora": True, "trust_remote_code": True, "qlora": "4bit"}
 
 
 def parse_overrides(
@@ -121,6 +134,8 @@ def _dotted_key(name: str, sections: tuple[str, ...]) -> str:
 
     name = MOVED.get(name, name)  # train.eval_interval -> eval.eval_interval (keys that moved)
     section, _, field_name = name.partition(".")
+    if section in FINETUNE_SECTIONS and section not in sections:
+        raise _finetune_only(name)
     if section not in sections:
         near = closest(section, sections)
         raise ConfigError(
@@ -153,6 +168,10 @@ def _alias_key(name: str, aliases: dict[str, str], switches: Sequence[str], sect
         raise ConfigError(
             f"--{name} is a section; its options are written --{name}.KEY VALUE (--help lists them)"
         )
+    if key is None and not set(FINETUNE_SECTIONS) <= set(sections):
+        there = {**bare_keys(FINETUNE_SECTIONS), **FINETUNE_ALIASES}.get(name, "")
+        if there.split(".")[0] in FINETUNE_SECTIONS:  # --lora, --lora_r, --beta: not a misspelt train option
+            raise _finetune_only(f"{name} ({there})")
     if key is None:
         near = closest(name, [*aliases, *switches])
         raise ConfigError(
@@ -160,6 +179,13 @@ def _alias_key(name: str, aliases: dict[str, str], switches: Sequence[str], sect
             + (f" (did you mean --{near}?)" if near else "; `--help` lists the options")
         )
     return key
+
+
+def _finetune_only(option: str) -> ConfigError:
+    return ConfigError(
+        f"--{option} is an option of `gptoughts finetune`, which tunes a pretrained model "
+        "(gptoughts finetune --model HF_DIR --data PATH ...); this command does not take it"
+    )
 
 
 def _option_value(name: str, args: list[str], i: int) -> tuple[str, int]:

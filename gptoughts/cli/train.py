@@ -10,6 +10,9 @@ from typing import Any
 
 from gptoughts.cli.options import (
     ALIASES,
+    FINETUNE_ALIASES,
+    FINETUNE_FLAGS,
+    FINETUNE_SECTIONS,
     FLAGS,
     TRAIN_SECTIONS,
     bare_keys,
@@ -103,19 +106,6 @@ def cmd_train(argv: Sequence[str]) -> int:
     return _run(preset, overrides, switches)
 
 
-# `finetune` reads the same options as `train`, except that --model names the pretrained folder.
-FINETUNE_ALIASES: dict[str, str] = {
-    **ALIASES,
-    "model": "model.init_from",
-    "lora": "lora.enabled",
-    "lora_r": "lora.r",
-    "lora_alpha": "lora.alpha",
-    "lora_dropout": "lora.dropout",
-    "target_modules": "lora.target_modules",
-    "qlora": "lora.quantize",
-}
-FINETUNE_FLAGS: dict[str, Any] = {**FLAGS, "lora": True, "trust_remote_code": True, "qlora": "4bit"}
-
 FINETUNE_USAGE = """usage: gptoughts finetune [PRESET|FILE.toml] --model HF_DIR|ORG/NAME --data PATH [--lora] [options]
 
 Fine-tunes a Hugging Face model: a local folder (config.json, safetensors, tokenizer files) or a hub id, read from
@@ -154,7 +144,7 @@ def cmd_finetune(argv: Sequence[str]) -> int:
         print("\n".join(["preference tuning (--objective dpo) options:", *lines[1:]]))
         return 0
     preset, overrides, switches = parse_overrides(
-        argv, FINETUNE_ALIASES, FINETUNE_FLAGS, sections=(*TRAIN_SECTIONS, "lora", "dpo")
+        argv, FINETUNE_ALIASES, FINETUNE_FLAGS, sections=(*TRAIN_SECTIONS, *FINETUNE_SECTIONS)
     )
     if overrides.get("lora.quantize") == "4bit":
         overrides.setdefault("lora.enabled", True)

@@ -326,6 +326,7 @@ def load_config(preset: str | Path | None = None, overrides: dict[str, Any] | No
     cfg.given = frozenset(given | set(overrides))
     cfg.shipped = frozenset(shipped & cfg.given)
     cfg.flags = frozenset(overrides)
+    cfg.origin = str(run_file if run_file is not None else start)
     if cfg.run.out is None:
         # a checkpoint moved out of its run (no config.toml beside it) branches into a folder named after it too
         cfg.run.out = branch_out(resume, None) if resume and not auto else default_out(data, {})

@@ -510,12 +510,18 @@ class Config:
     :attr:`given` also holds what its first command set: a choice kept across a resume (its global batch on another
     number of processes) yields only to what the user typed now."""
 
+    origin: str | None = field(default=None, compare=False, repr=False)
+    """Where :attr:`given`'s keys that no flag set come from, as the user would find it: the preset or TOML file
+    named (``good.toml``), or the resumed run's ``config.toml``; None for a Config built in code. The plan names
+    it beside a stopping rule the command did not type."""
+
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d.pop("resolved")
         d.pop("given")
         d.pop("shipped")
         d.pop("flags")
+        d.pop("origin")
         overrides = d["model"].pop("overrides")
         d["model"].update(overrides)
         return d

@@ -72,7 +72,7 @@ def plan_batches(
     if data.prefs is not None:
         why.setdefault("batch_size", "pairs, each 2 rows: chosen and rejected")
     accum, tokens_per_step = _resumed_global_batch(cfg, resumed_run, micro, accum, row_tokens, info, why)
-    total_steps, rule = _total_steps(t, epochs, train_tokens, tokens_per_step, cfg.shipped)
+    total_steps, rule = _total_steps(cfg, epochs, train_tokens, tokens_per_step)
     # The run's tokens: a resumed run's checkpoint saw its own; the steps after it are of this batch.
     total_tokens = total_steps * tokens_per_step
     if resumed_at is not None and resumed_at[1] != resumed_at[0] * tokens_per_step:
@@ -378,59 +378,69 @@ def _resumed_global_batch(
     info: pdist.DistInfo,
     why: dict[str, str],
 ) -> tuple[int, int]:
-    """(accumulation, tokens per step): a run resumed on another number of ranks (an FSDP run resumed on one
-    GPU) keeps its global batch, so that the schedule, the data position and the loss scale mean what they
-    meant; a --grad_accum typed in this command wins, and the plan says the global batch changes."""
+    """(accumulation, tokens per step): a run resumed on another number of data-parallel ranks (an FSDP run
+    resumed on one GPU) keeps its global batch, so that the schedule, the data position and the loss scale mean
+    what they meant; a --grad_accum typed in this command wins, and the plan says the global batch changes."""
     tokens_per_step = micro * block * accum * info.dp_size
     saved_dp = resumed_run.get("dp_size", resumed_run.get("world_size")) if resumed_run else None
     old = resumed_run.get("tokens_per_step") if resumed_run else None
     if not saved_dp or saved_dp == info.dp_size or not old or old == tokens_per_step:
         return accum, tokens_per_step
+
+    def ranks(dp: int, world: Any) -> str:
+        # the ranks that read their own rows set the global batch; tensor or pipeline parallel processes share
+        # them, so the same process count may be another number of ranks
+        return f"{dp} data-parallel rank(s)" + (f" of {world} processes" if world and world != dp else "")
+
+    now, saved = ranks(info.dp_size, info.world_size), ranks(saved_dp, (resumed_run or {}).get("world_size"))
     if "train.grad_accum" in cfg.flags:
         why["grad_accum"] = (
             f"{accum} (--grad_accum): the global batch changes from the resumed run's {old:,} tokens "
-            f"(saved on {saved_dp} process(es)) to {tokens_per_step:,}"
+            f"(saved on {saved}) to {tokens_per_step:,}"
         )
         return accum, tokens_per_step
     k = old / (micro * block * info.dp_size)
     if k != int(k):
         raise ConfigError(
-            f"resuming on {info.dp_size} process(es) a run saved on {saved_dp} "
+            f"resuming on {now} a run saved on {saved} "
             f"changes the global batch from {old:,} to {tokens_per_step:,} tokens and no "
             f"--grad_accum keeps it; pass --batch_size and --grad_accum with "
             f"batch x grad_accum x {info.dp_size} x {block} = {old:,}"
         )
     why["grad_accum"] = (
-        f"{int(k)}: keeps the resumed run's global batch of {old:,} tokens on "
-        f"{info.dp_size} process(es) (it was saved on {saved_dp})"
+        f"{int(k)}: keeps the resumed run's global batch of {old:,} tokens on {now} (it was saved on {saved})"
     )
     return int(k), old
 
 
 def _total_steps(
-    t: TrainConfig,
-    epochs: float | None,
-    train_tokens: int,
-    tokens_per_step: int,
-    shipped: frozenset[str] = frozenset(),
+    cfg: Config, epochs: float | None, train_tokens: int, tokens_per_step: int
 ) -> tuple[int, str]:
-    """The run's optimizer steps, and the stopping rule that decided them (a shipped preset's named as such: the
-    user typed no flag)."""
+    """The run's optimizer steps, and the stopping rule that decided them, named where it came from: a flag of
+    this command, the shipped preset, or the file that holds it (the TOML named, the resumed run's config.toml)."""
+    t = cfg.train
     if t.max_steps is not None:
-        total_steps, rule = t.max_steps, f"--max_steps {t.max_steps}"
+        total_steps, name, value = t.max_steps, "max_steps", str(t.max_steps)
     elif t.max_tokens is not None:
-        total_steps, rule = math.ceil(t.max_tokens / tokens_per_step), f"--max_tokens {t.max_tokens:,}"
+        total_steps, name, value = (
+            math.ceil(t.max_tokens / tokens_per_step),
+            "max_tokens",
+            f"{t.max_tokens:,}",
+        )
     else:
         assert epochs is not None
         # The nearest whole number of steps: the plan's epochs are then the asked ones to within half a step.
         total_steps = math.floor(epochs * train_tokens / tokens_per_step + 0.5)
-        rule = (
-            f"--epochs {epochs:g}"
-            if t.epochs is not None
-            else "one epoch (no --max_steps, --epochs or --max_tokens)"
-        )
-    if rule.startswith("--") and f"train.{rule[2:].split()[0]}" in shipped:
-        rule = f"the preset's {rule[2:]}"
+        if t.epochs is None:
+            return max(1, total_steps), "one epoch (no --max_steps, --epochs or --max_tokens)"
+        name, value = "epochs", f"{epochs:g}"
+    key = f"train.{name}"
+    if key in cfg.flags or cfg.origin is None:  # typed, or a Config built in code
+        rule = f"--{name} {value}"
+    elif key in cfg.shipped:
+        rule = f"the preset's {name} {value}"
+    else:
+        rule = f"{name} {value} in {cfg.origin}"
     return max(1, total_steps), rule
 
 

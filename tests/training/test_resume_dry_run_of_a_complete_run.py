@@ -20,7 +20,8 @@ def done(tmp_path, text_corpus, cache_dir, capsys):
 @pytest.mark.parametrize(
     "flags, needle",
     [
-        ([], "complete at step 4 (--max_steps 4): nothing to train"),
+        # the rule the run saved is named as its config.toml's: this command typed no --max_steps
+        ([], "complete at step 4 (max_steps 4 in {run}/config.toml): nothing to train"),
         (["--max_steps", "2"], "past --max_steps 2"),
     ],
 )
@@ -35,6 +36,7 @@ def test_the_dry_run_of_a_resume_with_nothing_to_train_prints_its_plan_then_refu
     assert plan_of(text)[:2] == ("llama", "debug")
     assert "resuming" in text and "step_000004" in text, text[-2000:]
     errors = [ln for ln in text.splitlines() if ln.startswith("error:")]
+    needle = needle.format(run=done)
     assert len(errors) == 1 and needle in errors[0] and "--max_steps above 4" in errors[0], text[-2000:]
     assert text.index("plan: ") < text.index("error:")
     assert snapshot(tmp_path) == before  # nothing written
