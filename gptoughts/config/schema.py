@@ -109,7 +109,8 @@ class TrainConfig:
     warmup_steps: int | None = None
     """Linear warmup steps; None (auto) means 2% of the run (at least 1, at most 2000)."""
     decay_fraction: float = 0.2
-    """wsd only: fraction of the run spent decaying at the end."""
+    """wsd only: fraction of the run spent decaying at the end (fewer steps where the warmup runs into it: the
+    decay starts where the warmup ends)."""
     weight_decay: float = 0.1
     """AdamW weight decay; never applied to norms, biases and embeddings."""
     beta1: float = 0.9

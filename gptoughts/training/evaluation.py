@@ -5,7 +5,6 @@ task scores are optional parts of a run: a failure in them is one warning and th
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -327,7 +326,9 @@ def early_stopping_line(
     patience = cfg.eval.early_stopping_patience
     if not start or patience is None or resume_from is None or start >= batch.total_steps:
         return ""
-    saved = _saved_trainer_state(resume_from)
+    from gptoughts.training.checkpoint.restore import peek_state
+
+    saved = (peek_state(resume_from) or {}).get("trainer")
     try:
         count = int(saved["evals_without_improvement"])  # type: ignore[index]
         history = [h for h in saved["history"] if math.isfinite(float(h["val_loss"]))]  # type: ignore[index]
@@ -380,31 +381,11 @@ def _evaluates(batch: Any, corpus: dict[str, Any]) -> bool:
     return batch.eval_block != 0 and corpus.get("val_pairs") != 0 and corpus.get("val_examples") != 0
 
 
-def _saved_trainer_state(resume_from: Path) -> dict[str, Any] | None:
-    """The ``trainer`` entry of a checkpoint's state.pt (step, early stopping's count, the val loss history), or None
-    where it cannot be read here (the resume says why when it loads it). Memory-mapped: the optimizer's moments a
-    single-file checkpoint keeps there are not read."""
-    from gptoughts.training.checkpoint.store import STATE_FILE
-
-    try:
-        state = torch.load(Path(resume_from) / STATE_FILE, map_location="cpu", weights_only=True, mmap=True)
-        trainer = state["trainer"]
-    except Exception:  # noqa: BLE001 - a plan's line never stops a run
-        return None
-    return trainer if isinstance(trainer, dict) else None
-
-
 def _ended_by_early_stopping(resume_from: Path, step: int) -> bool:
     """Whether the summary of the run the checkpoint sits in says early stopping ended it at ``step``."""
+    from gptoughts.data.sources import read_json_dict
     from gptoughts.training.checkpoint.store import run_of
 
     home = run_of(Path(resume_from))
-    try:
-        summary = json.loads((home / "summary.json").read_text(encoding="utf-8")) if home else None
-    except (OSError, ValueError):
-        return False
-    return (
-        isinstance(summary, dict)
-        and summary.get("stop_reason") == "early stopping"
-        and summary.get("steps") == step
-    )
+    summary = (read_json_dict(home / "summary.json") if home else None) or {}
+    return summary.get("stop_reason") == "early stopping" and summary.get("steps") == step

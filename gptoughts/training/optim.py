@@ -724,13 +724,19 @@ class Schedule:
             progress = min(1.0, (step - self.warmup_steps) / span)
             return min_lr + 0.5 * (self.peak_lr - min_lr) * (1.0 + math.cos(math.pi * progress))
         if self.kind == "wsd":
-            decay_steps = max(1, int(round(self.total_steps * self.decay_fraction)))
-            decay_start = self.total_steps - decay_steps
-            if step < decay_start:
+            start = self.decay_start()
+            if step < start:
                 return self.peak_lr
-            progress = min(1.0, (step - decay_start) / decay_steps)
+            progress = min(1.0, (step - start) / max(1, self.total_steps - start))
             return self.peak_lr + (min_lr - self.peak_lr) * progress
         raise ValueError(f"unknown schedule {self.kind}")
+
+    def decay_start(self) -> int:
+        """wsd: the step its decay starts at, ``decay_fraction`` of the run before its end, and never before the
+        warmup ends: a warmup that runs into that window shortens the decay (which still reaches the floor at the
+        end, as cosine's does), rather than the rate falling from the peak in one step where the warmup ends."""
+        decay_steps = max(1, int(round(self.total_steps * self.decay_fraction)))
+        return max(self.warmup_steps, self.total_steps - decay_steps)
 
 
 def default_warmup(total_steps: int) -> int:

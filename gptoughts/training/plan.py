@@ -755,6 +755,8 @@ def _warnings(
             + f") covers the whole {batch.total_steps:,}-step run: the learning rate never decays; lower "
             "--warmup_steps"
         )
+    elif cfg.train.schedule == "wsd":
+        out += _wsd_decay_cut(cfg.train, batch)
     if batch.total_steps < MIN_USEFUL_STEPS and cfg.train.max_steps is None:
         smaller = (  # a step of one row per rank: only a shorter row makes more steps of the same data
             "lower --block_size"
@@ -774,6 +776,26 @@ def _warnings(
     ):  # the size a bare --data run gets, not one the user named
         out.append("model.size = debug is the test size: name a size with --size (e.g. 125m)")
     return out
+
+
+def _wsd_decay_cut(t: Any, batch: BatchPlan) -> list[str]:
+    """The line of a wsd run whose warmup runs into the decay window ``train.decay_fraction`` asks for: the decay
+    starts where the warmup ends (``Schedule.decay_start``), over fewer steps than asked."""
+    from dataclasses import replace
+
+    from gptoughts.training.optim import Schedule
+
+    total = batch.total_steps
+    s = Schedule(t.schedule, t.learning_rate, total, batch.warmup_steps, t.min_lr_ratio, t.decay_fraction)
+    asked = total - replace(s, warmup_steps=0).decay_start()
+    left = total - s.decay_start()
+    if left >= asked:
+        return []
+    return [
+        f"the warmup ({batch.warmup_steps:,} steps) runs into the wsd decay of the last {asked:,} steps "
+        f"(train.decay_fraction {t.decay_fraction:g}): the learning rate decays over the last {left:,} only; "
+        "lower --warmup_steps, or raise --decay_fraction"
+    ]
 
 
 def curriculum_warnings(batch: BatchPlan) -> list[str]:

@@ -343,7 +343,7 @@ class Recovery:
     def _diverged(self, what: str, before: int) -> UserError:
         st = self.state
         head = f"training diverged at step {st.step} ({what}, {st.rollbacks} rollback{'' if st.rollbacks == 1 else 's'})"
-        saved = self._save_before_streak(before)
+        saved = self._rescue_before_streak(before)
         if saved is not None:
             return UserError(
                 f"{head}; no checkpoint was written before it, so the weights from before it (its steps were "
@@ -351,11 +351,11 @@ class Recovery:
             )
         return UserError(f"{head}; {self._last_good_text(before)}")
 
-    def _save_before_streak(self, first_bad: int) -> Path | None:
+    def _rescue_before_streak(self, first_bad: int) -> Path | None:
         """A run about to stop on a streak of non-finite steps with no good checkpoint before it would lose all its
         steps: those steps were skipped, so the weights and optimizer are still those of step ``first_bad - 1``,
-        which the trainer saves (when that is a trained step and the run writes checkpoints). Collapsed steps were
-        applied: no such state is left behind them."""
+        which the trainer saves when asked through ``rescue`` (when that is a trained step and the run writes
+        checkpoints); its path, or None. Collapsed steps were applied: no such state is left behind them."""
         if (
             self.rescue is None
             or self._streak_kinds != {"non-finite"}

@@ -29,6 +29,7 @@ from gptoughts.config import Config, config_from_toml_text
 from gptoughts.data.sources import free_name, is_run_folder, read_json_dict
 from gptoughts.errors import ConfigError, UserError
 from gptoughts.training.checkpoint import store as ckpt
+from gptoughts.training.checkpoint.store import write_text_atomic  # noqa: F401 - commands write a run's files by it
 
 # Everything a run writes at its top level (checkpoints/ holds only step_* folders, best.json and temp dirs), and
 # what commands write about it there (`gptoughts eval RUN --tasks`: eval_tasks.json, the scores of its model).
@@ -227,8 +228,6 @@ def _check_resume(run_dir: Path, cfg: Config) -> tuple[Path | None, dict[str, An
     checkpoint it branched from; None: the run stopped before its first one, and starts again from step 0 on its
     own config.toml, which ``cfg`` was loaded from)."""
     check_resumable(run_dir)
-    old = _old_config(run_dir)
-    _check_same_model(old, cfg, f"{run_dir} holds", "drop those flags, or use another --out")
     steps = ckpt.list_steps(run_dir / "checkpoints")
     found = ckpt.latest_valid(run_dir / "checkpoints")
     if steps and found is None:
@@ -242,10 +241,19 @@ def _check_resume(run_dir: Path, cfg: Config) -> tuple[Path | None, dict[str, An
     record = read_run_json(run_dir)
     if found is None:
         found = _branch_origin(run_dir, record)
-    if found is not None:  # (a run with no checkpoint yet restarts from step 0: any optimizer, any batches)
-        _check_optimizer(found, old.train.optimizer, cfg, True)
-        _check_data_order(found, old, cfg, record)
+    _check_against_run(run_dir, found, cfg, f"{run_dir} holds", "drop those flags, or use another --out")
     return found, record
+
+
+def _check_against_run(source: Path, path: Path | None, cfg: Config, subject: str, fix: str) -> None:
+    """What a resume of checkpoint ``path`` checks against the config.toml of its run ``source``: the same model,
+    and for the checkpoint's state the same optimizer and data order (``path`` None: a run with no checkpoint yet
+    restarts from step 0, with any optimizer and any batches). ``subject`` and ``fix``: as :func:`_check_same_model`."""
+    old = _old_config(source)
+    _check_same_model(old, cfg, subject, fix)
+    if path is not None:
+        _check_optimizer(path, old.train.optimizer, cfg, True)
+        _check_data_order(path, old, cfg, read_run_json(source))
 
 
 def _branch_origin(run_dir: Path, record: dict[str, Any] | None) -> Path | None:
@@ -301,12 +309,13 @@ def _check_checkpoint(run_dir: Path, cfg: Config, path: Path) -> tuple[Path | No
             )
     source = home if home is not None else path.parent
     if (source / "config.toml").is_file():
-        old = _old_config(source)
-        _check_same_model(
-            old, cfg, f"{path} was saved from", f"give the model flags of its run ({source}/config.toml)"
+        _check_against_run(
+            source,
+            path,
+            cfg,
+            f"{path} was saved from",
+            f"give the model flags of its run ({source}/config.toml)",
         )
-        _check_optimizer(path, old.train.optimizer, cfg, True)
-        _check_data_order(path, old, cfg, read_run_json(source))
     else:  # a checkpoint moved out of its run: its weights' shapes are checked as they load
         from gptoughts.training.checkpoint.restore import saved_optimizer
 
@@ -584,16 +593,6 @@ def _remove(p: Path) -> None:
         shutil.rmtree(p)
     elif p.is_symlink() or p.exists():
         p.unlink()
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to a temp file beside ``path``, fsync, rename: a reader sees the old or the new file."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def output_file(given: str | Path | None, default: str, overwrite: bool) -> Path:

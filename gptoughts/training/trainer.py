@@ -142,7 +142,7 @@ class Trainer:
         self.checkpointer = checkpointer
         self.recovery = recovery
         if recovery is not None:
-            recovery.rescue = self._save_before_streak
+            recovery.rescue = self._checkpoint_before_streak
         self.evaluator = evaluator
         self.scaler = scaler
         self.forward_context = forward_context
@@ -521,7 +521,7 @@ class Trainer:
             self.metrics.log(self.state.step, {"checkpoint_blocked_s": blocked})
         return True
 
-    def _save_before_streak(self, first_bad: int) -> Path | None:
+    def _checkpoint_before_streak(self, first_bad: int) -> Path | None:
         """``Recovery.rescue``: the weights and optimizer from before a streak of skipped steps, saved as step
         ``first_bad - 1`` (the loader stays past the streak's batches, as after a rollback); the checkpoint's path,
         or None where none could be written (no checkpoints, non-finite weights, a failed write)."""

@@ -72,16 +72,25 @@ def load_weights(model: nn.Module, path: Path, *, strict: bool = True, sharded: 
         )
 
 
+def peek_state(path: Path) -> dict[str, Any] | None:
+    """Checkpoint ``path``'s state.pt for a look at its entries (the trainer's counters, the optimizer's groups),
+    or None where it does not read (the resume says why when it loads it). Memory-mapped: the optimizer's moments
+    a single-file checkpoint keeps there are not read, only the pickle's structure."""
+    try:
+        state = torch.load(Path(path) / STATE_FILE, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # noqa: BLE001 - whatever the file holds, the answer is "cannot tell"
+        return None
+    return state if isinstance(state, dict) else None
+
+
 def saved_optimizer(path: Path) -> str | None:
     """``"muon"`` or ``"adamw"``: the optimizer whose state checkpoint ``path`` holds, from its parameter groups
     (Muon marks its own); None where it cannot tell (a sharded checkpoint keeps them in its shards, or state.pt
-    does not read: the resume says why when it loads it)."""
+    does not read)."""
     try:
-        # mmap: the moments are not read, only the pickle's structure
-        state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=True, mmap=True)
-        groups = state["optimizer"]["param_groups"]
+        groups = (peek_state(path) or {})["optimizer"]["param_groups"]
         return "muon" if any(isinstance(g, dict) and g.get("muon") for g in groups) else "adamw"
-    except Exception:  # noqa: BLE001 - whatever the file holds, the answer is "cannot tell"
+    except (KeyError, TypeError):
         return None
 
 

@@ -239,16 +239,19 @@ def recover(root: str | Path) -> None:
             _fsync_dir(root)
 
 
-def write_json_atomic(path: Path, obj: Any) -> None:
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to a temp file beside ``path``, fsync, rename: a reader sees the old or the new file."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=2))
-    _fsync_file(tmp)
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
 
 
 def mark_best(root: Path, step: int, val_loss: float | None) -> None:
     """Name ``step`` the best checkpoint (``best.json``): :func:`rotate` never removes it."""
-    write_json_atomic(root / "best.json", {"step": step, "val_loss": val_loss})
+    write_text_atomic(root / "best.json", json.dumps({"step": step, "val_loss": val_loss}, indent=2))
 
 
 def best_step(root: Path) -> int | None:
