@@ -148,11 +148,33 @@ class _Windows:
         return shard, (windows - self._starts[shard]) * self.block_size
 
 
-def _too_small(n_tokens: int, split: str, block_size: int, name: str | None = None) -> DataError:
+def fewer_than_a_block(
+    n_tokens: int, split: str, block_size: int, name: str | None = None, *, at_most: bool = False
+) -> DataError:
+    """The refusal of a corpus (or source ``name``) of fewer tokens than one block (``at_most``: a dry run's bound
+    on the tokens, not their count)."""
     what = f"source {name}" if name else "corpus"
     return DataError(
-        f"{what} has {n_tokens} {split} tokens, fewer than one block of block_size+1 = {block_size + 1}; "
-        f"use a smaller --block_size or more data"
+        f"{what} has {'at most ' if at_most else ''}{n_tokens} {split} tokens, fewer than one block of "
+        f"block_size+1 = {block_size + 1}; use a smaller --block_size or more data"
+    )
+
+
+def no_block(
+    phase: str | None,
+    block_size: int,
+    tokens: list[tuple[str, int]],
+    split: str = "train",
+    *,
+    at_most: bool = False,
+) -> DataError:
+    """The refusal of a curriculum phase (None: the whole corpus) none of whose sources holds one block: a block
+    never spans two sources, so the phase has nothing to draw (``at_most``: a dry run's bound on the tokens)."""
+    what = "the corpus" if phase is None else f"curriculum phase {phase!r}"
+    counts = ", ".join(f"{name} {'at most ' if at_most else ''}{n:,}" for name, n in tokens)
+    return DataError(
+        f"{what} has no source of one block of block_size+1 = {block_size + 1} tokens (a block never spans two "
+        f"sources; {split} tokens: {counts}); use a smaller --block_size, or join the sources"
     )
 
 
@@ -194,9 +216,31 @@ class _ResolvedPhase:
     end_tokens: float  # cumulative budget end (inf for the last phase)
 
 
+def check_drawable(
+    dataset: str | Path | TokenDataset, phases: Sequence[Phase] | None, block_size: int, split: str = "train"
+) -> None:
+    """What a :class:`BatchLoader` of ``dataset`` refuses (no block to draw from the corpus, a phase or a source it
+    weights), said before a run writes anything: by its plan, a dry run's included."""
+    _drawable(
+        dataset if isinstance(dataset, TokenDataset) else TokenDataset(dataset), split, block_size, phases
+    )
+
+
+def _drawable(
+    ds: TokenDataset, split: str, block_size: int, phases: Sequence[Phase] | None
+) -> tuple[list[_Windows], list[_ResolvedPhase]]:
+    windows = [
+        _Windows(ds.shards(split, s.index), block_size, ds.shard_paths(split, s.index)) for s in ds.sources
+    ]
+    if ds.num_tokens(split) < block_size + 1:  # (sources of fewer tokens each: said by the phase, below)
+        raise fewer_than_a_block(ds.num_tokens(split), split, block_size)
+    return windows, _resolve_phases(phases, ds, windows, split)
+
+
 def _resolve_phases(
     phases: Sequence[Phase] | None, ds: TokenDataset, windows: list[_Windows], split: str
 ) -> list[_ResolvedPhase]:
+    whole = not phases
     if not phases:
         phases = [Phase("all", list(range(len(ds.sources))))]
     out: list[_ResolvedPhase] = []
@@ -212,6 +256,13 @@ def _resolve_phases(
             raise ConfigError(f"phase {ph.name!r} lists a source twice; list each source once")
         if pairs[0][1] is None:  # proportional to the tokens each source can give
             weights = [float(windows[i].count) for i in ids]
+            if not sum(weights):  # (its batches divided by zero once drawn)
+                raise no_block(
+                    None if whole else ph.name,
+                    windows[ids[0]].block_size,
+                    [(ds.sources[i].given, ds.num_tokens(split, i)) for i in ids],
+                    split,
+                )
             if split == "train":
                 _warn_never_drawn(
                     ds, windows, [i for i in ids if not windows[i].count and ds.num_tokens(split, i)]
@@ -226,7 +277,9 @@ def _resolve_phases(
             if w > 0 and windows[i].count == 0:
                 s = ds.sources[i]
                 n = ds.num_tokens(split, i)
-                raise _too_small(n, split, windows[i].block_size, None if len(ds.sources) == 1 else s.given)
+                raise fewer_than_a_block(
+                    n, split, windows[i].block_size, None if len(ds.sources) == 1 else s.given
+                )
         if ph.tokens is None and k != len(phases) - 1:
             raise ConfigError(f"phase {ph.name!r} has no token budget but is not the last; give it tokens=N")
         if ph.tokens is not None and ph.tokens <= 0:
@@ -431,13 +484,7 @@ class BatchLoader:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.prefetch = prefetch
         self.pin_memory = self.device.type == "cuda" if pin_memory is None else pin_memory
-        self._windows = [
-            _Windows(ds.shards(split, s.index), block_size, ds.shard_paths(split, s.index))
-            for s in ds.sources
-        ]
-        if sum(w.count for w in self._windows) == 0:
-            raise _too_small(ds.num_tokens(split), split, block_size)
-        self._phases = _resolve_phases(phases, ds, self._windows, split)
+        self._windows, self._phases = _drawable(ds, split, block_size, phases)
         self._producer = _Producer(
             ds,
             self._windows,
@@ -608,7 +655,7 @@ def eval_batches(
     total = sum(c for _, _, c in per_shard)
     if total == 0:
         n_tok = sum(ds.num_tokens(split, i) for i in ids)
-        raise _too_small(n_tok, split, block_size)
+        raise fewer_than_a_block(n_tok, split, block_size)
     if whole and max_batches is None and world_size == 1:
         n_batches, rows_per = -(-total // batch_size), batch_size
     elif total < batch_size:

@@ -660,10 +660,24 @@ def files_read(path: Path, extensions: tuple[str, ...]) -> Iterator[Path]:
         yield path
 
 
-def text_bytes_estimate(f: Path, text_field: str) -> int:
-    """About how many bytes of text reading file ``f`` gives: its size, or for Parquet (compressed) the
-    uncompressed size of its text column, from the file's footer (no data read)."""
+def text_bytes_estimate(f: Path, text_field: str, sample: int = 1 << 20) -> int:
+    """About how many bytes of text reading file ``f`` gives: its size; for JSONL, its size times the share of text
+    in its first ``sample`` bytes (JSON's syntax and escapes: a French corpus's were planned as 1.6x its text);
+    for Parquet (compressed) the uncompressed size of its text column, from the file's footer (no data read)."""
     size = _stat(f).st_size
+    if f.suffix.lower() == ".jsonl":
+        stats, text = SourceStats(), 0
+        docs = _read_jsonl(f, text_field, stats)
+        try:
+            for doc in docs:
+                text += len(doc.encode("utf-8", "surrogatepass"))
+                if stats.bytes_read >= sample:
+                    break
+        except DataError:  # a bad line: reading the file says which
+            return size
+        finally:
+            docs.close()
+        return round(size * text / stats.bytes_read) if stats.bytes_read else size
     if f.suffix.lower() != ".parquet":
         return size
     import pyarrow.parquet as pq

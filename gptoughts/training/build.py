@@ -32,7 +32,7 @@ import torch
 
 from gptoughts.config import Config
 from gptoughts.data.sources import read_json_dict
-from gptoughts.errors import DataError, UserError
+from gptoughts.errors import UserError
 from gptoughts.parallel import dist as pdist
 from gptoughts.perf import hardware
 from gptoughts.training import rundir
@@ -219,7 +219,6 @@ def _assemble(
             data = prepare_data(cfg, env)  # 3
         if resume_from is not None:
             rundir.check_resumed_tokenizer(run_dir, resume_from, data.tokenizer, cfg)
-    _check_corpus(cfg, data)
     if not dry_run:
         model = build_model(cfg, env, data)  # 4
         batch = plan_batches(cfg, env, data, model, resumed_run=resumed_run, resumed_at=resumed_at)  # 5
@@ -383,14 +382,6 @@ def _unbuilt_settings(env: Environment, model: Model) -> dict[str, object] | Non
     if model.transforms is None:
         return None
     return settings(model.transforms, parallel_layout(env.dist, model.raw))
-
-
-def _check_corpus(cfg: Config, data: Data) -> None:
-    if data.format == "text" and not data.estimated and data.corpus["tokens"] < cfg.train.block_size + 1:
-        raise DataError(
-            f"the corpus has {data.corpus['tokens']:,} training tokens, fewer than one block of "
-            f"{cfg.train.block_size + 1:,}; lower --block_size or add data"
-        )
 
 
 def _threads_why(env: Environment, threads: tuple[int, str] | None, dry_run: bool) -> str | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from gptoughts.config import Config
@@ -113,8 +114,10 @@ def init_from_dir(cfg: Config, *, weights: bool = True) -> Path | None:
 def prepare_data(cfg: Config, env: Environment, *, dry_run: bool = False) -> Data:
     """Tokenizer and token shards (rank 0 prepares, the others read the cache), or the SFT examples. A dry run
     tokenizes nothing: the shards when cached, else the corpus's size and an estimate of its tokens."""
+    from gptoughts.data.loader import check_drawable
     from gptoughts.data.prepare import lookup_cached
     from gptoughts.data.sft import resolve_format
+    from gptoughts.training.components import phases
 
     sources = resolve_sources(cfg.data.sources)
     check_phases(cfg)
@@ -140,6 +143,7 @@ def prepare_data(cfg: Config, env: Environment, *, dry_run: bool = False) -> Dat
             return _estimated(cfg, sources, tok_spec, init_from, corpus)
     else:
         manifest = _prepared(cfg, env, sources, tok_spec, kwargs)
+    check_drawable(manifest.dir, phases(cfg), cfg.train.block_size)  # what its loader would refuse, said now
     corpus.update(
         bytes_read=sum(s.bytes for s in manifest.sources),
         tokens=manifest.train_tokens,
@@ -162,7 +166,7 @@ def _sft_data(cfg: Config, sources: list[str], tok_spec: Any, init_from: Path | 
     """Every rank tokenizes the (small) SFT set itself: deterministic, no cache."""
     from gptoughts.data.sft import SFTData
 
-    tokenizer = _sft_tokenizer(tok_spec, sources)
+    tokenizer = _sft_tokenizer(tok_spec, sources, cfg.model.trust_remote_code)
     sft = SFTData(
         sources,
         tokenizer,
@@ -182,7 +186,7 @@ def _pref_data(cfg: Config, sources: list[str], tok_spec: Any, init_from: Path |
     from gptoughts.data.prefs import PrefData
     from gptoughts.data.tokenizer import build_tokenizer
 
-    tokenizer = build_tokenizer(tok_spec)
+    tokenizer = build_tokenizer(tok_spec, trust_remote_code=cfg.model.trust_remote_code)
     pairs = PrefData(
         sources,
         tokenizer,
@@ -210,23 +214,28 @@ def _estimated(
     cfg: Config, sources: list[str], tok_spec: Any, init_from: Path | None, corpus: dict[str, Any]
 ) -> Data:
     """A dry run's corpus with no cached shards: its tokens estimated from its bytes, nothing tokenized."""
+    from gptoughts.data.cache import held_out_docs
+    from gptoughts.data.split import SplitRule
     from gptoughts.data.tokenizer import parse_spec, tokenizer_before_training
 
     kind = parse_spec(tok_spec)[0]
-    tokenizer, vocab = tokenizer_before_training(tok_spec)
+    tokenizer, vocab = tokenizer_before_training(tok_spec, trust_remote_code=cfg.model.trust_remote_code)
     cap = cfg.data.max_bytes
     exts = cfg.data.extensions or None
-    _refuse_what_the_run_refuses(sources, cfg.data.text_field, exts)
+    _refuse_what_the_run_refuses(cfg, sources, exts, tokenizer)
     text = _text_per_source(sources, exts, cfg.data.text_field)  # a Parquet file holds more than its size
     read = sum(text) if cap is None else sum(min(b, cap) for b in text)
     per_token = _bytes_per_token(kind, vocab)
     # a model's own tokenizer: measured on the corpus's start
     if tokenizer is not None and kind not in ("bytes", "bpe"):
         per_token = _measured_bytes_per_token(tokenizer, sources, cfg) or per_token
+    # the held-out share the split will take (a small corpus's is larger than data.val_fraction)
+    held_out = SplitRule(cfg.data.val_fraction, held_out_docs(cfg.data.val_fraction, None)).share(read)
     corpus.update(
         bytes_read=read,
         vocab=vocab,
-        tokens=int(read / per_token),
+        tokens=int(read * (1 - held_out) / per_token),
+        val_tokens=int(read * held_out / per_token),
         cut=read < sum(text),
     )
     return Data(
@@ -312,25 +321,67 @@ def _text_per_source(sources: list[str], extensions: list[str] | None, text_fiel
     ]
 
 
-def _refuse_what_the_run_refuses(sources: list[str], text_field: str, extensions: list[str] | None) -> None:
-    """A dry run reads each source's first document, as the run's reading would: an empty file, or a folder with
-    nothing to read, is refused in the run's words (it planned 256 epochs over 0 tokens)."""
-    from gptoughts.data.sources import iter_documents
+def _refuse_what_the_run_refuses(
+    cfg: Config, sources: list[str], extensions: list[str] | None, tokenizer: Any
+) -> None:
+    """An empty source, a corpus of fewer training tokens than one block, or a curriculum phase (the whole corpus
+    without one) whose sources are each shorter than a block, refused by a dry run in the run's words (it planned
+    256 epochs over 0 tokens, then 15 epochs over 17; a phase of short sources crashed the run's first batch)."""
+    from gptoughts.data.loader import fewer_than_a_block, no_block
 
-    for source in sources:
-        docs = iter_documents(source, text_field=text_field, extensions=extensions)
+    block = cfg.train.block_size
+    most = _most_tokens(cfg, sources, extensions, tokenizer)
+    if sum(most) <= block:
+        raise fewer_than_a_block(sum(most), "train", block, at_most=True)
+    given = cfg.data.phases or [SimpleNamespace(name=None, sources=cfg.data.sources, weights=None)]
+    for phase in given:
+        ids = [sources.index(s) for s in resolve_sources(phase.sources)]  # (check_phases: each is a source)
+        if not phase.weights and all(most[i] <= block for i in ids):
+            raise no_block(phase.name, block, [(cfg.data.sources[i], most[i]) for i in ids], at_most=True)
+        # a source weighted in is drawn: shorter than a block, the run refuses it
+        short = [i for i, w in zip(ids, phase.weights or []) if w > 0 and most[i] <= block]
+        if short:
+            raise fewer_than_a_block(most[short[0]], "train", block, cfg.data.sources[short[0]], at_most=True)
+
+
+def _most_tokens(cfg: Config, sources: list[str], extensions: list[str] | None, tokenizer: Any) -> list[int]:
+    """Of each source, at least as many tokens as the run's training split holds, or more than one block: the
+    documents the run reads (each source's first, then on while it may hold less than one block), each bounded
+    from above so that a corpus that trains is never refused: its end-of-text (and a model's BOS), plus one token
+    a byte for ``bytes`` and a BPE of bytes (a merge only joins bytes); with a model's own tokenizer, the more of
+    its tokens and its bytes plus one (the split may cut a document, and its head can take more tokens than the
+    whole: each token spells a byte or more, beside a leading space marker)."""
+    from gptoughts.data.sources import normalize_extensions, resolve_source
+    from gptoughts.data.split import Reader
+
+    settings = {"text_field": cfg.data.text_field, "seed": cfg.train.seed, "max_bytes": cfg.data.max_bytes}
+    reader = Reader([resolve_source(s) for s in sources], settings, normalize_extensions(extensions))
+    own = tokenizer is not None and not tokenizer.is_bytes
+    specials = 1 + int(own and tokenizer.bos_id is not None and tokenizer.bos_id != tokenizer.eos_id)
+    most = [0] * len(sources)
+    for i in range(len(sources)):
+        docs = reader.docs(i)  # (a source with no document is refused here, as the run's reading refuses it)
         try:
-            next(docs, None)
+            for doc in docs:
+                size = len(doc.encode("utf-8", "surrogatepass"))
+                most[i] += specials + (max(len(tokenizer.encode(doc)), size + 1) if own else size)
+                if most[i] > cfg.train.block_size:
+                    break
         finally:
             docs.close()
+    return most
 
 
-def _sft_tokenizer(spec: str, sources: list[str]) -> Any:
+def _sft_tokenizer(spec: str, sources: list[str], trust_remote_code: bool = False) -> Any:
     """The tokenizer of an SFT run: a folder's or ``bytes`` as is; ``bpe:N`` trained on the conversations."""
     from gptoughts.data.sft import read_conversations
     from gptoughts.data.tokenizer import build_tokenizer
 
-    return build_tokenizer(spec, texts=lambda: (m["content"] for c in read_conversations(sources) for m in c))
+    return build_tokenizer(
+        spec,
+        texts=lambda: (m["content"] for c in read_conversations(sources) for m in c),
+        trust_remote_code=trust_remote_code,
+    )
 
 
 def synthetic_data(vocab_size: int, init_from: Path | None = None, tokenizer: Any = None) -> Data:
