@@ -92,10 +92,13 @@ class Tokenizer:
         chat_template: str | None = None,
         spec: str = "",
         source_dir: str | Path | None = None,
+        trust_remote_code: bool = False,
     ) -> None:
         self.backend = backend
         self.spec = spec
         self.source_dir = Path(source_dir) if source_dir is not None else None
+        # Whether the source folder's own tokenizer class (auto_map) may run: the user's --trust_remote_code.
+        self.trust_remote_code = trust_remote_code
         self.eos_token = eos_token
         self.pad_token = pad_token
         self.bos_token = bos_token
@@ -201,12 +204,8 @@ class Tokenizer:
         a ``PreTrainedTokenizerFast`` around a copy of the backend.
         """
         if self._hf is None:
-            import transformers
-
             if self.source_dir is not None:
-                self._hf = transformers.AutoTokenizer.from_pretrained(
-                    str(self.source_dir), trust_remote_code=False
-                )
+                self._hf = _auto_tokenizer(self.source_dir, self.trust_remote_code)
             else:
                 self._hf = self._to_hf()
         return self._hf
@@ -278,8 +277,11 @@ class Tokenizer:
         return d
 
     @classmethod
-    def load(cls, directory: str | Path, *, spec: str | None = None) -> Tokenizer:
-        """Load a tokenizer folder (ours, or any local Hugging Face tokenizer/model folder)."""
+    def load(
+        cls, directory: str | Path, *, spec: str | None = None, trust_remote_code: bool = False
+    ) -> Tokenizer:
+        """Load a tokenizer folder (ours, or any local Hugging Face tokenizer/model folder); ``trust_remote_code``
+        lets transformers run the folder's own tokenizer class where one is needed (off unless the user asks)."""
         d = Path(directory).expanduser()
         if not d.is_dir():
             raise ConfigError(f"{_SPEC_HELP} {str(directory)!r} (no such folder)")
@@ -294,7 +296,7 @@ class Tokenizer:
         if (d / "tokenizer.json").is_file():
             backend = _backend_from_file(d / "tokenizer.json")
         else:
-            backend, roles, template = _load_with_transformers(d, roles, template)
+            backend, roles, template = _load_with_transformers(d, roles, template, trust_remote_code)
         if roles["eos_token"] is None:
             roles["eos_token"] = _eos_from_model_config(d, backend)
         if roles["eos_token"] is None:
@@ -310,6 +312,7 @@ class Tokenizer:
             chat_template=template,
             spec=spec if spec is not None else str(d),
             source_dir=d,
+            trust_remote_code=trust_remote_code,
         )
 
 
@@ -359,14 +362,30 @@ def _read_chat_template(d: Path, cfg: dict) -> str | None:
     return tpl if isinstance(tpl, str) else None
 
 
+def _auto_tokenizer(d: Path, trust_remote_code: bool) -> Any:
+    """``AutoTokenizer.from_pretrained(d)``; a folder whose tokenizer is a class of its own, refused for want of
+    ``trust_remote_code``, is a one-line ConfigError naming the flag."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(d), trust_remote_code=trust_remote_code)
+    except ValueError as e:
+        if "trust_remote_code" in str(e) and not trust_remote_code:
+            raise ConfigError(
+                f"the tokenizer of {d} is a class of its own (auto_map in tokenizer_config.json) whose Python code "
+                "must run to load it; pass --trust_remote_code if you trust that code"
+            ) from None
+        raise
+
+
 def _load_with_transformers(
-    d: Path, roles: dict[str, str | None], template: str | None
+    d: Path, roles: dict[str, str | None], template: str | None, trust_remote_code: bool
 ) -> tuple[tokenizers.Tokenizer, dict[str, str | None], str | None]:
     """Fallback for folders without tokenizer.json (e.g. sentencepiece only): let transformers convert it."""
     try:
-        from transformers import AutoTokenizer
-
-        hf = AutoTokenizer.from_pretrained(str(d), trust_remote_code=False)
+        hf = _auto_tokenizer(d, trust_remote_code)
+    except ConfigError:
+        raise
     except Exception as e:  # transformers raises many types here (OSError, ValueError, ImportError...)
         raise ConfigError(f"{_SPEC_HELP} {str(d)!r} (transformers could not load it: {e})") from None
     backend = getattr(hf, "backend_tokenizer", None)
@@ -473,19 +492,22 @@ def parse_spec(spec: str) -> tuple[str, int | None]:
     raise ConfigError(f"{_SPEC_HELP} {s!r}")
 
 
-def tokenizer_before_training(spec: str) -> tuple[Tokenizer | None, int]:
+def tokenizer_before_training(spec: str, *, trust_remote_code: bool = False) -> tuple[Tokenizer | None, int]:
     """What ``spec`` gives before any corpus is read: the tokenizer of ``bytes`` or a folder and its vocabulary, or
     ``(None, VOCAB)`` for ``bpe:VOCAB`` (trained on the corpus later; VOCAB unless the corpus is too small)."""
     kind, vocab = parse_spec(spec)
     if kind == "bpe":
         assert vocab is not None
         return None, vocab
-    tok = bytes_tokenizer() if kind == "bytes" else Tokenizer.load(spec)
+    tok = bytes_tokenizer() if kind == "bytes" else Tokenizer.load(spec, trust_remote_code=trust_remote_code)
     return tok, tok.vocab_size
 
 
-def build_tokenizer(spec: str, texts: Callable[[], Iterator[str]] | None = None) -> Tokenizer:
-    """Build the tokenizer a spec names: ``bytes``, ``bpe:VOCAB`` (trained on ``texts()``) or a folder."""
+def build_tokenizer(
+    spec: str, texts: Callable[[], Iterator[str]] | None = None, *, trust_remote_code: bool = False
+) -> Tokenizer:
+    """Build the tokenizer a spec names: ``bytes``, ``bpe:VOCAB`` (trained on ``texts()``) or a folder (a model's,
+    whose own tokenizer class runs only with ``trust_remote_code``)."""
     kind, vocab = parse_spec(spec)
     if kind == "bytes":
         return bytes_tokenizer()
@@ -494,4 +516,4 @@ def build_tokenizer(spec: str, texts: Callable[[], Iterator[str]] | None = None)
             raise ConfigError(f"--tokenizer {spec} trains on the corpus, but no training text was given")
         assert vocab is not None
         return train_bpe(texts(), vocab, spec=str(spec).strip())
-    return Tokenizer.load(str(spec).strip(), spec=str(spec).strip())
+    return Tokenizer.load(str(spec).strip(), spec=str(spec).strip(), trust_remote_code=trust_remote_code)

@@ -77,6 +77,10 @@ _HUB_ID = re.compile(r"^[\w][\w.-]*/[\w][\w.-]*$")
 _LIGHT_FILES = ["*.json", "*.jinja", "*.model", "*.txt", "*.tiktoken", "*.py"]
 
 
+# A hub model as the Hugging Face cache holds it: .../models--ORG--NAME/snapshots/COMMIT ("--" is never in a hub id).
+_SNAPSHOT = re.compile(r"models--([\w.-]+?)--([\w.-]+)/snapshots/([0-9a-f]{40})/?$")
+
+
 def is_hub_id(spec: str) -> bool:
     """``ORG/NAME``, which names a Hugging Face hub model when no local folder has that path."""
     return bool(_HUB_ID.match(spec)) and ".." not in spec and not Path(spec).expanduser().exists()
@@ -117,6 +121,19 @@ def locate(spec: str | Path, *, weights: bool = True) -> Path:
         ) from None
 
 
+def restore_hint(path: str | Path) -> str:
+    """The fix for a model folder that is gone: a snapshot of the Hugging Face cache (what a run fine-tuned from a hub
+    id records) is downloaded again at its revision, to the same path; any other folder is put back."""
+    m = _SNAPSHOT.search(Path(path).as_posix())
+    if m is None:
+        return "put the base model folder back at that path"
+    repo, commit = f"{m[1]}/{m[2]}", m[3]
+    return (
+        f"it is {repo} as the Hugging Face cache held it: download it again with "
+        f"`hf download {repo} --revision {commit}`"
+    )
+
+
 def base_fingerprint(spec: str | Path) -> str | None:
     """16 hex digits naming a local model folder's files as they are: ``config.json``, and each weight file's name,
     size and first and last MiB (a new revision saved over the old one changes them; its sizes alone may not).
@@ -155,6 +172,8 @@ def read_config(path: str | Path) -> dict[str, Any]:
     """The raw ``config.json`` of a model folder (UserError when it is not one)."""
     p = Path(path).expanduser()
     if not p.is_dir():
+        if _SNAPSHOT.search(p.as_posix()):  # a hub model the cache held (a run's base), deleted since
+            raise UserError(f"{p} is missing; {restore_hint(p)}")
         raise UserError(
             f"{p} is not a folder; pass a local Hugging Face model folder (what save_pretrained writes) or "
             "a Hugging Face hub id (ORG/NAME)"
@@ -307,11 +326,11 @@ def require_tokenizer(path: str | Path) -> None:
         )
 
 
-def load_tokenizer(path: str | Path) -> Any:
+def load_tokenizer(path: str | Path, trust_remote_code: bool = False) -> Any:
     from gptoughts.data.tokenizer import Tokenizer
 
     require_tokenizer(path)
-    return Tokenizer.load(Path(path))
+    return Tokenizer.load(Path(path), trust_remote_code=trust_remote_code)
 
 
 def _cast_params(model: nn.Module, dtype: torch.dtype) -> None:
@@ -338,7 +357,7 @@ def load_pretrained(
     p = Path(path).expanduser()
     raw = read_config(p)
     model_type = str(raw["model_type"])
-    tokenizer = load_tokenizer(p)
+    tokenizer = load_tokenizer(p, trust_remote_code)
     device = torch.device(device)
     found = find_adapter(model_type)
     reason = f"model_type {model_type!r} has no native implementation"

@@ -262,13 +262,19 @@ def copy_tokenizer_files(src: str | Path, out: str | Path) -> None:
     """Copy the original tokenizer files of a model folder over ours: same vocabulary, but the folder's own
     tokenizer class and settings (``model_max_length``, ``add_bos_token``...) survive the round trip."""
     src, out = Path(src), Path(out)
-    for name in (
+    names = [
         "tokenizer.json",
         "tokenizer_config.json",
         "special_tokens_map.json",
         "tokenizer.model",
         "chat_template.jinja",
         "chat_template.json",
-    ):
+    ]
+    # A tokenizer class of the folder's own (auto_map) is Python beside it, which may import more of the folder's
+    # modules: without them the export's tokenizer_config.json names code that is not there.
+    config = src / "tokenizer_config.json"
+    if config.is_file() and '"auto_map"' in config.read_text(encoding="utf-8", errors="replace"):
+        names += sorted(f.name for f in src.glob("*.py"))
+    for name in names:
         if (src / name).is_file():
             shutil.copy2(src / name, out / name)

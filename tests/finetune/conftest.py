@@ -31,6 +31,22 @@ def ft_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return d
 
 
+@pytest.fixture
+def hub_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty Hugging Face cache in tmp_path, offline."""
+    import huggingface_hub.constants as hf_constants
+
+    cache = tmp_path / "hf-home" / "hub"
+    cache.mkdir(parents=True)
+    monkeypatch.setenv("HF_HOME", str(cache.parent))
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    # huggingface_hub reads these variables once, when it is imported (transformers imported it already)
+    monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", True)
+    return cache
+
+
 @pytest.fixture(autouse=True)
 def _one_thread():
     """Tiny models gain nothing from intra-op threads, and on a busy 2-core machine OpenMP's spinning threads

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -144,3 +145,15 @@ def sft_rows(path: Path, n: int = 48) -> Path:
 def losses(run: Path) -> dict[int, float]:
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def put_in_hub_cache(cache: Path, repo_id: str, folder: Path) -> Path:
+    """``folder`` as huggingface_hub caches a download of ``repo_id``: models--ORG--NAME/snapshots/<commit>/...
+    with refs/main naming the commit. Returns the snapshot folder."""
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    snapshot = repo / "snapshots" / commit
+    shutil.copytree(folder, snapshot)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    return snapshot

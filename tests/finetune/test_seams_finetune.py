@@ -5,14 +5,12 @@ trains those architectures from scratch and exports them to their transformers c
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Mapping
-from pathlib import Path
 
 import pytest
 import torch
 from cli_helpers import FASTRUN, QUIET_CPU, ok, run_cli
-from hf_helpers import CHATML, FT_FAST, hf_logits, make_tokenizer, sft_rows, transformers
+from hf_helpers import CHATML, FT_FAST, hf_logits, make_tokenizer, put_in_hub_cache, sft_rows, transformers
 
 from gptoughts import api, models
 from gptoughts.config import load_config
@@ -87,34 +85,6 @@ def test_finetune_defaults_and_what_the_user_sets(hf_model, tmp_path, capsys):
 
 
 # ------------------------------------------------------------------------------------ Hugging Face hub ids
-
-
-@pytest.fixture
-def hub_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """An empty Hugging Face cache in tmp_path, offline."""
-    import huggingface_hub.constants as hf_constants
-
-    cache = tmp_path / "hf-home" / "hub"
-    cache.mkdir(parents=True)
-    monkeypatch.setenv("HF_HOME", str(cache.parent))
-    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    # huggingface_hub reads these variables once, when it is imported (transformers imported it already)
-    monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(cache))
-    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", True)
-    return cache
-
-
-def put_in_hub_cache(cache: Path, repo_id: str, folder: Path) -> Path:
-    """``folder`` as huggingface_hub caches a download of ``repo_id``: models--ORG--NAME/snapshots/<commit>/...
-    with refs/main naming the commit. Returns the snapshot folder."""
-    commit = "0123456789abcdef0123456789abcdef01234567"
-    repo = cache / f"models--{repo_id.replace('/', '--')}"
-    snapshot = repo / "snapshots" / commit
-    shutil.copytree(folder, snapshot)
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text(commit)
-    return snapshot
 
 
 def test_finetune_a_hub_id_from_the_hugging_face_cache_offline(
