@@ -22,7 +22,7 @@ from gptoughts import models
 from gptoughts.config import Config, config_from_toml_text, load_config
 from gptoughts.errors import ConfigError, DataError, UserError, as_disk_full, first_line
 from gptoughts.models import GENERIC_FAMILY
-from gptoughts.models.hf import check_base_unchanged, is_hf_folder, load_pretrained
+from gptoughts.models.hf import check_base_unchanged, is_hf_folder, load_pretrained, restore_hint
 from gptoughts.models.hf_generic import HFCausalLM
 from gptoughts.parallel import dist as pdist
 from gptoughts.perf import hardware
@@ -304,8 +304,11 @@ def _disk_full_is_a_user_error(run_dir: Path) -> Iterator[None]:
 def _final_sample(asm: Any) -> str | None:
     """The summary's sample of the first prompt, once training and its last checkpoint are done: the trainer's from
     the final step when it sampled there (the same seeded text), else generated now. A failure is one warning line:
-    a sample never turns a finished run into an error."""
+    a sample never turns a finished run into an error. An interrupted run has none: it stops at its checkpoint,
+    within a scheduler's SIGTERM grace period, and ``gptoughts sample RUN`` generates from that checkpoint."""
     trainer, d = asm.trainer, asm.env.dist
+    if trainer.stop_signal is not None:
+        return None
     prompts = trainer.evaluator.cfg.sample_prompts  # resolved: None became the data's own
     ev = trainer.evaluator
     # No sampler: a pipeline's stages do not generate (run plan), or sampling failed during the run (warned then).
@@ -487,17 +490,16 @@ def load(path: str | Path, device: str = "auto", *, trust_remote_code: bool = Fa
     from gptoughts.data.tokenizer import Tokenizer
 
     if not isinstance(path, (str, os.PathLike)):
-        raise UserError(
-            f"load takes the path of a run, a checkpoint or a Hugging Face model folder, got {type(path).__name__}"
-        )
-    if Path(path).expanduser().is_file():  # (was "no valid checkpoint under FILE; train first")
-        raise UserError(
-            f"{path} is a file; pass a run directory, a checkpoint directory or a Hugging Face model folder"
-        )
+        raise UserError(f"load takes the path of {MODEL_PATHS}, got {type(path).__name__}")
+    check_model_path(os.fspath(path))
     dev = hardware.resolve_device(device)
     if is_hf_folder(path):
         return _load_hf_folder(path, dev, trust_remote_code)
-    ck = ckpt.resolve(path)
+    try:
+        ck = ckpt.resolve(path)
+    except UserError:
+        _refuse_a_run_before_its_first_checkpoint(Path(path).expanduser())
+        raise
     run_dir = ckpt.run_of(ck) or ck.parent
     cfg, run = _read_run(run_dir)
     # Before the weights, which can take minutes to read: an emptied tokenizer/ was a many-line error about
@@ -528,6 +530,69 @@ def load(path: str | Path, device: str = "auto", *, trust_remote_code: bool = Fa
         chat=run.get("data_format") in ("sft", "prefs"),  # DPO renders pairs as SFT turns
         init_from=init_from,
         args=args,
+    )
+
+
+MODEL_PATHS = (
+    "a run directory, a checkpoint directory or a Hugging Face model folder (what save_pretrained writes)"
+)
+"""What ``load`` (``sample``, ``eval``, ``export``) reads, as their errors name it."""
+
+
+def check_model_path(spec: str) -> str:
+    """``spec`` when it can name a model to read (:data:`MODEL_PATHS`); otherwise a one-line error naming what is
+    accepted, checked before anything loads. A hub id (``ORG/NAME``) is not fetched here: the hint says how."""
+    from gptoughts.models.hf import CONFIG_NAME, is_hub_id
+
+    p = Path(spec).expanduser()
+    if not p.exists():
+        hub = (
+            f"; for a model of the Hugging Face hub, `hf download {spec} --local-dir DIR`, then pass DIR"
+            if is_hub_id(spec)
+            else ""
+        )
+        raise UserError(f"{spec} does not exist; pass {MODEL_PATHS}{hub}")
+    if not p.is_dir():
+        raise UserError(f"{spec} is a file; pass {MODEL_PATHS}")
+    marks = ("run.json", "config.toml", CONFIG_NAME, "checkpoints", ckpt.META_FILE, ckpt.MODEL_FILE)
+    # what ckpt.resolve reads: a checkpoint's files, or step_N folders (.old-step_N-*: a replace a crash cut short)
+    if not any((p / m).exists() for m in (*marks, ckpt.DCP_METADATA)) and not any(
+        "step_" in c.name for c in p.iterdir()
+    ):
+        raise UserError(
+            f"{spec} holds no run, checkpoint or model (no run.json, checkpoint or config.json); pass {MODEL_PATHS}"
+        )
+    return spec
+
+
+def _refuse_a_run_before_its_first_checkpoint(run: Path) -> None:
+    """A run with no checkpoint at all, said as such: when it saves its first (its plan in run.json), or
+    that it never will. Anything else (checkpoints there but none intact) is left to the checkpoint store's
+    error."""
+    from gptoughts.data.sources import is_run_folder, read_json_dict
+    from gptoughts.training.rundir import LOCK_FILE
+
+    saved = (c for pattern in ("step_*", ".old-step_*") for c in (run / "checkpoints").glob(pattern))
+    if not is_run_folder(run) or any(saved):  # (a .tmp-step_* folder is a first save still being written)
+        return
+    batch = ((read_json_dict(run / "run.json") or {}).get("plan") or {}).get("batch") or {}
+    if batch.get("checkpoints") is False:
+        raise UserError(
+            f"{run} was trained with checkpoint.checkpoints false: it has no checkpoint to load; train it again "
+            "without that option"
+        )
+    # The lock file is there while the run trains (or after a kill that left no time to remove it).
+    if not (run / LOCK_FILE).exists():
+        raise UserError(f"{run} stopped before its first checkpoint and has nothing to load; train it again")
+    every, total = batch.get("save_interval"), batch.get("total_steps")
+    if not isinstance(total, int):
+        return
+    first = (
+        f"at step {every:,} (then every {every:,}), " if isinstance(every, int) and 0 < every < total else ""
+    )
+    raise UserError(
+        f"{run} is training and has no checkpoint yet: it saves {first}at its end (step {total:,}) and when stopped "
+        "with Ctrl-C or SIGTERM; try again after that save"
     )
 
 
@@ -578,8 +643,7 @@ def _build_over_base(
 
     if not Path(init_from).is_dir():
         raise UserError(
-            f"{run_dir} holds only what was trained on top of {init_from}, which is missing; put "
-            "the base model folder back at that path"
+            f"{run_dir} holds only what was trained on top of {init_from}, which is missing; {restore_hint(init_from)}"
         )
     pre = load_pretrained(
         init_from, device=dev, trust_remote_code=cfg.model.trust_remote_code or trust_remote_code

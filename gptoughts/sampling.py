@@ -315,17 +315,23 @@ def _check_schedule(
         raise UserError(f"remasking must be one of {', '.join(_REMASKING)}, got {remasking!r}")
 
 
+def _check_diffusion_room(model: nn.Module, prompt_len: int, new_tokens: int, name: str) -> None:
+    """The prompt and its answer fit the model's positions (the diffusion sampler holds all of them at once);
+    ``name`` is the length's name as the caller's user typed it."""
+    if prompt_len + new_tokens > model.args.max_seq_len:
+        raise UserError(
+            f"prompt ({prompt_len} tokens) + {name} ({new_tokens}) exceeds the model's "
+            f"max_seq_len={model.args.max_seq_len}; shorten the prompt or {name}"
+        )
+
+
 def _masked_answer(
     model: nn.Module, prompt_ids: torch.Tensor, gen_length: int, block_length: int, mask_id: int
 ) -> tuple[torch.Tensor, list[tuple[int, int]]]:
     """The prompt followed by ``gen_length`` mask tokens, and the answer's blocks as ``(start, end)`` positions."""
     bsz, prompt_len = prompt_ids.shape
     total = prompt_len + gen_length
-    if total > model.args.max_seq_len:
-        raise UserError(
-            f"prompt ({prompt_len} tokens) + gen_length ({gen_length}) exceeds the model's "
-            f"max_seq_len={model.args.max_seq_len}; shorten the request"
-        )
+    _check_diffusion_room(model, prompt_len, gen_length, "gen_length")
     # One host sync, before the loop: a mask in the prompt would ask for infilling, which this sampler
     # does not do (it would come back still masked).
     if bool((prompt_ids == mask_id).any()):
@@ -470,6 +476,7 @@ class Sampler:
         with eager(self.model):
             if self.diffusion:
                 n = s["max_new_tokens"]
+                _check_diffusion_room(self.model, len(ids), n, "max_new_tokens")
                 out = diffusion_generate(
                     self.model,
                     x,

@@ -15,6 +15,7 @@ from cli_helpers import run_cli
 
 from gptoughts import cli
 from gptoughts.config import load_config
+from gptoughts.errors import UserError
 
 DEBUG_BENCH = ["--size", "debug", "--block_size", "32", "--batch_size", "2", "--device", "cpu",
                "--precision", "fp32", "--compile", "false", "--steps", "1", "--warmup", "1"]  # fmt: skip
@@ -226,3 +227,13 @@ def test_tuned_toml_says_tune_wrote_it_and_how_to_use_it(tmp_path):
     assert any("gptoughts train tuned.toml --data" in ln for ln in head), head
     tuned = load_config(str(out.rename(tmp_path / "tuned.toml")))
     assert tuned.perf.activation_checkpointing == "full" and tuned.train.batch_size == 4
+
+
+@pytest.mark.parametrize("diffusion", [False, True], ids=["causal", "diffusion"])
+def test_a_request_past_the_context_names_max_new_tokens(diffusion):
+    # `gptoughts sample LLADA_RUN --max_new_tokens 5000` said "gen_length (5000) exceeds ...": not a name it takes
+    sampler, model, _ = _sampler(diffusion)
+    n = model.args.max_seq_len + 1
+    with pytest.raises(UserError, match=rf"max_new_tokens \({n}\)") as e:
+        sampler("def ", max_new_tokens=n)
+    assert "gen_length" not in str(e.value)

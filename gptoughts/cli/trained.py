@@ -13,11 +13,6 @@ from typing import Any, NoReturn
 
 from gptoughts.errors import ConfigError, UserError, closest
 
-MODEL_PATHS = (
-    "a run directory, a checkpoint directory or a Hugging Face model folder (what save_pretrained writes)"
-)
-"""What ``sample``, ``eval`` and ``export`` read, as their errors name it."""
-
 
 class Parser(argparse.ArgumentParser):
     """argparse, with errors said as the rest of the command says them: one line (a ``UserError``: exit 2, no usage
@@ -53,33 +48,6 @@ class Parser(argparse.ArgumentParser):
         )
 
 
-def model_path(spec: str) -> str:
-    """``spec`` when it can name a model to read (:data:`MODEL_PATHS`); otherwise a one-line error naming what is
-    accepted, checked before anything loads. A hub id (``ORG/NAME``) is not fetched here: the hint says how."""
-    from gptoughts.models.hf import CONFIG_NAME, is_hub_id
-    from gptoughts.training.checkpoint import store
-
-    p = Path(spec).expanduser()
-    if not p.exists():
-        hub = (
-            f"; for a model of the Hugging Face hub, `hf download {spec} --local-dir DIR`, then pass DIR"
-            if is_hub_id(spec)
-            else ""
-        )
-        raise UserError(f"{spec} does not exist; pass {MODEL_PATHS}{hub}")
-    if not p.is_dir():
-        raise UserError(f"{spec} is a file; pass {MODEL_PATHS}")
-    marks = ("run.json", "config.toml", CONFIG_NAME, "checkpoints", store.META_FILE, store.MODEL_FILE)
-    # what store.resolve reads: a checkpoint's files, or step_N folders (.old-step_N-*: a replace a crash cut short)
-    if not any((p / m).exists() for m in (*marks, store.DCP_METADATA)) and not any(
-        "step_" in c.name for c in p.iterdir()
-    ):
-        raise UserError(
-            f"{spec} holds no run, checkpoint or model (no run.json, checkpoint or config.json); pass {MODEL_PATHS}"
-        )
-    return spec
-
-
 def cmd_sample(argv: Sequence[str]) -> int:
     p = Parser(prog="gptoughts sample", description="Generate text from a trained model.")
     p.add_argument("path", help="run directory, checkpoint directory or Hugging Face model folder")
@@ -107,10 +75,8 @@ def cmd_sample(argv: Sequence[str]) -> int:
     a = p.parse_args(argv)
     from gptoughts.api import check_sampling, generate_text, load
 
-    # checked before the model is loaded (which can take minutes)
+    # checked before the model is loaded (which can take minutes); load checks the path first
     check_sampling(a.max_new_tokens, a.temperature, a.top_k, a.top_p, a.seed, flag="--")
-    model_path(a.path)
-
     loaded = load(a.path, device=a.device, trust_remote_code=a.trust_remote_code)
     chat = None if a.chat == "auto" else a.chat == "on"
     print(
@@ -133,8 +99,10 @@ def cmd_eval(argv: Sequence[str]) -> int:
     _check_eval_args(a)
     # Everything a user can get wrong is checked before the first (possibly long) model load and scoring.
     tasks, bench = _eval_tasks(a)
+    from gptoughts.api import check_model_path
+
     for run in a.path:
-        model_path(run)
+        check_model_path(run)
     results: dict[str, dict[str, Any]] = {}
     for run in a.path:
         results[run] = _evaluate_run(run, a, tasks, bench)
@@ -441,11 +409,11 @@ def cmd_export(argv: Sequence[str]) -> int:
     out = a.out or a.out_pos
     if out is None:
         raise ConfigError("export needs an output folder: gptoughts export RUN --format hf OUT")
-    from gptoughts.api import export
+    from gptoughts.api import check_model_path, export
     from gptoughts.models.hf_export import check_out_dir, parse_size
 
     parse_size(a.max_shard_size)  # every option checked, then what is read
-    model_path(a.path)
+    check_model_path(a.path)
     check_out_dir(out, a.overwrite)  # before the load, which can take minutes
 
     written = export(
