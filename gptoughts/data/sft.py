@@ -421,7 +421,10 @@ def turn_end_id(tokenizer: Any) -> int | None:
         )
     except TemplateError:
         return None
-    ids = tokenizer.encode(text[text.rfind(answer) + len(answer) :], special=True)
+    at = text.rfind(answer)
+    if at < 0:  # a template that does not render the answer: nothing follows it
+        return None
+    ids = tokenizer.encode(text[at + len(answer) :], special=True)
     specials = {i for i, t in tokenizer.backend.get_added_tokens_decoder().items() if t.special}
     return ids[0] if ids and ids[0] != tokenizer.eos_id and ids[0] in specials else None
 

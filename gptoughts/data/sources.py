@@ -626,7 +626,8 @@ def _hf_arrow_files(p: Path) -> list[Path]:
             files = []
         # a name read from a file stays inside its folder: the dataset is that folder (what its key covers, what
         # is copied or moved with it), never a file elsewhere on the machine
-        outside = next((f for f in files if not Path(os.path.normpath(f)).is_relative_to(p)), None)
+        inside = Path(os.path.normpath(p))
+        outside = next((f for f in files if not Path(os.path.normpath(f)).is_relative_to(inside)), None)
         if outside is not None:
             raise DataError(
                 f"{state} lists {os.path.normpath(outside)}, outside {p}; copy that file into {p} and list it by "

@@ -394,10 +394,10 @@ def estimate(
     name = models.get_family(family).name
     if activation_checkpointing == "full":
         # The block in its backward holds its rebuilt activations and their gradients (measured on an H200 with
-        # llama, llada, gpt2 and inl: 4-10% low with the first alone); where torch keeps a Function's tensors
-        # (DeepSeek's rows) they stand for the gradients' copy (measured: +17% with both).
+        # llama, llada, gpt2 and inl: 4-10% low with the first alone); where torch keeps more of a Function's
+        # tensors (DeepSeek's rows), those stand for the gradients' copy (measured: +17% with both).
         kept = kept_by_compiled_full(name, args)
-        act += (rebuilt + (kept or rebuilt)) * tokens_step
+        act += (rebuilt + max(kept, rebuilt)) * tokens_step
     counted, added = _tp_whole_bytes(name, args, activation_checkpointing) if tp > 1 else (0.0, 0.0)
     logits = _logits_bytes(args, loss, loss_chunk, tokens_step)
     if strategy not in ("ddp", "fsdp"):

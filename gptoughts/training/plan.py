@@ -794,7 +794,7 @@ def _wsd_decay_cut(t: Any, batch: BatchPlan) -> list[str]:
     return [
         f"the warmup ({batch.warmup_steps:,} steps) runs into the wsd decay of the last {asked:,} steps "
         f"(train.decay_fraction {t.decay_fraction:g}): the learning rate decays over the last {left:,} only; "
-        "lower --warmup_steps, or raise --decay_fraction"
+        f"lower --warmup_steps, or --decay_fraction to {left / total:.3g} to ask for that decay"
     ]
 
 

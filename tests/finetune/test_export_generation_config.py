@@ -45,3 +45,6 @@ def test_turn_end_of_templates():
     assert turn_end_id(make_tokenizer(chat_template=DEFAULT_CHAT_TEMPLATE)) is None
     plain = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
     assert turn_end_id(make_tokenizer(chat_template=plain)) is None  # ends with text, no special token
+    # a template that never renders the answer: no token follows it (the search once read unrelated text)
+    asks = "{% for m in messages %}{% if m['role'] == 'user' %}Q: {{ m['content'] }}   <|im_start|>{% endif %}{% endfor %}"
+    assert turn_end_id(make_tokenizer(chat_template=asks)) is None

@@ -190,6 +190,10 @@ def test_a_torch_that_recomputes_functions_keeps_only_the_blocks_inputs(monkeypa
     )  # a [tokens x 6, 1024] bf16 a MoE block
     monkeypatch.setattr(ac, "compile_recomputes_functions", lambda: True)
     assert kept_by_compiled_full("deepseek", args) == 0
+    # a torch that keeps more is never estimated lower (debug: fewer kept rows than one rebuilt block)
+    fixed = estimate("deepseek", "debug", batch_size=64, activation_checkpointing="full").total_gib
+    monkeypatch.setattr(ac, "compile_recomputes_functions", lambda: False)
+    assert estimate("deepseek", "debug", batch_size=64, activation_checkpointing="full").total_gib >= fixed
 
 
 def test_the_estimate_of_a_small_selective_batch_errs_high():

@@ -17,6 +17,8 @@ def _lines(overrides: dict, total: int, warmup: int) -> list[str]:
 def test_a_warmup_into_the_decay_window_is_named_with_the_steps_left():
     (line,) = _lines({"train.decay_fraction": 0.2}, total=100, warmup=90)
     assert "last 20 steps" in line and "last 10 only" in line and "--warmup_steps" in line
+    assert "--decay_fraction to 0.1 " in line  # the advice clears the line (raising the fraction never does)
+    assert _lines({"train.decay_fraction": 0.1}, total=100, warmup=90) == []
 
 
 def test_a_warmup_before_the_window_says_nothing():
