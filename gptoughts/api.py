@@ -570,19 +570,25 @@ def _refuse_a_run_before_its_first_checkpoint(run: Path) -> None:
     that it never will. Anything else (checkpoints there but none intact) is left to the checkpoint store's
     error."""
     from gptoughts.data.sources import is_run_folder, read_json_dict
-    from gptoughts.training.rundir import LOCK_FILE
+    from gptoughts.training.rundir import in_use
 
     saved = (c for pattern in ("step_*", ".old-step_*") for c in (run / "checkpoints").glob(pattern))
     if not is_run_folder(run) or any(saved):  # (a .tmp-step_* folder is a first save still being written)
         return
-    batch = ((read_json_dict(run / "run.json") or {}).get("plan") or {}).get("batch") or {}
+    record = read_json_dict(run / "run.json") or {}
+    batch = (record.get("plan") or {}).get("batch") or {}
     if batch.get("checkpoints") is False:
         raise UserError(
             f"{run} was trained with checkpoint.checkpoints false: it has no checkpoint to load; train it again "
             "without that option"
         )
-    # The lock file is there while the run trains (or after a kill that left no time to remove it).
-    if not (run / LOCK_FILE).exists():
+    if not in_use(run):
+        origin = record.get("branched_from")
+        if origin:  # a branch: `--resume auto` goes on from its origin, which can be read meanwhile
+            raise UserError(
+                f"{run} stopped before its first checkpoint; it branched from {origin}: read that one, or go on "
+                f"with `gptoughts train --resume auto --out {run}`"
+            )
         raise UserError(f"{run} stopped before its first checkpoint and has nothing to load; train it again")
     every, total = batch.get("save_interval"), batch.get("total_steps")
     if not isinstance(total, int):

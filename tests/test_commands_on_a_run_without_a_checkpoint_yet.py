@@ -3,10 +3,13 @@ checkpoint under RUN; train first", though it is training; the message says when
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from cli_helpers import FASTRUN, run_cli
 
 from gptoughts import cli
+from gptoughts.errors import UserError
 from gptoughts.training.trainer import Trainer
 
 FLAGS = [*FASTRUN, "--tokenizer", "bytes", "--size", "debug"]
@@ -46,3 +49,29 @@ def test_sample_of_a_run_trained_without_checkpoints_says_so(tmp_path, text_corp
     assert code == 0, text[-2000:]
     code, text = run_cli(["sample", str(out)], capsys)
     assert code == 2 and "checkpoint.checkpoints false" in text and "train first" not in text, text[-2000:]
+
+
+def _run_without_checkpoint(tmp_path, **record):
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    plan = {"batch": {"save_interval": 4, "total_steps": 8, "checkpoints": True}}
+    (run / "run.json").write_text(json.dumps({"family": "llama", "args": {}, "plan": plan, **record}))
+    (run / ".lock").write_text("{}")  # left behind by a killed run: nobody holds it
+    return run
+
+
+def test_a_killed_run_is_not_said_to_be_training(tmp_path):
+    from gptoughts.api import _refuse_a_run_before_its_first_checkpoint
+
+    with pytest.raises(UserError, match="stopped before its first checkpoint and has nothing to load"):
+        _refuse_a_run_before_its_first_checkpoint(_run_without_checkpoint(tmp_path))
+
+
+def test_a_branch_stopped_before_its_first_checkpoint_names_its_origin(tmp_path):
+    from gptoughts.api import _refuse_a_run_before_its_first_checkpoint
+
+    origin = tmp_path / "base" / "checkpoints" / "step_000004"
+    with pytest.raises(UserError, match=f"branched from {origin}.*--resume auto"):
+        _refuse_a_run_before_its_first_checkpoint(
+            _run_without_checkpoint(tmp_path, branched_from=str(origin))
+        )

@@ -114,6 +114,20 @@ class RunLock:
             run_dir.rmdir()  # a run that failed before writing anything leaves no empty folder behind
 
 
+def in_use(run_dir: Path) -> bool:
+    """Whether a process holds the run's lock now (its file alone outlives a killed run)."""
+    try:
+        import fcntl
+
+        with open(run_dir / LOCK_FILE, encoding="utf-8") as handle:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except ImportError:  # no flock (Windows): the file is all there is
+        return (run_dir / LOCK_FILE).exists()
+    except OSError:  # held (or no lock file: FileNotFoundError, below)
+        return (run_dir / LOCK_FILE).exists()
+    return False
+
+
 def _holder(text: str) -> str:
     try:
         info = json.loads(text)
