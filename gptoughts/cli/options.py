@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from gptoughts.coerce import coerce
 from gptoughts.config.schema import bare_keys
 from gptoughts.errors import ConfigError, closest
 
@@ -202,6 +203,9 @@ def _option_value(name: str, args: list[str], i: int) -> tuple[str, int]:
     return nxt, i + 1
 
 
+_BOOL_WORDS = ("true", "false", "yes", "no", "on", "off", "1", "0")
+
+
 def pop_options(argv: Sequence[str], flags: set[str], valued: set[str]) -> tuple[list[str], dict[str, Any]]:
     """Take command-specific options out of argv; the rest are config overrides."""
     rest: list[str] = []
@@ -210,8 +214,16 @@ def pop_options(argv: Sequence[str], flags: set[str], valued: set[str]) -> tuple
     i = 0
     while i < len(args):
         name, eq, value = args[i][2:].partition("=") if args[i].startswith("--") else ("", "", "")
-        if name in flags:
-            found[name] = True
+        if name in flags:  # alone (yes), or with its word, as train's yes/no options
+            word = (
+                value
+                if eq
+                else (args[i + 1] if i + 1 < len(args) and args[i + 1].lower() in _BOOL_WORDS else None)
+            )
+            if word is not None and not eq:
+                i += 1
+            if word is None or coerce(word, bool, f"--{name}"):
+                found[name] = True
         elif name in valued:
             if not eq:
                 if i + 1 >= len(args):

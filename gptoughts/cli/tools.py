@@ -46,6 +46,11 @@ def cmd_prepare(argv: Sequence[str]) -> int:
         seed=cfg.train.seed,
         workers=d.workers,
     )
+    if "overwrite" in opts and "out" not in opts:
+        raise ConfigError(
+            "--overwrite replaces the dataset of --out DIR; without --out, prepare fills train's cache, which it "
+            "rebuilds when its inputs change: drop --overwrite, or pass --out"
+        )
     sources = resolve_sources(d.sources)
     _refuse_examples(sources, d.format)
     if "out" in opts:

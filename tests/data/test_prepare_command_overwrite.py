@@ -25,3 +25,12 @@ def test_prepare_again_with_another_tokenizer_is_refused_until_overwrite(
     assert (out / "manifest.json").read_bytes() == manifest
     text = ok([*base, "--tokenizer", "bpe:300", "--overwrite"], capsys)
     assert "vocab 300" in text and (out / "manifest.json").read_bytes() != manifest
+
+
+def test_overwrite_takes_its_word_and_needs_out(text_corpus: Path, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "shards"
+    base = ["prepare", "--data", str(text_corpus), "--out", str(out)]
+    ok([*base, "--tokenizer", "bytes"], capsys)
+    refused([*base, "--tokenizer", "bpe:300", "--overwrite", "false"], capsys, "--overwrite")
+    assert "vocab 300" in ok([*base, "--tokenizer", "bpe:300", "--overwrite", "true"], capsys)
+    refused(["prepare", "--data", str(text_corpus), "--overwrite"], capsys, "without --out")
