@@ -502,13 +502,7 @@ def load(path: str | Path, device: str = "auto", *, trust_remote_code: bool = Fa
         raise
     run_dir = ckpt.run_of(ck) or ck.parent
     cfg, run = _read_run(run_dir)
-    # Before the weights, which can take minutes to read: an emptied tokenizer/ was a many-line error about
-    # train's --tokenizer flag.
-    if not (run_dir / "tokenizer" / "tokenizer.json").is_file():
-        raise DataError(
-            f"{run_dir}/tokenizer/tokenizer.json is missing (it encodes prompts and decodes the outputs); put back "
-            "the run's tokenizer/ folder from a copy of the run"
-        )
+    _check_run_tokenizer(run_dir)  # before the weights, which can take minutes to read
     tokenizer = Tokenizer.load(run_dir / "tokenizer")
     init_from = run.get("init_from")
     if init_from and (cfg.lora.enabled or run.get("generic")):
@@ -539,6 +533,14 @@ MODEL_PATHS = (
 """What ``load`` (``sample``, ``eval``, ``export``) reads, as their errors name it."""
 
 
+def _check_run_tokenizer(run_dir: Path) -> None:
+    if not (run_dir / "tokenizer" / "tokenizer.json").is_file():
+        raise DataError(
+            f"{run_dir}/tokenizer/tokenizer.json is missing (it encodes prompts and decodes the outputs); put back "
+            "the run's tokenizer/ folder from a copy of the run"
+        )
+
+
 def check_model_path(spec: str) -> str:
     """``spec`` when it can name a model to read (:data:`MODEL_PATHS`); otherwise a one-line error naming what is
     accepted, checked before anything loads. A hub id (``ORG/NAME``) is not fetched here: the hint says how."""
@@ -562,6 +564,12 @@ def check_model_path(spec: str) -> str:
         raise UserError(
             f"{spec} holds no run, checkpoint or model (no run.json, checkpoint or config.json); pass {MODEL_PATHS}"
         )
+    from gptoughts.data.sources import is_run_folder
+
+    # a run, or a checkpoint of one: its tokenizer too (`eval A B` loads A before B)
+    run = next((f for f in (p, p.parent.parent) if is_run_folder(f)), None)
+    if run is not None:
+        _check_run_tokenizer(run)
     return spec
 
 

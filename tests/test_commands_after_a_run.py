@@ -396,3 +396,17 @@ def test_a_run_whose_tokenizer_is_gone_is_refused_in_one_line(loaded, left, tmp_
         ["eval", str(run), "--data", str(run / "config.toml")],
     ):
         assert "tokenizer.json is missing" in _error_line(*run_cli(argv, capsys))
+
+
+def test_eval_of_two_runs_refuses_the_second_ones_missing_tokenizer_before_loading_the_first(
+    loaded, tmp_path: Path, capsys, monkeypatch
+):
+    import shutil
+
+    good = loaded.checkpoint.parent.parent
+    run = tmp_path / "run"
+    shutil.copytree(good, run)
+    shutil.rmtree(run / "tokenizer")
+    monkeypatch.setattr(gptoughts.api, "load", lambda *a, **k: pytest.fail("a model loaded first"))
+    argv = ["eval", str(good), str(run), "--data", str(run / "config.toml")]
+    assert "tokenizer.json is missing" in _error_line(*run_cli(argv, capsys))
