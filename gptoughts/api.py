@@ -784,8 +784,7 @@ def evaluate(
     from gptoughts.training.objectives import build_objective
 
     _check_loaded(loaded, "evaluate", "gptoughts.evaluate(loaded, DATA)")
-    # as `gptoughts eval` checks its flags: max_batches=0 or batch_size=-1 reported a loss of 0.0 (perplexity 1),
-    # batch_size=0 was a ZeroDivisionError, block_size=0 fell back silently to the run's block
+    # as `gptoughts eval` checks its flags: a count below 1 would score no batch (a loss of 0.0) or divide by zero
     for name, value in (("batch_size", batch_size), ("block_size", block_size), ("max_batches", max_batches)):
         if (value is not None or name == "batch_size") and not (_whole(value) and value >= 1):
             none = "" if name == "batch_size" else " or None"

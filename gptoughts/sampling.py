@@ -102,9 +102,9 @@ def sample_top_k_top_p(
     logits = logits.float()
     if temperature == 0:
         return logits.argmax(dim=-1)
-    # A tiny temperature (1e-40) made logits / t inf and the softmax NaN, which sampled token 0. With the max
-    # subtracted first the best token scales to 0 and the others towards -inf, so sampling tends to argmax as
-    # t -> 0; the floor keeps t from rounding to 0 in fp32 (0 / 0).
+    # logits / t overflows for a tiny t (inf - inf: NaN). With the max subtracted first the best token scales to 0
+    # and the others towards -inf, so sampling tends to argmax as t -> 0; the floor keeps t from rounding to 0 in
+    # fp32 (0 / 0).
     scaled = (logits - logits.amax(dim=-1, keepdim=True)) / max(temperature, torch.finfo(logits.dtype).tiny)
     logits = filter_top_k_top_p(scaled, top_k, top_p)
     probs = logits.softmax(dim=-1)

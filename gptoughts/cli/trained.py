@@ -465,7 +465,7 @@ def _plotted_run(path: Path) -> None:
 
     if (path / "metrics.jsonl").is_file():
         return
-    if not path.exists():  # (was "has no metrics.jsonl; pass a run directory")
+    if not path.exists():
         raise UserError(f"{path} does not exist; pass a run directory (the --out of gptoughts train)")
     if (path / "run.json").is_file():  # a run before its first logged step
         raise UserError(f"{path} has no metrics.jsonl yet: a run writes it at its first logged step")

@@ -256,7 +256,7 @@ def _resolve_phases(
             raise ConfigError(f"phase {ph.name!r} lists a source twice; list each source once")
         if pairs[0][1] is None:  # proportional to the tokens each source can give
             weights = [float(windows[i].count) for i in ids]
-            if not sum(weights):  # (its batches divided by zero once drawn)
+            if not sum(weights):  # nothing to draw from: its batches would divide by zero
                 raise no_block(
                     None if whole else ph.name,
                     windows[ids[0]].block_size,

@@ -222,7 +222,7 @@ def _style(ax: Any, title: str, ylabel: str) -> None:
 
     ax.set_title(title, fontsize=10)
     ax.set_xlabel("optimizer step")
-    # whole steps only: a run of one logged step was ticked 0.96, 0.98, 1.00, 1.02
+    # whole steps only (matplotlib ticks a single step at fractions of it)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
     ax.set_ylabel(ylabel)
     ax.grid(True, alpha=0.3)

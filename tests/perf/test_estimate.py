@@ -132,13 +132,13 @@ def test_estimate_matches_measured_peaks(family, size, batch, block, peak_gib):
     assert e.total_gib == pytest.approx(peak_gib, rel=0.05)
 
 
-# Peaks measured on one H200 with bf16 residual, per-block compile, torch 2.11 (bench/BENCHMARKS.md: the sections of
-# sessions 22, 23 and 25): `gptoughts bench --model F --size S --block_size T --batch_size B
+# Peaks measured on one H200 with bf16 residual, per-block compile, torch 2.11 (bench/BENCHMARKS.md: the INL,
+# DeepSeek and checkpointing-mode tables): `gptoughts bench --model F --size S --block_size T --batch_size B
 # --activation_checkpointing M`, and the user path's measured micro-batches (vocab 320: `--tokenizer bytes`). The
-# estimate once erred here by: DeepSeek none at 64 rows +15% (the k expert outputs the hidden combine does not keep),
-# selective −47% (MLA's outputs, the recomputed block), full −46% (the rows torch 2.11 keeps); GPT-2 selective −32%
-# (every addmm output kept); llama, llada, gpt2 and inl full −4% to −10% (the rebuilt block's gradients); INL
-# selective −38% (the attention's outputs).
+# rows hold the terms that are easy to get wrong: DeepSeek's hidden combine keeps the k hidden rows, not the k
+# expert outputs; selective keeps MLA's outputs and recomputes one block in the backward; compiled full
+# checkpointing keeps the rows torch 2.11 saves for DeepSeek's permutation, and every family's rebuilt block holds
+# its gradients too; GPT-2's selective policy keeps every addmm output.
 MEASURED_BF16 = [
     # family, size, checkpointing, batch, block, vocab, peak GiB, tolerance
     ("deepseek", "small", "none", 8, 2048, None, 28.5, 0.03),
