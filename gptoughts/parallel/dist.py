@@ -217,6 +217,13 @@ def _one_process(device: torch.device, backend: str, strategy: str, cpu_offload:
     return DistInfo()
 
 
+def check_layout(strategy: str, cpu_offload: bool, tp: int, pp: int, dp: int) -> None:
+    """The launch's refusals of a layout, made without a launch (``gptoughts estimate`` answers what train takes)."""
+    if cpu_offload:
+        _offload_choices(torch.device("cpu"), "gloo", strategy, tp, pp)
+    _with_tp(strategy, tp, dp)
+
+
 def _with_tp(strategy: str, tp: int, dp: int) -> str:
     """Tensor parallelism with several data-parallel ranks takes FSDP2: DDP does not reduce DTensor gradients.
     Refused before joining the group: every rank says it alone."""

@@ -772,7 +772,7 @@ def _check_layout(cfg: Any, num_gpus: int, args: Any) -> None:
     a split the GPUs cannot take (``--parallel.tp 2`` on one GPU) or the model cannot (DeepSeek under tensor
     parallelism, 64 experts over 3 ranks) answered a question that train refuses."""
     from gptoughts.parallel import pp as pipeline
-    from gptoughts.parallel.dist import _offload_choices, _with_tp
+    from gptoughts.parallel.dist import check_layout
     from gptoughts.parallel.ep import check_ep
     from gptoughts.parallel.tp import check_tp
 
@@ -790,9 +790,7 @@ def _check_layout(cfg: Any, num_gpus: int, args: Any) -> None:
         pipeline.check_supported(
             family.name, args, lora=cfg.lora.enabled, generic=False, objective=family.objective
         )
-    if par.cpu_offload:
-        _offload_choices(None, "gloo", par.strategy, par.tp, par.pp)
-    _with_tp(par.strategy, par.tp, num_gpus // (par.tp * par.pp))
+    check_layout(par.strategy, par.cpu_offload, par.tp, par.pp, num_gpus // (par.tp * par.pp))
 
 
 def estimate_config(
