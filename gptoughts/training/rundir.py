@@ -153,6 +153,12 @@ def check(run_dir: Path, cfg: Config) -> tuple[Path | None, dict[str, Any] | Non
     if resume and resume != "auto":
         return _check_checkpoint(run_dir, cfg, ckpt.resolve(resume))
     if resume == "auto":
+        if (
+            cfg.run.overwrite and "run.overwrite" in cfg.flags
+        ):  # (a saved run's own value is not this command's)
+            raise UserError(
+                f"--resume auto continues the run in {run_dir} and --overwrite replaces it: pass one of them"
+            )
         return _check_resume(run_dir, cfg)
     present = _contents(run_dir)
     if not is_run(run_dir):
