@@ -22,7 +22,7 @@ from gptoughts.training import rundir
 from gptoughts.training.batches import data_packing
 from gptoughts.training.checkpoint import restore
 from gptoughts.training.checkpoint import store as ckpt
-from gptoughts.training.corpus import Data, resolve_sources
+from gptoughts.training.corpus import Data, loader_phases
 from gptoughts.training.environment import (
     Environment,
 )
@@ -354,7 +354,7 @@ def make_loaders(
         seed=t.seed,
         rank=info.dp_rank,
         world_size=info.dp_size,
-        phases=phases(cfg),
+        phases=loader_phases(cfg),
         device=device,
     )
     # A held-out split shorter than a block is evaluated in shorter windows (the plan says so), never skipped.
@@ -386,21 +386,6 @@ def _pref_loaders(cfg: Config, env: Environment, prefs: Any, t: TrainConfig) -> 
     if not len(prefs.val_idx):
         return loader, None
     return loader, lambda: prefs.batches(prefs.val_idx, t.batch_size, device, cfg.eval.eval_batches)
-
-
-def phases(cfg: Config) -> list | None:
-    if not cfg.data.phases:
-        return None
-    from gptoughts.data.loader import Phase
-
-    out = []
-    for p in cfg.data.phases:
-        srcs = resolve_sources(p.sources)  # each in data.sources (corpus.check_phases, before the data step)
-        # Bare sources are weighted by their token counts; explicit weights are used as given.
-        out.append(
-            Phase(name=p.name, sources=list(zip(srcs, p.weights)) if p.weights else srcs, tokens=p.tokens)
-        )
-    return out
 
 
 def write_run_files(asm: Assembly) -> None:

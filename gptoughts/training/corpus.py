@@ -81,6 +81,22 @@ def resolve_sources(sources: list[str]) -> list[str]:
     return [str(stdlib_path()) if s == STDLIB_ALIAS else s for s in sources]
 
 
+def loader_phases(cfg: Config) -> list | None:
+    """``data.phases`` as the loader's :class:`~gptoughts.data.loader.Phase` list (None without a curriculum)."""
+    if not cfg.data.phases:
+        return None
+    from gptoughts.data.loader import Phase
+
+    out = []
+    for p in cfg.data.phases:
+        srcs = resolve_sources(p.sources)  # each in data.sources (corpus.check_phases, before the data step)
+        # Bare sources are weighted by their token counts; explicit weights are used as given.
+        out.append(
+            Phase(name=p.name, sources=list(zip(srcs, p.weights)) if p.weights else srcs, tokens=p.tokens)
+        )
+    return out
+
+
 def check_phases(cfg: Config) -> None:
     """Every source of ``data.phases`` is one of ``data.sources``: said before the corpus is tokenized (and by a dry
     run), not once the whole corpus is prepared."""
@@ -117,7 +133,6 @@ def prepare_data(cfg: Config, env: Environment, *, dry_run: bool = False) -> Dat
     from gptoughts.data.loader import check_drawable
     from gptoughts.data.prepare import lookup_cached
     from gptoughts.data.sft import resolve_format
-    from gptoughts.training.components import phases
 
     sources = resolve_sources(cfg.data.sources)
     check_phases(cfg)
@@ -143,7 +158,9 @@ def prepare_data(cfg: Config, env: Environment, *, dry_run: bool = False) -> Dat
             return _estimated(cfg, sources, tok_spec, init_from, corpus)
     else:
         manifest = _prepared(cfg, env, sources, tok_spec, kwargs)
-    check_drawable(manifest.dir, phases(cfg), cfg.train.block_size)  # what its loader would refuse, said now
+    check_drawable(
+        manifest.dir, loader_phases(cfg), cfg.train.block_size
+    )  # what its loader would refuse, said now
     corpus.update(
         bytes_read=sum(s.bytes for s in manifest.sources),
         tokens=manifest.train_tokens,
