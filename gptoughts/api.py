@@ -368,7 +368,7 @@ def _summary(asm: Any, history: History, wall: float, start: tuple[int, int]) ->
     """What the run did, for the end of the log and ``RUN/summary.json``; the plots are drawn here too. ``steps``
     and ``tokens`` are the whole run's; ``session_*``, ``wall_s``, ``tokens_per_s`` and ``mfu`` this process's,
     which resumed the run at ``start`` = (step, tokens)."""
-    from gptoughts.training.rundir import write_text_atomic
+    from gptoughts.training.checkpoint.store import write_text_atomic
 
     tokens = history.tokens - start[1]
     tps = tokens / wall if wall > 0 else None

@@ -371,7 +371,7 @@ def _save_task_scores(run: Path, scores: dict[str, Any]) -> None:
         old = json.loads(path.read_text()) if path.is_file() else {}
     except (OSError, ValueError):
         old = {}
-    from gptoughts.training.rundir import write_text_atomic
+    from gptoughts.training.checkpoint.store import write_text_atomic
 
     try:
         write_text_atomic(

@@ -452,8 +452,8 @@ def write_run_files(asm: Assembly) -> None:
         record["branched_from"] = str(asm.resume_from.resolve())
     # run.json first: it is what makes the folder a run, so that a kill before the rest is written leaves one
     # that --overwrite may replace (and that --resume auto refuses, naming the missing config.toml)
-    rundir.write_text_atomic(run_dir / "run.json", json.dumps(record, indent=2, default=str))
-    rundir.write_text_atomic(run_dir / "config.toml", to_toml(saved))
+    ckpt.write_text_atomic(run_dir / "run.json", json.dumps(record, indent=2, default=str))
+    ckpt.write_text_atomic(run_dir / "config.toml", to_toml(saved))
     data.tokenizer.save(run_dir / "tokenizer")
 
 

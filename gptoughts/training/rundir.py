@@ -29,7 +29,6 @@ from gptoughts.config import Config, config_from_toml_text
 from gptoughts.data.sources import free_name, is_run_folder, read_json_dict
 from gptoughts.errors import ConfigError, UserError
 from gptoughts.training.checkpoint import store as ckpt
-from gptoughts.training.checkpoint.store import write_text_atomic  # noqa: F401 - commands write a run's files by it
 
 # Everything a run writes at its top level (checkpoints/ holds only step_* folders, best.json and temp dirs), and
 # what commands write about it there (`gptoughts eval RUN --tasks`: eval_tasks.json, the scores of its model).
