@@ -22,7 +22,7 @@ decided once, from the family's objective; the chat template is applied for SFT 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -131,11 +131,13 @@ def generate(
     use_cache: bool = True,
     generator: torch.Generator | None = None,
     stop: Callable[[torch.Tensor], list[bool]] | None = None,
+    end_ids: Sequence[int] = (),
 ) -> torch.Tensor:
     """Extend the prompts ``input_ids [B, T]`` (same length, no padding) by up to ``max_new_tokens``.
 
     Returns ``[B, T + n]`` with ``n <= max_new_tokens``: generation stops early once every row has
-    produced ``eos_id``; rows that finished earlier are padded with ``eos_id``. ``temperature=0`` is greedy.
+    produced ``eos_id`` (or one of ``end_ids``, with ``eos_id``: a chat template's end of turn); rows that finished
+    earlier are padded with ``eos_id``. ``temperature=0`` is greedy.
     ``stop`` (with ``eos_id``): called every :data:`STOP_EVERY` tokens with the tokens generated so far
     (``[B, n]``, on the host); the rows it marks True are finished as at eos (an evaluation's stop strings: a row
     whose text already holds one need not run on to ``max_new_tokens``). Not for generic transformers models.
@@ -160,6 +162,7 @@ def generate(
             top_k=top_k,
             top_p=top_p,
             eos_id=eos_id,
+            end_ids=end_ids,
             generator=generator,
         )
     max_seq_len = model.args.max_seq_len
@@ -184,6 +187,7 @@ def generate(
                 eos_id,
                 dict(temperature=temperature, top_k=top_k, top_p=top_p, generator=generator),
                 stop,
+                end_ids,
             )
     finally:
         model.train(was_training)
@@ -197,9 +201,11 @@ def _decode(
     eos_id: int | None,
     sampling: dict,
     stop: Callable[[torch.Tensor], list[bool]] | None = None,
+    end_ids: Sequence[int] = (),
 ) -> torch.Tensor:
     max_seq_len = model.args.max_seq_len
     bsz, prompt_len = input_ids.shape
+    ends = torch.tensor([eos_id, *end_ids], device=input_ids.device) if eos_id is not None else None
     out = torch.empty(bsz, prompt_len + max_new_tokens, dtype=input_ids.dtype, device=input_ids.device)
     out[:, :prompt_len] = input_ids
     done = torch.zeros(bsz, dtype=torch.bool, device=input_ids.device)
@@ -215,7 +221,7 @@ def _decode(
         token = sample_top_k_top_p(logits, **sampling)
         if eos_id is not None:
             token = token.masked_fill(done, eos_id)
-            done |= token == eos_id
+            done |= torch.isin(token, ends)
         out[:, cur] = token
         cur += 1
         step_input = token[:, None]
@@ -497,7 +503,7 @@ class Sampler:
                 top_p=s["top_p"],
                 eos_id=tok.eos_id,
                 generator=g,
-                stop=None if end is None else lambda new: [end in row.tolist() for row in new],
+                end_ids=() if end is None else (end,),
             )
         if chat:
             answer = out[0].tolist()[len(ids) :]

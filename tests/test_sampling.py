@@ -114,6 +114,18 @@ def test_finished_rows_are_padded_with_eos():
             assert gen == free[row, 5:].tolist()
 
 
+def test_an_end_id_finishes_a_row_as_eos_does():
+    # a chat template's end of turn (<|im_end|>): the row stops there, and is padded with eos after it
+    model = _model()
+    prompt = _prompt()
+    free = generate(model, prompt, 12, temperature=0.0)
+    end = int(free[0, 7])  # row 0 emits this token at its 3rd step
+    eos = next(t for t in range(model.args.vocab_size) if t not in free.tolist()[0])
+    out = generate(model, prompt, 12, temperature=0.0, eos_id=eos, end_ids=[end])
+    gen = out[0, 5:].tolist()
+    assert gen[: gen.index(end) + 1] == free[0, 5:8].tolist() and set(gen[3:]) <= {eos}
+
+
 def test_length_limits():
     model = _model(max_seq_len=16)
     prompt = _prompt(t=10)
@@ -162,3 +174,8 @@ def test_a_tiny_temperature_decodes_greedily_on_the_transformers_path():
     greedy = generate(model, prompt, 6, temperature=0.0)
     tiny = generate(model, prompt, 6, temperature=1e-40, generator=torch.Generator().manual_seed(0))
     assert torch.equal(tiny, greedy)
+    # an end of turn stops transformers' generate too (it ran on to max_new_tokens past the answer)
+    end = int(greedy[0, 3])  # the first token it generates
+    eos = next(t for t in range(96) if t not in greedy.tolist()[0])
+    ended = generate(model, prompt, 6, temperature=0.0, eos_id=eos, end_ids=[end])
+    assert ended[0].tolist() == greedy[0, :4].tolist()

@@ -4,6 +4,7 @@ model protocol (``docs/internals.md``) so the same trainer (precision, compile, 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -165,11 +166,14 @@ class HFCausalLM(nn.Module):
         top_k: int | None = None,
         top_p: float | None = None,
         eos_id: int | None = None,
+        end_ids: Sequence[int] = (),
         generator: torch.Generator | None = None,
     ) -> torch.Tensor:
-        """transformers' ``generate`` (its own KV cache) with our sampling arguments; ``[B, T + n]``."""
+        """transformers' ``generate`` (its own KV cache) with our sampling arguments; ``[B, T + n]``. ``end_ids``
+        finish a row as eos does (a chat template's end of turn)."""
+        ends = [eos_id, *end_ids] if eos_id is not None and end_ids else eos_id
         kw: dict[str, Any] = dict(
-            max_new_tokens=max_new_tokens, do_sample=temperature > 0, eos_token_id=eos_id, pad_token_id=eos_id
+            max_new_tokens=max_new_tokens, do_sample=temperature > 0, eos_token_id=ends, pad_token_id=eos_id
         )
         if temperature > 0:
             kw.update(temperature=temperature, top_k=top_k or 0, top_p=top_p if top_p is not None else 1.0)
