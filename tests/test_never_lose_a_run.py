@@ -401,6 +401,7 @@ def test_a_lora_run_on_a_relative_model_folder_samples_from_another_directory(
     ok(["sample", str(ft), "--prompt", "q1?", "--max_new_tokens", "2"], capsys)
 
 
+@pytest.mark.slow  # whole runs: seconds on 2 cores
 def test_a_token_budget_counts_the_tokens_seen_when_a_resume_changes_the_batch(tmp_path, text_corpus, capsys):
     # 2,048 tokens at 2 rows x 32 = 32 steps; resumed at step 8 with 1 row a step, the steps were counted again
     # from zero at the new batch (64 of them): the run ended at 2,304 tokens, over the budget its summary quoted

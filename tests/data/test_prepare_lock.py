@@ -9,6 +9,8 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
+
 from gptoughts.data.cache import locked
 from gptoughts.data.manifest import Manifest
 from gptoughts.data.prepare import prepare
@@ -50,6 +52,7 @@ for i in range(40):
 """
 
 
+@pytest.mark.slow  # three processes taking the lock 40 times each: seconds on 2 cores
 def test_concurrent_holders_are_serialised_while_the_lock_file_comes_and_goes(tmp_path: Path) -> None:
     """Three processes take the lock 40 times each; each holder removes the file as it leaves, so waiters keep
     finding their file gone: never two inside at once, and no lock file at the end."""

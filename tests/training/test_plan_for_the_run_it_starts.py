@@ -157,6 +157,7 @@ def _summary(out: Path) -> tuple[int, str]:
     return s["steps"], s["stop_reason"]
 
 
+@pytest.mark.slow  # whole runs: seconds on 2 cores
 def test_resuming_an_early_stopped_run_says_the_patience_is_used_up_and_does_that(
     tmp_path, text_corpus, cache_dir, capsys
 ):

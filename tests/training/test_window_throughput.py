@@ -9,11 +9,13 @@ import statistics
 import time
 from pathlib import Path
 
+import pytest
 from cli_helpers import FASTRUN, run_cli
 
 from gptoughts.training.evaluation import Evaluator
 
 
+@pytest.mark.slow  # whole runs: seconds on 2 cores
 def test_an_evaluation_is_not_counted_in_the_next_windows_throughput(
     tmp_path, text_corpus, cache_dir, capsys, monkeypatch
 ):
