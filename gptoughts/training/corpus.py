@@ -143,6 +143,13 @@ def prepare_data(cfg: Config, env: Environment, *, dry_run: bool = False) -> Dat
     _refuse_pairs_without_dpo(sources)
     if resolve_format(cfg.data.format, sources) == "sft":
         return _sft_data(cfg, sources, tok_spec, init_from)
+    tokenizer: Any = tok_spec
+    if init_from is not None and cfg.model.trust_remote_code:
+        from gptoughts.data.tokenizer import build_tokenizer
+
+        # the base's own tokenizer class may need its code to load (no tokenizer.json), as the user allowed; the
+        # cache key is the tokenizer's fingerprint either way
+        tokenizer = build_tokenizer(tok_spec, trust_remote_code=True)
     kwargs = dict(
         text_field=cfg.data.text_field,
         extensions=cfg.data.extensions or None,
@@ -153,11 +160,11 @@ def prepare_data(cfg: Config, env: Environment, *, dry_run: bool = False) -> Dat
     )
     corpus = corpus_size(sources, cfg.data.extensions or None)
     if dry_run:
-        manifest = lookup_cached(sources, tok_spec, **kwargs)
+        manifest = lookup_cached(sources, tokenizer, **kwargs)
         if manifest is None:
             return _estimated(cfg, sources, tok_spec, init_from, corpus)
     else:
-        manifest = _prepared(cfg, env, sources, tok_spec, kwargs)
+        manifest = _prepared(cfg, env, sources, tokenizer, kwargs)
     check_drawable(
         manifest.dir, loader_phases(cfg), cfg.train.block_size
     )  # what its loader would refuse, said now

@@ -84,3 +84,31 @@ def test_finetune_resume_export_and_sample_with_the_flag(hf_model, tmp_path, ft_
     sample = ["sample", str(out), "--prompt", "add 1 2", "--max_new_tokens", "2", "--device", "cpu"]
     refused_leaving(tmp_path, sample, capsys, "--trust_remote_code")
     ok([*sample, "--trust_remote_code"], capsys)
+
+
+def test_a_base_whose_tokenizer_only_its_code_loads_fine_tunes_on_text_when_trusted(
+    hf_model, tmp_path, ft_cache, capsys
+):
+    base = own_tokenizer_class(hf_model("llama"))
+    # no tokenizer.json: the class builds itself from a file of its own name, so only its code loads it
+    (base / "tokenizer.json").rename(base / "custom.json")
+    (base / "tokenization_custom.py").write_text(
+        f"import os\n\nfrom transformers import PreTrainedTokenizerFast\n\n\nclass {CLASS}(PreTrainedTokenizerFast):\n"
+        "    def __init__(self, *args, **kwargs):\n"
+        '        kwargs["tokenizer_file"] = os.path.join(kwargs["name_or_path"], "custom.json")\n'
+        "        super().__init__(*args, **kwargs)\n"
+    )
+    text = tmp_path / "notes.txt"
+    text.write_text("plain text to fine-tune on, line after line.\n" * 200)
+    argv = [
+        "finetune",
+        "--model",
+        str(base),
+        "--data",
+        str(text),
+        "--out",
+        str(tmp_path / "run"),
+        "--dry_run",
+    ]
+    refused_leaving(tmp_path, argv, capsys, "--trust_remote_code")
+    assert "plan:" in ok([*argv, "--trust_remote_code"], capsys)
