@@ -165,9 +165,8 @@ def prepare_data(cfg: Config, env: Environment, *, dry_run: bool = False) -> Dat
             return _estimated(cfg, sources, tok_spec, init_from, corpus)
     else:
         manifest = _prepared(cfg, env, sources, tokenizer, kwargs)
-    check_drawable(
-        manifest.dir, loader_phases(cfg), cfg.train.block_size
-    )  # what its loader would refuse, said now
+    # what its loader would refuse, said before the run writes anything
+    check_drawable(manifest.dir, loader_phases(cfg), cfg.train.block_size)
     corpus.update(
         bytes_read=sum(s.bytes for s in manifest.sources),
         tokens=manifest.train_tokens,
