@@ -35,6 +35,71 @@ ALIASES: dict[str, str] = {
     "auto_batch": "train.batch_size",
     "recover_nan": "recovery.nan_policy",
 }
+# Names other tools use (transformers' Trainer, torchrun, nanoGPT, litgpt) for what is spelt otherwise here: an
+# unknown option among them is answered with our spelling, where the closest name would mislead (--save_steps is
+# not --max_steps, --gpus not --eps). Hints only: the options themselves stay one spelling each.
+FOREIGN: dict[str, str] = {
+    **dict.fromkeys(
+        ("gpus", "num_gpus", "n_gpu", "nproc_per_node", "devices", "num_processes", "world_size"),
+        "several GPUs run under torchrun with the same options: "
+        "`torchrun --nproc_per_node N -m gptoughts COMMAND ...` (one GPU needs nothing)",
+    ),
+    **dict.fromkeys(
+        ("bf16", "fp16", "mixed_precision", "dtype"), "the precision is --precision auto|bf16|fp16|fp32"
+    ),
+    **dict.fromkeys(("output_dir", "out_dir", "run_dir", "checkpoint_dir"), "the run folder is --out DIR"),
+    **dict.fromkeys(
+        ("max_seq_length", "max_seq_len", "seq_len", "seq_length", "context_length", "max_length", "ctx_len"),
+        "the sequence length is --block_size N",
+    ),
+    **dict.fromkeys(
+        ("save_steps", "save_every", "checkpoint_interval"),
+        "checkpoints are saved every --save_interval N steps",
+    ),
+    **dict.fromkeys(
+        ("eval_steps", "eval_every", "eval_iters"),
+        "evaluation runs every --eval_interval N steps (--eval_batches: how many)",
+    ),
+    **dict.fromkeys(("logging_steps", "log_every"), "the log line comes every --log_interval N steps"),
+    **dict.fromkeys(
+        ("resume_from_checkpoint", "resume_from", "init_from_checkpoint"),
+        "a run continues with --resume auto|PATH",
+    ),
+    **dict.fromkeys(
+        ("report_to", "logger", "loggers"),
+        "TensorBoard is --tensorboard true|false, Weights & Biases --wandb",
+    ),
+    **dict.fromkeys(
+        ("num_train_epochs", "n_epochs", "train_epochs"), "the number of passes over the data is --epochs N"
+    ),
+    **dict.fromkeys(
+        ("max_iters", "num_steps", "train_steps", "total_steps"), "the number of steps is --max_steps N"
+    ),
+    **dict.fromkeys(
+        ("per_device_train_batch_size", "micro_batch_size", "train_batch_size", "micro_batch"),
+        "the micro-batch (rows per GPU per step) is --batch_size N|auto; the global batch --global_batch_tokens",
+    ),
+    **dict.fromkeys(
+        ("gradient_checkpointing", "grad_checkpointing", "activation_checkpointing_enabled"),
+        "checkpointing is --activation_checkpointing none|selective|full|auto",
+    ),
+    **dict.fromkeys(
+        ("dataset", "dataset_name", "train_file", "train_data", "dataset_path"),
+        "the corpus is --data PATH (files, folders, .jsonl, .parquet, a saved HF dataset)",
+    ),
+    **dict.fromkeys(
+        ("lr_scheduler_type", "lr_scheduler", "scheduler", "lr_schedule"),
+        "the learning-rate schedule is --schedule cosine|wsd|constant",
+    ),
+    **dict.fromkeys(
+        ("model_name_or_path", "base_model", "pretrained_model"),
+        "a pretrained model is `gptoughts finetune --model HF_DIR|ORG/NAME` (train: --init_from)",
+    ),
+    **dict.fromkeys(("warmup_ratio", "warmup_iters"), "warmup is --warmup_steps N"),
+    **dict.fromkeys(
+        ("max_grad_norm", "clip_grad_norm", "gradient_clipping"), "gradient clipping is --grad_clip X"
+    ),
+}
 REPEATABLE = {"data.sources"}
 # Flags that take no value, and the value they set.
 FLAGS: dict[str, Any] = {
@@ -74,12 +139,14 @@ def parse_overrides(
     flags: dict[str, Any] | None = None,
     sections: tuple[str, ...] = TRAIN_SECTIONS,
     switches: Sequence[str] = TRAIN_SWITCHES,
+    own: Sequence[str] = (),
 ) -> tuple[str | None, dict[str, Any], set[str]]:
     """Split ``[PRESET] --k v ...`` into (preset, {dotted key: value}, switches given).
 
     ``aliases``/``flags`` replace :data:`ALIASES`/:data:`FLAGS` (``finetune`` maps ``--model`` elsewhere).
     An option that is not an alias, a field name of ``sections``, a dotted key or a switch is an error that
-    suggests only options this command accepts."""
+    suggests only options this command accepts: first the command's ``own`` options (taken out of ``argv``
+    before), then a name of :data:`FOREIGN`, then the closest option."""
     aliases = {**bare_keys(sections), **(ALIASES if aliases is None else aliases)}
     flags = FLAGS if flags is None else flags
     preset: str | None = None
@@ -110,7 +177,7 @@ def parse_overrides(
             if name in switches:
                 seen.add(name)
                 continue
-            key = _alias_key(name, aliases, switches, sections)
+            key = _alias_key(name, aliases, [*switches, *own], sections, own)
         if not eq and flags.get(name, True) is True and _is_bool(key):
             # A yes/no option alone is yes (--run.tensorboard, as --overwrite), or takes its word (--overwrite false)
             value, i = (True, i) if i >= len(args) or args[i].startswith("--") else (args[i], i + 1)
@@ -163,7 +230,13 @@ def _is_bool(key: str) -> bool:
     return f is not None and f.type in (bool, "bool")
 
 
-def _alias_key(name: str, aliases: dict[str, str], switches: Sequence[str], sections: tuple[str, ...]) -> str:
+def _alias_key(
+    name: str,
+    aliases: dict[str, str],
+    switches: Sequence[str],
+    sections: tuple[str, ...],
+    own: Sequence[str] = (),
+) -> str:
     key = aliases.get(name)
     if key is None and name in sections:
         raise ConfigError(
@@ -173,6 +246,8 @@ def _alias_key(name: str, aliases: dict[str, str], switches: Sequence[str], sect
         there = {**bare_keys(FINETUNE_SECTIONS), **FINETUNE_ALIASES}.get(name, "")
         if there.split(".")[0] in FINETUNE_SECTIONS:  # --lora, --lora_r, --beta: not a misspelt train option
             raise _finetune_only(f"{name} ({there})")
+    if key is None and name in FOREIGN and closest(name, own) is None:
+        raise ConfigError(f"unknown option --{name}: {FOREIGN[name]}")
     if key is None:
         near = closest(name, [*aliases, *switches])
         raise ConfigError(

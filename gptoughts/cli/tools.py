@@ -175,8 +175,9 @@ def cmd_estimate(argv: Sequence[str]) -> int:
             "machine's CPU, `gptoughts train` with the same flags and --device cpu --dry_run prints the plan."
         )
         return 0
-    rest, opts = pop_options(argv, {"json"}, {"gpu", "num_gpus", "tokens", "mfu", "price"})
-    preset, overrides, _ = parse_overrides(rest, switches=())
+    own = {"gpu", "num_gpus", "tokens", "mfu", "price"}
+    rest, opts = pop_options(argv, {"json"}, own)
+    preset, overrides, _ = parse_overrides(rest, switches=(), own=sorted(own))
     from gptoughts.config import load_config
     from gptoughts.perf.estimate import estimate_config, format_estimate
 
