@@ -115,9 +115,10 @@ through transformers (a notice says so). Default preset: finetune; unless given,
 up to 1024 and the learning rate 2e-5 (2e-4 with --lora), and the plan says so.
 
 data (--data, repeatable):
-  .jsonl of {"prompt": ..., "response": ...} or {"messages": [{"role": ..., "content": ...}, ...]}: loss on the
-  responses only, the tokenizer's chat template when it has one; examples packed per row (--packing false: one
-  per row); longer than a row: --truncation right (cut) or drop. Anything else: continued pretraining.
+  .jsonl of {"prompt": ..., "response" (or "completion"): ...} or {"messages": [{"role": ..., "content": ...},
+  ...]}: loss on the responses only, the tokenizer's chat template when it has one; examples packed per row
+  (--packing false: one per row); longer than a row: --truncation right (cut) or drop. Anything else: continued
+  pretraining.
   With --objective dpo: .jsonl of {"prompt": ..., "chosen": ..., "rejected": ...} (or "messages" with "chosen"
   and "rejected" assistant messages): DPO on the completions (--dpo.beta, --dpo.label_smoothing).
 

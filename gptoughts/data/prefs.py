@@ -6,6 +6,9 @@ Input, one JSON object per line (``.jsonl`` files, or folders of them)::
     {"messages": [{"role": ..., "content": ...}, ...], "chosen": {"role": "assistant", "content": str},
      "rejected": {"role": "assistant", "content": str}}
 
+TRL's conversational pairs read the same: a prompt that is a list of messages, and each completion a list of
+messages whose last is the answer (the turns before it, the same in both, are then the prompt).
+
 Each completion is rendered after its prompt exactly as SFT renders an assistant turn (``data/sft.py``: the
 tokenizer's chat template, else the default one); only the completion's tokens are targets. Every line is checked
 when the file is read, before any model loads: a bad one is a one-line error naming the file, the line and the fix.
@@ -36,9 +39,11 @@ from gptoughts.data.sft import (
     data_fingerprint,
     encode_conversations,
     is_record_file,
+    message_list,
     read_records,
     resolve_format,
     split_indices,
+    turns,
 )
 from gptoughts.errors import ConfigError, DataError
 
@@ -73,10 +78,15 @@ def looks_like_prefs(sources: Sequence[str]) -> bool:
     return False
 
 
-def _completion(obj: dict, key: str, where: str) -> str:
+def _completion(obj: dict, key: str, where: str) -> tuple[list[Message], str]:
+    """The completion ``key``, and the turns written before it in the same field: TRL's conversational pairs give
+    a completion as a list of messages, the whole conversation (``ultrafeedback_binarized``) or its last turn."""
     if key not in obj:
         raise DataError(f'{where}: missing "{key}"; {_EXPECTED}')
     value = obj[key]
+    before: list[Message] = []
+    if isinstance(value, list):
+        *before, value = message_list(value, where, key, _EXPECTED)
     if isinstance(value, dict):
         if value.get("role", "assistant") != "assistant" or not isinstance(value.get("content"), str):
             raise DataError(f'{where}: "{key}" must be {{"role": "assistant", "content": str}}; {_EXPECTED}')
@@ -85,30 +95,19 @@ def _completion(obj: dict, key: str, where: str) -> str:
         raise DataError(f'{where}: "{key}" must be a string, not {type(value).__name__}; {_EXPECTED}')
     if not value.strip():
         raise DataError(f'{where}: "{key}" is empty; give both completions some text (or drop the line)')
-    return value
+    return before, value
 
 
 def _prompt(obj: dict, where: str) -> list[Message]:
     if "messages" in obj:
-        msgs = obj["messages"]
-        if not isinstance(msgs, list) or not msgs:
-            raise DataError(f'{where}: "messages" must be a non-empty list; {_EXPECTED}')
-        for i, m in enumerate(msgs):
-            if not isinstance(m, dict) or not all(isinstance(m.get(k), str) for k in ("role", "content")):
-                raise DataError(f'{where}: messages[{i}] needs string "role" and "content"; {_EXPECTED}')
-        return [{"role": m["role"], "content": m["content"]} for m in msgs]
+        return message_list(obj["messages"], where, "messages", _EXPECTED)
     if "prompt" not in obj:
         raise DataError(f'{where}: missing "prompt" (or "messages"); {_EXPECTED}')
-    if not isinstance(obj["prompt"], str):
-        raise DataError(
-            f'{where}: "prompt" must be a string, not {type(obj["prompt"]).__name__}; {_EXPECTED}'
-        )
+    prompt = turns(obj, "prompt", "user", where, _EXPECTED)  # (TRL's conversational prompt: a list)
     system = obj.get("system")
     if system is not None and not isinstance(system, str):
         raise DataError(f'{where}: "system" must be a string; {_EXPECTED}')
-    return ([{"role": "system", "content": system}] if system else []) + [
-        {"role": "user", "content": obj["prompt"]}
-    ]
+    return ([{"role": "system", "content": system}] if system else []) + prompt
 
 
 def read_located_pairs(sources: Sequence[str]) -> tuple[list[Pair], list[str]]:
@@ -119,8 +118,14 @@ def read_located_pairs(sources: Sequence[str]) -> tuple[list[Pair], list[str]]:
     for where, obj in read_records(sources, _EXPECTED):
         if not isinstance(obj, dict):
             raise DataError(f"{where}: not a JSON object; {_EXPECTED}")
-        prompt = _prompt(obj, where)
-        pairs.append((prompt, _completion(obj, "chosen", where), _completion(obj, "rejected", where)))
+        (before, chosen), (other, rejected) = (_completion(obj, k, where) for k in ("chosen", "rejected"))
+        if before != other:
+            raise DataError(
+                f'{where}: "chosen" and "rejected" differ before their last message; give both the same '
+                f"conversation before the answer; {_EXPECTED}"
+            )
+        # a conversation written in the completions is the prompt (a "prompt" beside it repeats its first turn)
+        pairs.append((before or _prompt(obj, where), chosen, rejected))
         wheres.append(where)
     if not pairs:
         raise DataError(f"no preference pairs in {', '.join(map(str, sources))}; {_EXPECTED}")

@@ -6,6 +6,9 @@ JSON array of them too)::
     {"prompt": "...", "response": "..."}                      (optional "system": "...")
     {"messages": [{"role": "system"|"user"|"assistant"|..., "content": "..."}, ...]}
 
+TRL's prompt-completion records are the first form: "completion" for "response", and the prompt and the answer
+may be lists of messages.
+
 Every assistant turn is a target; the rest is context. Conversations are rendered with the tokenizer's chat
 template (each assistant turn found by rendering with and without it; the rendered text tokenized whole, and a
 token a target where it overlaps an answer's characters), else with this default (role markers
@@ -37,8 +40,11 @@ from gptoughts.errors import ConfigError, DataError
 IGNORE_INDEX = -100
 STATE_VERSION = 1
 _EXPECTED = (
-    'each line must be {"prompt": str, "response": str} or {"messages": [{"role": str, "content": str}, ...]}'
+    'each line must be {"prompt": str, "response": str} ("completion" for "response") or {"messages": [{"role": '
+    'str, "content": str}, ...]}'
 )
+# The answer's key of a prompt/answer record: ours, and TRL's prompt-completion name.
+_ANSWER_KEYS = ("response", "completion")
 # First-fit packing looks for room in this many most recent open rows: near-optimal fill (rows left open
 # longer rarely fit anything) at O(examples * this) cost.
 _OPEN_ROWS = 64
@@ -93,7 +99,38 @@ def _first_record(path: Path) -> Any:
 
 
 def is_sft_record(obj: Any) -> bool:
-    return isinstance(obj, dict) and (("prompt" in obj and "response" in obj) or "messages" in obj)
+    return isinstance(obj, dict) and (("prompt" in obj and _answer_key(obj) is not None) or "messages" in obj)
+
+
+def _answer_key(obj: dict) -> str | None:
+    return next((k for k in _ANSWER_KEYS if k in obj), None)
+
+
+def message_list(msgs: Any, where: str, key: str, expected: str) -> list[Message]:
+    """``msgs`` (the record's field ``key``) as a checked non-empty list of ``{"role", "content"}`` strings."""
+    if not isinstance(msgs, list) or not msgs:
+        raise DataError(f'{where}: "{key}" must be a non-empty list; {expected}')
+    for i, m in enumerate(msgs):
+        if (
+            not isinstance(m, dict)
+            or not isinstance(m.get("role"), str)
+            or not isinstance(m.get("content"), str)
+        ):
+            raise DataError(f'{where}: {key}[{i}] needs string "role" and "content"; {expected}')
+    return [{"role": m["role"], "content": m["content"]} for m in msgs]
+
+
+def turns(obj: dict, key: str, role: str, where: str, expected: str) -> list[Message]:
+    """The field ``key`` as turns: a string is one turn of ``role``; a list of messages (TRL's conversational
+    prompt and completion) is itself."""
+    value = obj[key]
+    if isinstance(value, str):
+        return [{"role": role, "content": value}]
+    if not isinstance(value, list):
+        raise DataError(
+            f'{where}: "{key}" must be a string or a list of messages, not {type(value).__name__}; {expected}'
+        )
+    return message_list(value, where, key, expected)
 
 
 def resolve_format(fmt: str, sources: Sequence[str]) -> str:
@@ -117,23 +154,13 @@ def resolve_format(fmt: str, sources: Sequence[str]) -> str:
 def _conversation(obj: Any, where: str) -> list[Message]:
     if not isinstance(obj, dict):
         raise DataError(f"{where}: not a JSON object; {_EXPECTED}")
+    answer = _answer_key(obj)
     if "messages" in obj:
-        msgs = obj["messages"]
-        if not isinstance(msgs, list) or not msgs:
-            raise DataError(f'{where}: "messages" must be a non-empty list; {_EXPECTED}')
-        out = []
-        for i, m in enumerate(msgs):
-            if (
-                not isinstance(m, dict)
-                or not isinstance(m.get("role"), str)
-                or not isinstance(m.get("content"), str)
-            ):
-                raise DataError(f'{where}: messages[{i}] needs string "role" and "content"; {_EXPECTED}')
-            out.append({"role": m["role"], "content": m["content"]})
-    elif "prompt" in obj and "response" in obj:
-        if not isinstance(obj["prompt"], str) or not isinstance(obj["response"], str):
-            raise DataError(f'{where}: "prompt" and "response" must be strings; {_EXPECTED}')
-        out = [{"role": "user", "content": obj["prompt"]}, {"role": "assistant", "content": obj["response"]}]
+        out = message_list(obj["messages"], where, "messages", _EXPECTED)
+    elif "prompt" in obj and answer is not None:
+        out = turns(obj, "prompt", "user", where, _EXPECTED) + turns(
+            obj, answer, "assistant", where, _EXPECTED
+        )
         if isinstance(obj.get("system"), str):
             out.insert(0, {"role": "system", "content": obj["system"]})
     else:
