@@ -197,8 +197,8 @@ class Recovery:
                 self._report_spike(rec.step, "transient", spike, rerun_loss, "kept the re-run")
             else:
                 w.dropped[i] = True
+                st.step, st.tokens_seen = end_step, end_tokens  # the loader is at the window's end
                 if self._reproducible_spike(rec.step, spike, rerun_loss):
-                    st.step, st.tokens_seen = end_step, end_tokens  # the loader is at the window's end
                     return self.rollback(f"reproducible loss spike at step {rec.step}", rec.step)
             self._hold = torch.zeros((), dtype=torch.bool, device=self.device)
             if i + 1 < len(recs):
@@ -214,10 +214,11 @@ class Recovery:
         """Report a spike that its re-run repeated and apply the policy: True to roll back (raises to stop)."""
         action = {"skip": "step dropped", "rollback": "rolling back", "stop": "stopping"}[self.policy]
         self._report_spike(step, "reproducible", spike, rerun, action)
-        if self.policy == "stop":
-            raise UserError(
+        if self.policy == "stop":  # (the step and the window's later ones were held: skipped)
+            raise self._stopped(
                 f"reproducible loss spike at step {step} (loss {rerun:.4g}, threshold "
-                f"{self._spike_thr:.4g}; recovery.nan_policy = stop); {self._last_good_text(step)}"
+                f"{self._spike_thr:.4g}; recovery.nan_policy = stop)",
+                step,
             )
         return self.policy == "rollback"
 
@@ -268,9 +269,11 @@ class Recovery:
         st = self.state
         if w.nonfinite:
             if self.policy == "stop":
-                raise UserError(
-                    f"non-finite loss or gradient at step {w.nonfinite[0]} (recovery.nan_policy = stop); "
-                    f"{self._last_good_text(w.nonfinite[0])}"
+                # What a resume goes on from: the state before the open streak, or where good steps followed the
+                # bad ones (applied over them: a skipped step changed nothing), the state of now.
+                raise self._stopped(
+                    f"non-finite loss or gradient at step {w.nonfinite[0]} (recovery.nan_policy = stop)",
+                    self._streak_start if st.bad_steps else st.step + 1,
                 )
             log_line(
                 f"step {st.step}: {len(w.nonfinite)} step(s) skipped (non-finite loss or gradient)", self.dist
@@ -342,23 +345,33 @@ class Recovery:
 
     def _diverged(self, what: str, before: int) -> UserError:
         st = self.state
-        head = f"training diverged at step {st.step} ({what}, {st.rollbacks} rollback{'' if st.rollbacks == 1 else 's'})"
-        saved = self._rescue_before_streak(before)
+        rollbacks = f"{st.rollbacks} rollback{'' if st.rollbacks == 1 else 's'}"
+        return self._stopped(f"training diverged at step {st.step} ({what}, {rollbacks})", before)
+
+    def _stopped(self, head: str, first_bad: int) -> UserError:
+        """The error that stops the run at the bad steps from ``first_bad`` on, naming what a resume goes on from:
+        the last good checkpoint before them or, where none was written, the state they left, saved now."""
+        saved = self._rescue_before_streak(first_bad)
         if saved is not None:
             return UserError(
-                f"{head}; no checkpoint was written before it, so the weights from before it (its steps were "
-                f"skipped, not applied) are saved as {saved}; resume from it with a lower --learning_rate"
+                f"{head}; no checkpoint was written before it, so the weights it left (its steps were skipped, "
+                f"not applied) are saved as {saved}; resume from it with a lower --learning_rate"
             )
-        return UserError(f"{head}; {self._last_good_text(before)}")
+        return UserError(f"{head}; {self._last_good_text(first_bad)}")
+
+    def rescue_open_streak(self) -> Path | None:
+        """A run stopped inside a streak of bad steps (a signal): :meth:`_rescue_before_streak` of that streak."""
+        return self._rescue_before_streak(self._streak_start) if self.state.bad_steps else None
 
     def _rescue_before_streak(self, first_bad: int) -> Path | None:
-        """A run about to stop on a streak of non-finite steps with no good checkpoint before it would lose all its
-        steps: those steps were skipped, so the weights and optimizer are still those of step ``first_bad - 1``,
-        which the trainer saves when asked through ``rescue`` (when that is a trained step and the run writes
-        checkpoints); its path, or None. Collapsed steps were applied: no such state is left behind them."""
+        """A run about to stop on bad steps with no good checkpoint before them would lose all its steps. The steps
+        from ``first_bad`` on were skipped (non-finite, or held spikes), so the weights and optimizer are still
+        those of step ``first_bad - 1``, which the trainer saves when asked through ``rescue`` (when that is a
+        trained step and the run writes checkpoints); its path, or None. Collapsed steps were applied: no such
+        state is left behind a streak that holds any."""
         if (
             self.rescue is None
-            or self._streak_kinds != {"non-finite"}
+            or "collapsed" in self._streak_kinds
             or first_bad <= 1
             or self._last_good(first_bad) is not None
         ):
@@ -388,6 +401,7 @@ class Recovery:
         st.lr_scale = old.lr_scale * rc.rollback_lr_factor
         st.rollbacks = old.rollbacks + 1
         st.data_steps_skipped = old.data_steps_skipped + skipped
+        st.phase = old.phase  # (the loader stays where it is: so does the phase of its last batch)
         st.bad_steps = 0
         self._streak_start = 0
         self._streak_kinds = set()

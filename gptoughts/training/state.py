@@ -42,6 +42,9 @@ class TrainState:
     """Running variance of the per-step training loss (spike detector)."""
     loss_count: int = 0
     """Steps fed into the running statistics."""
+    phase: str | None = None
+    """The curriculum phase of the last batch drawn (None: none drawn yet): a resumed run tells the phase it goes on
+    in from one it begins, whatever batch size it resumes at (the loader only knows where it is)."""
 
     def load(self, saved: dict[str, Any]) -> None:
         """Become the state ``saved`` (a checkpoint's ``trainer`` entry; fields it lacks take their defaults), in

@@ -458,7 +458,8 @@ class Trainer:
         val_loss, best = None, False
         if due.evaluate:
             val_loss, best = ev.evaluate_and_track()
-            if ev.patience_exhausted():
+            # (at the last step the run ends by its own rule, complete: a resume of it needs more steps, not patience)
+            if ev.patience_exhausted() and not due.at_end:
                 stop, self.stop_reason = True, "early stopping"
                 # An end too: an open streak is settled first (a rollback trains on from there).
                 if self.state.bad_steps:
@@ -480,12 +481,25 @@ class Trainer:
         # A signal at the run's last step, or at an early stop, ends nothing that was not ending: the run is
         # complete, as its resume would find it.
         if self.stop_requested and not due.at_end and self.stop_reason != "early stopping":
-            if self.checkpointer is None or not self.checkpointer.enabled:
-                self.stop_reason = "interrupted (checkpoint.checkpoints false: nothing to resume from)"
-            else:  # inside a streak of bad steps the save is refused: the reason says which it was
-                kept = "checkpoint saved" if saved else "no checkpoint now, the last good one kept"
-                self.stop_reason = f"interrupted ({kept}; resume with --resume auto)"
+            self.stop_reason = self._interrupted(saved)
         return True
+
+    def _interrupted(self, saved: bool) -> str:
+        """The stop reason of a run a signal ends, with ``saved``: whether this step's checkpoint was written.
+        Inside a streak of bad steps it is refused; with no good checkpoint before the streak, the state from before
+        it is saved instead (``Recovery.rescue_open_streak``), or every step trained so far would be lost."""
+        ck = self.checkpointer
+        if ck is None or not ck.enabled:
+            return "interrupted (checkpoint.checkpoints false: nothing to resume from)"
+        if saved:
+            kept = "checkpoint saved"
+        elif (rescued := self.recovery.rescue_open_streak()) is not None:
+            kept = f"the state from before the bad steps saved as {rescued.name}"
+        elif ck.last_good(self.state.step + 1) is not None:
+            kept = "no checkpoint now, the last good one kept"
+        else:
+            kept = "no checkpoint written yet"
+        return f"interrupted ({kept}; resume with --resume auto)"
 
     def _agree_stop(self) -> bool:
         # Ranks may see a signal at different steps, or only some of them see it (one process killed by hand); they
@@ -523,15 +537,21 @@ class Trainer:
 
     def _checkpoint_before_streak(self, first_bad: int) -> Path | None:
         """``Recovery.rescue``: the weights and optimizer from before a streak of skipped steps, saved as step
-        ``first_bad - 1`` (the loader stays past the streak's batches, as after a rollback); the checkpoint's path,
-        or None where none could be written (no checkpoints, non-finite weights, a failed write)."""
+        ``first_bad - 1`` (the loader stays past the streak's batches, as after a rollback; ``first_bad - 1`` the
+        step of now: the state as it is); the checkpoint's path, or None where none could be written (no
+        checkpoints, non-finite weights, a failed write)."""
         ck, st = self.checkpointer, self.state
         back = st.step - (first_bad - 1)
-        if ck is None or not ck.enabled or back <= 0 or not ck.weights_finite():
+        if ck is None or not ck.enabled or back < 0 or not ck.weights_finite():
             return None
         st.step, st.tokens_seen = st.step - back, st.tokens_seen - back * self.tokens_per_step
         st.data_steps_skipped += back
         st.bad_steps = 0
+        # The streak's evaluations belong to steps the resume runs again: each counted one without improvement.
+        st.evals_without_improvement -= sum(
+            h["step"] > st.step and math.isfinite(h["val_loss"]) for h in st.history
+        )
+        st.history = [h for h in st.history if h["step"] <= st.step]
         try:
             if not self.save():
                 return None
@@ -645,8 +665,9 @@ class Trainer:
         name = getattr(self.loader, "phase_name", None)
         if name is None or name == self._phase:
             return
-        step, before = self.state.step + 1, self._phase
-        self._phase = name
+        st = self.state
+        step, before, last = st.step + 1, self._phase, st.phase
+        self._phase = st.phase = name
         note = f" (after '{before}')"
         if before is None:
             # no curriculum known: the loader's one phase (or a trainer built without a plan)
@@ -657,7 +678,10 @@ class Trainer:
             loader = self.loader
             batch = int(getattr(loader, "global_batch_size", 0)) * int(getattr(loader, "block_size", 0))
             consumed = int(getattr(loader, "tokens_consumed", 0))
-            if not begins_now(self.phases, consumed, batch):
+            # Whether the batch before this one, the checkpoint's last, was of this phase. A checkpoint that does not
+            # say is judged at this run's batch, which a resume may have changed.
+            goes_on = last == name if last is not None else not begins_now(self.phases, consumed, batch)
+            if goes_on:
                 self.log_line(f"step {step}: curriculum phase '{name}' goes on (resumed inside it)")
                 return
             k, n = phase_index(self.phases, consumed), len(self.phases)  # (a resume may begin any of them)
