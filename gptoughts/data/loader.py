@@ -132,6 +132,23 @@ class TokenDataset:
         )
 
 
+def windows_in(sizes: Sequence[int], block_size: int) -> np.ndarray:
+    """Windows of ``block_size + 1`` tokens, at a stride of ``block_size``, in each shard of these sizes: what the
+    loader draws (windows never cross shard files, so each shard's tail shorter than a window is never drawn)."""
+    return np.maximum(0, (np.asarray(sizes, dtype=np.int64) - 1) // block_size)
+
+
+def epoch_windows(
+    dataset: TokenDataset | str | os.PathLike[str], block_size: int, split: str = "train"
+) -> int:
+    """Windows in one pass over every source of ``split``: :attr:`BatchLoader.windows_per_epoch` before a loader is
+    made (what a plan counts its epochs in)."""
+    ds = dataset if isinstance(dataset, TokenDataset) else TokenDataset(dataset)
+    return sum(
+        int(windows_in([a.size for a in ds.shards(split, s.index)], block_size).sum()) for s in ds.sources
+    )
+
+
 class _Windows:
     """Window ``w`` of one (split, source) -> (shard, offset): windows never cross shard files."""
 
@@ -139,7 +156,7 @@ class _Windows:
         self.shards = shards
         self.paths = paths
         self.block_size = block_size
-        counts = np.array([max(0, (a.size - 1) // block_size) for a in shards], dtype=np.int64)
+        counts = windows_in([a.size for a in shards], block_size)
         self.count = int(counts.sum())
         self._starts = np.concatenate([[0], np.cumsum(counts)])  # first window index of each shard
 

@@ -81,7 +81,11 @@ def plan_batches(
             # The run's batch was another until now: the budget's remaining tokens at this batch, not all of it
             # again. (An unchanged batch keeps the plan of the run's start, so that an exact resume stays exact.)
             budget = t.max_tokens if t.max_tokens is not None else epochs * train_tokens  # type: ignore[operator]
-            total_steps = step + max(0, math.ceil((budget - seen) / tokens_per_step))
+            left = (budget - seen) / tokens_per_step
+            # at least the tokens asked for; the epochs asked for to within half a step, as a new run plans them
+            total_steps = step + max(
+                0, math.ceil(left) if t.max_tokens is not None else math.floor(left + 0.5)
+            )
             rule += f", {max(0, budget - seen):,.0f} tokens of it left at step {step} at this batch"
         total_tokens = seen + max(0, total_steps - step) * tokens_per_step
     warmup = t.warmup_steps if t.warmup_steps is not None else default_warmup(total_steps)
@@ -220,12 +224,21 @@ def _fit_default_batch(
 
 
 def _train_tokens(cfg: Config, data: Data, model: Model, info: pdist.DistInfo) -> int:
-    """Tokens of one epoch: the corpus's, the SFT examples' rows (packed or not) or the pairs' two rows, times
-    the block."""
+    """Tokens of one epoch: the windows the loader draws in one pass over the shards (``epoch_windows``; a dry run
+    without shards: :func:`_estimated_windows`), the SFT examples' rows (packed or not) or the pairs' two rows, times
+    the block. Not the corpus's tokens: each shard's tail shorter than a window is never drawn, and the loader's
+    epoch counter (the one ``metrics.jsonl`` logs) counts windows."""
+    block = cfg.train.block_size
     if data.prefs is not None:
-        return len(data.prefs.train_idx) * 2 * cfg.train.block_size
+        return len(data.prefs.train_idx) * 2 * block
     if data.sft is None:
-        return int(data.corpus["tokens"])
+        if data.manifest is not None:
+            from gptoughts.data.loader import epoch_windows
+
+            return epoch_windows(data.dataset, block) * block
+        if data.estimated:
+            return _estimated_windows(cfg, data) * block
+        return int(data.corpus["tokens"])  # (stand-in data of timing runs: no shards)
     from gptoughts.data.sft import epoch_rows
 
     packing = data_packing(cfg, model)
@@ -235,6 +248,23 @@ def _train_tokens(cfg: Config, data: Data, model: Model, info: pdist.DistInfo) -
             "ids: add --data.packing false"
         )
     return epoch_rows(data.sft, cfg.train.seed, packing) * cfg.train.block_size
+
+
+def _estimated_windows(cfg: Config, data: Data) -> int:
+    """A dry run's windows of one epoch, before the corpus is tokenized: its estimated train tokens shared out over
+    the sources by their bytes (each cut to data.max_bytes), each source's split written as prepare writes it (shards
+    of SHARD_TOKENS, the last holding the rest), counted as the loader counts them."""
+    from gptoughts.data.loader import windows_in
+    from gptoughts.data.prepare import SHARD_TOKENS
+
+    cap = cfg.data.max_bytes
+    sizes = [b if cap is None else min(b, cap) for b in data.corpus.get("per_source") or [1]]
+    tokens, shards = int(data.corpus["tokens"]), []
+    for b in sizes:
+        full, rest = divmod(tokens * b // max(1, sum(sizes)), SHARD_TOKENS)
+        shards += [SHARD_TOKENS] * full + [rest]
+    # (at least one: a corpus the dry run's checks pass has a source of a window, however the shares fall)
+    return max(1, int(windows_in(shards, cfg.train.block_size).sum()))
 
 
 def _auto_batch(

@@ -700,7 +700,8 @@ def _warnings(
     on_cpu: bool,
 ) -> list[str]:
     out = []
-    tokens = batch.train_tokens
+    # the corpus's tokens, as its line says them (an epoch's windows leave out each shard's tail); examples' rows
+    tokens = data.corpus.get("tokens", batch.train_tokens)
     if batch.epochs > MAX_USEFUL_EPOCHS:
         out.append(
             f"{batch.epochs:.1f} epochs over {tokens:,} tokens: beyond ~{MAX_USEFUL_EPOCHS:g} epochs repeated "
@@ -738,8 +739,15 @@ def _warnings(
     window = batch.eval_block
     if window is not None and window < batch.block_size:
         val = data.corpus.get("val_tokens", 0)
+        # a window never spans two sources: the tails held out of several can add up to more than a block
+        short = (
+            f"holds no block ({batch.block_size:,} tokens) in one source (a window never spans two; the longest "
+            f"holds {window + 1:,})"
+            if window and val > window + 1
+            else f"is shorter than one block ({batch.block_size:,})"
+        )
         out.append(
-            f"the held-out split ({val:,} tokens) is shorter than one block ({batch.block_size:,}): "
+            f"the held-out split ({val:,} tokens) {short}: "
             + (
                 f"evaluations use windows of {window:,} tokens (a shorter context than training's)"
                 if window
