@@ -216,6 +216,13 @@ def reusable(out: Path, key: str, verify: bool) -> Manifest | None:
         return None
     if m.cache_key != key:
         return None
+    cap = m.settings.get("max_bytes")
+    if isinstance(cap, int) and any(s.truncated and s.bytes > cap for s in m.sources):
+        # Prepared when data.max_bytes kept the document crossing it whole, under the key a prepare cutting at the
+        # cap has now: its shards hold more text than asked for (a whole small file for a cap of a few KB). A
+        # source cut now records at most the cap (one not cut may count blank text past it: not this case).
+        log.warning("rebuilding %s: prepared before data.max_bytes cut the document crossing it", out)
+        return None
     try:
         m.verify() if verify else m.check_files()
     except DataError as e:

@@ -14,6 +14,7 @@ so the same prepare run again resumes from its last checkpoint. Reasons and meas
 from __future__ import annotations
 
 import datetime as _dt
+import glob
 import json
 import logging
 import os
@@ -68,7 +69,8 @@ _PROGRESS_FILE = "progress.json"
 # The rules a build in progress was planned under, recorded in plan.json: a build planned under other rules is
 # started over, never resumed (pass 2 would read the documents otherwise than pass 1 planned). Bump it whenever
 # what pass 1 or pass 2 reads changes. 2: the document crossing data.max_bytes is cut there (1, unrecorded: whole).
-_BUILD_RULES = 2
+# 3: a text file's UTF-8 byte order mark is not read.
+_BUILD_RULES = 3
 
 
 def prepare(
@@ -252,7 +254,8 @@ def _build_and_install(job: _Job) -> Manifest:
     """Build in ``job.tmp`` and rename it to ``job.out`` (the caller holds the lock)."""
     tmp = job.tmp
     # Any other build folder (another key, or the per-process folders of older versions) is stale.
-    for pattern in (f".{job.out.name}.tmp-*", f".{job.out.name}.partial-*"):
+    name = glob.escape(job.out.name)  # `data[12]` as a pattern matches data1 and data2
+    for pattern in (f".{name}.tmp-*", f".{name}.partial-*"):
         for stale in job.out.parent.glob(pattern):
             if stale != tmp:
                 shutil.rmtree(stale, ignore_errors=True)

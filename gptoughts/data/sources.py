@@ -2,8 +2,9 @@
 
 Sources (:func:`source_kind`): a text file (one document; cut at line boundaries into ~1 MB documents above
 :data:`CHUNK_BYTES`), a folder (recursive, sorted, hidden folders and :data:`SKIPPED_DIRS` not entered, binary
-files skipped and counted), ``.jsonl`` and ``.parquet`` (field ``text_field``), a ``datasets.save_to_disk``
-folder (read with pyarrow: ``datasets`` is not a dependency), and ``@stdlib`` (the embedded default corpus).
+files skipped and counted), ``.jsonl`` (and a ``.json`` source of JSON Lines) and ``.parquet`` (field
+``text_field``), a ``datasets.save_to_disk`` folder (read with pyarrow: ``datasets`` is not a dependency), and
+``@stdlib`` (the embedded default corpus).
 Reads are streamed so memory stays bounded whatever the file or row-group size. Invalid UTF-8 is replaced and
 counted in :class:`SourceStats`; an unreadable or corrupt file is a DataError naming it.
 Formats, and the memory measurements behind the reader settings: ``docs/data.md``.
@@ -39,6 +40,7 @@ SKIPPED_DIRS: frozenset[str] = frozenset(
 
 # Text files above this size are split into documents of about this size at line boundaries.
 CHUNK_BYTES = 1 << 20
+_UTF8_BOM = b"\xef\xbb\xbf"
 # A NUL byte in the first BINARY_PROBE bytes marks a file as binary (the heuristic git and grep use).
 BINARY_PROBE = 8192
 STDLIB_ALIAS = "@stdlib"
@@ -57,6 +59,8 @@ _PACKED_EXTENSIONS = frozenset({".gz", ".bz2", ".xz", ".zst", ".zip"})
 _UNPACK = {"gzip": "gunzip -k", "bzip2": "bunzip2 -k", "xz": "unxz -k", "zstd": "unzstd", "zip": "unzip"}
 _SURROGATE = re.compile("[\ud800-\udfff]")
 _MISSING_MSG = "does not exist; pass a file, folder, .jsonl, .parquet or a saved HF dataset"
+# Said of a saved dataset found inside a folder: not read (its text is in .arrow files), which surprises a user.
+_SAVED_NOTE = ": pass it as its own --data"
 # (root, skipped folders) already reported: a corpus is walked several times per command (size, key, reads)
 _REPORTED: set[tuple[str, tuple[str, ...]]] = set()
 
@@ -226,14 +230,30 @@ def _is_hf_dataset(p: Path) -> bool:
 
 
 def source_kind(path: str | os.PathLike[str]) -> str:
-    """One of ``"text"``, ``"folder"``, ``"jsonl"``, ``"parquet"``, ``"hf_dataset"``."""
+    """One of ``"text"``, ``"folder"``, ``"jsonl"`` (a .json file of JSON Lines too), ``"parquet"``, ``"hf_dataset"``."""
     p = resolve_source(path)
     if p.is_dir():
         return "hf_dataset" if _is_hf_dataset(p) else "folder"
     suffix = p.suffix.lower().lstrip(".")
     if suffix in ("jsonl", "parquet"):
         return suffix
-    return "text"
+    return "jsonl" if suffix == "json" and _json_lines(p) else "text"
+
+
+def _json_lines(p: Path) -> bool:
+    """Whether a .json file is JSON Lines (what datasets' ``to_json`` writes by default): its first line one whole
+    object. Read as text, its records' syntax and escapes would be trained on, and its documents run together."""
+    try:
+        with open(p, "rb") as f:
+            first = f.readline(CHUNK_BYTES).removeprefix(_UTF8_BOM).strip()
+    except OSError:  # reading it says why
+        return False
+    if not (first.startswith(b"{") and first.endswith(b"}")):
+        return False
+    try:
+        return isinstance(json.loads(first), dict)
+    except (ValueError, RecursionError):
+        return False
 
 
 def walk_files(root: Path, extensions: tuple[str, ...], *, report: bool = False) -> Iterator[Path]:
@@ -244,7 +264,9 @@ def walk_files(root: Path, extensions: tuple[str, ...], *, report: bool = False)
 
     Prepared datasets and training runs below ``root`` (``prepare . --out ./data``, ``train --data .`` writing
     ``./runs/...``) are not entered: their JSON files are not text to learn from, and reading them would
-    change the corpus (its cache key, its BPE) after every prepare or run, so a resume would never match.
+    change the corpus (its cache key, its BPE) after every prepare or run, so a resume would never match. Nor are
+    saved Hugging Face datasets: their text is in .arrow files, their JSON files are metadata (a warning says to pass
+    them as sources of their own).
     What was skipped is logged once, in one line; with ``report`` (a walk that reads the corpus, not a probe for
     one kind of file), so are the files not read (other extensions) and the links not followed.
     """
@@ -254,16 +276,10 @@ def walk_files(root: Path, extensions: tuple[str, ...], *, report: bool = False)
     links: list[str] = []  # symbolic links to folders (not followed) and broken ones
     for dirpath, dirnames, filenames in os.walk(root):
         here = Path(dirpath)
-        if here != root and ("manifest.json" in filenames or "run.json" in filenames):
-            what = ""
-            if prepared_manifest(here) is not None:
-                what = "a prepared dataset"
-            elif is_run_folder(here):
-                what = "a gptoughts run"
-            if what:
-                skipped.append(f"{here.relative_to(root).as_posix()} ({what})")
-                dirnames[:] = []
-                continue
+        if here != root and (what := _not_corpus(here, filenames)):
+            skipped.append(f"{here.relative_to(root).as_posix()} ({what})")
+            dirnames[:] = []
+            continue
         dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and d not in SKIPPED_DIRS)
         if report:  # os.walk lists a link to a folder among the folders and does not enter it
             links += [(here / d).relative_to(root).as_posix() for d in dirnames if (here / d).is_symlink()]
@@ -273,6 +289,8 @@ def walk_files(root: Path, extensions: tuple[str, ...], *, report: bool = False)
             ext = os.path.splitext(name)[1].lower()
             if ext in wanted:
                 path = here / name
+                if _read_elsewhere(path, root, wanted):
+                    continue
                 if path.is_file():  # not a broken symbolic link, a socket or a fifo
                     yield path
                 elif report and path.is_symlink():
@@ -282,9 +300,42 @@ def walk_files(root: Path, extensions: tuple[str, ...], *, report: bool = False)
     if skipped and (key := (str(Path(root).resolve()), tuple(skipped))) not in _REPORTED:
         _REPORTED.add(key)
         shown = ", ".join(skipped[:3]) + (f" and {len(skipped) - 3} more" if len(skipped) > 3 else "")
-        log.info("%s: skipped %d folder(s) gptoughts wrote, not corpus text: %s", key[0], len(skipped), shown)
+        level = logging.WARNING if any(_SAVED_NOTE in s for s in skipped) else logging.INFO
+        log.log(
+            level,
+            "%s: skipped %d folder(s) gptoughts wrote or datasets saved, not corpus text: %s",
+            key[0],
+            len(skipped),
+            shown,
+        )
     if report and Path(root) != stdlib_path():  # the embedded default: its .so, .pem, ... are no news
         _report_unread(Path(root), extensions, other, links)
+
+
+def _read_elsewhere(path: Path, root: Path, wanted: set[str]) -> bool:
+    """A symbolic link to a file this walk reads under its own name (``latest.txt -> v3.txt``): read twice, the
+    document could be held out as val in one copy and trained on in the other."""
+    if not path.is_symlink():
+        return False
+    target = path.resolve()
+    if not (target.is_file() and target.is_relative_to(root.resolve()) and target.suffix.lower() in wanted):
+        return False
+    parts = target.relative_to(root.resolve()).parts
+    return not any(p.startswith(".") or p in SKIPPED_DIRS for p in parts)
+
+
+def _not_corpus(folder: Path, filenames: list[str]) -> str:
+    """What a folder below a corpus is when it is not corpus text (a prepared dataset, a run, a saved dataset), else
+    "". Asked only where a file that marks one is there: a walk stats nothing more."""
+    if not {"manifest.json", "run.json", "state.json", "dataset_dict.json"} & set(filenames):
+        return ""
+    if prepared_manifest(folder) is not None:
+        return "a prepared dataset"
+    if is_run_folder(folder):
+        return "a gptoughts run"
+    if _is_hf_dataset(folder):  # walked, its JSON metadata would be read as text, and its text (.arrow) not
+        return f"a saved Hugging Face dataset{_SAVED_NOTE}"
+    return ""
 
 
 def _report_unread(root: Path, extensions: tuple[str, ...], other: dict[str, int], links: list[str]) -> None:
@@ -428,7 +479,11 @@ def _read_text_file(p: Path, stats: SourceStats, *, skip_binary: bool) -> Iterat
             stats.skipped_binary += 1
             return
         stats.files_read += 1
-        if len(head) <= CHUNK_BYTES:  # the common case: one file, one document
+        whole = len(head) <= CHUNK_BYTES
+        if head.startswith(_UTF8_BOM):  # Windows editors' "UTF-8 with BOM": a mark, not text to learn from
+            stats.bytes_read += len(_UTF8_BOM)
+            head = head[len(_UTF8_BOM) :]
+        if whole:  # the common case: one file, one document
             stats.bytes_read += len(head)
             yield from _emit(_decode(head, stats), stats)
             return
@@ -466,8 +521,8 @@ def _read_jsonl(p: Path, text_field: str, stats: SourceStats) -> Iterator[str]:
     with _readable(p), open(p, "rb") as f:
         for lineno, raw in enumerate(f, start=1):
             stats.bytes_read += len(raw)
-            if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte order mark (Windows editors)
-                raw = raw[3:]
+            if lineno == 1 and raw.startswith(_UTF8_BOM):  # a UTF-8 byte order mark (Windows editors)
+                raw = raw[len(_UTF8_BOM) :]
             if not raw.strip():
                 continue
             line = _decode(raw, stats)

@@ -212,6 +212,9 @@ class Reader:
                 yield doc
         finally:
             docs.close()
+            # blank text after the last document (a whitespace-only file, blank lines) is counted past the cap,
+            # though none of it is read
+            st.bytes_read = min(st.bytes_read, start + self.max_bytes)
 
     def draw(self, i: int, j: int, doc: str) -> float:
         return _doc_u(self.seed, i, j, doc)

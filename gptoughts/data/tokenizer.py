@@ -489,6 +489,10 @@ def parse_spec(spec: str) -> tuple[str, int | None]:
     p = Path(s).expanduser()
     if p.is_dir() and any((p / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
         return "folder", None
+    if (p / "tokenizer" / "tokenizer.json").is_file():  # a prepared dataset or a run: its tokenizer is inside
+        raise ConfigError(
+            f"{_SPEC_HELP} {s!r}, whose tokenizer is in its tokenizer/ folder: pass {p / 'tokenizer'}"
+        )
     raise ConfigError(f"{_SPEC_HELP} {s!r}")
 
 
