@@ -717,6 +717,11 @@ def _check_generate_args(
     """``generate``'s arguments, each checked as ``gptoughts sample`` checks its flags: one line naming the argument
     (a wrong type was a library's error about something else, and a NaN temperature silently sampled noise)."""
     _check_loaded(loaded, "generate", "gptoughts.generate(loaded, PROMPT)")
+    if isinstance(prompt, (list, tuple)):  # a batch of prompts: one call each
+        raise UserError(
+            f"prompt must be one string, got a {type(prompt).__name__} of {len(prompt)}; generate each: "
+            "[gptoughts.generate(loaded, p) for p in prompts]"
+        )
     if not isinstance(prompt, str):
         raise UserError(f"prompt must be a string, got {type(prompt).__name__} {prompt!r:.60}")
     check_sampling(max_new_tokens, temperature, top_k, top_p, seed)
@@ -765,6 +770,21 @@ def sampler(loaded: Loaded) -> Any:
     return Sampler(loaded.model, loaded.tokenizer, diffusion=diffusion, chat=loaded.chat)
 
 
+def eval_block(loaded: Loaded, block_size: int | None) -> int:
+    """The window an evaluation scores ``loaded`` in: ``block_size``, by default the run's block (a model folder's
+    config has the default one) within the model's positions; one more than those is refused in one line (the
+    forward raised a traceback)."""
+    limit = getattr(loaded.args, "max_seq_len", None)
+    block = block_size or loaded.config.train.block_size
+    if limit is not None and block > limit:
+        if block_size is None:
+            return limit
+        raise UserError(
+            f"--block_size {block} is longer than the model's {limit} positions; pass --block_size {limit} or less"
+        )
+    return block
+
+
 @torch.no_grad()
 def evaluate(
     loaded: Loaded,
@@ -794,17 +814,12 @@ def evaluate(
     data = [_path_text(d) for d in data]
     refuse_prepared(data, with_model_tokenizer=True)  # in eval's words, not train's
     cfg = loaded.config
-    block = block_size or cfg.train.block_size
-    limit = getattr(loaded.args, "max_seq_len", None)
-    if limit is not None and block > limit:
-        raise UserError(
-            f"--block_size {block} is longer than the model's {limit} positions; pass --block_size {limit} or less"
-        )
-    # The folder the tokenizer was loaded from: a run's tokenizer/ or the HF model folder itself.
-    run_tok = loaded.tokenizer.source_dir or loaded.checkpoint.parent.parent / "tokenizer"
+    block = eval_block(loaded, block_size)
+    # The model's tokenizer as loaded (its folder read again without the user's --trust_remote_code was refused
+    # where only the folder's own code loads it); the cache is keyed by its fingerprint either way.
     manifest = cached_prepare(
         resolve_sources(data),
-        str(run_tok),
+        loaded.tokenizer,
         text_field=cfg.data.text_field,
         extensions=cfg.data.extensions or None,
         val_fraction=0.0,

@@ -167,10 +167,10 @@ def generate(
         )
     max_seq_len = model.args.max_seq_len
     bsz, prompt_len = input_ids.shape
-    if use_cache and prompt_len + max_new_tokens - 1 > max_seq_len:
+    if use_cache and _positions(prompt_len, max_new_tokens) > max_seq_len:
         raise UserError(
             f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) needs "
-            f"{prompt_len + max_new_tokens - 1} positions but the model has max_seq_len={max_seq_len}; "
+            f"{_positions(prompt_len, max_new_tokens)} positions but the model has max_seq_len={max_seq_len}; "
             "shorten the prompt or max_new_tokens (gptoughts.sampling.generate(model, ids, n, use_cache=False) "
             "slides a window over the last max_seq_len tokens instead)"
         )
@@ -233,6 +233,12 @@ def _decode(
         if eos_id is not None and bool(done.all()):
             break
     return out[:, :cur]
+
+
+def _positions(prompt_len: int, new_tokens: int, diffusion: bool = False) -> int:
+    """The positions a sample of ``new_tokens`` after ``prompt_len`` tokens takes: the cached causal sampler never
+    feeds its last token back, the diffusion sampler holds every answer position."""
+    return prompt_len + new_tokens - (0 if diffusion else 1)
 
 
 _HF_MIN_TEMPERATURE = 1e-30
@@ -324,7 +330,7 @@ def _check_schedule(
 def _check_diffusion_room(model: nn.Module, prompt_len: int, new_tokens: int, name: str) -> None:
     """The prompt and its answer fit the model's positions (the diffusion sampler holds all of them at once);
     ``name`` is the length's name as the caller's user typed it."""
-    if prompt_len + new_tokens > model.args.max_seq_len:
+    if _positions(prompt_len, new_tokens, diffusion=True) > model.args.max_seq_len:
         raise UserError(
             f"prompt ({prompt_len} tokens) + {name} ({new_tokens}) exceeds the model's "
             f"max_seq_len={model.args.max_seq_len}; shorten the prompt or {name}"
@@ -447,6 +453,35 @@ class Sampler:
 
     def prompt_ids(self, prompt: str, chat: bool) -> list[int]:
         return self._context(prompt, chat)[0]
+
+    def check_room(
+        self,
+        prompts: Sequence[str],
+        flags: tuple[str, str],
+        *,
+        max_new_tokens: int | None = None,
+        chat: bool | None = None,
+    ) -> None:
+        """``max_new_tokens`` (default: this sampler's) refused in one line where a sample of one of ``prompts``
+        would not fit the model's positions, as generating it would be, with the fix in the options ``flags``
+        (new tokens, prompt): checked before a run trains (its samples failed at its end) and before
+        ``gptoughts sample`` generates."""
+        n = self.defaults["max_new_tokens"] if max_new_tokens is None else max_new_tokens
+        if n < 1 or getattr(self.model, "hf_generate", None) is not None:  # (transformers has no such limit)
+            return
+        limit = self.model.args.max_seq_len
+        for prompt in prompts:
+            length = len(self.prompt_ids(prompt, self.chat if chat is None else chat))
+            need = _positions(length, n, self.diffusion)
+            if need <= limit:
+                continue
+            most = n - (need - limit)
+            fix = f"pass {flags[0]} {most} or less" if most >= 1 else f"shorten the prompt ({flags[1]})"
+            shown = prompt if len(prompt) <= 30 else prompt[:30] + "..."
+            raise UserError(
+                f"{flags[0]} {n}: the prompt {shown!r} ({length} token{'s' * (length != 1)}) and {n} new tokens need "
+                f"{need} positions, beyond the model's {limit}; {fix}"
+            )
 
     def _context(self, prompt: str, chat: bool) -> tuple[list[int], int]:
         """The ids the model continues, and how many of them lead the text returned. An empty prompt starts from

@@ -241,6 +241,11 @@ def test_generate_given_a_run_path_or_the_trained_model_says_to_load_it(loaded):
             gptoughts.generate(wrong, "def ", max_new_tokens=2)
     with pytest.raises(UserError, match="prompt must be a string"):
         gptoughts.generate(loaded, None, max_new_tokens=2)
+    # a batch of prompts: said with the call that generates each (was "got list ['def ', 'import os']")
+    with pytest.raises(
+        UserError, match=r"a list of 2; generate each: \[gptoughts\.generate\(loaded, p\) for p"
+    ):
+        gptoughts.generate(loaded, ["def ", "import os"], max_new_tokens=2)
 
 
 def test_generate_past_the_model_length_names_a_function_that_takes_use_cache(loaded):
@@ -410,3 +415,23 @@ def test_eval_of_two_runs_refuses_the_second_ones_missing_tokenizer_before_loadi
     monkeypatch.setattr(gptoughts.api, "load", lambda *a, **k: pytest.fail("a model loaded first"))
     argv = ["eval", str(good), str(run), "--data", str(run / "config.toml")]
     assert "tokenizer.json is missing" in _error_line(*run_cli(argv, capsys))
+
+
+def test_sample_past_the_model_length_names_the_flags_value_that_fits(loaded, capsys):
+    # was the Python API's hint (gptoughts.sampling.generate(..., use_cache=False)) to a user of the command line
+    run, n = str(loaded.checkpoint), loaded.model.args.max_seq_len
+    argv = ["sample", run, "--prompt", "ab", "--device", "cpu", "--max_new_tokens"]
+    line = _error_line(*run_cli([*argv, str(n)], capsys))
+    assert line.endswith(f"pass --max_new_tokens {n - 1} or less") and "use_cache" not in line, line
+    line = _error_line(*run_cli([*argv[:3], "x" * (n + 1), *argv[4:], "1"], capsys))
+    assert line.endswith("shorten the prompt (--prompt)"), line
+    code, text = run_cli([*argv, str(n - 1), "--temperature", "0"], capsys)
+    assert code == 0 and text.startswith("ab"), text[-500:]
+
+
+def test_eval_of_one_run_named_twice_is_refused_however_it_is_spelt(loaded, shared_corpus: Path, capsys):
+    # `eval runs/a runs/a/` loaded and scored the same run twice, side by side
+    run = loaded.checkpoint.parent.parent
+    for again in (f"{run}/", str(run / ".." / run.name)):
+        line = _error_line(*run_cli(["eval", str(run), again, "--data", str(shared_corpus)], capsys))
+        assert "more than once" in line and again in line, line

@@ -179,3 +179,41 @@ def test_a_tiny_temperature_decodes_greedily_on_the_transformers_path():
     eos = next(t for t in range(96) if t not in greedy.tolist()[0])
     ended = generate(model, prompt, 6, temperature=0.0, eos_id=eos, end_ids=[end])
     assert ended[0].tolist() == greedy[0, :4].tolist()
+
+
+@pytest.mark.parametrize("diffusion", [False, True], ids=["causal", "diffusion"])
+def test_check_room_refuses_exactly_the_lengths_sampling_refuses(diffusion):
+    # a training run checks its samples' length before it trains: what it lets through must generate, and what it
+    # refuses must be what generation would refuse at the run's end (was: a warning after the last step)
+    from gptoughts.data.tokenizer import bytes_tokenizer
+    from gptoughts.sampling import Sampler
+
+    torch.manual_seed(0)
+    family = "llada" if diffusion else "llama"
+    overrides = {"vocab_size": 320, "max_seq_len": 12} | ({"mask_token_id": 2} if diffusion else {})
+    model = build_model(family, model_args(family, "debug", overrides), device="cpu")
+    tok = bytes_tokenizer()
+    for prompt in ("", "abcd"):
+        allowed = []
+        for n in range(1, 15):
+            sampler = Sampler(model, tok, diffusion=diffusion, max_new_tokens=n, temperature=0.0)
+            try:
+                sampler.check_room([prompt], ("--sample_max_new_tokens", "--sample_prompts"))
+                checked = True
+            except UserError as e:
+                checked, message = False, str(e)
+            try:
+                sampler(prompt)
+                generated = True
+            except UserError:
+                generated = False
+            assert checked == generated, (prompt, n)
+            if checked:
+                allowed.append(n)
+        most = max(allowed)
+        assert allowed == list(range(1, most + 1))
+        assert f"--sample_max_new_tokens 14: the prompt {prompt!r}" in message
+        assert message.endswith(f"pass --sample_max_new_tokens {most} or less") and "\n" not in message
+    sampler = Sampler(model, tok, diffusion=diffusion, max_new_tokens=1)
+    with pytest.raises(UserError, match=r"shorten the prompt \(--sample_prompts\)"):
+        sampler.check_room(["x" * 20], ("--sample_max_new_tokens", "--sample_prompts"))

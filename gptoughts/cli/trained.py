@@ -73,12 +73,16 @@ def cmd_sample(argv: Sequence[str]) -> int:
         "--trust_remote_code", action="store_true", help="let transformers run an HF folder's own code"
     )
     a = p.parse_args(argv)
-    from gptoughts.api import check_sampling, generate_text, load
+    from gptoughts.api import check_sampling, generate_text, load, sampler
 
     # checked before the model is loaded (which can take minutes); load checks the path first
     check_sampling(a.max_new_tokens, a.temperature, a.top_k, a.top_p, a.seed, flag="--")
     loaded = load(a.path, device=a.device, trust_remote_code=a.trust_remote_code)
     chat = None if a.chat == "auto" else a.chat == "on"
+    # a prompt and answer past the model's positions: the flags' largest value that fits, not the Python API's hint
+    sampler(loaded).check_room(
+        [a.prompt], ("--max_new_tokens", "--prompt"), max_new_tokens=a.max_new_tokens, chat=chat
+    )
     print(
         generate_text(
             loaded,
@@ -148,7 +152,12 @@ def _eval_parser() -> argparse.ArgumentParser:
         default=8,
         help="sequences per forward pass (LLaDA choices: Monte-Carlo copies of one choice per pass)",
     )
-    p.add_argument("--block_size", type=int, default=None, help="default: the run's train.block_size")
+    p.add_argument(
+        "--block_size",
+        type=int,
+        default=None,
+        help="default: the run's train.block_size (a model folder: 256, or its positions if fewer)",
+    )
     p.add_argument(
         "--max_batches",
         type=int,
@@ -234,9 +243,12 @@ def _check_eval_args(a: argparse.Namespace) -> None:
     ):
         if value is not None and value < 1:
             raise UserError(f"{flag} must be >= 1, got {value}")
-    repeated = sorted({r for r in a.path if a.path.count(r) > 1})
-    if repeated:
-        raise UserError(f"{', '.join(repeated)} is given more than once; name each run once")
+    named: dict[Path, str] = {}
+    for run in a.path:  # however it is spelt (runs/a and runs/a/), a run is loaded and scored once
+        first = named.setdefault(Path(run).expanduser().resolve(), run)
+        if first != run or a.path.count(run) > 1:
+            same = "" if first == run else f" (as {first})"
+            raise UserError(f"{run} is given more than once{same}; name each run once")
     if a.num_fewshot is not None and a.num_fewshot < 0:
         raise UserError(f"--num_fewshot must be >= 0, got {a.num_fewshot}")
 
@@ -316,16 +328,17 @@ def _evaluate_run(run: str, a: argparse.Namespace, tasks: list[Any], bench: Any)
 
 
 def _preferences(loaded: Any, a: argparse.Namespace) -> dict[str, Any]:
-    from gptoughts.api import load
+    from gptoughts.api import eval_block, load
     from gptoughts.tools.preferences import default_reference, evaluate_preferences
 
+    block = eval_block(loaded, a.block_size)  # (before a reference model loads)
     ref_path = a.ref or default_reference(loaded)
     reference = load(ref_path, device=a.device, trust_remote_code=a.trust_remote_code) if ref_path else None
     return evaluate_preferences(
         loaded,
         a.prefs,
         batch_size=a.batch_size,
-        block_size=a.block_size,
+        block_size=block,
         beta=a.beta,
         reference=reference,
         reference_name=ref_path,

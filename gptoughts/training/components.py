@@ -82,11 +82,14 @@ def make_trainer(asm: Assembly, tasks: Any = None) -> Assembly:
     )
     checkpointing = replace(cfg.checkpoint, save_interval=batch.save_interval)
     check_train_ranges(t, evaluation, checkpointing, cfg.recovery)  # with the plan's values
-    # 7. optimizer, schedule, loaders, sampler: still nothing written
+    # 7. sampler, optimizer, schedule, loaders: still nothing written
+    asm.sampler = _sampler(cfg, asm.data, model)
+    if model.built.pipeline is None:  # (a pipeline's stages do not sample)
+        # samples that cannot fit the model's positions refused now, not as a warning at the run's end
+        asm.sampler.check_room(evaluation.sample_prompts, ("--sample_max_new_tokens", "--sample_prompts"))
     optimizer = train_optimizer(cfg, env, model, t)
     asm.loader, eval_fn = make_loaders(cfg, env, asm.data, model, t, batch.eval_block)
     _reference_logratios(asm, t)  # before a resume loads its weights: the reference is the starting model
-    asm.sampler = _sampler(cfg, asm.data, model)
     resumed = None
     if asm.resume_from is not None:  # read and checked before anything of the run directory is rewritten
         asm.resume_from, resumed = load_resume_checkpoint(cfg, env, model, run_dir, asm.resume_from)
