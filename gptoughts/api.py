@@ -440,7 +440,14 @@ def _print_summary(asm: Any, history: History) -> None:
     if not s["checkpoints"]:  # sample, eval, export and resume all read a checkpoint
         console.print(f"  next: gptoughts plot {run}", highlight=False)
         return
-    scored = "--prefs PAIRS.jsonl" if asm.data.prefs is not None else "--data PATH"
+    # what eval scores for this run: eval --data reads plain text and refuses a fine-tuning's examples
+    scored = (
+        "--prefs PAIRS.jsonl"
+        if asm.data.prefs is not None
+        else "--tasks TASKS.jsonl"
+        if asm.data.sft is not None
+        else "--data PATH"
+    )
     # An interrupted run continues to its own end as it is; a finished one needs a budget past where it stopped;
     # an early-stopped one keeps its used-up patience (it would stop again at its next evaluation).
     more = (

@@ -61,20 +61,46 @@ class MetricsLogger:
             _drop_samples_after(run_dir / "samples.txt", resume_step)
         self.file = open(self.path, "a", buffering=1)
         if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
             # Events of the steps after the checkpoint are dropped as above; the checkpoint's own step was logged
             # before it was saved and is not run again (purging from it lost its scalars).
-            purge = resume_step + 1 if resume_step is not None else None
-            self.tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=purge)
+            self._open_tensorboard(run_dir, resume_step)
         if wandb:
             self.wandb = _start_wandb(run_dir, wandb_project, config)
+
+    def _open_tensorboard(self, run_dir: Path, after_step: int | None) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        # purge_step writes a session start at that step: TensorBoard then drops every event of a later step it
+        # read before (the steps run again after a resume or a rollback would otherwise draw a second curve).
+        purge = after_step + 1 if after_step is not None else None
+        self.tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=purge)
+
+    def rewind(self, step: int) -> None:
+        """A rollback to the checkpoint of ``step``: TensorBoard and samples.txt forget the steps after it, which
+        are run again. metrics.jsonl keeps their rows; the rollback's own row (logged next, at ``step``) marks
+        where the re-run begins, and the plots keep the last value written for each step."""
+        if not self.enabled:
+            return
+        _drop_samples_after(self.path.parent / "samples.txt", step)
+        if self.tb is not None:
+            self.tb.close()
+            self._open_tensorboard(self.path.parent, step)
 
     def log(self, step: int, values: dict[str, Any]) -> None:
         if not self.enabled:
             return
         row = {"step": step, "time": round(time.time(), 3), **{k: _clean(v) for k, v in values.items()}}
         self.file.write(json.dumps(row) + "\n")
+        event = values.get("event")
+        if event is not None:
+            # An event (a rollback, a spike, a curriculum phase) is a line of text: its numbers are no training
+            # series (a rollback's skipped_steps counts the steps it undid, not those a window skipped).
+            text = ", ".join(f"{k}: {_clean(v)}" for k, v in values.items() if k != "event")
+            if self.tb is not None:
+                self.tb.add_text(f"events/{event}", text, step)
+            if self.wandb is not None:
+                self.wandb.log({f"events/{event}": text}, step=step)
+            return
         for k, v in values.items():
             if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
                 if self.tb is not None:

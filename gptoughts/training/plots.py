@@ -9,7 +9,8 @@ sees half a file.
 Reading a series: rows come in file order; a row whose step is not greater than an earlier one's (a resume or a
 NaN rollback that re-runs steps) simply rewrites that step, so each metric keeps the *last* value written for
 each step, and is drawn sorted by step. Non-finite values (written as ``"nan"``/``"inf"`` strings) are gaps in
-the lines; on the loss panel they are marked with red crosses along the bottom.
+the lines; on the loss panel they are marked with crosses along the bottom (red, or the run's colour in a
+comparison), and a rollback with a dashed line at the step it went back to.
 
 Matplotlib is used through its object API on the Agg canvas (``Figure`` + ``FigureCanvasAgg``), never
 ``pyplot``: no global figure registry, nothing needs a display, and plots can be drawn from a background thread
@@ -278,21 +279,32 @@ def _panel_loss(ax: Any, s: Series) -> None:
         values += _line(ax, s, "loss", label="train loss", color="C0", smooth=True)
     if s.has("val_loss"):
         values += _line(ax, s, "val_loss", label="val loss", color="C1")
-    bad = sorted(set(s.non_finite_steps("loss")) | set(s.non_finite_steps("val_loss")))
-    if bad:  # at the bottom edge, whatever the y scale: x in data units, y in axes units
+    _mark_non_finite(ax, s, ("loss", "val_loss"), color="red", label="non-finite")
+    # A rollback's row names the step it went back to: the steps after it were run again and their new values
+    # replaced the old (the non-finite ones included), so only this line says it happened.
+    back_to = sorted(s.get("to_step") or {})
+    for i, step in enumerate(back_to):
+        ax.axvline(step, color="0.4", ls="--", lw=1, label=f"rollback ({len(back_to)})" if i == 0 else None)
+    _maybe_log_y(ax, values)
+    _style(ax, "loss", "loss (nats/token)")
+    ax.legend(fontsize=8)
+
+
+def _mark_non_finite(ax: Any, s: Series, keys: Sequence[str], *, color: str, label: str) -> None:
+    """Crosses along the bottom edge at the steps where any of ``keys`` is non-finite (a line only has a gap
+    there, which reads like a run that stopped), whatever the y scale: x in data units, y in axes units."""
+    bad = sorted({step for key in keys for step in s.non_finite_steps(key)})
+    if bad:
         ax.plot(
             bad,
             [0.0] * len(bad),
             "x",
-            color="red",
+            color=color,
             ms=5,
             clip_on=False,
             transform=ax.get_xaxis_transform(),
-            label=f"non-finite ({len(bad)})",
+            label=f"{label} ({len(bad)})",
         )
-    _maybe_log_y(ax, values)
-    _style(ax, "loss", "loss (nats/token)")
-    ax.legend(fontsize=8)
 
 
 def _panel_single(
@@ -560,6 +572,8 @@ def _compare_panels(axes: Any, data: list[Series], labels: list[str]) -> None:
             if s.has(key):
                 smooth = key in ("loss", "tokens_per_s", "grad_norm")
                 values += _line(ax, s, key, label=labels[i], color=f"C{i % 10}", smooth=smooth)
+                if key in ("loss", "val_loss"):
+                    _mark_non_finite(ax, s, [key], color=f"C{i % 10}", label=f"{labels[i]} non-finite")
         if values:
             if log_y:
                 _maybe_log_y(ax, values)

@@ -418,6 +418,7 @@ class Recovery:
             self.dist,
         )
         if self.dist.is_main:
+            self.metrics.rewind(new.step)
             self.metrics.log(
                 new.step,
                 {
