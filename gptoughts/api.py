@@ -8,6 +8,7 @@ import json
 import math
 import os
 import shutil
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -241,7 +242,9 @@ def run_training(cfg: Config, *, dry_run: bool = False) -> tuple[nn.Module, Any,
     ev = cfg.eval
     tasks = read_scorer(ev.eval_tasks, task_dir=ev.eval_task_dir, limit=ev.eval_tasks_limit)
     env = setup_environment(cfg)
+    undo: Any = None
     try:
+        undo = _start_from_run(cfg, env, dry_run)  # --model RUN: its export, kept in OUT/base
         with _disk_full_is_a_user_error(Path(cfg.run.out)), _out_of_memory_is_a_user_error(env.device):
             asm = build(cfg, dry_run=dry_run, env=env, tasks=tasks)  # prints the plan
         startup.assembly_s = startup.age() - startup.imports_s
@@ -275,7 +278,102 @@ def run_training(cfg: Config, *, dry_run: bool = False) -> tuple[nn.Module, Any,
             asm.close()
         return asm.model.raw, asm.data.tokenizer, history
     finally:
+        if undo is not None:
+            undo()
         pdist.shutdown()
+
+
+_BASE_SOURCE = "gptoughts_source.json"
+"""In the export a fine-tune keeps of the run it started from (OUT/base): that run, its checkpoint and step."""
+
+
+@dataclass(frozen=True)
+class RunBase:
+    """A gptoughts run named as a fine-tune's model: the checkpoint it starts from."""
+
+    run: Path
+    checkpoint: Path
+    step: int
+
+
+def run_base(spec: str | None) -> RunBase | None:
+    """What a fine-tune whose ``model.init_from`` is ``spec`` starts from when ``spec`` is a gptoughts run: its newest
+    checkpoint, the one ``gptoughts export RUN`` reads (a checkpoint of a run: that one). None for a model folder
+    or a hub id; a run with no checkpoint yet is refused in one line. Reads only."""
+    from gptoughts.models.hf_export import run_of_model
+
+    run = run_of_model(spec) if spec else None
+    if run is None:
+        return None
+    try:
+        ck = ckpt.resolve(Path(str(spec)).expanduser())
+    except UserError:
+        _refuse_a_run_before_its_first_checkpoint(run)
+        raise
+    return RunBase(run=run, checkpoint=ck, step=int(ckpt.read_meta(ck)["step"]))
+
+
+def _start_from_run(cfg: Config, env: Any, dry_run: bool) -> Any:
+    """``--model RUN``: the fine-tune starts from what ``gptoughts export RUN`` writes (the newest checkpoint, LoRA
+    merged, with the run's tokenizer and chat template), kept inside the new run as OUT/base, where the run, its
+    resume, sample and export read it whatever the source run does next (trains on, is replaced). ``model.init_from``
+    becomes that folder and the plan names the run and step. A resume reads the base its run kept; a dry run
+    exports into a temporary folder. Returns what undoes the export where no run came of it (None: nothing to)."""
+    from gptoughts.data.sources import read_json_dict
+    from gptoughts.training import rundir
+    from gptoughts.training.metrics import console
+
+    out = Path(cfg.run.out).expanduser()
+    kept = out / rundir.BASE_DIR
+    source = read_json_dict(kept / _BASE_SOURCE) or {}
+    if cfg.run.resume and isinstance(source.get("step"), int) and isinstance(source.get("run"), str):
+        # the base the run kept: named again (RUN, wherever it is now) or as its config.toml has it (OUT/base)
+        base = run_base(cfg.model.init_from)
+        given = base.run if base is not None else Path(str(cfg.model.init_from)).expanduser()
+        if given.resolve() in (Path(source["run"]).resolve(), kept.resolve()):
+            now = f"; {base.run} is at step {base.step:,} now" if base and base.step != source["step"] else ""
+            cfg.model.init_from = str(kept.resolve())
+            cfg.resolved["base"] = (
+                f"{source['run']} at step {source['step']:,} (its export, kept in {kept}{now})"
+            )
+        return None  # (another base named is refused by the resume as such)
+    base = None if cfg.run.resume else run_base(cfg.model.init_from)
+    if base is None:
+        return None
+    rundir.check(
+        out, cfg
+    )  # (reads only) what a new run refuses: a folder not empty, a run without --overwrite
+    if rundir.is_run(out):
+        raise UserError(
+            f"{out} holds a run, whose files --overwrite replaces only once this run is checked, while the export "
+            f"of {base.run} goes into {kept} before; remove {out}, or choose another --out"
+        )
+    created = not out.exists()
+    target = Path(tempfile.mkdtemp(prefix="gptoughts-base-")) / rundir.BASE_DIR if dry_run else kept
+    if env.dist.is_main:
+        console.print(
+            f"base: exporting {base.run} at step {base.step:,} into {target} (LoRA merged)", highlight=False
+        )
+        export(base.checkpoint, target, overwrite=True, trust_remote_code=cfg.model.trust_remote_code)
+        record = {
+            "run": str(base.run.resolve()),
+            "checkpoint": str(base.checkpoint.resolve()),
+            "step": base.step,
+        }
+        (target / _BASE_SOURCE).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+    target = Path(pdist.broadcast_object(str(target), env.dist))  # (a dry run's temporary folder is rank 0's)
+    cfg.model.init_from = str(target.resolve())
+    where = f"a temporary folder for this dry run; a run keeps it in {kept}" if dry_run else str(kept)
+    cfg.resolved["base"] = f"{base.run} at step {base.step:,} (its export, in {where})"
+
+    def undo() -> None:
+        if env.dist.is_main and (dry_run or not (out / "run.json").exists()):
+            shutil.rmtree(target.parent if dry_run else target, ignore_errors=True)
+            if created and not dry_run:
+                with contextlib.suppress(OSError):
+                    out.rmdir()  # (when empty)
+
+    return undo
 
 
 @contextlib.contextmanager

@@ -150,7 +150,7 @@ def _substitute(argv: list[str], size: str | None) -> list[str]:
 def test_readme_lists_the_commands_this_test_runs():
     cmds = bash_commands()
     assert "gptoughts train" in cmds and any("--resume auto" in c for c in cmds)
-    assert sum(c.startswith("torchrun") for c in cmds) == 5 and sum("finetune" in c for c in cmds) == 3
+    assert sum(c.startswith("torchrun") for c in cmds) == 5 and sum("finetune" in c for c in cmds) == 4
     assert {c.split()[1] for c in table_commands()} >= {
         "prepare",
         "sample",

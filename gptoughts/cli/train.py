@@ -109,7 +109,8 @@ def cmd_train(argv: Sequence[str]) -> int:
 FINETUNE_USAGE = """usage: gptoughts finetune [PRESET|FILE.toml] --model HF_DIR|ORG/NAME --data PATH [--lora] [options]
 
 Fine-tunes a Hugging Face model: a local folder (config.json, safetensors, tokenizer files) or a hub id, read from
-the Hugging Face cache and downloaded into it when online (`hf download ORG/NAME` fetches it ahead).
+the Hugging Face cache and downloaded into it when online (`hf download ORG/NAME` fetches it ahead), or a
+gptoughts run (RUN: its newest checkpoint exported into OUT/base first, LoRA merged: SFT, then DPO from it).
 Llama, Mistral, Qwen2, Qwen3, GPT-2 and DeepSeek-V3 layouts run on the native fast path; other causal LMs train
 through transformers (a notice says so). Default preset: finetune; unless given, the block is the model's positions
 up to 1024 and the learning rate 2e-5 (2e-4 with --lora), and the plan says so.
@@ -123,7 +124,7 @@ data (--data, repeatable):
   and "rejected" assistant messages): DPO on the completions (--dpo.beta, --dpo.label_smoothing).
 
 options (besides every `gptoughts train` option and any --section.key VALUE):
-  --model HF_DIR|ORG/NAME model.init_from (--model_name)  --trust_remote_code  run the folder's own code
+  --model HF_DIR|ORG/NAME|RUN model.init_from (--model_name)  --trust_remote_code  run the folder's own code
   --lora                  train LoRA adapters (PEFT)      --lora_r R / --lora_alpha A / --lora_dropout P
   --target_modules a,b    lora.target_modules (default: every linear layer of the blocks)
   --qlora                 4-bit base (bitsandbytes, CUDA only)   --lora.base_dtype {auto,fp32,bf16,fp16}

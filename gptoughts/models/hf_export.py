@@ -193,19 +193,7 @@ def save_hf(
 ) -> Path:
     """Write a native model as a ``transformers`` folder (see the module docstring). ``dtype`` defaults to the
     parameters' own; ``base_config`` is the config of the model the run started from, if any."""
-    from gptoughts import models
-
-    fam = models.get_family(family)
-    adapter: HFAdapter | None = getattr(fam, "hf", None)
-    if adapter is None:
-        exporting = ", ".join(
-            name if types == (name,) else f"{name} (as {', '.join(types)})"
-            for name, types in hf_families().items()
-        )
-        raise UserError(
-            f"the {family} family has no transformers export (gptoughts sample and eval run it); the families "
-            f"that export: {exporting}"
-        )
+    adapter = _adapter(family)
     ours = {k: v for k, v in model.state_dict().items()}
     if dtype is None:
         dtype = next((v.dtype for v in ours.values() if v.is_floating_point()), torch.float32)
@@ -217,9 +205,12 @@ def save_hf(
             if v.data_ptr() in {t.data_ptr() for t in hf_sd.values()}
             else v.contiguous()
         )
-    takes_base = len(inspect.signature(adapter.hf_config).parameters) > 1
-    cfg = adapter.hf_config(args, base_config) if takes_base else adapter.hf_config(args)
-    cfg.update({k: v for k, v in _token_ids(tokenizer).items()})
+    cfg = export_config(family, args, base_config)
+    for key, value in _token_ids(tokenizer).items():
+        # The base's id stays where the tokenizer has no such token (a Qwen config's bos_token_id beside a tokenizer
+        # without bos); otherwise null is written, since transformers' config classes default to ids of their own.
+        if value is not None or cfg.get(key) is None:
+            cfg[key] = value
     cfg["torch_dtype"] = cfg["dtype"] = _dtype_name(dtype)  # 4.x reads torch_dtype, 5.x dtype
     # Only now, with the weights mapped and the config accepted (a switch transformers cannot represent is
     # refused above), is the folder created or an old export cleared: a refusal leaves it as it was.
@@ -229,6 +220,67 @@ def save_hf(
     tokenizer.save(out)
     write_generation_config(out, tokenizer, base_generation_config)
     return out
+
+
+def _adapter(family: str) -> HFAdapter:
+    """The family's HF adapter, or a UserError naming the families that export."""
+    from gptoughts import models
+
+    adapter: HFAdapter | None = getattr(models.get_family(family), "hf", None)
+    if adapter is None:
+        exporting = ", ".join(
+            name if types == (name,) else f"{name} (as {', '.join(types)})"
+            for name, types in hf_families().items()
+        )
+        raise UserError(
+            f"the {family} family has no transformers export (gptoughts sample and eval run it); the families "
+            f"that export: {exporting}"
+        )
+    return adapter
+
+
+def export_config(family: str, args: Any, base_config: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The ``config.json`` of ``family``/``args`` as :func:`save_hf` writes it, before the token ids and dtype."""
+    adapter = _adapter(family)
+    takes_base = len(inspect.signature(adapter.hf_config).parameters) > 1
+    return adapter.hf_config(args, base_config) if takes_base else adapter.hf_config(args)
+
+
+def run_of_model(path: str | Path) -> Path | None:
+    """The training run ``path`` is, or holds a checkpoint of (``RUN/checkpoints/step_N``), else None."""
+    p = Path(path).expanduser()
+    if is_run_folder(p):
+        return p
+    if p.parent.name == "checkpoints" and is_run_folder(p.parent.parent):
+        return p.parent.parent
+    return None
+
+
+def run_config(path: str | Path) -> dict[str, Any]:
+    """The ``config.json`` that ``gptoughts export`` writes of a run (``path``: the run or one of its checkpoints),
+    from its run.json and its base's config alone (no weights read), before the token ids and dtype: what a
+    fine-tune that names the run as its model validates (family, positions) before the run is exported. A family
+    without export is refused here, as the export would refuse it."""
+    from gptoughts import models
+    from gptoughts.data.sources import read_json_dict
+    from gptoughts.models.hf import read_config, restore_hint
+
+    run = run_of_model(path)
+    record = read_json_dict(run / "run.json") if run is not None else None
+    if run is None or record is None:
+        raise UserError(f"{path} is not a gptoughts run or a checkpoint of one")
+    base = record.get("init_from")
+    if isinstance(base, str) and base and not Path(base).is_dir():  # (its export reads the base's config too)
+        raise UserError(f"{run} was fine-tuned from {base}, which is missing; {restore_hint(base)}")
+    base_config = read_config(base) if isinstance(base, str) and base else None
+    if base_config is not None and record.get("generic"):  # saved by transformers: the base's architecture
+        return base_config
+    family = models.get_family(str(record["family"]))
+    try:
+        args = family.args_cls(**record["args"])
+    except (TypeError, ValueError) as e:
+        raise UserError(f"{run / 'run.json'} is corrupt (args: {e}); restore it from a copy") from None
+    return export_config(family.name, args, base_config)
 
 
 def save_generic(

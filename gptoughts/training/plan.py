@@ -388,7 +388,8 @@ def make_plan(
     what = (
         f"{model.family.name}/{cfg.model.size}" + (f" resized ({changed})" if changed else "")
         if data.init_from is None
-        else f"{model.family.name} from {cfg.model.init_from}" + (" + LoRA" if cfg.lora.enabled else "")
+        else f"{model.family.name} from {resolved.get('base', cfg.model.init_from)}"
+        + (" + LoRA" if cfg.lora.enabled else "")
     )
     layout = _variant_layout(model.family, model.args)
     corpus = dict(data.corpus, estimated=data.estimated, max_bytes=cfg.data.max_bytes)

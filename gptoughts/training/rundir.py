@@ -30,6 +30,9 @@ from gptoughts.data.sources import free_name, is_run_folder, read_json_dict
 from gptoughts.errors import ConfigError, UserError
 from gptoughts.training.checkpoint import store as ckpt
 
+BASE_DIR = "base"
+"""A fine-tune whose ``--model`` was a gptoughts run keeps that run's export here, its base (``api._start_from_run``,
+which writes it before the run's own files)."""
 # Everything a run writes at its top level (checkpoints/ holds only step_* folders, best.json and temp dirs), and
 # what commands write about it there (`gptoughts eval RUN --tasks`: eval_tasks.json, the scores of its model).
 RUN_FILES = (
@@ -45,6 +48,7 @@ RUN_FILES = (
     "profile",
     "wandb",
     "checkpoints",
+    BASE_DIR,
 )
 LOCK_FILE = ".lock"
 
@@ -383,7 +387,11 @@ def _check_data_order(path: Path, old: Config, cfg: Config, record: dict[str, An
 
 def _contents(run_dir: Path) -> list[str]:
     """The names in ``run_dir`` (sorted; the lock file of a process that held it is not content)."""
-    return sorted(p.name for p in run_dir.iterdir() if p.name != LOCK_FILE) if run_dir.is_dir() else []
+    return (
+        sorted(p.name for p in run_dir.iterdir() if p.name not in (LOCK_FILE, BASE_DIR))
+        if run_dir.is_dir()
+        else []
+    )
 
 
 def check_resumable(run_dir: Path) -> None:

@@ -120,19 +120,6 @@ def test_a_hub_id_not_in_the_cache_offline_is_one_line(hub_cache, tmp_path, caps
     assert "local folder" in line and not run.exists()
 
 
-def test_a_gptoughts_run_given_as_the_base_model_points_to_export(tmp_path, text_corpus, capsys):
-    run, ft = tmp_path / "run", tmp_path / "ft"
-    ok(["train", "--data", str(text_corpus), "--size", "debug", "--tokenizer", "bytes", "--max_steps", "1",
-        "--out", str(run), *FASTRUN], capsys)  # fmt: skip
-    code, text = run_cli(
-        ["finetune", "--model", str(run), "--data", str(sft_rows(tmp_path / "d.jsonl")), "--out", str(ft),
-         *FASTRUN],
-        capsys,
-    )  # fmt: skip
-    line = _error_line(text)
-    assert code == 2 and "is a gptoughts run" in line and "gptoughts export" in line and not ft.exists()
-
-
 # ------------------------------------------------------------------------------------------------- exports
 
 
