@@ -201,7 +201,7 @@ def _summary_printed(stop_reason: str, capsys) -> str:
                "session_steps": 3, "session_tokens": 96, "wall_s": 1.0, "resumed_at_step": 0, "steps": 3,
                "tokens": 96, "plots": [], "checkpoints": "RUN/checkpoints"}  # fmt: skip
     history = SimpleNamespace(sample=None, summary=summary, stop_reason=stop_reason)
-    asm = SimpleNamespace(run_dir=Path("RUN"), data=SimpleNamespace(prefs=None))
+    asm = SimpleNamespace(run_dir=Path("RUN"), data=SimpleNamespace(prefs=None, sft=None))
     _print_summary(asm, history)
     return next(ln for ln in capsys.readouterr().out.splitlines() if "next:" in ln)
 
