@@ -467,13 +467,13 @@ def _summary(asm: Any, history: History, wall: float, start: tuple[int, int]) ->
     and ``tokens`` are the whole run's; ``session_*``, ``wall_s``, ``tokens_per_s`` and ``mfu`` this process's,
     which resumed the run at ``start`` = (step, tokens)."""
     from gptoughts.training.checkpoint.store import write_text_atomic
+    from gptoughts.training.evaluation import best_evaluation
 
     tokens = history.tokens - start[1]
     tps = tokens / wall if wall > 0 else None
     peak = asm.env.hw.peak_bf16_flops if asm.env.device.type == "cuda" else None
     flops = asm.model.raw.flops_per_token(asm.batch.block_size)
-    finite = [(v, s) for v, s in zip(history.val_loss, history.eval_steps) if math.isfinite(v)]
-    best = min(finite) if finite else None
+    best = best_evaluation(asm.trainer.state.history)  # (as best.json names it)
     plots = asm.plots.close() if asm.plots is not None else []
     asm.plots = None
     summary = {
@@ -584,6 +584,8 @@ class Loaded:
     init_from: str | None = None
     """The HF folder the run started from (export keeps its config's extra keys)."""
     args: Any = None
+    trained_system: str | bool | None = None
+    """The system message that opened every conversation of a fine-tuning (True: each its own), None otherwise."""
 
 
 def load(path: str | Path, device: str = "auto", *, trust_remote_code: bool = False) -> Loaded:
@@ -629,6 +631,7 @@ def load(path: str | Path, device: str = "auto", *, trust_remote_code: bool = Fa
         chat=run.get("data_format") in ("sft", "prefs"),  # DPO renders pairs as SFT turns
         init_from=init_from,
         args=args,
+        trained_system=run.get("sft_system"),
     )
 
 
@@ -798,13 +801,16 @@ def generate_text(
     top_p: float | None = None,
     seed: int | None = None,
     chat: bool | None = None,
+    system: str | None = None,
 ) -> str:
     """Continue ``prompt`` (``gptoughts.generate``). Masked-diffusion families (LLaDA) use the diffusion sampler
     (``temperature`` as Gumbel noise; ``top_k``/``top_p`` do not apply) and stop at the first eos.
 
     ``chat`` (default ``loaded.chat``): the prompt is a user message rendered with the chat template (the
-    tokenizer's own, else the SFT default) and only the assistant's answer is returned."""
+    tokenizer's own, else the SFT default) and only the assistant's answer is returned. ``system``: a system message
+    rendered before it, as a model fine-tuned on conversations that open with one was trained (chat only)."""
     _check_generate_args(loaded, prompt, max_new_tokens, temperature, top_k, top_p, seed)
+    check_system(loaded, system, chat)
     return sampler(loaded)(
         prompt,
         max_new_tokens=max_new_tokens,
@@ -813,7 +819,31 @@ def generate_text(
         top_p=top_p,
         seed=seed,
         chat=chat,
+        system=system,
     )
+
+
+def check_system(loaded: Loaded | None, system: Any, chat: bool | None, flag: str = "") -> None:
+    """A system message is given as a string, to a chat prompt (``chat`` None: the model's default; ``loaded`` None:
+    not loaded yet, only what the arguments say): one line otherwise, naming the setting (``flag``: "--" for the
+    command line), since plain text has no turn to put it in."""
+    if system is None:
+        return
+    if not isinstance(system, str):
+        raise UserError(f"{flag}system must be a string, got {type(system).__name__} {system!r:.60}")
+    if chat is False:
+        off = "--chat off" if flag else "chat=False"
+        raise UserError(
+            f"{flag}system is a turn of a chat prompt and {off} samples plain text; drop {off}, or put the text at "
+            "the start of the prompt"
+        )
+    if chat is None and loaded is not None and not loaded.chat:
+        on = "--chat on" if flag else "chat=True"
+        raise UserError(
+            f"{flag}system is a turn of a chat prompt and this model samples plain text (it was not fine-tuned on "
+            f"conversations and has no chat template); put the text at the start of the prompt ({on} renders "
+            "both with the default chat template, which it was not trained on)"
+        )
 
 
 def _check_generate_args(
@@ -879,15 +909,52 @@ def eval_block(loaded: Loaded, block_size: int | None) -> int:
     """The window an evaluation scores ``loaded`` in: ``block_size``, by default the run's block (a model folder's
     config has the default one) within the model's positions; one more than those is refused in one line (the
     forward raised a traceback)."""
-    limit = getattr(loaded.args, "max_seq_len", None)
-    block = block_size or loaded.config.train.block_size
+    return _window(block_size, loaded.config.train.block_size, getattr(loaded.args, "max_seq_len", None))
+
+
+def _window(block_size: int | None, default: int, limit: int | None, name: str = "the model") -> int:
+    block = block_size or default
     if limit is not None and block > limit:
         if block_size is None:
             return limit
         raise UserError(
-            f"--block_size {block} is longer than the model's {limit} positions; pass --block_size {limit} or less"
+            f"--block_size {block} is longer than {name}'s {limit} positions; pass --block_size {limit} or less"
         )
     return block
+
+
+def common_eval_block(paths: list[str], block_size: int | None) -> tuple[int | None, dict[str, int]]:
+    """The one window several models are scored in side by side (the same weights in other windows score another
+    loss): ``block_size`` when given, refused where it exceeds one model's positions; else the smallest of their
+    default windows (:func:`eval_block`'s). Read from their files, before any model loads. Returns it (None where a
+    model's files do not say: each then takes its own) and each model's default."""
+    defaults: dict[str, int] = {}
+    for path in paths:
+        default, limit = _default_window(Path(path).expanduser())
+        if default is None:
+            return block_size, {}
+        defaults[path] = _window(None, default, limit)
+        _window(block_size, default, limit, path)  # (a typed one past a model's positions: refused)
+    return block_size or min(defaults.values()), defaults
+
+
+def _default_window(path: Path) -> tuple[int | None, int | None]:
+    """(default window, positions) of the model at ``path`` as :func:`load` would build it, read from its config
+    files; (None, None) where they do not say (loading it then says what is wrong)."""
+    from gptoughts.data.sources import is_run_folder
+    from gptoughts.models.hf import max_positions
+
+    if is_hf_folder(path):
+        return load_config("default").train.block_size, max_positions(path)
+    run = next((f for f in (path, path.parent, path.parent.parent) if is_run_folder(f)), None)
+    if run is None:
+        return None, None
+    cfg, record = _read_run(run)
+    limit = (record.get("args") or {}).get("max_seq_len")
+    base = record.get("init_from")
+    if not isinstance(limit, int) and isinstance(base, str) and Path(base).is_dir():
+        limit = max_positions(base)  # a generic transformers model: its base's positions
+    return cfg.train.block_size, limit if isinstance(limit, int) else None
 
 
 @torch.no_grad()

@@ -451,8 +451,8 @@ class Sampler:
         self.model, self.tokenizer, self.diffusion, self.chat = model, tokenizer, diffusion, chat
         self.defaults = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p)
 
-    def prompt_ids(self, prompt: str, chat: bool) -> list[int]:
-        return self._context(prompt, chat)[0]
+    def prompt_ids(self, prompt: str, chat: bool, system: str | None = None) -> list[int]:
+        return self._context(prompt, chat, system)[0]
 
     def check_room(
         self,
@@ -461,6 +461,7 @@ class Sampler:
         *,
         max_new_tokens: int | None = None,
         chat: bool | None = None,
+        system: str | None = None,
     ) -> None:
         """``max_new_tokens`` (default: this sampler's) refused in one line where a sample of one of ``prompts``
         would not fit the model's positions, as generating it would be, with the fix in the options ``flags``
@@ -471,7 +472,7 @@ class Sampler:
             return
         limit = self.model.args.max_seq_len
         for prompt in prompts:
-            length = len(self.prompt_ids(prompt, self.chat if chat is None else chat))
+            length = len(self.prompt_ids(prompt, self.chat if chat is None else chat, system))
             need = _positions(length, n, self.diffusion)
             if need <= limit:
                 continue
@@ -483,22 +484,46 @@ class Sampler:
                 f"{need} positions, beyond the model's {limit}; {fix}"
             )
 
-    def _context(self, prompt: str, chat: bool) -> tuple[list[int], int]:
+    def _context(self, prompt: str, chat: bool, system: str | None = None) -> tuple[list[int], int]:
         """The ids the model continues, and how many of them lead the text returned. An empty prompt starts from
         end-of-text, where every document of the corpus starts (the model writes "a document"); that token is
-        not the user's and is not printed."""
+        not the user's and is not printed. ``system``: a system message before the user's, as SFT data holds one
+        (chat only: plain text has no turns to put it in)."""
+        if system is not None and not chat:
+            raise UserError(
+                "a system message is a turn of a chat prompt, and this prompt is plain text (no chat template, or "
+                "chat off); put its text at the start of the prompt instead"
+            )
         if chat:
+            from jinja2.exceptions import TemplateError
+
             from gptoughts.data.sft import render_prompt
 
-            return render_prompt(self.tokenizer, [{"role": "user", "content": prompt}]), 0
+            turns = [{"role": "system", "content": system}] if system is not None else []
+            try:
+                return render_prompt(self.tokenizer, [*turns, {"role": "user", "content": prompt}]), 0
+            except TemplateError as e:  # Jinja's raise_exception: "System role not supported"
+                if system is None:
+                    raise
+                reason = " ".join(str(e).split())[:200] or type(e).__name__
+                raise UserError(
+                    f"the model's chat template refuses a system message ({reason}); put its text at the start of "
+                    "the prompt instead"
+                ) from None
         ids = self.tokenizer.encode(prompt)
         return (ids, 0) if ids else ([self.tokenizer.eos_id], 1)
 
     def __call__(
-        self, prompt: str, *, seed: int | None = 0, chat: bool | None = None, **settings: Any
+        self,
+        prompt: str,
+        *,
+        seed: int | None = 0,
+        chat: bool | None = None,
+        system: str | None = None,
+        **settings: Any,
     ) -> str:
         """Continue ``prompt``; ``settings`` override max_new_tokens, temperature, top_k, top_p. ``seed`` None
-        draws from torch's global generator."""
+        draws from torch's global generator. ``system``: a system message before the prompt (chat only)."""
         unknown = set(settings) - set(self.defaults)
         if unknown:
             raise TypeError(f"unknown sampling settings {sorted(unknown)}")
@@ -506,7 +531,7 @@ class Sampler:
         chat = self.chat if chat is None else chat
         tok = self.tokenizer
         device = compute_device(self.model)
-        ids, hidden = self._context(prompt, chat)
+        ids, hidden = self._context(prompt, chat, system)
         from gptoughts.data.sft import turn_end_id
 
         # A chat template may close answers with its own token rather than eos (ChatML's <|im_end|>): the answer

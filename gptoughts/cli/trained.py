@@ -63,6 +63,12 @@ def cmd_sample(argv: Sequence[str]) -> int:
         help="render the prompt with the chat template and print only the answer; auto: on for SFT runs "
         "and for HF folders whose tokenizer has a chat template",
     )
+    p.add_argument(
+        "--system",
+        default=None,
+        help="a system message before the prompt, as a model fine-tuned on conversations that open with one was "
+        "trained (chat prompts only)",
+    )
     p.add_argument("--max_new_tokens", type=int, default=128, help="tokens to generate (>= 1)")
     p.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
     p.add_argument("--top_k", type=int, default=50, help="0: no top-k filtering")
@@ -73,16 +79,24 @@ def cmd_sample(argv: Sequence[str]) -> int:
         "--trust_remote_code", action="store_true", help="let transformers run an HF folder's own code"
     )
     a = p.parse_args(argv)
-    from gptoughts.api import check_sampling, generate_text, load, sampler
+    from gptoughts.api import check_sampling, check_system, generate_text, load, sampler
 
+    chat = None if a.chat == "auto" else a.chat == "on"
     # checked before the model is loaded (which can take minutes); load checks the path first
     check_sampling(a.max_new_tokens, a.temperature, a.top_k, a.top_p, a.seed, flag="--")
+    check_system(None, a.system, chat, flag="--")
     loaded = load(a.path, device=a.device, trust_remote_code=a.trust_remote_code)
-    chat = None if a.chat == "auto" else a.chat == "on"
+    check_system(loaded, a.system, chat, flag="--")
     # a prompt and answer past the model's positions: the flags' largest value that fits, not the Python API's hint
     sampler(loaded).check_room(
-        [a.prompt], ("--max_new_tokens", "--prompt"), max_new_tokens=a.max_new_tokens, chat=chat
+        [a.prompt],
+        ("--max_new_tokens", "--prompt"),
+        max_new_tokens=a.max_new_tokens,
+        chat=chat,
+        system=a.system,
     )
+    if a.system is None and (loaded.chat if chat is None else chat):
+        _system_note(loaded.trained_system)
     print(
         generate_text(
             loaded,
@@ -93,9 +107,26 @@ def cmd_sample(argv: Sequence[str]) -> int:
             top_p=a.top_p,
             seed=a.seed,
             chat=chat,
+            system=a.system,
         )
     )
     return 0
+
+
+def _system_note(trained: str | bool | None) -> None:
+    """One line on stderr where the model was fine-tuned only on conversations that open with a system message and
+    none is given: it never saw a prompt without one."""
+    if not trained:
+        return
+    if isinstance(trained, str):
+        shown = trained if len(trained) <= 80 else trained[:77] + "..."
+        said = f"the system message {shown!r}; pass it with --system"
+    else:
+        said = "a system message; pass one with --system"
+    print(
+        f"note: every conversation this model was fine-tuned on opens with {said} to prompt it as it was trained",
+        file=sys.stderr,
+    )
 
 
 def cmd_eval(argv: Sequence[str]) -> int:
@@ -107,11 +138,30 @@ def cmd_eval(argv: Sequence[str]) -> int:
 
     for run in a.path:
         check_model_path(run)
+    if len(a.path) > 1 and (a.data or a.prefs):
+        _common_windows(a)
     results: dict[str, dict[str, Any]] = {}
     for run in a.path:
         results[run] = _evaluate_run(run, a, tasks, bench)
     _print_eval(results, a, bool(tasks or bench))
     return 0
+
+
+def _common_windows(a: argparse.Namespace) -> None:
+    """Models compared side by side are scored in the same windows (``a.block_size`` set to it; one typed past a
+    model's positions refused before any loads); their defaults differing, which one is said in a line on stderr
+    (--json keeps stdout one object)."""
+    from gptoughts.api import common_eval_block
+
+    typed = a.block_size
+    a.block_size, defaults = common_eval_block(a.path, a.block_size)
+    if typed is None and len(set(defaults.values())) > 1:
+        each = ", ".join(f"{run}: {n:,}" for run, n in defaults.items())
+        print(
+            f"note: every model is scored in windows of {a.block_size:,} tokens, the smallest of their defaults "
+            f"({each}); --block_size N sets another",
+            file=sys.stderr,
+        )
 
 
 def _eval_parser() -> argparse.ArgumentParser:
@@ -156,7 +206,8 @@ def _eval_parser() -> argparse.ArgumentParser:
         "--block_size",
         type=int,
         default=None,
-        help="default: the run's train.block_size (a model folder: 256, or its positions if fewer)",
+        help="default: the run's train.block_size (a model folder: 256, or its positions if fewer); several "
+        "models: the smallest of theirs, for all",
     )
     p.add_argument(
         "--max_batches",
@@ -353,9 +404,16 @@ def _print_eval(results: dict[str, dict[str, Any]], a: argparse.Namespace, score
             print(json.dumps(results))
             return
         print(format_comparison(results))
-        if a.data:
-            for run, res in results.items():
+        for run, res in results.items():
+            if a.data:
                 print(f"{run}: scored {res['scored']} of {', '.join(a.data)}")
+            if a.prefs:
+                # each model's default reference and beta are its own: its margin is read against them
+                p = res["prefs"]
+                print(
+                    f"{run}: {p['pairs']:,} pairs of {', '.join(a.prefs)}; beta {p['beta']:g}; "
+                    f"reference: {p['reference']}"
+                )
         return
     (res,) = results.values()
     if a.json:

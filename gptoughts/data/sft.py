@@ -477,6 +477,16 @@ def split_indices(n: int, val_fraction: float, seed: int) -> tuple[np.ndarray, n
     return np.sort(perm[n_val:]), np.sort(perm[:n_val])
 
 
+def opening_system(convs: Sequence[list[Message]]) -> str | bool | None:
+    """The system message every conversation opens with (a run records it: ``gptoughts sample`` says to pass it, as
+    the model never saw a prompt without one): its text when they share it, True when each has its own, None when
+    one has none."""
+    if not convs or not all(c and c[0]["role"] == "system" for c in convs):
+        return None
+    texts = {c[0]["content"] for c in convs}
+    return texts.pop() if len(texts) == 1 else True
+
+
 class SFTData:
     """Tokenized examples of both splits, truncated to fit a row, with counts of what was cut or skipped."""
 
@@ -495,6 +505,7 @@ class SFTData:
         self.block_size = block_size
         self.pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else tokenizer.eos_id
         convs, wheres = read_located_conversations(sources)
+        self.system = opening_system(convs)
         encoded = encode_conversations(convs, tokenizer, wheres)
         stats = {"examples": len(encoded), "truncated": 0, "dropped_too_long": 0, "dropped_no_target": 0}
         keep_ids, keep_tgt = [], []

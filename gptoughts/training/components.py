@@ -433,6 +433,8 @@ def write_run_files(asm: Assembly) -> None:
         "data_format": data.format,
         # SFT and preference runs read their examples whole (no cached shards): a resume compares this
         "data_fingerprint": (data.sft or data.prefs).fingerprint if (data.sft or data.prefs) else None,
+        # the system message that opens every SFT conversation (True: each its own): sample says to pass one
+        "sft_system": data.sft.system if data.sft is not None else None,
         "init_from": _absolute(str(data.init_from)) if data.init_from is not None else None,
         # what LoRA adapters were trained over: a resume, sample or export over a changed base is refused
         "base_fingerprint": base_fingerprint(data.init_from) if data.init_from is not None else None,

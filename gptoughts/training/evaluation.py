@@ -151,7 +151,12 @@ class Evaluator:
             st.evals_without_improvement = 0
         elif math.isfinite(val_loss):
             st.evals_without_improvement += 1
-        st.history.append({"step": st.step, "val_loss": val_loss, "val_ppl": ppl})
+        entry = {"step": st.step, "val_loss": val_loss, "val_ppl": ppl}
+        if not counts and math.isfinite(val_loss):
+            entry["in_streak"] = (
+                True  # never the best: no checkpoint is written inside a streak (best_evaluation)
+            )
+        st.history.append(entry)
         if self.dist.is_main:
             pairs = self.last_pair_metrics
             self.metrics.log(st.step, {"val_loss": val_loss, "val_ppl": ppl, **pairs})
@@ -289,6 +294,17 @@ class Evaluator:
         )
         if self.plots is not None:
             self.plots.request()
+
+
+def best_evaluation(history: list[dict[str, float]]) -> tuple[float, int] | None:
+    """(val loss, step) of the best evaluation of ``history``, the one ``best.json`` names: the lowest finite val
+    loss, first reached, of weights outside a streak of bad steps (those have no checkpoint); None before any."""
+    counted = [
+        (h["val_loss"], int(h["step"]))
+        for h in history
+        if math.isfinite(h["val_loss"]) and not h.get("in_streak")
+    ]
+    return min(counted) if counted else None
 
 
 def patience_reference(history: list[dict[str, float]], evals_without_improvement: int) -> float:
