@@ -197,6 +197,8 @@ def no_block(
 
 def _warn_never_drawn(ds: TokenDataset, windows: list[_Windows], ids: list[int]) -> None:
     """A warning naming the sources too short for one block: weighted by their windows, they are never drawn."""
+    if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
+        return  # every rank finds the same: said once, by rank 0
     for i in ids:
         if (key := (str(ds.dir), i, windows[i].block_size)) in _WARNED:
             continue

@@ -11,16 +11,20 @@ DCP checkpoints. Meshes, checkpoint layouts and the scaling measurements: ``docs
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from gptoughts.errors import ConfigError, UserError
+from gptoughts.errors import ConfigError, UserError, first_line
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -551,6 +555,35 @@ def broadcast_object(obj: object, info: DistInfo, src: int = 0) -> object:
     box = [obj]
     dist.broadcast_object_list(box, src=src)
     return box[0]
+
+
+def on_main(fn: Callable[[], T], info: DistInfo) -> T:
+    """``fn()`` on rank 0 alone (what one process must do: check or write the run's folder), its result on every
+    rank; a :class:`UserError` it raises is raised on every rank. The other ranks wait in a collective meanwhile:
+    had rank 0 left without a word, each would die there with the backend's traceback, rank 0's one line drowned.
+    Any other error keeps its traceback on rank 0; the others stop with a line pointing at it."""
+    if not info.enabled:  # one process: rank 0 (a stand-in for another rank, in a test, has no one to hear)
+        return fn() if info.is_main else None  # type: ignore[return-value]
+    if not info.is_main:
+        kind, value = broadcast_object(None, info)  # type: ignore[misc]
+        if kind == "ok":
+            return value
+        if kind == "refused":
+            raise UserError(value)
+        raise UserError(f"rank 0 stopped ({value}); its own output says why")
+    try:
+        result = fn()
+    except BaseException as e:
+        told = (
+            ("refused", str(e))
+            if isinstance(e, UserError)
+            else ("failed", f"{type(e).__name__}: {first_line(e)}")
+        )
+        with contextlib.suppress(Exception):  # the others already gone: rank 0's own error is the one to show
+            broadcast_object(told, info)
+        raise
+    broadcast_object(("ok", result), info)
+    return result
 
 
 def all_gather_object(obj: object, info: DistInfo) -> list[object]:

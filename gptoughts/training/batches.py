@@ -431,11 +431,16 @@ def _resumed_global_batch(
         return accum, tokens_per_step
     k = old / (micro * block * info.dp_size)
     if k != int(k):
+        rows = old // block
+        fix = (
+            f"pass --batch_size and --grad_accum with batch x grad_accum x {info.dp_size} x {block} = {old:,}"
+            if rows % info.dp_size == 0
+            else f"its {rows} rows a step do not split over {info.dp_size} ranks: resume it on a number of "
+            f"ranks that divides {rows}, or pass --grad_accum to train on at another global batch"
+        )
         raise ConfigError(
-            f"resuming on {now} a run saved on {saved} "
-            f"changes the global batch from {old:,} to {tokens_per_step:,} tokens and no "
-            f"--grad_accum keeps it; pass --batch_size and --grad_accum with "
-            f"batch x grad_accum x {info.dp_size} x {block} = {old:,}"
+            f"resuming on {now} a run saved on {saved} changes the global batch from {old:,} to "
+            f"{tokens_per_step:,} tokens and no --grad_accum keeps it; {fix}"
         )
     why["grad_accum"] = (
         f"{int(k)}: keeps the resumed run's global batch of {old:,} tokens on {now} (it was saved on {saved})"

@@ -94,16 +94,18 @@ def build(
         rundir.check_resumable(run_dir)
     if not dry_run:
         use_our_compile_cache()
-        # 2. the run directory: locked first (one process per run), then checked; nothing written yet
-        if env.dist.is_main:
+
+        # 2. the run directory: locked first (one process per run), then checked, by rank 0; nothing written yet
+        def lock_and_check() -> tuple[Path | None, dict[str, Any] | None]:
+            nonlocal lock
             lock = rundir.RunLock.acquire(run_dir)
-        try:
-            resume_from, resumed_run = rundir.check(run_dir, cfg) if env.dist.is_main else (None, None)
-        except BaseException:
-            if lock is not None:
+            try:
+                return rundir.check(run_dir, cfg)
+            except BaseException:
                 lock.release()
-            raise
-        resume_from, resumed_run = pdist.broadcast_object((resume_from, resumed_run), env.dist)
+                raise
+
+        resume_from, resumed_run = pdist.on_main(lock_and_check, env.dist)
         if cfg.run.resume == "auto" and resume_from is None and env.dist.is_main:
             from gptoughts.training.metrics import console
 

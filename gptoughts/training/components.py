@@ -116,9 +116,7 @@ def make_trainer(asm: Assembly, tasks: Any = None) -> Assembly:
     if resumed is not None:  # the state must fit this run (optimizer, loader, RNG) before anything is written
         checkpointer.load_state_dict(resumed, state)
     # 8. the run directory: written only now that everything has been checked
-    if env.dist.is_main:
-        write_run_files(asm)
-    pdist.barrier(env.dist)
+    pdist.on_main(lambda: write_run_files(asm), env.dist)
     asm.metrics = MetricsLogger(
         run_dir,
         enabled=env.dist.is_main,

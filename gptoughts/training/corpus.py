@@ -278,11 +278,14 @@ def _prepared(
     from gptoughts.data.prepare import cached_prepare
 
     manifest = None
-    if env.dist.is_main:
+
+    def prepare() -> None:
+        nonlocal manifest
         manifest = cached_prepare(
             sources, tok_spec, progress=cfg.run.progress, workers=cfg.data.workers, **kwargs
         )
-    pdist.barrier(env.dist)
+
+    pdist.on_main(prepare, env.dist)  # a refusal there (a bad record found) stops every rank, said once
     if not env.dist.is_main:  # rank 0 checked every shard's checksum just now: sizes are enough here
         manifest = cached_prepare(sources, tok_spec, progress=False, verify=False, **kwargs)
     return manifest

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field, replace
 
@@ -66,6 +67,9 @@ def setup_environment(cfg: Config) -> Environment:
         ddp_bucket_mb=par.ddp_bucket_mb,
         ep=par.ep,
     )
+    # rank 0 tells how the run goes (the data step's lines too); the other ranks speak only of problems
+    if not info.is_main:
+        logging.getLogger("gptoughts").setLevel(logging.WARNING)
     hw = hardware.detect(device)
     from gptoughts.training.resolve import check_attention
 
