@@ -171,8 +171,10 @@ def cmd_estimate(argv: Sequence[str]) -> int:
             "                          --block_size T --activation_checkpointing M --strategy fsdp --cpu_offload ...]\n"
             "                          [--gpu H100] [--num_gpus N] [--tokens 50e9] [--mfu 0.5] [--price 2.5] [--json]\n"
             "Memory, time and cost of the run `gptoughts train` would make with the same options (same keys, same\n"
-            "defaults: --size 1b means its block 2048 and automatic batch), on --gpu (default H100). For this\n"
-            "machine's CPU, `gptoughts train` with the same flags and --device cpu --dry_run prints the plan."
+            "defaults: --size 1b means its block 2048 and automatic batch; the memory layout train chooses where the\n"
+            "defaults do not fit), on --gpu (default H100). The time is of --tokens, or of the run's --max_steps or\n"
+            "--max_tokens (not with --tokens). For this machine's CPU, `gptoughts train` with the same flags and\n"
+            "--device cpu --dry_run prints the plan."
         )
         return 0
     own = {"gpu", "num_gpus", "tokens", "mfu", "price"}
@@ -210,13 +212,28 @@ def cmd_estimate(argv: Sequence[str]) -> int:
             f"accumulation {accum}"
             + ("" if isinstance(cfg.train.batch_size, int) else f" (auto: fits 90% of {e.gpu})")
         )
+        # what train's memory layout chooser changes of the settings left to their defaults, as its plan says
+        for name, why in e.layout.items():
+            print(f"{name}: {why}")
         print(format_estimate(e))
         if "gpu" not in opts:
             print("(on an H100: --gpu names another)")
-        if e.fits is False:
+        if e.refusal:
+            print(f"`gptoughts train` refuses this run: {e.refusal}")
+        elif e.fits is False:
             print(
-                "train chooses activation checkpointing, 8-bit or bf16 optimizer states or CPU offload where it "
-                "must, among what you left unset: `gptoughts train` with these flags and --dry_run prints its plan"
+                "over 95% of the GPU, but no layout brings it under 90% and it is within the estimate's error: "
+                "train runs it as set (`gptoughts train` with these flags and --dry_run prints its plan)"
+            )
+        if "cpu_offload" in e.layout:
+            print(
+                f"offload needs ~{e.host_gib:.1f} GiB of host memory per process: on a machine with less free, "
+                "train refuses the run"
+            )
+        if e.hours is None and e.tokens_per_s is not None and cfg.is_given("train.epochs"):
+            print(
+                "time: --epochs counts passes over the corpus, which estimate does not read: pass --max_tokens "
+                "or --max_steps instead (or --tokens without --epochs)"
             )
     return 0
 

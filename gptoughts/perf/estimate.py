@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from gptoughts import models
 from gptoughts.errors import ConfigError
 from gptoughts.perf.checkpointing import resolve as resolve_ac
-from gptoughts.perf.hardware import _PEAK_BF16, has_fp8, match_gpu, peak_flops
+from gptoughts.perf.hardware import _PEAK_BF16, arch_of, fp8_auto, has_fp8, match_gpu, peak_flops
 
 GIB = 2**30
 
@@ -94,6 +94,13 @@ class Estimate:
     flops_tokens_per_s: float | None = None
     """The speed FLOPs alone allow at ``mfu``. ``tokens_per_s`` is lower where a step would take less than
     :data:`MIN_STEP_S` (a tiny model): it is then that floor's speed, an upper bound."""
+    activation_checkpointing: str = "none"
+    """The activation checkpointing the figures assume."""
+    layout: dict[str, str] = field(default_factory=dict)
+    """What train's memory layout chooser changed of the settings left to their defaults (``perf/layout.py``):
+    each field -> its value and why, as the plan prints it (``estimate_config``)."""
+    refusal: str | None = None
+    """The line train refuses the run with when no layout fits (``estimate_config``); None: it runs."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -422,6 +429,10 @@ def estimate(
         tokens_step=tokens_step, data_ranks=max(1, num_gpus // tp), fp8=fp8,
     )  # fmt: skip
     mem = speed.pop("gpu_memory_gib")
+    if (
+        cpu_offload
+    ):  # as the plan: host-device copies and the CPU's optimizer step bound it, not the GPU's FLOPs
+        speed.update(tokens_per_s=None, flops_tokens_per_s=None, hours=None, cost=None)
     return Estimate(
         params=n,
         params_non_embedding=model.num_params(non_embedding=True),
@@ -439,6 +450,7 @@ def estimate(
         host_gib=b.host / GIB,
         checkpoint_staging_gib=b.staging / GIB,
         optimizer_states=optimizer_states,
+        activation_checkpointing=activation_checkpointing,
         **speed,
     )
 
@@ -687,11 +699,7 @@ def _speed_and_cost(
     :data:`MIN_STEP_S`. ``fp8``: the bf16 peak's MFU times :func:`fp8_speedup` (an MFU-equivalent)."""
     peak = peak_flops(gpu)
     if peak is None and gpu.lower() in ("cpu", "mps"):
-        # a CPU's speed is measured, not looked up: train's dry run times a matmul here and plans with it
-        raise ConfigError(
-            f"gptoughts estimate models GPUs, not {gpu}: for this machine, `gptoughts train` with the same flags "
-            f"and --device {gpu.lower()} --dry_run prints the plan (memory, and time from a matmul timed here)"
-        )
+        raise _not_a_gpu(gpu.lower())
     if peak is None:
         raise ConfigError(f"unknown GPU {gpu!r}; known: {', '.join(sorted(_PEAK_BF16))}")
     if mfu is None:
@@ -715,6 +723,15 @@ def _speed_and_cost(
     }
 
 
+def _not_a_gpu(device: str) -> ConfigError:
+    """The refusal of an estimate for a CPU or an Apple GPU: a CPU's speed is measured, not looked up (train's dry run
+    times a matmul there and plans with it)."""
+    return ConfigError(
+        f"gptoughts estimate models GPUs, not {device}: for this machine, `gptoughts train` with the same flags "
+        f"and --device {device} --dry_run prints the plan (memory, and time from a matmul timed here)"
+    )
+
+
 # Bytes per parameter of AdamW's two moments, by ``train.optimizer_states`` (training/optim.py builds them). 8bit:
 # torchao's OptimState8bit, one uint8 code per value and one fp32 scale per block of 256 (tensors under 4096
 # values, or not a multiple of 256, stay fp32: norms and biases, a negligible share).
@@ -728,6 +745,17 @@ def _memory_gib(key: str | None, stated: Any) -> float | None:
     if stated is None:
         return table
     return min(int(stated.group(1)), table) if table else int(stated.group(1))
+
+
+def duration(hours: float | None) -> str:
+    """A run's time as a person reads it: seconds, minutes, or hours (and days beyond two), as the plan prints it."""
+    if hours is None:
+        return "?"
+    if hours < 1 / 60:
+        return f"{hours * 3600:.0f} s"
+    if hours < 1:
+        return f"{hours * 60:.0f} min"
+    return f"{hours:,.1f} h" + (f" ({hours / 24:.1f} days)" if hours > 48 else "")
 
 
 def format_estimate(e: Estimate) -> str:
@@ -750,8 +778,17 @@ def format_estimate(e: Estimate) -> str:
     lines.append(f"  {'total':<16} {e.total_gib:8.2f}{mem}{fit}")
     if e.host_gib:
         lines.append(f"  {'host (offload)':<16} {e.host_gib:8.2f} of CPU memory per process")
-    floored = e.flops_tokens_per_s is not None and e.tokens_per_s < e.flops_tokens_per_s
-    if floored:
+    floored = (
+        e.tokens_per_s is not None
+        and e.flops_tokens_per_s is not None
+        and e.tokens_per_s < e.flops_tokens_per_s
+    )
+    if e.tokens_per_s is None:
+        lines.append(
+            "speed: not estimated under CPU offload (host-device copies and the CPU's optimizer step bound it, not "
+            "the GPU's FLOPs): measured once the run starts"
+        )
+    elif floored:
         lines.append(
             f"speed: at most {e.tokens_per_s:,.0f} tokens/s on {e.gpu}: a model this small is bound by each step's "
             f"~{MIN_STEP_S * 1e3:g} ms of kernel launches, not by its FLOPs (at MFU {e.mfu:.2f} they would allow "
@@ -760,19 +797,23 @@ def format_estimate(e: Estimate) -> str:
     else:
         lines.append(f"speed: {e.tokens_per_s:,.0f} tokens/s at MFU {e.mfu:.2f} on {e.gpu}")
     if e.hours is not None:
-        cost = f", ${e.cost:,.0f} at ${e.price_per_hour}/h per GPU" if e.cost is not None else ""
-        days = f" ({e.hours / 24:.1f} days)" if e.hours > 48 else ""
+        # cents where the whole is a few dollars (a short run's cost printed "$0")
+        c = e.cost or 0.0
+        dollars = f"${c:,.0f}" if c >= 100 else f"${c:.2f}" if c >= 0.01 else "under $0.01"
+        cost = f", {dollars} at ${e.price_per_hour}/h per GPU" if e.cost is not None else ""
         least = "at least " if floored else ""
-        lines.append(f"time for {e.tokens:,} tokens: {least}{e.hours:,.1f} h{days}{cost}")
+        lines.append(f"time for {e.tokens:,} tokens: {least}{duration(e.hours)}{cost}")
     return "\n".join(lines)
 
 
-def _check_layout(cfg: Any, num_gpus: int, args: Any) -> None:
+def _check_layout(cfg: Any, num_gpus: int, args: Any) -> str:
     """The refusals ``gptoughts train`` makes of this layout on ``num_gpus`` GPUs, made here as one line: figures for
     a split the GPUs cannot take (``--parallel.tp 2`` on one GPU) or the model cannot (DeepSeek under tensor
-    parallelism, 64 experts over 3 ranks) answered a question that train refuses."""
+    parallelism, 64 experts over 3 ranks) answered a question that train refuses. Returns the strategy the launch
+    takes (``parallel/dist.py``'s ``init``: FSDP2 for offload, experts, or tensor parallelism beside data
+    parallelism; ``auto`` otherwise DDP)."""
     from gptoughts.parallel import pp as pipeline
-    from gptoughts.parallel.dist import check_layout
+    from gptoughts.parallel.dist import _with_tp, check_layout
     from gptoughts.parallel.ep import check_ep
     from gptoughts.parallel.tp import check_tp
 
@@ -790,7 +831,43 @@ def _check_layout(cfg: Any, num_gpus: int, args: Any) -> None:
         pipeline.check_supported(
             family.name, args, lora=cfg.lora.enabled, generic=False, objective=family.objective
         )
-    check_layout(par.strategy, par.cpu_offload, par.tp, par.pp, num_gpus // (par.tp * par.pp))
+    dp = num_gpus // (par.tp * par.pp)
+    check_layout(par.strategy, par.cpu_offload, par.tp, par.pp, dp)
+    if par.pp > 1:  # the plan prints "memory: not estimated" for a pipeline: no figure here either
+        raise ConfigError(
+            f"gptoughts estimate does not model pipeline stages (--parallel.pp {par.pp}): drop --parallel.pp to "
+            "estimate the whole model on each GPU, or use --parallel.strategy fsdp over the same GPUs"
+        )
+    if par.cpu_offload or par.ep > 1:
+        return "fsdp"
+    return "fsdp" if _with_tp(par.strategy, par.tp, dp) == "fsdp" else "ddp"
+
+
+def run_tokens(cfg: Any, tokens_per_step: int, tokens: int | None) -> int | None:
+    """The tokens the run trains, which its time and cost are of: ``--tokens``, else those of the stopping rule
+    train plans (``batches._total_steps``: ``max_steps`` steps, ``max_tokens`` rounded up to whole steps); None
+    for an epoch rule (its corpus is not read here). ``--tokens`` beside a stopping rule the user named (a flag, the
+    preset or file) is refused: the estimate would time another run than train's."""
+    t = cfg.train
+    rule = next((k for k in ("max_steps", "max_tokens", "epochs") if cfg.is_given(f"train.{k}")), None)
+    if tokens is not None and rule is not None:
+        value = getattr(t, rule)
+        if f"train.{rule}" in cfg.flags or cfg.origin is None:
+            raise ConfigError(
+                f"--tokens and --{rule} {value} both set the run's length: drop --tokens (the estimate times the "
+                f"run --{rule} makes), or drop --{rule}"
+            )
+        raise ConfigError(
+            f"--tokens asks for another length than the {rule} {value} in {cfg.origin}, which train runs: drop "
+            f"--tokens (the estimate times that run)"
+        )
+    if tokens is not None:
+        return tokens
+    if t.max_steps is not None:
+        return t.max_steps * tokens_per_step
+    if t.max_tokens is not None:
+        return math.ceil(t.max_tokens / tokens_per_step) * tokens_per_step
+    return None
 
 
 def estimate_config(
@@ -804,24 +881,34 @@ def estimate_config(
 ) -> tuple[Estimate, int, int]:
     """The estimate of the run ``cfg`` describes (the same config ``gptoughts train`` resolves from the same
     flags): its family, size, overrides, block, activation checkpointing, residual dtype, strategy, and the
-    vocabulary its tokenizer spec gives. ``batch_size = auto`` is the largest power of two whose estimate fits
-    90% of ``gpu``'s memory, accumulated to ``train.global_batch_tokens`` as train does. Returns
-    ``(estimate, micro_batch, grad_accum)``."""
-    from gptoughts.perf.autobatch import accumulation_for
+    vocabulary its tokenizer spec gives. Decided in train's order (``training/build.py``): the memory layout first
+    (``perf/layout.py``: checkpointing, optimizer states, offload among the settings left to their defaults, at
+    the batch given or, for ``batch_size = auto``, one row), then ``batch_size = auto``'s micro-batch, the largest
+    power of two whose estimate fits 90% of ``gpu``'s memory, accumulated to ``train.global_batch_tokens`` as
+    train does. Returns ``(estimate, micro_batch, grad_accum)``; the estimate's ``layout`` says what the chooser
+    changed and why, its ``refusal`` the line train refuses the run with (host memory is not checked here)."""
+    import importlib.util
 
-    t, p = cfg.train, cfg.perf
+    from gptoughts.parallel.dist import DistInfo
+    from gptoughts.perf.autobatch import accumulation_for, global_batch_shape
+    from gptoughts.perf.layout import Layout, LayoutSearch, Need, fixed_layout, gib_figure
+
+    t, p, par = cfg.train, cfg.perf, cfg.parallel
+    device = str(p.device).split(":")[0].lower()
+    if device in ("cpu", "mps"):  # train would run there, not on --gpu
+        raise _not_a_gpu(device)
     overrides = dict(cfg.model.overrides)
     spec = str(cfg.data.tokenizer)
     if "vocab_size" not in overrides and spec.startswith("bpe:"):
         overrides["vocab_size"] = -(-int(spec.split(":")[1]) // 64) * 64
     elif "vocab_size" not in overrides and spec == "bytes":
         overrides["vocab_size"] = 320
-    strategy = "fsdp" if cfg.parallel.strategy == "fsdp" else "ddp"
     residual = "fp32" if p.residual_dtype == "fp32" else "bf16"
     loss = "plain" if p.loss == "plain" else "chunked"
 
-    _check_layout(cfg, num_gpus, models.model_args(cfg.model.family, cfg.model.size, dict(overrides)))
-    data_ranks = max(1, num_gpus // cfg.parallel.tp)
+    args = models.model_args(cfg.model.family, cfg.model.size, dict(overrides))
+    strategy = _check_layout(cfg, num_gpus, args)
+    data_ranks = max(1, num_gpus // par.tp)
 
     def accum_at(
         batch: int,
@@ -830,46 +917,77 @@ def estimate_config(
             return t.grad_accum
         return accumulation_for(t.global_batch_tokens, batch, t.block_size, data_ranks)
 
-    cap = cfg.perf.gpu_memory_gib  # the memory a run may fill (--gpu_memory_gib), where the user caps it
+    cap = p.gpu_memory_gib  # the memory a run may fill (--gpu_memory_gib), where the user caps it
+    # torchao's float8 linears, as the run resolves perf.fp8 on this GPU (auto: hardware.fp8_auto)
+    arch = arch_of(gpu)
+    fp8 = (
+        p.fp8 == "auto"
+        and arch is not None
+        and fp8_auto(arch, args.d_model, p.fp8_recipe)[0]
+        or p.fp8 is True
+    ) and p.fp8_recipe != "fused_rowwise"
+    start = Layout(resolve_ac(p.activation_checkpointing, cfg.lora)[0], t.optimizer_states, par.cpu_offload)
 
-    def at(batch: int) -> Estimate:
+    def at(batch: int, layout: Layout = start, run: int | None = None) -> Estimate:
         e = estimate(
             cfg.model.family,
             cfg.model.size,
             overrides,
             batch_size=batch,
             block_size=t.block_size,
-            activation_checkpointing=resolve_ac(p.activation_checkpointing, cfg.lora)[0],
+            activation_checkpointing=layout.activation_checkpointing,
             loss=loss,
             loss_chunk=p.loss_chunk,
             gpu=gpu,
-            tokens=tokens,
+            tokens=run,
             mfu=mfu,
             price=price,
             num_gpus=num_gpus,
             residual_dtype=residual,
-            strategy=strategy,
+            strategy="fsdp" if layout.cpu_offload else strategy,
             optimizer=t.optimizer,
-            optimizer_states=t.optimizer_states,
-            cpu_offload=cfg.parallel.cpu_offload,
-            tp=cfg.parallel.tp,
+            optimizer_states=layout.optimizer_states,
+            cpu_offload=layout.cpu_offload,
+            tp=par.tp,
             grad_accum=accum_at(batch),
-            fp8=cfg.perf.fp8 is True and p.fp8_recipe != "fused_rowwise",
+            fp8=fp8,
         )
         if cap and (e.gpu_memory_gib is None or cap < e.gpu_memory_gib):
             e = replace(e, gpu_memory_gib=cap, fits=e.total_gib <= cap * 0.95)
         return e
 
     micro, accum = t.batch_size, t.grad_accum
+    first = at(micro if isinstance(micro, int) else 1)
+    layout, why, refusal = start, {}, None
+    if first.gpu_memory_gib:
+        # train's choice (training/estimates.py layout_search), on the launch this estimate describes
+        dist = DistInfo(world_size=num_gpus, strategy=strategy, tp=par.tp, cpu_offload=par.cpu_offload)
+        shape = micro if isinstance(micro, int) else 1
+        search = LayoutSearch(
+            start=start,
+            measure=lambda lay: Need((e := at(shape, lay)).total_gib, e.host_gib),
+            gpu_gib=first.gpu_memory_gib,
+            host_gib=None,
+            what=f"{cfg.model.family}/{cfg.model.size}",
+            where=f"the {gib_figure(cap)} of --gpu_memory_gib"
+            if cap and cap == first.gpu_memory_gib
+            else f"the {gpu}'s {gib_figure(first.gpu_memory_gib)}",
+            shape=f"micro-batch {shape} x {t.block_size:,} tokens",
+            fixed=fixed_layout(cfg, dist),
+            eight_bit=importlib.util.find_spec("torchao") is not None
+            and t.optimizer == "adamw"
+            and not dist.sharded,
+        )
+        choice = search.choose()
+        layout, why, refusal = choice.layout, choice.why, choice.refusal
     if not isinstance(micro, int):
         micro = 1
-        first = at(1)
         if first.gpu_memory_gib:
             for b in (2, 4, 8, 16, 32, 64, 128, 256):
-                if at(b).total_gib > 0.9 * first.gpu_memory_gib:
+                if at(b, layout).total_gib > 0.9 * first.gpu_memory_gib:
                     break
                 micro = b
         if t.global_batch_tokens and not cfg.is_given("train.grad_accum"):
-            micro = max(1, min(micro, t.global_batch_tokens // (t.block_size * data_ranks)))
-            accum = accum_at(micro)
-    return at(micro), micro, accum
+            micro, accum = global_batch_shape(t.global_batch_tokens, micro, t.block_size, data_ranks)
+    e = at(micro, layout, run_tokens(cfg, micro * accum * t.block_size * data_ranks, tokens))
+    return replace(e, layout=why, refusal=refusal), micro, accum

@@ -96,6 +96,34 @@ def peak_flops(name: str) -> float | None:
 _NO_FP8 = ("A100", "A10G", "A10", "RTX 3090", "V100", "T4")
 
 
+# The architecture of each GPU of the table above by name (``gptoughts estimate --gpu NAME`` has no device to ask).
+_ARCH = {"H200": "hopper", "H100": "hopper", "GH200": "hopper", "B200": "blackwell", "L40S": "ada", "L40": "ada",
+         "L4": "ada", "RTX 4090": "ada", "A100": "ampere", "A10G": "ampere", "A10": "ampere", "RTX 3090": "ampere",
+         "V100": "older", "T4": "older"}  # fmt: skip
+
+
+def arch_of(name: str) -> str | None:
+    """The architecture of a GPU of this name, as :class:`HardwareProfile` names it; None when the name is unknown."""
+    key = match_gpu(name, _ARCH)
+    return None if key is None else _ARCH[key]
+
+
+def fp8_auto(arch: str, d_model: int, recipe: str) -> tuple[bool, str]:
+    """``perf.fp8 = auto`` on a GPU of ``arch`` for a model of ``d_model``, and why: on from Hopper, at d_model 2048
+    and above, where torchao is installed (the fused recipe is our own code). What a run resolves
+    (``training/resolve.py``) and ``gptoughts estimate`` counts."""
+    if arch not in ("hopper", "blackwell"):
+        return False, f"auto: off on {arch} (fp8 pays on Hopper and later)"
+    if d_model < 2048:
+        return False, f"auto: off at d_model {d_model} < 2048 (the casts cost more than the matmuls gain)"
+    try:
+        if recipe != "fused_rowwise":
+            import torchao  # noqa: F401
+    except ImportError:
+        return False, "auto: off, torchao is not installed (pip install 'gptoughts[fp8]')"
+    return True, "auto: Hopper+, d_model >= 2048, torchao present"
+
+
 def has_fp8(name: str) -> bool | None:
     """Whether a GPU of this name has fp8 tensor cores (Ada, Hopper, Blackwell); None when the name is unknown."""
     key = match_gpu(name, _PEAK_BF16)

@@ -230,6 +230,27 @@ class LayoutSearch:
         )
 
 
+def fixed_layout(cfg: Any, dist: Any) -> dict[str, str]:
+    """The layout's fields the chooser leaves as they are, and why: those the user set (an ``auto`` is not a
+    setting), and offload where the launch (``dist``: its processes, tensor and pipeline split) rules it out."""
+    out = {}
+    for name, key in KEYS.items():
+        section, field_name = key.split(".")
+        value = getattr(getattr(cfg, section), field_name)
+        if cfg.is_given(key) and value != "auto":
+            out[name] = f"you set {key} = {_value(value)}"
+    strategy = cfg.parallel.strategy
+    if "cpu_offload" in out or dist.cpu_offload:
+        return out
+    if dist.tp > 1 or dist.pp > 1:
+        out["cpu_offload"] = "offload is FSDP's alone, not with --parallel.tp or --parallel.pp"
+    elif strategy in ("ddp", "none"):
+        out["cpu_offload"] = f"not under parallel.strategy = {strategy}"
+    elif dist.world_size > 1:  # the process group started without the CPU backend offload's collectives need
+        out["cpu_offload"] = "with several processes, pass --parallel.cpu_offload true when launching"
+    return out
+
+
 def _value(v: object) -> str:
     return str(v).lower() if isinstance(v, bool) else str(v)
 

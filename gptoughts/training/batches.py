@@ -374,7 +374,7 @@ def _accumulates(cfg: Config) -> bool:
 def _auto_accumulation(cfg: Config, micro: int, dp_size: int, why: dict[str, str]) -> tuple[int, int]:
     """(micro-batch, accumulation) of an automatic batch: the user's --grad_accum, else what reaches the size's
     global batch."""
-    from gptoughts.perf.autobatch import accumulation_for
+    from gptoughts.perf.autobatch import global_batch_shape
 
     t = cfg.train
     accum = t.grad_accum
@@ -389,12 +389,7 @@ def _auto_accumulation(cfg: Config, micro: int, dp_size: int, why: dict[str, str
             f"train.global_batch_tokens = {t.global_batch_tokens:,}"
         )
     elif t.global_batch_tokens:
-        # A micro-batch larger than the global batch would overshoot the target: cap it there. Then the
-        # fewest accumulation steps with a micro-batch that fits, and the smallest micro-batch that reaches
-        # the target with them (115 x 3 x 2048 would overshoot 0.5M by 35%; 86 x 3 is within 1%).
-        micro = max(1, min(micro, t.global_batch_tokens // (t.block_size * dp_size)))
-        accum = accumulation_for(t.global_batch_tokens, micro, t.block_size, dp_size)
-        micro = min(micro, -(-t.global_batch_tokens // (accum * t.block_size * dp_size)))
+        micro, accum = global_batch_shape(t.global_batch_tokens, micro, t.block_size, dp_size)
         why["grad_accum"] = f"to reach train.global_batch_tokens = {t.global_batch_tokens:,}"
     return micro, accum
 

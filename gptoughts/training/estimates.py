@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict, replace
 from typing import Any
 
-from gptoughts.perf.layout import KEYS, Layout, LayoutSearch, Need, gib_figure
+from gptoughts.perf.layout import Layout, LayoutSearch, Need, fixed_layout, gib_figure
 
 
 def estimate_peak(
@@ -34,6 +34,7 @@ def estimate_peak(
     from gptoughts.perf import checkpointing
     from gptoughts.perf.estimate import estimate
     from gptoughts.training.optim import records_muon_step
+    from gptoughts.training.resolve import loss_rule
 
     # DPO runs the chosen and the rejected completion of each pair in one forward: two rows a pair
     rows = micro_batch * (2 if cfg.train.objective == "dpo" else 1)
@@ -49,7 +50,9 @@ def estimate_peak(
             batch_size=rows,
             block_size=block_size,
             activation_checkpointing=checkpointing.resolve(cfg.perf.activation_checkpointing, cfg.lora)[0],
-            loss="chunked" if env.device.type == "cuda" else "plain",
+            # the loss the run computes (--perf.loss plain on a GPU holds the whole batch's logits), at its chunk
+            loss="plain" if loss_rule(cfg.perf, env.device) == "plain" else "chunked",
+            loss_chunk=cfg.perf.loss_chunk,
             gpu=env.hw.name if env.device.type == "cuda" else "H100",  # the bytes do not depend on the name
             residual_dtype="bf16"
             if env.precision == "bf16" and cfg.perf.residual_dtype != "fp32"
@@ -165,33 +168,12 @@ def layout_search(cfg: Any, env: Any, model: Any) -> LayoutSearch | None:
         else str(cfg.model.init_from),
         where=f"the {gib_figure(gpu)} of --gpu_memory_gib" if capped else f"this GPU's {gib_figure(gpu)}",
         shape=f"micro-batch {micro} x {t.block_size:,} tokens",
-        fixed=_fixed_layout(cfg, env),
+        fixed=fixed_layout(cfg, env.dist),
         eight_bit=importlib.util.find_spec("torchao") is not None
         and t.optimizer == "adamw"
         and not env.dist.sharded
         and env.dist.pp == 1,
     )
-
-
-def _fixed_layout(cfg: Any, env: Any) -> dict[str, str]:
-    """The layout's fields the chooser leaves as they are, and why: those the user set (an ``auto`` is not a
-    setting), and offload where the launch rules it out."""
-    out = {}
-    for name, key in KEYS.items():
-        section, field_name = key.split(".")
-        value = getattr(getattr(cfg, section), field_name)
-        if cfg.is_given(key) and value != "auto":
-            out[name] = f"you set {key} = {str(value).lower() if isinstance(value, bool) else value}"
-    d, strategy = env.dist, cfg.parallel.strategy
-    if "cpu_offload" in out or d.cpu_offload:
-        return out
-    if d.tp > 1 or d.pp > 1:
-        out["cpu_offload"] = "offload is FSDP's alone, not with --parallel.tp or --parallel.pp"
-    elif strategy in ("ddp", "none"):
-        out["cpu_offload"] = f"not under parallel.strategy = {strategy}"
-    elif d.enabled:  # the process group started without the CPU backend offload's collectives need
-        out["cpu_offload"] = "with several processes, pass --parallel.cpu_offload true when launching"
-    return out
 
 
 # The ways out of a GPU's memory (the layout chooser tries the first three itself: perf/layout.py).

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from gptoughts.perf.estimate import duration
 from gptoughts.perf.layout import REFUSE_ABOVE
 from gptoughts.training.checkpoint import store
 from gptoughts.training.estimates import (
@@ -325,7 +326,7 @@ class RunPlan:
         if self.tokens_per_s is None:
             return "time: measured once the run starts"
         left = f" for the {self.steps_left:,} steps left" if self.start_step else ""
-        return f"time: ~{_duration(self.hours)}{left} at ~{_rate(self.tokens_per_s)} tokens/s ({self.speed_basis})"
+        return f"time: ~{duration(self.hours)}{left} at ~{_rate(self.tokens_per_s)} tokens/s ({self.speed_basis})"
 
     @property
     def steps_left(self) -> int:
@@ -355,16 +356,6 @@ def gib(g: float) -> str:
 
 def _mb(n: float) -> str:
     return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB" if n >= 1e5 else f"{n / 1e3:.1f} KB"
-
-
-def _duration(hours: float | None) -> str:
-    if hours is None:
-        return "?"
-    if hours < 1 / 60:
-        return f"{hours * 3600:.0f} s"
-    if hours < 1:
-        return f"{hours * 60:.0f} min"
-    return f"{hours:.1f} h" + (f" ({hours / 24:.1f} days)" if hours > 48 else "")
 
 
 def make_plan(

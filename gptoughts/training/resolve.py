@@ -18,7 +18,7 @@ from torch import nn
 from gptoughts.config import Config, LoraConfig, PerfConfig, TrainConfig
 from gptoughts.errors import ConfigError, HardwareError, UserError
 from gptoughts.parallel import dist as pdist
-from gptoughts.perf import checkpointing
+from gptoughts.perf import checkpointing, hardware
 from gptoughts.perf.hardware import HardwareProfile
 from gptoughts.training.plan import BatchPlan
 
@@ -197,16 +197,7 @@ def compile_mode_rule(
 def fp8_rule(perf: PerfConfig, hw: HardwareProfile, model: nn.Module) -> tuple[bool, str]:
     if perf.fp8 == "auto":
         d_model = getattr(getattr(model, "args", None), "d_model", 0)
-        if hw.arch not in ("hopper", "blackwell"):
-            return False, f"auto: off on {hw.arch} (fp8 pays on Hopper and later)"
-        if d_model < 2048:
-            return False, f"auto: off at d_model {d_model} < 2048 (the casts cost more than the matmuls gain)"
-        try:
-            if perf.fp8_recipe != "fused_rowwise":  # the fused recipe is our own code: no torchao
-                import torchao  # noqa: F401
-        except ImportError:
-            return False, "auto: off, torchao is not installed (pip install 'gptoughts[fp8]')"
-        return True, "auto: Hopper+, d_model >= 2048, torchao present"
+        return hardware.fp8_auto(hw.arch, d_model, perf.fp8_recipe)
     return bool(perf.fp8), "asked"
 
 

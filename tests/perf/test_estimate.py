@@ -249,8 +249,9 @@ def test_muons_recorded_step_keeps_its_largest_batchs_working_memory():
 
 def test_estimate_holds_the_run_to_its_memory_cap(capsys):
     """--gpu_memory_gib caps what the estimate's run may fill, as it caps train's (a newcomer's 24 GiB INL plan read
-    "64.56 of 80 on H100 fits"); over the cap it says where train's own layout choice is printed."""
-    argv = ["estimate", "--model", "inl", "--size", "3b", "--batch_size", "1", "--json"]
+    "64.56 of 80 on H100 fits"); over the cap, with the layout pinned, it prints train's refusal."""
+    pinned = ["--activation_checkpointing", "selective", "--optimizer_states", "fp32", "--parallel.cpu_offload", "false"]
+    argv = ["estimate", "--model", "inl", "--size", "3b", "--batch_size", "1", *pinned, "--json"]
     assert cli.main(argv) == 0
     whole = json.loads(capsys.readouterr().out)
     assert cli.main([*argv, "--gpu_memory_gib", "24"]) == 0
@@ -260,4 +261,4 @@ def test_estimate_holds_the_run_to_its_memory_cap(capsys):
     assert capped["total_gib"] == whole["total_gib"]
     assert cli.main(argv[:-1] + ["--gpu_memory_gib", "24"]) == 0
     text = capsys.readouterr().out
-    assert "of 24.0 on H100  DOES NOT FIT" in text and "--dry_run prints its plan" in text
+    assert "of 24.0 on H100  DOES NOT FIT" in text and "`gptoughts train` refuses this run: inl/3b" in text
