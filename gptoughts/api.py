@@ -261,6 +261,10 @@ def run_training(cfg: Config, *, dry_run: bool = False) -> tuple[nn.Module, Any,
                 )
             if main and asm.model.pretrained is not None and asm.model.pretrained.notice:
                 console.print(asm.model.pretrained.notice, highlight=False)
+            if main:
+                # An earlier session's summary (read above, by the build) would outlive a session that fails (a
+                # divergence, a crash) and say the run ended as that one did: this session writes its own, or none.
+                (asm.run_dir / "summary.json").unlink(missing_ok=True)
             # where this session starts (a resumed run's step and tokens): the summary tells its figures apart
             start, t0 = (asm.trainer.state.step, asm.trainer.state.tokens_seen), time.perf_counter()
             with _disk_full_is_a_user_error(asm.run_dir), _out_of_memory_is_a_user_error(env.device):
@@ -557,10 +561,19 @@ def _print_summary(asm: Any, history: History) -> None:
     )
     console.print(
         f'  next: gptoughts sample {run} --prompt "..."  |  gptoughts eval {run} {scored}  |  '
-        f"gptoughts export {run} --format hf OUT  |  gptoughts train --resume auto --out {run}{more}  |  "
-        f"gptoughts plot {run}",
+        f"gptoughts export {run} --format hf OUT  |  {_resume_command(run)}{more}  |  gptoughts plot {run}",
         highlight=False,
     )
+
+
+def _resume_command(run: Path) -> str:
+    """How this run resumes: launched as it was, since a plain ``gptoughts train`` resumes it on one process."""
+    ranks = int(os.environ.get("WORLD_SIZE", "1"))
+    if ranks == 1:
+        return f"gptoughts train --resume auto --out {run}"
+    if int(os.environ.get("LOCAL_WORLD_SIZE", ranks)) < ranks:  # several nodes: their own torchrun flags
+        return f"the same torchrun command with --resume auto --out {run}"
+    return f"torchrun --nproc_per_node {ranks} -m gptoughts train --resume auto --out {run}"
 
 
 def _clock(seconds: float) -> str:

@@ -433,7 +433,8 @@ class Sampler:
     decode with their KV cache. ``chat``: the prompt is a user message rendered with the chat template (the
     tokenizer's own, else the SFT default) and only the assistant's answer is returned. Compiled blocks run
     eagerly while sampling (decoding shapes change every token: no recompiles). The keyword defaults given
-    here (the trainer's ``sample_*`` settings) apply where a call does not name them.
+    here (the trainer's ``sample_*`` settings) apply where a call does not name them; ``system`` too: the system
+    message an SFT run's every conversation opened with (its model never saw a chat prompt without it).
     """
 
     def __init__(
@@ -447,8 +448,10 @@ class Sampler:
         temperature: float = 0.8,
         top_k: int | None = 50,
         top_p: float | None = None,
+        system: str | None = None,
     ) -> None:
         self.model, self.tokenizer, self.diffusion, self.chat = model, tokenizer, diffusion, chat
+        self.system = system
         self.defaults = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p)
 
     def prompt_ids(self, prompt: str, chat: bool, system: str | None = None) -> list[int]:
@@ -488,7 +491,9 @@ class Sampler:
         """The ids the model continues, and how many of them lead the text returned. An empty prompt starts from
         end-of-text, where every document of the corpus starts (the model writes "a document"); that token is
         not the user's and is not printed. ``system``: a system message before the user's, as SFT data holds one
-        (chat only: plain text has no turns to put it in)."""
+        (chat only: plain text has no turns to put it in); None: this sampler's own, in a chat prompt."""
+        if system is None and chat:
+            system = self.system
         if system is not None and not chat:
             raise UserError(
                 "a system message is a turn of a chat prompt, and this prompt is plain text (no chat template, or "

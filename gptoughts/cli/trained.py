@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -48,6 +49,16 @@ class Parser(argparse.ArgumentParser):
         )
 
 
+def refuse_torchrun(command: str) -> None:
+    """The commands on a trained run use no process group: under torchrun every rank would do the whole command and
+    print its own result (two eval lines, two different samples; export writing OUT twice at once). Refused on every
+    rank alike, so the line is printed once (``cli._print_error``); a torchrun of one process is one process."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise UserError(
+            f"gptoughts {command} runs in one process: drop torchrun and run `gptoughts {command} ...` by itself"
+        )
+
+
 def cmd_sample(argv: Sequence[str]) -> int:
     p = Parser(prog="gptoughts sample", description="Generate text from a trained model.")
     p.add_argument("path", help="run directory, checkpoint directory or Hugging Face model folder")
@@ -79,6 +90,7 @@ def cmd_sample(argv: Sequence[str]) -> int:
         "--trust_remote_code", action="store_true", help="let transformers run an HF folder's own code"
     )
     a = p.parse_args(argv)
+    refuse_torchrun("sample")
     from gptoughts.api import check_sampling, check_system, generate_text, load, sampler
 
     chat = None if a.chat == "auto" else a.chat == "on"
@@ -131,6 +143,7 @@ def _system_note(trained: str | bool | None) -> None:
 
 def cmd_eval(argv: Sequence[str]) -> int:
     a = _eval_parser().parse_args(argv)
+    refuse_torchrun("eval")
     _check_eval_args(a)
     # Everything a user can get wrong is checked before the first (possibly long) model load and scoring.
     tasks, bench = _eval_tasks(a)
@@ -477,6 +490,7 @@ def cmd_export(argv: Sequence[str]) -> int:
         "--trust_remote_code", action="store_true", help="let transformers run an HF folder's own code"
     )
     a = p.parse_intermixed_args(argv)
+    refuse_torchrun("export")
     out = a.out or a.out_pos
     if out is None:
         raise ConfigError("export needs an output folder: gptoughts export RUN --format hf OUT")
@@ -511,6 +525,7 @@ def cmd_plot(argv: Sequence[str]) -> int:
     p.add_argument("--out", default=None, help="with several runs: the PNG to write (default compare.png)")
     p.add_argument("--overwrite", action="store_true", help="replace the PNG --out names if it exists")
     a = p.parse_args(argv)
+    refuse_torchrun("plot")
     from gptoughts.training.plots import compare_runs, write_run_plots
 
     # what README calls RUN elsewhere (its metrics file, a checkpoint) named as the run it is in

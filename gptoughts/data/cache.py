@@ -173,15 +173,21 @@ def locked(out: Path) -> Iterator[None]:
     The lock file ``.OUT.lock`` is removed when the holder is done, while it still holds the lock: a process
     that was waiting then holds a lock on a file no longer at that path, sees it (the path names another file,
     or none) and locks afresh, so two processes never both believe they hold it. A file left by a killed
-    holder is locked and removed like any other."""
-    out.parent.mkdir(parents=True, exist_ok=True)
+    holder is locked and removed like any other. The folders above ``out`` it creates are removed again when they
+    are left empty (a refused corpus leaves nothing behind)."""
+    made = [d for d in (out.parent, *out.parent.parents) if not d.exists()]
     lock_path = out.parent / f".{out.name}.lock"
     try:
         import fcntl
     except ImportError:  # no flock (Windows): best effort
         fcntl = None  # type: ignore[assignment]
     while True:
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        # (in the loop: a holder that was done may have just removed it, left empty)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        except FileNotFoundError:
+            continue
         try:
             if fcntl is not None:
                 fcntl.flock(fd, fcntl.LOCK_EX)
@@ -205,6 +211,9 @@ def locked(out: Path) -> Iterator[None]:
         with contextlib.suppress(OSError):
             os.unlink(lock_path)
         os.close(fd)
+        for d in made:  # deepest first; a folder that holds something (the output, a kept build) stays
+            with contextlib.suppress(OSError):
+                d.rmdir()
 
 
 def reusable(out: Path, key: str, verify: bool) -> Manifest | None:

@@ -89,6 +89,13 @@ def run_bench(
         raise UserError(
             f"bench needs steps >= 1, warmup >= 0 and kernel_steps >= 0; got {steps}, {warmup} and {kernel_steps}"
         )
+    # our step is built from the family and size on random tokens: a model named to start from is never loaded
+    if cfg.model.init_from is not None:
+        raise UserError(
+            f"bench and tune time a model built from --model FAMILY --size S on random tokens, and do not load "
+            f"--init_from {cfg.model.init_from}; drop --init_from, or time the fine-tune itself: gptoughts finetune "
+            f"--model {cfg.model.init_from} --max_steps 20"
+        )
     tt_modes: tuple[str, ...] = ()
     tt_graphs = True
     ours_notes: list[str] = []

@@ -144,6 +144,8 @@ def _sampler(cfg: Config, data: Data, model: Model) -> Any:
         max_new_tokens=cfg.eval.sample_max_new_tokens,
         temperature=cfg.eval.sample_temperature,
         top_k=cfg.eval.sample_top_k,
+        # the system message every conversation opened with (not one each: no text stands for them all)
+        system=data.sft.system if data.sft is not None and isinstance(data.sft.system, str) else None,
     )
 
 

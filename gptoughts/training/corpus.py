@@ -118,9 +118,14 @@ def init_from_dir(cfg: Config, *, weights: bool = True) -> Path | None:
 
     p = locate(cfg.model.init_from, weights=weights)
     if (p / "config.toml").exists() or (p / "meta.json").exists() or (p / "checkpoints").is_dir():
+        # A new run named with a run was given its export (api._start_from_run): what reaches here is a resume whose
+        # run kept no export of its base, which it cannot take now (the run may have trained on since).
         raise UserError(
-            f"{p} is a gptoughts run; export it first (gptoughts export {p} --format hf OUT) and "
-            "fine-tune OUT"
+            f"{p} is a gptoughts run, and {cfg.run.out} kept no export of it in base/ to resume from; start a new "
+            f"fine-tune from it instead: gptoughts finetune --model {p} --out NEW"
+            if cfg.run.resume
+            else f"{p} is a gptoughts run; fine-tune from it with gptoughts finetune --model {p} (it exports the "
+            "run into OUT/base)"
         )
     read_config(p)  # a clear error now rather than deep inside the model loading
     require_tokenizer(p)  # (fine-tuning tokenizes with the folder's own: not a --tokenizer spec to fix)

@@ -29,7 +29,7 @@ from gptoughts.training.estimates import (
     with_optimizer_step,
 )
 from gptoughts.training.evaluation import early_stopping_line
-from gptoughts.training.rundir import is_run, read_run_json
+from gptoughts.training.rundir import adapter_scale_change, is_run, read_run_json
 
 MEASURED_BATCH = "auto: largest that fits"
 """How the batch plan names a micro-batch found with real training steps (``batches._probed_micro_batch``)."""
@@ -404,6 +404,7 @@ def make_plan(
         + _schedule_moved(cfg, batch, before, start)
         + _corpus_moved(data, before, start)
         + _rolled_back_rate(resume_from, start)
+        + (adapter_scale_change(source, cfg) if start else [])
     )
     return RunPlan(
         model=what,

@@ -464,6 +464,22 @@ def adapter_changes(old: Config, cfg: Config) -> list[str]:
     ]
 
 
+def adapter_scale_change(run_dir: Path, cfg: Config) -> list[str]:
+    """A LoRA run resumed with another ``lora.alpha`` (allowed: a typed flag wins on a resume) in one line: the
+    adapters its checkpoint holds were trained at ``alpha / r`` of the old value and act at the new one from the
+    resumed step, which nothing else shows (``run_dir``: the run whose config.toml saved them)."""
+    try:
+        old = _old_config(run_dir)
+    except UserError:  # (a resume has read it already: nothing to add here)
+        return []
+    if not (old.lora.enabled and cfg.lora.enabled) or old.lora.alpha == cfg.lora.alpha:
+        return []
+    a, b, r = old.lora.alpha, cfg.lora.alpha, cfg.lora.r
+    return [
+        f"lora alpha {a:g} -> {b:g}: the adapters' scale changes from this step (alpha/r {a / r:g} -> {b / r:g})"
+    ]
+
+
 def _old_config(run_dir: Path) -> Config:
     f = run_dir / "config.toml"
     try:

@@ -250,7 +250,14 @@ def test_muons_recorded_step_keeps_its_largest_batchs_working_memory():
 def test_estimate_holds_the_run_to_its_memory_cap(capsys):
     """--gpu_memory_gib caps what the estimate's run may fill, as it caps train's (a newcomer's 24 GiB INL plan read
     "64.56 of 80 on H100 fits"); over the cap, with the layout pinned, it prints train's refusal."""
-    pinned = ["--activation_checkpointing", "selective", "--optimizer_states", "fp32", "--parallel.cpu_offload", "false"]
+    pinned = [
+        "--activation_checkpointing",
+        "selective",
+        "--optimizer_states",
+        "fp32",
+        "--parallel.cpu_offload",
+        "false",
+    ]
     argv = ["estimate", "--model", "inl", "--size", "3b", "--batch_size", "1", *pinned, "--json"]
     assert cli.main(argv) == 0
     whole = json.loads(capsys.readouterr().out)
