@@ -147,3 +147,20 @@ def pretend_gpu(monkeypatch, gpu_gib: float = 80) -> None:
     monkeypatch.setattr(
         inl_triton, "_hidden_fits", lambda hidden: 16 <= hidden <= 256 and not hidden & (hidden - 1)
     )
+
+
+def signal_during_step(monkeypatch, step: int) -> None:
+    """SIGTERM as the trainer's handler receives it, during training step ``step`` (1-based)."""
+    import signal
+
+    from gptoughts.training.trainer import Trainer
+
+    original = Trainer.train_step
+
+    def train_step(self):
+        out = original(self)
+        if self.state.step + 1 == step:
+            self._on_signal(signal.SIGTERM, None)
+        return out
+
+    monkeypatch.setattr(Trainer, "train_step", train_step)

@@ -151,3 +151,18 @@ def fresh_dynamo() -> Iterator[None]:
     yield
     torch._dynamo.reset()
     newton_schulz.compiled.cache_clear()
+
+
+@pytest.fixture
+def sampled_ids(monkeypatch) -> list[list[int]]:
+    """The ids each generation continues, recorded in place of generating (the model is not run)."""
+    from gptoughts import sampling
+
+    seen: list[list[int]] = []
+
+    def generate(model, x, n, **kw):
+        seen.append(x[0].tolist())
+        return x
+
+    monkeypatch.setattr(sampling, "generate", generate)
+    return seen

@@ -11,7 +11,7 @@ import torch
 from cli_helpers import run_cli
 
 import gptoughts
-from gptoughts import api, sampling
+from gptoughts import api
 from gptoughts.config import load_config
 from gptoughts.data.sft import render_prompt
 from gptoughts.data.tokenizer import EOS_TOKEN, MASK_TOKEN, PAD_TOKEN, Tokenizer, _bytes_backend
@@ -42,30 +42,20 @@ def _loaded(chat: bool, template: str | None = None) -> api.Loaded:
     return api.Loaded(model, tok, load_config("default"), Path("run"), "llama", chat=chat, args=model.args)
 
 
-@pytest.fixture
-def context(monkeypatch) -> list[list[int]]:
-    """The ids each generation continues (the model is not run)."""
-    seen: list[list[int]] = []
-
-    def generate(model, x, n, **kw):
-        seen.append(x[0].tolist())
-        return x
-
-    monkeypatch.setattr(sampling, "generate", generate)
-    return seen
-
-
-def test_generate_renders_the_system_message_before_the_prompt(context):
+def test_generate_renders_the_system_message_before_the_prompt(sampled_ids):
     loaded = _loaded(chat=True)
     gptoughts.generate(loaded, "add 2 3", system="You are a calculator.", max_new_tokens=4)
     gptoughts.generate(loaded, "add 2 3", max_new_tokens=4)
     system = [{"role": "system", "content": "You are a calculator."}]
     user = [{"role": "user", "content": "add 2 3"}]
-    assert context == [render_prompt(loaded.tokenizer, system + user), render_prompt(loaded.tokenizer, user)]
-    assert "<|system|>\nYou are a calculator.\n<|user|>\nadd 2 3" in loaded.tokenizer.decode(context[0])
+    assert sampled_ids == [
+        render_prompt(loaded.tokenizer, system + user),
+        render_prompt(loaded.tokenizer, user),
+    ]
+    assert "<|system|>\nYou are a calculator.\n<|user|>\nadd 2 3" in loaded.tokenizer.decode(sampled_ids[0])
 
 
-def test_a_system_message_for_plain_text_is_refused_in_one_line(context):
+def test_a_system_message_for_plain_text_is_refused_in_one_line(sampled_ids):
     with pytest.raises(
         UserError, match="system is a turn of a chat prompt and this model samples plain text"
     ):
@@ -74,29 +64,29 @@ def test_a_system_message_for_plain_text_is_refused_in_one_line(context):
         gptoughts.generate(_loaded(chat=True), "add 2 3", system="Be brief.", chat=False)
     with pytest.raises(UserError, match="system must be a string"):
         gptoughts.generate(_loaded(chat=True), "add 2 3", system=["Be brief."])
-    assert context == []
+    assert sampled_ids == []
 
 
-def test_a_template_that_refuses_a_system_turn_is_one_line(context):
+def test_a_template_that_refuses_a_system_turn_is_one_line(sampled_ids):
     loaded = _loaded(chat=True, template=NO_SYSTEM)
     with pytest.raises(UserError, match=r"refuses a system message \(System role not supported\)"):
         gptoughts.generate(loaded, "add 2 3", system="Be brief.")
     gptoughts.generate(loaded, "add 2 3", max_new_tokens=4)  # without one, as before
-    assert len(context) == 1
+    assert len(sampled_ids) == 1
 
 
-def test_sample_system_reaches_the_prompt_and_its_length_is_counted(monkeypatch, context, capsys):
+def test_sample_system_reaches_the_prompt_and_its_length_is_counted(monkeypatch, sampled_ids, capsys):
     loaded = _loaded(chat=True)
     monkeypatch.setattr(api, "load", lambda *a, **k: loaded)
     monkeypatch.setattr(api, "check_model_path", lambda p: p)
     argv = ["sample", "run", "--prompt", "hi", "--system", "Be brief.", "--max_new_tokens", "2"]
     code, text = run_cli(argv, capsys)
     assert code == 0, text
-    assert loaded.tokenizer.decode(context[0]).endswith(
+    assert loaded.tokenizer.decode(sampled_ids[0]).endswith(
         "<|system|>\nBe brief.\n<|user|>\nhi\n<|assistant|>\n"
     )
     # the most new tokens that fit beside the prompt with its system message (the last one is not fed back)
-    most = loaded.args.max_seq_len - len(context[0]) + 1
+    most = loaded.args.max_seq_len - len(sampled_ids[0]) + 1
     argv = ["sample", "run", "--prompt", "hi", "--system", "Be brief.", "--max_new_tokens", str(most + 1)]
     code, text = run_cli(argv, capsys)
     assert code == 2 and f"pass --max_new_tokens {most} or less" in text, text
@@ -126,7 +116,7 @@ def test_sample_system_with_chat_off_is_refused_before_the_model_loads(monkeypat
     ],
 )
 def test_sample_notes_the_system_message_every_training_conversation_opened_with(
-    trained, flags, note, monkeypatch, context, capsys
+    trained, flags, note, monkeypatch, sampled_ids, capsys
 ):
     loaded = _loaded(chat=True)
     loaded.trained_system = trained  # (run.json's sft_system)

@@ -7,24 +7,9 @@ import json
 import signal
 from pathlib import Path
 
-from cli_helpers import FASTRUN, run_cli
-
-from gptoughts.training.trainer import Trainer
+from cli_helpers import FASTRUN, run_cli, signal_during_step
 
 FLAGS = [*FASTRUN, "--tokenizer", "bytes", "--size", "debug"]
-
-
-def _signal_during_step(monkeypatch, step: int) -> None:
-    """SIGTERM as the trainer's handler receives it, during training step ``step`` (1-based)."""
-    original = Trainer.train_step
-
-    def train_step(self):
-        out = original(self)
-        if self.state.step + 1 == step:
-            self._on_signal(signal.SIGTERM, None)
-        return out
-
-    monkeypatch.setattr(Trainer, "train_step", train_step)
 
 
 def test_a_signal_during_the_last_step_ends_a_complete_run_not_an_interrupted_one(
@@ -33,7 +18,7 @@ def test_a_signal_during_the_last_step_ends_a_complete_run_not_an_interrupted_on
     """SIGTERM during the last step: the run saved that step and was complete, yet said "interrupted" and exited
     143, so a scheduler resumed it with --resume auto, which was refused (exit 2: the run is complete)."""
     out = tmp_path / "run"
-    _signal_during_step(monkeypatch, 4)
+    signal_during_step(monkeypatch, 4)
     code, text = run_cli(
         ["train", "--data", str(text_corpus), "--out", str(out), "--max_steps", "4", *FLAGS], capsys
     )
@@ -51,7 +36,7 @@ def test_an_interrupted_run_without_checkpoints_does_not_offer_a_resume(
     """A run with checkpoint.checkpoints false, interrupted, said "the last good one kept; resume with --resume
     auto": it has none, and that resume is refused."""
     out = tmp_path / "run"
-    _signal_during_step(monkeypatch, 2)
+    signal_during_step(monkeypatch, 2)
     argv = ["train", "--data", str(text_corpus), "--out", str(out), "--max_steps", "6", *FLAGS]
     code, text = run_cli([*argv, "--checkpoint.checkpoints", "false"], capsys)
     assert code == 128 + signal.SIGTERM, text[-2000:]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import signal
 
 import pytest
+from cli_helpers import signal_during_step
 from test_recovery import (
     SPIKE,
     _argv,
@@ -23,20 +24,6 @@ from test_recovery import (
 
 from gptoughts.training.checkpoint import restore
 from gptoughts.training.checkpoint import store as ckpt
-from gptoughts.training.trainer import Trainer
-
-
-def _signal_during_step(monkeypatch, step: int) -> None:
-    """SIGTERM as the trainer's handler receives it, during training step ``step`` (1-based)."""
-    original = Trainer.train_step
-
-    def train_step(self):
-        out = original(self)
-        if self.state.step + 1 == step:
-            self._on_signal(signal.SIGTERM, None)
-        return out
-
-    monkeypatch.setattr(Trainer, "train_step", train_step)
 
 
 def test_a_signal_inside_a_streak_before_the_first_checkpoint_saves_the_state_before_it(
@@ -46,7 +33,7 @@ def test_a_signal_inside_a_streak_before_the_first_checkpoint_saves_the_state_be
     run left nothing, saying "the last good one kept" of a checkpoint that did not exist; its 5 trained steps were
     lost."""
     install_fault(monkeypatch.setattr, nan_on_calls(6, None))
-    _signal_during_step(monkeypatch, 8)
+    signal_during_step(monkeypatch, 8)
     out = tmp_path / "run"
     code, stdout, _ = _main(
         _argv(text_corpus, out, fast, "--train.max_steps", "20", "--train.save_interval", "0"), capsys
@@ -66,7 +53,7 @@ def test_a_signal_inside_a_streak_from_the_first_step_says_no_checkpoint_was_wri
 ):
     # nothing was trained before the streak: nothing to save, and the end line does not claim a checkpoint kept
     install_fault(monkeypatch.setattr, nan_on_calls(1, None))
-    _signal_during_step(monkeypatch, 3)
+    signal_during_step(monkeypatch, 3)
     out = tmp_path / "run"
     code, stdout, _ = _main(
         _argv(text_corpus, out, fast, "--train.max_steps", "20", "--train.save_interval", "0"), capsys

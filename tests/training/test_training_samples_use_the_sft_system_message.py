@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 from cli_helpers import QUIET_CPU, ok
 
-from gptoughts import sampling
 from gptoughts.data.sft import render_prompt
 from gptoughts.data.tokenizer import bytes_tokenizer
 
@@ -23,24 +22,11 @@ def _sft(path: Path, systems: list[str]) -> Path:
     return path
 
 
-@pytest.fixture
-def contexts(monkeypatch) -> list[list[int]]:
-    """The ids each training sample continues (the model is not run)."""
-    seen: list[list[int]] = []
-
-    def generate(model, x, n, **kw):
-        seen.append(x[0].tolist())
-        return x
-
-    monkeypatch.setattr(sampling, "generate", generate)
-    return seen
-
-
 @pytest.mark.parametrize(
     "systems", [["Be brief."], ["Be brief.", "Be kind."]], ids=["shared", "each-its-own"]
 )
 def test_the_training_samples_of_an_sft_run_open_with_its_shared_system_message(
-    tmp_path, cache_dir, capsys, contexts, systems
+    tmp_path, cache_dir, capsys, sampled_ids, systems
 ):
     data = _sft(tmp_path / "chat.jsonl", systems)
     ok(["train", "--data", str(data), "--tokenizer", "bytes", "--size", "debug", "--out", str(tmp_path / "run"),
@@ -51,4 +37,4 @@ def test_the_training_samples_of_an_sft_run_open_with_its_shared_system_message(
         systems[0] if shared else True
     )
     expected = render_prompt(bytes_tokenizer(), shared + user)
-    assert contexts and all(c == expected for c in contexts), contexts
+    assert sampled_ids and all(c == expected for c in sampled_ids), sampled_ids
