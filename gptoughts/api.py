@@ -344,28 +344,44 @@ def _start_from_run(cfg: Config, env: Any, dry_run: bool) -> Any:
     base = None if cfg.run.resume else run_base(cfg.model.init_from)
     if base is None:
         return None
-    rundir.check(
-        out, cfg
-    )  # (reads only) what a new run refuses: a folder not empty, a run without --overwrite
+    # (reads only) what a new run refuses: a folder not empty, a run without --overwrite
+    rundir.check(out, cfg)
     if rundir.is_run(out):
         raise UserError(
             f"{out} holds a run, whose files --overwrite replaces only once this run is checked, while the export "
             f"of {base.run} goes into {kept} before; remove {out}, or choose another --out"
         )
     created = not out.exists()
-    target = Path(tempfile.mkdtemp(prefix="gptoughts-base-")) / rundir.BASE_DIR if dry_run else kept
-    if env.dist.is_main:
+
+    def export_base() -> str:
+        """Rank 0's export (a refusal or a full disk is one line on every rank, not a hang in the others'
+        broadcast), under the run's lock: a second launch on this --out is refused, not writing over it."""
+        target = Path(tempfile.mkdtemp(prefix="gptoughts-base-")) / rundir.BASE_DIR if dry_run else kept
+        lock = None if dry_run else rundir.RunLock.acquire(out)
         console.print(
             f"base: exporting {base.run} at step {base.step:,} into {target} (LoRA merged)", highlight=False
         )
-        export(base.checkpoint, target, overwrite=True, trust_remote_code=cfg.model.trust_remote_code)
-        record = {
-            "run": str(base.run.resolve()),
-            "checkpoint": str(base.checkpoint.resolve()),
-            "step": base.step,
-        }
-        (target / _BASE_SOURCE).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
-    target = Path(pdist.broadcast_object(str(target), env.dist))  # (a dry run's temporary folder is rank 0's)
+        try:
+            with _disk_full_is_a_user_error(out):
+                export(base.checkpoint, target, overwrite=True, trust_remote_code=cfg.model.trust_remote_code)
+                record = {
+                    "run": str(base.run.resolve()),
+                    "checkpoint": str(base.checkpoint.resolve()),
+                    "step": base.step,
+                }
+                (target / _BASE_SOURCE).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+        except BaseException:
+            shutil.rmtree(target.parent if dry_run else target, ignore_errors=True)
+            raise
+        finally:
+            if lock is not None:
+                lock.release()
+                if created and not (out / rundir.BASE_DIR).exists():
+                    with contextlib.suppress(OSError):
+                        out.rmdir()  # (the folder the lock made, when the export failed)
+        return str(target)
+
+    target = Path(pdist.on_main(export_base, env.dist))  # (a dry run's temporary folder is rank 0's)
     cfg.model.init_from = str(target.resolve())
     where = f"a temporary folder for this dry run; a run keeps it in {kept}" if dry_run else str(kept)
     cfg.resolved["base"] = f"{base.run} at step {base.step:,} (its export, in {where})"

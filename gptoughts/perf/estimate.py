@@ -429,9 +429,8 @@ def estimate(
         tokens_step=tokens_step, data_ranks=max(1, num_gpus // tp), fp8=fp8,
     )  # fmt: skip
     mem = speed.pop("gpu_memory_gib")
-    if (
-        cpu_offload
-    ):  # as the plan: host-device copies and the CPU's optimizer step bound it, not the GPU's FLOPs
+    # as the plan: host-device copies and the CPU's optimizer step bound offload, not the GPU's FLOPs
+    if cpu_offload:
         speed.update(tokens_per_s=None, flops_tokens_per_s=None, hours=None, cost=None)
     return Estimate(
         params=n,

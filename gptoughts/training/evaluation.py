@@ -153,9 +153,8 @@ class Evaluator:
             st.evals_without_improvement += 1
         entry = {"step": st.step, "val_loss": val_loss, "val_ppl": ppl}
         if not counts and math.isfinite(val_loss):
-            entry["in_streak"] = (
-                True  # never the best: no checkpoint is written inside a streak (best_evaluation)
-            )
+            # never the best: no checkpoint is written inside a streak (best_evaluation)
+            entry["in_streak"] = True
         st.history.append(entry)
         if self.dist.is_main:
             pairs = self.last_pair_metrics
