@@ -58,8 +58,11 @@ def _validate_model(m: ModelConfig) -> None:
         # `model.*` overrides are checked against that family (fields that change no parameter are allowed; the
         # load checks the shapes).
         from gptoughts.models.hf import find_adapter, locate, read_config
+        from gptoughts.models.hf_export import run_config, run_of_model
 
-        config = read_config(locate(m.init_from, weights=False))
+        # a gptoughts run (finetune --model RUN): the config its export will write, before anything is exported
+        where = locate(m.init_from, weights=False)
+        config = run_config(where) if run_of_model(where) is not None else read_config(where)
         found = find_adapter(str(config["model_type"]))
         if found is None and m.overrides:
             raise ConfigError(

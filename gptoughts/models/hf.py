@@ -169,8 +169,8 @@ def check_base_unchanged(run_dir: str | Path, base: str, recorded: Any) -> None:
 
 
 def read_config(path: str | Path) -> dict[str, Any]:
-    """The raw ``config.json`` of a model folder (UserError when it is not one); of a gptoughts run (or one of its
-    checkpoints), the one its export writes (``hf_export.run_config``)."""
+    """The raw ``config.json`` of a model folder (UserError when it is not one; a gptoughts run's is
+    ``hf_export.run_config``)."""
     p = Path(path).expanduser()
     if not p.is_dir():
         if _SNAPSHOT.search(p.as_posix()):  # a hub model the cache held (a run's base), deleted since
@@ -180,10 +180,6 @@ def read_config(path: str | Path) -> dict[str, Any]:
             "a Hugging Face hub id (ORG/NAME)"
         )
     if not (p / CONFIG_NAME).is_file():
-        from gptoughts.models.hf_export import run_config, run_of_model
-
-        if run_of_model(p) is not None:  # a gptoughts run: a fine-tune of it starts from its export
-            return run_config(p)
         raise UserError(f"{p} has no config.json; pass the folder that transformers' save_pretrained wrote")
     try:
         cfg = json.loads((p / CONFIG_NAME).read_text(encoding="utf-8"))

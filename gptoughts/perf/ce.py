@@ -23,6 +23,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from gptoughts.errors import UserError
 from gptoughts.models.layers import softcap as apply_softcap
 
 IGNORE_INDEX = -100
@@ -256,3 +257,16 @@ def make_loss(kind: str, *, compiled: bool = False, chunk_size: int = 4096) -> C
     if kind == "liger":
         return liger_linear_ce
     raise ValueError(kind)
+
+
+def loss_rule(loss: str, device: torch.device) -> str:
+    """The loss kernel ``perf.loss`` asks for on ``device`` (auto: chunked on CUDA, plain elsewhere): what a run
+    computes and what its memory estimate counts."""
+    if loss != "auto":
+        if loss == "liger":
+            try:
+                import liger_kernel  # noqa: F401
+            except ImportError:
+                raise UserError("perf.loss = liger needs liger-kernel: pip install liger-kernel") from None
+        return loss
+    return "chunked" if device.type == "cuda" else "plain"

@@ -32,9 +32,9 @@ def estimate_peak(
     ):
         return None
     from gptoughts.perf import checkpointing
+    from gptoughts.perf.ce import loss_rule
     from gptoughts.perf.estimate import estimate
     from gptoughts.training.optim import records_muon_step
-    from gptoughts.training.resolve import loss_rule
 
     # DPO runs the chosen and the rejected completion of each pair in one forward: two rows a pair
     rows = micro_batch * (2 if cfg.train.objective == "dpo" else 1)
@@ -51,7 +51,7 @@ def estimate_peak(
             block_size=block_size,
             activation_checkpointing=checkpointing.resolve(cfg.perf.activation_checkpointing, cfg.lora)[0],
             # the loss the run computes (--perf.loss plain on a GPU holds the whole batch's logits), at its chunk
-            loss="plain" if loss_rule(cfg.perf, env.device) == "plain" else "chunked",
+            loss="plain" if loss_rule(cfg.perf.loss, env.device) == "plain" else "chunked",
             loss_chunk=cfg.perf.loss_chunk,
             gpu=env.hw.name if env.device.type == "cuda" else "H100",  # the bytes do not depend on the name
             residual_dtype="bf16"

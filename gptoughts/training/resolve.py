@@ -18,7 +18,7 @@ from torch import nn
 from gptoughts.config import Config, LoraConfig, PerfConfig, TrainConfig
 from gptoughts.errors import ConfigError, HardwareError, UserError
 from gptoughts.parallel import dist as pdist
-from gptoughts.perf import checkpointing, hardware
+from gptoughts.perf import ce, checkpointing, hardware
 from gptoughts.perf.hardware import HardwareProfile
 from gptoughts.training.plan import BatchPlan
 
@@ -199,17 +199,6 @@ def fp8_rule(perf: PerfConfig, hw: HardwareProfile, model: nn.Module) -> tuple[b
         d_model = getattr(getattr(model, "args", None), "d_model", 0)
         return hardware.fp8_auto(hw.arch, d_model, perf.fp8_recipe)
     return bool(perf.fp8), "asked"
-
-
-def loss_rule(perf: PerfConfig, device: torch.device) -> str:
-    if perf.loss != "auto":
-        if perf.loss == "liger":
-            try:
-                import liger_kernel  # noqa: F401
-            except ImportError:
-                raise UserError("perf.loss = liger needs liger-kernel: pip install liger-kernel") from None
-        return perf.loss
-    return "chunked" if device.type == "cuda" else "plain"
 
 
 def check_attention(perf: PerfConfig, device: torch.device) -> None:
@@ -403,7 +392,7 @@ def resolve_transforms(
         cuda_graphs=graphs,
         inductor_mode=inductor,
         block_mode=inductor if mode == "blocks" else inductor_mode(replace(perf, cuda_graphs=False)),
-        loss=loss_rule(perf, device),
+        loss=ce.loss_rule(perf.loss, device),
         sdpa_backend=chosen["sdpa_backend"],
         doc_mask_attention=chosen["doc_mask_attention"],
         perf=perf,

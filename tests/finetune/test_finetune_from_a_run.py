@@ -18,8 +18,7 @@ from test_dpo import prefs_file
 
 from gptoughts import api, models
 from gptoughts.errors import UserError
-from gptoughts.models.hf import read_config
-from gptoughts.models.hf_export import export_config
+from gptoughts.models.hf_export import export_config, run_config
 
 FT = [*QUIET_CPU, "--block_size", "48", "--batch_size", "4", "--warmup_steps", "1", "--save_interval", "0",
       "--eval_interval", "0", "--sample_interval", "0", "--data.val_fraction", "0", "--precision", "fp32",
@@ -47,7 +46,7 @@ def test_a_run_without_a_checkpoint_is_no_base(tmp_path):
 def test_a_runs_config_is_the_one_its_export_writes(tmp_path):
     run = _fake_run(tmp_path / "pre")
     args = models.model_args("llama", "debug", {})
-    cfg = read_config(run)  # what validating `finetune --model RUN` reads, before anything is exported
+    cfg = run_config(run)  # what validating `finetune --model RUN` reads, before anything is exported
     assert cfg == export_config("llama", args)
     assert cfg["model_type"] == "llama" and cfg["max_position_embeddings"] == args.max_seq_len
 
@@ -55,7 +54,7 @@ def test_a_runs_config_is_the_one_its_export_writes(tmp_path):
 def test_a_run_of_a_family_without_export_is_refused_as_a_base(tmp_path):
     run = _fake_run(tmp_path / "diffusion", family="llada")
     with pytest.raises(UserError, match="llada family has no transformers export"):
-        read_config(run)
+        run_config(run)
 
 
 @pytest.mark.slow
