@@ -761,6 +761,13 @@ def _load_hf_folder(path: str | Path, dev: torch.device, trust_remote_code: bool
     )
 
 
+def _run_holding(path: Path) -> Path | None:
+    """The run ``path`` is, or whose checkpoints folder or checkpoint it is; None for anything else."""
+    from gptoughts.data.sources import is_run_folder
+
+    return next((f for f in (path, path.parent, path.parent.parent) if is_run_folder(f)), None)
+
+
 def _read_run(run_dir: Path) -> tuple[Config, dict[str, Any]]:
     """The run's config.toml and run.json, or a UserError naming the file that is missing or corrupt."""
     cfg_file, run_file = run_dir / "config.toml", run_dir / "run.json"
@@ -970,12 +977,11 @@ def common_eval_block(paths: list[str], block_size: int | None) -> tuple[int | N
 def _default_window(path: Path) -> tuple[int | None, int | None]:
     """(default window, positions) of the model at ``path`` as :func:`load` would build it, read from its config
     files; (None, None) where they do not say (loading it then says what is wrong)."""
-    from gptoughts.data.sources import is_run_folder
     from gptoughts.models.hf import max_positions
 
     if is_hf_folder(path):
         return load_config("default").train.block_size, max_positions(path)
-    run = next((f for f in (path, path.parent, path.parent.parent) if is_run_folder(f)), None)
+    run = _run_holding(path)
     if run is None:
         return None, None
     cfg, record = _read_run(run)
@@ -1079,11 +1085,10 @@ def _refuse_export_into_source(path: str | Path, out: str | Path) -> None:
     """An export never writes over the model folder it reads: an HF folder exported onto itself, or the base a
     fine-tuned run starts from (its ``init_from``, which a LoRA run rebuilds itself over at every load). With
     --overwrite its weights were replaced by the merged ones, then the tokenizer copy failed with a traceback."""
-    from gptoughts.data.sources import free_name, is_run_folder, read_json_dict
+    from gptoughts.data.sources import free_name, read_json_dict
 
     src = Path(path).expanduser()
-    # the run that path is, or whose checkpoints folder or checkpoint it is
-    run = next((f for f in (src, src.parent, src.parent.parent) if is_run_folder(f)), None)
+    run = _run_holding(src)
     base = (read_json_dict(run / "run.json") or {}).get("init_from") if run else None
     sources = [src] if is_hf_folder(src) else []
     if isinstance(base, str) and base:
